@@ -1,0 +1,44 @@
+/*
+ * config: one table of settings per program (name, type, default, bounds, help).
+ *
+ * Every setting has one name used three ways: flag `--kv-port 5560`, environment
+ * `TIDEPOOL_KV_PORT=5560`, config-file key `kv-port = 5560` (INI syntax, parsed by inih; keys
+ * may use '-' or '_'). Precedence: default < file (`--config FILE` or TIDEPOOL_CONFIG) <
+ * environment < flags. Values are validated against their bounds at start-up and never
+ * change afterwards. `--help` prints the table with defaults.
+ */
+#ifndef TP_CONFIG_H
+#define TP_CONFIG_H
+
+#include <stdio.h>
+
+typedef enum {
+    CONFIG_INT,    /* long long, bounds [min, max] */
+    CONFIG_DOUBLE, /* double, bounds [min, max] */
+    CONFIG_STRING, /* char *, owned by the config module (freed by config_free) */
+    CONFIG_BOOL,   /* int 0/1; accepts 1/0, true/false, yes/no, on/off */
+} config_type_t;
+
+typedef struct {
+    const char *name; /* flag name without "--", e.g. "kv-port" */
+    config_type_t type;
+    void *ptr;        /* long long *, double *, char **, int * by type */
+    const char *def;  /* default as text (NULL = empty string / unset for strings) */
+    double min, max;  /* bounds for INT and DOUBLE (inclusive) */
+    const char *help;
+} config_entry_t;
+
+/* Apply defaults, then the config file, environment and argv in that order.
+ * `table` ends with an entry whose name is NULL. `program` names the program in --help.
+ * Returns 0 on success, 1 when --help was printed (caller exits 0), -1 on any invalid
+ * value, unknown flag or unreadable file (a message naming the setting or file is on
+ * stderr). Positional arguments are not accepted. */
+int config_load(const config_entry_t *table, const char *program, int argc, char **argv);
+
+/* Log the effective settings, one line each (INFO). */
+void config_log(const config_entry_t *table);
+
+/* Free strings allocated for CONFIG_STRING entries. */
+void config_free(const config_entry_t *table);
+
+#endif

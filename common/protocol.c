@@ -1,0 +1,562 @@
+/* protocol: see protocol.h. The wire format is driven by one field table: for each field,
+ * its key, kind, offset in proto_msg, and the set of message types that require it. */
+#include "protocol.h"
+
+#include <errno.h>
+#include <math.h>
+#include <msgpack.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "log.h"
+
+typedef enum { F_U64, F_I64, F_INT, F_FLOAT, F_STR, F_TOKENS } field_kind_t;
+
+#define T(x) (1ull << (x))
+#define CTL_W (T(PROTO_REGISTER) | T(PROTO_HEARTBEAT))
+
+typedef struct {
+    const char *key;
+    field_kind_t kind;
+    size_t off;
+    size_t size;           /* F_STR: buffer size */
+    int64_t min, max;      /* F_INT / F_I64 range; F_FLOAT uses them as a range too */
+    uint64_t required;     /* types that must carry it */
+    uint64_t allowed;      /* types that may carry it (required implies allowed) */
+} field_t;
+
+#define FLD(k, kind, member, lo, hi, req, opt) \
+    {k, kind, offsetof(proto_msg, member), sizeof(((proto_msg *)0)->member), lo, hi, req, \
+     (req) | (opt)}
+
+#define KV_ALL (T(PROTO_KV_BEGIN) | T(PROTO_KV_BEGIN_ACK) | T(PROTO_KV_LAYER) | \
+                T(PROTO_KV_END) | T(PROTO_KV_RESULT) | T(PROTO_KV_ABORT))
+#define RID_TYPES (T(PROTO_PREFILL) | T(PROTO_CANCEL) | T(PROTO_TOKENS) | T(PROTO_FINISH) | \
+                   T(PROTO_ERROR) | KV_ALL)
+
+static const field_t fields[] = {
+    FLD("rid", F_U64, rid, 1, 0, RID_TYPES, 0),
+    FLD("wid", F_STR, worker_id, 0, 0, CTL_W | T(PROTO_BYE), 0),
+    FLD("role", F_INT, role, 1, 3, CTL_W, 0),
+    FLD("state", F_INT, state, 1, 2, T(PROTO_HEARTBEAT), 0),
+    FLD("kvep", F_STR, kv_endpoint, 0, 0, T(PROTO_REGISTER), 0),
+    FLD("fp", F_U64, fingerprint, 0, 0, T(PROTO_REGISTER) | T(PROTO_KV_BEGIN), 0),
+    FLD("pid", F_INT, pid, 0, INT32_MAX, T(PROTO_REGISTER), 0),
+    FLD("n_ctx", F_INT, n_ctx, 1, 1 << 24, T(PROTO_REGISTER), 0),
+    FLD("bs", F_INT, block_size, 1, 1 << 16, T(PROTO_REGISTER) | T(PROTO_KV_BEGIN), 0),
+    FLD("max_seqs", F_INT, max_seqs, 0, 1 << 20, T(PROTO_REGISTER), 0),
+    FLD("kv_total", F_INT, kv_blocks_total, 0, INT32_MAX, CTL_W, 0),
+    FLD("kv_free", F_INT, kv_blocks_free, 0, INT32_MAX, CTL_W, 0),
+    FLD("running", F_INT, running, 0, INT32_MAX, T(PROTO_HEARTBEAT), 0),
+    FLD("queued", F_INT, queued, 0, INT32_MAX, T(PROTO_HEARTBEAT), 0),
+    FLD("qtok", F_INT, queued_prompt_tokens, 0, INT32_MAX, T(PROTO_HEARTBEAT), 0),
+    FLD("tok_in", F_U64, tokens_in, 0, 0, T(PROTO_HEARTBEAT), 0),
+    FLD("tok_out", F_U64, tokens_out, 0, 0, T(PROTO_HEARTBEAT), 0),
+    FLD("hb_ms", F_INT, heartbeat_ms, 1, 3600000, T(PROTO_REGISTER_ACK), 0),
+    FLD("tokens", F_TOKENS, tokens, 0, 0, T(PROTO_PREFILL) | T(PROTO_TOKENS), 0),
+    FLD("index", F_INT, index, 0, INT32_MAX, T(PROTO_TOKENS), 0),
+    FLD("max_tokens", F_INT, max_tokens, 1, 1 << 24, T(PROTO_PREFILL) | T(PROTO_KV_BEGIN), 0),
+    FLD("temp", F_FLOAT, temperature, 0, 100, T(PROTO_PREFILL) | T(PROTO_KV_BEGIN), 0),
+    FLD("top_p", F_FLOAT, top_p, 0, 1, T(PROTO_PREFILL) | T(PROTO_KV_BEGIN), 0),
+    FLD("top_k", F_INT, top_k, 0, 1 << 24, T(PROTO_PREFILL) | T(PROTO_KV_BEGIN), 0),
+    FLD("rng", F_U64, rng, 0, 0, T(PROTO_PREFILL) | T(PROTO_KV_END), 0),
+    FLD("dw", F_STR, decode_worker, 0, 0, T(PROTO_PREFILL), 0),
+    FLD("dep", F_STR, decode_endpoint, 0, 0, T(PROTO_PREFILL), 0),
+    FLD("reason", F_INT, reason, 1, 2, T(PROTO_FINISH), 0),
+    FLD("code", F_INT, code, 0, 100, T(PROTO_ERROR), T(PROTO_KV_BEGIN_ACK) |
+        T(PROTO_KV_RESULT) | T(PROTO_KV_ABORT)),
+    FLD("retry", F_INT, retryable, 0, 1, 0, T(PROTO_ERROR)),
+    FLD("ok", F_INT, ok, 0, 1, T(PROTO_KV_BEGIN_ACK) | T(PROTO_KV_RESULT), 0),
+    FLD("msg", F_STR, message, 0, 0, 0, T(PROTO_ERROR) | T(PROTO_KV_BEGIN_ACK) |
+        T(PROTO_KV_RESULT) | T(PROTO_KV_ABORT) | T(PROTO_BYE)),
+    FLD("xfer", F_U64, xfer, 1, 0, KV_ALL, 0),
+    FLD("n_layer", F_INT, n_layer, 1, 4096, T(PROTO_KV_BEGIN), 0),
+    FLD("n_kv_head", F_INT, n_kv_head, 1, 4096, T(PROTO_KV_BEGIN), 0),
+    FLD("head_dim", F_INT, head_dim, 1, 65536, T(PROTO_KV_BEGIN), 0),
+    FLD("dtype", F_INT, dtype, 0, 1, T(PROTO_KV_BEGIN), 0),
+    FLD("layer", F_INT, layer, 0, 4095, T(PROTO_KV_LAYER), 0),
+    FLD("n_blocks", F_INT, n_blocks, 0, PROTO_MAX_FRAMES, T(PROTO_KV_LAYER) | T(PROTO_KV_BEGIN),
+        0),
+    FLD("n_kv_tok", F_INT, n_kv_tokens, 1, 1 << 24, T(PROTO_KV_BEGIN), 0),
+    FLD("first", F_INT, first_token, 0, INT32_MAX, T(PROTO_KV_END), 0),
+    FLD("cksum", F_U64, checksum, 0, 0, T(PROTO_KV_END), 0),
+    FLD("lease_ms", F_INT, lease_ms, 1, 3600000, 0, T(PROTO_KV_BEGIN) | T(PROTO_KV_BEGIN_ACK)),
+    FLD("ts", F_I64, ts_us, INT64_MIN, INT64_MAX, 0, ~0ull),
+};
+#define N_FIELDS (sizeof(fields) / sizeof(fields[0]))
+_Static_assert(sizeof(fields) / sizeof(fields[0]) <= 64, "field bitmask is 64 bits");
+
+static const char *type_names[] = {
+    [PROTO_REGISTER] = "REGISTER",   [PROTO_REGISTER_ACK] = "REGISTER_ACK",
+    [PROTO_HEARTBEAT] = "HEARTBEAT", [PROTO_PREFILL] = "PREFILL",
+    [PROTO_CANCEL] = "CANCEL",       [PROTO_TOKENS] = "TOKENS",
+    [PROTO_FINISH] = "FINISH",       [PROTO_ERROR] = "ERROR",
+    [PROTO_BYE] = "BYE",             [PROTO_KV_BEGIN] = "KV_BEGIN",
+    [PROTO_KV_BEGIN_ACK] = "KV_BEGIN_ACK", [PROTO_KV_LAYER] = "KV_LAYER",
+    [PROTO_KV_END] = "KV_END",       [PROTO_KV_RESULT] = "KV_RESULT",
+    [PROTO_KV_ABORT] = "KV_ABORT",
+};
+
+static int type_valid(int t)
+{
+    return t > 0 && t < PROTO_TYPE_END && t < (int)(sizeof(type_names) / sizeof(type_names[0])) &&
+           type_names[t] != NULL;
+}
+
+const char *proto_type_str(int type)
+{
+    return type_valid(type) ? type_names[type] : "UNKNOWN";
+}
+
+const char *proto_err_str(int code)
+{
+    static const char *names[] = {"none",     "no_space",  "layout_mismatch", "checksum",
+                                  "timeout",  "protocol",  "cancelled",       "internal",
+                                  "bad_request", "unavailable"};
+    if (code < 0 || code >= (int)(sizeof(names) / sizeof(names[0])))
+        return "unknown";
+    return names[code];
+}
+
+void proto_msg_init(proto_msg *m, proto_type_t type)
+{
+    memset(m, 0, sizeof(*m));
+    m->type = type;
+}
+
+void proto_msg_clear(proto_msg *m)
+{
+    free(m->tokens);
+    memset(m, 0, sizeof(*m));
+}
+
+// --- encoding
+
+static int pack_str(msgpack_packer *pk, const char *s)
+{
+    size_t n = strlen(s);
+    return msgpack_pack_str(pk, n) || msgpack_pack_str_body(pk, s, n);
+}
+
+int proto_encode(const proto_msg *m, unsigned char **out, size_t *len)
+{
+    *out = NULL;
+    *len = 0;
+    if (!type_valid(m->type))
+        return -1;
+    uint64_t bit = T(m->type);
+    int n = 2;
+    for (size_t i = 0; i < N_FIELDS; i++)
+        if (fields[i].allowed & bit)
+            n++;
+    if (m->n_tokens < 0 || m->n_tokens > PROTO_MAX_TOKENS || (m->n_tokens > 0 && !m->tokens))
+        return -1;
+
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    int rc = msgpack_pack_map(&pk, (size_t)n);
+    rc |= pack_str(&pk, "t") | msgpack_pack_int(&pk, m->type);
+    rc |= pack_str(&pk, "v") | msgpack_pack_int(&pk, PROTO_VERSION);
+    for (size_t i = 0; i < N_FIELDS && rc == 0; i++) {
+        const field_t *f = &fields[i];
+        if (!(f->allowed & bit))
+            continue;
+        const char *p = (const char *)m + f->off;
+        rc |= pack_str(&pk, f->key);
+        switch (f->kind) {
+        case F_U64:
+            rc |= msgpack_pack_uint64(&pk, *(const uint64_t *)p);
+            break;
+        case F_I64:
+            rc |= msgpack_pack_int64(&pk, *(const int64_t *)p);
+            break;
+        case F_INT:
+            rc |= msgpack_pack_int(&pk, *(const int *)p);
+            break;
+        case F_FLOAT:
+            rc |= msgpack_pack_float(&pk, *(const float *)p);
+            break;
+        case F_STR:
+            if (memchr(p, 0, f->size) == NULL)
+                rc = -1;
+            else
+                rc |= pack_str(&pk, p);
+            break;
+        case F_TOKENS:
+            rc |= msgpack_pack_array(&pk, (size_t)m->n_tokens);
+            for (int k = 0; k < m->n_tokens && rc == 0; k++)
+                rc |= msgpack_pack_int(&pk, m->tokens[k]);
+            break;
+        }
+    }
+    if (rc != 0) {
+        msgpack_sbuffer_destroy(&sb);
+        return -1;
+    }
+    *out = (unsigned char *)sb.data; /* sbuffer memory is malloc'd: caller frees */
+    *len = sb.size;
+    return 0;
+}
+
+// --- decoding
+
+static int fail(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int fail(char *err, size_t errlen, const char *fmt, ...)
+{
+    if (err && errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return -1;
+}
+
+static int obj_int64(const msgpack_object *o, int64_t *v)
+{
+    if (o->type == MSGPACK_OBJECT_POSITIVE_INTEGER) {
+        if (o->via.u64 > (uint64_t)INT64_MAX)
+            return -1;
+        *v = (int64_t)o->via.u64;
+        return 0;
+    }
+    if (o->type == MSGPACK_OBJECT_NEGATIVE_INTEGER) {
+        *v = o->via.i64;
+        return 0;
+    }
+    return -1;
+}
+
+static int decode_field(const field_t *f, const msgpack_object *o, proto_msg *m, char *err,
+                        size_t errlen)
+{
+    char *p = (char *)m + f->off;
+    int64_t iv;
+    switch (f->kind) {
+    case F_U64:
+        if (o->type != MSGPACK_OBJECT_POSITIVE_INTEGER)
+            return fail(err, errlen, "field '%s': want an unsigned integer", f->key);
+        if (f->min > 0 && o->via.u64 < (uint64_t)f->min)
+            return fail(err, errlen, "field '%s': must be >= %lld", f->key, (long long)f->min);
+        *(uint64_t *)p = o->via.u64;
+        return 0;
+    case F_I64:
+        if (obj_int64(o, &iv) < 0)
+            return fail(err, errlen, "field '%s': want an integer", f->key);
+        *(int64_t *)p = iv;
+        return 0;
+    case F_INT:
+        if (obj_int64(o, &iv) < 0 || iv < f->min || iv > f->max)
+            return fail(err, errlen, "field '%s': want an integer in [%lld, %lld]", f->key,
+                        (long long)f->min, (long long)f->max);
+        *(int *)p = (int)iv;
+        return 0;
+    case F_FLOAT: {
+        double d;
+        if (o->type == MSGPACK_OBJECT_FLOAT32 || o->type == MSGPACK_OBJECT_FLOAT64)
+            d = o->via.f64;
+        else if (obj_int64(o, &iv) == 0)
+            d = (double)iv;
+        else
+            return fail(err, errlen, "field '%s': want a number", f->key);
+        if (!isfinite(d) || d < (double)f->min || d > (double)f->max)
+            return fail(err, errlen, "field '%s': out of range", f->key);
+        *(float *)p = (float)d;
+        return 0;
+    }
+    case F_STR:
+        if (o->type != MSGPACK_OBJECT_STR)
+            return fail(err, errlen, "field '%s': want a string", f->key);
+        if (o->via.str.size >= f->size || memchr(o->via.str.ptr, 0, o->via.str.size))
+            return fail(err, errlen, "field '%s': string too long or has NUL", f->key);
+        memcpy(p, o->via.str.ptr, o->via.str.size);
+        p[o->via.str.size] = 0;
+        return 0;
+    case F_TOKENS: {
+        if (o->type != MSGPACK_OBJECT_ARRAY)
+            return fail(err, errlen, "field '%s': want an array", f->key);
+        uint32_t n = o->via.array.size;
+        if (n > PROTO_MAX_TOKENS)
+            return fail(err, errlen, "field '%s': %u tokens > %d", f->key, n, PROTO_MAX_TOKENS);
+        int *toks = n ? malloc(n * sizeof(int)) : NULL;
+        if (n && !toks)
+            return fail(err, errlen, "out of memory");
+        for (uint32_t k = 0; k < n; k++) {
+            if (obj_int64(&o->via.array.ptr[k], &iv) < 0 || iv < 0 || iv > INT32_MAX) {
+                free(toks);
+                return fail(err, errlen, "field '%s': element %u is not a token id", f->key, k);
+            }
+            toks[k] = (int)iv;
+        }
+        free(m->tokens);
+        m->tokens = toks;
+        m->n_tokens = (int)n;
+        return 0;
+    }
+    }
+    return -1;
+}
+
+int proto_decode(const void *buf, size_t len, proto_msg *m, char *err, size_t errlen)
+{
+    memset(m, 0, sizeof(*m));
+    if (len == 0 || len > PROTO_MAX_HEADER)
+        return fail(err, errlen, "header size %zu out of range", len);
+    msgpack_unpacked up;
+    msgpack_unpacked_init(&up);
+    size_t off = 0;
+    int rc = -1;
+    if (msgpack_unpack_next(&up, buf, len, &off) != MSGPACK_UNPACK_SUCCESS) {
+        fail(err, errlen, "header is not valid msgpack");
+        goto done;
+    }
+    if (off != len) {
+        fail(err, errlen, "%zu trailing bytes after the header", len - off);
+        goto done;
+    }
+    const msgpack_object *root = &up.data;
+    if (root->type != MSGPACK_OBJECT_MAP) {
+        fail(err, errlen, "header is not a map");
+        goto done;
+    }
+    const msgpack_object_map *map = &root->via.map;
+    int64_t type = -1, version = -1;
+    for (uint32_t i = 0; i < map->size; i++) {
+        const msgpack_object *k = &map->ptr[i].key;
+        if (k->type != MSGPACK_OBJECT_STR || k->via.str.size != 1)
+            continue;
+        if (k->via.str.ptr[0] == 't' && obj_int64(&map->ptr[i].val, &type) < 0)
+            type = -1;
+        if (k->via.str.ptr[0] == 'v' && obj_int64(&map->ptr[i].val, &version) < 0)
+            version = -1;
+    }
+    if (version != PROTO_VERSION) {
+        fail(err, errlen, "protocol version %lld, want %d", (long long)version, PROTO_VERSION);
+        goto done;
+    }
+    if (type < 0 || type > INT32_MAX || !type_valid((int)type)) {
+        fail(err, errlen, "unknown message type %lld", (long long)type);
+        goto done;
+    }
+    m->type = (proto_type_t)type;
+    uint64_t bit = T(m->type), seen = 0;
+    for (uint32_t i = 0; i < map->size; i++) {
+        const msgpack_object *k = &map->ptr[i].key;
+        if (k->type != MSGPACK_OBJECT_STR) {
+            fail(err, errlen, "%s: non-string key", proto_type_str(m->type));
+            goto done;
+        }
+        for (size_t fi = 0; fi < N_FIELDS; fi++) {
+            const field_t *f = &fields[fi];
+            if (strlen(f->key) != k->via.str.size ||
+                memcmp(f->key, k->via.str.ptr, k->via.str.size) != 0)
+                continue;
+            if (!(f->allowed & bit))
+                break; /* a key this type does not use: ignore */
+            if (seen & (1ull << fi)) {
+                fail(err, errlen, "%s: duplicate field '%s'", proto_type_str(m->type), f->key);
+                goto done;
+            }
+            if (decode_field(f, &map->ptr[i].val, m, err, errlen) < 0)
+                goto done;
+            seen |= 1ull << fi;
+            break;
+        }
+    }
+    for (size_t fi = 0; fi < N_FIELDS; fi++) {
+        if ((fields[fi].required & bit) && !(seen & (1ull << fi))) {
+            fail(err, errlen, "%s: missing field '%s'", proto_type_str(m->type), fields[fi].key);
+            goto done;
+        }
+    }
+    rc = 0;
+done:
+    msgpack_unpacked_destroy(&up);
+    if (rc < 0) {
+        free(m->tokens);
+        memset(m, 0, sizeof(*m));
+    }
+    return rc;
+}
+
+// --- transport
+
+int proto_send(void *sock, const void *identity, size_t identity_len, const proto_msg *m,
+               zmq_msg_t *frames, int n_frames, int flags)
+{
+    unsigned char *hdr;
+    size_t hlen;
+    int i = 0;
+    if (proto_encode(m, &hdr, &hlen) < 0) {
+        errno = EINVAL;
+        goto fail;
+    }
+    if (identity && zmq_send(sock, identity, identity_len, flags | ZMQ_SNDMORE) < 0) {
+        free(hdr);
+        goto fail;
+    }
+    /* After the first frame of a multipart message ZeroMQ delivers all or nothing, so
+     * later frames never see EAGAIN from the HWM. */
+    int rc = zmq_send(sock, hdr, hlen, (flags & ~ZMQ_DONTWAIT) | (n_frames ? ZMQ_SNDMORE : 0));
+    free(hdr);
+    if (rc < 0)
+        goto fail;
+    for (; i < n_frames; i++) {
+        if (zmq_msg_send(&frames[i], sock, i + 1 < n_frames ? ZMQ_SNDMORE : 0) < 0)
+            goto fail;
+    }
+    return 0;
+fail: {
+    int e = errno;
+    for (; i < n_frames; i++)
+        zmq_msg_close(&frames[i]);
+    errno = e;
+    return -1;
+}
+}
+
+struct proto_envelope {
+    unsigned char identity[256];
+    size_t identity_len;
+    proto_msg msg;
+    int n_frames;
+    zmq_msg_t frames[PROTO_MAX_FRAMES];
+};
+
+proto_envelope *proto_envelope_new(void)
+{
+    return calloc(1, sizeof(proto_envelope));
+}
+
+void proto_envelope_reset(proto_envelope *e)
+{
+    for (int i = 0; i < e->n_frames; i++)
+        zmq_msg_close(&e->frames[i]);
+    e->n_frames = 0;
+    e->identity_len = 0;
+    proto_msg_clear(&e->msg);
+}
+
+void proto_envelope_destroy(proto_envelope **pe)
+{
+    if (!pe || !*pe)
+        return;
+    proto_envelope_reset(*pe);
+    free(*pe);
+    *pe = NULL;
+}
+
+proto_msg *proto_envelope_msg(proto_envelope *e)
+{
+    return &e->msg;
+}
+
+const unsigned char *proto_envelope_identity(const proto_envelope *e, size_t *len)
+{
+    *len = e->identity_len;
+    return e->identity;
+}
+
+int proto_envelope_n_frames(const proto_envelope *e)
+{
+    return e->n_frames;
+}
+
+zmq_msg_t *proto_envelope_frame(proto_envelope *e, int i)
+{
+    return (i >= 0 && i < e->n_frames) ? &e->frames[i] : NULL;
+}
+
+static int has_more(void *sock)
+{
+    int more = 0;
+    size_t sz = sizeof(more);
+    zmq_getsockopt(sock, ZMQ_RCVMORE, &more, &sz);
+    return more;
+}
+
+static void drain_rest(void *sock)
+{
+    while (has_more(sock)) {
+        zmq_msg_t part;
+        zmq_msg_init(&part);
+        zmq_msg_recv(&part, sock, 0);
+        zmq_msg_close(&part);
+    }
+}
+
+int proto_recv(void *sock, int router, proto_envelope *e, int flags)
+{
+    proto_envelope_reset(e);
+    zmq_msg_t part;
+    zmq_msg_init(&part);
+    if (zmq_msg_recv(&part, sock, flags) < 0) {
+        zmq_msg_close(&part);
+        return errno == EAGAIN ? 0 : -2;
+    }
+    if (router) {
+        size_t n = zmq_msg_size(&part);
+        if (n > sizeof(e->identity) || !has_more(sock)) {
+            zmq_msg_close(&part);
+            drain_rest(sock);
+            log_warn("dropped message: bad identity frame");
+            return -1;
+        }
+        memcpy(e->identity, zmq_msg_data(&part), n);
+        e->identity_len = n;
+        zmq_msg_close(&part);
+        zmq_msg_init(&part);
+        if (zmq_msg_recv(&part, sock, 0) < 0) { /* rest of a multipart is already here */
+            zmq_msg_close(&part);
+            return -2;
+        }
+    }
+    char err[160];
+    int more = has_more(sock);
+    int rc = proto_decode(zmq_msg_data(&part), zmq_msg_size(&part), &e->msg, err, sizeof(err));
+    zmq_msg_close(&part);
+    if (rc < 0) {
+        drain_rest(sock);
+        log_warn("dropped malformed message: %s", err);
+        return -1;
+    }
+    while (more) {
+        if (e->n_frames == PROTO_MAX_FRAMES) {
+            drain_rest(sock);
+            log_warn("dropped %s rid=%llu: more than %d payload frames",
+                     proto_type_str(e->msg.type), (unsigned long long)e->msg.rid, PROTO_MAX_FRAMES);
+            proto_envelope_reset(e);
+            return -1;
+        }
+        zmq_msg_t *f = &e->frames[e->n_frames];
+        zmq_msg_init(f);
+        if (zmq_msg_recv(f, sock, 0) < 0) {
+            zmq_msg_close(f);
+            proto_envelope_reset(e);
+            return -2;
+        }
+        e->n_frames++;
+        more = has_more(sock);
+    }
+    return 1;
+}
+
+int64_t proto_now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+int64_t proto_wall_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}

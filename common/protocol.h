@@ -1,0 +1,187 @@
+/*
+ * protocol: every message exchanged between tidepool processes, defined once.
+ *
+ * A message is a ZeroMQ multipart message: [identity (ROUTER side only)] [header] [payload
+ * frames...]. The header is a msgpack map with short string keys; "t" is the message type
+ * and "v" the protocol version (PROTO_VERSION). Payload frames are raw bytes (KV blocks),
+ * sent without copies.
+ *
+ * To keep the wire format in one place, all message types share one flat C struct
+ * (proto_msg); a field table says which keys each type requires and which it may carry.
+ * The decoder checks types, ranges and lengths of every field and rejects anything else: a
+ * malformed or truncated message is logged and dropped by proto_recv, never trusted.
+ * Unknown keys are ignored (forward compatibility within a version).
+ *
+ * Sockets (see DESIGN.md):
+ *   ctl: gateway ROUTER <-> worker DEALER: REGISTER, REGISTER_ACK, HEARTBEAT, PREFILL, CANCEL,
+ *        TOKENS, FINISH, ERROR, BYE.
+ *   kv:  decode worker ROUTER <-> prefill worker DEALER: KV_BEGIN, KV_BEGIN_ACK, KV_LAYER,
+ *        KV_END, KV_RESULT, KV_ABORT (state machine in docs/kvtransfer.md).
+ */
+#ifndef TP_PROTOCOL_H
+#define TP_PROTOCOL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <zmq.h>
+
+#define PROTO_VERSION 1
+#define PROTO_MAX_TOKENS 65536     /* token ids in one message */
+#define PROTO_MAX_FRAMES 4096      /* payload frames in one message */
+#define PROTO_MAX_HEADER 1048576   /* bytes of one msgpack header */
+#define PROTO_ID_LEN 64            /* worker ids, NUL included */
+#define PROTO_ENDPOINT_LEN 256     /* ZeroMQ endpoints, NUL included */
+#define PROTO_MESSAGE_LEN 256      /* error text, NUL included */
+
+typedef enum {
+    PROTO_REGISTER = 1,  /* worker -> gateway: I exist (id, role, capacity, kv endpoint) */
+    PROTO_REGISTER_ACK,  /* gateway -> worker: registered; heartbeat_ms to use */
+    PROTO_HEARTBEAT,     /* worker -> gateway: load figures */
+    PROTO_PREFILL,       /* gateway -> prefill/mixed worker: run this request */
+    PROTO_CANCEL,        /* gateway -> worker: drop request rid wherever it is */
+    PROTO_TOKENS,        /* worker -> gateway: generated tokens [index, index + n) */
+    PROTO_FINISH,        /* worker -> gateway: request ended (reason) */
+    PROTO_ERROR,         /* worker -> gateway: request failed (code, message, retryable) */
+    PROTO_BYE,           /* worker -> gateway: leaving after draining */
+    PROTO_KV_BEGIN = 32, /* prefill -> decode: reserve KV for a request */
+    PROTO_KV_BEGIN_ACK,  /* decode -> prefill: ok, or rejected (code, message) */
+    PROTO_KV_LAYER,      /* prefill -> decode: one layer's KV blocks as payload frames */
+    PROTO_KV_END,        /* prefill -> decode: first token, checksum, sampler state */
+    PROTO_KV_RESULT,     /* decode -> prefill: accepted (ok = 1) or NACK (code, message) */
+    PROTO_KV_ABORT,      /* either way: abandon transfer xfer (idempotent) */
+    PROTO_TYPE_END
+} proto_type_t;
+
+typedef enum {
+    PROTO_ROLE_PREFILL = 1,
+    PROTO_ROLE_DECODE = 2,
+    PROTO_ROLE_MIXED = 3,
+} proto_role_t;
+
+typedef enum {
+    PROTO_STATE_READY = 1,
+    PROTO_STATE_DRAINING = 2,
+} proto_state_t;
+
+typedef enum {
+    PROTO_FINISH_STOP = 1,   /* EOS */
+    PROTO_FINISH_LENGTH = 2, /* max_tokens or context end */
+} proto_finish_t;
+
+/* Error / reject codes (ERROR, KV_BEGIN_ACK, KV_RESULT, KV_ABORT). */
+typedef enum {
+    PROTO_ERR_NONE = 0,
+    PROTO_ERR_NOSPACE = 1,     /* no KV blocks / sequence slots free now (retryable) */
+    PROTO_ERR_LAYOUT = 2,      /* KV layout or model fingerprint mismatch */
+    PROTO_ERR_CHECKSUM = 3,    /* KV payload checksum mismatch */
+    PROTO_ERR_TIMEOUT = 4,     /* lease expired */
+    PROTO_ERR_PROTOCOL = 5,    /* out-of-order or malformed message */
+    PROTO_ERR_CANCELLED = 6,   /* cancelled by the gateway */
+    PROTO_ERR_INTERNAL = 7,
+    PROTO_ERR_BAD_REQUEST = 8, /* request invalid for this worker (too long, bad token) */
+    PROTO_ERR_UNAVAILABLE = 9, /* peer unreachable, draining, or shutting down (retryable) */
+} proto_err_t;
+
+typedef enum { PROTO_DTYPE_F32 = 0, PROTO_DTYPE_F16 = 1 } proto_dtype_t;
+
+/* One message. Which fields are meaningful depends on type; see the table in protocol.c
+ * (and docs/protocol.md). tokens is owned by the struct after proto_decode/proto_recv
+ * (free with proto_msg_clear); for sending it is borrowed. */
+typedef struct {
+    proto_type_t type;
+    uint64_t rid;                        /* request id (gateway-assigned, != 0) */
+
+    /* worker identity and capacity (REGISTER, HEARTBEAT) */
+    char worker_id[PROTO_ID_LEN];
+    int role;                            /* proto_role_t */
+    int state;                           /* proto_state_t */
+    char kv_endpoint[PROTO_ENDPOINT_LEN];/* decode/mixed: where its kv ROUTER listens */
+    uint64_t fingerprint;                /* model fingerprint */
+    int pid;
+    int n_ctx;                           /* tokens */
+    int block_size;                      /* tokens per KV block */
+    int max_seqs;
+    int kv_blocks_total, kv_blocks_free;
+    int running, queued, queued_prompt_tokens;
+    uint64_t tokens_in, tokens_out;      /* counters since start */
+    int heartbeat_ms;                    /* REGISTER_ACK */
+
+    /* request (PREFILL, TOKENS, KV_BEGIN) */
+    int *tokens;                         /* PREFILL: prompt ids; TOKENS: generated ids */
+    int n_tokens;
+    int index;                           /* TOKENS: index of tokens[0] among generated */
+    int max_tokens;                      /* tokens to generate in total (>= 1) */
+    float temperature, top_p;
+    int top_k;
+    uint64_t rng;                        /* sampler state (sampler.h) */
+    char decode_worker[PROTO_ID_LEN];    /* PREFILL: chosen decode worker ("" = local) */
+    char decode_endpoint[PROTO_ENDPOINT_LEN];
+
+    /* results (FINISH, ERROR, KV_BEGIN_ACK, KV_RESULT, KV_ABORT) */
+    int reason;                          /* proto_finish_t */
+    int code;                            /* proto_err_t */
+    int retryable;
+    int ok;
+    char message[PROTO_MESSAGE_LEN];
+
+    /* KV transfer (KV_*) */
+    uint64_t xfer;                       /* transfer id, unique per sender */
+    int n_layer, n_kv_head, head_dim, dtype;
+    int layer;                           /* KV_LAYER: layer index */
+    int n_blocks;                        /* KV_LAYER: payload frames; KV_BEGIN: blocks */
+    int n_kv_tokens;                     /* KV_BEGIN: tokens whose KV is sent */
+    int first_token;                     /* KV_END */
+    uint64_t checksum;                   /* KV_END: XXH64 of all payload frames in order */
+    int lease_ms;                        /* KV_BEGIN: receiver's lease */
+    int64_t ts_us;                       /* sender's clock, microseconds (timing) */
+} proto_msg;
+
+/* Zero the message (no allocation). */
+void proto_msg_init(proto_msg *m, proto_type_t type);
+/* Free owned arrays (tokens) and zero the struct. */
+void proto_msg_clear(proto_msg *m);
+const char *proto_type_str(int type);
+const char *proto_err_str(int code);
+
+/* Encode the header of m into a malloc'd buffer (*out, *len; caller frees).
+ * Returns 0, or -1 if a required field is missing/invalid for the type. */
+int proto_encode(const proto_msg *m, unsigned char **out, size_t *len);
+
+/* Decode a header. On success returns 0 and fills *m (tokens allocated; clear with
+ * proto_msg_clear). On any error returns -1, leaves *m cleared, and writes the reason
+ * into err (errlen bytes). */
+int proto_decode(const void *buf, size_t len, proto_msg *m, char *err, size_t errlen);
+
+/* Send m as one multipart message on sock: [identity] header [payload frames].
+ * identity may be NULL (DEALER/PUB). payload frames are consumed (zmq_msg_send semantics;
+ * on failure they are closed). flags: 0 or ZMQ_DONTWAIT.
+ * Returns 0, or -1 with errno (EAGAIN when the HWM is reached under ZMQ_DONTWAIT). */
+int proto_send(void *sock, const void *identity, size_t identity_len, const proto_msg *m,
+               zmq_msg_t *frames, int n_frames, int flags);
+
+/* A received message: decoded header, identity (ROUTER sockets) and payload frames. */
+typedef struct proto_envelope proto_envelope;
+/* An envelope able to hold PROTO_MAX_FRAMES payload frames. NULL on out of memory. */
+proto_envelope *proto_envelope_new(void);
+void proto_envelope_destroy(proto_envelope **e);
+/* Release the frames and header of the last received message (done by the next recv). */
+void proto_envelope_reset(proto_envelope *e);
+proto_msg *proto_envelope_msg(proto_envelope *e);
+const unsigned char *proto_envelope_identity(const proto_envelope *e, size_t *len);
+int proto_envelope_n_frames(const proto_envelope *e);
+/* Payload frame i (borrowed; valid until the next recv/reset). */
+zmq_msg_t *proto_envelope_frame(proto_envelope *e, int i);
+
+/* Receive one whole multipart message into e (previous contents released).
+ * router: 1 if sock is a ROUTER (first frame is the peer identity). flags: 0 or
+ * ZMQ_DONTWAIT. Returns 1 for a valid message, 0 when nothing is pending (EAGAIN),
+ * -1 when a message was received but malformed (it is logged with the reason and fully
+ * consumed; the caller just continues), -2 on socket error (errno set; ETERM on
+ * shutdown). */
+int proto_recv(void *sock, int router, proto_envelope *e, int flags);
+
+/* Current time, microseconds: monotonic (for timeouts) and wall clock (for reports). */
+int64_t proto_now_us(void);
+int64_t proto_wall_us(void);
+
+#endif
