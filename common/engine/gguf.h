@@ -74,7 +74,7 @@ void gguf_close(gguf_t **g);
 const char *gguf_path(const gguf_t *g);
 uint32_t gguf_version(const gguf_t *g);
 uint32_t gguf_alignment(const gguf_t *g);
-/* Size of the mapping in bytes and its base (for hashing whole regions). */
+/* Size of the file (the mapping) in bytes. */
 size_t gguf_file_size(const gguf_t *g);
 
 /* Metadata. Keys are compared as exact byte strings. */

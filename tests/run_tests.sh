@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Runs every unit test binary and every integration test, and ends with one line
+# "N passed, N failed". BUILD selects the build directory (build/ or build/san-*).
+# A single test: tests/run_tests.sh [unit-binary-or-py-file-substring]
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+export TIDEPOOL_BUILD=$BUILD
+export TIDEPOOL_TEST_MODEL=${TIDEPOOL_TEST_MODEL:-build/models/stories260K.gguf}
+# Sanitizer reports fail the test; leaks too.
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:halt_on_error=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+PY=/usr/bin/python3
+filter=${1:-}
+passed=0
+failed=0
+failures=()
+logdir=$BUILD/test-logs
+mkdir -p "$logdir"
+
+run_one() { # name, command...
+    local name=$1; shift
+    local log=$logdir/$(basename "$name").log
+    local t0=$SECONDS
+    if timeout 600 "$@" >"$log" 2>&1; then
+        passed=$((passed + 1))
+        echo "PASS $name ($((SECONDS - t0)) s)"
+    else
+        failed=$((failed + 1))
+        failures+=("$name")
+        echo "FAIL $name ($((SECONDS - t0)) s) — log: $log"
+        tail -n 40 "$log" | sed 's/^/    /'
+    fi
+}
+
+for t in "$BUILD"/tests/test_*; do
+    [ -x "$t" ] || continue
+    case "$t" in *"$filter"*) ;; *) continue ;; esac
+    run_one "unit/$(basename "$t")" "$t"
+done
+for t in tests/integration/test_*.py; do
+    [ -f "$t" ] || continue
+    case "$t" in *"$filter"*) ;; *) continue ;; esac
+    run_one "integration/$(basename "$t" .py)" "$PY" -m unittest -v "$t"
+done
+
+if [ ${#failures[@]} -gt 0 ]; then
+    echo "failed: ${failures[*]}"
+fi
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

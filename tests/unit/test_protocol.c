@@ -1,0 +1,344 @@
+/* Round-trip and malformed-input tests for every message of common/protocol.h. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+#include <msgpack.h>
+
+#include "protocol.h"
+
+static void fill(proto_msg *m, proto_type_t t)
+{
+    static int toks[] = {1, 403, 407, 261, 378};
+    proto_msg_init(m, t);
+    m->rid = 42;
+    snprintf(m->worker_id, sizeof(m->worker_id), "decode-host-1");
+    m->role = PROTO_ROLE_DECODE;
+    m->state = PROTO_STATE_READY;
+    snprintf(m->kv_endpoint, sizeof(m->kv_endpoint), "tcp://127.0.0.1:5560");
+    m->fingerprint = 0xdeadbeefcafef00dull;
+    m->pid = 1234;
+    m->n_ctx = 512;
+    m->block_size = 16;
+    m->max_seqs = 64;
+    m->kv_blocks_total = 2048;
+    m->kv_blocks_free = 2000;
+    m->running = 3;
+    m->queued = 2;
+    m->queued_prompt_tokens = 77;
+    m->tokens_in = 1ull << 40;
+    m->tokens_out = 5;
+    m->heartbeat_ms = 500;
+    m->tokens = toks;
+    m->n_tokens = 5;
+    m->index = 7;
+    m->max_tokens = 48;
+    m->temperature = 0.75f;
+    m->top_p = 0.9f;
+    m->top_k = 40;
+    m->rng = UINT64_MAX;
+    snprintf(m->decode_worker, sizeof(m->decode_worker), "decode-host-1");
+    snprintf(m->decode_endpoint, sizeof(m->decode_endpoint), "ipc:///tmp/kv");
+    m->reason = PROTO_FINISH_LENGTH;
+    m->code = PROTO_ERR_CHECKSUM;
+    m->retryable = 1;
+    m->ok = 1;
+    snprintf(m->message, sizeof(m->message), "checksum mismatch");
+    m->xfer = 9;
+    m->n_layer = 5;
+    m->n_kv_head = 4;
+    m->head_dim = 8;
+    m->dtype = PROTO_DTYPE_F32;
+    m->layer = 4;
+    m->n_blocks = 2;
+    m->n_kv_tokens = 17;
+    m->first_token = 432;
+    m->checksum = 0x1234567890abcdefull;
+    m->lease_ms = 5000;
+    m->ts_us = -5;
+}
+
+/* Every type encodes and decodes to the fields it carries, bit for bit. */
+static void test_roundtrip_all_types(void **state)
+{
+    (void)state;
+    for (int t = 1; t < PROTO_TYPE_END; t++) {
+        if (strcmp(proto_type_str(t), "UNKNOWN") == 0)
+            continue;
+        proto_msg in, out;
+        fill(&in, (proto_type_t)t);
+        unsigned char *buf;
+        size_t len;
+        assert_int_equal(proto_encode(&in, &buf, &len), 0);
+        char err[128];
+        int rc = proto_decode(buf, len, &out, err, sizeof(err));
+        if (rc != 0)
+            fail_msg("%s: %s", proto_type_str(t), err);
+        assert_int_equal(out.type, t);
+        if (t == PROTO_PREFILL || t == PROTO_TOKENS) {
+            assert_int_equal(out.n_tokens, 5);
+            assert_memory_equal(out.tokens, in.tokens, 5 * sizeof(int));
+        }
+        if (t == PROTO_KV_END) {
+            assert_int_equal(out.rid, 42);
+            assert_int_equal(out.first_token, 432);
+            assert_true(out.checksum == in.checksum);
+            assert_true(out.rng == UINT64_MAX);
+        }
+        if (t == PROTO_HEARTBEAT) {
+            assert_string_equal(out.worker_id, "decode-host-1");
+            assert_true(out.tokens_in == 1ull << 40);
+            assert_int_equal(out.kv_blocks_free, 2000);
+            assert_int_equal(out.queued_prompt_tokens, 77);
+        }
+        if (t == PROTO_PREFILL) {
+            assert_true(out.temperature == 0.75f);
+            assert_true(out.top_p == 0.9f);
+            assert_string_equal(out.decode_endpoint, "ipc:///tmp/kv");
+        }
+        assert_int_equal(out.ts_us, -5);
+        free(buf);
+        proto_msg_clear(&out);
+    }
+}
+
+static int decode_packed(void (*build)(msgpack_packer *), char *err, size_t errlen)
+{
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    build(&pk);
+    proto_msg m;
+    int rc = proto_decode(sb.data, sb.size, &m, err, errlen);
+    proto_msg_clear(&m);
+    msgpack_sbuffer_destroy(&sb);
+    return rc;
+}
+
+static void kv(msgpack_packer *pk, const char *k)
+{
+    msgpack_pack_str(pk, strlen(k));
+    msgpack_pack_str_body(pk, k, strlen(k));
+}
+
+static void b_not_map(msgpack_packer *pk) { msgpack_pack_array(pk, 0); }
+static void b_bad_version(msgpack_packer *pk)
+{
+    msgpack_pack_map(pk, 3);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_CANCEL);
+    kv(pk, "v"); msgpack_pack_int(pk, 99);
+    kv(pk, "rid"); msgpack_pack_int(pk, 1);
+}
+static void b_unknown_type(msgpack_packer *pk)
+{
+    msgpack_pack_map(pk, 2);
+    kv(pk, "t"); msgpack_pack_int(pk, 31);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+}
+static void b_missing_rid(msgpack_packer *pk)
+{
+    msgpack_pack_map(pk, 2);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_CANCEL);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+}
+static void b_rid_zero(msgpack_packer *pk)
+{
+    msgpack_pack_map(pk, 3);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_CANCEL);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "rid"); msgpack_pack_int(pk, 0);
+}
+static void b_rid_string(msgpack_packer *pk)
+{
+    msgpack_pack_map(pk, 3);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_CANCEL);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "rid"); kv(pk, "7");
+}
+static void b_dup_field(msgpack_packer *pk)
+{
+    msgpack_pack_map(pk, 4);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_CANCEL);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "rid"); msgpack_pack_int(pk, 1);
+    kv(pk, "rid"); msgpack_pack_int(pk, 2);
+}
+static void b_negative_token(msgpack_packer *pk)
+{
+    msgpack_pack_map(pk, 5);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_TOKENS);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "rid"); msgpack_pack_int(pk, 1);
+    kv(pk, "index"); msgpack_pack_int(pk, 0);
+    kv(pk, "tokens"); msgpack_pack_array(pk, 2); msgpack_pack_int(pk, 5); msgpack_pack_int(pk, -1);
+}
+static void b_long_string(msgpack_packer *pk)
+{
+    char big[PROTO_ID_LEN + 1];
+    memset(big, 'a', sizeof(big));
+    msgpack_pack_map(pk, 3);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_BYE);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "wid"); msgpack_pack_str(pk, sizeof(big)); msgpack_pack_str_body(pk, big, sizeof(big));
+}
+static void b_out_of_range(msgpack_packer *pk)
+{
+    msgpack_pack_map(pk, 4);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_FINISH);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "rid"); msgpack_pack_int(pk, 1);
+    kv(pk, "reason"); msgpack_pack_int(pk, 3);
+}
+static void b_ok_cancel(msgpack_packer *pk)
+{
+    msgpack_pack_map(pk, 4);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_CANCEL);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "rid"); msgpack_pack_int(pk, 1);
+    kv(pk, "future_field"); msgpack_pack_int(pk, 1); /* unknown keys are ignored */
+}
+
+static void test_malformed_headers(void **state)
+{
+    (void)state;
+    struct { const char *name; void (*build)(msgpack_packer *); int rc; const char *needle; } cases[] = {
+        {"not a map", b_not_map, -1, "not a map"},
+        {"bad version", b_bad_version, -1, "version"},
+        {"unknown type", b_unknown_type, -1, "unknown message type"},
+        {"missing rid", b_missing_rid, -1, "missing field 'rid'"},
+        {"rid zero", b_rid_zero, -1, "rid"},
+        {"rid string", b_rid_string, -1, "rid"},
+        {"duplicate", b_dup_field, -1, "duplicate"},
+        {"negative token", b_negative_token, -1, "token"},
+        {"long string", b_long_string, -1, "too long"},
+        {"out of range", b_out_of_range, -1, "reason"},
+        {"valid with unknown key", b_ok_cancel, 0, ""},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char err[160] = "";
+        int rc = decode_packed(cases[i].build, err, sizeof(err));
+        if (rc != cases[i].rc || strstr(err, cases[i].needle) == NULL)
+            fail_msg("case '%s': rc %d err '%s'", cases[i].name, rc, err);
+    }
+}
+
+/* Every truncation of a valid header is rejected, never crashes. */
+static void test_truncated_and_garbage(void **state)
+{
+    (void)state;
+    proto_msg in, out;
+    fill(&in, PROTO_KV_BEGIN);
+    unsigned char *buf;
+    size_t len;
+    assert_int_equal(proto_encode(&in, &buf, &len), 0);
+    char err[160];
+    for (size_t n = 0; n < len; n++)
+        assert_int_equal(proto_decode(buf, n, &out, err, sizeof(err)), -1);
+    /* trailing garbage */
+    unsigned char *longer = malloc(len + 1);
+    memcpy(longer, buf, len);
+    longer[len] = 0xc0;
+    assert_int_equal(proto_decode(longer, len + 1, &out, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "trailing"));
+    /* random flips: decode or reject, never crash (ASan run checks memory) */
+    srand(7);
+    for (int it = 0; it < 2000; it++) {
+        memcpy(longer, buf, len);
+        longer[rand() % len] ^= (unsigned char)(1 + rand() % 255);
+        if (proto_decode(longer, len, &out, err, sizeof(err)) == 0)
+            proto_msg_clear(&out);
+    }
+    free(longer);
+    free(buf);
+}
+
+/* Encoding refuses what it could not decode. */
+static void test_encode_rejects(void **state)
+{
+    (void)state;
+    proto_msg m;
+    unsigned char *buf;
+    size_t len;
+    proto_msg_init(&m, (proto_type_t)999);
+    assert_int_equal(proto_encode(&m, &buf, &len), -1);
+    proto_msg_init(&m, PROTO_TOKENS);
+    m.rid = 1;
+    m.n_tokens = 3; /* tokens NULL */
+    assert_int_equal(proto_encode(&m, &buf, &len), -1);
+}
+
+/* Send and receive over a real ZeroMQ pair, with payload frames and identities. */
+static void test_send_recv_frames(void **state)
+{
+    (void)state;
+    void *ctx = zmq_ctx_new();
+    void *router = zmq_socket(ctx, ZMQ_ROUTER);
+    void *dealer = zmq_socket(ctx, ZMQ_DEALER);
+    assert_int_equal(zmq_bind(router, "inproc://proto-test"), 0);
+    zmq_setsockopt(dealer, ZMQ_ROUTING_ID, "w1", 2);
+    assert_int_equal(zmq_connect(dealer, "inproc://proto-test"), 0);
+
+    proto_msg m;
+    fill(&m, PROTO_KV_LAYER);
+    zmq_msg_t frames[2];
+    static const char a[] = "block-zero", b[] = "block-one!!";
+    zmq_msg_init_size(&frames[0], sizeof(a));
+    memcpy(zmq_msg_data(&frames[0]), a, sizeof(a));
+    zmq_msg_init_size(&frames[1], sizeof(b));
+    memcpy(zmq_msg_data(&frames[1]), b, sizeof(b));
+    assert_int_equal(proto_send(dealer, NULL, 0, &m, frames, 2, 0), 0);
+
+    proto_envelope *e = proto_envelope_new();
+    assert_int_equal(proto_recv(router, 1, e, 0), 1);
+    size_t idlen;
+    const unsigned char *id = proto_envelope_identity(e, &idlen);
+    assert_int_equal(idlen, 2);
+    assert_memory_equal(id, "w1", 2);
+    assert_int_equal(proto_envelope_msg(e)->type, PROTO_KV_LAYER);
+    assert_int_equal(proto_envelope_msg(e)->layer, 4);
+    assert_int_equal(proto_envelope_n_frames(e), 2);
+    assert_int_equal(zmq_msg_size(proto_envelope_frame(e, 1)), sizeof(b));
+    assert_memory_equal(zmq_msg_data(proto_envelope_frame(e, 1)), b, sizeof(b));
+
+    /* reply through the identity */
+    proto_msg r;
+    fill(&r, PROTO_KV_RESULT);
+    assert_int_equal(proto_send(router, id, idlen, &r, NULL, 0, 0), 0);
+    assert_int_equal(proto_recv(dealer, 0, e, 0), 1);
+    assert_int_equal(proto_envelope_msg(e)->type, PROTO_KV_RESULT);
+
+    /* a malformed header is dropped with its payload, then the next message is fine */
+    zmq_send(dealer, "junk", 4, ZMQ_SNDMORE);
+    zmq_send(dealer, "payload", 7, 0);
+    proto_msg c;
+    fill(&c, PROTO_CANCEL);
+    assert_int_equal(proto_send(dealer, NULL, 0, &c, NULL, 0, 0), 0);
+    assert_int_equal(proto_recv(router, 1, e, 0), -1);
+    assert_int_equal(proto_recv(router, 1, e, 0), 1);
+    assert_int_equal(proto_envelope_msg(e)->type, PROTO_CANCEL);
+    assert_int_equal(proto_recv(router, 1, e, ZMQ_DONTWAIT), 0);
+
+    proto_envelope_destroy(&e);
+    assert_null(e);
+    zmq_close(dealer);
+    zmq_close(router);
+    zmq_ctx_term(ctx);
+}
+
+int main(int argc, char **argv)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_roundtrip_all_types),
+        cmocka_unit_test(test_malformed_headers),
+        cmocka_unit_test(test_truncated_and_garbage),
+        cmocka_unit_test(test_encode_rejects),
+        cmocka_unit_test(test_send_recv_frames),
+    };
+    if (argc > 1)
+        cmocka_set_test_filter(argv[1]);
+    return cmocka_run_group_tests_name("protocol", tests, NULL, NULL);
+}
