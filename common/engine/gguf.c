@@ -23,10 +23,10 @@
 #define GGUF_MAX_ARRAY_DEPTH 4
 
 typedef struct {
-    const char *key;   /* into the mapping */
+    const char *key; /* into the mapping */
     size_t key_len;
     gguf_type type;
-    size_t value_off;  /* file offset of the value (after the u32 type) */
+    size_t value_off; /* file offset of the value (after the u32 type) */
 } gguf_kv;
 
 struct gguf {
@@ -186,8 +186,8 @@ __attribute__((format(printf, 2, 3))) static int cur_fail(cursor *c, const char 
 static int cur_read(cursor *c, void *out, size_t n, const char *what)
 {
     if (n > c->size - c->pos)
-        return cur_fail(c, "truncated file: %s at offset %zu needs %zu bytes, file has %zu",
-                        what, c->pos, n, c->size);
+        return cur_fail(c, "truncated file: %s at offset %zu needs %zu bytes, file has %zu", what,
+                        c->pos, n, c->size);
     memcpy(out, c->base + c->pos, n);
     c->pos += n;
     return 0;
@@ -209,8 +209,8 @@ static int cur_str(cursor *c, const char **s, uint64_t *len, const char *what)
     if (cur_read(c, &n, 8, what) != 0)
         return -1;
     if (n > c->size - c->pos)
-        return cur_fail(c, "corrupt file: %s length %llu at offset %zu exceeds the file size",
-                        what, (unsigned long long)n, c->pos - 8);
+        return cur_fail(c, "corrupt file: %s length %llu at offset %zu exceeds the file size", what,
+                        (unsigned long long)n, c->pos - 8);
     *s = (const char *)c->base + c->pos;
     *len = n;
     c->pos += (size_t)n;
@@ -278,8 +278,8 @@ static int parse(gguf_t *g, cursor *c)
         return -1;
     if (memcmp(magic, GGUF_MAGIC, 4) != 0)
         return cur_fail(c, "not a GGUF file (bad magic %02x %02x %02x %02x)",
-                        (unsigned char)magic[0], (unsigned char)magic[1],
-                        (unsigned char)magic[2], (unsigned char)magic[3]);
+                        (unsigned char)magic[0], (unsigned char)magic[1], (unsigned char)magic[2],
+                        (unsigned char)magic[3]);
     if (cur_read(c, &version, 4, "version") != 0)
         return -1;
     if (version != 2 && version != 3)
@@ -295,13 +295,18 @@ static int parse(gguf_t *g, cursor *c)
                         (unsigned long long)n_kv, GGUF_MAX_KV);
     /* every kv takes at least 8 + 4 bytes, every tensor info at least 8 + 4 + 4 + 8 */
     if (n_kv * 12 + n_tensors * 24 > c->size - c->pos)
-        return cur_fail(c, "truncated file: %llu metadata pairs and %llu tensors cannot fit in "
-                        "%zu bytes", (unsigned long long)n_kv, (unsigned long long)n_tensors,
-                        c->size);
+        return cur_fail(c,
+                        "truncated file: %llu metadata pairs and %llu tensors cannot fit in "
+                        "%zu bytes",
+                        (unsigned long long)n_kv, (unsigned long long)n_tensors, c->size);
 
     g->kvs = calloc(n_kv ? n_kv : 1, sizeof(gguf_kv));
     g->tensors = calloc(n_tensors ? n_tensors : 1, sizeof(gguf_tensor_info));
-    g->names = malloc(n_tensors * (GGUF_MAX_NAME + 1) + 1);
+    /* names come from the file, so their total is bounded by its size (plus the NULs) */
+    size_t names_cap = n_tensors * (GGUF_MAX_NAME + 1);
+    if (names_cap > c->size + n_tensors)
+        names_cap = c->size + n_tensors;
+    g->names = malloc(names_cap + 1);
     if (!g->kvs || !g->tensors || !g->names)
         return cur_fail(c, "out of memory");
 
@@ -329,8 +334,7 @@ static int parse(gguf_t *g, cursor *c)
                 return cur_fail(c, "corrupt file: general.alignment is not a uint32");
             memcpy(&a, c->base + kv->value_off, 4);
             if (a == 0 || (a & (a - 1)) != 0 || a > (1u << 20))
-                return cur_fail(c, "corrupt file: general.alignment %u is not a power of two",
-                                a);
+                return cur_fail(c, "corrupt file: general.alignment %u is not a power of two", a);
             g->alignment = a;
         }
     }
@@ -394,8 +398,8 @@ static int parse(gguf_t *g, cursor *c)
     for (int i = 0; i < g->n_tensors; i++) {
         gguf_tensor_info *ti = &g->tensors[i];
         if (ti->offset % g->alignment != 0)
-            return cur_fail(c, "corrupt file: tensor %s offset %llu is not aligned to %u",
-                            ti->name, (unsigned long long)ti->offset, g->alignment);
+            return cur_fail(c, "corrupt file: tensor %s offset %llu is not aligned to %u", ti->name,
+                            (unsigned long long)ti->offset, g->alignment);
         uint64_t avail = c->size - data_start;
         if (ti->offset > avail || ti->n_bytes > avail - ti->offset)
             return cur_fail(c,
@@ -666,16 +670,18 @@ static int arr_locate(const gguf_t *g, const char *key, uint32_t *et, uint64_t *
 int gguf_get_arr_info(const gguf_t *g, const char *key, gguf_type *elem_type, uint64_t *n)
 {
     uint32_t et;
+    uint64_t cnt;
     size_t off;
-    if (arr_locate(g, key, &et, n, &off) != 0)
+    if (arr_locate(g, key, &et, &cnt, &off) != 0)
         return -1;
     if (elem_type)
         *elem_type = (gguf_type)et;
+    if (n)
+        *n = cnt;
     return 0;
 }
 
-int gguf_get_arr_str(const gguf_t *g, const char *key, const char **ptrs, size_t *lens,
-                     uint64_t n)
+int gguf_get_arr_str(const gguf_t *g, const char *key, const char **ptrs, size_t *lens, uint64_t n)
 {
     uint32_t et;
     uint64_t cnt;
@@ -755,7 +761,7 @@ typedef struct {
 } wtensor;
 
 struct gguf_writer {
-    uint8_t *kv;   /* serialized key/value pairs */
+    uint8_t *kv; /* serialized key/value pairs */
     size_t kv_len, kv_cap;
     uint64_t n_kv;
     wtensor *tensors;
@@ -897,11 +903,11 @@ int gguf_writer_add_arr_i32(gguf_writer_t *w, const char *key, const int32_t *v,
     return n ? wbuf(w, v, (size_t)n * 4) : 0;
 }
 
-int gguf_writer_add_tensor(gguf_writer_t *w, const char *name, gguf_tensor_type type,
-                           int n_dims, const uint64_t *ne, const void *data)
+int gguf_writer_add_tensor(gguf_writer_t *w, const char *name, gguf_tensor_type type, int n_dims,
+                           const uint64_t *ne, const void *data)
 {
-    if (!name || !*name || strlen(name) > GGUF_MAX_NAME || n_dims < 1 ||
-        n_dims > GGUF_MAX_DIMS || !data)
+    if (!name || !*name || strlen(name) > GGUF_MAX_NAME || n_dims < 1 || n_dims > GGUF_MAX_DIMS ||
+        !data)
         return -1;
     if (type != GGUF_TENSOR_F32 && type != GGUF_TENSOR_F16 && type != GGUF_TENSOR_Q8_0)
         return -1;

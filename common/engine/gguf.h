@@ -47,22 +47,22 @@ typedef enum {
 
 #define GGUF_MAX_DIMS 4
 #define GGUF_DEFAULT_ALIGNMENT 32
-#define GGUF_MAX_NAME 256       /* tensor name bytes, excluding NUL */
-#define GGUF_MAX_KV (1u << 20)  /* sanity limits on counts in the header */
+#define GGUF_MAX_NAME 256      /* tensor name bytes, excluding NUL */
+#define GGUF_MAX_KV (1u << 20) /* sanity limits on counts in the header */
 #define GGUF_MAX_TENSORS (1u << 20)
 
 typedef struct gguf gguf_t;
 
 /* One tensor of an open file. */
 typedef struct {
-    const char *name;          /* NUL-terminated copy, owned by the gguf handle */
-    int n_dims;                /* 1..GGUF_MAX_DIMS */
+    const char *name;           /* NUL-terminated copy, owned by the gguf handle */
+    int n_dims;                 /* 1..GGUF_MAX_DIMS */
     uint64_t ne[GGUF_MAX_DIMS]; /* elements per dimension, ne[0] fastest; unused dims = 1 */
     gguf_tensor_type type;
     uint64_t n_elements;
     uint64_t n_bytes;
-    uint64_t offset;           /* absolute file offset of the data */
-    const void *data;          /* into the mapping, aligned to the file's alignment */
+    uint64_t offset;  /* absolute file offset of the data */
+    const void *data; /* into the mapping, aligned to the file's alignment */
 } gguf_tensor_info;
 
 /* Open and validate a GGUF file (read-only mmap of the whole file). On failure returns
@@ -96,12 +96,12 @@ int gguf_get_str(const gguf_t *g, const char *key, const char **s, size_t *len);
 /* Copy a string value into buf (NUL-terminated, truncated to cap - 1 bytes). */
 int gguf_get_str_copy(const gguf_t *g, const char *key, char *buf, size_t cap);
 
-/* Array value: element type and count. -1 if missing or not an array. */
+/* Array value: element type and count (either out pointer may be NULL). -1 if missing or
+ * not an array. */
 int gguf_get_arr_info(const gguf_t *g, const char *key, gguf_type *elem_type, uint64_t *n);
 /* Copy an array of strings: ptrs[i]/lens[i] point into the mapping (not NUL-terminated).
  * n must equal the array's length. 0, or -1 on missing key / wrong type / wrong n. */
-int gguf_get_arr_str(const gguf_t *g, const char *key, const char **ptrs, size_t *lens,
-                     uint64_t n);
+int gguf_get_arr_str(const gguf_t *g, const char *key, const char **ptrs, size_t *lens, uint64_t n);
 /* Copy an array of FLOAT32 into out (n must equal the array's length). */
 int gguf_get_arr_f32(const gguf_t *g, const char *key, float *out, uint64_t n);
 /* Copy an array of any integer type into out as int32 (values must fit). */
@@ -149,8 +149,8 @@ int gguf_writer_add_arr_i32(gguf_writer_t *w, const char *key, const int32_t *v,
 /* Add a tensor. ne[0] is the fastest dimension. `data` (gguf_tensor_nbytes(type, n)
  * bytes) is BORROWED: it must stay valid until gguf_writer_write() returns. Names must be
  * unique and at most GGUF_MAX_NAME bytes. 0 or -1. */
-int gguf_writer_add_tensor(gguf_writer_t *w, const char *name, gguf_tensor_type type,
-                           int n_dims, const uint64_t *ne, const void *data);
+int gguf_writer_add_tensor(gguf_writer_t *w, const char *name, gguf_tensor_type type, int n_dims,
+                           const uint64_t *ne, const void *data);
 
 /* Write the file atomically: to "<path>.tmp.<pid>", fsync, rename to path. 0, or -1 with
  * a message naming the path in err. */

@@ -25,12 +25,12 @@ struct kvcache {
     kvcache_params p;
     int kv_dim;
     int max_blocks_per_seq;
-    float *pool;      /* (n_layer, n_blocks, 2, block_size, kv_dim) */
+    float *pool;         /* (n_layer, n_blocks, 2, block_size, kv_dim) */
     size_t block_floats; /* 2 * block_size * kv_dim */
-    int *free_stack;  /* (n_blocks,) free block ids; top is free_stack[n_free - 1] */
+    int *free_stack;     /* (n_blocks,) free block ids; top is free_stack[n_free - 1] */
     int n_free;
-    kv_seq *seqs;     /* (max_seqs,) */
-    int *seq_tables;  /* (max_seqs, max_blocks_per_seq) backing store of the tables */
+    kv_seq *seqs;    /* (max_seqs,) */
+    int *seq_tables; /* (max_seqs, max_blocks_per_seq) backing store of the tables */
 };
 
 kvcache_t *kvcache_new(const kvcache_params *p)

@@ -203,8 +203,9 @@ tokenizer_t *tokenizer_load(const char *path, char *err, size_t errlen)
         if (!types)
             goto oom;
         if (gguf_get_arr_i32(g, "tokenizer.ggml.token_type", types, n) != 0) {
-            set_err(err, errlen, path, "tokenizer.ggml.token_type is not an int array of "
-                                       "vocab size");
+            set_err(err, errlen, path,
+                    "tokenizer.ggml.token_type is not an int array of "
+                    "vocab size");
             goto fail;
         }
     }

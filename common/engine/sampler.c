@@ -1,0 +1,218 @@
+/*
+ * sampler: see sampler.h.
+ *
+ * Random numbers: xorshift64* on the caller's 64-bit state (one draw per sampled token),
+ * seeded by splitmix64. Candidate ordering is a total order (higher logit first, lower id
+ * on ties) so results never depend on sort stability. Sorting is an in-place heap sort on
+ * preallocated scratch (libc qsort may allocate): top-k keeps a bounded min-heap of the k
+ * best, top-p without top-k first drops tokens whose probability is below
+ * (1 - top_p) / (n - 1) (they can never be in the nucleus, as in run.c).
+ */
+#include "sampler.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+typedef struct {
+    float val; /* logit, then probability */
+    int id;
+} cand;
+
+struct sampler {
+    int vocab_size;
+    cand *c; /* (vocab_size,) */
+};
+
+sampler_t *sampler_new(int vocab_size)
+{
+    if (vocab_size < 1)
+        return NULL;
+    sampler_t *s = calloc(1, sizeof(*s));
+    if (!s)
+        return NULL;
+    s->vocab_size = vocab_size;
+    s->c = calloc((size_t)vocab_size, sizeof(cand));
+    if (!s->c) {
+        free(s);
+        return NULL;
+    }
+    return s;
+}
+
+void sampler_destroy(sampler_t **sp)
+{
+    if (!sp || !*sp)
+        return;
+    free((*sp)->c);
+    free(*sp);
+    *sp = NULL;
+}
+
+uint64_t sampler_seed_state(uint64_t seed)
+{
+    uint64_t z = seed + 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    return z ? z : 0x2545F4914F6CDD1DULL;
+}
+
+/* Uniform float in [0, 1) from xorshift64*. */
+static float rand_f32(uint64_t *state)
+{
+    uint64_t x = *state;
+    if (x == 0)
+        x = 0x2545F4914F6CDD1DULL;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *state = x;
+    uint64_t r = x * 0x2545F4914F6CDD1DULL;
+    return (float)(r >> 40) / 16777216.0f;
+}
+
+/* a ranks before b: higher value, then lower id */
+static int better(const cand *a, const cand *b)
+{
+    return a->val > b->val || (a->val == b->val && a->id < b->id);
+}
+
+/* Sift down in a heap whose root is the WORST element (min-heap by rank). */
+static void sift_worst(cand *h, int n, int i)
+{
+    for (;;) {
+        int l = 2 * i + 1, r = l + 1, w = i;
+        if (l < n && better(&h[w], &h[l]))
+            w = l;
+        if (r < n && better(&h[w], &h[r]))
+            w = r;
+        if (w == i)
+            return;
+        cand tmp = h[i];
+        h[i] = h[w];
+        h[w] = tmp;
+        i = w;
+    }
+}
+
+/* Sort best-first in place: build a worst-rooted heap, then repeatedly move the worst to
+ * the end. */
+static void sort_best_first(cand *h, int n)
+{
+    for (int i = n / 2 - 1; i >= 0; i--)
+        sift_worst(h, n, i);
+    for (int end = n - 1; end > 0; end--) {
+        cand tmp = h[0];
+        h[0] = h[end];
+        h[end] = tmp;
+        sift_worst(h, end, 0);
+    }
+}
+
+static int argmax(const float *x, int n)
+{
+    int best = 0;
+    float bv = x[0];
+    for (int i = 1; i < n; i++) {
+        if (x[i] > bv) {
+            bv = x[i];
+            best = i;
+        }
+    }
+    return best;
+}
+
+int sampler_sample(sampler_t *s, const sampler_params *p, uint64_t *rng, float *logits)
+{
+    const int n = s->vocab_size;
+    if (!(p->temperature > 0.0f))
+        return argmax(logits, n);
+    for (int i = 0; i < n; i++)
+        logits[i] /= p->temperature;
+    float coin = rand_f32(rng);
+    int top_k = p->top_k > 0 && p->top_k < n ? p->top_k : 0;
+    int use_top_p = p->top_p > 0.0f && p->top_p < 1.0f;
+    cand *c = s->c;
+
+    if (!top_k && !use_top_p) { /* plain multinomial over the whole vocabulary */
+        int mi = argmax(logits, n);
+        float max_val = logits[mi], sum = 0.0f;
+        for (int i = 0; i < n; i++) {
+            logits[i] = expf(logits[i] - max_val);
+            sum += logits[i];
+        }
+        float r = coin * sum, cdf = 0.0f;
+        for (int i = 0; i < n; i++) {
+            cdf += logits[i];
+            if (r < cdf)
+                return i;
+        }
+        return mi; /* rounding */
+    }
+
+    int m;
+    if (top_k) { /* the k best by logit, then sorted; softmax over them */
+        for (int i = 0; i < top_k; i++)
+            c[i] = (cand){logits[i], i};
+        for (int i = top_k / 2 - 1; i >= 0; i--)
+            sift_worst(c, top_k, i);
+        for (int i = top_k; i < n; i++) {
+            cand x = {logits[i], i};
+            if (better(&x, &c[0])) {
+                c[0] = x;
+                sift_worst(c, top_k, 0);
+            }
+        }
+        m = top_k;
+        sort_best_first(c, m);
+        float max_val = c[0].val, sum = 0.0f;
+        for (int i = 0; i < m; i++) {
+            c[i].val = expf(c[i].val - max_val);
+            sum += c[i].val;
+        }
+        for (int i = 0; i < m; i++)
+            c[i].val /= sum;
+    } else { /* softmax over all, keep only plausible nucleus members, sort */
+        int mi = argmax(logits, n);
+        float max_val = logits[mi], sum = 0.0f;
+        for (int i = 0; i < n; i++) {
+            logits[i] = expf(logits[i] - max_val);
+            sum += logits[i];
+        }
+        float cutoff = n > 1 ? (1.0f - p->top_p) / (float)(n - 1) : 0.0f;
+        m = 0;
+        for (int i = 0; i < n; i++) {
+            float pr = logits[i] / sum;
+            if (pr >= cutoff || i == mi)
+                c[m++] = (cand){pr, i};
+        }
+        sort_best_first(c, m);
+    }
+
+    int last = m - 1;
+    float cum = 0.0f;
+    if (use_top_p) {
+        for (int i = 0; i < m; i++) {
+            cum += c[i].val;
+            if (cum > p->top_p) {
+                last = i;
+                break;
+            }
+        }
+        if (cum <= p->top_p) {
+            cum = 0.0f;
+            for (int i = 0; i < m; i++)
+                cum += c[i].val;
+        }
+    } else {
+        for (int i = 0; i < m; i++)
+            cum += c[i].val;
+    }
+    float r = coin * cum, cdf = 0.0f;
+    for (int i = 0; i <= last; i++) {
+        cdf += c[i].val;
+        if (r < cdf)
+            return c[i].id;
+    }
+    return c[last].id;
+}

@@ -1,0 +1,1147 @@
+/*
+ * Engine tests: kvcache, gguf (reader/writer, corrupt files), tokenizer, model (reference
+ * greedy outputs of llama2.c run.c, batch invariance), sampler, and the converter on the
+ * three models of ../shared/models.
+ *
+ * The model comes from $TIDEPOOL_TEST_MODEL (default build/models/stories260K.gguf); when
+ * that file is missing it is converted into a temporary directory with the
+ * tidepool-convert next to this binary ($BUILD/bin). Reference ids and texts are those of
+ * the models' SOURCE.md files (run.c at karpathy/llama2.c 350e04fe, greedy). Logit
+ * comparisons are bit-exact (memcmp): tolerance 0 by design (batch invariance).
+ *
+ *   test_engine [case-name-filter]
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "gguf.h"
+#include "kvcache.h"
+#include "model.h"
+#include "sampler.h"
+#include "tokenizer.h"
+
+#define MODELS_DIR "../shared/models"
+
+static char tmpdir[256];
+static char model_path[PATH_MAX];
+static model_t *g_model;
+static tokenizer_t *g_tok;
+
+/* ------------------------------------------------------------------------------------- */
+/* helpers */
+
+static void converter_path(char *out, size_t cap)
+{
+    char exe[1024];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    if (n <= 0) {
+        snprintf(out, cap, "build/bin/tidepool-convert");
+        return;
+    }
+    exe[n] = '\0';
+    char *slash = strrchr(exe, '/');
+    if (slash)
+        *slash = '\0';
+    snprintf(out, cap, "%s/../bin/tidepool-convert", exe);
+}
+
+/* Run the converter; returns its exit status (or -1). Output is discarded. */
+static int run_convert(const char *ckpt, const char *tok, const char *out, const char *extra)
+{
+    char conv[PATH_MAX], cmd[4 * PATH_MAX];
+    converter_path(conv, sizeof(conv));
+    snprintf(cmd, sizeof(cmd),
+             "'%s' --checkpoint '%s' --tokenizer '%s' --out '%s' %s "
+             ">/dev/null 2>&1",
+             conv, ckpt, tok, out, extra ? extra : "");
+    int st = system(cmd);
+    if (st == -1 || !WIFEXITED(st))
+        return -1;
+    return WEXITSTATUS(st);
+}
+
+static int file_exists(const char *p)
+{
+    struct stat st;
+    return stat(p, &st) == 0;
+}
+
+typedef struct {
+    kvcache_t *kv;
+    model_ctx_t *ctx;
+    sampler_t *smp;
+    float *logits;
+} runner;
+
+static void runner_init(runner *r, const model_t *m, int block_size, int n_blocks, int max_seqs,
+                        int max_tokens)
+{
+    const model_config *c = model_get_config(m);
+    kvcache_params kp = {c->n_layer, c->n_kv_head, c->head_dim, block_size,
+                         n_blocks,   max_seqs,     c->n_ctx};
+    r->kv = kvcache_new(&kp);
+    r->ctx = model_ctx_new(m, max_tokens);
+    r->smp = sampler_new(c->vocab_size);
+    r->logits = malloc((size_t)c->vocab_size * (size_t)max_tokens * sizeof(float));
+    assert_non_null(r->kv);
+    assert_non_null(r->ctx);
+    assert_non_null(r->smp);
+    assert_non_null(r->logits);
+}
+
+static void runner_free(runner *r)
+{
+    kvcache_destroy(&r->kv);
+    model_ctx_destroy(&r->ctx);
+    sampler_destroy(&r->smp);
+    free(r->logits);
+}
+
+/* Greedy generation as run.c: prompt with BOS, up to n_gen tokens, stop after EOS.
+ * Returns the number generated; ids in out, text (NUL-terminated) in text. */
+static int greedy(const model_t *m, const tokenizer_t *tok, const char *prompt, int n_gen, int *out,
+                  char *text, size_t text_cap, int *n_prompt_out)
+{
+    const model_config *c = model_get_config(m);
+    int ptoks[512];
+    int np = tokenizer_encode(tok, prompt, strlen(prompt), 1, ptoks, 512, NULL);
+    assert_true(np >= 1);
+    if (n_prompt_out)
+        *n_prompt_out = np;
+    runner r;
+    runner_init(&r, m, 16, (c->n_ctx + 15) / 16, 1, np);
+    int seq = kvcache_seq_new(r.kv);
+    assert_int_equal(kvcache_seq_reserve(r.kv, seq, np + n_gen), KVCACHE_OK);
+    model_seq_batch b = {seq, 0, np, ptoks, 0, r.logits};
+    assert_int_equal(model_forward(r.ctx, r.kv, &b, 1, NULL, NULL), 0);
+    sampler_params sp = {0.0f, 1.0f, 0};
+    uint64_t rng = 1;
+    int n = 0, prev = ptoks[np - 1];
+    size_t tl = 0;
+    while (n < n_gen) {
+        int next = sampler_sample(r.smp, &sp, &rng, r.logits);
+        out[n++] = next;
+        if (next == c->eos_id)
+            break;
+        size_t len;
+        const char *piece = tokenizer_piece(tok, prev, next, &len);
+        assert_true(tl + len < text_cap);
+        memcpy(text + tl, piece, len);
+        tl += len;
+        prev = next;
+        if (n == n_gen)
+            break;
+        model_seq_batch d = {seq, np + n - 1, 1, &out[n - 1], 0, r.logits};
+        assert_int_equal(model_forward(r.ctx, r.kv, &d, 1, NULL, NULL), 0);
+    }
+    text[tl] = '\0';
+    runner_free(&r);
+    return n;
+}
+
+static int parse_ids(const char *s, int *out, int cap)
+{
+    int n = 0;
+    char *end;
+    while (n < cap) {
+        long v = strtol(s, &end, 10);
+        if (end == s)
+            break;
+        out[n++] = (int)v;
+        s = end;
+    }
+    return n;
+}
+
+/* ------------------------------------------------------------------------------------- */
+/* group setup: the model */
+
+static int group_setup(void **state)
+{
+    const char *env = getenv("TIDEPOOL_TEST_MODEL");
+    snprintf(tmpdir, sizeof(tmpdir), "/tmp/tp_test_engine.XXXXXX");
+    if (!mkdtemp(tmpdir)) {
+        fprintf(stderr, "mkdtemp failed\n");
+        return -1;
+    }
+    snprintf(model_path, sizeof(model_path), "%s",
+             env && *env ? env : "build/models/stories260K.gguf");
+    if (!file_exists(model_path)) {
+        snprintf(model_path, sizeof(model_path), "%s/stories260K.gguf", tmpdir);
+        if (run_convert(MODELS_DIR "/stories260K/stories260K.bin",
+                        MODELS_DIR "/stories260K/tok512.bin", model_path,
+                        "--name stories260K") != 0) {
+            fprintf(stderr, "cannot make the test model (is tidepool-convert built?)\n");
+            return -1;
+        }
+    }
+    char err[512];
+    g_model = model_load(model_path, err, sizeof(err));
+    if (!g_model) {
+        fprintf(stderr, "%s\n", err);
+        return -1;
+    }
+    g_tok = tokenizer_load(model_path, err, sizeof(err));
+    if (!g_tok) {
+        fprintf(stderr, "%s\n", err);
+        return -1;
+    }
+    return 0;
+}
+
+static int group_teardown(void **state)
+{
+    model_destroy(&g_model);
+    tokenizer_destroy(&g_tok);
+    char cmd[PATH_MAX + 16];
+    if (tmpdir[0]) {
+        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", tmpdir);
+        if (system(cmd) != 0)
+            fprintf(stderr, "cannot remove %s\n", tmpdir);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------- */
+/* kvcache */
+
+static kvcache_t *small_cache(int block_size, int n_blocks, int max_seqs, int max_seq_len)
+{
+    kvcache_params p = {2, 2, 4, block_size, n_blocks, max_seqs, max_seq_len};
+    kvcache_t *kv = kvcache_new(&p);
+    assert_non_null(kv);
+    return kv;
+}
+
+static void test_kvcache_accounting(void **state)
+{
+    kvcache_t *kv = small_cache(4, 10, 3, 64);
+    assert_int_equal(kvcache_n_blocks(kv), 10);
+    assert_int_equal(kvcache_n_free_blocks(kv), 10);
+    assert_int_equal(kvcache_block_bytes(kv), 2 * 4 * 8 * sizeof(float));
+    assert_int_equal(kvcache_blocks_for(kv, 0), 0);
+    assert_int_equal(kvcache_blocks_for(kv, 1), 1);
+    assert_int_equal(kvcache_blocks_for(kv, 4), 1);
+    assert_int_equal(kvcache_blocks_for(kv, 5), 2);
+
+    int a = kvcache_seq_new(kv), b = kvcache_seq_new(kv);
+    assert_true(a >= 0 && b >= 0 && a != b);
+    /* 1-token sequence: one block */
+    assert_int_equal(kvcache_seq_reserve(kv, a, 1), KVCACHE_OK);
+    assert_int_equal(kvcache_seq_capacity(kv, a), 4);
+    assert_int_equal(kvcache_n_free_blocks(kv), 9);
+    /* exact multiple of the block size: no extra block */
+    assert_int_equal(kvcache_seq_reserve(kv, b, 8), KVCACHE_OK);
+    assert_int_equal(kvcache_seq_capacity(kv, b), 8);
+    assert_int_equal(kvcache_n_free_blocks(kv), 7);
+    /* reserving less than held is a no-op */
+    assert_int_equal(kvcache_seq_reserve(kv, b, 3), KVCACHE_OK);
+    assert_int_equal(kvcache_n_free_blocks(kv), 7);
+    kvcache_seq_set_len(kv, b, 8);
+    assert_int_equal(kvcache_seq_len(kv, b), 8);
+
+    /* NOSPACE leaves everything unchanged */
+    int nb_before;
+    const int *blocks = kvcache_seq_blocks(kv, a, &nb_before);
+    int saved[16];
+    memcpy(saved, blocks, (size_t)nb_before * sizeof(int));
+    assert_int_equal(kvcache_seq_reserve(kv, a, 4 * 9), KVCACHE_NOSPACE);
+    int nb_after;
+    blocks = kvcache_seq_blocks(kv, a, &nb_after);
+    assert_int_equal(nb_after, nb_before);
+    assert_memory_equal(blocks, saved, (size_t)nb_before * sizeof(int));
+    assert_int_equal(kvcache_n_free_blocks(kv), 7);
+    assert_int_equal(kvcache_seq_capacity(kv, a), 4);
+    /* exactly all that is free works */
+    assert_int_equal(kvcache_seq_reserve(kv, a, 4 * 8), KVCACHE_OK);
+    assert_int_equal(kvcache_n_free_blocks(kv), 0);
+    assert_int_equal(kvcache_seq_reserve(kv, b, 9), KVCACHE_NOSPACE);
+
+    /* beyond max_seq_len / unknown sequence: ERR */
+    assert_int_equal(kvcache_seq_reserve(kv, a, 65), KVCACHE_ERR);
+    assert_int_equal(kvcache_seq_reserve(kv, 2, 1), KVCACHE_ERR); /* slot 2 not in use */
+    assert_int_equal(kvcache_seq_reserve(kv, 99, 1), KVCACHE_ERR);
+    assert_int_equal(kvcache_seq_reserve(kv, -1, 1), KVCACHE_ERR);
+
+    /* truncate releases blocks past what the length needs */
+    kvcache_seq_set_len(kv, a, 30);
+    kvcache_seq_truncate(kv, a, 9); /* 3 blocks */
+    assert_int_equal(kvcache_seq_len(kv, a), 9);
+    assert_int_equal(kvcache_seq_capacity(kv, a), 12);
+    assert_int_equal(kvcache_n_free_blocks(kv), 5);
+    kvcache_seq_truncate(kv, a, 8); /* exact multiple: 2 blocks */
+    assert_int_equal(kvcache_seq_capacity(kv, a), 8);
+    assert_int_equal(kvcache_n_free_blocks(kv), 6);
+    kvcache_seq_truncate(kv, a, 0);
+    assert_int_equal(kvcache_seq_capacity(kv, a), 0);
+    assert_int_equal(kvcache_n_free_blocks(kv), 8);
+    assert_true(kvcache_seq_active(kv, a));
+
+    /* free returns everything; idempotent */
+    kvcache_seq_free(kv, b);
+    assert_int_equal(kvcache_n_free_blocks(kv), 10);
+    assert_false(kvcache_seq_active(kv, b));
+    kvcache_seq_free(kv, b);
+    assert_int_equal(kvcache_n_free_blocks(kv), 10);
+    kvcache_seq_free(kv, a);
+    assert_int_equal(kvcache_n_free_blocks(kv), 10);
+    kvcache_destroy(&kv);
+    assert_null(kv);
+    kvcache_destroy(&kv); /* takes NULL */
+}
+
+static void test_kvcache_slots_and_layout(void **state)
+{
+    kvcache_t *kv = small_cache(4, 8, 2, 16);
+    int a = kvcache_seq_new(kv), b = kvcache_seq_new(kv);
+    assert_true(a >= 0 && b >= 0);
+    assert_int_equal(kvcache_seq_new(kv), -1); /* slots exhausted */
+    kvcache_seq_free(kv, a);
+    int c = kvcache_seq_new(kv);
+    assert_int_equal(c, a);
+    assert_int_equal(kvcache_seq_len(kv, c), 0);
+    assert_int_equal(kvcache_seq_capacity(kv, c), 0);
+
+    /* K/V row addressing follows (n_layer, n_blocks, 2, block_size, kv_dim) */
+    assert_int_equal(kvcache_seq_reserve(kv, c, 6), KVCACHE_OK);
+    int nb;
+    const int *bl = kvcache_seq_blocks(kv, c, &nb);
+    assert_int_equal(nb, 2);
+    int kv_dim = 8;
+    for (int layer = 0; layer < 2; layer++) {
+        float *blk = kvcache_block_data(kv, layer, bl[1]);
+        assert_ptr_equal(kvcache_k(kv, layer, c, 5), blk + 1 * kv_dim);
+        assert_ptr_equal(kvcache_v(kv, layer, c, 5), blk + 4 * kv_dim + 1 * kv_dim);
+        assert_ptr_equal(kvcache_block_data(kv, layer, 0) + 8 * 2 * 4 * kv_dim,
+                         layer == 0 ? kvcache_block_data(kv, 1, 0)
+                                    : kvcache_block_data(kv, 1, 0) + 8 * 2 * 4 * kv_dim);
+    }
+    /* pool is zeroed */
+    float *p = kvcache_k(kv, 1, c, 0);
+    for (int i = 0; i < kv_dim; i++)
+        assert_true(p[i] == 0.0f);
+    assert_string_equal(kvcache_status_str(KVCACHE_NOSPACE), "no free KV blocks");
+
+    kvcache_params bad = {0, 2, 4, 4, 8, 2, 16};
+    assert_null(kvcache_new(&bad));
+    kvcache_destroy(&kv);
+}
+
+/* ------------------------------------------------------------------------------------- */
+/* gguf */
+
+/* Write a small valid GGUF: a few kv pairs and three tensors; returns its size. */
+static size_t write_tiny(const char *path)
+{
+    static float a[6] = {1, 2, 3, 4, 5, 6};
+    static uint16_t h[5];
+    static float v[3] = {-1, 0.5f, 2};
+    for (int i = 0; i < 5; i++)
+        h[i] = gguf_fp32_to_fp16((float)i * 0.25f);
+    gguf_writer_t *w = gguf_writer_new();
+    assert_non_null(w);
+    const char *strs[3] = {"a", "", "\xe2\x96\x81x"};
+    size_t lens[3] = {1, 0, 4};
+    float f[2] = {0.5f, -2.0f};
+    int32_t iv[3] = {1, -2, 3};
+    assert_int_equal(gguf_writer_add_str(w, "general.architecture", "tiny"), 0);
+    assert_int_equal(gguf_writer_add_u32(w, "tiny.u32", 7), 0);
+    assert_int_equal(gguf_writer_add_i32(w, "tiny.i32", -5), 0);
+    assert_int_equal(gguf_writer_add_f32(w, "tiny.f32", 1.5f), 0);
+    assert_int_equal(gguf_writer_add_bool(w, "tiny.bool", 1), 0);
+    assert_int_equal(gguf_writer_add_arr_str(w, "tiny.strs", strs, lens, 3), 0);
+    assert_int_equal(gguf_writer_add_arr_f32(w, "tiny.f32s", f, 2), 0);
+    assert_int_equal(gguf_writer_add_arr_i32(w, "tiny.i32s", iv, 3), 0);
+    uint64_t ne_a[2] = {3, 2}, ne_h[1] = {5}, ne_v[1] = {3};
+    assert_int_equal(gguf_writer_add_tensor(w, "a.weight", GGUF_TENSOR_F32, 2, ne_a, a), 0);
+    assert_int_equal(gguf_writer_add_tensor(w, "h.weight", GGUF_TENSOR_F16, 1, ne_h, h), 0);
+    assert_int_equal(gguf_writer_add_tensor(w, "v.weight", GGUF_TENSOR_F32, 1, ne_v, v), 0);
+    assert_int_equal(gguf_writer_add_tensor(w, "v.weight", GGUF_TENSOR_F32, 1, ne_v, v), -1);
+    char err[256];
+    assert_int_equal(gguf_writer_write(w, path, err, sizeof(err)), 0);
+    gguf_writer_destroy(&w);
+    assert_null(w);
+    struct stat st;
+    assert_int_equal(stat(path, &st), 0);
+    return (size_t)st.st_size;
+}
+
+static unsigned char *slurp(const char *path, size_t *n)
+{
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    fseek(f, 0, SEEK_END);
+    *n = (size_t)ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char *b = malloc(*n);
+    assert_non_null(b);
+    assert_int_equal(fread(b, 1, *n, f), *n);
+    fclose(f);
+    return b;
+}
+
+static void spit(const char *path, const unsigned char *b, size_t n)
+{
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    if (n)
+        assert_int_equal(fwrite(b, 1, n, f), n);
+    fclose(f);
+}
+
+/* Expect gguf_open to fail with a message naming the file. */
+static void expect_bad(const char *path, const char *substr)
+{
+    char err[512] = "";
+    gguf_t *g = gguf_open(path, err, sizeof(err));
+    if (g) {
+        gguf_close(&g);
+        fail_msg("%s opened but should not have (expected: %s)", path, substr);
+    }
+    assert_non_null(strstr(err, path));
+    if (substr && !strstr(err, substr))
+        fail_msg("error '%s' lacks '%s'", err, substr);
+}
+
+static void test_gguf_roundtrip(void **state)
+{
+    char path[PATH_MAX];
+    snprintf(path, sizeof(path), "%s/tiny.gguf", tmpdir);
+    write_tiny(path);
+    char err[256];
+    gguf_t *g = gguf_open(path, err, sizeof(err));
+    assert_non_null(g);
+    assert_int_equal(gguf_version(g), 3);
+    assert_int_equal(gguf_alignment(g), 32);
+    assert_int_equal(gguf_n_kv(g), 8);
+    char buf[32];
+    assert_int_equal(gguf_get_str_copy(g, "general.architecture", buf, sizeof(buf)), 0);
+    assert_string_equal(buf, "tiny");
+    uint32_t u;
+    int32_t i;
+    float f;
+    assert_int_equal(gguf_get_u32(g, "tiny.u32", &u), 0);
+    assert_int_equal(u, 7);
+    assert_int_equal(gguf_get_i32(g, "tiny.u32", &i), 0);
+    assert_int_equal(i, 7);
+    assert_int_equal(gguf_get_i32(g, "tiny.i32", &i), 0);
+    assert_int_equal(i, -5);
+    assert_int_equal(gguf_get_u32(g, "tiny.i32", &u), -1); /* negative does not fit */
+    assert_int_equal(gguf_get_f32(g, "tiny.f32", &f), 0);
+    assert_true(f == 1.5f);
+    assert_int_equal(gguf_get_f32(g, "tiny.u32", &f), -1);
+    assert_int_equal(gguf_get_u32(g, "missing", &u), -1);
+    gguf_type et;
+    uint64_t n;
+    assert_int_equal(gguf_get_arr_info(g, "tiny.strs", &et, &n), 0);
+    assert_int_equal(et, GGUF_TYPE_STRING);
+    assert_int_equal(n, 3);
+    const char *ptrs[3];
+    size_t lens[3];
+    assert_int_equal(gguf_get_arr_str(g, "tiny.strs", ptrs, lens, 2), -1);
+    assert_int_equal(gguf_get_arr_str(g, "tiny.strs", ptrs, lens, 3), 0);
+    assert_int_equal(lens[0], 1);
+    assert_int_equal(lens[1], 0);
+    assert_int_equal(lens[2], 4);
+    assert_memory_equal(ptrs[2], "\xe2\x96\x81x", 4);
+    float fs[2];
+    assert_int_equal(gguf_get_arr_f32(g, "tiny.f32s", fs, 2), 0);
+    assert_true(fs[0] == 0.5f && fs[1] == -2.0f);
+    int32_t is[3];
+    assert_int_equal(gguf_get_arr_i32(g, "tiny.i32s", is, 3), 0);
+    assert_true(is[0] == 1 && is[1] == -2 && is[2] == 3);
+    assert_int_equal(gguf_get_arr_i32(g, "tiny.f32s", is, 2), -1);
+
+    assert_int_equal(gguf_n_tensors(g), 3);
+    const gguf_tensor_info *t = gguf_find_tensor(g, "a.weight");
+    assert_non_null(t);
+    assert_int_equal(t->n_dims, 2);
+    assert_int_equal(t->ne[0], 3);
+    assert_int_equal(t->ne[1], 2);
+    assert_int_equal(t->type, GGUF_TENSOR_F32);
+    assert_int_equal(t->n_bytes, 24);
+    assert_int_equal(t->offset % 32, 0);
+    assert_true(((const float *)t->data)[5] == 6.0f);
+    t = gguf_find_tensor(g, "h.weight");
+    assert_non_null(t);
+    assert_int_equal(t->type, GGUF_TENSOR_F16);
+    assert_true(gguf_fp16_to_fp32(((const uint16_t *)t->data)[3]) == 0.75f);
+    t = gguf_find_tensor(g, "v.weight");
+    assert_non_null(t);
+    assert_int_equal(t->offset % 32, 0);
+    assert_true(((const float *)t->data)[2] == 2.0f);
+    assert_null(gguf_find_tensor(g, "nope"));
+    gguf_close(&g);
+    assert_null(g);
+
+    /* fp16 conversions */
+    assert_true(gguf_fp16_to_fp32(gguf_fp32_to_fp16(1.0f)) == 1.0f);
+    assert_true(gguf_fp16_to_fp32(gguf_fp32_to_fp16(-65504.0f)) == -65504.0f);
+    assert_true(gguf_fp16_to_fp32(gguf_fp32_to_fp16(1e-7f)) > 0.0f); /* subnormal */
+    assert_int_equal(gguf_fp32_to_fp16(1e6f), 0x7c00);               /* overflow -> inf */
+    assert_int_equal(gguf_fp32_to_fp16(1.0f + 1.0f / 4096), 0x3c00); /* ties to even */
+    for (uint32_t b = 0; b < 0x10000; b++) {
+        if ((b & 0x7c00) == 0x7c00 && (b & 0x3ff))
+            continue; /* NaN payloads */
+        assert_int_equal(gguf_fp32_to_fp16(gguf_fp16_to_fp32((uint16_t)b)), b);
+    }
+}
+
+static void test_gguf_corrupt(void **state)
+{
+    char path[PATH_MAX], bad[PATH_MAX];
+    snprintf(path, sizeof(path), "%s/tiny2.gguf", tmpdir);
+    snprintf(bad, sizeof(bad), "%s/bad.gguf", tmpdir);
+    write_tiny(path);
+    size_t n;
+    unsigned char *b = slurp(path, &n);
+
+    /* every truncation length */
+    for (size_t len = 0; len < n; len++) {
+        spit(bad, b, len);
+        expect_bad(bad, NULL);
+    }
+    /* bad magic, bad version */
+    unsigned char *c = malloc(n);
+    assert_non_null(c);
+    memcpy(c, b, n);
+    c[0] = 'X';
+    spit(bad, c, n);
+    expect_bad(bad, "magic");
+    memcpy(c, b, n);
+    uint32_t ver = 4;
+    memcpy(c + 4, &ver, 4);
+    spit(bad, c, n);
+    expect_bad(bad, "version");
+    ver = 2; /* v2 has the same layout: accepted */
+    memcpy(c + 4, &ver, 4);
+    spit(bad, c, n);
+    char err[512];
+    gguf_t *g = gguf_open(bad, err, sizeof(err));
+    assert_non_null(g);
+    assert_int_equal(gguf_version(g), 2);
+    gguf_close(&g);
+    /* huge counts */
+    memcpy(c, b, n);
+    uint64_t huge = 1ull << 40;
+    memcpy(c + 8, &huge, 8);
+    spit(bad, c, n);
+    expect_bad(bad, "tensor count");
+    memcpy(c, b, n);
+    memcpy(c + 16, &huge, 8);
+    spit(bad, c, n);
+    expect_bad(bad, "metadata count");
+    memcpy(c, b, n);
+    huge = 1000;
+    memcpy(c + 16, &huge, 8);
+    spit(bad, c, n);
+    expect_bad(bad, NULL);
+    /* a huge string length (first key) */
+    memcpy(c, b, n);
+    huge = UINT64_MAX - 3;
+    memcpy(c + 24, &huge, 8);
+    spit(bad, c, n);
+    expect_bad(bad, "length");
+
+    /* tensor offsets: find the info of v.weight (name, n_dims, ne[1], type, offset) */
+    unsigned char *nm = memmem(b, n, "v.weight", 8);
+    assert_non_null(nm);
+    size_t off_pos = (size_t)(nm - b) + 8 + 4 + 8 + 4;
+    uint64_t o;
+    memcpy(c, b, n);
+    o = 1ull << 32;
+    memcpy(c + off_pos, &o, 8);
+    spit(bad, c, n);
+    expect_bad(bad, "beyond");
+    memcpy(c, b, n);
+    memcpy(&o, b + off_pos, 8);
+    o += 4;
+    memcpy(c + off_pos, &o, 8);
+    spit(bad, c, n);
+    expect_bad(bad, "aligned");
+    /* unknown tensor type */
+    memcpy(c, b, n);
+    uint32_t ty = 2; /* Q4_0: not supported */
+    memcpy(c + off_pos - 4, &ty, 4);
+    spit(bad, c, n);
+    expect_bad(bad, "type");
+    /* too many dims */
+    memcpy(c, b, n);
+    uint32_t nd = 9;
+    memcpy(c + (nm - b) + 8, &nd, 4);
+    spit(bad, c, n);
+    expect_bad(bad, "dimensions");
+
+    /* random byte corruption: must never crash (open or clean failure) */
+    srand(1234);
+    for (int iter = 0; iter < 3000; iter++) {
+        memcpy(c, b, n);
+        int flips = 1 + rand() % 4;
+        for (int k = 0; k < flips; k++)
+            c[(size_t)rand() % n] = (unsigned char)rand();
+        spit(bad, c, n);
+        g = gguf_open(bad, err, sizeof(err));
+        if (g) {
+            for (int i = 0; i < gguf_n_tensors(g); i++) {
+                const gguf_tensor_info *t = gguf_tensor(g, i);
+                volatile unsigned char sink = 0;
+                for (uint64_t j = 0; j < t->n_bytes; j++)
+                    sink ^= ((const unsigned char *)t->data)[j];
+                (void)sink;
+            }
+            gguf_close(&g);
+        } else {
+            assert_non_null(strstr(err, bad));
+        }
+    }
+    /* missing file, directory */
+    expect_bad("/nonexistent/model.gguf", "cannot open");
+    expect_bad(tmpdir, "regular");
+    free(c);
+    free(b);
+}
+
+static void test_model_load_errors(void **state)
+{
+    char path[PATH_MAX], err[512];
+    snprintf(path, sizeof(path), "%s/tiny3.gguf", tmpdir);
+    write_tiny(path);
+    assert_null(model_load(path, err, sizeof(err)));
+    assert_non_null(strstr(err, path));
+    assert_non_null(strstr(err, "architecture"));
+    /* a llama header without tensors */
+    gguf_writer_t *w = gguf_writer_new();
+    gguf_writer_add_str(w, "general.architecture", "llama");
+    gguf_writer_add_u32(w, "llama.embedding_length", 8);
+    gguf_writer_add_u32(w, "llama.feed_forward_length", 16);
+    gguf_writer_add_u32(w, "llama.block_count", 1);
+    gguf_writer_add_u32(w, "llama.attention.head_count", 2);
+    gguf_writer_add_u32(w, "llama.context_length", 16);
+    assert_int_equal(gguf_writer_write(w, path, err, sizeof(err)), 0);
+    gguf_writer_destroy(&w);
+    assert_null(model_load(path, err, sizeof(err)));
+    assert_non_null(strstr(err, path));
+    assert_non_null(strstr(err, "token_embd"));
+    assert_null(tokenizer_load(path, err, sizeof(err)));
+    assert_non_null(strstr(err, path));
+    assert_null(model_load("/nonexistent.gguf", err, sizeof(err)));
+    assert_non_null(strstr(err, "/nonexistent.gguf"));
+}
+
+/* ------------------------------------------------------------------------------------- */
+/* tokenizer */
+
+static void test_tokenizer_encode(void **state)
+{
+    int ids[64], needed = 0;
+    const char *s = "Once upon a time";
+    int n = tokenizer_encode(g_tok, s, strlen(s), 1, ids, 64, NULL);
+    int want[] = {1, 403, 407, 261, 378};
+    assert_int_equal(n, 5);
+    assert_memory_equal(ids, want, sizeof(want));
+    n = tokenizer_encode(g_tok, s, strlen(s), 0, ids, 64, NULL);
+    assert_int_equal(n, 4);
+    assert_memory_equal(ids, want + 1, 4 * sizeof(int));
+    /* cap too small */
+    assert_int_equal(tokenizer_encode(g_tok, s, strlen(s), 1, ids, 4, &needed), -1);
+    assert_int_equal(needed, 5);
+    /* empty text: BOS only, or nothing (no dummy prefix) */
+    assert_int_equal(tokenizer_encode(g_tok, "", 0, 1, ids, 64, NULL), 1);
+    assert_int_equal(ids[0], 1);
+    assert_int_equal(tokenizer_encode(g_tok, "", 0, 0, ids, 64, NULL), 0);
+    /* prompt of SOURCE.md's second test */
+    const char *tom = "Tom and Sue went to the";
+    int wt[] = {1, 274, 287, 269, 301, 425, 411, 263, 377, 267, 265};
+    n = tokenizer_encode(g_tok, tom, strlen(tom), 1, ids, 64, NULL);
+    assert_int_equal(n, 11);
+    assert_memory_equal(ids, wt, sizeof(wt));
+    assert_int_equal(tokenizer_vocab_size(g_tok), 512);
+    assert_int_equal(tokenizer_bos(g_tok), 1);
+    assert_int_equal(tokenizer_eos(g_tok), 2);
+}
+
+/* Decode ids (after BOS) back to text. */
+static size_t decode_all(const int *ids, int n, char *out, size_t cap)
+{
+    size_t tl = 0;
+    for (int i = 1; i < n; i++) {
+        size_t len;
+        const char *p = tokenizer_piece(g_tok, ids[i - 1], ids[i], &len);
+        assert_true(tl + len < cap);
+        memcpy(out + tl, p, len);
+        tl += len;
+    }
+    out[tl] = '\0';
+    return tl;
+}
+
+static void test_tokenizer_decode(void **state)
+{
+    int ids[256];
+    char out[1024];
+    size_t len;
+    /* byte fallback: a character outside the vocabulary becomes its UTF-8 bytes + 3 */
+    const char *emoji = "\xf0\x9f\x98\x80"; /* U+1F600 */
+    int n = tokenizer_encode(g_tok, emoji, 4, 1, ids, 256, NULL);
+    assert_int_equal(n, 6);
+    assert_int_equal(ids[0], 1);
+    assert_int_equal(ids[2], 0xf0 + 3);
+    assert_int_equal(ids[3], 0x9f + 3);
+    assert_int_equal(ids[4], 0x98 + 3);
+    assert_int_equal(ids[5], 0x80 + 3);
+    const char *sp = tokenizer_piece(g_tok, 1, ids[1], &len); /* dummy prefix after BOS */
+    assert_int_equal(len, 0);
+    sp = tokenizer_piece(g_tok, 5, ids[1], &len);
+    assert_int_equal(len, 1);
+    assert_int_equal(sp[0], ' ');
+    const char *bp = tokenizer_piece(g_tok, ids[1], ids[2], &len);
+    assert_int_equal(len, 1);
+    assert_int_equal((unsigned char)bp[0], 0xf0);
+    decode_all(ids, n, out, sizeof(out));
+    assert_string_equal(out, emoji);
+    /* control / out-of-range ids decode to nothing */
+    tokenizer_piece(g_tok, -1, 1, &len);
+    assert_int_equal(len, 0);
+    tokenizer_piece(g_tok, -1, 2, &len);
+    assert_int_equal(len, 0);
+    tokenizer_piece(g_tok, -1, 0, &len);
+    assert_int_equal(len, 0);
+    tokenizer_piece(g_tok, -1, 512, &len);
+    assert_int_equal(len, 0);
+    tokenizer_piece(g_tok, -1, -3, &len);
+    assert_int_equal(len, 0);
+    /* round trips */
+    const char *texts[] = {
+        "Once upon a time, there was a little girl named Lily.",
+        "Tom and Sue went to the park.\nThey saw a dog!  Two  spaces, tabs\tand \"quotes\".",
+        "caf\xc3\xa9 na\xc3\xafve \xe6\x97\xa5\xe6\x9c\xac \xf0\x9f\x98\x80 end",
+        " leading space",
+        "x",
+    };
+    for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) {
+        n = tokenizer_encode(g_tok, texts[i], strlen(texts[i]), 1, ids, 256, NULL);
+        assert_true(n > 1);
+        for (int j = 0; j < n; j++)
+            assert_true(ids[j] >= 0 && ids[j] < 512);
+        decode_all(ids, n, out, sizeof(out));
+        assert_string_equal(out, texts[i]);
+    }
+    /* text with an embedded NUL byte is encoded by length */
+    n = tokenizer_encode(g_tok, "a\0b", 3, 0, ids, 256, NULL);
+    assert_true(n >= 3);
+}
+
+/* ------------------------------------------------------------------------------------- */
+/* model */
+
+static const char *ref_260k =
+    "403 407 261 378 432 383 286 261 376 298 315 421 395 317 426 338 401 396 267 337 410 408 "
+    "419 292 411 322 265 282 295 433 426 385 328 432 358 394 261 370 432 352 266 268 388 426 "
+    "338 391 266 267 337 335 312 432 398 312 286 267 414 270 333 415";
+
+static void test_model_config(void **state)
+{
+    const model_config *c = model_get_config(g_model);
+    assert_string_equal(c->name, "stories260K");
+    assert_int_equal(c->dim, 64);
+    assert_int_equal(c->hidden_dim, 172);
+    assert_int_equal(c->n_layer, 5);
+    assert_int_equal(c->n_head, 8);
+    assert_int_equal(c->n_kv_head, 4);
+    assert_int_equal(c->head_dim, 8);
+    assert_int_equal(c->vocab_size, 512);
+    assert_int_equal(c->n_ctx, 512);
+    assert_true(c->rms_eps == 1e-5f);
+    assert_true(c->rope_theta == 10000.0f);
+    assert_int_equal(c->bos_id, 1);
+    assert_int_equal(c->eos_id, 2);
+    assert_true(c->fingerprint != 0);
+    char err[256];
+    model_t *m2 = model_load(model_path, err, sizeof(err));
+    assert_non_null(m2);
+    assert_true(model_get_config(m2)->fingerprint == c->fingerprint);
+    model_destroy(&m2);
+    assert_null(m2);
+}
+
+static void test_model_greedy_reference(void **state)
+{
+    int ref[64], gen[64], np;
+    char text[4096];
+    assert_int_equal(parse_ids(ref_260k, ref, 64), 60);
+    int n = greedy(g_model, g_tok, "Once upon a time", 56, gen, text, sizeof(text), &np);
+    assert_int_equal(np, 5);
+    assert_int_equal(n, 56);
+    assert_memory_equal(gen, ref + 4, 56 * sizeof(int));
+    assert_string_equal(text, ", there was a little girl named Lily. She loved to play outside in "
+                              "the park. One day, she saw a big, red ball. She wanted to play "
+                              "with it, but it was too high");
+
+    n = greedy(g_model, g_tok, "Once upon a time", 48, gen, text, sizeof(text), NULL);
+    assert_int_equal(n, 48);
+    assert_string_equal(text, ", there was a little girl named Lily. She loved to play outside in "
+                              "the park. One day, she saw a big, red ball. She wanted to play "
+                              "with it,");
+    n = greedy(g_model, g_tok, "Tom and Sue went to the", 48, gen, text, sizeof(text), NULL);
+    assert_int_equal(n, 48);
+    assert_string_equal(text, " park. They saw a big box with a big box. They wanted to play "
+                              "with it. They wanted to play with the box. They wanted to play "
+                              "with the box.");
+    /* no prompt: run.c starts from BOS alone and prints the whole reference */
+    n = greedy(g_model, g_tok, "", 60, gen, text, sizeof(text), &np);
+    assert_int_equal(np, 1);
+    assert_memory_equal(gen, ref, 60 * sizeof(int));
+}
+
+typedef struct {
+    int calls;
+    int last;
+} cb_state;
+
+static void layer_cb(int layer, void *ud)
+{
+    cb_state *s = ud;
+    assert_int_equal(layer, s->last + 1);
+    s->last = layer;
+    s->calls++;
+}
+
+static void test_model_batch_invariance(void **state)
+{
+    const model_config *c = model_get_config(g_model);
+    const int V = c->vocab_size;
+    const char *px = "One day, a little dog named Max went to the big park with his ball.";
+    const char *py = "Lily and Ben";
+    const char *pz = "The sun was hot";
+    int x[128], y[64], z[64];
+    int nx = tokenizer_encode(g_tok, px, strlen(px), 1, x, 128, NULL);
+    int ny = tokenizer_encode(g_tok, py, strlen(py), 1, y, 64, NULL);
+    int nz = tokenizer_encode(g_tok, pz, strlen(pz), 1, z, 64, NULL);
+    assert_true(nx > 12 && ny > 3 && nz > 3);
+
+    /* reference: X alone, whole prompt in one call, logits for every token */
+    runner r;
+    runner_init(&r, g_model, 4, 64, 4, 128);
+    float *ref = malloc((size_t)nx * V * sizeof(float));
+    float *got = malloc((size_t)nx * V * sizeof(float));
+    assert_non_null(ref);
+    assert_non_null(got);
+    int sx = kvcache_seq_new(r.kv);
+    assert_int_equal(kvcache_seq_reserve(r.kv, sx, nx), KVCACHE_OK);
+    model_seq_batch b = {sx, 0, nx, x, 1, ref};
+    cb_state cs = {0, -1};
+    assert_int_equal(model_forward(r.ctx, r.kv, &b, 1, layer_cb, &cs), 0);
+    assert_int_equal(cs.calls, c->n_layer);
+    assert_int_equal(kvcache_seq_len(r.kv, sx), nx);
+    /* logits_all = 0 gives the last row */
+    kvcache_seq_truncate(r.kv, sx, 0);
+    assert_int_equal(kvcache_seq_reserve(r.kv, sx, nx), KVCACHE_OK);
+    b.logits_all = 0;
+    b.logits = got;
+    assert_int_equal(model_forward(r.ctx, r.kv, &b, 1, NULL, NULL), 0);
+    assert_memory_equal(got, ref + (size_t)(nx - 1) * V, (size_t)V * sizeof(float));
+
+    /* chunks of 3, then one token per call */
+    for (int chunk = 3; chunk >= 1; chunk -= 2) {
+        kvcache_seq_truncate(r.kv, sx, 0);
+        assert_int_equal(kvcache_seq_reserve(r.kv, sx, nx), KVCACHE_OK);
+        for (int p = 0; p < nx; p += chunk) {
+            int k = nx - p < chunk ? nx - p : chunk;
+            model_seq_batch cb = {sx, p, k, x + p, 1, got + (size_t)p * V};
+            assert_int_equal(model_forward(r.ctx, r.kv, &cb, 1, NULL, NULL), 0);
+        }
+        assert_memory_equal(got, ref, (size_t)nx * V * sizeof(float));
+    }
+
+    /* batched with two other sequences at other positions */
+    float *yref = malloc((size_t)V * sizeof(float));
+    float *ygot = malloc((size_t)V * sizeof(float));
+    float *zgot = malloc((size_t)2 * V * sizeof(float));
+    assert_non_null(yref);
+    assert_non_null(ygot);
+    assert_non_null(zgot);
+    /* Y alone: prompt then last token's logits */
+    runner r2;
+    runner_init(&r2, g_model, 4, 64, 4, 128);
+    int sy = kvcache_seq_new(r2.kv);
+    assert_int_equal(kvcache_seq_reserve(r2.kv, sy, ny), KVCACHE_OK);
+    model_seq_batch by = {sy, 0, ny, y, 0, yref};
+    assert_int_equal(model_forward(r2.ctx, r2.kv, &by, 1, NULL, NULL), 0);
+    runner_free(&r2);
+
+    kvcache_seq_truncate(r.kv, sx, 0);
+    int sy2 = kvcache_seq_new(r.kv), sz = kvcache_seq_new(r.kv);
+    assert_int_equal(kvcache_seq_reserve(r.kv, sy2, ny), KVCACHE_OK);
+    assert_int_equal(kvcache_seq_reserve(r.kv, sz, nz), KVCACHE_OK);
+    assert_int_equal(kvcache_seq_reserve(r.kv, sx, nx), KVCACHE_OK);
+    /* Y and Z prefilled partly first, then all three together */
+    model_seq_batch pre[2] = {{sy2, 0, ny - 1, y, 0, ygot}, {sz, 0, nz - 2, z, 0, zgot}};
+    assert_int_equal(model_forward(r.ctx, r.kv, pre, 2, NULL, NULL), 0);
+    model_seq_batch all[3] = {
+        {sy2, ny - 1, 1, y + ny - 1, 0, ygot},
+        {sx, 0, nx, x, 1, got},
+        {sz, nz - 2, 2, z + nz - 2, 1, zgot},
+    };
+    memset(got, 0, (size_t)nx * V * sizeof(float));
+    assert_int_equal(model_forward(r.ctx, r.kv, all, 3, NULL, NULL), 0);
+    assert_memory_equal(got, ref, (size_t)nx * V * sizeof(float));
+    assert_memory_equal(ygot, yref, (size_t)V * sizeof(float));
+    assert_int_equal(kvcache_seq_len(r.kv, sz), nz);
+
+    /* invalid arguments */
+    int badtok = V;
+    model_seq_batch e1 = {sx, nx, 1, &badtok, 0, got};
+    assert_int_equal(model_forward(r.ctx, r.kv, &e1, 1, NULL, NULL), -1);
+    model_seq_batch e2 = {sx, nx, 1, x, 0, got}; /* beyond capacity (nx rounded to 4) */
+    kvcache_seq_truncate(r.kv, sx, nx);
+    if (kvcache_seq_capacity(r.kv, sx) == nx)
+        assert_int_equal(model_forward(r.ctx, r.kv, &e2, 1, NULL, NULL), -1);
+    model_seq_batch e3 = {sx, nx + 1, 1, x, 0, got}; /* gap after the cached length */
+    assert_int_equal(kvcache_seq_reserve(r.kv, sx, nx + 2), KVCACHE_OK);
+    assert_int_equal(model_forward(r.ctx, r.kv, &e3, 1, NULL, NULL), -1);
+    model_seq_batch e4[2] = {{sx, nx, 1, x, 0, got}, {sx, nx, 1, x, 0, got}}; /* dup seq */
+    assert_int_equal(model_forward(r.ctx, r.kv, e4, 2, NULL, NULL), -1);
+    model_seq_batch e5 = {sx, 0, 129, x, 0, got}; /* more than max_tokens */
+    assert_int_equal(model_forward(r.ctx, r.kv, &e5, 1, NULL, NULL), -1);
+    model_seq_batch e6 = {3, 0, 1, x, 0, got}; /* inactive slot */
+    assert_int_equal(model_forward(r.ctx, r.kv, &e6, 1, NULL, NULL), -1);
+    assert_int_equal(kvcache_seq_len(r.kv, sx), nx);
+
+    free(yref);
+    free(ygot);
+    free(zgot);
+    free(ref);
+    free(got);
+    runner_free(&r);
+}
+
+/* ------------------------------------------------------------------------------------- */
+/* sampler */
+
+static void test_sampler(void **state)
+{
+    const int V = 512;
+    sampler_t *s = sampler_new(V);
+    assert_non_null(s);
+    float base[512], l[512];
+    srand(7);
+    for (int i = 0; i < V; i++)
+        base[i] = (float)(rand() % 1000) / 250.0f;
+    base[100] = 6.0f;
+    base[300] = 6.0f; /* tie: lowest id wins */
+    sampler_params greedy_p = {0.0f, 1.0f, 0};
+    uint64_t rng = sampler_seed_state(42), rng0 = rng;
+    memcpy(l, base, sizeof(l));
+    assert_int_equal(sampler_sample(s, &greedy_p, &rng, l), 100);
+    assert_true(rng == rng0); /* greedy leaves the state alone */
+    assert_true(sampler_seed_state(0) != 0);
+
+    /* top-k = 1 and a tiny top-p equal greedy (whatever the draw) */
+    sampler_params k1 = {1.0f, 1.0f, 1}, ptiny = {1.0f, 1e-6f, 0}, both = {0.8f, 1e-6f, 5};
+    for (int i = 0; i < 50; i++) {
+        memcpy(l, base, sizeof(l));
+        assert_int_equal(sampler_sample(s, &k1, &rng, l), 100);
+        memcpy(l, base, sizeof(l));
+        assert_int_equal(sampler_sample(s, &ptiny, &rng, l), 100);
+        memcpy(l, base, sizeof(l));
+        assert_int_equal(sampler_sample(s, &both, &rng, l), 100);
+    }
+    assert_true(rng != rng0);
+
+    /* same seed -> same tokens, another seed -> different tokens */
+    sampler_params configs[] = {
+        {1.0f, 1.0f, 0}, {0.9f, 0.9f, 0}, {1.2f, 1.0f, 40}, {1.0f, 0.95f, 100}};
+    for (size_t ci = 0; ci < sizeof(configs) / sizeof(configs[0]); ci++) {
+        int a[64], b2[64], d[64];
+        uint64_t ra = sampler_seed_state(1), rb = sampler_seed_state(1), rd = sampler_seed_state(2);
+        for (int i = 0; i < 64; i++) {
+            memcpy(l, base, sizeof(l));
+            a[i] = sampler_sample(s, &configs[ci], &ra, l);
+            memcpy(l, base, sizeof(l));
+            b2[i] = sampler_sample(s, &configs[ci], &rb, l);
+            memcpy(l, base, sizeof(l));
+            d[i] = sampler_sample(s, &configs[ci], &rd, l);
+            assert_true(a[i] >= 0 && a[i] < V);
+            if (configs[ci].top_k)
+                assert_true(base[a[i]] >= 0.0f);
+        }
+        assert_memory_equal(a, b2, sizeof(a));
+        assert_memory_not_equal(a, d, sizeof(a));
+    }
+    /* top-k restricts to the k best */
+    sampler_params k3 = {5.0f, 1.0f, 3};
+    float sorted[512];
+    memcpy(sorted, base, sizeof(sorted));
+    for (int i = 0; i < 200; i++) {
+        memcpy(l, base, sizeof(l));
+        int t = sampler_sample(s, &k3, &rng, l);
+        int better = 0;
+        for (int j = 0; j < V; j++)
+            if (base[j] > base[t] || (base[j] == base[t] && j < t))
+                better++;
+        assert_true(better < 3);
+    }
+    sampler_destroy(&s);
+    assert_null(s);
+}
+
+/* ------------------------------------------------------------------------------------- */
+/* converter and the other models */
+
+static model_t *convert_and_load(const char *ckpt, const char *tok, const char *name,
+                                 const char *extra, char *out, size_t cap)
+{
+    snprintf(out, cap, "%s/%s.gguf", tmpdir, name);
+    char ex[256];
+    snprintf(ex, sizeof(ex), "--name %s %s", name, extra ? extra : "");
+    if (run_convert(ckpt, tok, out, ex) != 0)
+        fail_msg("converting %s failed", ckpt);
+    char err[512];
+    model_t *m = model_load(out, err, sizeof(err));
+    if (!m)
+        fail_msg("%s", err);
+    return m;
+}
+
+static void test_convert_other_models(void **state)
+{
+    char path[PATH_MAX], err[512], text[4096];
+    int gen[64], ref[64], np;
+
+    /* babyllama tok105: char-level vocab, no byte fallback */
+    model_t *m = convert_and_load(MODELS_DIR "/babyllama-tok105-1M/model5000.bin",
+                                  MODELS_DIR "/babyllama-tok105-1M/tok105.bin", "babyllama", NULL,
+                                  path, sizeof(path));
+    tokenizer_t *t = tokenizer_load(path, err, sizeof(err));
+    assert_non_null(t);
+    const model_config *c = model_get_config(m);
+    assert_int_equal(c->dim, 128);
+    assert_int_equal(c->hidden_dim, 352);
+    assert_int_equal(c->n_layer, 5);
+    assert_int_equal(c->n_head, 8);
+    assert_int_equal(c->n_kv_head, 4);
+    assert_int_equal(c->head_dim, 16);
+    assert_int_equal(c->vocab_size, 105);
+    assert_int_equal(c->n_ctx, 256);
+    int nref = parse_ids("3 34 9 22 4 3 18 20 7 9 3 5 3 6 10 16 4 25 3 6 8 4 13 4 3 17 5 12 3 5 "
+                         "3 14 10 6 6 14 4 3 21 10 13 14 3 9 5 16 4 11 3 31 10 14 15 19 3 30 8 "
+                         "4 3 14",
+                         ref, 64);
+    assert_int_equal(nref, 60);
+    int n = greedy(m, t, "Once upon a time", 43, gen, text, sizeof(text), &np);
+    assert_int_equal(np, 18); /* BOS + 17 character tokens */
+    assert_int_equal(n, 43);
+    assert_memory_equal(gen, ref + 17, 43 * sizeof(int));
+    n = greedy(m, t, "", 60, gen, text, sizeof(text), NULL);
+    assert_memory_equal(gen, ref, 60 * sizeof(int));
+    assert_string_equal(text, "Once upon a time, there was a little girl named Lily. She l");
+    int ids[16];
+    n = tokenizer_encode(t, "\xe6\x97\xa5", 3, 0, ids, 16, NULL); /* not in vocab: <unk> */
+    assert_int_equal(n, 2);
+    assert_int_equal(ids[1], 0);
+    tokenizer_destroy(&t);
+    model_destroy(&m);
+
+    /* tinystories280K: same tokenizer as stories260K, different weights */
+    m = convert_and_load(MODELS_DIR "/tinystories280K-saltyduckegg/model.bin",
+                         MODELS_DIR "/tinystories280K-saltyduckegg/tok512.bin", "ts280k", NULL,
+                         path, sizeof(path));
+    c = model_get_config(m);
+    assert_int_equal(c->dim, 64);
+    assert_int_equal(c->hidden_dim, 192);
+    assert_int_equal(c->n_layer, 5);
+    assert_int_equal(c->n_head, 8);
+    assert_int_equal(c->n_kv_head, 4);
+    assert_int_equal(c->vocab_size, 512);
+    assert_int_equal(c->n_ctx, 256);
+    assert_true(c->fingerprint != model_get_config(g_model)->fingerprint);
+    nref = parse_ids("403 407 261 378 432 383 286 261 376 298 315 421 395 317 426 338 401 396 "
+                     "267 337 410 408 419 292 411 269 280 314 411 267 337 335 311 374 419 426 "
+                     "385 328 432 358 263 377 267 265 282 295 433 267 337 335 311 267 422 419 "
+                     "426 338 286 399 393 426",
+                     ref, 64);
+    assert_int_equal(nref, 60);
+    n = greedy(m, g_tok, "Once upon a time", 56, gen, text, sizeof(text), NULL);
+    assert_int_equal(n, 56);
+    assert_memory_equal(gen, ref + 4, 56 * sizeof(int));
+    assert_string_equal(text, ", there was a little girl named Lily. She loved to play outside "
+                              "and came to play with her friends. One day, she went to the park "
+                              "to play with her toys. She was very happy.");
+    model_destroy(&m);
+
+    /* stories260K as F16: loads, different fingerprint, same config, sane output */
+    m = convert_and_load(MODELS_DIR "/stories260K/stories260K.bin",
+                         MODELS_DIR "/stories260K/tok512.bin", "stories260K-f16", "--f16", path,
+                         sizeof(path));
+    c = model_get_config(m);
+    assert_int_equal(c->dim, 64);
+    assert_true(c->fingerprint != model_get_config(g_model)->fingerprint);
+    n = greedy(m, g_tok, "Once upon a time", 8, gen, text, sizeof(text), NULL);
+    assert_int_equal(n, 8);
+    assert_int_equal(gen[0], 432);
+    model_destroy(&m);
+}
+
+static void test_convert_errors(void **state)
+{
+    char trunc[PATH_MAX], out[PATH_MAX];
+    snprintf(trunc, sizeof(trunc), "%s/trunc.bin", tmpdir);
+    snprintf(out, sizeof(out), "%s/never.gguf", tmpdir);
+    size_t n;
+    unsigned char *b = slurp(MODELS_DIR "/stories260K/stories260K.bin", &n);
+    const size_t lens[] = {0, 10, 28, 1000, 1056540 - 4};
+    for (size_t i = 0; i < sizeof(lens) / sizeof(lens[0]); i++) {
+        spit(trunc, b, lens[i]);
+        assert_true(run_convert(trunc, MODELS_DIR "/stories260K/tok512.bin", out, NULL) > 0);
+        assert_false(file_exists(out));
+    }
+    /* trailing garbage: size mismatch with the header */
+    unsigned char *big = malloc(n + 8);
+    assert_non_null(big);
+    memcpy(big, b, n);
+    memset(big + n, 0, 8);
+    spit(trunc, big, n + 8);
+    assert_true(run_convert(trunc, MODELS_DIR "/stories260K/tok512.bin", out, NULL) > 0);
+    /* tokenizer that does not match the vocab size */
+    assert_true(run_convert(MODELS_DIR "/stories260K/stories260K.bin",
+                            MODELS_DIR "/babyllama-tok105-1M/tok105.bin", out, NULL) > 0);
+    assert_true(run_convert("/nonexistent.bin", MODELS_DIR "/stories260K/tok512.bin", out, NULL) >
+                0);
+    assert_false(file_exists(out));
+    free(big);
+    free(b);
+}
+
+int main(int argc, char **argv)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_kvcache_accounting),
+        cmocka_unit_test(test_kvcache_slots_and_layout),
+        cmocka_unit_test(test_gguf_roundtrip),
+        cmocka_unit_test(test_gguf_corrupt),
+        cmocka_unit_test(test_model_load_errors),
+        cmocka_unit_test(test_tokenizer_encode),
+        cmocka_unit_test(test_tokenizer_decode),
+        cmocka_unit_test(test_model_config),
+        cmocka_unit_test(test_model_greedy_reference),
+        cmocka_unit_test(test_model_batch_invariance),
+        cmocka_unit_test(test_sampler),
+        cmocka_unit_test(test_convert_other_models),
+        cmocka_unit_test(test_convert_errors),
+    };
+    if (argc > 1)
+        cmocka_set_test_filter(argv[1]);
+    return cmocka_run_group_tests_name("engine", tests, group_setup, group_teardown);
+}
