@@ -134,7 +134,11 @@ class Cluster:
         return "\n".join("== %s ==\n%s" % (n, self.log(n)[-3000:]) for n in self.logs)
 
     def __enter__(self):
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
 
     def __exit__(self, *exc):
         self.stop()

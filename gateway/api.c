@@ -1,0 +1,608 @@
+/* api: see api.h. Validation follows OpenAI's error conventions: 400
+ * invalid_request_error with the offending parameter in "param" and a short machine code
+ * in "code" (invalid_type, invalid_value, missing_required_parameter, ...). */
+#include "api.h"
+
+#include <jansson.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define INVALID "invalid_request_error"
+
+int api_error_set(api_error *e, int status, const char *type, const char *param, const char *code,
+                  const char *fmt, ...)
+{
+    e->status = status;
+    e->type = type;
+    e->param = param;
+    e->code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof(e->message), fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+int api_utf8_valid(const char *str, size_t n)
+{
+    const unsigned char *s = (const unsigned char *)str;
+    size_t i = 0;
+    while (i < n) {
+        unsigned c = s[i];
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        int len;
+        unsigned min;
+        if (c >= 0xC2 && c <= 0xDF) {
+            len = 2, min = 0x80;
+        } else if (c >= 0xE0 && c <= 0xEF) {
+            len = 3, min = 0x800;
+        } else if (c >= 0xF0 && c <= 0xF4) {
+            len = 4, min = 0x10000;
+        } else {
+            return 0;
+        }
+        if (i + (size_t)len > n)
+            return 0;
+        unsigned cp = c & (0x7F >> len);
+        for (int k = 1; k < len; k++) {
+            if ((s[i + k] & 0xC0) != 0x80)
+                return 0;
+            cp = (cp << 6) | (s[i + k] & 0x3F);
+        }
+        if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+            return 0;
+        i += (size_t)len;
+    }
+    return 1;
+}
+
+void api_request_free(api_request *r)
+{
+    free(r->model);
+    free(r->prompt);
+    for (int i = 0; i < r->n_stop; i++)
+        free(r->stop[i]);
+    memset(r, 0, sizeof(*r));
+}
+
+// --- field helpers
+
+static const char *json_type_name(const json_t *v)
+{
+    switch (json_typeof(v)) {
+    case JSON_OBJECT:
+        return "an object";
+    case JSON_ARRAY:
+        return "an array";
+    case JSON_STRING:
+        return "a string";
+    case JSON_INTEGER:
+        return "an integer";
+    case JSON_REAL:
+        return "a number";
+    case JSON_TRUE:
+    case JSON_FALSE:
+        return "a boolean";
+    case JSON_NULL:
+        return "null";
+    }
+    return "?";
+}
+
+static int type_error(api_error *e, const char *param, const char *want, const json_t *v)
+{
+    return api_error_set(e, 400, INVALID, param, "invalid_type",
+                         "Invalid type for '%s': expected %s, but got %s instead.", param, want,
+                         json_type_name(v));
+}
+
+/* A present, non-null field, or NULL. */
+static json_t *field(json_t *root, const char *key)
+{
+    json_t *v = json_object_get(root, key);
+    return (v && !json_is_null(v)) ? v : NULL;
+}
+
+static int get_bool(json_t *root, const char *key, int *out, api_error *e)
+{
+    json_t *v = field(root, key);
+    if (!v)
+        return 0;
+    if (!json_is_boolean(v))
+        return type_error(e, key, "a boolean", v);
+    *out = json_is_true(v);
+    return 0;
+}
+
+/* A number in [lo, hi] (lo_open: lo excluded). */
+static int get_number(json_t *root, const char *key, double lo, int lo_open, double hi, double *out,
+                      api_error *e)
+{
+    json_t *v = field(root, key);
+    if (!v)
+        return 0;
+    if (!json_is_number(v))
+        return type_error(e, key, "a number", v);
+    double d = json_number_value(v);
+    if (!isfinite(d) || d > hi || (lo_open ? d <= lo : d < lo))
+        return api_error_set(e, 400, INVALID, key, "invalid_value",
+                             "'%s' must be %s %g and <= %g, got %g.", key, lo_open ? ">" : ">=", lo,
+                             hi, d);
+    *out = d;
+    return 0;
+}
+
+/* An integer (JSON integer, not 1.5 nor "10"). *present = 1 when given. */
+static int get_int(json_t *root, const char *key, json_int_t *out, int *present, api_error *e)
+{
+    json_t *v = field(root, key);
+    *present = 0;
+    if (!v)
+        return 0;
+    if (!json_is_integer(v))
+        return type_error(e, key, "an integer", v);
+    *out = json_integer_value(v);
+    *present = 1;
+    return 0;
+}
+
+/* A value that means "feature on" for a parameter we do not implement. */
+static int is_set(const json_t *v)
+{
+    if (!v || json_is_null(v) || json_is_false(v))
+        return 0;
+    if (json_is_integer(v))
+        return json_integer_value(v) != 0;
+    return 1;
+}
+
+static char *dup_n(const char *s, size_t n)
+{
+    char *d = malloc(n + 1);
+    if (d) {
+        memcpy(d, s, n);
+        d[n] = 0;
+    }
+    return d;
+}
+
+// --- prompt / messages
+
+static int parse_prompt(json_t *root, api_request *r, api_error *e)
+{
+    json_t *v = field(root, "prompt");
+    if (!v)
+        return api_error_set(e, 400, INVALID, "prompt", "missing_required_parameter",
+                             "Missing required parameter: 'prompt'.");
+    if (json_is_array(v)) {
+        if (json_array_size(v) != 1)
+            return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
+                                 "'prompt' as an array must hold exactly one string "
+                                 "(batched prompts are not supported), got %zu elements.",
+                                 json_array_size(v));
+        v = json_array_get(v, 0);
+        if (!json_is_string(v))
+            return api_error_set(e, 400, INVALID, "prompt", "invalid_type",
+                                 "'prompt' must be a string or an array of one string "
+                                 "(token-id prompts are not supported).");
+    }
+    if (!json_is_string(v))
+        return type_error(e, "prompt", "a string", v);
+    if (json_string_length(v) == 0)
+        return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
+                             "'prompt' must not be empty.");
+    r->prompt = dup_n(json_string_value(v), json_string_length(v));
+    if (!r->prompt)
+        return api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+    r->prompt_len = json_string_length(v);
+    return 0;
+}
+
+/* Append n bytes to a growing buffer. */
+typedef struct {
+    char *p;
+    size_t len, cap;
+} buf_t;
+
+static int buf_add(buf_t *b, const char *s, size_t n)
+{
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 256;
+        while (cap < b->len + n + 1)
+            cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (!p)
+            return -1;
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = 0;
+    return 0;
+}
+
+/* The chat template (docs/api.md): "<role>: <content>\n" per message, then "assistant:". */
+static int parse_messages(json_t *root, api_request *r, api_error *e)
+{
+    static const char *roles[] = {"system", "developer", "user", "assistant"};
+    json_t *msgs = field(root, "messages");
+    if (!msgs)
+        return api_error_set(e, 400, INVALID, "messages", "missing_required_parameter",
+                             "Missing required parameter: 'messages'.");
+    if (!json_is_array(msgs))
+        return type_error(e, "messages", "an array", msgs);
+    if (json_array_size(msgs) == 0)
+        return api_error_set(e, 400, INVALID, "messages", "invalid_value",
+                             "'messages' must contain at least one message.");
+    buf_t b = {0};
+    size_t i;
+    json_t *m;
+    int oom = 0;
+    json_array_foreach(msgs, i, m)
+    {
+        if (!json_is_object(m)) {
+            free(b.p);
+            return api_error_set(e, 400, INVALID, "messages", "invalid_type",
+                                 "Invalid type for 'messages[%zu]': expected an object, but "
+                                 "got %s instead.",
+                                 i, json_type_name(m));
+        }
+        json_t *role = json_object_get(m, "role");
+        size_t k;
+        for (k = 0; role && json_is_string(role) && k < 4; k++)
+            if (strcmp(json_string_value(role), roles[k]) == 0)
+                break;
+        if (!role || !json_is_string(role) || k == 4) {
+            free(b.p);
+            return api_error_set(e, 400, INVALID, "messages", "invalid_value",
+                                 "'messages[%zu].role' must be one of 'system', 'developer', "
+                                 "'user', 'assistant'.",
+                                 i);
+        }
+        json_t *content = json_object_get(m, "content");
+        oom |= buf_add(&b, json_string_value(role), strlen(json_string_value(role)));
+        oom |= buf_add(&b, ": ", 2);
+        if (content && json_is_string(content)) {
+            oom |= buf_add(&b, json_string_value(content), json_string_length(content));
+        } else if (content && json_is_array(content)) {
+            size_t j;
+            json_t *part;
+            json_array_foreach(content, j, part)
+            {
+                json_t *type = json_object_get(part, "type");
+                json_t *text = json_object_get(part, "text");
+                if (!json_is_object(part) || !json_is_string(type) ||
+                    strcmp(json_string_value(type), "text") != 0 || !json_is_string(text)) {
+                    free(b.p);
+                    return api_error_set(e, 400, INVALID, "messages", "invalid_value",
+                                         "'messages[%zu].content[%zu]' must be a text part "
+                                         "{\"type\": \"text\", \"text\": ...}.",
+                                         i, j);
+                }
+                oom |= buf_add(&b, json_string_value(text), json_string_length(text));
+            }
+        } else {
+            free(b.p);
+            return api_error_set(e, 400, INVALID, "messages", "invalid_type",
+                                 "'messages[%zu].content' must be a string or an array of "
+                                 "text parts.",
+                                 i);
+        }
+        oom |= buf_add(&b, "\n", 1);
+    }
+    oom |= buf_add(&b, "assistant:", 10);
+    if (oom) {
+        free(b.p);
+        return api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+    }
+    r->prompt = b.p;
+    r->prompt_len = b.len;
+    return 0;
+}
+
+static int parse_stop(json_t *root, api_request *r, api_error *e)
+{
+    json_t *v = field(root, "stop");
+    if (!v)
+        return 0;
+    json_t *one[1] = {v};
+    json_t **items = one;
+    size_t n = 1;
+    json_t *arr_items[API_MAX_STOP];
+    if (json_is_array(v)) {
+        n = json_array_size(v);
+        if (n > API_MAX_STOP)
+            return api_error_set(e, 400, INVALID, "stop", "invalid_value",
+                                 "'stop' may hold at most %d strings, got %zu.", API_MAX_STOP, n);
+        for (size_t i = 0; i < n; i++)
+            arr_items[i] = json_array_get(v, i);
+        items = arr_items;
+    } else if (!json_is_string(v)) {
+        return type_error(e, "stop", "a string or an array of strings", v);
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (!json_is_string(items[i]))
+            return type_error(e, "stop", "a string or an array of strings", items[i]);
+        size_t len = json_string_length(items[i]);
+        if (len == 0 || len > API_MAX_STOP_BYTES)
+            return api_error_set(e, 400, INVALID, "stop", "invalid_value",
+                                 "each stop string must be 1 to %d bytes long, got %zu.",
+                                 API_MAX_STOP_BYTES, len);
+        r->stop[r->n_stop] = dup_n(json_string_value(items[i]), len);
+        if (!r->stop[r->n_stop])
+            return api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+        r->n_stop++;
+    }
+    return 0;
+}
+
+static int parse_fields(json_t *root, api_request *r, api_error *e)
+{
+    json_t *v;
+    json_int_t iv;
+    int present;
+
+    if ((v = field(root, "model"))) {
+        if (!json_is_string(v))
+            return type_error(e, "model", "a string", v);
+        r->model = dup_n(json_string_value(v), json_string_length(v));
+        if (!r->model)
+            return api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+    }
+    if (r->kind == API_COMPLETIONS ? parse_prompt(root, r, e) : parse_messages(root, r, e))
+        return -1;
+
+    /* max_tokens; chat also takes max_completion_tokens (which wins when both are given) */
+    const char *mt_key = "max_tokens";
+    if (r->kind == API_CHAT && field(root, "max_completion_tokens"))
+        mt_key = "max_completion_tokens";
+    r->max_tokens = -1;
+    if (get_int(root, mt_key, &iv, &present, e))
+        return -1;
+    if (present) {
+        if (iv < 1 || iv > 1 << 24)
+            return api_error_set(e, 400, INVALID, mt_key, "invalid_value",
+                                 "'%s' must be at least 1 (and at most the context length), "
+                                 "got %lld.",
+                                 mt_key, (long long)iv);
+        r->max_tokens = (int)iv;
+    }
+
+    r->temperature = 1.0;
+    r->top_p = 1.0;
+    if (get_number(root, "temperature", 0, 0, 2, &r->temperature, e) ||
+        get_number(root, "top_p", 0, 1, 1, &r->top_p, e))
+        return -1;
+    if (get_int(root, "top_k", &iv, &present, e))
+        return -1;
+    if (present) {
+        if (iv < -1 || iv > 1 << 24)
+            return api_error_set(e, 400, INVALID, "top_k", "invalid_value",
+                                 "'top_k' must be -1 or 0 (off) or a positive integer, got "
+                                 "%lld.",
+                                 (long long)iv);
+        r->top_k = iv < 0 ? 0 : (int)iv;
+    }
+    if (get_int(root, "seed", &iv, &present, e))
+        return -1;
+    if (present) {
+        r->has_seed = 1;
+        r->seed = (uint64_t)iv;
+    }
+    if (parse_stop(root, r, e) || get_bool(root, "stream", &r->stream, e))
+        return -1;
+    if ((v = field(root, "stream_options"))) {
+        if (!json_is_object(v))
+            return type_error(e, "stream_options", "an object", v);
+        json_t *iu = json_object_get(v, "include_usage");
+        if (iu && !json_is_null(iu) && !json_is_boolean(iu))
+            return type_error(e, "stream_options", "a boolean include_usage", iu);
+        r->include_usage = iu && json_is_true(iu);
+    }
+    if (get_int(root, "n", &iv, &present, e))
+        return -1;
+    if (present && iv != 1)
+        return api_error_set(e, 400, INVALID, "n", "invalid_value",
+                             "Only n = 1 is supported, got %lld.", (long long)iv);
+    if ((v = field(root, "user")) && !json_is_string(v))
+        return type_error(e, "user", "a string", v);
+    double pen = 0;
+    if (get_number(root, "presence_penalty", -2, 0, 2, &pen, e) ||
+        get_number(root, "frequency_penalty", -2, 0, 2, &pen, e))
+        return -1;
+
+    /* Features we cannot honour are refused rather than silently ignored. */
+    static const char *unsupported[] = {"logprobs", "top_logprobs", "echo",      "suffix",
+                                        "tools",    "functions",    "logit_bias"};
+    for (size_t i = 0; i < sizeof(unsupported) / sizeof(unsupported[0]); i++) {
+        v = json_object_get(root, unsupported[i]);
+        if (is_set(v) && !(json_is_object(v) && json_object_size(v) == 0) &&
+            !(json_is_array(v) && json_array_size(v) == 0))
+            return api_error_set(e, 400, INVALID, unsupported[i], "unsupported_parameter",
+                                 "'%s' is not supported by this server.", unsupported[i]);
+    }
+    if (get_int(root, "best_of", &iv, &present, e))
+        return -1;
+    if (present && iv != 1)
+        return api_error_set(e, 400, INVALID, "best_of", "unsupported_parameter",
+                             "Only best_of = 1 is supported, got %lld.", (long long)iv);
+    return 0;
+}
+
+int api_parse(api_kind_t kind, const char *body, size_t len, api_request *out, api_error *err)
+{
+    memset(out, 0, sizeof(*out));
+    out->kind = kind;
+    if (!api_utf8_valid(body, len))
+        return api_error_set(err, 400, INVALID, NULL, "invalid_encoding",
+                             "The request body is not valid UTF-8.");
+    json_error_t jerr;
+    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
+    if (!root)
+        return api_error_set(err, 400, INVALID, NULL, "invalid_json",
+                             "We could not parse the JSON body of your request (%s at line "
+                             "%d, column %d).",
+                             jerr.text, jerr.line, jerr.column);
+    int rc = 0;
+    if (!json_is_object(root))
+        rc = api_error_set(err, 400, INVALID, NULL, "invalid_type",
+                           "The request body must be a JSON object, got %s.", json_type_name(root));
+    else
+        rc = parse_fields(root, out, err);
+    json_decref(root);
+    if (rc) {
+        api_request_free(out);
+        out->kind = kind;
+    }
+    return rc;
+}
+
+int api_check_model(const api_request *r, const char *served_model, api_error *err)
+{
+    if (!r->model || strcmp(r->model, served_model) == 0)
+        return 0;
+    return api_error_set(err, 404, INVALID, "model", "model_not_found",
+                         "The model '%.200s' does not exist; this server serves '%.200s'.",
+                         r->model, served_model);
+}
+
+int api_check_length(api_request *r, int n_prompt, int n_ctx, api_error *err)
+{
+    const char *pkey = r->kind == API_CHAT ? "messages" : "prompt";
+    if (r->prompt_len == 0 || n_prompt <= 1)
+        return api_error_set(err, 400, INVALID, pkey, "invalid_value",
+                             "The prompt must not be empty.");
+    if (n_prompt >= n_ctx)
+        return api_error_set(err, 400, INVALID, pkey, "context_length_exceeded",
+                             "This model's maximum context length is %d tokens, but the "
+                             "prompt is %d tokens (at least one token must be left for the "
+                             "completion).",
+                             n_ctx, n_prompt);
+    if (r->max_tokens < 0) {
+        r->max_tokens = n_ctx - n_prompt;
+        return 0;
+    }
+    if ((long long)n_prompt + r->max_tokens > n_ctx)
+        return api_error_set(err, 400, INVALID,
+                             r->kind == API_CHAT ? "max_completion_tokens" : "max_tokens",
+                             "context_length_exceeded",
+                             "This model's maximum context length is %d tokens. However, you "
+                             "requested %lld tokens (%d in the prompt, %d for the completion). "
+                             "Please reduce the prompt or max_tokens.",
+                             n_ctx, (long long)n_prompt + r->max_tokens, n_prompt, r->max_tokens);
+    return 0;
+}
+
+// --- formatting
+
+static char *dump(json_t *root)
+{
+    if (!root)
+        return NULL;
+    char *s = json_dumps(root, JSON_COMPACT);
+    json_decref(root);
+    return s;
+}
+
+char *api_error_json(const api_error *e)
+{
+    json_t *inner = json_pack("{s:s, s:s, s:s?, s:s?}", "message", e->message, "type",
+                              e->type ? e->type : INVALID, "param", e->param, "code", e->code);
+    if (!inner)
+        return NULL;
+    return dump(json_pack("{s:o}", "error", inner));
+}
+
+static json_t *usage_obj(int n_prompt, int n_completion)
+{
+    return json_pack("{s:i, s:i, s:i}", "prompt_tokens", n_prompt, "completion_tokens",
+                     n_completion, "total_tokens", n_prompt + n_completion);
+}
+
+/* json_stringn_nocheck would accept invalid UTF-8; json_stringn validates. */
+static json_t *text_or_null(const char *text, size_t len)
+{
+    return text ? json_stringn(text, len) : json_null();
+}
+
+char *api_format_response(const api_response_info *info, const char *text, size_t len,
+                          const char *finish_reason, int n_prompt, int n_completion)
+{
+    json_t *t = json_stringn(text ? text : "", text ? len : 0);
+    if (!t)
+        return NULL;
+    json_t *choice;
+    if (info->kind == API_CHAT)
+        choice = json_pack("{s:i, s:{s:s, s:o}, s:n, s:s}", "index", 0, "message", "role",
+                           "assistant", "content", t, "logprobs", "finish_reason", finish_reason);
+    else
+        choice = json_pack("{s:i, s:o, s:n, s:s}", "index", 0, "text", t, "logprobs",
+                           "finish_reason", finish_reason);
+    if (!choice)
+        return NULL;
+    return dump(json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", info->id, "object",
+                          info->kind == API_CHAT ? "chat.completion" : "text_completion", "created",
+                          (json_int_t)info->created, "model", info->model, "choices", choice,
+                          "usage", usage_obj(n_prompt, n_completion)));
+}
+
+char *api_format_chunk(const api_response_info *info, const char *text, size_t len,
+                       const char *finish_reason, int role_chunk)
+{
+    json_t *choice;
+    if (info->kind == API_CHAT) {
+        json_t *delta = json_object();
+        if (!delta)
+            return NULL;
+        if (role_chunk) {
+            json_object_set_new(delta, "role", json_string("assistant"));
+            json_object_set_new(delta, "content", json_string(""));
+        } else if (text) {
+            json_t *t = json_stringn(text, len);
+            if (!t) {
+                json_decref(delta);
+                return NULL;
+            }
+            json_object_set_new(delta, "content", t);
+        }
+        choice = json_pack("{s:i, s:o, s:n, s:s?}", "index", 0, "delta", delta, "logprobs",
+                           "finish_reason", finish_reason);
+    } else {
+        json_t *t = text_or_null(text ? text : "", text ? len : 0);
+        if (!t)
+            return NULL;
+        choice = json_pack("{s:i, s:o, s:n, s:s?}", "index", 0, "text", t, "logprobs",
+                           "finish_reason", finish_reason);
+    }
+    if (!choice)
+        return NULL;
+    json_t *root =
+        json_pack("{s:s, s:s, s:I, s:s, s:[o]}", "id", info->id, "object",
+                  info->kind == API_CHAT ? "chat.completion.chunk" : "text_completion", "created",
+                  (json_int_t)info->created, "model", info->model, "choices", choice);
+    if (root && info->include_usage)
+        json_object_set_new(root, "usage", json_null());
+    return dump(root);
+}
+
+char *api_format_usage_chunk(const api_response_info *info, int n_prompt, int n_completion)
+{
+    return dump(json_pack("{s:s, s:s, s:I, s:s, s:[], s:o}", "id", info->id, "object",
+                          info->kind == API_CHAT ? "chat.completion.chunk" : "text_completion",
+                          "created", (json_int_t)info->created, "model", info->model, "choices",
+                          "usage", usage_obj(n_prompt, n_completion)));
+}
+
+char *api_format_models(const char *model, int64_t created, int n_ctx)
+{
+    return dump(json_pack("{s:s, s:[{s:s, s:s, s:I, s:s, s:i}]}", "object", "list", "data", "id",
+                          model, "object", "model", "created", (json_int_t)created, "owned_by",
+                          "tidepool", "max_model_len", n_ctx));
+}

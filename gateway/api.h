@@ -1,0 +1,115 @@
+/*
+ * api: the OpenAI-compatible request/response formats of the gateway, with no I/O.
+ *
+ * api_parse() turns a request body into an api_request or an api_error (HTTP status plus
+ * the OpenAI error object fields); api_check_model() and api_check_length() finish the
+ * validation once the served model and the prompt's token count are known. The
+ * api_format_*() functions build response bodies and SSE chunk payloads with jansson.
+ * Everything here is pure (no globals, no sockets), so the whole validation table is
+ * unit-tested at this level (tests/unit/test_gateway_api.c). See docs/api.md for the
+ * rules these functions implement.
+ */
+#ifndef TP_GW_API_H
+#define TP_GW_API_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define API_MAX_STOP 4         /* stop strings per request (OpenAI's limit) */
+#define API_MAX_STOP_BYTES 256 /* bytes per stop string */
+
+typedef enum {
+    API_COMPLETIONS = 0, /* POST /v1/completions */
+    API_CHAT = 1,        /* POST /v1/chat/completions */
+} api_kind_t;
+
+/* A validated request. Strings are owned (free with api_request_free). */
+typedef struct {
+    api_kind_t kind;
+    char *model;              /* requested model name; NULL when absent */
+    char *prompt;             /* completions: the prompt; chat: the rendered template */
+    size_t prompt_len;        /* bytes of prompt (valid UTF-8, no NUL) */
+    int max_tokens;           /* >= 1, or -1 when absent (api_check_length fills it) */
+    double temperature;       /* [0, 2]; default 1 */
+    double top_p;             /* (0, 1]; default 1 */
+    int top_k;                /* >= 0; 0 = off (-1 is accepted as off) */
+    int has_seed;             /* seed given? */
+    uint64_t seed;            /* the seed's two's-complement bits */
+    char *stop[API_MAX_STOP]; /* non-empty UTF-8 strings */
+    int n_stop;
+    int stream;        /* 1: SSE */
+    int include_usage; /* stream_options.include_usage */
+} api_request;
+
+/* An error reply: HTTP status and the fields of OpenAI's {"error": {...}} object.
+ * type/param/code are static strings (param and code may be NULL = JSON null). */
+typedef struct {
+    int status;
+    const char *type;
+    const char *param;
+    const char *code;
+    char message[512];
+} api_error;
+
+/* Fill e (message printf-style, truncated to fit). Returns -1 so callers can
+ * `return api_error_set(...)`. */
+int api_error_set(api_error *e, int status, const char *type, const char *param, const char *code,
+                  const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+
+/* 1 if the n bytes at s are well-formed UTF-8 (no overlongs, no surrogates, <= U+10FFFF),
+ * else 0. */
+int api_utf8_valid(const char *s, size_t n);
+
+/* Parse and validate a body of len bytes (need not be NUL-terminated) for endpoint kind.
+ * On success returns 0 and fills *out (free with api_request_free). On bad input returns
+ * -1, fills *err (4xx) and leaves *out empty. Unknown fields are ignored. Chat messages
+ * are rendered into out->prompt with the plain template of docs/api.md. */
+int api_parse(api_kind_t kind, const char *body, size_t len, api_request *out, api_error *err);
+
+/* Free the strings of r and zero it. Takes an already-freed (zeroed) request. */
+void api_request_free(api_request *r);
+
+/* Check r->model against the served name (absent = the served model). 0, or -1 with a
+ * 404 model_not_found in *err. */
+int api_check_model(const api_request *r, const char *served_model, api_error *err);
+
+/* Check the prompt's token count n_prompt (BOS included) against the context n_ctx (tokens)
+ * and settle max_tokens: absent → n_ctx - n_prompt. Returns 0, or -1 with a 400 in *err
+ * (empty prompt, prompt >= n_ctx, n_prompt + max_tokens > n_ctx; the message names the
+ * numbers). */
+int api_check_length(api_request *r, int n_prompt, int n_ctx, api_error *err);
+
+/* The error body {"error":{"message","type","param","code"}}. malloc'd; NULL on OOM. */
+char *api_error_json(const api_error *e);
+
+/* What every response of one request shares. */
+typedef struct {
+    api_kind_t kind;
+    const char *id;    /* "cmpl-..." / "chatcmpl-..." */
+    int64_t created;   /* unix seconds */
+    const char *model; /* served model name */
+    int include_usage; /* streaming: chunks carry "usage": null, then a usage chunk */
+} api_response_info;
+
+/* finish reasons as OpenAI spells them */
+#define API_FINISH_STOP "stop"
+#define API_FINISH_LENGTH "length"
+
+/* Non-streaming response body (text: len bytes of valid UTF-8). malloc'd; NULL on OOM or
+ * invalid UTF-8. */
+char *api_format_response(const api_response_info *info, const char *text, size_t len,
+                          const char *finish_reason, int n_prompt, int n_completion);
+
+/* One SSE chunk payload (without "data: "). text may be NULL (no content); finish_reason
+ * NULL while streaming; role_chunk = 1 gives chat's first delta {"role":"assistant",
+ * "content":""}. malloc'd; NULL on OOM or invalid UTF-8. */
+char *api_format_chunk(const api_response_info *info, const char *text, size_t len,
+                       const char *finish_reason, int role_chunk);
+
+/* The final usage chunk (choices: [], usage: {...}). malloc'd; NULL on OOM. */
+char *api_format_usage_chunk(const api_response_info *info, int n_prompt, int n_completion);
+
+/* GET /v1/models body listing one model. malloc'd; NULL on OOM. */
+char *api_format_models(const char *model, int64_t created, int n_ctx);
+
+#endif

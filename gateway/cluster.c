@@ -1,0 +1,878 @@
+/* cluster: see cluster.h.
+ *
+ * Data: a list of workers (few), a hash of requests by rid, and two intrusive lists of
+ * requests: the FIFO of those waiting for workers and the list of those assigned. A
+ * worker found dead is only flagged where it is found (the flag keeps it out of
+ * routing); the dispatch event and the sweep timer reap flagged workers, re-running their
+ * requests, so no list is changed while it is being walked. Dispatch itself runs from a
+ * deferred event, never inside the caller of cluster_submit or a message handler. */
+#include "cluster.h"
+
+#include <errno.h>
+#include <event2/event.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <zmq.h>
+
+#include "evzmq.h"
+#include "log.h"
+#include "protocol.h"
+
+#define N_BUCKETS 4096
+#define MAX_MSGS_PER_CB 256
+#define SWEEP_MS 100
+#define DISPATCH_SCAN_MAX 64 /* queued requests tried per dispatch after a miss */
+
+typedef struct worker {
+    struct worker *next;
+    char id[PROTO_ID_LEN]; /* worker id == ZeroMQ routing id */
+    size_t id_len;
+    int role, state, pid;
+    char kvep[PROTO_ENDPOINT_LEN];
+    int n_ctx, block_size, max_seqs;
+    int kv_total, kv_free, running, queued, qtok; /* last heartbeat */
+    int64_t last_seen_us;
+    int dead;           /* flagged; reaped by the next sweep or dispatch */
+    char why[160];      /* why it was flagged dead */
+    int full;           /* a NOSPACE came back: no decode work until the next heartbeat */
+    int pending_qtok;   /* prompt tokens sent as PREFILL, no token reported yet */
+    int pending_blocks; /* KV blocks promised as decode worker, no token reported yet */
+    int n_decode;       /* requests assigned with this worker as decode worker */
+    int n_assigned;     /* requests assigned to it in any role */
+} worker_t;
+
+typedef struct req {
+    struct req *hnext;
+    struct req *prev, *next; /* queue or active list */
+    uint64_t rid;
+    void *ud;
+    int *tokens; /* (n_prompt + max_tokens,) prompt then generated */
+    int n_prompt, n_gen, max_tokens;
+    float temperature, top_p;
+    int top_k;
+    uint64_t rng;
+    worker_t *pw, *dw; /* current attempt (NULL while queued) */
+    int base;          /* n_gen when the attempt started */
+    int p_started, d_started;
+    int p_qtok, d_blocks; /* what this attempt added to pw/dw pending counters */
+    int retries;
+    int64_t since_us; /* queued since, or last progress while assigned */
+    int queued;       /* on the queue (else on the active list) */
+} req_t;
+
+typedef struct {
+    req_t *head, *tail;
+    int n;
+} rlist_t;
+
+struct cluster {
+    struct event_base *base;
+    cluster_params p;
+    cluster_callbacks cb;
+    void *zctx, *sock;
+    evzmq_t *watch;
+    proto_envelope *env;
+    struct event *sweep_ev, *dispatch_ev;
+    worker_t *workers;
+    req_t *buckets[N_BUCKETS];
+    rlist_t queue, active;
+    uint64_t next_rid;
+};
+
+// --- small helpers
+
+cluster_params cluster_default_params(void)
+{
+    cluster_params p = {
+        .ctl_bind = "tcp://127.0.0.1:5557",
+        .heartbeat_ms = 500,
+        .dead_after_ms = 1500,
+        .request_timeout_ms = 60000,
+        .max_retries = 3,
+        .max_queue = 1024,
+    };
+    return p;
+}
+
+static const char *role_str(int role)
+{
+    return role == PROTO_ROLE_PREFILL  ? "prefill"
+           : role == PROTO_ROLE_DECODE ? "decode"
+           : role == PROTO_ROLE_MIXED  ? "mixed"
+                                       : "?";
+}
+
+static void list_push(rlist_t *l, req_t *r, int front)
+{
+    r->prev = r->next = NULL;
+    if (!l->head) {
+        l->head = l->tail = r;
+    } else if (front) {
+        r->next = l->head;
+        l->head->prev = r;
+        l->head = r;
+    } else {
+        r->prev = l->tail;
+        l->tail->next = r;
+        l->tail = r;
+    }
+    l->n++;
+}
+
+static void list_remove(rlist_t *l, req_t *r)
+{
+    if (r->prev)
+        r->prev->next = r->next;
+    else
+        l->head = r->next;
+    if (r->next)
+        r->next->prev = r->prev;
+    else
+        l->tail = r->prev;
+    r->prev = r->next = NULL;
+    l->n--;
+}
+
+static req_t **bucket(cluster_t *c, uint64_t rid)
+{
+    return &c->buckets[(rid * 0x9E3779B97F4A7C15ull) >> 52];
+}
+
+static req_t *req_find(cluster_t *c, uint64_t rid)
+{
+    for (req_t *r = *bucket(c, rid); r; r = r->hnext)
+        if (r->rid == rid)
+            return r;
+    return NULL;
+}
+
+static void hash_remove(cluster_t *c, req_t *r)
+{
+    for (req_t **pp = bucket(c, r->rid); *pp; pp = &(*pp)->hnext) {
+        if (*pp == r) {
+            *pp = r->hnext;
+            return;
+        }
+    }
+}
+
+static worker_t *worker_find(cluster_t *c, const void *id, size_t len)
+{
+    for (worker_t *w = c->workers; w; w = w->next)
+        if (w->id_len == len && memcmp(w->id, id, len) == 0)
+            return w;
+    return NULL;
+}
+
+static void schedule_dispatch(cluster_t *c)
+{
+    event_active(c->dispatch_ev, EV_TIMEOUT, 0);
+}
+
+/* Send m to worker w. A failure flags w dead (ROUTER_MANDATORY: EHOSTUNREACH when the
+ * peer is gone; EAGAIN when its queue is full, which we treat the same way: a worker
+ * that does not read its orders is not serving). Returns 0 or -1. */
+static int send_to(cluster_t *c, worker_t *w, const proto_msg *m)
+{
+    int rc = proto_send(c->sock, w->id, w->id_len, m, NULL, 0, ZMQ_DONTWAIT);
+    evzmq_after_send(c->watch);
+    if (rc < 0) {
+        if (!w->dead)
+            log_rwarn(m->rid, "send %s to worker %s failed (%s): worker declared dead",
+                      proto_type_str(m->type), w->id, zmq_strerror(errno));
+        if (!w->dead)
+            snprintf(w->why, sizeof(w->why), "worker %s unreachable (%s)", w->id,
+                     zmq_strerror(errno));
+        w->dead = 1;
+        schedule_dispatch(c);
+        return -1;
+    }
+    return 0;
+}
+
+static void send_cancel(cluster_t *c, worker_t *w, uint64_t rid)
+{
+    if (!w || w->dead)
+        return;
+    proto_msg m;
+    proto_msg_init(&m, PROTO_CANCEL);
+    m.rid = rid;
+    send_to(c, w, &m);
+}
+
+// --- request life
+
+/* Undo the attempt's bookkeeping on its workers; optionally CANCEL it there. */
+static void req_detach(cluster_t *c, req_t *r, int cancel)
+{
+    if (r->pw) {
+        if (!r->p_started)
+            r->pw->pending_qtok -= r->p_qtok;
+        r->pw->n_assigned--;
+    }
+    if (r->dw) {
+        if (!r->d_started)
+            r->dw->pending_blocks -= r->d_blocks;
+        r->dw->n_decode--;
+        if (r->dw != r->pw)
+            r->dw->n_assigned--;
+    }
+    if (cancel) {
+        send_cancel(c, r->pw, r->rid);
+        if (r->dw != r->pw)
+            send_cancel(c, r->dw, r->rid);
+    }
+    r->pw = r->dw = NULL;
+    r->p_qtok = r->d_blocks = 0;
+}
+
+/* Take r out of every table (the caller then reports and frees it). */
+static void req_unlink(cluster_t *c, req_t *r)
+{
+    hash_remove(c, r);
+    list_remove(r->queued ? &c->queue : &c->active, r);
+}
+
+static void req_free(req_t *r)
+{
+    free(r->tokens);
+    free(r);
+}
+
+static void req_end_error(cluster_t *c, req_t *r, int status, const char *type, const char *code,
+                          const char *msg)
+{
+    req_detach(c, r, 1);
+    req_unlink(c, r);
+    log_rwarn(r->rid, "request failed: %s", msg);
+    c->cb.on_error(r->ud, status, type, code, msg);
+    req_free(r);
+}
+
+static void req_end_finish(cluster_t *c, req_t *r, int reason, int cancel)
+{
+    req_detach(c, r, cancel);
+    req_unlink(c, r);
+    log_rdebug(r->rid, "finished (%s) after %d tokens",
+               reason == PROTO_FINISH_STOP ? "stop" : "length", r->n_gen);
+    c->cb.on_finish(r->ud, reason);
+    req_free(r);
+}
+
+/* The current attempt failed: re-run r from prompt + tokens so far, or give up. counts: 0
+ * for failures that say nothing about the request (a worker out of room). */
+static void req_retry(cluster_t *c, req_t *r, int counts, const char *why)
+{
+    if (counts && ++r->retries > c->p.max_retries) {
+        char msg[PROTO_MESSAGE_LEN + 96];
+        snprintf(msg, sizeof(msg), "the request failed %d times; last error: %s", r->retries, why);
+        req_end_error(c, r, 503, "server_error", "worker_failure", msg);
+        return;
+    }
+    if (r->n_gen >= r->max_tokens) { /* everything was generated: nothing to re-run */
+        req_end_finish(c, r, PROTO_FINISH_LENGTH, 1);
+        return;
+    }
+    log_rinfo(r->rid, "retrying (attempt %d) from %d prompt + %d generated tokens: %s",
+              r->retries + 1, r->n_prompt, r->n_gen, why);
+    req_detach(c, r, 1);
+    list_remove(&c->active, r);
+    r->queued = 1;
+    r->since_us = proto_now_us();
+    list_push(&c->queue, r, 1);
+    schedule_dispatch(c);
+}
+
+/* Flag w dead and re-run everything it had. */
+static void worker_fail_requests(cluster_t *c, worker_t *w, const char *why)
+{
+    req_t *next;
+    for (req_t *r = c->active.head; r; r = next) {
+        next = r->next;
+        if (r->pw == w || r->dw == w)
+            req_retry(c, r, 1, why);
+    }
+}
+
+static void worker_remove(cluster_t *c, worker_t *w, const char *why)
+{
+    char reason[160];
+    snprintf(reason, sizeof(reason), "%s", why); /* why may point into w */
+    LOG_AT(w->dead ? LOG_LEVEL_WARN : LOG_LEVEL_INFO, 0, "worker %s (%s, pid %d) removed: %s",
+           w->id, role_str(w->role), w->pid, reason);
+    w->dead = 1; /* out of routing while its requests move */
+    worker_fail_requests(c, w, reason);
+    for (worker_t **pp = &c->workers; *pp; pp = &(*pp)->next) {
+        if (*pp == w) {
+            *pp = w->next;
+            break;
+        }
+    }
+    free(w);
+}
+
+static void reap_dead(cluster_t *c)
+{
+    worker_t *next;
+    for (worker_t *w = c->workers; w; w = next) {
+        next = w->next;
+        if (w->dead)
+            worker_remove(c, w, w->why[0] ? w->why : "declared dead");
+    }
+}
+
+// --- routing
+
+static int usable(const worker_t *w)
+{
+    return !w->dead && w->state == PROTO_STATE_READY;
+}
+
+static int blocks_needed(const req_t *r, const worker_t *d)
+{
+    int bs = d->block_size > 0 ? d->block_size : 16;
+    return (r->n_prompt + r->n_gen + 1 + bs - 1) / bs;
+}
+
+/* Choose (prefill, decode) for r: the decode/mixed worker must have room (KV blocks free
+ * per its last heartbeat minus blocks promised since, a free sequence slot); among the
+ * prefill workers that can feed it (pure prefill workers, or the mixed worker itself),
+ * the one with the least queued prompt tokens wins; ties go to the decode worker with
+ * the most free blocks. Returns 0 or -1 (nothing fits now). */
+static int pick(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw)
+{
+    long best_load = -1, best_free = -1;
+    int total = r->n_prompt + r->n_gen;
+    for (worker_t *d = c->workers; d; d = d->next) {
+        if (!usable(d) || d->full || (d->role != PROTO_ROLE_DECODE && d->role != PROTO_ROLE_MIXED))
+            continue;
+        if (d->n_ctx > 0 && total >= d->n_ctx)
+            continue;
+        long free_blocks = (long)d->kv_free - d->pending_blocks;
+        if (free_blocks < blocks_needed(r, d))
+            continue;
+        if (d->max_seqs > 0 && d->n_decode >= d->max_seqs)
+            continue;
+        for (worker_t *p = c->workers; p; p = p->next) {
+            if (!usable(p))
+                continue;
+            if (p != d && (p->role != PROTO_ROLE_PREFILL || !d->kvep[0]))
+                continue;
+            if (p == d && p->role != PROTO_ROLE_MIXED)
+                continue;
+            if (p->n_ctx > 0 && total >= p->n_ctx)
+                continue;
+            long load = p->qtok > p->pending_qtok ? p->qtok : p->pending_qtok;
+            if (best_load < 0 || load < best_load ||
+                (load == best_load && free_blocks > best_free)) {
+                best_load = load;
+                best_free = free_blocks;
+                *pw = p;
+                *dw = d;
+            }
+        }
+    }
+    return best_load < 0 ? -1 : 0;
+}
+
+/* Try to start an attempt for queued request r. Returns 1 when assigned, 0 when nothing
+ * fits, -1 when the PREFILL could not be sent (the worker is flagged dead; r stays
+ * queued). */
+static int try_assign(cluster_t *c, req_t *r)
+{
+    worker_t *pw, *dw;
+    if (pick(c, r, &pw, &dw) < 0)
+        return 0;
+    proto_msg m;
+    proto_msg_init(&m, PROTO_PREFILL);
+    m.rid = r->rid;
+    m.tokens = r->tokens;
+    m.n_tokens = r->n_prompt + r->n_gen;
+    m.max_tokens = r->max_tokens - r->n_gen;
+    m.temperature = r->temperature;
+    m.top_p = r->top_p;
+    m.top_k = r->top_k;
+    m.rng = r->rng;
+    snprintf(m.decode_worker, sizeof(m.decode_worker), "%s", dw->id);
+    snprintf(m.decode_endpoint, sizeof(m.decode_endpoint), "%s", pw == dw ? "" : dw->kvep);
+    m.ts_us = proto_wall_us();
+    if (send_to(c, pw, &m) < 0)
+        return -1;
+    list_remove(&c->queue, r);
+    r->queued = 0;
+    list_push(&c->active, r, 0);
+    r->pw = pw;
+    r->dw = dw;
+    r->base = r->n_gen;
+    r->p_started = r->d_started = 0;
+    r->p_qtok = m.n_tokens;
+    r->d_blocks = blocks_needed(r, dw);
+    pw->pending_qtok += r->p_qtok;
+    pw->n_assigned++;
+    dw->pending_blocks += r->d_blocks;
+    dw->n_decode++;
+    if (dw != pw)
+        dw->n_assigned++;
+    r->since_us = proto_now_us();
+    log_rdebug(r->rid, "assigned: prefill %s, decode %s (%d tokens, max_tokens %d)", pw->id, dw->id,
+               m.n_tokens, m.max_tokens);
+    return 1;
+}
+
+static void dispatch(cluster_t *c)
+{
+    reap_dead(c);
+    int misses = 0;
+    req_t *next;
+    for (req_t *r = c->queue.head; r && misses < DISPATCH_SCAN_MAX; r = next) {
+        next = r->next;
+        int rc = try_assign(c, r);
+        if (rc < 0) { /* a worker just died: its requests move; start over */
+            reap_dead(c);
+            next = c->queue.head;
+            misses++;
+        } else if (rc == 0) {
+            misses++;
+        }
+    }
+}
+
+static void on_dispatch(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd;
+    (void)what;
+    dispatch(arg);
+}
+
+// --- messages from workers
+
+static void handle_register(cluster_t *c, const proto_msg *m, const unsigned char *id,
+                            size_t id_len)
+{
+    if (strlen(m->worker_id) != id_len || memcmp(m->worker_id, id, id_len) != 0) {
+        log_warn("REGISTER from routing id '%.*s' names worker '%s': ignored (the routing "
+                 "id must be the worker id)",
+                 (int)id_len, (const char *)id, m->worker_id);
+        return;
+    }
+    if ((m->role == PROTO_ROLE_DECODE) && !m->kv_endpoint[0]) {
+        log_warn("worker %s: decode worker without a kv endpoint: ignored", m->worker_id);
+        return;
+    }
+    worker_t *w = worker_find(c, id, id_len);
+    if (w && (w->pid != m->pid || w->role != m->role)) {
+        /* a new incarnation (restart or role change): what the old one had is lost */
+        worker_fail_requests(c, w, "worker re-registered");
+    }
+    int is_new = !w;
+    if (!w) {
+        w = calloc(1, sizeof(*w));
+        if (!w) {
+            log_error("out of memory registering worker %s", m->worker_id);
+            return;
+        }
+        memcpy(w->id, id, id_len);
+        w->id_len = id_len;
+        w->next = c->workers;
+        c->workers = w;
+    }
+    w->role = m->role;
+    w->state = PROTO_STATE_READY;
+    w->pid = m->pid;
+    snprintf(w->kvep, sizeof(w->kvep), "%s", m->kv_endpoint);
+    w->n_ctx = m->n_ctx;
+    w->block_size = m->block_size;
+    w->max_seqs = m->max_seqs;
+    w->kv_total = m->kv_blocks_total;
+    w->kv_free = m->kv_blocks_free;
+    w->last_seen_us = proto_now_us();
+    w->dead = 0;
+    w->full = 0;
+    log_info("worker %s %s: role %s, pid %d, kv %s, n_ctx %d, kv blocks %d/%d of %d tokens, "
+             "max_seqs %d",
+             w->id, is_new ? "registered" : "re-registered", role_str(w->role), w->pid,
+             w->kvep[0] ? w->kvep : "-", w->n_ctx, w->kv_free, w->kv_total, w->block_size,
+             w->max_seqs);
+    proto_msg ack;
+    proto_msg_init(&ack, PROTO_REGISTER_ACK);
+    ack.heartbeat_ms = c->p.heartbeat_ms;
+    send_to(c, w, &ack);
+    schedule_dispatch(c);
+}
+
+static void send_bye(cluster_t *c, const unsigned char *id, size_t id_len, const char *wid)
+{
+    proto_msg m;
+    proto_msg_init(&m, PROTO_BYE);
+    snprintf(m.worker_id, sizeof(m.worker_id), "%s", wid);
+    if (proto_send(c->sock, id, id_len, &m, NULL, 0, ZMQ_DONTWAIT) < 0)
+        log_debug("BYE to %s: %s", wid, zmq_strerror(errno));
+    evzmq_after_send(c->watch);
+}
+
+static void handle_heartbeat(cluster_t *c, worker_t *w, const proto_msg *m, const unsigned char *id,
+                             size_t id_len)
+{
+    if (!w || w->dead) {
+        log_info("heartbeat from unknown worker %s: asking it to register", m->worker_id);
+        send_bye(c, id, id_len, m->worker_id);
+        return;
+    }
+    if (w->state != m->state)
+        log_info("worker %s is now %s", w->id,
+                 m->state == PROTO_STATE_DRAINING ? "draining" : "ready");
+    w->state = m->state;
+    w->running = m->running;
+    w->queued = m->queued;
+    w->qtok = m->queued_prompt_tokens;
+    w->kv_total = m->kv_blocks_total;
+    w->kv_free = m->kv_blocks_free;
+    w->full = 0;
+    schedule_dispatch(c);
+}
+
+/* The request's current attempt, if the sender is one of its workers. */
+static req_t *attempt_of(cluster_t *c, uint64_t rid, worker_t *w)
+{
+    req_t *r = req_find(c, rid);
+    if (!r || r->queued || !w || (r->pw != w && r->dw != w))
+        return NULL;
+    return r;
+}
+
+static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
+{
+    req_t *r = attempt_of(c, m->rid, w);
+    if (!r) {
+        log_rdebug(m->rid, "TOKENS from %s for no current attempt: ignored",
+                   w ? w->id : "unknown worker");
+        return;
+    }
+    if (w == r->pw && !r->p_started) {
+        r->p_started = 1;
+        w->pending_qtok -= r->p_qtok;
+    }
+    if (w == r->dw && !r->d_started) {
+        r->d_started = 1;
+        w->pending_blocks -= r->d_blocks;
+    }
+    r->since_us = proto_now_us();
+    long start = (long)r->base + m->index;
+    if (start > r->n_gen) {
+        log_rwarn(r->rid, "TOKENS from %s start at %ld but only %d are known: ignored", w->id,
+                  start, r->n_gen);
+        return;
+    }
+    int skip = (int)(r->n_gen - start);
+    int n_new = m->n_tokens - skip;
+    if (n_new <= 0)
+        return;
+    if (n_new > r->max_tokens - r->n_gen)
+        n_new = r->max_tokens - r->n_gen;
+    if (n_new <= 0)
+        return;
+    int *dst = r->tokens + r->n_prompt + r->n_gen;
+    memcpy(dst, m->tokens + skip, (size_t)n_new * sizeof(int));
+    r->n_gen += n_new;
+    if (c->cb.on_tokens(r->ud, dst, n_new)) {
+        /* the owner completed it (stop string, EOS, max_tokens) */
+        req_detach(c, r, 1);
+        req_unlink(c, r);
+        req_free(r);
+    }
+}
+
+static void handle_finish(cluster_t *c, worker_t *w, const proto_msg *m)
+{
+    req_t *r = attempt_of(c, m->rid, w);
+    if (!r)
+        return;
+    /* A FINISH from the prefill worker (e.g. EOS as the first token) means the decode
+     * worker, if another one, must not go on. */
+    req_end_finish(c, r, m->reason, w != r->dw);
+}
+
+static void handle_error(cluster_t *c, worker_t *w, const proto_msg *m)
+{
+    req_t *r = attempt_of(c, m->rid, w);
+    if (!r)
+        return;
+    char why[PROTO_MESSAGE_LEN + 96];
+    snprintf(why, sizeof(why), "worker %s: %s%s%s", w->id, proto_err_str(m->code),
+             m->message[0] ? ": " : "", m->message);
+    if (m->retryable) {
+        if (m->code == PROTO_ERR_NOSPACE) { /* load, not failure: wait for room */
+            r->dw->full = 1;
+            req_retry(c, r, 0, why);
+        } else {
+            req_retry(c, r, 1, why);
+        }
+    } else if (m->code == PROTO_ERR_BAD_REQUEST) {
+        req_end_error(c, r, 400, "invalid_request_error", "bad_request", why);
+    } else {
+        req_end_error(c, r, 500, "server_error", "worker_error", why);
+    }
+}
+
+static void on_ctl(void *sock, void *ud)
+{
+    cluster_t *c = ud;
+    int rc = proto_recv(sock, 1, c->env, ZMQ_DONTWAIT);
+    if (rc <= 0) {
+        if (rc == -2 && errno != EAGAIN)
+            log_error("ctl receive: %s", zmq_strerror(errno));
+        return;
+    }
+    size_t id_len;
+    const unsigned char *id = proto_envelope_identity(c->env, &id_len);
+    const proto_msg *m = proto_envelope_msg(c->env);
+    worker_t *w = worker_find(c, id, id_len);
+    if (w && !w->dead)
+        w->last_seen_us = proto_now_us();
+    switch (m->type) {
+    case PROTO_REGISTER:
+        handle_register(c, m, id, id_len);
+        break;
+    case PROTO_HEARTBEAT:
+        handle_heartbeat(c, w, m, id, id_len);
+        break;
+    case PROTO_TOKENS:
+        handle_tokens(c, w, m);
+        break;
+    case PROTO_FINISH:
+        handle_finish(c, w, m);
+        break;
+    case PROTO_ERROR:
+        handle_error(c, w, m);
+        break;
+    case PROTO_BYE:
+        if (w) {
+            log_info("worker %s says BYE", w->id);
+            worker_remove(c, w, "left (BYE)");
+            schedule_dispatch(c);
+        }
+        break;
+    default:
+        log_warn("unexpected %s on the ctl socket from '%.*s': dropped", proto_type_str(m->type),
+                 (int)id_len, (const char *)id);
+        break;
+    }
+    proto_envelope_reset(c->env);
+}
+
+// --- timers
+
+static void on_sweep(evutil_socket_t fd, short what, void *arg)
+{
+    cluster_t *c = arg;
+    (void)fd;
+    (void)what;
+    int64_t now = proto_now_us();
+    for (worker_t *w = c->workers; w; w = w->next) {
+        if (!w->dead && now - w->last_seen_us > (int64_t)c->p.dead_after_ms * 1000) {
+            log_warn("worker %s silent for %lld ms: declared dead", w->id,
+                     (long long)(now - w->last_seen_us) / 1000);
+            snprintf(w->why, sizeof(w->why), "worker %s silent for %lld ms", w->id,
+                     (long long)(now - w->last_seen_us) / 1000);
+            w->dead = 1;
+        }
+    }
+    reap_dead(c);
+    int64_t limit = (int64_t)c->p.request_timeout_ms * 1000;
+    req_t *next;
+    for (req_t *r = c->active.head; r; r = next) {
+        next = r->next;
+        if (now - r->since_us > limit) {
+            char why[160];
+            snprintf(why, sizeof(why), "no progress from worker %s for %d ms",
+                     r->pw ? r->pw->id : "?", c->p.request_timeout_ms);
+            req_retry(c, r, 1, why);
+        }
+    }
+    for (req_t *r = c->queue.head; r; r = next) {
+        next = r->next;
+        if (now - r->since_us > limit) {
+            char msg[160];
+            snprintf(msg, sizeof(msg), "no worker could take the request within %d ms",
+                     c->p.request_timeout_ms);
+            req_end_error(c, r, 503, "server_error", "no_worker_available", msg);
+        }
+    }
+    dispatch(c);
+}
+
+// --- public
+
+cluster_t *cluster_new(struct event_base *base, const cluster_params *p,
+                       const cluster_callbacks *cb, char *err, size_t errlen)
+{
+    cluster_t *c = calloc(1, sizeof(*c));
+    if (!c) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    c->base = base;
+    c->p = *p;
+    c->cb = *cb;
+    c->next_rid = ((uint64_t)time(NULL) << 20) | 1; /* distinct across gateway restarts */
+    c->zctx = zmq_ctx_new();
+    c->env = proto_envelope_new();
+    if (!c->zctx || !c->env) {
+        snprintf(err, errlen, "out of memory");
+        goto fail;
+    }
+    c->sock = zmq_socket(c->zctx, ZMQ_ROUTER);
+    if (!c->sock) {
+        snprintf(err, errlen, "zmq_socket: %s", zmq_strerror(errno));
+        goto fail;
+    }
+    int one = 1, zero = 0, hwm = 100000;
+    zmq_setsockopt(c->sock, ZMQ_ROUTER_MANDATORY, &one, sizeof(one));
+    zmq_setsockopt(c->sock, ZMQ_ROUTER_HANDOVER, &one, sizeof(one));
+    zmq_setsockopt(c->sock, ZMQ_LINGER, &zero, sizeof(zero));
+    zmq_setsockopt(c->sock, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(c->sock, ZMQ_RCVHWM, &hwm, sizeof(hwm));
+    if (zmq_bind(c->sock, p->ctl_bind) < 0) {
+        snprintf(err, errlen, "cannot bind the ctl socket to %s: %s", p->ctl_bind,
+                 zmq_strerror(errno));
+        goto fail;
+    }
+    c->watch = evzmq_new(base, c->sock, MAX_MSGS_PER_CB, on_ctl, c);
+    c->sweep_ev = event_new(base, -1, EV_PERSIST, on_sweep, c);
+    c->dispatch_ev = event_new(base, -1, 0, on_dispatch, c);
+    struct timeval tv = {0, SWEEP_MS * 1000};
+    if (!c->watch || !c->sweep_ev || !c->dispatch_ev || event_add(c->sweep_ev, &tv) < 0) {
+        snprintf(err, errlen, "cannot set up the ctl socket's events");
+        goto fail;
+    }
+    return c;
+fail:
+    cluster_destroy(&c);
+    return NULL;
+}
+
+void cluster_destroy(cluster_t **pc)
+{
+    if (!pc || !*pc)
+        return;
+    cluster_t *c = *pc;
+    while (c->active.head)
+        req_end_error(c, c->active.head, 503, "server_error", "shutting_down",
+                      "the server is shutting down");
+    while (c->queue.head)
+        req_end_error(c, c->queue.head, 503, "server_error", "shutting_down",
+                      "the server is shutting down");
+    while (c->workers) {
+        worker_t *w = c->workers;
+        c->workers = w->next;
+        free(w);
+    }
+    evzmq_destroy(&c->watch);
+    if (c->sweep_ev)
+        event_free(c->sweep_ev);
+    if (c->dispatch_ev)
+        event_free(c->dispatch_ev);
+    if (c->sock)
+        zmq_close(c->sock);
+    if (c->zctx)
+        zmq_ctx_term(c->zctx);
+    proto_envelope_destroy(&c->env);
+    free(c);
+    *pc = NULL;
+}
+
+cluster_status_t cluster_submit(cluster_t *c, const cluster_job *job, void *ud, uint64_t *rid)
+{
+    if (job->n_tokens < 1 || job->max_tokens < 1 ||
+        job->n_tokens + job->max_tokens > PROTO_MAX_TOKENS)
+        return CLUSTER_ERR;
+    req_t *r = calloc(1, sizeof(*r));
+    if (!r)
+        return CLUSTER_ERR;
+    r->tokens = malloc((size_t)(job->n_tokens + job->max_tokens) * sizeof(int));
+    if (!r->tokens) {
+        free(r);
+        return CLUSTER_ERR;
+    }
+    memcpy(r->tokens, job->tokens, (size_t)job->n_tokens * sizeof(int));
+    r->rid = c->next_rid++;
+    r->ud = ud;
+    r->n_prompt = job->n_tokens;
+    r->max_tokens = job->max_tokens;
+    r->temperature = job->temperature;
+    r->top_p = job->top_p;
+    r->top_k = job->top_k;
+    r->rng = job->rng;
+    r->queued = 1;
+    r->since_us = proto_now_us();
+    r->hnext = *bucket(c, r->rid);
+    *bucket(c, r->rid) = r;
+    list_push(&c->queue, r, 0);
+    *rid = r->rid;
+    /* Start at once when nobody is ahead, so a burst does not fill the queue with
+     * requests that have somewhere to go; only a request that must wait counts against
+     * max_queue. */
+    if (c->queue.head == r)
+        try_assign(c, r);
+    if (r->queued && c->queue.n > c->p.max_queue) {
+        req_unlink(c, r);
+        req_free(r);
+        return CLUSTER_FULL;
+    }
+    if (r->queued)
+        schedule_dispatch(c);
+    return CLUSTER_OK;
+}
+
+void cluster_cancel(cluster_t *c, uint64_t rid)
+{
+    req_t *r = req_find(c, rid);
+    if (!r)
+        return;
+    log_rinfo(rid, "cancelled by the client after %d tokens", r->n_gen);
+    req_detach(c, r, 1);
+    req_unlink(c, r);
+    req_free(r);
+}
+
+void cluster_get_stats(const cluster_t *c, cluster_stats *st)
+{
+    memset(st, 0, sizeof(*st));
+    for (const worker_t *w = c->workers; w; w = w->next) {
+        if (w->dead)
+            continue;
+        if (w->state != PROTO_STATE_READY)
+            st->n_draining++;
+        else if (w->role == PROTO_ROLE_PREFILL)
+            st->n_prefill++;
+        else if (w->role == PROTO_ROLE_DECODE)
+            st->n_decode++;
+        else if (w->role == PROTO_ROLE_MIXED)
+            st->n_mixed++;
+    }
+    st->n_queued = c->queue.n;
+    st->n_running = c->active.n;
+}
+
+int cluster_ready(const cluster_t *c, char *reason, size_t cap)
+{
+    cluster_stats st;
+    cluster_get_stats(c, &st);
+    if (st.n_mixed > 0 || (st.n_prefill > 0 && st.n_decode > 0))
+        return 1;
+    if (st.n_prefill == 0 && st.n_decode == 0)
+        snprintf(reason, cap, "no workers registered");
+    else if (st.n_prefill == 0)
+        snprintf(reason, cap, "no prefill worker (%d decode)", st.n_decode);
+    else
+        snprintf(reason, cap, "no decode worker (%d prefill)", st.n_prefill);
+    return 0;
+}
+
+int cluster_retry_after_s(const cluster_t *c)
+{
+    (void)c;
+    return 1;
+}

@@ -1,0 +1,113 @@
+/*
+ * cluster: the gateway's view of its workers and of every admitted request.
+ *
+ * Owns the ctl ROUTER socket (it binds; workers connect with DEALER sockets whose routing
+ * id is their worker id) and speaks the ctl half of docs/protocol.md: REGISTER /
+ * REGISTER_ACK, HEARTBEAT (an unknown worker is answered with BYE so it registers again),
+ * BYE, PREFILL, CANCEL, TOKENS, FINISH, ERROR. A worker is dead after dead_after_ms
+ * without a message, or as soon as a send to it fails (ZMQ_ROUTER_MANDATORY:
+ * EHOSTUNREACH).
+ *
+ * Requests: cluster_submit() admits a tokenized prompt; it waits in a bounded FIFO until a
+ * decode (or mixed) worker with room and a prefill (or mixed) worker are available, then
+ * a PREFILL order goes to the prefill worker naming the decode worker. Load is tracked
+ * locally as well as from heartbeats (prompt tokens sent to a prefill worker that has not
+ * yet reported a token; KV blocks promised to a decode worker that has not yet reported),
+ * so a burst does not all land on one worker between two heartbeats.
+ *
+ * Generated tokens reach the owner in order, exactly once, through cluster_callbacks,
+ * whatever the workers repeat (TOKENS carry an index; ids below what is known are
+ * dropped). When an attempt fails (ERROR with retry = 1, a dead worker, no progress for
+ * request_timeout_ms), the request is re-run from prompt + tokens so far with max_tokens
+ * reduced accordingly, so the owner sees one unbroken sequence; after max_retries
+ * failures it ends with on_error. Every admitted request ends with exactly one on_finish
+ * or on_error call, or with cluster_cancel() by its owner.
+ *
+ * Runs entirely on the loop thread of the event_base it was created with; never blocks.
+ */
+#ifndef TP_GW_CLUSTER_H
+#define TP_GW_CLUSTER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct event_base;
+
+typedef struct cluster cluster_t;
+
+typedef struct {
+    const char *ctl_bind;   /* ZeroMQ endpoint to bind, e.g. tcp://127.0.0.1:5557 */
+    int heartbeat_ms;       /* interval told to workers in REGISTER_ACK */
+    int dead_after_ms;      /* silence after which a worker is dead */
+    int request_timeout_ms; /* no progress this long: retry (assigned) / 503 (queued) */
+    int max_retries;        /* failed attempts re-run before giving up */
+    int max_queue;          /* requests waiting for a worker before cluster_submit is FULL */
+} cluster_params;
+
+/* Defaults matching the gateway's flags. */
+cluster_params cluster_default_params(void);
+
+/* How the cluster reports on a request; ud is the pointer given to cluster_submit. */
+typedef struct {
+    /* n >= 1 new tokens, in order, never repeated. Return 0 to continue, or 1 when the
+     * owner has completed the request itself (stop string, EOS, enough tokens): the
+     * cluster then sends CANCEL to its workers, forgets it, and calls nothing more. */
+    int (*on_tokens)(void *ud, const int *tokens, int n);
+    /* The request ended normally; reason is proto_finish_t. Forgotten afterwards. */
+    void (*on_finish)(void *ud, int reason);
+    /* The request failed for good: an HTTP status (4xx/5xx), an OpenAI error type and
+     * code, and a message. Forgotten afterwards. */
+    void (*on_error)(void *ud, int status, const char *type, const char *code, const char *message);
+} cluster_callbacks;
+
+/* One request to run. */
+typedef struct {
+    const int *tokens; /* (n_tokens,) prompt ids, BOS included; copied */
+    int n_tokens;
+    int max_tokens;    /* >= 1 */
+    float temperature; /* 0 = greedy */
+    float top_p;
+    int top_k;
+    uint64_t rng; /* initial sampler state (sampler_seed_state) */
+} cluster_job;
+
+typedef enum {
+    CLUSTER_OK = 0,   /* admitted: callbacks will follow */
+    CLUSTER_FULL = 1, /* the queue is full: answer 429 */
+    CLUSTER_ERR = -1, /* bad job or out of memory */
+} cluster_status_t;
+
+/* Bind the ctl socket and start watching it and the worker timers on base. cb is copied.
+ * Returns NULL with a message in err (e.g. the endpoint cannot be bound). */
+cluster_t *cluster_new(struct event_base *base, const cluster_params *p,
+                       const cluster_callbacks *cb, char *err, size_t errlen);
+
+/* Fail every request still known (on_error 503, "shutting down"), close the socket and
+ * free. Takes NULL; sets *c to NULL. */
+void cluster_destroy(cluster_t **c);
+
+/* Admit a request (see cluster_status_t). On CLUSTER_OK *rid is its id (for cancel and
+ * logs); callbacks may come from the next loop iteration on, never from inside this call. */
+cluster_status_t cluster_submit(cluster_t *c, const cluster_job *job, void *ud, uint64_t *rid);
+
+/* The owner gives up on a request (client gone): CANCEL goes to its workers and it is
+ * forgotten; no callback follows. Unknown rid: no-op. */
+void cluster_cancel(cluster_t *c, uint64_t rid);
+
+/* 1 when at least one prefill and one decode worker, or one mixed worker, are alive and
+ * ready; else 0 with the reason in reason (cap bytes). */
+int cluster_ready(const cluster_t *c, char *reason, size_t cap);
+
+typedef struct {
+    int n_prefill, n_decode, n_mixed; /* alive and ready workers by role */
+    int n_draining;                   /* alive, draining */
+    int n_queued;                     /* requests waiting for a worker */
+    int n_running;                    /* requests assigned to workers */
+} cluster_stats;
+
+void cluster_get_stats(const cluster_t *c, cluster_stats *st);
+
+/* Seconds a client should wait before retrying after CLUSTER_FULL (>= 1). */
+int cluster_retry_after_s(const cluster_t *c);
+
+#endif

@@ -1,0 +1,713 @@
+/* http: see http.h.
+ *
+ * Each admitted completion request has one gw_req, owned here and freed in exactly one
+ * place (req_free) when the request ends: finished, failed, or abandoned by its client.
+ * A client that goes away is noticed through the connection's close callback; libevent
+ * then has detached (or is about to free) the evhttp_request, so from that moment the
+ * gw_req no longer touches it, and the request is cancelled in the cluster. */
+#include "http.h"
+
+#include <errno.h>
+#include <event2/buffer.h>
+#include <event2/bufferevent.h>
+#include <event2/event.h>
+#include <event2/http.h>
+#include <event2/keyvalq_struct.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "api.h"
+#include "log.h"
+#include "protocol.h"
+#include "sampler.h"
+#include "stream.h"
+
+#define SLOW_CLIENT_BYTES (8u << 20) /* unsent SSE bytes before a client is dropped */
+
+typedef struct gw_req {
+    struct gw_req *prev, *next;
+    http_server_t *srv;
+    struct evhttp_request *req; /* NULL once the client is gone */
+    struct evhttp_connection *conn;
+    struct event *close_ev; /* non-streaming: watches the socket for EOF */
+    uint64_t rid;
+    api_kind_t kind;
+    int streaming, include_usage;
+    stream_t *stream;
+    char *text; /* non-streaming: the answer so far */
+    size_t text_len, text_cap;
+    int n_prompt, max_tokens;
+    char id[48];
+    int64_t created;
+    int64_t t_start_us, t_first_us;
+} gw_req;
+
+struct http_server {
+    struct event_base *base;
+    struct evhttp *http;
+    struct evhttp_bound_socket *bound;
+    char *host;
+    char *model;
+    int port;
+    int n_ctx;
+    size_t max_body;
+    const tokenizer_t *tok;
+    int max_piece; /* bytes of the longest token piece */
+    cluster_t *cluster;
+    uint64_t id_nonce;
+    gw_req *active;
+    int n_active;
+    int64_t started;
+};
+
+// --- replies
+
+static void reply_json(struct evhttp_request *req, int status, const char *body)
+{
+    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
+    evhttp_add_header(h, "Content-Type", "application/json");
+    struct evbuffer *b = evbuffer_new();
+    if (b && body)
+        evbuffer_add(b, body, strlen(body));
+    evhttp_send_reply(req, status, NULL, b);
+    if (b)
+        evbuffer_free(b);
+}
+
+static void reply_error(struct evhttp_request *req, const api_error *e)
+{
+    char *body = api_error_json(e);
+    reply_json(req, e->status, body ? body : "{\"error\":{\"message\":\"out of memory\"}}");
+    free(body);
+}
+
+static void reply_error_msg(struct evhttp_request *req, int status, const char *type,
+                            const char *param, const char *code, const char *msg)
+{
+    api_error e;
+    api_error_set(&e, status, type, param, code, "%s", msg);
+    reply_error(req, &e);
+}
+
+static int64_t now_s(void)
+{
+    return (int64_t)time(NULL);
+}
+
+// --- per-request state
+
+static void req_free(gw_req *g)
+{
+    http_server_t *s = g->srv;
+    if (g->conn && g->req)
+        evhttp_connection_set_closecb(g->conn, NULL, NULL);
+    if (g->prev)
+        g->prev->next = g->next;
+    else
+        s->active = g->next;
+    if (g->next)
+        g->next->prev = g->prev;
+    s->n_active--;
+    if (g->close_ev)
+        event_free(g->close_ev);
+    stream_destroy(&g->stream);
+    free(g->text);
+    free(g);
+}
+
+static void log_end(const gw_req *g, int status, const char *how)
+{
+    int64_t now = proto_now_us();
+    log_rinfo(g->rid,
+              "%s %s: %d, %s; prompt %d, completion %d tokens, first token %.1f ms, "
+              "total %.1f ms",
+              g->kind == API_CHAT ? "/v1/chat/completions" : "/v1/completions",
+              g->streaming ? "stream" : "json", status, how, g->n_prompt,
+              g->stream ? stream_n_tokens(g->stream) : 0,
+              g->t_first_us ? (double)(g->t_first_us - g->t_start_us) / 1000.0 : -1.0,
+              (double)(now - g->t_start_us) / 1000.0);
+}
+
+static api_response_info info_of(const gw_req *g)
+{
+    api_response_info info = {
+        .kind = g->kind,
+        .id = g->id,
+        .created = g->created,
+        .model = g->srv->model,
+        .include_usage = g->include_usage,
+    };
+    return info;
+}
+
+static void sse_send(gw_req *g, const char *payload)
+{
+    struct evbuffer *b = evbuffer_new();
+    if (!b)
+        return;
+    evbuffer_add_printf(b, "data: %s\n\n", payload);
+    evhttp_send_reply_chunk(g->req, b);
+    evbuffer_free(b);
+}
+
+static int text_add(gw_req *g, const char *p, size_t n)
+{
+    if (g->text_len + n + 1 > g->text_cap) {
+        size_t cap = g->text_cap ? g->text_cap * 2 : 256;
+        while (cap < g->text_len + n + 1)
+            cap *= 2;
+        char *t = realloc(g->text, cap);
+        if (!t)
+            return -1;
+        g->text = t;
+        g->text_cap = cap;
+    }
+    memcpy(g->text + g->text_len, p, n);
+    g->text_len += n;
+    g->text[g->text_len] = 0;
+    return 0;
+}
+
+/* Move the text the stream released to the client (SSE) or to the answer (JSON). */
+static void flush_text(gw_req *g)
+{
+    size_t len;
+    const char *out = stream_out(g->stream, &len);
+    if (len == 0)
+        return;
+    if (g->streaming) {
+        api_response_info info = info_of(g);
+        char *chunk = api_format_chunk(&info, out, len, NULL, 0);
+        if (chunk)
+            sse_send(g, chunk);
+        free(chunk);
+    } else if (text_add(g, out, len) < 0) {
+        log_rerror(g->rid, "out of memory buffering the answer");
+    }
+    stream_out_clear(g->stream);
+}
+
+/* The request is complete: send what is left and the end of the answer, then free. */
+static void complete(gw_req *g, const char *finish_reason)
+{
+    flush_text(g);
+    int n_completion = stream_n_tokens(g->stream);
+    api_response_info info = info_of(g);
+    if (g->streaming) {
+        char *chunk = api_format_chunk(&info, g->kind == API_CHAT ? NULL : "", 0, finish_reason, 0);
+        if (chunk)
+            sse_send(g, chunk);
+        free(chunk);
+        if (g->include_usage) {
+            chunk = api_format_usage_chunk(&info, g->n_prompt, n_completion);
+            if (chunk)
+                sse_send(g, chunk);
+            free(chunk);
+        }
+        sse_send(g, "[DONE]");
+        evhttp_connection_set_closecb(g->conn, NULL, NULL);
+        evhttp_send_reply_end(g->req);
+    } else {
+        char *body = api_format_response(&info, g->text ? g->text : "", g->text_len, finish_reason,
+                                         g->n_prompt, n_completion);
+        evhttp_connection_set_closecb(g->conn, NULL, NULL);
+        if (body)
+            reply_json(g->req, 200, body);
+        else
+            reply_error_msg(g->req, 500, "server_error", NULL, NULL,
+                            "could not format the response");
+        free(body);
+    }
+    log_end(g, 200, finish_reason);
+    g->req = NULL;
+    req_free(g);
+}
+
+static void fail(gw_req *g, int status, const char *type, const char *code, const char *msg)
+{
+    api_error e;
+    api_error_set(&e, status, type, NULL, code, "%s", msg);
+    evhttp_connection_set_closecb(g->conn, NULL, NULL);
+    if (g->streaming) {
+        /* headers are out: report in the stream, then end it as usual */
+        char *body = api_error_json(&e);
+        if (body)
+            sse_send(g, body);
+        free(body);
+        sse_send(g, "[DONE]");
+        evhttp_send_reply_end(g->req);
+    } else {
+        reply_error(g->req, &e);
+    }
+    log_end(g, status, msg);
+    g->req = NULL;
+    req_free(g);
+}
+
+// --- cluster callbacks
+
+static int on_tokens(void *ud, const int *tokens, int n)
+{
+    gw_req *g = ud;
+    if (!g->t_first_us)
+        g->t_first_us = proto_now_us();
+    for (int i = 0; i < n; i++) {
+        stream_status_t st = stream_push(g->stream, tokens[i]);
+        if (st == STREAM_STOP) {
+            complete(g, API_FINISH_STOP);
+            return 1;
+        }
+        if (st == STREAM_ERR) {
+            fail(g, 500, "server_error", NULL, "out of memory");
+            return 1;
+        }
+    }
+    if (stream_n_tokens(g->stream) >= g->max_tokens) {
+        stream_status_t st = stream_finish(g->stream);
+        complete(g, st == STREAM_STOP ? API_FINISH_STOP : API_FINISH_LENGTH);
+        return 1;
+    }
+    flush_text(g);
+    if (g->streaming) {
+        struct bufferevent *bev = evhttp_connection_get_bufferevent(g->conn);
+        if (bev && evbuffer_get_length(bufferevent_get_output(bev)) > SLOW_CLIENT_BYTES) {
+            /* The client reads slower than we generate: end its answer here rather than
+             * buffer without bound. */
+            log_rwarn(g->rid, "client too slow (%u bytes unsent): request ended",
+                      SLOW_CLIENT_BYTES);
+            fail(g, 503, "server_error", "slow_client", "the client reads too slowly");
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static void on_finish(void *ud, int reason)
+{
+    gw_req *g = ud;
+    stream_status_t st = stream_finish(g->stream);
+    complete(g, st == STREAM_STOP || reason == PROTO_FINISH_STOP ? API_FINISH_STOP
+                                                                 : API_FINISH_LENGTH);
+}
+
+static void on_error(void *ud, int status, const char *type, const char *code, const char *msg)
+{
+    fail(ud, status, type, code, msg);
+}
+
+static const cluster_callbacks callbacks = {on_tokens, on_finish, on_error};
+
+const cluster_callbacks *http_server_callbacks(void)
+{
+    return &callbacks;
+}
+
+/* The client went away: cancel wherever the request is and forget it. */
+static void on_close(struct evhttp_connection *conn, void *arg)
+{
+    gw_req *g = arg;
+    (void)conn;
+    log_rinfo(g->rid, "client disconnected: cancelling");
+    cluster_cancel(g->srv->cluster, g->rid);
+    /* libevent detached the request (evcon == NULL) and leaves it to us, or it is still
+     * attached and libevent frees it right after this callback. */
+    if (g->req && evhttp_request_get_connection(g->req) == NULL)
+        evhttp_request_free(g->req);
+    log_end(g, 499, "client disconnected");
+    g->req = NULL;
+    req_free(g);
+}
+
+/* Non-streaming requests: libevent 2.1 does not read from a connection while its request
+ * awaits the reply, so it would not notice the client leaving. We watch the socket
+ * ourselves: readable with nothing to read (EOF) or an error means the client is gone;
+ * data (a pipelined request) means it is not, and we stop watching. */
+static void on_readable(evutil_socket_t fd, short what, void *arg)
+{
+    gw_req *g = arg;
+    (void)what;
+    char c;
+    ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n > 0 || (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))) {
+        if (n < 0)
+            event_add(g->close_ev, NULL);
+        return;
+    }
+    /* Closing the connection runs on_close, which cancels and frees g. */
+    evhttp_connection_free(g->conn);
+}
+
+static void watch_close(gw_req *g)
+{
+    struct bufferevent *bev = evhttp_connection_get_bufferevent(g->conn);
+    evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1;
+    if (fd < 0)
+        return;
+    g->close_ev = event_new(g->srv->base, fd, EV_READ, on_readable, g);
+    if (g->close_ev)
+        event_add(g->close_ev, NULL);
+}
+
+// --- handlers
+
+static void handle_completion(http_server_t *s, struct evhttp_request *req, api_kind_t kind)
+{
+    struct evbuffer *in = evhttp_request_get_input_buffer(req);
+    size_t len = evbuffer_get_length(in);
+    api_error e;
+    if (len > s->max_body) {
+        api_error_set(&e, 413, "invalid_request_error", NULL, "request_too_large",
+                      "The request body is %zu bytes; the limit is %zu bytes.", len, s->max_body);
+        reply_error(req, &e);
+        return;
+    }
+    const char *body = len ? (const char *)evbuffer_pullup(in, (ev_ssize_t)len) : "";
+    api_request r;
+    if (api_parse(kind, body, len, &r, &e) < 0 || api_check_model(&r, s->model, &e) < 0) {
+        log_debug("400: %s", e.message);
+        api_request_free(&r);
+        reply_error(req, &e);
+        return;
+    }
+    int *tokens = NULL;
+    gw_req *g = NULL;
+    /* A token spells at least one byte and at most max_piece bytes, so a prompt this long
+     * cannot fit; refuse it before spending time on tokenizing it. */
+    if (r.prompt_len / (size_t)s->max_piece >= (size_t)s->n_ctx) {
+        api_error_set(&e, 400, "invalid_request_error", kind == API_CHAT ? "messages" : "prompt",
+                      "context_length_exceeded",
+                      "This model's maximum context length is %d tokens, but the prompt is at "
+                      "least %zu tokens.",
+                      s->n_ctx, r.prompt_len / (size_t)s->max_piece + 1);
+        goto bad;
+    }
+    int cap = (int)r.prompt_len + 8, needed = 0;
+    tokens = malloc((size_t)cap * sizeof(int));
+    if (!tokens)
+        goto oom;
+    int n = tokenizer_encode(s->tok, r.prompt, r.prompt_len, 1, tokens, cap, &needed);
+    if (n < 0 && needed > cap) {
+        int *t = realloc(tokens, (size_t)needed * sizeof(int));
+        if (!t)
+            goto oom;
+        tokens = t;
+        cap = needed;
+        n = tokenizer_encode(s->tok, r.prompt, r.prompt_len, 1, tokens, cap, &needed);
+    }
+    if (n < 0) {
+        api_error_set(&e, 500, "server_error", NULL, NULL, "tokenization failed");
+        goto bad;
+    }
+    if (api_check_length(&r, n, s->n_ctx, &e) < 0)
+        goto bad;
+    if (!s->cluster) {
+        api_error_set(&e, 503, "server_error", NULL, "not_ready", "the server is starting");
+        goto bad;
+    }
+
+    g = calloc(1, sizeof(*g));
+    if (!g)
+        goto oom;
+    g->srv = s;
+    g->req = req;
+    g->conn = evhttp_request_get_connection(req);
+    g->kind = kind;
+    g->streaming = r.stream;
+    g->include_usage = r.stream && r.include_usage;
+    g->n_prompt = n;
+    g->max_tokens = r.max_tokens;
+    g->created = now_s();
+    g->t_start_us = proto_now_us();
+    g->stream = stream_new(s->tok, tokens[n - 1], tokenizer_eos(s->tok),
+                           (const char *const *)r.stop, r.n_stop);
+    g->next = s->active;
+    if (s->active)
+        s->active->prev = g;
+    s->active = g;
+    s->n_active++;
+    if (!g->stream)
+        goto oom;
+
+    uint64_t seed = r.seed;
+    if (!r.has_seed && getrandom(&seed, sizeof(seed), 0) != (ssize_t)sizeof(seed))
+        seed = (uint64_t)proto_now_us() ^ ((uint64_t)(uintptr_t)g << 17);
+    cluster_job job = {
+        .tokens = tokens,
+        .n_tokens = n,
+        .max_tokens = r.max_tokens,
+        .temperature = (float)r.temperature,
+        .top_p = (float)r.top_p,
+        .top_k = r.top_k,
+        .rng = sampler_seed_state(seed),
+    };
+    cluster_status_t st = cluster_submit(s->cluster, &job, g, &g->rid);
+    if (st == CLUSTER_FULL) {
+        char ra[16];
+        snprintf(ra, sizeof(ra), "%d", cluster_retry_after_s(s->cluster));
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Retry-After", ra);
+        api_error_set(&e, 429, "rate_limit_error", NULL, "rate_limit_exceeded",
+                      "The server is at capacity (the queue is full); retry later.");
+        log_warn("429: queue full");
+        goto bad;
+    }
+    if (st != CLUSTER_OK)
+        goto oom;
+    snprintf(g->id, sizeof(g->id), "%s-%016llx%llx", kind == API_CHAT ? "chatcmpl" : "cmpl",
+             (unsigned long long)s->id_nonce, (unsigned long long)g->rid);
+    log_rdebug(g->rid, "admitted: %d prompt tokens, max_tokens %d, temperature %.3g, %s", n,
+               r.max_tokens, r.temperature, r.stream ? "stream" : "json");
+    evhttp_connection_set_closecb(g->conn, on_close, g);
+    if (!g->streaming)
+        watch_close(g);
+    if (g->streaming) {
+        struct evkeyvalq *h = evhttp_request_get_output_headers(req);
+        evhttp_add_header(h, "Content-Type", "text/event-stream");
+        evhttp_add_header(h, "Cache-Control", "no-cache");
+        evhttp_send_reply_start(req, 200, "OK");
+        if (kind == API_CHAT) {
+            api_response_info info = info_of(g);
+            char *chunk = api_format_chunk(&info, NULL, 0, NULL, 1);
+            if (chunk)
+                sse_send(g, chunk);
+            free(chunk);
+        }
+    }
+    free(tokens);
+    api_request_free(&r);
+    return;
+
+oom:
+    api_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
+bad:
+    if (g) {
+        g->req = NULL;
+        req_free(g);
+    }
+    free(tokens);
+    api_request_free(&r);
+    reply_error(req, &e);
+}
+
+static void handle_health(http_server_t *s, struct evhttp_request *req)
+{
+    char reason[160] = "";
+    int ok = s->cluster && cluster_ready(s->cluster, reason, sizeof(reason));
+    cluster_stats st = {0};
+    if (s->cluster)
+        cluster_get_stats(s->cluster, &st);
+    else
+        snprintf(reason, sizeof(reason), "starting");
+    json_t *root = json_pack("{s:s, s:s, s:{s:i, s:i, s:i, s:i}, s:i, s:i}", "status",
+                             ok ? "ok" : "unavailable", "model", s->model, "workers", "prefill",
+                             st.n_prefill, "decode", st.n_decode, "mixed", st.n_mixed, "draining",
+                             st.n_draining, "queued", st.n_queued, "running", st.n_running);
+    if (root && !ok)
+        json_object_set_new(root, "reason", json_string(reason));
+    char *body = root ? json_dumps(root, JSON_COMPACT) : NULL;
+    json_decref(root);
+    reply_json(req, ok ? 200 : 503, body ? body : "{\"status\":\"unavailable\"}");
+    free(body);
+}
+
+static void handle_models(http_server_t *s, struct evhttp_request *req, const char *which)
+{
+    if (which) { /* GET /v1/models/{id} */
+        if (strcmp(which, s->model) != 0) {
+            api_error e;
+            api_error_set(&e, 404, "invalid_request_error", "model", "model_not_found",
+                          "The model '%.200s' does not exist.", which);
+            reply_error(req, &e);
+            return;
+        }
+        json_t *m =
+            json_pack("{s:s, s:s, s:I, s:s, s:i}", "id", s->model, "object", "model", "created",
+                      (json_int_t)s->started, "owned_by", "tidepool", "max_model_len", s->n_ctx);
+        char *body = m ? json_dumps(m, JSON_COMPACT) : NULL;
+        json_decref(m);
+        reply_json(req, 200, body);
+        free(body);
+        return;
+    }
+    char *body = api_format_models(s->model, s->started, s->n_ctx);
+    reply_json(req, 200, body);
+    free(body);
+}
+
+static const char *method_str(enum evhttp_cmd_type m)
+{
+    switch (m) {
+    case EVHTTP_REQ_GET:
+        return "GET";
+    case EVHTTP_REQ_POST:
+        return "POST";
+    case EVHTTP_REQ_HEAD:
+        return "HEAD";
+    case EVHTTP_REQ_PUT:
+        return "PUT";
+    case EVHTTP_REQ_DELETE:
+        return "DELETE";
+    case EVHTTP_REQ_OPTIONS:
+        return "OPTIONS";
+    case EVHTTP_REQ_TRACE:
+        return "TRACE";
+    case EVHTTP_REQ_CONNECT:
+        return "CONNECT";
+    case EVHTTP_REQ_PATCH:
+        return "PATCH";
+    }
+    return "?";
+}
+
+static void on_request(struct evhttp_request *req, void *arg)
+{
+    http_server_t *s = arg;
+    enum evhttp_cmd_type method = evhttp_request_get_command(req);
+    const struct evhttp_uri *uri = evhttp_request_get_evhttp_uri(req);
+    const char *path = uri ? evhttp_uri_get_path(uri) : NULL;
+    if (!path || !*path)
+        path = "/";
+    char msg[300];
+
+    const char *allow = NULL;
+    int kind = -1;
+    if (strcmp(path, "/v1/completions") == 0) {
+        allow = "POST";
+        kind = API_COMPLETIONS;
+    } else if (strcmp(path, "/v1/chat/completions") == 0) {
+        allow = "POST";
+        kind = API_CHAT;
+    } else if (strcmp(path, "/v1/models") == 0 || strncmp(path, "/v1/models/", 11) == 0 ||
+               strcmp(path, "/health") == 0) {
+        allow = "GET";
+    }
+    if (!allow) {
+        snprintf(msg, sizeof(msg), "Invalid URL (%s %.200s)", method_str(method), path);
+        reply_error_msg(req, 404, "invalid_request_error", NULL, "unknown_url", msg);
+        return;
+    }
+    int is_get = method == EVHTTP_REQ_GET || method == EVHTTP_REQ_HEAD;
+    if ((strcmp(allow, "POST") == 0 && method != EVHTTP_REQ_POST) ||
+        (strcmp(allow, "GET") == 0 && !is_get)) {
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", allow);
+        snprintf(msg, sizeof(msg), "Method %s is not allowed for %.200s (use %s).",
+                 method_str(method), path, allow);
+        reply_error_msg(req, 405, "invalid_request_error", NULL, "method_not_allowed", msg);
+        return;
+    }
+    if (kind >= 0)
+        handle_completion(s, req, (api_kind_t)kind);
+    else if (strcmp(path, "/health") == 0)
+        handle_health(s, req);
+    else
+        handle_models(s, req, path[10] == '/' ? path + 11 : NULL);
+}
+
+// --- server
+
+http_server_t *http_server_new(struct event_base *base, const http_params *p, char *err,
+                               size_t errlen)
+{
+    http_server_t *s = calloc(1, sizeof(*s));
+    if (!s) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    s->base = base;
+    s->host = strdup(p->host);
+    s->model = strdup(p->model_name);
+    s->n_ctx = p->n_ctx;
+    s->max_body = p->max_body_bytes;
+    s->tok = p->tok;
+    s->started = now_s();
+    if (getrandom(&s->id_nonce, sizeof(s->id_nonce), 0) != (ssize_t)sizeof(s->id_nonce))
+        s->id_nonce = (uint64_t)proto_wall_us();
+    s->max_piece = 1;
+    for (int id = 0; id < tokenizer_vocab_size(p->tok); id++) {
+        size_t len = 0;
+        tokenizer_piece(p->tok, -1, id, &len);
+        if ((int)len > s->max_piece)
+            s->max_piece = (int)len;
+    }
+    s->http = evhttp_new(base);
+    if (!s->host || !s->model || !s->http) {
+        snprintf(err, errlen, "out of memory");
+        goto fail;
+    }
+    /* Bodies up to twice the limit are read and answered with a JSON 413; beyond that
+     * libevent answers 413 itself before reading the body. */
+    evhttp_set_max_body_size(s->http, (ev_ssize_t)(2 * p->max_body_bytes + 65536));
+    evhttp_set_max_headers_size(s->http, 64 * 1024);
+    evhttp_set_allowed_methods(s->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
+                                            EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE |
+                                            EVHTTP_REQ_OPTIONS | EVHTTP_REQ_PATCH);
+    evhttp_set_timeout(s->http, 600); /* idle keep-alive connections, stalled writes */
+    evhttp_set_gencb(s->http, on_request, s);
+    s->bound = evhttp_bind_socket_with_handle(s->http, p->host, (ev_uint16_t)p->port);
+    if (!s->bound) {
+        snprintf(err, errlen, "cannot listen on %s:%d: %s", p->host, p->port, strerror(errno));
+        goto fail;
+    }
+    s->port = p->port;
+    evutil_socket_t fd = evhttp_bound_socket_get_fd(s->bound);
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof(ss);
+    if (getsockname(fd, (struct sockaddr *)&ss, &sl) == 0) {
+        if (ss.ss_family == AF_INET)
+            s->port = ntohs(((struct sockaddr_in *)&ss)->sin_port);
+        else if (ss.ss_family == AF_INET6)
+            s->port = ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
+    }
+    return s;
+fail:
+    http_server_destroy(&s);
+    return NULL;
+}
+
+void http_server_set_cluster(http_server_t *s, cluster_t *c)
+{
+    s->cluster = c;
+}
+
+int http_server_port(const http_server_t *s)
+{
+    return s->port;
+}
+
+void http_server_stop_accepting(http_server_t *s)
+{
+    if (s->bound) {
+        evhttp_del_accept_socket(s->http, s->bound);
+        s->bound = NULL;
+    }
+}
+
+int http_server_n_active(const http_server_t *s)
+{
+    return s->n_active;
+}
+
+void http_server_destroy(http_server_t **ps)
+{
+    if (!ps || !*ps)
+        return;
+    http_server_t *s = *ps;
+    while (s->active) { /* only if the cluster was not destroyed first */
+        gw_req *g = s->active;
+        if (s->cluster)
+            cluster_cancel(s->cluster, g->rid);
+        evhttp_connection_set_closecb(g->conn, NULL, NULL);
+        g->req = NULL; /* evhttp_free below frees the requests */
+        req_free(g);
+    }
+    if (s->http)
+        evhttp_free(s->http);
+    free(s->host);
+    free(s->model);
+    free(s);
+    *ps = NULL;
+}

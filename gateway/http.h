@@ -1,0 +1,60 @@
+/*
+ * http: the gateway's HTTP server (libevent evhttp): routes, request admission and the
+ * replies, plain JSON or Server-Sent Events.
+ *
+ * POST /v1/completions and /v1/chat/completions are validated (api.h), tokenized (BOS +
+ * text), admitted into the cluster (cluster.h) and answered from the cluster's callbacks:
+ * text goes through a stream_t (stream.h) so that only whole UTF-8 characters are sent and
+ * stop strings are honoured. A client that disconnects cancels its request. GET
+ * /v1/models and GET /health report the model and the cluster. Anything else gets an
+ * OpenAI-style JSON error (404 unknown path, 405 wrong method). Loop thread only.
+ */
+#ifndef TP_GW_HTTP_H
+#define TP_GW_HTTP_H
+
+#include <stddef.h>
+
+#include "cluster.h"
+#include "tokenizer.h"
+
+struct event_base;
+
+typedef struct http_server http_server_t;
+
+typedef struct {
+    const char *host;       /* address to listen on (copied) */
+    int port;               /* 0 = any free port (see http_server_port) */
+    size_t max_body_bytes;  /* larger bodies get 413 */
+    const char *model_name; /* served model name (copied) */
+    int n_ctx;              /* context length in tokens */
+    const tokenizer_t *tok; /* borrowed; must outlive the server */
+} http_params;
+
+/* Bind and start serving on base. The server answers 503 to completion requests until
+ * http_server_set_cluster() is called. NULL with a message in err on failure (address in
+ * use, bad host, out of memory). */
+http_server_t *http_server_new(struct event_base *base, const http_params *p, char *err,
+                               size_t errlen);
+
+/* The callbacks to give cluster_new(): they route the cluster's reports to the HTTP
+ * requests (the cluster's ud is the server's per-request state). Static storage. */
+const cluster_callbacks *http_server_callbacks(void);
+
+/* Attach the cluster requests are admitted into (borrowed; must outlive the server's use
+ * of it, i.e. destroy the cluster before the server). */
+void http_server_set_cluster(http_server_t *s, cluster_t *c);
+
+/* The port actually bound (useful with port 0). */
+int http_server_port(const http_server_t *s);
+
+/* Stop accepting new connections (shutdown); requests in flight continue. */
+void http_server_stop_accepting(http_server_t *s);
+
+/* Completion requests in flight (admitted and not yet answered). */
+int http_server_n_active(const http_server_t *s);
+
+/* Free the server. Destroy the cluster first (it fails the requests still in flight,
+ * which answers them). Takes NULL; sets *s to NULL. */
+void http_server_destroy(http_server_t **s);
+
+#endif

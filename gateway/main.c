@@ -1,0 +1,230 @@
+/*
+ * gateway: tidepool's front door. Serves the OpenAI-compatible HTTP API (libevent evhttp),
+ * tokenizes and validates requests, routes them to prefill and decode workers over the
+ * ctl ZeroMQ socket, and streams the answers back. Loads only the tokenizer and the
+ * context length from the model file, never the weights.
+ *
+ * One thread, one event loop: HTTP connections, the ctl socket (through evzmq), timers
+ * and signals. SIGTERM/SIGINT: stop accepting, let requests in flight finish (up to
+ * --drain-timeout-ms), then exit. See docs/api.md and docs/protocol.md.
+ */
+#include <event2/event.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cluster.h"
+#include "config.h"
+#include "gguf.h"
+#include "http.h"
+#include "log.h"
+#include "tokenizer.h"
+
+static char *opt_host, *opt_ctl_bind, *opt_model, *opt_served_name, *opt_log_level;
+static long long opt_port, opt_max_body, opt_max_queue, opt_hb_ms, opt_dead_ms, opt_timeout_ms,
+    opt_retries, opt_drain_ms;
+
+static const config_entry_t settings[] = {
+    {"host", CONFIG_STRING, &opt_host, "127.0.0.1", 0, 0, "address the HTTP server listens on"},
+    {"port", CONFIG_INT, &opt_port, "8000", 0, 65535, "HTTP port (0 = any free port)"},
+    {"ctl-bind", CONFIG_STRING, &opt_ctl_bind, "tcp://127.0.0.1:5557", 0, 0,
+     "ZeroMQ endpoint of the ctl ROUTER socket that workers connect to"},
+    {"model", CONFIG_STRING, &opt_model, "build/models/stories260K.gguf", 0, 0,
+     "GGUF model file (only its tokenizer and context length are read)"},
+    {"served-model-name", CONFIG_STRING, &opt_served_name, NULL, 0, 0,
+     "model name in the API (default: the file's general.name)"},
+    {"max-body-bytes", CONFIG_INT, &opt_max_body, "1048576", 1024, 1073741824,
+     "largest request body accepted; larger ones get 413"},
+    {"max-queue", CONFIG_INT, &opt_max_queue, "1024", 0, 10000000,
+     "requests waiting for a worker before new ones get 429"},
+    {"heartbeat-ms", CONFIG_INT, &opt_hb_ms, "500", 10, 3600000,
+     "heartbeat interval told to workers"},
+    {"dead-after-ms", CONFIG_INT, &opt_dead_ms, "1500", 20, 36000000,
+     "a worker silent this long is declared dead and its requests re-run"},
+    {"request-timeout-ms", CONFIG_INT, &opt_timeout_ms, "60000", 100, 86400000,
+     "no progress this long: an assigned request is re-run, a queued one fails with 503"},
+    {"max-retries", CONFIG_INT, &opt_retries, "3", 0, 100,
+     "times a failed request is re-run on other workers before an error"},
+    {"drain-timeout-ms", CONFIG_INT, &opt_drain_ms, "30000", 0, 3600000,
+     "on SIGTERM, how long requests in flight may take to finish"},
+    {"log-level", CONFIG_STRING, &opt_log_level, "info", 0, 0, "debug, info, warn or error"},
+    {NULL, 0, NULL, NULL, 0, 0, NULL},
+};
+
+typedef struct {
+    struct event_base *base;
+    http_server_t *http;
+    struct event *drain_ev;
+    int64_t drain_deadline_ms;
+    int stopping;
+} app_t;
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void on_drain_tick(evutil_socket_t fd, short what, void *arg)
+{
+    app_t *a = arg;
+    (void)fd;
+    (void)what;
+    int n = http_server_n_active(a->http);
+    if (n == 0 || now_ms() >= a->drain_deadline_ms) {
+        if (n)
+            log_warn("drain timeout: %d requests still in flight are failed", n);
+        event_base_loopbreak(a->base);
+    }
+}
+
+static void on_signal(evutil_socket_t sig, short what, void *arg)
+{
+    app_t *a = arg;
+    (void)what;
+    if (a->stopping) {
+        log_warn("signal %d again: stopping now", (int)sig);
+        event_base_loopbreak(a->base);
+        return;
+    }
+    a->stopping = 1;
+    log_info("signal %d: no new connections; draining %d requests", (int)sig,
+             http_server_n_active(a->http));
+    http_server_stop_accepting(a->http);
+    a->drain_deadline_ms = now_ms() + opt_drain_ms;
+    struct timeval tv = {0, 50 * 1000};
+    a->drain_ev = event_new(a->base, -1, EV_PERSIST, on_drain_tick, a);
+    if (a->drain_ev)
+        event_add(a->drain_ev, &tv);
+    else
+        event_base_loopbreak(a->base);
+}
+
+/* Context length and name from the model file. */
+static int read_model_info(const char *path, int *n_ctx, char *name, size_t cap)
+{
+    char err[512];
+    gguf_t *g = gguf_open(path, err, sizeof(err));
+    if (!g) {
+        log_error("cannot read the model: %s", err);
+        return -1;
+    }
+    char arch[64] = "llama", key[96];
+    gguf_get_str_copy(g, "general.architecture", arch, sizeof(arch));
+    snprintf(key, sizeof(key), "%s.context_length", arch);
+    uint32_t ctx = 0;
+    int rc = 0;
+    if (gguf_get_u32(g, key, &ctx) != 0 || ctx < 2 || ctx > (1u << 24)) {
+        log_error("%s: %s is missing or out of range", path, key);
+        rc = -1;
+    }
+    *n_ctx = (int)ctx;
+    if (gguf_get_str_copy(g, "general.name", name, cap) != 0 || !name[0])
+        snprintf(name, cap, "tidepool");
+    gguf_close(&g);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    int rc = config_load(settings, "gateway", argc, argv);
+    if (rc != 0)
+        return rc > 0 ? 0 : 2;
+    log_level_t level;
+    if (log_level_parse(opt_log_level, &level) < 0) {
+        fprintf(stderr, "invalid value '%s' for log-level: want debug, info, warn or error\n",
+                opt_log_level);
+        config_free(settings);
+        return 2;
+    }
+    log_init("gateway", level);
+    config_log(settings);
+    signal(SIGPIPE, SIG_IGN);
+
+    int exit_code = 1;
+    app_t app = {0};
+    tokenizer_t *tok = NULL;
+    cluster_t *cluster = NULL;
+    struct event *sigterm = NULL, *sigint = NULL;
+    char err[512], name[128];
+    int n_ctx;
+
+    if (read_model_info(opt_model, &n_ctx, name, sizeof(name)) < 0)
+        goto out;
+    tok = tokenizer_load(opt_model, err, sizeof(err));
+    if (!tok) {
+        log_error("cannot load the tokenizer: %s", err);
+        goto out;
+    }
+    const char *served = opt_served_name && opt_served_name[0] ? opt_served_name : name;
+    log_info("model %s: '%s', context %d tokens, vocabulary %d", opt_model, served, n_ctx,
+             tokenizer_vocab_size(tok));
+
+    app.base = event_base_new();
+    if (!app.base) {
+        log_error("cannot create the event loop");
+        goto out;
+    }
+    http_params hp = {
+        .host = opt_host,
+        .port = (int)opt_port,
+        .max_body_bytes = (size_t)opt_max_body,
+        .model_name = served,
+        .n_ctx = n_ctx,
+        .tok = tok,
+    };
+    app.http = http_server_new(app.base, &hp, err, sizeof(err));
+    if (!app.http) {
+        log_error("%s", err);
+        goto out;
+    }
+    cluster_params cp = cluster_default_params();
+    cp.ctl_bind = opt_ctl_bind;
+    cp.heartbeat_ms = (int)opt_hb_ms;
+    cp.dead_after_ms = (int)opt_dead_ms;
+    cp.request_timeout_ms = (int)opt_timeout_ms;
+    cp.max_retries = (int)opt_retries;
+    cp.max_queue = (int)opt_max_queue;
+    cluster = cluster_new(app.base, &cp, http_server_callbacks(), err, sizeof(err));
+    if (!cluster) {
+        log_error("%s", err);
+        goto out;
+    }
+    http_server_set_cluster(app.http, cluster);
+
+    sigterm = evsignal_new(app.base, SIGTERM, on_signal, &app);
+    sigint = evsignal_new(app.base, SIGINT, on_signal, &app);
+    if (!sigterm || !sigint || event_add(sigterm, NULL) < 0 || event_add(sigint, NULL) < 0) {
+        log_error("cannot install signal handlers");
+        goto out;
+    }
+    log_info("ctl socket bound at %s", opt_ctl_bind);
+    log_info("listening on http://%s:%d", opt_host, http_server_port(app.http));
+    event_base_dispatch(app.base);
+    log_info("stopping");
+    exit_code = 0;
+
+out:
+    /* The cluster first: it fails what is left, which answers those clients. */
+    cluster_destroy(&cluster);
+    if (app.base && app.http) {
+        struct timeval flush = {0, 200 * 1000}; /* let those answers go out */
+        event_base_loopexit(app.base, &flush);
+        event_base_dispatch(app.base);
+    }
+    http_server_destroy(&app.http);
+    if (app.drain_ev)
+        event_free(app.drain_ev);
+    if (sigterm)
+        event_free(sigterm);
+    if (sigint)
+        event_free(sigint);
+    if (app.base)
+        event_base_free(app.base);
+    tokenizer_destroy(&tok);
+    config_free(settings);
+    return exit_code;
+}

@@ -1,0 +1,573 @@
+"""The gateway's answers to bad requests, with no workers at all: every bad input gets a 4xx
+with an OpenAI error body (streaming or not) and the gateway keeps serving; /health is 503
+with a reason; a request no worker can take ends with an error instead of hanging; a full
+queue answers 429 with Retry-After; a client that leaves is forgotten.
+
+Starts only build/bin/gateway on free loopback ports. Standard library only.
+    python3 -m unittest -v tests/integration/test_http_errors.py
+"""
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = os.environ.get("TIDEPOOL_BUILD", "build")
+GATEWAY = os.path.join(ROOT, BUILD, "bin", "gateway")
+MODEL = os.path.join(ROOT, os.environ.get("TIDEPOOL_TEST_MODEL", "build/models/stories260K.gguf"))
+SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:",
+                     "WARNING: ThreadSanitizer")
+MAX_BODY = 16384
+N_CTX = 512  # stories260K
+
+# (name, path, body, status, param, code); body: dict/list/str (sent as JSON) or bytes (raw)
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+BAD = [
+    ("not json", CMPL, b'{"prompt": "hi"', 400, None, "invalid_json"),
+    ("empty body", CMPL, b"", 400, None, "invalid_json"),
+    ("array body", CMPL, [{"prompt": "hi"}], 400, None, "invalid_type"),
+    ("invalid utf-8", CMPL, b'{"prompt": "caf\xc3"}', 400, None, "invalid_encoding"),
+    ("prompt int", CMPL, {"prompt": 5}, 400, "prompt", "invalid_type"),
+    ("prompt missing", CMPL, {"max_tokens": 5}, 400, "prompt", "missing_required_parameter"),
+    ("prompt empty", CMPL, {"prompt": ""}, 400, "prompt", "invalid_value"),
+    ("prompt two strings", CMPL, {"prompt": ["a", "b"]}, 400, "prompt", "invalid_value"),
+    ("messages string", CHAT, {"messages": "hi"}, 400, "messages", "invalid_type"),
+    ("messages missing", CHAT, {"prompt": "hi"}, 400, "messages", "missing_required_parameter"),
+    ("messages empty", CHAT, {"messages": []}, 400, "messages", "invalid_value"),
+    ("temperature string", CMPL, {"prompt": "hi", "temperature": "hot"}, 400, "temperature",
+     "invalid_type"),
+    ("temperature high", CMPL, {"prompt": "hi", "temperature": 5}, 400, "temperature",
+     "invalid_value"),
+    ("top_p zero", CMPL, {"prompt": "hi", "top_p": 0}, 400, "top_p", "invalid_value"),
+    ("top_p high", CMPL, {"prompt": "hi", "top_p": 1.01}, 400, "top_p", "invalid_value"),
+    ("stop int", CMPL, {"prompt": "hi", "stop": 5}, 400, "stop", "invalid_type"),
+    ("stop five", CMPL, {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop",
+     "invalid_value"),
+    ("stream string", CMPL, {"prompt": "hi", "stream": "yes"}, 400, "stream", "invalid_type"),
+    ("max_tokens -1", CMPL, {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens",
+     "invalid_value"),
+    ("max_tokens 0", CMPL, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens",
+     "invalid_value"),
+    ("max_tokens 1.5", CMPL, {"prompt": "hi", "max_tokens": 1.5}, 400, "max_tokens",
+     "invalid_type"),
+    ("max_tokens string", CMPL, {"prompt": "hi", "max_tokens": "10"}, 400, "max_tokens",
+     "invalid_type"),
+    ("max_tokens over context", CMPL, {"prompt": "hi", "max_tokens": N_CTX}, 400, "max_tokens",
+     "context_length_exceeded"),
+    ("chat max_completion_tokens over context", CHAT,
+     {"messages": MSG, "max_completion_tokens": 100000}, 400, "max_completion_tokens",
+     "context_length_exceeded"),
+    ("prompt over context", CMPL, {"prompt": "Once upon a time " * 200}, 400, "prompt",
+     "context_length_exceeded"),
+    ("prompt far over context", CMPL, {"prompt": "Once upon a time " * 800}, 400, "prompt",
+     "context_length_exceeded"),
+    ("chat over context", CHAT, {"messages": [{"role": "user", "content": "a b c " * 400}]},
+     400, "messages", "context_length_exceeded"),
+    ("n 2", CMPL, {"prompt": "hi", "n": 2}, 400, "n", "invalid_value"),
+    ("unknown model", CMPL, {"prompt": "hi", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("chat unknown model", CHAT, {"messages": MSG, "model": "gpt-4"}, 404, "model",
+     "model_not_found"),
+    ("logprobs", CMPL, {"prompt": "hi", "logprobs": 1}, 400, "logprobs",
+     "unsupported_parameter"),
+    ("body over limit", CMPL, {"prompt": "x" * (MAX_BODY + 10)}, 413, None, "request_too_large"),
+]
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Gateway:
+    def __init__(self, *args):
+        self.port = free_port()
+        self.tmp = tempfile.mkdtemp(prefix="tidepool-gw-")
+        self.log = os.path.join(self.tmp, "gateway.log")
+        argv = [GATEWAY, "--host", "127.0.0.1", "--port", str(self.port),
+                "--ctl-bind", "tcp://127.0.0.1:%d" % free_port(), "--model", MODEL,
+                "--max-body-bytes", str(MAX_BODY)] + list(args)
+        with open(self.log, "ab") as f:
+            self.proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("gateway exited: " + self.read_log())
+            if "listening on http://" in self.read_log():
+                return
+            time.sleep(0.05)
+        raise RuntimeError("gateway did not start: " + self.read_log())
+
+    def read_log(self):
+        with open(self.log, errors="replace") as f:
+            return f.read()
+
+    def request(self, method, path, body=None, headers=None, timeout=20):
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        if body is not None and not isinstance(body, bytes):
+            body = json.dumps(body).encode()
+        h = {"Content-Type": "application/json"}
+        h.update(headers or {})
+        c.request(method, path, body=body, headers=h)
+        r = c.getresponse()
+        data = r.read()
+        c.close()
+        return r.status, dict(r.getheaders()), data
+
+    def stop(self):
+        """SIGTERM; returns the exit code. Fails on sanitizer reports in the log."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        log = self.read_log()
+        for m in SANITIZER_MARKERS:
+            if m in log:
+                raise AssertionError("sanitizer report in the gateway log:\n" + log[-4000:])
+        return self.proc.returncode
+
+
+@unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
+                     "needs %s and %s (make all)" % (GATEWAY, MODEL))
+class HttpErrorsTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.gw = Gateway("--request-timeout-ms", "800")
+
+    @classmethod
+    def tearDownClass(cls):
+        rc = cls.gw.stop()
+        assert rc == 0, "gateway exit code %s" % rc
+
+    def check_error(self, status, headers, data, want_status, param, code, name):
+        self.assertEqual(status, want_status, "%s: %r" % (name, data[:300]))
+        self.assertTrue(headers.get("Content-Type", "").startswith("application/json"), name)
+        err = json.loads(data)["error"]
+        self.assertIsInstance(err["message"], str, name)
+        self.assertTrue(err["message"], name)
+        self.assertIn("type", err, name)
+        self.assertEqual(err.get("param"), param, "%s: %r" % (name, err))
+        self.assertEqual(err.get("code"), code, "%s: %r" % (name, err))
+        return err
+
+    def test_bad_requests(self):
+        for name, path, body, want, param, code in BAD:
+            with self.subTest(name):
+                st, h, data = self.gw.request("POST", path, body)
+                self.check_error(st, h, data, want, param, code, name)
+
+    def test_bad_requests_streaming(self):
+        """Validation comes before the stream starts: same 4xx JSON answers."""
+        for name, path, body, want, param, code in BAD:
+            if not isinstance(body, dict) or "stream" in body:
+                continue
+            with self.subTest(name):
+                b = dict(body, stream=True)
+                st, h, data = self.gw.request("POST", path, b)
+                self.check_error(st, h, data, want, param, code, name + " (stream)")
+
+    def test_context_message_names_numbers(self):
+        st, h, data = self.gw.request("POST", CMPL, {"prompt": "hi", "max_tokens": 600})
+        err = self.check_error(st, h, data, 400, "max_tokens", "context_length_exceeded", "ctx")
+        self.assertIn(str(N_CTX), err["message"])
+        self.assertIn("600", err["message"])
+        for n in (200, 800):  # tokenized, and refused on its byte length alone
+            st, h, data = self.gw.request("POST", CMPL, {"prompt": "Once upon a time " * n})
+            err = self.check_error(st, h, data, 400, "prompt", "context_length_exceeded", "p")
+            self.assertIn(str(N_CTX), err["message"])
+            numbers = [int(w) for w in err["message"].replace(",", " ").split() if w.isdigit()]
+            self.assertTrue(any(x > N_CTX for x in numbers), err["message"])
+
+    def test_huge_body(self):
+        st, _, _ = self.gw.request("POST", CMPL, b"x" * (4 * MAX_BODY + 100000))
+        self.assertEqual(st, 413)
+
+    def test_paths_and_methods(self):
+        st, h, data = self.gw.request("GET", "/v1/nope")
+        self.check_error(st, h, data, 404, None, "unknown_url", "unknown path")
+        st, h, data = self.gw.request("POST", "/v2/completions", {"prompt": "hi"})
+        self.check_error(st, h, data, 404, None, "unknown_url", "unknown path")
+        for method, path in [("GET", CMPL), ("GET", CHAT), ("PUT", CMPL), ("POST", "/health"),
+                             ("DELETE", "/v1/models"), ("POST", "/v1/models")]:
+            with self.subTest(method + " " + path):
+                st, h, data = self.gw.request(method, path, b"{}" if method != "GET" else None)
+                self.check_error(st, h, data, 405, None, "method_not_allowed", method + path)
+                self.assertIn("Allow", h)
+
+    def test_health_without_workers(self):
+        st, h, data = self.gw.request("GET", "/health")
+        self.assertEqual(st, 503)
+        j = json.loads(data)
+        self.assertNotEqual(j["status"], "ok")
+        self.assertTrue(j["reason"])
+
+    def test_models(self):
+        st, _, data = self.gw.request("GET", "/v1/models")
+        self.assertEqual(st, 200)
+        j = json.loads(data)
+        self.assertEqual(j["object"], "list")
+        name = j["data"][0]["id"]
+        self.assertEqual(j["data"][0]["object"], "model")
+        st, _, data = self.gw.request("GET", "/v1/models/" + name)
+        self.assertEqual(st, 200)
+        st, h, data = self.gw.request("GET", "/v1/models/nope")
+        self.check_error(st, h, data, 404, "model", "model_not_found", "model")
+        # the served name is accepted as "model"
+        st, _, data = self.gw.request("POST", CMPL, {"prompt": "hi", "model": name,
+                                                     "max_tokens": 1})
+        self.assertEqual(st, 503)  # valid, but no worker within --request-timeout-ms
+
+    def test_no_worker_does_not_hang(self):
+        t0 = time.time()
+        st, h, data = self.gw.request("POST", CMPL, {"prompt": "hi", "max_tokens": 4})
+        err = self.check_error(st, h, data, 503, None, "no_worker_available", "no worker")
+        self.assertLess(time.time() - t0, 10)
+        st, h, data = self.gw.request("POST", CHAT, {"messages": MSG, "stream": True})
+        self.assertEqual(st, 200)
+        self.assertTrue(h["Content-Type"].startswith("text/event-stream"))
+        events = [e for e in data.decode().split("\n\n") if e]
+        self.assertEqual(events[-1], "data: [DONE]")
+        self.assertIn("error", json.loads(events[-2][len("data: "):]))
+        first = json.loads(events[0][len("data: "):])
+        self.assertEqual(first["choices"][0]["delta"]["role"], "assistant")
+
+    def test_keeps_serving(self):
+        for name, path, body, *_ in BAD:
+            self.gw.request("POST", path, body)
+        st, _, _ = self.gw.request("GET", "/health")
+        self.assertEqual(st, 503)
+        self.assertIsNone(self.gw.proc.poll())
+
+
+@unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
+                     "needs %s and %s (make all)" % (GATEWAY, MODEL))
+class QueueTest(unittest.TestCase):
+    def test_full_queue_429_and_disconnect(self):
+        gw = Gateway("--max-queue", "1", "--request-timeout-ms", "60000")
+        try:
+            # one request waits in the queue (no workers) on a raw socket...
+            body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+            s = socket.create_connection(("127.0.0.1", gw.port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            deadline = time.time() + 10
+            while json.loads(gw.request("GET", "/health")[2])["queued"] != 1:
+                self.assertLess(time.time(), deadline)
+                time.sleep(0.02)
+            # ...so the next one is refused
+            st, h, data = gw.request("POST", CMPL, {"prompt": "hi", "max_tokens": 2})
+            self.assertEqual(st, 429)
+            self.assertIn("Retry-After", h)
+            self.assertGreaterEqual(int(h["Retry-After"]), 1)
+            err = json.loads(data)["error"]
+            self.assertEqual(err["code"], "rate_limit_exceeded")
+            # the waiting client leaves: its request is forgotten
+            s.close()
+            while json.loads(gw.request("GET", "/health")[2])["queued"] != 0:
+                self.assertLess(time.time(), deadline)
+                time.sleep(0.02)
+            self.assertIn("client disconnected", gw.read_log())
+        finally:
+            self.assertEqual(gw.stop(), 0)
+
+
+if __name__ == "__main__":
+    unittest.main()
+
+
+# --- fake workers: the gateway's side of the ctl protocol, driven step by step
+
+try:
+    import zmq  # python3-zmq; the tests below are skipped without it
+except ImportError:  # pragma: no cover
+    zmq = None
+
+REGISTER, REGISTER_ACK, HEARTBEAT, PREFILL, CANCEL, TOKENS, FINISH, ERROR, BYE = range(1, 10)
+BYTE0 = 3  # llama2.c vocabularies: <0x00>..<0xFF> are ids 3..258
+
+
+def mp_pack(o):
+    """A minimal msgpack encoder (maps with str keys, ints, floats, str, lists)."""
+    import struct
+    if isinstance(o, bool):
+        return b"\xc3" if o else b"\xc2"
+    if isinstance(o, int):
+        if 0 <= o < 128:
+            return bytes([o])
+        if o >= 0:
+            return b"\xcf" + struct.pack(">Q", o)
+        return b"\xd3" + struct.pack(">q", o)
+    if isinstance(o, float):
+        return b"\xcb" + struct.pack(">d", o)
+    if isinstance(o, str):
+        b = o.encode()
+        return (bytes([0xa0 | len(b)]) if len(b) < 32 else b"\xdb" + struct.pack(">I", len(b))) + b
+    if isinstance(o, (list, tuple)):
+        return b"\xdd" + struct.pack(">I", len(o)) + b"".join(mp_pack(x) for x in o)
+    if isinstance(o, dict):
+        return b"\xdf" + struct.pack(">I", len(o)) + b"".join(
+            mp_pack(k) + mp_pack(v) for k, v in o.items())
+    raise TypeError(type(o))
+
+
+def mp_unpack(b):
+    """A minimal msgpack decoder for the gateway's headers."""
+    import struct
+
+    def one(i):
+        c = b[i]
+        if c < 0x80:
+            return c, i + 1
+        if c >= 0xe0:
+            return c - 256, i + 1
+        if 0x80 <= c <= 0x8f:
+            return seq(i + 1, c & 15, True)
+        if 0x90 <= c <= 0x9f:
+            return seq(i + 1, c & 15, False)
+        if 0xa0 <= c <= 0xbf:
+            n = c & 31
+            return b[i + 1:i + 1 + n].decode(), i + 1 + n
+        fixed = {0xcc: ">B", 0xcd: ">H", 0xce: ">I", 0xcf: ">Q", 0xd0: ">b", 0xd1: ">h",
+                 0xd2: ">i", 0xd3: ">q", 0xca: ">f", 0xcb: ">d"}
+        if c in fixed:
+            fmt = fixed[c]
+            n = struct.calcsize(fmt)
+            return struct.unpack(fmt, b[i + 1:i + 1 + n])[0], i + 1 + n
+        if c in (0xc0, 0xc2, 0xc3):
+            return {0xc0: None, 0xc2: False, 0xc3: True}[c], i + 1
+        if c in (0xd9, 0xda, 0xdb):
+            w = {0xd9: 1, 0xda: 2, 0xdb: 4}[c]
+            n = int.from_bytes(b[i + 1:i + 1 + w], "big")
+            return b[i + 1 + w:i + 1 + w + n].decode(), i + 1 + w + n
+        if c in (0xdc, 0xdd, 0xde, 0xdf):
+            w = 2 if c in (0xdc, 0xde) else 4
+            n = int.from_bytes(b[i + 1:i + 1 + w], "big")
+            return seq(i + 1 + w, n, c in (0xde, 0xdf))
+        raise ValueError("msgpack byte 0x%02x" % c)
+
+    def seq(i, n, is_map):
+        out = {} if is_map else []
+        for _ in range(n):
+            if is_map:
+                k, i = one(i)
+                v, i = one(i)
+                out[k] = v
+            else:
+                v, i = one(i)
+                out.append(v)
+        return out, i
+
+    return one(0)[0]
+
+
+class FakeWorker:
+    """A mixed worker speaking the ctl protocol from the test's thread."""
+
+    def __init__(self, ctx, endpoint, wid):
+        self.wid = wid
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.ROUTING_ID, wid.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.alive = True
+
+    def send(self, t, **fields):
+        fields.update(t=t, v=1)
+        self.sock.send(mp_pack(fields))
+
+    def register(self):
+        self.send(REGISTER, wid=self.wid, role=3, kvep="", fp=1, pid=os.getpid(), n_ctx=N_CTX,
+                  bs=16, max_seqs=8, kv_total=1000, kv_free=1000)
+
+    def heartbeat(self):
+        self.send(HEARTBEAT, wid=self.wid, role=3, state=1, running=0, queued=0, qtok=0,
+                  kv_total=1000, kv_free=1000, tok_in=0, tok_out=0)
+
+    def recv(self, timeout=5.0, want=None):
+        """The next message (skipping REGISTER_ACK unless wanted), as a dict, or None."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.sock.poll(int(max(1, (deadline - time.time()) * 1000))):
+                m = mp_unpack(self.sock.recv())
+                if want is None or m["t"] in want:
+                    return m
+        return None
+
+    def close(self):
+        self.sock.close()
+
+
+def text_of(ids):
+    return bytes(i - BYTE0 for i in ids).decode()
+
+
+def ids_of(text):
+    return [BYTE0 + b for b in text.encode()]
+
+
+@unittest.skipUnless(zmq and os.path.exists(GATEWAY) and os.path.exists(MODEL),
+                     "needs python3-zmq, %s and %s" % (GATEWAY, MODEL))
+class FakeWorkerTest(unittest.TestCase):
+    """Retries, duplicates, dead workers, cancels: the gateway against scripted workers."""
+
+    def setUp(self):
+        self.ctl_port = free_port()
+        self.gw = Gateway("--ctl-bind", "tcp://127.0.0.1:%d" % self.ctl_port,
+                          "--heartbeat-ms", "100", "--dead-after-ms", "600",
+                          "--max-retries", "2", "--request-timeout-ms", "20000")
+        self.ctx = zmq.Context()
+        self.workers = []
+
+    def tearDown(self):
+        for w in self.workers:
+            w.close()
+        self.ctx.term()
+        self.assertEqual(self.gw.stop(), 0)
+
+    def worker(self, wid):
+        w = FakeWorker(self.ctx, "tcp://127.0.0.1:%d" % self.ctl_port, wid)
+        w.register()
+        self.assertEqual(w.recv(want=(REGISTER_ACK,))["hb_ms"], 100)
+        self.workers.append(w)
+        return w
+
+    def start(self, body, path=CMPL):
+        """Send a request from a thread; returns a function giving (status, headers, data)."""
+        import threading
+        box = {}
+
+        def run():
+            box["r"] = self.gw.request("POST", path, body, timeout=30)
+        t = threading.Thread(target=run)
+        t.start()
+
+        def result():
+            t.join(30)
+            return box["r"]
+        return result
+
+    def prefill(self, w, timeout=5.0):
+        m = w.recv(timeout, want=(PREFILL,))
+        self.assertIsNotNone(m, "no PREFILL for " + w.wid)
+        self.assertEqual(m["dep"], "")
+        self.assertEqual(m["dw"], w.wid)
+        return m
+
+    def test_duplicates_and_retry_give_one_answer(self):
+        a = self.worker("w-a")
+        res = self.start({"prompt": "hi", "max_tokens": 6, "temperature": 0})
+        m = self.prefill(a)
+        n_prompt = len(m["tokens"])
+        self.assertEqual(m["max_tokens"], 6)
+        rid = m["rid"]
+        want = ids_of("Hello!")
+        # the first token twice (prefill and decode both report it), then a repeat
+        a.send(TOKENS, rid=rid, index=0, tokens=want[:1])
+        a.send(TOKENS, rid=rid, index=0, tokens=want[:2])
+        a.send(TOKENS, rid=rid, index=1, tokens=want[1:3])
+        b = self.worker("w-b")
+        a.send(ERROR, rid=rid, code=7, msg="injected", retry=1)
+        m2 = self.prefill(b)
+        self.assertEqual(m2["rid"], rid)
+        self.assertEqual(m2["tokens"][n_prompt:], want[:3])  # prompt + tokens so far
+        self.assertEqual(m2["max_tokens"], 3)
+        b.send(TOKENS, rid=rid, index=0, tokens=want[3:6])
+        b.send(FINISH, rid=rid, reason=2)
+        st, _, data = res()
+        self.assertEqual(st, 200, data)
+        j = json.loads(data)
+        self.assertEqual(j["choices"][0]["text"], "Hello!")
+        self.assertEqual(j["choices"][0]["finish_reason"], "length")
+        self.assertEqual(j["usage"]["completion_tokens"], 6)
+        # late messages of the failed attempt are ignored
+        a.send(TOKENS, rid=rid, index=3, tokens=ids_of("zz"))
+        a.send(FINISH, rid=rid, reason=1)
+        self.assertEqual(self.gw.request("GET", "/health")[0], 200)
+
+    def test_dead_worker_requests_rerun(self):
+        a = self.worker("w-a")
+        res = self.start({"prompt": "hi", "max_tokens": 4, "stream": True})
+        rid = self.prefill(a)["rid"]
+        a.send(TOKENS, rid=rid, index=0, tokens=ids_of("ab"))
+        b = self.worker("w-b")
+        # a goes silent; b keeps heartbeating until the request comes over
+        deadline = time.time() + 5
+        m2 = None
+        while m2 is None and time.time() < deadline:
+            b.heartbeat()
+            m2 = b.recv(0.1, want=(PREFILL,))
+        self.assertIsNotNone(m2, "the request was not re-run")
+        self.assertEqual(m2["max_tokens"], 2)
+        b.send(TOKENS, rid=rid, index=0, tokens=ids_of("cd"))
+        b.send(FINISH, rid=rid, reason=2)
+        st, _, data = res()
+        self.assertEqual(st, 200)
+        events = [e[6:] for e in data.decode().split("\n\n") if e]
+        self.assertEqual(events[-1], "[DONE]")
+        text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+        self.assertEqual(text, "abcd")
+        self.assertIn("silent", self.gw.read_log())
+        # the dead worker's heartbeat is answered with BYE (it must register again)
+        a.heartbeat()
+        self.assertIsNotNone(a.recv(2, want=(BYE,)))
+
+    def test_retries_exhausted(self):
+        a = self.worker("w-a")
+        for stream in (False, True):
+            res = self.start({"prompt": "hi", "max_tokens": 4, "stream": stream})
+            for _ in range(3):  # --max-retries 2: three attempts
+                m = self.prefill(a)
+                a.send(ERROR, rid=m["rid"], code=9, msg="injected", retry=1)
+            st, h, data = res()
+            if not stream:
+                self.assertEqual(st, 503, data)
+                self.assertEqual(json.loads(data)["error"]["code"], "worker_failure")
+            else:
+                self.assertEqual(st, 200)
+                events = [e[6:] for e in data.decode().split("\n\n") if e]
+                self.assertEqual(events[-1], "[DONE]")
+                self.assertEqual(json.loads(events[-2])["error"]["code"], "worker_failure")
+
+    def test_non_retryable_bad_request(self):
+        a = self.worker("w-a")
+        res = self.start({"prompt": "hi", "max_tokens": 4})
+        m = self.prefill(a)
+        a.send(ERROR, rid=m["rid"], code=8, msg="bad token", retry=0)
+        st, _, data = res()
+        self.assertEqual(st, 400, data)
+
+    def test_stop_string_cancels_worker(self):
+        a = self.worker("w-a")
+        res = self.start({"prompt": "hi", "max_tokens": 50, "stop": ["STOP"], "stream": True})
+        rid = self.prefill(a)["rid"]
+        toks = ids_of("one ST") + ids_of("OP two")
+        a.send(TOKENS, rid=rid, index=0, tokens=toks[:5])
+        a.send(TOKENS, rid=rid, index=5, tokens=toks[5:])
+        self.assertEqual(a.recv(5, want=(CANCEL,))["rid"], rid)
+        st, _, data = res()
+        events = [e[6:] for e in data.decode().split("\n\n") if e]
+        chunks = [json.loads(e) for e in events[:-1]]
+        self.assertEqual("".join(c["choices"][0]["text"] for c in chunks), "one ")
+        self.assertEqual(chunks[-1]["choices"][0]["finish_reason"], "stop")
+
+    def test_client_disconnect_cancels(self):
+        a = self.worker("w-a")
+        body = json.dumps({"prompt": "hi", "max_tokens": 50}).encode()
+        s = socket.create_connection(("127.0.0.1", self.gw.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                  % len(body) + body)
+        rid = self.prefill(a)["rid"]
+        a.send(TOKENS, rid=rid, index=0, tokens=ids_of("x"))
+        s.close()
+        self.assertEqual(a.recv(5, want=(CANCEL,))["rid"], rid)

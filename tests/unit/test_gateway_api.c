@@ -1,0 +1,604 @@
+/*
+ * test_gateway_api: the gateway's request validation (gateway/api.c), response formats,
+ * and incremental detokenization with stop strings (gateway/stream.c).
+ *
+ * Validation is one table: every bad input of docs/api.md → HTTP status, error param and
+ * code. The stream tests use a tiny tokenizer written to a temporary GGUF file, with byte
+ * tokens so that a UTF-8 character can be split across tokens.
+ *
+ *   build/tests/test_gateway_api [case-name-filter]
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+#include <jansson.h>
+
+#include "gateway/api.h"
+#include "gguf.h"
+#include "gateway/stream.h"
+#include "tokenizer.h"
+
+// --- validation table
+
+typedef struct {
+    const char *name;
+    api_kind_t kind;
+    const char *body;  /* NULL: use raw/raw_len */
+    int status;        /* 0 = valid */
+    const char *param; /* expected error param (NULL = null) */
+    const char *code;  /* expected error code */
+} vcase;
+
+#define C API_COMPLETIONS
+#define CH API_CHAT
+static const vcase cases[] = {
+    /* body shape */
+    {"not json", C, "{\"prompt\": \"hi\"", 400, NULL, "invalid_json"},
+    {"empty body", C, "", 400, NULL, "invalid_json"},
+    {"array body", C, "[{\"prompt\": \"hi\"}]", 400, NULL, "invalid_type"},
+    {"string body", C, "\"hi\"", 400, NULL, "invalid_type"},
+    {"duplicate key", C, "{\"prompt\": \"a\", \"prompt\": \"b\"}", 400, NULL, "invalid_json"},
+    {"nul escape", C, "{\"prompt\": \"a\\u0000b\"}", 400, NULL, "invalid_json"},
+    /* prompt / messages */
+    {"prompt missing", C, "{\"max_tokens\": 5}", 400, "prompt", "missing_required_parameter"},
+    {"prompt null", C, "{\"prompt\": null}", 400, "prompt", "missing_required_parameter"},
+    {"prompt int", C, "{\"prompt\": 5}", 400, "prompt", "invalid_type"},
+    {"prompt empty", C, "{\"prompt\": \"\"}", 400, "prompt", "invalid_value"},
+    {"prompt object", C, "{\"prompt\": {}}", 400, "prompt", "invalid_type"},
+    {"prompt two strings", C, "{\"prompt\": [\"a\", \"b\"]}", 400, "prompt", "invalid_value"},
+    {"prompt empty array", C, "{\"prompt\": []}", 400, "prompt", "invalid_value"},
+    {"prompt token ids", C, "{\"prompt\": [5]}", 400, "prompt", "invalid_type"},
+    {"prompt array empty string", C, "{\"prompt\": [\"\"]}", 400, "prompt", "invalid_value"},
+    {"messages missing", CH, "{\"prompt\": \"hi\"}", 400, "messages", "missing_required_parameter"},
+    {"messages string", CH, "{\"messages\": \"hi\"}", 400, "messages", "invalid_type"},
+    {"messages empty", CH, "{\"messages\": []}", 400, "messages", "invalid_value"},
+    {"message not object", CH, "{\"messages\": [\"hi\"]}", 400, "messages", "invalid_type"},
+    {"message bad role", CH, "{\"messages\": [{\"role\": \"robot\", \"content\": \"x\"}]}", 400,
+     "messages", "invalid_value"},
+    {"message no role", CH, "{\"messages\": [{\"content\": \"x\"}]}", 400, "messages",
+     "invalid_value"},
+    {"message content int", CH, "{\"messages\": [{\"role\": \"user\", \"content\": 5}]}", 400,
+     "messages", "invalid_type"},
+    {"message image part", CH,
+     "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}", 400,
+     "messages", "invalid_value"},
+    /* max_tokens */
+    {"max_tokens -1", C, "{\"prompt\": \"hi\", \"max_tokens\": -1}", 400, "max_tokens",
+     "invalid_value"},
+    {"max_tokens 0", C, "{\"prompt\": \"hi\", \"max_tokens\": 0}", 400, "max_tokens",
+     "invalid_value"},
+    {"max_tokens 1.5", C, "{\"prompt\": \"hi\", \"max_tokens\": 1.5}", 400, "max_tokens",
+     "invalid_type"},
+    {"max_tokens string", C, "{\"prompt\": \"hi\", \"max_tokens\": \"10\"}", 400, "max_tokens",
+     "invalid_type"},
+    {"max_tokens huge", C, "{\"prompt\": \"hi\", \"max_tokens\": 99999999999}", 400, "max_tokens",
+     "invalid_value"},
+    {"max_completion_tokens 0", CH,
+     "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"max_completion_tokens\": 0}",
+     400, "max_completion_tokens", "invalid_value"},
+    /* sampling */
+    {"temperature string", C, "{\"prompt\": \"hi\", \"temperature\": \"hot\"}", 400, "temperature",
+     "invalid_type"},
+    {"temperature high", C, "{\"prompt\": \"hi\", \"temperature\": 2.5}", 400, "temperature",
+     "invalid_value"},
+    {"temperature negative", C, "{\"prompt\": \"hi\", \"temperature\": -0.1}", 400, "temperature",
+     "invalid_value"},
+    {"top_p zero", C, "{\"prompt\": \"hi\", \"top_p\": 0}", 400, "top_p", "invalid_value"},
+    {"top_p high", C, "{\"prompt\": \"hi\", \"top_p\": 1.5}", 400, "top_p", "invalid_value"},
+    {"top_k float", C, "{\"prompt\": \"hi\", \"top_k\": 1.5}", 400, "top_k", "invalid_type"},
+    {"top_k -2", C, "{\"prompt\": \"hi\", \"top_k\": -2}", 400, "top_k", "invalid_value"},
+    {"seed string", C, "{\"prompt\": \"hi\", \"seed\": \"x\"}", 400, "seed", "invalid_type"},
+    /* stop */
+    {"stop int", C, "{\"prompt\": \"hi\", \"stop\": 5}", 400, "stop", "invalid_type"},
+    {"stop list int", C, "{\"prompt\": \"hi\", \"stop\": [\"a\", 1]}", 400, "stop", "invalid_type"},
+    {"stop five", C, "{\"prompt\": \"hi\", \"stop\": [\"a\",\"b\",\"c\",\"d\",\"e\"]}", 400, "stop",
+     "invalid_value"},
+    {"stop empty string", C, "{\"prompt\": \"hi\", \"stop\": [\"\"]}", 400, "stop",
+     "invalid_value"},
+    /* stream, n, others */
+    {"stream string", C, "{\"prompt\": \"hi\", \"stream\": \"yes\"}", 400, "stream",
+     "invalid_type"},
+    {"stream int", C, "{\"prompt\": \"hi\", \"stream\": 1}", 400, "stream", "invalid_type"},
+    {"stream_options string", C, "{\"prompt\": \"hi\", \"stream_options\": \"x\"}", 400,
+     "stream_options", "invalid_type"},
+    {"n 2", C, "{\"prompt\": \"hi\", \"n\": 2}", 400, "n", "invalid_value"},
+    {"n 0", C, "{\"prompt\": \"hi\", \"n\": 0}", 400, "n", "invalid_value"},
+    {"model int", C, "{\"prompt\": \"hi\", \"model\": 5}", 400, "model", "invalid_type"},
+    {"user int", C, "{\"prompt\": \"hi\", \"user\": 5}", 400, "user", "invalid_type"},
+    {"logprobs", C, "{\"prompt\": \"hi\", \"logprobs\": 2}", 400, "logprobs",
+     "unsupported_parameter"},
+    {"echo", C, "{\"prompt\": \"hi\", \"echo\": true}", 400, "echo", "unsupported_parameter"},
+    {"best_of 2", C, "{\"prompt\": \"hi\", \"best_of\": 2}", 400, "best_of",
+     "unsupported_parameter"},
+    {"presence_penalty high", C, "{\"prompt\": \"hi\", \"presence_penalty\": 3}", 400,
+     "presence_penalty", "invalid_value"},
+    /* valid ones */
+    {"ok minimal", C, "{\"prompt\": \"hi\"}", 0, NULL, NULL},
+    {"ok everything", C,
+     "{\"model\": \"m\", \"prompt\": [\"hi\"], \"max_tokens\": 3, \"temperature\": 0, "
+     "\"top_p\": 0.5, \"top_k\": -1, \"seed\": -7, \"stop\": \"x\", \"stream\": true, "
+     "\"stream_options\": {\"include_usage\": true}, \"n\": 1, \"user\": \"u\", "
+     "\"logprobs\": null, \"echo\": false, \"best_of\": 1, \"frequency_penalty\": 0, "
+     "\"unknown_field\": {\"x\": [1]}}",
+     0, NULL, NULL},
+    {"ok chat", CH,
+     "{\"messages\": [{\"role\": \"system\", \"content\": \"S\"}, {\"role\": \"user\", "
+     "\"content\": [{\"type\": \"text\", \"text\": \"U\"}]}], \"max_completion_tokens\": 2, "
+     "\"max_tokens\": 9}",
+     0, NULL, NULL},
+    {"ok nulls", C,
+     "{\"prompt\": \"hi\", \"max_tokens\": null, \"stop\": null, "
+     "\"temperature\": null, \"stream\": null}",
+     0, NULL, NULL},
+};
+
+static void check_case(const vcase *vc, const char *body, size_t len)
+{
+    api_request r;
+    api_error e;
+    memset(&e, 0, sizeof(e));
+    int rc = api_parse(vc->kind, body, len, &r, &e);
+    if (vc->status == 0) {
+        if (rc != 0)
+            fail_msg("case '%s': unexpected error %d %s", vc->name, e.status, e.message);
+        api_request_free(&r);
+        return;
+    }
+    if (rc != -1)
+        fail_msg("case '%s': accepted, want %d", vc->name, vc->status);
+    if (e.status != vc->status || !e.code || strcmp(e.code, vc->code) != 0 ||
+        (vc->param ? !e.param || strcmp(e.param, vc->param) != 0 : e.param != NULL))
+        fail_msg("case '%s': got %d param=%s code=%s (%s), want %d param=%s code=%s", vc->name,
+                 e.status, e.param ? e.param : "null", e.code ? e.code : "null", e.message,
+                 vc->status, vc->param ? vc->param : "null", vc->code);
+    assert_int_equal(e.status, vc->status);
+    assert_string_equal(e.type, "invalid_request_error");
+    if (vc->param)
+        assert_string_equal(e.param ? e.param : "(null)", vc->param);
+    else
+        assert_null(e.param);
+    assert_string_equal(e.code ? e.code : "(null)", vc->code);
+    assert_true(strlen(e.message) > 0);
+    /* the error body is valid JSON with the same fields */
+    char *json = api_error_json(&e);
+    assert_non_null(json);
+    json_t *root = json_loads(json, 0, NULL);
+    assert_non_null(root);
+    json_t *err = json_object_get(root, "error");
+    assert_true(json_is_object(err));
+    assert_string_equal(json_string_value(json_object_get(err, "message")), e.message);
+    assert_string_equal(json_string_value(json_object_get(err, "type")), "invalid_request_error");
+    if (vc->param)
+        assert_string_equal(json_string_value(json_object_get(err, "param")), vc->param);
+    else
+        assert_true(json_is_null(json_object_get(err, "param")));
+    assert_string_equal(json_string_value(json_object_get(err, "code")), vc->code);
+    json_decref(root);
+    free(json);
+    /* a failed parse leaves nothing to free */
+    assert_null(r.prompt);
+    assert_null(r.model);
+    assert_int_equal(r.n_stop, 0);
+}
+
+static void test_validation_table(void **state)
+{
+    (void)state;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+        check_case(&cases[i], cases[i].body, strlen(cases[i].body));
+}
+
+static void test_invalid_utf8(void **state)
+{
+    (void)state;
+    static const char body[] = "{\"prompt\": \"caf\xC3\"}";
+    vcase vc = {"invalid utf-8", C, NULL, 400, NULL, "invalid_encoding"};
+    check_case(&vc, body, sizeof(body) - 1);
+    static const char overlong[] = "{\"prompt\": \"\xC0\xAF\"}";
+    check_case(&vc, overlong, sizeof(overlong) - 1);
+    static const char surrogate[] = "{\"prompt\": \"\xED\xA0\x80\"}";
+    check_case(&vc, surrogate, sizeof(surrogate) - 1);
+    assert_true(api_utf8_valid("caf\xC3\xA9 \xF0\x9F\x98\x80", 10));
+    assert_false(api_utf8_valid("\xF4\x90\x80\x80", 4)); /* > U+10FFFF */
+}
+
+static void test_parsed_values(void **state)
+{
+    (void)state;
+    api_request r;
+    api_error e;
+    const char *b = cases[sizeof(cases) / sizeof(cases[0]) - 3].body; /* ok everything */
+    assert_int_equal(api_parse(API_COMPLETIONS, b, strlen(b), &r, &e), 0);
+    assert_string_equal(r.model, "m");
+    assert_string_equal(r.prompt, "hi");
+    assert_int_equal(r.max_tokens, 3);
+    assert_true(r.temperature == 0.0);
+    assert_true(r.top_p == 0.5);
+    assert_int_equal(r.top_k, 0);
+    assert_int_equal(r.has_seed, 1);
+    assert_true(r.seed == (uint64_t)-7);
+    assert_int_equal(r.n_stop, 1);
+    assert_string_equal(r.stop[0], "x");
+    assert_int_equal(r.stream, 1);
+    assert_int_equal(r.include_usage, 1);
+    api_request_free(&r);
+
+    b = "{\"prompt\": \"hi\"}";
+    assert_int_equal(api_parse(API_COMPLETIONS, b, strlen(b), &r, &e), 0);
+    assert_int_equal(r.max_tokens, -1);
+    assert_true(r.temperature == 1.0);
+    assert_true(r.top_p == 1.0);
+    assert_int_equal(r.has_seed, 0);
+    assert_int_equal(r.stream, 0);
+    assert_null(r.model);
+    api_request_free(&r);
+}
+
+static void test_chat_template(void **state)
+{
+    (void)state;
+    api_request r;
+    api_error e;
+    const char *b = cases[sizeof(cases) / sizeof(cases[0]) - 2].body; /* ok chat */
+    assert_int_equal(api_parse(API_CHAT, b, strlen(b), &r, &e), 0);
+    assert_string_equal(r.prompt, "system: S\nuser: U\nassistant:");
+    assert_int_equal(r.prompt_len, strlen("system: S\nuser: U\nassistant:"));
+    assert_int_equal(r.max_tokens, 2); /* max_completion_tokens wins */
+    api_request_free(&r);
+}
+
+static void test_model_check(void **state)
+{
+    (void)state;
+    api_request r;
+    api_error e;
+    const char *b = "{\"prompt\": \"hi\", \"model\": \"gpt-4\"}";
+    assert_int_equal(api_parse(API_COMPLETIONS, b, strlen(b), &r, &e), 0);
+    assert_int_equal(api_check_model(&r, "stories260K", &e), -1);
+    assert_int_equal(e.status, 404);
+    assert_string_equal(e.code, "model_not_found");
+    assert_string_equal(e.param, "model");
+    assert_int_equal(api_check_model(&r, "gpt-4", &e), 0);
+    api_request_free(&r);
+    b = "{\"prompt\": \"hi\"}";
+    assert_int_equal(api_parse(API_COMPLETIONS, b, strlen(b), &r, &e), 0);
+    assert_int_equal(api_check_model(&r, "stories260K", &e), 0);
+    api_request_free(&r);
+}
+
+static void test_length_checks(void **state)
+{
+    (void)state;
+    api_request r;
+    api_error e;
+    const char *b = "{\"prompt\": \"hi\"}";
+    assert_int_equal(api_parse(API_COMPLETIONS, b, strlen(b), &r, &e), 0);
+    /* prompt longer than the context: 400 naming both numbers */
+    assert_int_equal(api_check_length(&r, 600, 512, &e), -1);
+    assert_int_equal(e.status, 400);
+    assert_string_equal(e.code, "context_length_exceeded");
+    assert_string_equal(e.param, "prompt");
+    assert_non_null(strstr(e.message, "512"));
+    assert_non_null(strstr(e.message, "600"));
+    /* a prompt that fills the context leaves no room */
+    assert_int_equal(api_check_length(&r, 512, 512, &e), -1);
+    /* only BOS: empty */
+    assert_int_equal(api_check_length(&r, 1, 512, &e), -1);
+    assert_string_equal(e.code, "invalid_value");
+    /* default max_tokens: the rest of the context */
+    assert_int_equal(api_check_length(&r, 5, 512, &e), 0);
+    assert_int_equal(r.max_tokens, 507);
+    api_request_free(&r);
+
+    b = "{\"prompt\": \"hi\", \"max_tokens\": 100}";
+    assert_int_equal(api_parse(API_COMPLETIONS, b, strlen(b), &r, &e), 0);
+    assert_int_equal(api_check_length(&r, 412, 512, &e), 0);
+    assert_int_equal(api_check_length(&r, 413, 512, &e), -1);
+    assert_int_equal(e.status, 400);
+    assert_string_equal(e.param, "max_tokens");
+    assert_non_null(strstr(e.message, "512"));
+    assert_non_null(strstr(e.message, "513"));
+    assert_non_null(strstr(e.message, "413"));
+    assert_non_null(strstr(e.message, "100"));
+    api_request_free(&r);
+}
+
+static void test_formats(void **state)
+{
+    (void)state;
+    api_response_info info = {API_COMPLETIONS, "cmpl-1", 1700000000, "m", 0};
+    char *s = api_format_response(&info, "caf\xC3\xA9", 5, API_FINISH_LENGTH, 3, 4);
+    json_t *j = json_loads(s, 0, NULL);
+    assert_non_null(j);
+    assert_string_equal(json_string_value(json_object_get(j, "object")), "text_completion");
+    json_t *c0 = json_array_get(json_object_get(j, "choices"), 0);
+    assert_string_equal(json_string_value(json_object_get(c0, "text")), "caf\xC3\xA9");
+    assert_string_equal(json_string_value(json_object_get(c0, "finish_reason")), "length");
+    assert_true(json_is_null(json_object_get(c0, "logprobs")));
+    json_t *u = json_object_get(j, "usage");
+    assert_int_equal(json_integer_value(json_object_get(u, "total_tokens")), 7);
+    json_decref(j);
+    free(s);
+    /* invalid UTF-8 never reaches the wire */
+    assert_null(api_format_response(&info, "\xC3", 1, API_FINISH_STOP, 1, 1));
+
+    info.kind = API_CHAT;
+    info.include_usage = 1;
+    s = api_format_chunk(&info, NULL, 0, NULL, 1);
+    j = json_loads(s, 0, NULL);
+    assert_string_equal(json_string_value(json_object_get(j, "object")), "chat.completion.chunk");
+    c0 = json_array_get(json_object_get(j, "choices"), 0);
+    assert_string_equal(json_string_value(json_object_get(json_object_get(c0, "delta"), "role")),
+                        "assistant");
+    assert_true(json_is_null(json_object_get(c0, "finish_reason")));
+    assert_true(json_is_null(json_object_get(j, "usage")));
+    json_decref(j);
+    free(s);
+    s = api_format_chunk(&info, NULL, 0, API_FINISH_STOP, 0);
+    j = json_loads(s, 0, NULL);
+    c0 = json_array_get(json_object_get(j, "choices"), 0);
+    assert_int_equal(json_object_size(json_object_get(c0, "delta")), 0);
+    assert_string_equal(json_string_value(json_object_get(c0, "finish_reason")), "stop");
+    json_decref(j);
+    free(s);
+    s = api_format_usage_chunk(&info, 2, 3);
+    j = json_loads(s, 0, NULL);
+    assert_int_equal(json_array_size(json_object_get(j, "choices")), 0);
+    assert_int_equal(
+        json_integer_value(json_object_get(json_object_get(j, "usage"), "completion_tokens")), 3);
+    json_decref(j);
+    free(s);
+    s = api_format_models("m", 1, 512);
+    j = json_loads(s, 0, NULL);
+    assert_string_equal(
+        json_string_value(json_object_get(json_array_get(json_object_get(j, "data"), 0), "id")),
+        "m");
+    json_decref(j);
+    free(s);
+}
+
+// --- stream: a tiny vocabulary with byte tokens
+
+enum {
+    T_UNK,
+    T_BOS,
+    T_EOS,
+    T_BYTE0 = 3,
+    T_A = 3 + 256,
+    T_B,
+    T_SP,
+    T_AB,
+    T_STOP,
+    T_ST,
+    T_OP,
+    T_EACUTE,
+    T_X,
+    T_HELLO,
+    N_VOCAB
+};
+
+static char tok_path[64];
+static tokenizer_t *tok;
+
+static int setup_tokenizer(void **state)
+{
+    (void)state;
+    static char byte_names[256][8];
+    const char *names[N_VOCAB];
+    size_t lens[N_VOCAB];
+    float scores[N_VOCAB];
+    int32_t types[N_VOCAB];
+    names[T_UNK] = "<unk>", types[T_UNK] = 2;
+    names[T_BOS] = "<s>", types[T_BOS] = 3;
+    names[T_EOS] = "</s>", types[T_EOS] = 3;
+    for (int b = 0; b < 256; b++) {
+        snprintf(byte_names[b], sizeof(byte_names[b]), "<0x%02X>", b);
+        names[T_BYTE0 + b] = byte_names[b];
+        types[T_BYTE0 + b] = 6;
+    }
+    const char *normal[] = {"a", "b", " ", "ab", "STOP", "ST", "OP", "\xC3\xA9", "x", " hello"};
+    for (int i = 0; i < 10; i++) {
+        names[T_A + i] = normal[i];
+        types[T_A + i] = 1;
+    }
+    for (int i = 0; i < N_VOCAB; i++) {
+        lens[i] = strlen(names[i]);
+        scores[i] = (float)-i;
+    }
+    snprintf(tok_path, sizeof(tok_path), "/tmp/test_gateway_tok_%d.gguf", (int)getpid());
+    gguf_writer_t *w = gguf_writer_new();
+    assert_non_null(w);
+    assert_int_equal(gguf_writer_add_str(w, "general.architecture", "llama"), 0);
+    assert_int_equal(gguf_writer_add_str(w, "tokenizer.ggml.model", "llama"), 0);
+    assert_int_equal(gguf_writer_add_arr_str(w, "tokenizer.ggml.tokens", names, lens, N_VOCAB), 0);
+    assert_int_equal(gguf_writer_add_arr_f32(w, "tokenizer.ggml.scores", scores, N_VOCAB), 0);
+    assert_int_equal(gguf_writer_add_arr_i32(w, "tokenizer.ggml.token_type", types, N_VOCAB), 0);
+    assert_int_equal(gguf_writer_add_u32(w, "tokenizer.ggml.bos_token_id", T_BOS), 0);
+    assert_int_equal(gguf_writer_add_u32(w, "tokenizer.ggml.eos_token_id", T_EOS), 0);
+    char err[256];
+    assert_int_equal(gguf_writer_write(w, tok_path, err, sizeof(err)), 0);
+    gguf_writer_destroy(&w);
+    tok = tokenizer_load(tok_path, err, sizeof(err));
+    if (!tok)
+        fail_msg("tokenizer_load: %s", err);
+    return 0;
+}
+
+static int teardown_tokenizer(void **state)
+{
+    (void)state;
+    tokenizer_destroy(&tok);
+    unlink(tok_path);
+    return 0;
+}
+
+static stream_t *mk(const char *const *stops, int n)
+{
+    stream_t *s = stream_new(tok, T_A, T_EOS, stops, n);
+    assert_non_null(s);
+    return s;
+}
+
+static const char *out(stream_t *s)
+{
+    size_t len;
+    const char *p = stream_out(s, &len);
+    assert_int_equal(strlen(p), len);
+    assert_true(api_utf8_valid(p, len));
+    return p;
+}
+
+static void test_stream_utf8_split(void **state)
+{
+    (void)state;
+    stream_t *s = mk(NULL, 0);
+    assert_int_equal(stream_push(s, T_BYTE0 + 0xC3), STREAM_CONTINUE);
+    assert_string_equal(out(s), ""); /* half a character is never sent */
+    assert_int_equal(stream_push(s, T_BYTE0 + 0xA9), STREAM_CONTINUE);
+    assert_string_equal(out(s), "\xC3\xA9");
+    stream_out_clear(s);
+    /* a 4-byte character over four tokens */
+    stream_push(s, T_BYTE0 + 0xF0);
+    stream_push(s, T_BYTE0 + 0x9F);
+    stream_push(s, T_BYTE0 + 0x98);
+    assert_string_equal(out(s), "");
+    stream_push(s, T_BYTE0 + 0x80);
+    assert_string_equal(out(s), "\xF0\x9F\x98\x80");
+    assert_int_equal(stream_n_tokens(s), 6);
+    stream_destroy(&s);
+    assert_null(s);
+}
+
+static void test_stream_utf8_malformed(void **state)
+{
+    (void)state;
+    stream_t *s = mk(NULL, 0);
+    stream_push(s, T_BYTE0 + 0xFF); /* never valid */
+    assert_string_equal(out(s), "\xEF\xBF\xBD");
+    stream_out_clear(s);
+    stream_push(s, T_BYTE0 + 0xC3); /* lead byte, then a non-continuation */
+    stream_push(s, T_A);
+    assert_string_equal(out(s), "\xEF\xBF\xBD"
+                                "a");
+    stream_out_clear(s);
+    stream_push(s, T_BYTE0 + 0xE2); /* incomplete at the end */
+    stream_push(s, T_BYTE0 + 0x82);
+    assert_string_equal(out(s), "");
+    assert_int_equal(stream_finish(s), STREAM_CONTINUE);
+    assert_string_equal(out(s), "\xEF\xBF\xBD");
+    stream_destroy(&s);
+}
+
+static void test_stream_stop_spanning_tokens(void **state)
+{
+    (void)state;
+    const char *stops[] = {"STOP"};
+    stream_t *s = mk(stops, 1);
+    assert_int_equal(stream_push(s, T_A), STREAM_CONTINUE);
+    assert_int_equal(stream_push(s, T_ST), STREAM_CONTINUE);
+    assert_string_equal(out(s), "a"); /* "ST" could start "STOP": held back */
+    assert_int_equal(stream_push(s, T_OP), STREAM_STOP);
+    assert_string_equal(out(s), "a"); /* the stop string is not sent */
+    assert_int_equal(stream_stopped(s), 1);
+    assert_int_equal(stream_n_tokens(s), 3);
+    /* nothing after the stop */
+    assert_int_equal(stream_push(s, T_B), STREAM_STOP);
+    assert_int_equal(stream_finish(s), STREAM_STOP);
+    assert_string_equal(out(s), "a");
+    assert_int_equal(stream_n_tokens(s), 3);
+    stream_destroy(&s);
+}
+
+static void test_stream_stop_inside_token(void **state)
+{
+    (void)state;
+    const char *stops[] = {"zzz", "b"};
+    stream_t *s = mk(stops, 2);
+    assert_int_equal(stream_push(s, T_AB), STREAM_STOP); /* "ab": "a" then the stop */
+    assert_string_equal(out(s), "a");
+    stream_destroy(&s);
+    /* the earliest match wins when several stops match */
+    const char *stops2[] = {"OP", "ST"};
+    s = mk(stops2, 2);
+    assert_int_equal(stream_push(s, T_STOP), STREAM_STOP);
+    assert_string_equal(out(s), "");
+    stream_destroy(&s);
+}
+
+static void test_stream_held_prefix_released(void **state)
+{
+    (void)state;
+    const char *stops[] = {"STOP"};
+    stream_t *s = mk(stops, 1);
+    stream_push(s, T_A);
+    stream_push(s, T_ST);
+    assert_string_equal(out(s), "a");
+    stream_push(s, T_X); /* "STx" is not a stop: released */
+    assert_string_equal(out(s), "aSTx");
+    stream_out_clear(s);
+    stream_push(s, T_ST);
+    assert_string_equal(out(s), "");
+    assert_int_equal(stream_finish(s), STREAM_CONTINUE); /* ended by length */
+    assert_string_equal(out(s), "ST");
+    stream_destroy(&s);
+}
+
+static void test_stream_multibyte_stop(void **state)
+{
+    (void)state;
+    const char *stops[] = {"\xC3\xA9"};
+    stream_t *s = mk(stops, 1);
+    stream_push(s, T_A);
+    assert_int_equal(stream_push(s, T_BYTE0 + 0xC3), STREAM_CONTINUE);
+    assert_int_equal(stream_push(s, T_BYTE0 + 0xA9), STREAM_STOP);
+    assert_string_equal(out(s), "a");
+    stream_destroy(&s);
+}
+
+static void test_stream_eos_and_bos_space(void **state)
+{
+    (void)state;
+    stream_t *s = mk(NULL, 0);
+    stream_push(s, T_X);
+    assert_int_equal(stream_push(s, T_EOS), STREAM_STOP);
+    assert_string_equal(out(s), "x");
+    assert_int_equal(stream_n_tokens(s), 1); /* EOS is not counted */
+    assert_int_equal(stream_stopped(s), 1);
+    stream_destroy(&s);
+    /* right after BOS the leading space of a piece is dropped (llama2.c's rule) */
+    s = stream_new(tok, T_BOS, T_EOS, NULL, 0);
+    stream_push(s, T_HELLO);
+    stream_push(s, T_HELLO);
+    assert_string_equal(out(s), "hello hello");
+    stream_destroy(&s);
+}
+
+int main(int argc, char **argv)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_validation_table),
+        cmocka_unit_test(test_invalid_utf8),
+        cmocka_unit_test(test_parsed_values),
+        cmocka_unit_test(test_chat_template),
+        cmocka_unit_test(test_model_check),
+        cmocka_unit_test(test_length_checks),
+        cmocka_unit_test(test_formats),
+        cmocka_unit_test(test_stream_utf8_split),
+        cmocka_unit_test(test_stream_utf8_malformed),
+        cmocka_unit_test(test_stream_stop_spanning_tokens),
+        cmocka_unit_test(test_stream_stop_inside_token),
+        cmocka_unit_test(test_stream_held_prefix_released),
+        cmocka_unit_test(test_stream_multibyte_stop),
+        cmocka_unit_test(test_stream_eos_and_bos_space),
+    };
+    if (argc > 1)
+        cmocka_set_test_filter(argv[1]);
+    return cmocka_run_group_tests_name("gateway_api", tests, setup_tokenizer, teardown_tokenizer);
+}
