@@ -856,6 +856,24 @@ void cluster_get_stats(const cluster_t *c, cluster_stats *st)
     st->n_running = c->active.n;
 }
 
+void cluster_foreach_worker(const cluster_t *c,
+                            void (*fn)(const cluster_worker_info *w, void *ud), void *ud)
+{
+    int64_t now = proto_now_us();
+    for (const worker_t *w = c->workers; w; w = w->next) {
+        if (w->dead)
+            continue;
+        cluster_worker_info info = {
+            .id = w->id, .role = w->role, .state = w->state, .kv_endpoint = w->kvep,
+            .pid = w->pid, .kv_blocks_total = w->kv_total, .kv_blocks_free = w->kv_free,
+            .running = w->running, .queued = w->queued, .queued_prompt_tokens = w->qtok,
+            .n_assigned = w->n_assigned,
+            .last_seen_ms_ago = (double)(now - w->last_seen_us) / 1000.0,
+        };
+        fn(&info, ud);
+    }
+}
+
 int cluster_ready(const cluster_t *c, char *reason, size_t cap)
 {
     cluster_stats st;

@@ -107,6 +107,24 @@ typedef struct {
 
 void cluster_get_stats(const cluster_t *c, cluster_stats *st);
 
+/* One registered, alive worker as last reported (heartbeat figures) plus the gateway's own
+ * view of what it has assigned to it. Strings are borrowed for the callback's duration. */
+typedef struct {
+    const char *id;
+    int role;                     /* proto_role_t */
+    int state;                    /* proto_state_t */
+    const char *kv_endpoint;      /* "" for prefill workers */
+    int pid;
+    int kv_blocks_total, kv_blocks_free;
+    int running, queued, queued_prompt_tokens;
+    int n_assigned;               /* requests the gateway has assigned to it right now */
+    double last_seen_ms_ago;
+} cluster_worker_info;
+
+/* Call fn for every alive worker, in registration order. */
+void cluster_foreach_worker(const cluster_t *c,
+                            void (*fn)(const cluster_worker_info *w, void *ud), void *ud);
+
 /* Seconds a client should wait before retrying after CLUSTER_FULL (>= 1). */
 int cluster_retry_after_s(const cluster_t *c);
 

@@ -514,6 +514,34 @@ static void handle_health(http_server_t *s, struct evhttp_request *req)
     free(body);
 }
 
+static void add_worker_json(const cluster_worker_info *w, void *ud)
+{
+    static const char *roles[] = {"?", "prefill", "decode", "mixed"};
+    json_t *o = json_pack("{s:s, s:s, s:s, s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f}", "id",
+                          w->id, "role", roles[w->role >= 1 && w->role <= 3 ? w->role : 0],
+                          "state", w->state == PROTO_STATE_READY ? "ready" : "draining",
+                          "kv_endpoint", w->kv_endpoint, "pid", w->pid, "kv_blocks_total",
+                          w->kv_blocks_total, "kv_blocks_free", w->kv_blocks_free, "running",
+                          w->running, "queued", w->queued, "queued_prompt_tokens",
+                          w->queued_prompt_tokens, "assigned", w->n_assigned,
+                          "last_seen_ms_ago", w->last_seen_ms_ago);
+    if (o)
+        json_array_append_new((json_t *)ud, o);
+}
+
+/* GET /workers: every alive worker with its last reported load figures (operators). */
+static void handle_workers(http_server_t *s, struct evhttp_request *req)
+{
+    json_t *arr = json_array();
+    if (arr && s->cluster)
+        cluster_foreach_worker(s->cluster, add_worker_json, arr);
+    json_t *root = arr ? json_pack("{s:o}", "workers", arr) : NULL;
+    char *body = root ? json_dumps(root, JSON_COMPACT) : NULL;
+    json_decref(root);
+    reply_json(req, body ? 200 : 500, body ? body : "{\"workers\":[]}");
+    free(body);
+}
+
 static void handle_models(http_server_t *s, struct evhttp_request *req, const char *which)
 {
     if (which) { /* GET /v1/models/{id} */
@@ -582,7 +610,7 @@ static void on_request(struct evhttp_request *req, void *arg)
         allow = "POST";
         kind = API_CHAT;
     } else if (strcmp(path, "/v1/models") == 0 || strncmp(path, "/v1/models/", 11) == 0 ||
-               strcmp(path, "/health") == 0) {
+               strcmp(path, "/health") == 0 || strcmp(path, "/workers") == 0) {
         allow = "GET";
     }
     if (!allow) {
@@ -603,6 +631,8 @@ static void on_request(struct evhttp_request *req, void *arg)
         handle_completion(s, req, (api_kind_t)kind);
     else if (strcmp(path, "/health") == 0)
         handle_health(s, req);
+    else if (strcmp(path, "/workers") == 0)
+        handle_workers(s, req);
     else
         handle_models(s, req, path[10] == '/' ? path + 11 : NULL);
 }
