@@ -1,0 +1,631 @@
+"""tidepool-bench against a fake OpenAI-compatible server written here (standard library
+only): the fake streams SSE with known timings (TTFT, gap between chunks) and a known
+`usage`, and can misbehave on purpose (HTTP errors, connections closed mid-stream, error
+events, hangs, oversized events). Counts and token totals are checked exactly, timings
+within a tolerance. Run: python3 -m unittest -v tests/integration/test_bench.py
+(TIDEPOOL_BUILD picks the build directory, default build/)."""
+
+import http.server
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = os.environ.get("TIDEPOOL_BUILD", "build")
+BENCH = os.path.join(ROOT, BUILD, "bin", "tidepool-bench")
+SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:",
+                     "WARNING: ThreadSanitizer")
+WORDS = set("the a little girl boy cat dog sun tree ball red big happy sad day park ran saw "
+            "played jumped and with to in was she he they friend mom home bird fish water sky "
+            "blue green small went said looked found toy box car house garden flower apple "
+            "cake rain night star moon bear rabbit duck hat shoe book door window road "
+            "hill".split())
+
+TTFT_S = 0.100   # fake server: request received -> first content chunk
+ITL_S = 0.020    # fake server: gap between content chunks
+SLACK_MS = 150   # timing tolerance above the ideal (loaded machines, sanitizers)
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompt_words(body):
+    if "prompt" in body:
+        return len(body["prompt"].split())
+    return sum(len(m["content"].split()) for m in body["messages"])
+
+
+class FakeHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self._json(200, {"object": "list",
+                             "data": [{"id": self.server.fake.model, "object": "model"}]})
+        else:
+            self._json(404, {"error": {"message": "not found"}})
+
+    def _json(self, status, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _chunk(self, data):
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def _event(self, obj, chunked=True):
+        data = ("data: " + (obj if isinstance(obj, str) else json.dumps(obj)) + "\n\n").encode()
+        if chunked:
+            self._chunk(data)
+        else:
+            self.wfile.write(data)
+            self.wfile.flush()
+
+    def _start_stream(self, chunked=True):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        if chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.flush()
+
+    def _content(self, chat, text, finish=None):
+        if chat:
+            choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish}
+        return {"id": "cmpl-1", "object": "chunk", "model": self.server.fake.model,
+                "choices": [choice], "usage": None}
+
+    def do_POST(self):
+        fake = self.server.fake
+        n = int(self.headers.get("Content-Length", "0"))
+        body = json.loads(self.rfile.read(n))
+        with fake.lock:
+            idx = len(fake.requests)
+            fake.requests.append(body)
+            fake.paths.append(self.path)
+            fake.times.append(time.monotonic())
+            fake.active += 1
+            fake.max_active = max(fake.max_active, fake.active)
+        mode = fake.modes[idx] if idx < len(fake.modes) else "ok"
+        try:
+            self._serve(body, mode)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            fake.release(idx)
+
+    def _serve(self, body, mode):
+        fake = self.server.fake
+        chat = "messages" in body
+        if mode == "http503":
+            fake.release_once()
+            self._json(503, {"error": {"message": "overloaded, try later", "type": "server_error"}})
+            return
+        if mode == "not_sse":   # ignores "stream": one JSON body
+            fake.release_once()
+            self._json(200, {"id": "x", "choices": [{"text": "hi", "finish_reason": "stop"}]})
+            return
+        if mode in ("close_mid", "close_delimited_mid"):
+            chunked = mode == "close_mid"
+            self._start_stream(chunked)
+            self._event(self._content(chat, " once"), chunked)
+            self._event(self._content(chat, " upon"), chunked)
+            self.close_connection = True
+            return
+        self._start_stream()
+        if mode == "huge":
+            self._chunk(b"data: " + b"x" * (2 << 20))
+            self.close_connection = True
+            return
+        if mode == "hang":
+            self._event(self._content(chat, " start"))
+            fake.stop.wait(30)
+            self.close_connection = True
+            return
+        if mode == "dribble":
+            # every event in 3-byte writes, CRLF line ends, a comment, an "event:" line and
+            # a two-line data field: the client must reassemble across reads
+            time.sleep(fake.ttft_s)
+            n_tok = body["max_tokens"]
+            events = [json.dumps(self._content(chat, " tok")) for _ in range(n_tok)]
+            events.append(json.dumps(self._content(chat, "", "length")))
+            usage = {"prompt_tokens": prompt_words(body) + 1, "completion_tokens": n_tok}
+            events.append('{"choices": [],\r\ndata: "usage": %s}' % json.dumps(usage))
+            events.append("[DONE]")
+            for k, ev in enumerate(events):
+                raw = (": keep-alive\r\nevent: message\r\ndata: " + ev + "\r\n\r\n").encode()
+                for i in range(0, len(raw), 3):
+                    self._chunk(raw[i:i + 3])
+                if k == n_tok - 1:
+                    fake.release_once()
+            self._chunk(b"")
+            return
+        if mode == "error_event":
+            self._event(self._content(chat, " hello"))
+            self._event({"error": {"message": "worker died", "type": "server_error"}})
+            self._event("[DONE]")
+            self._chunk(b"")
+            return
+        if chat:
+            self._event({"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                       "content": ""}}]})
+        time.sleep(fake.ttft_s)
+        n_tok = body["max_tokens"]
+        if mode == "no_content":
+            n_tok = 0
+        tpc = fake.tokens_per_chunk
+        n_chunks = math.ceil(n_tok / tpc)
+        for k in range(n_chunks):
+            if k > 0:
+                time.sleep(fake.itl_s)
+            self._event(self._content(chat, " tok" * min(tpc, n_tok - k * tpc)))
+        self._event(self._content(chat, "", "length"))
+        if fake.usage:
+            self._event({"id": "cmpl-1", "choices": [],
+                         "usage": {"prompt_tokens": prompt_words(body) + 1,
+                                   "completion_tokens": n_tok,
+                                   "total_tokens": prompt_words(body) + 1 + n_tok}})
+        fake.release_once()  # before the end: the client may send its next request now
+        self._event("[DONE]")
+        self._chunk(b"")
+
+
+class FakeServer:
+    def __init__(self, modes=(), ttft_s=TTFT_S, itl_s=ITL_S, usage=True, tokens_per_chunk=1,
+                 model="fake-model"):
+        self.modes = list(modes)
+        self.ttft_s, self.itl_s, self.usage = ttft_s, itl_s, usage
+        self.tokens_per_chunk, self.model = tokens_per_chunk, model
+        self.lock = threading.Lock()
+        self.requests, self.paths, self.times = [], [], []
+        self.active = self.max_active = 0
+        self._released = threading.local()
+        self.stop = threading.Event()
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHandler)
+        self.httpd.daemon_threads = True
+        self.httpd.fake = self
+        self.port = self.httpd.server_address[1]
+        self.url = "http://127.0.0.1:%d" % self.port
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def release_once(self):
+        if not getattr(self._released, "done", False):
+            self._released.done = True
+            with self.lock:
+                self.active -= 1
+
+    def release(self, idx):
+        self.release_once()
+        self._released.done = False
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def parse_summary(text):
+    """The 'Key: value' lines of the summary block."""
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([A-Za-z].*?):\s+(-?[0-9.]+)\s*$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+class BenchTest(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="tidepool-bench-test-")
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def run_bench(self, *args, timeout=60, env=None):
+        """Run the bench; returns (rc, stdout, stderr, summary dict, result JSON or None)."""
+        out = os.path.join(self.tmp, "result.json")
+        if os.path.exists(out):
+            os.unlink(out)
+        argv = [BENCH, "--no-progress", "--result-json", out] + [str(a) for a in args]
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+        for marker in SANITIZER_MARKERS:
+            self.assertNotIn(marker, p.stderr, p.stderr)
+        res = None
+        if os.path.exists(out):
+            with open(out) as f:
+                res = json.load(f)
+        return p.returncode, p.stdout, p.stderr, parse_summary(p.stdout), res
+
+    def assert_close_ms(self, value, ideal_ms, what):
+        self.assertGreaterEqual(value, ideal_ms - 5, what)
+        self.assertLessEqual(value, ideal_ms + SLACK_MS, what)
+
+    # ---------------------------------------------------------------- command line
+
+    def test_help_lists_every_flag(self):
+        p = subprocess.run([BENCH, "--help"], capture_output=True, text=True, timeout=10)
+        self.assertEqual(p.returncode, 0)
+        for flag in ("--url", "--endpoint", "--model", "--num-prompts", "--concurrency",
+                     "--request-rate", "--seed", "--input-len", "--output-len",
+                     "--input-len-range", "--output-len-range", "--dataset", "--workload",
+                     "--phase-seconds", "--temperature", "--ignore-eos", "--goodput",
+                     "--result-json", "--plot", "--timeout-s", "--no-progress"):
+            self.assertIn(flag, p.stdout)
+
+    def test_bad_flags_exit_2(self):
+        for args in (["--bogus"], ["--request-rate", "0"], ["--input-len-range", "5:3"],
+                     ["--goodput", "foo:3"], ["--num-prompts", "0"], ["--url", "https://x"],
+                     ["--workload", "nope"], ["--input-len", "3", "--input-len-range", "1:2"],
+                     ["--concurrency"]):
+            p = subprocess.run([BENCH] + args, capture_output=True, text=True, timeout=10)
+            self.assertEqual(p.returncode, 2, args)
+            self.assertIn("tidepool-bench", p.stderr)
+
+    # ---------------------------------------------------------------- figures
+
+    def test_completions_counts_and_timings(self):
+        n, words, out_len = 6, 20, 10
+        with FakeServer() as srv:
+            rc, out, err, s, res = self.run_bench(
+                "--url", srv.url, "--num-prompts", n, "--concurrency", 2,
+                "--input-len", words, "--output-len", out_len, "--seed", 3)
+        self.assertEqual(rc, 0, err)
+        # the model came from GET /v1/models; every request streamed with usage
+        self.assertEqual(len(srv.requests), n)
+        self.assertEqual(srv.max_active, 2)
+        for body, path in zip(srv.requests, srv.paths):
+            self.assertEqual(path, "/v1/completions")
+            self.assertEqual(body["model"], "fake-model")
+            self.assertIs(body["stream"], True)
+            self.assertEqual(body["stream_options"], {"include_usage": True})
+            self.assertEqual(body["temperature"], 0)
+            self.assertEqual(body["max_tokens"], out_len)
+            self.assertNotIn("ignore_eos", body)
+            self.assertEqual(len(body["prompt"].split()), words)
+            self.assertTrue(set(body["prompt"].split()) <= WORDS)
+        # exact figures
+        self.assertIn("Serving Benchmark Result", out)
+        self.assertEqual(s["Successful requests"], n)
+        self.assertEqual(s["Failed requests"], 0)
+        self.assertEqual(s["Maximum request concurrency"], 2)
+        self.assertEqual(s["Total input tokens"], n * (words + 1))
+        self.assertEqual(s["Total generated tokens"], n * out_len)
+        self.assertEqual(res["completed"], n)
+        self.assertEqual(res["failed"], 0)
+        self.assertEqual(res["total_input_tokens"], n * (words + 1))
+        self.assertEqual(res["total_output_tokens"], n * out_len)
+        self.assertEqual(res["model_id"], "fake-model")
+        self.assertLessEqual(res["peak_concurrency"], 2)
+        self.assertIsNone(res["request_goodput"])
+        self.assertNotIn("Request goodput", out)
+        for r in res["requests"]:
+            self.assertTrue(r["success"])
+            self.assertEqual(r["prompt_tokens"], words + 1)
+            self.assertEqual(r["output_tokens"], out_len)
+            self.assertEqual(r["prompt_tokens_source"], "usage")
+            self.assertEqual(r["output_tokens_source"], "usage")
+            self.assertEqual(len(r["itl_ms"]), out_len - 1)
+            self.assertIsNone(r["error"])
+            self.assert_close_ms(r["ttft_ms"], TTFT_S * 1e3, "ttft")
+            self.assertAlmostEqual(r["tpot_ms"], (r["e2el_ms"] - r["ttft_ms"]) / (out_len - 1),
+                                   delta=0.002)   # JSON times are rounded to 1 µs
+        # timings: the fake's schedule plus a tolerance
+        ideal_e2el = (TTFT_S + (out_len - 1) * ITL_S) * 1e3
+        self.assert_close_ms(s["Mean TTFT (ms)"], TTFT_S * 1e3, "mean ttft")
+        self.assert_close_ms(s["Median TTFT (ms)"], TTFT_S * 1e3, "median ttft")
+        self.assert_close_ms(s["Mean ITL (ms)"], ITL_S * 1e3, "mean itl")
+        self.assert_close_ms(s["Mean TPOT (ms)"], ITL_S * 1e3, "mean tpot")
+        self.assert_close_ms(s["Mean E2EL (ms)"], ideal_e2el, "mean e2el")
+        # three rounds of two requests each
+        self.assertGreaterEqual(s["Benchmark duration (s)"], 3 * ideal_e2el / 1e3 - 0.01)
+        self.assertLess(s["Benchmark duration (s)"], 3 * ideal_e2el / 1e3 + 1.0)
+        # the printout and the JSON agree, and the throughputs follow from the duration
+        dur = res["duration"]
+        self.assertAlmostEqual(s["Benchmark duration (s)"], dur, delta=0.006)
+        self.assertAlmostEqual(res["request_throughput"], n / dur, places=6)
+        self.assertAlmostEqual(res["output_throughput"], n * out_len / dur, places=6)
+        self.assertAlmostEqual(res["total_token_throughput"], n * (words + 1 + out_len) / dur,
+                               places=6)
+        self.assertAlmostEqual(s["Request throughput (req/s)"], res["request_throughput"],
+                               delta=0.006)
+        self.assertAlmostEqual(s["P99 E2EL (ms)"], res["p99_e2el_ms"], delta=0.006)
+        e2els = sorted(r["e2el_ms"] for r in res["requests"])
+        self.assertAlmostEqual(res["median_e2el_ms"], (e2els[2] + e2els[3]) / 2, delta=0.001)
+        self.assertAlmostEqual(res["mean_ttft_ms"],
+                               sum(r["ttft_ms"] for r in res["requests"]) / n, delta=0.001)
+        itls = [x for r in res["requests"] for x in r["itl_ms"]]
+        self.assertAlmostEqual(res["mean_itl_ms"], sum(itls) / len(itls), delta=0.001)
+
+    def test_chat_ignore_eos_temperature(self):
+        with FakeServer(model="other") as srv:
+            rc, out, err, s, res = self.run_bench(
+                "--url", srv.url + "/", "--endpoint", "/v1/chat/completions", "--model", "m1",
+                "--num-prompts", 3, "--input-len", 7, "--output-len", 4, "--ignore-eos",
+                "--temperature", 0.5)
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(s["Successful requests"], 3)
+        self.assertEqual(s["Total input tokens"], 3 * 8)
+        self.assertEqual(s["Total generated tokens"], 3 * 4)
+        self.assertEqual(res["backend"], "openai-chat")
+        for body, path in zip(srv.requests, srv.paths):
+            self.assertEqual(path, "/v1/chat/completions")
+            self.assertEqual(body["model"], "m1")
+            self.assertIs(body["ignore_eos"], True)
+            self.assertEqual(body["temperature"], 0.5)
+            self.assertEqual(body["messages"][0]["role"], "user")
+            self.assertEqual(len(body["messages"][0]["content"].split()), 7)
+        for r in res["requests"]:
+            # the role-only first delta is not content: TTFT waits for real text
+            self.assert_close_ms(r["ttft_ms"], TTFT_S * 1e3, "chat ttft")
+            self.assertEqual(len(r["itl_ms"]), 3)
+
+    def test_usage_counts_tokens_not_chunks(self):
+        # 3 tokens per chunk (as MTP may emit): output tokens come from usage, ITLs are per
+        # chunk, TPOT divides by tokens
+        with FakeServer(tokens_per_chunk=3) as srv:
+            rc, out, err, s, res = self.run_bench(
+                "--url", srv.url, "--model", "x", "--num-prompts", 2, "--input-len", 5,
+                "--output-len", 9)
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(s["Total generated tokens"], 18)
+        for r in res["requests"]:
+            self.assertEqual(r["output_tokens"], 9)
+            self.assertEqual(len(r["itl_ms"]), 2)
+            self.assert_close_ms(r["tpot_ms"], 2 * ITL_S * 1e3 / 8, "tpot")
+
+    def test_no_usage_falls_back_to_chunks_and_words(self):
+        with FakeServer(usage=False, tokens_per_chunk=2) as srv:
+            rc, out, err, s, res = self.run_bench(
+                "--url", srv.url, "--model", "x", "--num-prompts", 2, "--input-len", 6,
+                "--output-len", 7)
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(s["Total input tokens"], 2 * 6)       # words
+        self.assertEqual(s["Total generated tokens"], 2 * 4)   # ceil(7 / 2) chunks
+        self.assertIn("no usage.prompt_tokens", out)
+        self.assertIn("no usage.completion_tokens", out)
+        self.assertEqual(res["requests"][0]["output_tokens_source"], "chunks")
+
+    def test_sse_split_across_reads(self):
+        with FakeServer(modes=["dribble"] * 3) as srv:
+            rc, out, err, s, res = self.run_bench(
+                "--url", srv.url, "--model", "x", "--num-prompts", 3, "--input-len", 4,
+                "--output-len", 5, "--concurrency", 1)
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(s["Successful requests"], 3)
+        self.assertEqual(s["Total input tokens"], 3 * 5)
+        self.assertEqual(s["Total generated tokens"], 3 * 5)
+        for r in res["requests"]:
+            self.assertEqual(r["output_tokens_source"], "usage")
+            self.assertEqual(len(r["itl_ms"]), 4)
+
+    def test_goodput(self):
+        with FakeServer() as srv:
+            args = ["--url", srv.url, "--model", "x", "--num-prompts", 4, "--input-len", 3,
+                    "--output-len", 3]
+            rc, out, err, s, res = self.run_bench(*args, "--goodput", "ttft:50",
+                                                  "--goodput", "e2el:60000,tpot:1e6")
+            self.assertEqual(rc, 0, err)
+            self.assertEqual(s["Request goodput (req/s)"], 0)
+            self.assertEqual(res["request_goodput"], 0)
+            self.assertEqual(res["goodput_slo_ms"],
+                             {"ttft_ms": 50, "tpot_ms": 1e6, "e2el_ms": 60000})
+            rc, out, err, s, res = self.run_bench(*args, "--goodput", "ttft:5000",
+                                                  "tpot:1000")   # vLLM's form
+            self.assertEqual(rc, 0, err)
+            self.assertEqual(res["goodput_slo_ms"], {"ttft_ms": 5000, "tpot_ms": 1000})
+            self.assertAlmostEqual(res["request_goodput"], res["request_throughput"], places=9)
+            self.assertAlmostEqual(s["Request goodput (req/s)"],
+                                   s["Request throughput (req/s)"], places=2)
+
+    # ---------------------------------------------------------------- failures
+
+    def test_failures_are_counted_not_fatal(self):
+        modes = ["ok", "http503", "close_mid", "error_event", "hang", "close_delimited_mid",
+                 "huge", "no_content", "not_sse", "ok"]
+        t0 = time.monotonic()
+        with FakeServer(modes=modes) as srv:
+            rc, out, err, s, res = self.run_bench(
+                "--url", srv.url, "--model", "x", "--num-prompts", len(modes),
+                "--concurrency", 1, "--input-len", 4, "--output-len", 3, "--timeout-s", 1.5)
+        self.assertLess(time.monotonic() - t0, 30)
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(s["Successful requests"], 2)
+        self.assertEqual(s["Failed requests"], 8)
+        self.assertEqual(res["failed"], 8)
+        recs = res["requests"]
+        kinds = [r["error_kind"] for r in recs]
+        self.assertEqual(kinds, [None, "http", "closed", "stream_error", "timeout", "closed",
+                                 "protocol", "no_content", "protocol", None])
+        self.assertEqual(recs[1]["http_status"], 503)
+        self.assertIn("HTTP 503: overloaded, try later", recs[1]["error"])
+        self.assertIn("mid-stream", recs[2]["error"])
+        self.assertIn("worker died", recs[3]["error"])
+        self.assertIn("1.5 s", recs[4]["error"])
+        # libevent's timers run off a cached clock: they may fire a few ms "early"
+        self.assertGreaterEqual(recs[4]["e2el_ms"], 1500 - 10)
+        self.assertLess(recs[4]["e2el_ms"], 1500 + 1000)
+        self.assertIn("[DONE]", recs[5]["error"])
+        self.assertIn("larger than", recs[6]["error"])
+        self.assertIn("no content", recs[7]["error"])
+        self.assertIn("no SSE event", recs[8]["error"])
+        # the first message of each kind is printed, and the first failure is logged
+        self.assertIn("Errors (count, first message of each kind):", out)
+        self.assertIn("HTTP 503: overloaded, try later", out)
+        self.assertIn("worker died", out)
+        self.assertIn("request 1 failed: HTTP 503", err)
+        self.assertEqual(s["Total generated tokens"], 6)
+
+    def test_connection_refused(self):
+        port = free_port()
+        rc, out, err, s, res = self.run_bench(
+            "--url", "http://127.0.0.1:%d" % port, "--model", "x", "--num-prompts", 3)
+        self.assertEqual(rc, 1)   # nothing succeeded
+        self.assertEqual(s["Successful requests"], 0)
+        self.assertEqual(s["Failed requests"], 3)
+        self.assertEqual({r["error_kind"] for r in res["requests"]}, {"connect"})
+        self.assertIn("cannot connect to 127.0.0.1 port %d" % port, res["requests"][0]["error"])
+        self.assertIn("cannot connect", out)
+
+    def test_no_model_list(self):
+        rc, out, err, s, res = self.run_bench("--url", "http://127.0.0.1:%d" % free_port(),
+                                              "--num-prompts", 1)
+        self.assertEqual(rc, 1)
+        self.assertIn("--model", err)
+
+    def test_sigint_stops_cleanly(self):
+        with FakeServer(modes=["hang"] * 50) as srv:
+            out_json = os.path.join(self.tmp, "r.json")
+            p = subprocess.Popen([BENCH, "--no-progress", "--url", srv.url, "--model", "x",
+                                  "--num-prompts", "50", "--concurrency", "4", "--result-json",
+                                  out_json], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+            deadline = time.monotonic() + 10
+            while len(srv.requests) < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=20)
+        for marker in SANITIZER_MARKERS:
+            self.assertNotIn(marker, err)
+        self.assertEqual(p.returncode, 1)
+        s = parse_summary(out)
+        self.assertEqual(s["Failed requests"], 4)
+        self.assertIn("46 requests were not sent", out)
+        with open(out_json) as f:
+            res = json.load(f)
+        self.assertEqual(res["not_sent"], 46)
+        self.assertEqual(sum(r["error_kind"] == "interrupted" for r in res["requests"]), 4)
+
+    # ---------------------------------------------------------------- workloads
+
+    def test_seed_reproducible_ranges_and_poisson(self):
+        def run(seed):
+            with FakeServer(ttft_s=0.01, itl_s=0.002) as srv:
+                rc, out, err, s, res = self.run_bench(
+                    "--url", srv.url, "--model", "x", "--num-prompts", 20, "--seed", seed,
+                    "--request-rate", 40, "--input-len-range", "5:15",
+                    "--output-len-range", "2:6")
+                self.assertEqual(rc, 0, err)
+                return srv.requests, res
+        a_reqs, a = run(7)
+        b_reqs, b = run(7)
+        c_reqs, c = run(8)
+        key = lambda res: [(r["prompt_words"], r["max_tokens"], r["arrival_s"])
+                           for r in res["requests"]]
+        self.assertEqual(key(a), key(b))
+        self.assertNotEqual(key(a), key(c))
+        prompts = lambda reqs: sorted((x["prompt"], x["max_tokens"]) for x in reqs)
+        self.assertEqual(prompts(a_reqs), prompts(b_reqs))
+        self.assertNotEqual(prompts(a_reqs), prompts(c_reqs))
+        for body in a_reqs:
+            self.assertTrue(5 <= len(body["prompt"].split()) <= 15)
+            self.assertTrue(2 <= body["max_tokens"] <= 6)
+        self.assertGreater(len({r["prompt_words"] for r in a["requests"]}), 3)
+        # Poisson arrivals: first at 0, increasing, mean gap near 1/rate; sent on schedule
+        arr = [r["arrival_s"] for r in a["requests"]]
+        self.assertEqual(arr[0], 0)
+        self.assertEqual(arr, sorted(arr))
+        self.assertTrue(0.25 * 19 / 40 < arr[-1] < 4 * 19 / 40, arr[-1])
+        for r in a["requests"]:
+            self.assertGreaterEqual(r["start_s"], r["arrival_s"] - 1e-3)
+            self.assertLess(r["start_s"], r["arrival_s"] + 0.1)
+        self.assertEqual(a["request_rate"], 40)
+
+    def test_dataset(self):
+        path = os.path.join(self.tmp, "prompts.jsonl")
+        with open(path, "w") as f:
+            f.write(json.dumps({"prompt": "one two three", "max_tokens": 2}) + "\n\n")
+            f.write(json.dumps({"prompt": "four five"}) + "\n")
+            f.write(json.dumps({"messages": [{"role": "system", "content": "be brief"},
+                                             {"role": "user", "content": "six seven"}],
+                                "max_tokens": 3, "stop": ["x"]}) + "\n")
+        with FakeServer() as srv:
+            rc, out, err, s, res = self.run_bench(
+                "--url", srv.url, "--model", "x", "--endpoint", "/v1/chat/completions",
+                "--dataset", path, "--num-prompts", 5, "--output-len", 4, "--concurrency", 1)
+        self.assertEqual(rc, 0, err)
+        got = [(b["messages"], b["max_tokens"]) for b in srv.requests]
+        user = lambda t: [{"role": "user", "content": t}]
+        self.assertEqual(got[0], (user("one two three"), 2))
+        self.assertEqual(got[1], (user("four five"), 4))
+        self.assertEqual(got[2][1], 3)
+        self.assertEqual(len(got[2][0]), 2)
+        self.assertEqual(srv.requests[2]["stop"], ["x"])
+        self.assertEqual(got[3], got[0])   # cycles through the file
+        self.assertEqual(s["Total generated tokens"], 2 + 4 + 3 + 2 + 4)
+        self.assertEqual(s["Total input tokens"], 4 + 3 + 5 + 4 + 3)
+        self.assertEqual(res["workload"], "dataset")
+        # a messages line needs the chat endpoint; the error names the file and line
+        p = subprocess.run([BENCH, "--model", "x", "--dataset", path, "--num-prompts", "3"],
+                           capture_output=True, text=True, timeout=10)
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("prompts.jsonl:4", p.stderr)
+
+    def test_phase_shift(self):
+        with FakeServer(ttft_s=0.01, itl_s=0.002) as srv:
+            rc, out, err, s, res = self.run_bench(
+                "--url", srv.url, "--model", "x", "--workload", "phase-shift",
+                "--phase-seconds", 0.4, "--request-rate", 30, "--num-prompts", 40,
+                "--input-len", 50, "--output-len", 12, "--phase-short-len", 3, "--seed", 1)
+        self.assertEqual(rc, 0, err)
+        shapes = {(len(b["prompt"].split()), b["max_tokens"]) for b in srv.requests}
+        self.assertEqual(shapes, {(50, 3), (3, 12)})
+        for r in res["requests"]:
+            want = ["prefill-heavy", "decode-heavy"][int(r["arrival_s"] / 0.4) % 2]
+            self.assertEqual(r["phase"], want)
+            self.assertEqual((r["prompt_words"], r["max_tokens"]),
+                             (50, 3) if want == "prefill-heavy" else (3, 12))
+        ph = res["phases"]
+        self.assertEqual(ph["prefill-heavy"]["completed"] + ph["decode-heavy"]["completed"], 40)
+        self.assertGreater(ph["prefill-heavy"]["completed"], 0)
+        self.assertGreater(ph["decode-heavy"]["completed"], 0)
+        self.assertIn("Prefill-heavy successful requests:", out)
+        self.assertEqual(s["Prefill-heavy successful requests"], ph["prefill-heavy"]["completed"])
+
+    def test_plot(self):
+        png = os.path.join(self.tmp, "lat.png")
+        with FakeServer(ttft_s=0.01, itl_s=0.002) as srv:
+            args = ("--url", srv.url, "--model", "x", "--num-prompts", 4, "--output-len", 3,
+                    "--plot", png)
+            if shutil.which("gnuplot"):
+                rc, out, err, s, res = self.run_bench(*args)
+                self.assertEqual(rc, 0, err)
+                with open(png, "rb") as f:
+                    self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+                os.unlink(png)
+            env = dict(os.environ, PATH="/nonexistent")
+            rc, out, err, s, res = self.run_bench(*args, env=env)
+        self.assertEqual(rc, 0, err)
+        self.assertIn("gnuplot not found", err)
+        self.assertFalse(os.path.exists(png))
+
+
+if __name__ == "__main__":
+    unittest.main()

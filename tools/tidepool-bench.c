@@ -1,0 +1,920 @@
+/*
+ * tidepool-bench: load-test client for any OpenAI-compatible server (tidepool, vLLM,
+ * llama-server), modelled on vLLM's `bench serve`. docs/bench.md is the manual.
+ *
+ *   tidepool-bench --url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8 \
+ *       --input-len 128 --output-len 64 --result-json out.json
+ *
+ * Design: one thread, one libevent loop. Requests arrive on a schedule (all at once, or
+ * Poisson at --request-rate with the gaps drawn from --seed) and are sent while fewer than
+ * --concurrency are in flight. Each request has its own evhttp connection and streams
+ * (`"stream": true` with usage): chunks are parsed as SSE as they arrive and timed on
+ * arrival, so TTFT and ITL are what a client sees. Everything a request holds lives in
+ * its flight, which ends in exactly one place (flight_end: success, HTTP error,
+ * connection error, error event, malformed stream, timeout or interrupt) and is freed
+ * from a deferred event, never inside a libevent callback of its own connection. Every
+ * request has a deadline (--timeout-s), so the run always ends.
+ *
+ * Modules (tools/bench/, one translation unit): args.h flags, workload.h prompts and
+ * randomness, sse.h the event-stream parser, stats.h percentiles, core.h the shared
+ * state, report.h the summary, JSON and plot.
+ */
+#include <errno.h>
+#include <event2/buffer.h>
+#include <event2/event.h>
+#include <event2/http.h>
+#include <event2/keyvalq_struct.h>
+#include <event2/util.h>
+#include <jansson.h>
+#include <math.h>
+#include <netdb.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "log.h"
+
+#include "bench/args.h"
+#include "bench/workload.h"
+#include "bench/sse.h"
+#include "bench/stats.h"
+#include "bench/core.h"
+#include "bench/report.h"
+
+// --- one request in flight
+
+typedef struct flight {
+    bench *b;
+    size_t idx;                    /* record index */
+    struct flight *prev, *next;    /* b->active list, while not finished */
+    struct evhttp_connection *conn;
+    struct event *timer;           /* --timeout-s deadline */
+    struct event *reap;            /* deferred teardown */
+    int64_t t_send_ns;
+    int64_t t_first_ns, t_last_ns; /* first / latest content chunk */
+    int64_t t_chunk_ns;            /* arrival of the bytes being parsed */
+    int finished;
+    int status;                    /* HTTP status, 0 until known */
+    int has_http_err;              /* the error callback ran */
+    enum evhttp_request_error http_err;
+    int http_errno;
+    int got_body;                  /* any body byte received */
+    sse_parser sse;
+    size_t n_events;
+    uint32_t n_chunks;             /* non-empty content chunks */
+    float *itl;                    /* ms, n_itl of cap_itl */
+    uint32_t n_itl, cap_itl;
+    long long usage_prompt, usage_completion; /* -1 until seen */
+    int done_seen, finish_seen;
+    char errbody[BENCH_ERRBODY_MAX + 1];
+    size_t n_errbody;
+} flight;
+
+static void bench_pump(bench *b);
+
+static struct timeval tv_from_s(double s)
+{
+    if (s < 0)
+        s = 0;
+    struct timeval tv = {(time_t)s, (suseconds_t)((s - floor(s)) * 1e6)};
+    return tv;
+}
+
+/* Equal when digits are skipped: "closed after 2 events" and "... 7 events" are one
+ * cause, "Too many open files" and "Connection reset by peer" are two. */
+static int same_but_digits(const char *x, const char *y)
+{
+    for (;;) {
+        while (*x >= '0' && *x <= '9')
+            x++;
+        while (*y >= '0' && *y <= '9')
+            y++;
+        if (*x != *y)
+            return 0;
+        if (!*x)
+            return 1;
+        x++, y++;
+    }
+}
+
+/* Count a failure in its group (kind, HTTP status, message up to digits) and log the
+ * first failure of the run at once. */
+static void bench_note_error(bench *b, size_t idx, int kind, int status, const char *msg)
+{
+    if (!b->first_error_logged) {
+        b->first_error_logged = 1;
+        if (b->progress_drawn)
+            fputc('\n', stderr);
+        log_warn("request %zu failed: %s", idx, msg);
+    }
+    for (size_t i = 0; i < b->n_groups; i++) {
+        if (b->groups[i].kind == kind && b->groups[i].status == status &&
+            same_but_digits(b->groups[i].msg, msg)) {
+            b->groups[i].count++;
+            return;
+        }
+    }
+    if (b->n_groups == BENCH_ERR_GROUPS_MAX) {
+        b->n_ungrouped++;
+        return;
+    }
+    err_group_t *g = &b->groups[b->n_groups++];
+    g->kind = kind;
+    g->status = status;
+    g->count = 1;
+    snprintf(g->msg, sizeof(g->msg), "%s", msg);
+}
+
+/* End a flight, once: fill its record, count it, schedule the teardown. ok = 1 for a
+ * success (kind and fmt ignored). */
+static void flight_end(flight *fl, int ok, fail_kind_t kind, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void flight_end(flight *fl, int ok, fail_kind_t kind, const char *fmt, ...)
+{
+    if (fl->finished)
+        return;
+    fl->finished = 1;
+    bench *b = fl->b;
+    rec_t *r = &b->recs[fl->idx];
+    int64_t t = now_ns();
+    r->e2el_ms = (double)(t - fl->t_send_ns) / 1e6;
+    r->ttft_ms = fl->n_chunks ? (double)(fl->t_first_ns - fl->t_send_ns) / 1e6 : -1;
+    r->http_status = fl->status;
+    r->output_from_usage = fl->usage_completion >= 0;
+    r->output_tokens = r->output_from_usage ? fl->usage_completion : fl->n_chunks;
+    r->prompt_from_usage = fl->usage_prompt >= 0;
+    r->prompt_tokens = r->prompt_from_usage ? fl->usage_prompt : r->prompt_words;
+    /* Move the ITL samples to the pool (bounded). */
+    r->itl_off = b->n_itl_pool;
+    if (fl->n_itl > 0 && b->n_itl_pool + fl->n_itl <= BENCH_ITL_POOL_MAX) {
+        if (b->n_itl_pool + fl->n_itl > b->cap_itl_pool) {
+            size_t c = b->cap_itl_pool ? b->cap_itl_pool : 4096;
+            while (c < b->n_itl_pool + fl->n_itl)
+                c *= 2;
+            float *np = realloc(b->itl_pool, c * sizeof(float));
+            if (np) {
+                b->itl_pool = np;
+                b->cap_itl_pool = c;
+            }
+        }
+        if (b->n_itl_pool + fl->n_itl <= b->cap_itl_pool) {
+            memcpy(b->itl_pool + b->n_itl_pool, fl->itl, fl->n_itl * sizeof(float));
+            b->n_itl_pool += fl->n_itl;
+            r->n_itl = fl->n_itl;
+        }
+    }
+    if (r->n_itl != fl->n_itl)
+        b->n_itl_dropped += fl->n_itl;
+    if (ok) {
+        r->state = REC_OK;
+        b->n_ok++;
+    } else {
+        char msg[BENCH_ERROR_MSG_MAX];
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(msg, sizeof(msg), fmt, ap);
+        va_end(ap);
+        r->state = REC_FAILED;
+        r->fail_kind = (uint8_t)kind;
+        r->error = strdup(msg);
+        b->n_failed++;
+        bench_note_error(b, fl->idx, kind, kind == FAIL_HTTP ? fl->status : 0, msg);
+    }
+    b->n_done++;
+    b->in_flight--;
+    b->t_end_ns = t;
+    if (fl->prev)
+        fl->prev->next = fl->next;
+    else
+        b->active = fl->next;
+    if (fl->next)
+        fl->next->prev = fl->prev;
+    fl->prev = fl->next = NULL;
+    event_active(fl->reap, 0, 0);
+}
+
+/* Deferred teardown: runs from the loop, outside every callback of this connection.
+ * evhttp_connection_free() frees a still-pending request without calling its callbacks. */
+static void flight_reap_cb(evutil_socket_t fd, short what, void *arg)
+{
+    flight *fl = arg;
+    bench *b = fl->b;
+    (void)fd, (void)what;
+    if (fl->conn)
+        evhttp_connection_free(fl->conn);
+    event_free(fl->timer);
+    event_free(fl->reap);
+    sse_free(&fl->sse);
+    free(fl->itl);
+    free(fl);
+    b->n_live--;
+    bench_pump(b);
+}
+
+static void flight_timeout_cb(evutil_socket_t fd, short what, void *arg)
+{
+    flight *fl = arg;
+    (void)fd, (void)what;
+    flight_end(fl, 0, FAIL_TIMEOUT, "no complete response within %g s (--timeout-s)%s",
+               fl->b->a.timeout_s, fl->n_chunks ? " (stream started)" : "");
+}
+
+/* The message of an OpenAI error value: {"message": ...} or a string. */
+static const char *error_value_message(const json_t *e)
+{
+    if (json_is_string(e))
+        return json_string_value(e);
+    const json_t *m = json_object_get(e, "message");
+    if (json_is_string(m))
+        return json_string_value(m);
+    m = json_object_get(e, "detail"); /* FastAPI style */
+    return json_is_string(m) ? json_string_value(m) : NULL;
+}
+
+/* Printable copy of at most n bytes of s (control bytes become spaces). */
+static void printable(char *dst, size_t cap, const char *s, size_t n)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < n && k + 1 < cap; i++)
+        dst[k++] = (unsigned char)s[i] < 0x20 ? ' ' : s[i];
+    dst[k] = 0;
+}
+
+/* One SSE event of a 200 response. Returns 0 to go on, 1 when the flight has ended. */
+static int flight_on_event(void *ctx, const char *event, const char *data, size_t n)
+{
+    flight *fl = ctx;
+    char shown[160];
+    fl->n_events++;
+    if (strcmp(event, "error") == 0) {
+        printable(shown, sizeof(shown), data, n);
+        flight_end(fl, 0, FAIL_STREAM_ERROR, "error event in the stream: %s", shown);
+        return 1;
+    }
+    if (n == 6 && memcmp(data, "[DONE]", 6) == 0) {
+        fl->done_seen = 1;
+        return 0;
+    }
+    json_error_t je;
+    json_t *j = json_loadb(data, n, 0, &je);
+    if (!j || !json_is_object(j)) {
+        printable(shown, sizeof(shown), data, n < 80 ? n : 80);
+        flight_end(fl, 0, FAIL_PROTOCOL, "invalid JSON in the stream: '%s'", shown);
+        json_decref(j);
+        return 1;
+    }
+    const json_t *err = json_object_get(j, "error");
+    if (err && !json_is_null(err)) {
+        const char *m = error_value_message(err);
+        flight_end(fl, 0, FAIL_STREAM_ERROR, "error in the stream: %s", m ? m : "(no message)");
+        json_decref(j);
+        return 1;
+    }
+    const json_t *c0 = json_array_get(json_object_get(j, "choices"), 0);
+    if (c0) {
+        const json_t *text = json_object_get(c0, "text");
+        if (!json_is_string(text)) {
+            const json_t *delta = json_object_get(c0, "delta");
+            text = json_object_get(delta, "content");
+            if (!json_is_string(text) || json_string_length(text) == 0)
+                text = json_object_get(delta, "reasoning_content");
+        }
+        if (json_is_string(text) && json_string_length(text) > 0) {
+            if (fl->n_chunks == 0) {
+                fl->t_first_ns = fl->t_chunk_ns;
+            } else if (fl->n_itl < BENCH_ITL_PER_REQUEST_MAX) {
+                if (fl->n_itl == fl->cap_itl) {
+                    uint32_t c = fl->cap_itl ? fl->cap_itl * 2 : 64;
+                    float *ni = realloc(fl->itl, c * sizeof(float));
+                    if (!ni) {
+                        flight_end(fl, 0, FAIL_LOCAL, "out of memory");
+                        json_decref(j);
+                        return 1;
+                    }
+                    fl->itl = ni;
+                    fl->cap_itl = c;
+                }
+                fl->itl[fl->n_itl++] = (float)((double)(fl->t_chunk_ns - fl->t_last_ns) / 1e6);
+            } else {
+                fl->b->n_itl_dropped++;
+            }
+            fl->t_last_ns = fl->t_chunk_ns;
+            fl->n_chunks++;
+        }
+        if (json_is_string(json_object_get(c0, "finish_reason")))
+            fl->finish_seen = 1;
+    }
+    const json_t *usage = json_object_get(j, "usage");
+    if (json_is_object(usage)) {
+        const json_t *ct = json_object_get(usage, "completion_tokens");
+        const json_t *pt = json_object_get(usage, "prompt_tokens");
+        if (json_is_integer(ct) && json_integer_value(ct) >= 0)
+            fl->usage_completion = json_integer_value(ct);
+        if (json_is_integer(pt) && json_integer_value(pt) >= 0)
+            fl->usage_prompt = json_integer_value(pt);
+    }
+    json_decref(j);
+    return 0;
+}
+
+/* Take everything in the response's input buffer: SSE for a 200, kept (bounded) as the
+ * error text otherwise. */
+static void flight_consume(flight *fl, struct evbuffer *in)
+{
+    char tmp[16384];
+    while (!fl->finished && evbuffer_get_length(in) > 0) {
+        int n = evbuffer_remove(in, tmp, sizeof(tmp));
+        if (n <= 0)
+            break;
+        fl->got_body = 1;
+        /* the first bytes of the body: the error text of a non-200, a clue for a 200
+         * that is not an event stream */
+        size_t k = (size_t)n;
+        if (k > BENCH_ERRBODY_MAX - fl->n_errbody)
+            k = BENCH_ERRBODY_MAX - fl->n_errbody;
+        memcpy(fl->errbody + fl->n_errbody, tmp, k);
+        fl->n_errbody += k;
+        fl->errbody[fl->n_errbody] = 0;
+        if (fl->status != 200)
+            continue;
+        int rc = sse_feed(&fl->sse, tmp, (size_t)n, flight_on_event, fl);
+        if (rc == SSE_ERR_TOO_LARGE)
+            flight_end(fl, 0, FAIL_PROTOCOL, "SSE event larger than %u bytes",
+                       BENCH_SSE_MAX_BYTES);
+        else if (rc == SSE_ERR_NOMEM)
+            flight_end(fl, 0, FAIL_LOCAL, "out of memory");
+    }
+}
+
+static void flight_chunk_cb(struct evhttp_request *req, void *arg)
+{
+    flight *fl = arg;
+    if (fl->finished)
+        return;
+    fl->t_chunk_ns = now_ns();
+    if (!fl->status)
+        fl->status = evhttp_request_get_response_code(req);
+    flight_consume(fl, evhttp_request_get_input_buffer(req));
+}
+
+static void flight_error_cb(enum evhttp_request_error err, void *arg)
+{
+    flight *fl = arg;
+    fl->has_http_err = 1;
+    fl->http_err = err;
+    fl->http_errno = EVUTIL_SOCKET_ERROR();
+}
+
+/* The request is over for libevent: req is NULL after a connection-level failure (and
+ * already freed); otherwise it is freed when this returns. */
+static void flight_done_cb(struct evhttp_request *req, void *arg)
+{
+    flight *fl = arg;
+    if (fl->finished)
+        return;
+    fl->t_chunk_ns = now_ns();
+    if (!req || evhttp_request_get_response_code(req) == 0) {
+        const char *why = "connection failed";
+        if (fl->has_http_err) {
+            switch (fl->http_err) {
+            case EVREQ_HTTP_TIMEOUT:
+                flight_end(fl, 0, FAIL_TIMEOUT, "no data from the server for %g s",
+                           fl->b->a.timeout_s);
+                return;
+            case EVREQ_HTTP_EOF:
+                why = "connection closed";
+                break;
+            case EVREQ_HTTP_INVALID_HEADER:
+                flight_end(fl, 0, FAIL_PROTOCOL, "invalid HTTP response");
+                return;
+            case EVREQ_HTTP_DATA_TOO_LONG:
+                flight_end(fl, 0, FAIL_PROTOCOL, "HTTP response too large");
+                return;
+            default:
+                break;
+            }
+        }
+        if (fl->status == 200 || fl->got_body)
+            flight_end(fl, 0, FAIL_CLOSED,
+                       "server closed the connection mid-stream (after %zu events)",
+                       fl->n_events);
+        else if (!fl->has_http_err) /* libevent 2.1's connect-failure path: no error cb */
+            flight_end(fl, 0, FAIL_CONNECT, "cannot connect to %s port %u (refused, "
+                       "unreachable or timed out)", fl->b->host_addr, fl->b->port);
+        else if (fl->http_errno)
+            flight_end(fl, 0, FAIL_CONNECT, "connection error before a response: %s",
+                       evutil_socket_error_to_string(fl->http_errno));
+        else
+            flight_end(fl, 0, FAIL_CONNECT, "%s before a response", why);
+        return;
+    }
+    fl->status = evhttp_request_get_response_code(req);
+    flight_consume(fl, evhttp_request_get_input_buffer(req));
+    if (fl->finished)
+        return;
+    if (fl->status != 200) {
+        char shown[200];
+        json_error_t je;
+        json_t *j = json_loadb(fl->errbody, fl->n_errbody, 0, &je);
+        const char *m = j ? error_value_message(json_object_get(j, "error")) : NULL;
+        if (!m && j)
+            m = error_value_message(j);
+        printable(shown, sizeof(shown), m ? m : fl->errbody, m ? strlen(m) : fl->n_errbody);
+        flight_end(fl, 0, FAIL_HTTP, "HTTP %d: %s", fl->status,
+                   shown[0] ? shown : "(empty body)");
+        json_decref(j);
+        return;
+    }
+    int rc = sse_finish(&fl->sse, flight_on_event, fl);
+    if (fl->finished)
+        return;
+    if (rc == SSE_ERR_NOMEM)
+        flight_end(fl, 0, FAIL_LOCAL, "out of memory");
+    else if (fl->n_events == 0)
+        flight_end(fl, 0, FAIL_PROTOCOL, "no SSE event in the 200 response (does the server "
+                                         "stream? body starts '%.60s')", fl->errbody);
+    else if (!fl->done_seen && !fl->finish_seen)
+        flight_end(fl, 0, FAIL_CLOSED, "stream ended without [DONE] or a finish_reason "
+                                       "(after %zu events)", fl->n_events);
+    else if (fl->n_chunks == 0)
+        flight_end(fl, 0, FAIL_NO_CONTENT, "no content in the stream (empty completion)");
+    else
+        flight_end(fl, 1, 0, "ok");
+}
+
+/* Create the connection and request of flight fl and send it. 0, or -1 (fl not ended;
+ * the caller ends it with the message in why). */
+static int flight_send(flight *fl, const char *body, const char **why)
+{
+    bench *b = fl->b;
+    *why = "cannot create the connection";
+    fl->conn = evhttp_connection_base_new(b->base, NULL, b->host_addr, b->port);
+    if (!fl->conn)
+        return -1;
+    /* libevent's inactivity timeout only backs up the request deadline, which fires
+     * first and names the cause. */
+    struct timeval tv = tv_from_s(b->a.timeout_s + 1);
+    evhttp_connection_set_timeout_tv(fl->conn, &tv);
+    evhttp_connection_set_max_headers_size(fl->conn, 65536);
+    evhttp_connection_set_retries(fl->conn, 0);
+    *why = "cannot create the request";
+    struct evhttp_request *req = evhttp_request_new(flight_done_cb, fl);
+    if (!req)
+        return -1;
+    evhttp_request_set_chunked_cb(req, flight_chunk_cb);
+    evhttp_request_set_error_cb(req, flight_error_cb);
+    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
+    if (evhttp_add_header(h, "Host", b->host_header) < 0 ||
+        evhttp_add_header(h, "Content-Type", "application/json") < 0 ||
+        evhttp_add_header(h, "Accept", "text/event-stream") < 0 ||
+        evhttp_add_header(h, "User-Agent", "tidepool-bench") < 0 ||
+        evbuffer_add(evhttp_request_get_output_buffer(req), body, strlen(body)) < 0) {
+        evhttp_request_free(req);
+        return -1;
+    }
+    *why = "cannot send the request";
+    if (evhttp_make_request(fl->conn, req, EVHTTP_REQ_POST, b->path) != 0)
+        return -1; /* libevent freed req */
+    return 0;
+}
+
+/* Send request idx now. */
+static void flight_start(bench *b, size_t idx)
+{
+    rec_t *r = &b->recs[idx];
+    int64_t t = now_ns();
+    r->start_s = (double)(t - b->t0_ns) / 1e9;
+    r->phase = PHASE_NONE;
+    if (bench_phase_shift(b)) {
+        /* Scheduled arrivals keep the phase of each request reproducible; without a
+         * schedule the send time decides. */
+        double at = isfinite(b->a.request_rate) ? r->arrival_s : r->start_s;
+        r->phase = (int8_t)((long long)floor(at / b->a.phase_s) % 2);
+    }
+    b->n_sent++;
+    b->in_flight++;
+    if (b->in_flight > b->peak_in_flight)
+        b->peak_in_flight = b->in_flight;
+    r->state = REC_RUNNING;
+    flight *fl = calloc(1, sizeof(*fl));
+    struct event *reap = fl ? event_new(b->base, -1, 0, flight_reap_cb, fl) : NULL;
+    struct event *timer = reap ? evtimer_new(b->base, flight_timeout_cb, fl) : NULL;
+    if (!timer) { /* nothing of libevent's holds fl: record the failure here */
+        if (reap)
+            event_free(reap);
+        free(fl);
+        r->state = REC_FAILED;
+        r->fail_kind = FAIL_LOCAL;
+        r->error = strdup("out of memory (flight)");
+        b->n_failed++;
+        b->n_done++;
+        b->in_flight--;
+        b->t_end_ns = now_ns();
+        bench_note_error(b, idx, FAIL_LOCAL, 0, "out of memory (flight)");
+        return;
+    }
+    b->n_live++;
+    fl->b = b;
+    fl->idx = idx;
+    fl->reap = reap;
+    fl->timer = timer;
+    fl->t_send_ns = t;
+    fl->usage_prompt = fl->usage_completion = -1;
+    sse_init(&fl->sse, BENCH_SSE_MAX_BYTES);
+    fl->next = b->active;
+    if (b->active)
+        b->active->prev = fl;
+    b->active = fl;
+
+    req_shape shape = {0, -1};
+    char *body = workload_body(&b->a, &b->ds, b->model, b->chat, idx, r->phase, &shape);
+    r->prompt_words = shape.prompt_words;
+    r->max_tokens = shape.max_tokens;
+    if (!body) {
+        flight_end(fl, 0, FAIL_LOCAL, "out of memory building the request body");
+        return;
+    }
+    const char *why;
+    int rc = flight_send(fl, body, &why);
+    free(body);
+    if (fl->finished)
+        return;
+    if (rc < 0) {
+        flight_end(fl, 0, FAIL_LOCAL, "%s", why);
+        return;
+    }
+    struct timeval tv = tv_from_s(b->a.timeout_s);
+    if (evtimer_add(fl->timer, &tv) < 0)
+        flight_end(fl, 0, FAIL_LOCAL, "cannot arm the request timer");
+}
+
+// --- dispatch
+
+/* Send what has arrived while the concurrency limit allows; leave the loop when every
+ * request has ended and every flight is torn down. */
+static void bench_pump(bench *b)
+{
+    while (!b->stopping && b->n_sent < b->n_arrived &&
+           (b->a.concurrency == 0 || b->in_flight < (size_t)b->a.concurrency))
+        flight_start(b, b->n_sent);
+    if (b->n_done == b->n_sent && b->n_live == 0 && (b->n_sent == b->n || b->stopping))
+        event_base_loopbreak(b->base);
+}
+
+static void arrival_cb(evutil_socket_t fd, short what, void *arg)
+{
+    bench *b = arg;
+    (void)fd, (void)what;
+    if (b->stopping)
+        return;
+    double t = (double)(now_ns() - b->t0_ns) / 1e9;
+    while (b->n_arrived < b->n && b->recs[b->n_arrived].arrival_s <= t)
+        b->n_arrived++;
+    if (b->n_arrived < b->n) {
+        struct timeval tv = tv_from_s(b->recs[b->n_arrived].arrival_s - t);
+        if (evtimer_add(b->arrival_ev, &tv) < 0) {
+            log_error("cannot arm the arrival timer; sending the rest at once");
+            b->n_arrived = b->n;
+        }
+    }
+    bench_pump(b);
+}
+
+static void progress_draw(bench *b, int final)
+{
+    int w = 30, fill = (int)((double)b->n_done / (double)b->n * w);
+    char bar[32];
+    memset(bar, '=', (size_t)fill);
+    memset(bar + fill, ' ', (size_t)(w - fill));
+    bar[w] = 0;
+    fprintf(stderr, "\r[%s] %zu/%zu  ok %zu  failed %zu  running %zu  %.1f s%s", bar,
+            b->n_done, b->n, b->n_ok, b->n_failed, b->in_flight,
+            (double)(now_ns() - b->t0_ns) / 1e9, final ? "\n" : "\033[K");
+    b->progress_drawn = !final;
+}
+
+static void progress_cb(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd, (void)what;
+    progress_draw(arg, 0);
+}
+
+static void signal_cb(evutil_socket_t sig, short what, void *arg)
+{
+    bench *b = arg;
+    (void)what;
+    if (b->stopping)
+        return;
+    b->stopping = 1;
+    if (b->progress_drawn)
+        fputc('\n', stderr);
+    log_warn("%s: stopping; requests in flight count as failed, the rest are not sent",
+             strsignal((int)sig));
+    if (b->arrival_ev)
+        evtimer_del(b->arrival_ev);
+    while (b->active)
+        flight_end(b->active, 0, FAIL_INTERRUPTED, "interrupted (%s)", strsignal((int)sig));
+    bench_pump(b);
+}
+
+// --- set-up
+
+/* Split --url into address, port, Host header and path prefix. 0, or -1 with a message. */
+static int bench_target(bench *b)
+{
+    struct evhttp_uri *u = evhttp_uri_parse(b->a.url);
+    const char *scheme = u ? evhttp_uri_get_scheme(u) : NULL;
+    const char *host = u ? evhttp_uri_get_host(u) : NULL;
+    if (!u || !scheme || strcmp(scheme, "http") != 0 || !host || !*host) {
+        fprintf(stderr, "tidepool-bench: --url '%s': want http://HOST[:PORT][/PATH]%s\n",
+                b->a.url, scheme && strcmp(scheme, "https") == 0 ? " (https is not supported)"
+                                                                 : "");
+        if (u)
+            evhttp_uri_free(u);
+        return -1;
+    }
+    int port = evhttp_uri_get_port(u);
+    b->port = (uint16_t)(port > 0 ? port : 80);
+    char name[256];
+    snprintf(name, sizeof(name), "%s", host);
+    if (name[0] == '[') { /* IPv6 literal */
+        memmove(name, name + 1, strlen(name));
+        char *e = strchr(name, ']');
+        if (e)
+            *e = 0;
+    }
+    if (port > 0)
+        snprintf(b->host_header, sizeof(b->host_header), "%s:%d", host, port);
+    else
+        snprintf(b->host_header, sizeof(b->host_header), "%s", host);
+    const char *path = evhttp_uri_get_path(u);
+    snprintf(b->prefix, sizeof(b->prefix), "%s", path ? path : "");
+    size_t n = strlen(b->prefix);
+    while (n > 0 && b->prefix[n - 1] == '/')
+        b->prefix[--n] = 0;
+    evhttp_uri_free(u);
+    if (snprintf(b->path, sizeof(b->path), "%s%s", b->prefix, b->a.endpoint) >=
+        (int)sizeof(b->path)) {
+        fprintf(stderr, "tidepool-bench: --url path + --endpoint too long\n");
+        return -1;
+    }
+    /* Resolve once, here, so the loop never blocks on DNS. */
+    struct addrinfo hints = {0}, *res = NULL;
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    int rc = getaddrinfo(name, NULL, &hints, &res);
+    if (rc != 0 || !res) {
+        fprintf(stderr, "tidepool-bench: --url: cannot resolve '%s': %s\n", name,
+                gai_strerror(rc));
+        return -1;
+    }
+    rc = getnameinfo(res->ai_addr, res->ai_addrlen, b->host_addr, sizeof(b->host_addr), NULL,
+                     0, NI_NUMERICHOST);
+    freeaddrinfo(res);
+    if (rc != 0) {
+        fprintf(stderr, "tidepool-bench: --url: cannot resolve '%s': %s\n", name,
+                gai_strerror(rc));
+        return -1;
+    }
+    return 0;
+}
+
+typedef struct {
+    int done, status;
+    char body[65536];
+    size_t n;
+    int err;
+} models_fetch;
+
+static void models_done_cb(struct evhttp_request *req, void *arg)
+{
+    models_fetch *m = arg;
+    m->done = 1;
+    if (req) {
+        m->status = evhttp_request_get_response_code(req);
+        struct evbuffer *in = evhttp_request_get_input_buffer(req);
+        int k = evbuffer_remove(in, m->body, sizeof(m->body) - 1);
+        m->n = k > 0 ? (size_t)k : 0;
+    }
+}
+
+static void models_error_cb(enum evhttp_request_error err, void *arg)
+{
+    models_fetch *m = arg;
+    m->err = EVUTIL_SOCKET_ERROR();
+    (void)err;
+}
+
+/* The first model id of GET {prefix}/v1/models (malloc'd), or NULL with a message. */
+static char *bench_fetch_model(bench *b)
+{
+    models_fetch *m = calloc(1, sizeof(*m));
+    char path[600], *model = NULL;
+    snprintf(path, sizeof(path), "%s/v1/models", b->prefix);
+    struct evhttp_connection *c = NULL;
+    struct evhttp_request *req = NULL;
+    if (!m)
+        goto fail;
+    c = evhttp_connection_base_new(b->base, NULL, b->host_addr, b->port);
+    req = c ? evhttp_request_new(models_done_cb, m) : NULL;
+    if (!req)
+        goto fail;
+    evhttp_connection_set_timeout(c, (int)fmin(30, ceil(b->a.timeout_s)));
+    evhttp_request_set_error_cb(req, models_error_cb);
+    if (evhttp_add_header(evhttp_request_get_output_headers(req), "Host", b->host_header) <
+        0) {
+        evhttp_request_free(req);
+        goto fail;
+    }
+    if (evhttp_make_request(c, req, EVHTTP_REQ_GET, path) != 0)
+        goto fail;
+    while (!m->done && event_base_loop(b->base, EVLOOP_ONCE) == 0)
+        ;
+    if (m->status == 200) {
+        json_error_t je;
+        json_t *j = json_loadb(m->body, m->n, 0, &je);
+        const json_t *id = json_object_get(json_array_get(json_object_get(j, "data"), 0), "id");
+        if (json_is_string(id))
+            model = strdup(json_string_value(id));
+        json_decref(j);
+    }
+fail:
+    if (!model) {
+        char what[128];
+        if (m && m->status == 200)
+            snprintf(what, sizeof(what), "no data[0].id in the reply");
+        else if (m && m->status)
+            snprintf(what, sizeof(what), "HTTP %d", m->status);
+        else
+            snprintf(what, sizeof(what), "%s",
+                     m && m->err ? evutil_socket_error_to_string(m->err) : "no response");
+        fprintf(stderr, "tidepool-bench: cannot get the model from http://%s%s: %s; pass "
+                        "--model NAME\n", b->host_header, path, what);
+    }
+    if (c)
+        evhttp_connection_free(c);
+    free(m);
+    return model;
+}
+
+static int bench_check_args(bench *b)
+{
+    const bench_args *a = &b->a;
+    const char *e = NULL;
+    if (strcmp(a->workload, "synthetic") != 0 && strcmp(a->workload, "phase-shift") != 0)
+        e = "--workload: want synthetic or phase-shift";
+    else if (a->dataset && strcmp(a->workload, "phase-shift") == 0)
+        e = "--dataset and --workload phase-shift exclude each other";
+    else if (a->dataset && (a->set_input_len || a->input_range[0] >= 0))
+        e = "--dataset gives the prompts: drop --input-len / --input-len-range";
+    else if (a->set_input_len && a->input_range[0] >= 0)
+        e = "give --input-len or --input-len-range, not both";
+    else if (a->set_output_len && a->output_range[0] >= 0)
+        e = "give --output-len or --output-len-range, not both";
+    else if (a->endpoint[0] != '/')
+        e = "--endpoint must start with '/'";
+    else if (a->plot && strchr(a->plot, '\''))
+        e = "--plot: the file name must not contain a single quote";
+    else if (a->model && !*a->model)
+        e = "--model: empty name";
+    if (e) {
+        fprintf(stderr, "tidepool-bench: %s\n", e);
+        return -1;
+    }
+    size_t n = strlen(a->endpoint);
+    b->chat = n >= 16 && strcmp(a->endpoint + n - 16, "chat/completions") == 0;
+    return 0;
+}
+
+static void raise_fd_limit(bench *b)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
+        return;
+    if (rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+        getrlimit(RLIMIT_NOFILE, &rl);
+    }
+    size_t want = b->a.concurrency > 0 ? (size_t)b->a.concurrency : b->n;
+    if (rl.rlim_cur != RLIM_INFINITY && want + 32 > rl.rlim_cur)
+        log_warn("up to %zu connections at once but the descriptor limit is %llu: expect "
+                 "connection errors (lower --concurrency or raise ulimit -n)",
+                 want, (unsigned long long)rl.rlim_cur);
+}
+
+static void bench_free(bench *b)
+{
+    if (b->recs)
+        for (size_t i = 0; i < b->n; i++)
+            free(b->recs[i].error);
+    free(b->recs);
+    free(b->itl_pool);
+    free(b->model);
+    dataset_free(&b->ds);
+    if (b->arrival_ev)
+        event_free(b->arrival_ev);
+    if (b->progress_ev)
+        event_free(b->progress_ev);
+    if (b->sigint_ev)
+        event_free(b->sigint_ev);
+    if (b->sigterm_ev)
+        event_free(b->sigterm_ev);
+    if (b->base)
+        event_base_free(b->base);
+}
+
+int main(int argc, char **argv)
+{
+    static bench bs;
+    bench *b = &bs;
+    int rc = args_parse(&b->a, argc, argv);
+    if (rc != 0)
+        return rc > 0 ? 0 : 2;
+    log_init("tidepool-bench", LOG_LEVEL_INFO);
+    if (bench_check_args(b) < 0)
+        return 2;
+    if (bench_target(b) < 0)
+        return 2;
+    signal(SIGPIPE, SIG_IGN);
+    b->n = (size_t)b->a.num_prompts;
+    int exit_code = 1;
+    b->base = event_base_new();
+    b->recs = calloc(b->n, sizeof(rec_t));
+    if (!b->base || !b->recs) {
+        fprintf(stderr, "tidepool-bench: out of memory (%zu records)\n", b->n);
+        goto out;
+    }
+    if (b->a.dataset && dataset_load(b->a.dataset, b->n, b->chat, &b->ds) < 0)
+        goto out;
+    b->model = b->a.model ? strdup(b->a.model) : bench_fetch_model(b);
+    if (!b->model)
+        goto out;
+    raise_fd_limit(b);
+
+    /* The arrival schedule, from its own random stream. */
+    rng_t ar = rng_stream((uint64_t)b->a.seed, RNG_STREAM_ARRIVALS, 0);
+    double t = 0;
+    for (size_t i = 0; i < b->n; i++) {
+        b->recs[i].phase = PHASE_NONE;
+        b->recs[i].max_tokens = -1;
+        if (i > 0 && isfinite(b->a.request_rate))
+            t += -log(1.0 - rng_unit(&ar)) / b->a.request_rate;
+        b->recs[i].arrival_s = t;
+    }
+    b->arrival_ev = evtimer_new(b->base, arrival_cb, b);
+    b->sigint_ev = evsignal_new(b->base, SIGINT, signal_cb, b);
+    b->sigterm_ev = evsignal_new(b->base, SIGTERM, signal_cb, b);
+    b->progress = !b->a.no_progress && isatty(STDERR_FILENO);
+    if (b->progress)
+        b->progress_ev = event_new(b->base, -1, EV_PERSIST, progress_cb, b);
+    struct timeval zero = {0, 0}, tick = {0, 250000};
+    if (!b->arrival_ev || !b->sigint_ev || !b->sigterm_ev || (b->progress && !b->progress_ev) ||
+        evsignal_add(b->sigint_ev, NULL) < 0 || evsignal_add(b->sigterm_ev, NULL) < 0 ||
+        evtimer_add(b->arrival_ev, &zero) < 0 ||
+        (b->progress && event_add(b->progress_ev, &tick) < 0)) {
+        fprintf(stderr, "tidepool-bench: cannot set up the event loop\n");
+        goto out;
+    }
+    char rate[32], conc[32];
+    snprintf(rate, sizeof(rate), isfinite(b->a.request_rate) ? "%g req/s" : "inf",
+             b->a.request_rate);
+    snprintf(conc, sizeof(conc), b->a.concurrency ? "%lld" : "unlimited", b->a.concurrency);
+    log_info("%zu requests to http://%s%s, model %s, request rate %s, concurrency %s, "
+             "workload %s, seed %lld", b->n, b->host_header, b->path, b->model, rate, conc,
+             b->a.dataset ? b->a.dataset : b->a.workload, b->a.seed);
+    b->t0_ns = now_ns();
+    if (event_base_dispatch(b->base) < 0) {
+        fprintf(stderr, "tidepool-bench: event loop failed\n");
+        goto out;
+    }
+    /* From here on the loop no longer runs: give SIGINT / SIGTERM back their defaults. */
+    evsignal_del(b->sigint_ev);
+    evsignal_del(b->sigterm_ev);
+    if (b->progress)
+        progress_draw(b, 1);
+
+    metrics_t m, ph[2];
+    int phased = bench_phase_shift(b);
+    if (metrics_compute(b, -2, &m) < 0 ||
+        (phased && (metrics_compute(b, PHASE_PREFILL, &ph[0]) < 0 ||
+                    metrics_compute(b, PHASE_DECODE, &ph[1]) < 0))) {
+        fprintf(stderr, "tidepool-bench: out of memory computing the figures\n");
+        goto out;
+    }
+    report_print(b, &m, phased ? ph : NULL, stdout);
+    exit_code = m.completed > 0 ? 0 : 1;
+    if (b->a.result_json && report_json(b, &m, phased ? ph : NULL, argc, argv) < 0)
+        exit_code = 1;
+    if (b->a.plot && report_plot(b) < 0)
+        exit_code = 1;
+out:
+    bench_free(b);
+    libevent_global_shutdown();
+    return exit_code;
+}
