@@ -141,6 +141,33 @@ static int pack_str(msgpack_packer *pk, const char *s)
     return msgpack_pack_str(pk, n) || msgpack_pack_str_body(pk, s, n);
 }
 
+/* Whether field f goes on the wire for a message of type bit: required fields always;
+ * optional ones only when set (non-zero number, non-empty string), so that an unset
+ * optional field is absent rather than an out-of-range zero. */
+static int field_encoded(const field_t *f, const proto_msg *m, uint64_t bit)
+{
+    if (f->required & bit)
+        return 1;
+    if (!(f->allowed & bit))
+        return 0;
+    const char *p = (const char *)m + f->off;
+    switch (f->kind) {
+    case F_U64:
+        return *(const uint64_t *)p != 0;
+    case F_I64:
+        return *(const int64_t *)p != 0;
+    case F_INT:
+        return *(const int *)p != 0;
+    case F_FLOAT:
+        return *(const float *)p != 0.0f;
+    case F_STR:
+        return p[0] != 0;
+    case F_TOKENS:
+        return m->n_tokens > 0;
+    }
+    return 0;
+}
+
 int proto_encode(const proto_msg *m, unsigned char **out, size_t *len)
 {
     *out = NULL;
@@ -150,7 +177,7 @@ int proto_encode(const proto_msg *m, unsigned char **out, size_t *len)
     uint64_t bit = T(m->type);
     int n = 2;
     for (size_t i = 0; i < N_FIELDS; i++)
-        if (fields[i].allowed & bit)
+        if (field_encoded(&fields[i], m, bit))
             n++;
     if (m->n_tokens < 0 || m->n_tokens > PROTO_MAX_TOKENS || (m->n_tokens > 0 && !m->tokens))
         return -1;
@@ -164,7 +191,7 @@ int proto_encode(const proto_msg *m, unsigned char **out, size_t *len)
     rc |= pack_str(&pk, "v") | msgpack_pack_int(&pk, PROTO_VERSION);
     for (size_t i = 0; i < N_FIELDS && rc == 0; i++) {
         const field_t *f = &fields[i];
-        if (!(f->allowed & bit))
+        if (!field_encoded(f, m, bit))
             continue;
         const char *p = (const char *)m + f->off;
         rc |= pack_str(&pk, f->key);
@@ -402,8 +429,10 @@ int proto_send(void *sock, const void *identity, size_t identity_len, const prot
         goto fail;
     }
     /* After the first frame of a multipart message ZeroMQ delivers all or nothing, so
-     * later frames never see EAGAIN from the HWM. */
-    int rc = zmq_send(sock, hdr, hlen, (flags & ~ZMQ_DONTWAIT) | (n_frames ? ZMQ_SNDMORE : 0));
+     * later frames never see EAGAIN from the HWM; the first frame keeps the caller's
+     * ZMQ_DONTWAIT (it is the header when there is no identity frame). */
+    int hflags = identity ? (flags & ~ZMQ_DONTWAIT) : flags;
+    int rc = zmq_send(sock, hdr, hlen, hflags | (n_frames ? ZMQ_SNDMORE : 0));
     free(hdr);
     if (rc < 0)
         goto fail;

@@ -1,4 +1,5 @@
 /* Round-trip and malformed-input tests for every message of common/protocol.h. */
+#include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -271,6 +272,45 @@ static void test_encode_rejects(void **state)
     assert_int_equal(proto_encode(&m, &buf, &len), -1);
 }
 
+/* An optional field left unset is absent on the wire, not an out-of-range zero
+ * (a KV_BEGIN_ACK reject without lease_ms must decode). */
+static void test_optional_fields_unset(void **state)
+{
+    (void)state;
+    proto_msg m, out;
+    proto_msg_init(&m, PROTO_KV_BEGIN_ACK);
+    m.rid = 3;
+    m.xfer = 4;
+    m.ok = 0;
+    m.code = PROTO_ERR_NOSPACE;
+    unsigned char *buf;
+    size_t len;
+    char err[128];
+    assert_int_equal(proto_encode(&m, &buf, &len), 0);
+    if (proto_decode(buf, len, &out, err, sizeof(err)) != 0)
+        fail_msg("%s", err);
+    assert_int_equal(out.code, PROTO_ERR_NOSPACE);
+    assert_int_equal(out.lease_ms, 0);
+    assert_int_equal(out.message[0], 0);
+    free(buf);
+}
+
+/* A DEALER with no peer and ZMQ_DONTWAIT fails with EAGAIN instead of blocking. */
+static void test_send_dontwait_no_peer(void **state)
+{
+    (void)state;
+    void *ctx = zmq_ctx_new();
+    void *dealer = zmq_socket(ctx, ZMQ_DEALER);
+    proto_msg m;
+    fill(&m, PROTO_CANCEL);
+    assert_int_equal(proto_send(dealer, NULL, 0, &m, NULL, 0, ZMQ_DONTWAIT), -1);
+    assert_int_equal(errno, EAGAIN);
+    int linger = 0;
+    zmq_setsockopt(dealer, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_close(dealer);
+    zmq_ctx_term(ctx);
+}
+
 /* Send and receive over a real ZeroMQ pair, with payload frames and identities. */
 static void test_send_recv_frames(void **state)
 {
@@ -337,6 +377,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_truncated_and_garbage),
         cmocka_unit_test(test_encode_rejects),
         cmocka_unit_test(test_send_recv_frames),
+        cmocka_unit_test(test_optional_fields_unset),
+        cmocka_unit_test(test_send_dontwait_no_peer),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);

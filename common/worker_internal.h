@@ -1,0 +1,112 @@
+/*
+ * worker_internal: declarations shared by worker.c (runtime: settings, sockets, loop,
+ * registration, heartbeats, signals) and worker_sched.c (requests: queue, prefill batches,
+ * decode steps, transfers, cancel). Not a public interface.
+ */
+#ifndef TP_WORKER_INTERNAL_H
+#define TP_WORKER_INTERNAL_H
+
+#include <stdint.h>
+
+#include "kvcache.h"
+#include "kvtransfer.h"
+#include "model.h"
+#include "protocol.h"
+#include "sampler.h"
+
+#define WORKER_MAX_QUEUE 4096 /* PREFILL orders waiting; more are refused (retryable) */
+
+typedef enum {
+    WREQ_QUEUED = 1, /* PREFILL received, waiting for a batch; owns only its prompt */
+    WREQ_SENDING,    /* prefill done, KV in the hands of kvx; waiting for KV_RESULT */
+    WREQ_RUNNING,    /* decoding; owns kvcache sequence seq */
+} wreq_state_t;
+
+/* One request known to this worker. Memory: the prompt is owned until the prefill ran.
+ * The KV sequence is the request's from admission to a batch (freed when the request
+ * leaves) unless a transfer started (xfer != 0): then kvx owns it and frees it after the
+ * transfer, and the request only names it for the forward pass that fills it. */
+typedef struct {
+    uint64_t rid;
+    wreq_state_t state;
+    int *prompt; /* (n_prompt,) token ids; NULL after the prefill */
+    int n_prompt;
+    int max_tokens; /* generated tokens in total, first included */
+    sampler_params sp;
+    uint64_t rng;                 /* sampler state */
+    char dep[PROTO_ENDPOINT_LEN]; /* decode endpoint; "" = decode here */
+    uint64_t xfer;                /* kvx transfer id once KV_BEGIN went out, else 0 */
+    int seq;                      /* kvcache sequence (-1 = none); lent to kvx when xfer != 0 */
+    int pos;                      /* WREQ_RUNNING: tokens whose KV is in the cache */
+    int first;                    /* first generated token (from the prefill) */
+    int last;                     /* WREQ_RUNNING: token to feed next */
+    int n_gen;                    /* tokens generated so far, first included */
+    int n_sent;                   /* generated tokens this worker reported (TOKENS index) */
+} wreq;
+
+typedef struct {
+    /* settings (config table) */
+    char *gateway, *model_path, *worker_id, *role_name, *kv_bind, *kv_advertise, *log_level;
+    long long kv_blocks, block_size, max_seqs, max_batch_tokens, heartbeat_ms, lease_ms;
+    long long debug_step_delay_ms;
+
+    proto_role_t role;
+    char wid[PROTO_ID_LEN];
+    char kv_endpoint[PROTO_ENDPOINT_LEN]; /* advertised in REGISTER ("" for prefill) */
+
+    void *zctx;
+    void *ctl; /* DEALER to the gateway, routing id = wid */
+    int sigfd;
+    proto_envelope *env;
+
+    model_t *model;
+    const model_config *mc;
+    model_ctx_t *mctx;
+    kvcache_t *kv;
+    sampler_t *sampler;
+    int max_items;          /* sequences per forward pass (= max_seqs) */
+    float *logits;          /* (max_items, vocab_size) */
+    model_seq_batch *batch; /* (max_items,) */
+    wreq **batch_reqs;      /* (max_items,) request of each batch item */
+    int n_batch;
+
+    kvx_sender_t *sender;     /* prefill, mixed */
+    kvx_receiver_t *receiver; /* decode, mixed */
+
+    wreq **reqs; /* every live request, in arrival order */
+    int n_reqs, cap_reqs;
+    int prefill_blocked; /* the last prefill attempt could not admit anything */
+
+    int registered;
+    int hb_ms;
+    int64_t next_hb_us;
+    int draining;
+    uint64_t tokens_in, tokens_out;
+} worker_t;
+
+// --- worker.c: messages to the gateway (each logs and drops on failure)
+void worker_send_tokens(worker_t *w, uint64_t rid, int index, const int *tokens, int n);
+void worker_send_finish(worker_t *w, uint64_t rid, int reason);
+void worker_send_error(worker_t *w, uint64_t rid, int code, int retry, const char *msg);
+
+// --- worker_sched.c
+/* Handle a PREFILL order (validated by the decoder; checked against the model here). */
+void sched_on_prefill(worker_t *w, proto_msg *m);
+/* Handle CANCEL: drop rid wherever it is; unknown ids are ignored. */
+void sched_on_cancel(worker_t *w, uint64_t rid);
+/* Drain kvx events (sender and receiver). */
+void sched_on_kvx_events(worker_t *w);
+/* Run one prefill batch if requests are queued and fit. Returns 1 if it did work. */
+int sched_prefill_step(worker_t *w);
+/* Run one decode step over every running sequence. Returns 1 if it did work. */
+int sched_decode_step(worker_t *w);
+/* Whether a step would do work now (poll timeout 0). */
+int sched_has_work(const worker_t *w);
+/* Load figures for HEARTBEAT. */
+void sched_load(const worker_t *w, int *running, int *queued, int *queued_tokens);
+/* No request, transfer or pinned sequence left (drain complete). */
+int sched_idle(const worker_t *w);
+/* Free every request and its KV (shutdown). */
+void sched_free_all(worker_t *w);
+
+#endif

@@ -1,0 +1,8 @@
+/* decode_worker: the worker runtime (common/worker.h) in role decode unless --role says
+ * otherwise. */
+#include "worker.h"
+
+int main(int argc, char **argv)
+{
+    return worker_main(PROTO_ROLE_DECODE, argc, argv);
+}

@@ -1,0 +1,199 @@
+/*
+ * kvtransfer (kvx): the hand-off of one request's KV cache from a prefill worker to a decode
+ * worker over the kv socket, as a specified state machine (docs/kvtransfer.md).
+ *
+ * Sender (prefill side, kvx_sender_t): one DEALER per decode endpoint, created lazily. A
+ * transfer is KV_BEGIN, then one KV_LAYER per layer as the forward pass finishes it (payload
+ * frames point into the kvcache pool: zero copies), then KV_END with the first token, the
+ * sampler state and an XXH64 of every payload byte in order. The receiver answers
+ * KV_BEGIN_ACK (ok or reject) and KV_RESULT (ok or NACK); either side may send KV_ABORT.
+ *
+ * Receiver (decode side, kvx_receiver_t): one ROUTER. On KV_BEGIN it checks the model
+ * fingerprint, the KV layout and its capacity, and reserves a sequence for the worst case
+ * (the transferred tokens plus every token the request may still generate). KV_LAYER frames
+ * are checked and copied into the reserved blocks; KV_END with a matching checksum hands
+ * the sequence to the caller (KVX_EV_ACCEPTED).
+ *
+ * Ownership of KV memory (one owner at every moment):
+ *   - sender: from a successful kvx_send_begin() the sequence belongs to kvx. The caller's
+ *     forward pass may still write layers not yet handed to kvx_send_layer(), and must not
+ *     touch the sequence after kvx_send_end() or kvx_send_abort(). kvx frees it
+ *     (kvcache_seq_free) once the transfer is over AND no payload frame that points into it
+ *     is still held by ZeroMQ (pin count 0).
+ *   - receiver: kvx owns the reserved sequence from an accepted KV_BEGIN until either it
+ *     frees it (reject, NACK, abort, lease) or KVX_EV_ACCEPTED moves it to the caller, who
+ *     then frees it with kvcache_seq_free() when decoding ends.
+ *
+ * Events (done, failed, accepted) are queued and pulled with kvx_*_next_event(), so no
+ * callback ever re-enters the caller. Leases use the monotonic clock (proto_now_us).
+ * Threading: each object, its sockets and its kvcache belong to one thread. The only
+ * cross-thread access is the atomic pin count, decremented by ZeroMQ's I/O thread.
+ * Library code: logs through log.h only, never asserts on peer input.
+ */
+#ifndef TP_KVTRANSFER_H
+#define TP_KVTRANSFER_H
+
+#include <stdint.h>
+#include <zmq.h>
+
+#include "kvcache.h"
+#include "protocol.h"
+
+typedef struct kvx_sender kvx_sender_t;
+typedef struct kvx_receiver kvx_receiver_t;
+
+typedef enum {
+    KVX_EV_DONE = 1, /* sender: the receiver accepted the transfer (KV_RESULT ok) */
+    KVX_EV_FAILED,   /* sender: transfer failed (code, message); receiver: transfer dropped */
+    KVX_EV_ACCEPTED, /* receiver: a whole sequence arrived; its ownership moves to the caller */
+} kvx_event_type_t;
+
+/* One event. code is a proto_err_t. The ACCEPTED fields describe the arrived sequence:
+ * seq is a sequence of the receiver's kvcache with length n_kv_tokens and capacity for the
+ * worst case (min(n_kv_tokens + max_tokens - 1, max_seq_len) tokens). */
+typedef struct {
+    kvx_event_type_t type;
+    uint64_t rid;
+    uint64_t xfer;
+    int code;
+    char message[PROTO_MESSAGE_LEN];
+    /* KVX_EV_ACCEPTED only */
+    int seq;
+    int n_kv_tokens;
+    int first_token;
+    uint64_t rng;
+    int max_tokens;
+    float temperature, top_p;
+    int top_k;
+} kvx_event;
+
+// --- sender
+
+typedef struct {
+    uint64_t fingerprint; /* model fingerprint sent in KV_BEGIN */
+    int lease_ms;         /* wait at most this long for KV_BEGIN_ACK and for KV_RESULT */
+    int sndhwm;           /* messages queued per decode endpoint (ZMQ_SNDHWM) */
+} kvx_sender_params;
+
+/* Defaults: lease 5000 ms, sndhwm 65536. */
+kvx_sender_params kvx_sender_default_params(void);
+
+/* A sender over the zmq context zctx (borrowed) reading KV from kv (borrowed; must outlive
+ * the sender and, because queued frames point into it, the zmq context's termination).
+ * Returns NULL on bad params or out of memory. */
+kvx_sender_t *kvx_sender_new(void *zctx, kvcache_t *kv, const kvx_sender_params *p);
+
+/* Close every DEALER (linger 0), drop every transfer (sequences of transfers still in
+ * progress are freed), free the sender and NULL *s. Takes NULL. Frames still queued in
+ * ZeroMQ keep only a reference-counted pin record alive, never the sender. */
+void kvx_sender_destroy(kvx_sender_t **s);
+
+/* The request a transfer carries. */
+typedef struct {
+    uint64_t rid;    /* request id (!= 0) */
+    int seq;         /* sender kvcache sequence holding the KV */
+    int n_kv_tokens; /* tokens whose KV is sent (>= 1; the prompt) */
+    int max_tokens;  /* tokens to generate in total, first included (>= 1) */
+    float temperature, top_p;
+    int top_k;
+} kvx_begin_params;
+
+/* Start a transfer to the decode worker at endpoint: connect if needed and send KV_BEGIN.
+ * On success returns the transfer id (!= 0) and the sequence now belongs to kvx (see the
+ * top comment). Returns 0 when nothing was started (bad arguments: inactive sequence,
+ * fewer blocks than n_kv_tokens needs, more than PROTO_MAX_FRAMES blocks; socket error;
+ * send queue full): the caller still owns the sequence. */
+uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_params *p);
+
+/* Send layer `layer` of the transfer's sequence as one KV_LAYER message whose
+ * blocks_for(n_kv_tokens) payload frames, each (2, block_size, kv_dim) float32, point into
+ * the kvcache pool (no copy), and fold those bytes into the checksum. Call once per layer,
+ * in any order, after the forward pass wrote it. Returns 0, or -1 when the transfer is
+ * unknown or already over (a no-op: its outcome is or was reported by an event) or the
+ * layer is invalid / already sent (the transfer then fails with PROTO_ERR_INTERNAL). A send
+ * failure fails the transfer (PROTO_ERR_UNAVAILABLE, reported as an event) and returns 0. */
+int kvx_send_layer(kvx_sender_t *s, uint64_t xfer, int layer);
+
+/* Send KV_END (first token, sampler state rng, checksum) and wait for KV_RESULT (at most
+ * lease_ms). Every layer must have been sent. Returns 0, or -1 when the transfer is unknown
+ * or over (no-op) or not every layer was sent (then it fails with PROTO_ERR_INTERNAL).
+ * The outcome comes as KVX_EV_DONE or KVX_EV_FAILED. */
+int kvx_send_end(kvx_sender_t *s, uint64_t xfer, int first_token, uint64_t rng);
+
+/* Abandon a transfer: send KV_ABORT (code PROTO_ERR_CANCELLED) to the receiver if it is
+ * still in progress; no event follows. The sequence is freed by kvx once no frame pins it.
+ * Idempotent; unknown or finished ids are ignored. */
+void kvx_send_abort(kvx_sender_t *s, uint64_t xfer);
+
+/* Fill up to cap poll items (ZMQ_POLLIN on each DEALER). Returns the number filled. */
+int kvx_sender_pollitems(kvx_sender_t *s, zmq_pollitem_t *items, int cap);
+
+/* Handle every pending reply (non-blocking), expire leases, and free the sequences of
+ * finished transfers whose frames ZeroMQ has released. A transfer whose frames are still
+ * queued lease_ms after it ended means its peer is not reading: that endpoint's DEALER is
+ * closed (dropping the frames) and its other transfers fail with PROTO_ERR_UNAVAILABLE.
+ * Call after every poll. Returns the number of events queued by this call. */
+int kvx_sender_process(kvx_sender_t *s);
+
+/* Milliseconds until kvx_sender_process() has timed work to do (a lease, or pins to
+ * watch), -1 when nothing is pending. */
+int kvx_sender_next_timeout_ms(const kvx_sender_t *s);
+
+/* Pop the oldest event into *ev. Returns 1, or 0 when there is none. */
+int kvx_sender_next_event(kvx_sender_t *s, kvx_event *ev);
+
+/* Transfers kvx still tracks: in progress, or over but waiting for their frames to be
+ * released (their sequences are not free yet). */
+int kvx_sender_n_active(const kvx_sender_t *s);
+
+// --- receiver
+
+typedef struct {
+    uint64_t fingerprint; /* must equal KV_BEGIN's fp */
+    int lease_ms;         /* a transfer with no message for this long is aborted */
+    int rcvhwm;           /* ZMQ_RCVHWM of the ROUTER */
+} kvx_receiver_params;
+
+/* Defaults: lease 5000 ms, rcvhwm 65536. */
+kvx_receiver_params kvx_receiver_default_params(void);
+
+/* Bind a ROUTER (linger 0, ZMQ_ROUTER_MANDATORY) at endpoint and receive into kv
+ * (borrowed, must outlive the receiver). `tcp://host:*` picks a free port; the bound
+ * endpoint is kvx_receiver_endpoint(). Returns NULL on bind failure (logged) or out of
+ * memory. */
+kvx_receiver_t *kvx_receiver_new(void *zctx, kvcache_t *kv, const char *endpoint,
+                                 const kvx_receiver_params *p);
+
+/* Close the socket, free the sequences of transfers in progress, free the receiver and
+ * NULL *r. Takes NULL. Sequences already handed over (KVX_EV_ACCEPTED) are not touched. */
+void kvx_receiver_destroy(kvx_receiver_t **r);
+
+/* The endpoint actually bound (ZMQ_LAST_ENDPOINT), borrowed. */
+const char *kvx_receiver_endpoint(const kvx_receiver_t *r);
+
+/* The ROUTER socket, for zmq_poll (ZMQ_POLLIN) only; borrowed. */
+void *kvx_receiver_socket(kvx_receiver_t *r);
+
+/* When accepting is 0, every new KV_BEGIN is rejected with PROTO_ERR_UNAVAILABLE;
+ * transfers in progress continue. Default 1. */
+void kvx_receiver_set_accepting(kvx_receiver_t *r, int accepting);
+
+/* Handle every pending message (non-blocking; at most a bounded number per call) and
+ * expire leases. Returns the number of events queued by this call. */
+int kvx_receiver_process(kvx_receiver_t *r);
+
+/* Milliseconds until the next lease expires, -1 when no transfer is in progress. */
+int kvx_receiver_next_timeout_ms(const kvx_receiver_t *r);
+
+/* Pop the oldest event into *ev. Returns 1, or 0 when there is none. */
+int kvx_receiver_next_event(kvx_receiver_t *r, kvx_event *ev);
+
+/* Drop the transfer of request rid if one is in progress (gateway CANCEL): free its
+ * blocks and send KV_ABORT (PROTO_ERR_CANCELLED) to the sender; no event follows.
+ * Returns 1 if a transfer was dropped, 0 if none was in progress (idempotent). */
+int kvx_receiver_abort(kvx_receiver_t *r, uint64_t rid);
+
+/* Transfers in progress (each holds a reserved sequence). */
+int kvx_receiver_n_active(const kvx_receiver_t *r);
+
+#endif

@@ -1,0 +1,41 @@
+/*
+ * kvx_internal: helpers shared by the two halves of kvtransfer (kvx_sender.c,
+ * kvx_receiver.c; common pieces in kvtransfer.c). Not a public interface.
+ */
+#ifndef TP_KVX_INTERNAL_H
+#define TP_KVX_INTERNAL_H
+
+#include <stdint.h>
+
+#include "kvtransfer.h"
+
+#define KVX_MAX_MSGS_PER_CALL 4096 /* messages handled per socket per process() call */
+#define KVX_PIN_POLL_MS 5          /* how often to look at pins of finished transfers */
+
+/* A FIFO of events (ring buffer, grows by doubling). */
+typedef struct {
+    kvx_event *v;
+    int head, n, cap;
+} kvx_evq;
+
+/* Append a copy of *ev. Returns 0, or -1 on out of memory (logged; the event is lost). */
+int kvx_evq_push(kvx_evq *q, const kvx_event *ev);
+/* Pop the oldest event into *ev. Returns 1, or 0 when empty. */
+int kvx_evq_pop(kvx_evq *q, kvx_event *ev);
+/* Zero *ev and set its header fields (seq = -1; msg copied, truncated, may be NULL). */
+void kvx_ev_init(kvx_event *ev, kvx_event_type_t type, uint64_t rid, uint64_t xfer, int code,
+                 const char *msg);
+
+/* proto_send() with ZMQ_DONTWAIT that never blocks: on a socket without an identity frame
+ * (DEALER) it first checks ZMQ_POLLOUT, because proto_send() sends such a socket's first
+ * frame without ZMQ_DONTWAIT. frames are consumed in every case. Returns 0, or -1 with
+ * errno (EAGAIN: queue full or no peer; EHOSTUNREACH: unknown ROUTER peer). */
+int kvx_send_msg(void *sock, const void *id, size_t id_len, const proto_msg *m, zmq_msg_t *frames,
+                 int n_frames);
+
+/* Monotonic time ms from now, in microseconds. */
+int64_t kvx_deadline_after(int ms);
+/* Milliseconds (rounded up, >= 0) from now_us until deadline_us. */
+int kvx_ms_until(int64_t deadline_us, int64_t now_us);
+
+#endif

@@ -1,0 +1,472 @@
+/*
+ * kvx_receiver: the decode side of kvtransfer (see kvtransfer.h, docs/kvtransfer.md).
+ *
+ * Transfers in progress sit in a singly linked list keyed by transfer id (a few dozen at
+ * most: lookups are linear); each remembers the routing id of the peer that opened it,
+ * and nothing from another peer is ever written into its blocks. Every frame is checked
+ * before the first byte is copied.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <xxhash.h>
+
+#include "kvtransfer.h"
+#include "kvx_internal.h"
+#include "log.h"
+
+typedef struct kvx_rx {
+    uint64_t xfer, rid;
+    unsigned char id[256]; /* the sender's routing id */
+    size_t id_len;
+    int seq; /* receiver kvcache sequence, owned by kvx while here */
+    int n_kv_tokens, n_blocks, max_tokens;
+    float temperature, top_p;
+    int top_k;
+    int n_got;
+    uint8_t *got; /* (n_layer,) 1 when the layer arrived */
+    XXH64_state_t *hash;
+    int64_t deadline_us; /* lease: last message + lease_ms */
+    struct kvx_rx *next;
+} kvx_rx;
+
+struct kvx_receiver {
+    void *sock;
+    kvcache_t *kv;
+    kvx_receiver_params p;
+    char endpoint[PROTO_ENDPOINT_LEN];
+    int accepting;
+    kvx_rx *xfers;
+    int n_xfers;
+    kvx_evq events;
+    proto_envelope *env;
+};
+
+kvx_receiver_params kvx_receiver_default_params(void)
+{
+    kvx_receiver_params p = {.fingerprint = 0, .lease_ms = 5000, .rcvhwm = 65536};
+    return p;
+}
+
+kvx_receiver_t *kvx_receiver_new(void *zctx, kvcache_t *kv, const char *endpoint,
+                                 const kvx_receiver_params *p)
+{
+    if (!zctx || !kv || !endpoint || !p || p->lease_ms <= 0 || p->rcvhwm < 0)
+        return NULL;
+    kvx_receiver_t *r = calloc(1, sizeof(*r));
+    if (!r)
+        return NULL;
+    r->kv = kv;
+    r->p = *p;
+    r->accepting = 1;
+    r->env = proto_envelope_new();
+    r->sock = zmq_socket(zctx, ZMQ_ROUTER);
+    if (!r->env || !r->sock)
+        goto fail;
+    int linger = 0, mandatory = 1, hwm = p->rcvhwm, shwm = 0;
+    size_t len = sizeof(r->endpoint);
+    if (zmq_setsockopt(r->sock, ZMQ_LINGER, &linger, sizeof(linger)) < 0 ||
+        zmq_setsockopt(r->sock, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof(mandatory)) < 0 ||
+        zmq_setsockopt(r->sock, ZMQ_RCVHWM, &hwm, sizeof(hwm)) < 0 ||
+        zmq_setsockopt(r->sock, ZMQ_SNDHWM, &shwm, sizeof(shwm)) < 0)
+        goto fail;
+    if (zmq_bind(r->sock, endpoint) < 0) {
+        log_error("kvx: cannot bind kv socket %s: %s", endpoint, zmq_strerror(zmq_errno()));
+        goto fail;
+    }
+    if (zmq_getsockopt(r->sock, ZMQ_LAST_ENDPOINT, r->endpoint, &len) < 0)
+        snprintf(r->endpoint, sizeof(r->endpoint), "%s", endpoint);
+    return r;
+fail:
+    kvx_receiver_destroy(&r);
+    return NULL;
+}
+
+static void rx_free(kvx_receiver_t *r, kvx_rx *x, int free_seq)
+{
+    if (free_seq && x->seq >= 0)
+        kvcache_seq_free(r->kv, x->seq);
+    if (x->hash)
+        XXH64_freeState(x->hash);
+    free(x->got);
+    free(x);
+}
+
+void kvx_receiver_destroy(kvx_receiver_t **rp)
+{
+    if (!rp || !*rp)
+        return;
+    kvx_receiver_t *r = *rp;
+    if (r->sock)
+        zmq_close(r->sock);
+    for (kvx_rx *x = r->xfers, *n; x; x = n) {
+        n = x->next;
+        rx_free(r, x, 1);
+    }
+    proto_envelope_destroy(&r->env);
+    free(r->events.v);
+    free(r);
+    *rp = NULL;
+}
+
+const char *kvx_receiver_endpoint(const kvx_receiver_t *r)
+{
+    return r->endpoint;
+}
+
+void *kvx_receiver_socket(kvx_receiver_t *r)
+{
+    return r->sock;
+}
+
+void kvx_receiver_set_accepting(kvx_receiver_t *r, int accepting)
+{
+    r->accepting = accepting != 0;
+}
+
+static void rx_reply(kvx_receiver_t *r, const void *id, size_t id_len, proto_type_t type,
+                     uint64_t rid, uint64_t xfer, int ok, int code, const char *msg, int *sent)
+{
+    proto_msg m;
+    proto_msg_init(&m, type);
+    m.rid = rid;
+    m.xfer = xfer;
+    m.ok = ok;
+    m.code = code;
+    snprintf(m.message, sizeof(m.message), "%s", msg ? msg : "");
+    /* optional fields are always encoded, and lease_ms must be >= 1 to decode */
+    m.lease_ms = r->p.lease_ms;
+    int rc = kvx_send_msg(r->sock, id, id_len, &m, NULL, 0);
+    if (rc < 0)
+        log_rinfo(rid, "kvx: %s xfer=%llx not sent: %s", proto_type_str(type),
+                  (unsigned long long)xfer, zmq_strerror(errno));
+    if (sent)
+        *sent = rc == 0;
+}
+
+static void rx_unlink(kvx_receiver_t *r, kvx_rx *x)
+{
+    for (kvx_rx **xp = &r->xfers; *xp; xp = &(*xp)->next) {
+        if (*xp == x) {
+            *xp = x->next;
+            r->n_xfers--;
+            return;
+        }
+    }
+}
+
+/* Drop a transfer in progress: free its blocks, optionally tell the sender (KV_ABORT, or
+ * KV_RESULT NACK when answering KV_END), optionally report an event. */
+static void rx_drop(kvx_receiver_t *r, kvx_rx *x, proto_type_t reply, int code, const char *msg,
+                    int report)
+{
+    log_rinfo(x->rid, "kvx: transfer xfer=%llx dropped: %s (%s)", (unsigned long long)x->xfer,
+              proto_err_str(code), msg);
+    if (reply)
+        rx_reply(r, x->id, x->id_len, reply, x->rid, x->xfer, 0, code, msg, NULL);
+    if (report) {
+        kvx_event ev;
+        kvx_ev_init(&ev, KVX_EV_FAILED, x->rid, x->xfer, code, msg);
+        kvx_evq_push(&r->events, &ev);
+    }
+    rx_unlink(r, x);
+    rx_free(r, x, 1);
+}
+
+static kvx_rx *rx_find(const kvx_receiver_t *r, uint64_t xfer)
+{
+    for (kvx_rx *x = r->xfers; x; x = x->next)
+        if (x->xfer == xfer)
+            return x;
+    return NULL;
+}
+
+static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, const proto_msg *m)
+{
+    const kvcache_params *kp = kvcache_get_params(r->kv);
+    char why[PROTO_MESSAGE_LEN];
+    int code = PROTO_ERR_NONE;
+    kvx_rx *old = rx_find(r, m->xfer);
+    if (old) {
+        if (old->id_len == id_len && memcmp(old->id, id, id_len) == 0)
+            rx_drop(r, old, 0, PROTO_ERR_PROTOCOL, "duplicate KV_BEGIN", 1);
+        rx_reply(r, id, id_len, PROTO_KV_BEGIN_ACK, m->rid, m->xfer, 0, PROTO_ERR_PROTOCOL,
+                 "transfer id already in use", NULL);
+        return;
+    }
+    for (kvx_rx *x = r->xfers; x; x = x->next) {
+        if (x->rid == m->rid) { /* a re-run of the request supersedes the old transfer */
+            rx_drop(r, x, PROTO_KV_ABORT, PROTO_ERR_CANCELLED, "superseded by a new transfer", 1);
+            break;
+        }
+    }
+    if (!r->accepting) {
+        code = PROTO_ERR_UNAVAILABLE;
+        snprintf(why, sizeof(why), "receiver is not accepting transfers");
+    } else if (m->fingerprint != r->p.fingerprint) {
+        code = PROTO_ERR_LAYOUT;
+        snprintf(why, sizeof(why), "model fingerprint %016llx, want %016llx",
+                 (unsigned long long)m->fingerprint, (unsigned long long)r->p.fingerprint);
+    } else if (m->n_layer != kp->n_layer || m->n_kv_head != kp->n_kv_head ||
+               m->head_dim != kp->head_dim || m->block_size != kp->block_size ||
+               m->dtype != PROTO_DTYPE_F32) {
+        code = PROTO_ERR_LAYOUT;
+        snprintf(why, sizeof(why),
+                 "layout n_layer=%d n_kv_head=%d head_dim=%d bs=%d dtype=%d, want %d %d %d %d %d",
+                 m->n_layer, m->n_kv_head, m->head_dim, m->block_size, m->dtype, kp->n_layer,
+                 kp->n_kv_head, kp->head_dim, kp->block_size, PROTO_DTYPE_F32);
+    } else if (m->n_kv_tokens > kp->max_seq_len) {
+        code = PROTO_ERR_BAD_REQUEST;
+        snprintf(why, sizeof(why), "%d tokens exceed the context of %d", m->n_kv_tokens,
+                 kp->max_seq_len);
+    } else if (m->n_blocks != kvcache_blocks_for(r->kv, m->n_kv_tokens)) {
+        code = PROTO_ERR_PROTOCOL;
+        snprintf(why, sizeof(why), "n_blocks %d does not match %d tokens", m->n_blocks,
+                 m->n_kv_tokens);
+    }
+    if (code) {
+        log_rinfo(m->rid, "kvx: KV_BEGIN xfer=%llx rejected: %s", (unsigned long long)m->xfer, why);
+        rx_reply(r, id, id_len, PROTO_KV_BEGIN_ACK, m->rid, m->xfer, 0, code, why, NULL);
+        return;
+    }
+    /* Worst case: the transferred tokens plus the KV of every generated token but the last. */
+    long long want = (long long)m->n_kv_tokens + m->max_tokens - 1;
+    int n_tokens = want > kp->max_seq_len ? kp->max_seq_len : (int)want;
+    int seq = kvcache_seq_new(r->kv);
+    kvcache_status_t st = seq < 0 ? KVCACHE_NOSPACE : kvcache_seq_reserve(r->kv, seq, n_tokens);
+    if (st != KVCACHE_OK) {
+        if (seq >= 0)
+            kvcache_seq_free(r->kv, seq);
+        snprintf(why, sizeof(why), "%s: %d tokens need %d blocks, %d free",
+                 seq < 0 ? "no free sequence slot" : kvcache_status_str(st), n_tokens,
+                 kvcache_blocks_for(r->kv, n_tokens), kvcache_n_free_blocks(r->kv));
+        code = st == KVCACHE_ERR ? PROTO_ERR_BAD_REQUEST : PROTO_ERR_NOSPACE;
+        log_rinfo(m->rid, "kvx: KV_BEGIN xfer=%llx rejected: %s", (unsigned long long)m->xfer, why);
+        rx_reply(r, id, id_len, PROTO_KV_BEGIN_ACK, m->rid, m->xfer, 0, code, why, NULL);
+        return;
+    }
+    kvx_rx *x = calloc(1, sizeof(*x));
+    if (x) {
+        x->got = calloc((size_t)kp->n_layer, 1);
+        x->hash = XXH64_createState();
+    }
+    if (!x || !x->got || !x->hash || id_len > sizeof(x->id)) {
+        if (x)
+            rx_free(r, x, 0);
+        kvcache_seq_free(r->kv, seq);
+        rx_reply(r, id, id_len, PROTO_KV_BEGIN_ACK, m->rid, m->xfer, 0, PROTO_ERR_INTERNAL,
+                 "out of memory", NULL);
+        return;
+    }
+    XXH64_reset(x->hash, 0);
+    x->xfer = m->xfer;
+    x->rid = m->rid;
+    memcpy(x->id, id, id_len);
+    x->id_len = id_len;
+    x->seq = seq;
+    x->n_kv_tokens = m->n_kv_tokens;
+    x->n_blocks = m->n_blocks;
+    x->max_tokens = m->max_tokens;
+    x->temperature = m->temperature;
+    x->top_p = m->top_p;
+    x->top_k = m->top_k;
+    x->deadline_us = kvx_deadline_after(r->p.lease_ms);
+    int sent = 0;
+    rx_reply(r, id, id_len, PROTO_KV_BEGIN_ACK, m->rid, m->xfer, 1, 0, "", &sent);
+    if (!sent) {
+        rx_free(r, x, 1);
+        return;
+    }
+    x->next = r->xfers;
+    r->xfers = x;
+    r->n_xfers++;
+    log_rdebug(x->rid, "kvx: KV_BEGIN xfer=%llx accepted: %d tokens, seq %d reserved for %d",
+               (unsigned long long)x->xfer, x->n_kv_tokens, seq, n_tokens);
+}
+
+static void rx_layer(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_envelope *e)
+{
+    const kvcache_params *kp = kvcache_get_params(r->kv);
+    char why[PROTO_MESSAGE_LEN];
+    int n_frames = proto_envelope_n_frames(e);
+    size_t bytes = kvcache_block_bytes(r->kv);
+    why[0] = 0;
+    if (m->layer < 0 || m->layer >= kp->n_layer)
+        snprintf(why, sizeof(why), "layer %d out of range", m->layer);
+    else if (x->got[m->layer])
+        snprintf(why, sizeof(why), "layer %d sent twice", m->layer);
+    else if (m->n_blocks != x->n_blocks || n_frames != x->n_blocks)
+        snprintf(why, sizeof(why), "layer %d: n_blocks %d with %d frames, want %d", m->layer,
+                 m->n_blocks, n_frames, x->n_blocks);
+    for (int i = 0; i < n_frames && !why[0]; i++) {
+        size_t n = zmq_msg_size(proto_envelope_frame(e, i));
+        if (n != bytes)
+            snprintf(why, sizeof(why), "layer %d frame %d: %zu bytes, want %zu", m->layer, i, n,
+                     bytes);
+    }
+    if (why[0]) {
+        rx_drop(r, x, PROTO_KV_ABORT, PROTO_ERR_PROTOCOL, why, 1);
+        return;
+    }
+    const int *blocks = kvcache_seq_blocks(r->kv, x->seq, NULL);
+    for (int i = 0; i < n_frames; i++) {
+        const void *src = zmq_msg_data(proto_envelope_frame(e, i));
+        XXH64_update(x->hash, src, bytes);
+        memcpy(kvcache_block_data(r->kv, m->layer, blocks[i]), src, bytes);
+    }
+    x->got[m->layer] = 1;
+    x->n_got++;
+    x->deadline_us = kvx_deadline_after(r->p.lease_ms);
+}
+
+static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m)
+{
+    const kvcache_params *kp = kvcache_get_params(r->kv);
+    char why[PROTO_MESSAGE_LEN];
+    if (x->n_got != kp->n_layer) {
+        snprintf(why, sizeof(why), "KV_END after %d of %d layers", x->n_got, kp->n_layer);
+        rx_drop(r, x, PROTO_KV_RESULT, PROTO_ERR_PROTOCOL, why, 1);
+        return;
+    }
+    uint64_t sum = XXH64_digest(x->hash);
+    if (sum != m->checksum) {
+        snprintf(why, sizeof(why), "checksum %016llx, want %016llx", (unsigned long long)sum,
+                 (unsigned long long)m->checksum);
+        rx_drop(r, x, PROTO_KV_RESULT, PROTO_ERR_CHECKSUM, why, 1);
+        return;
+    }
+    int sent = 0;
+    rx_reply(r, x->id, x->id_len, PROTO_KV_RESULT, x->rid, x->xfer, 1, 0, "", &sent);
+    if (!sent) { /* the sender would report a failure and the gateway re-run the request */
+        rx_drop(r, x, 0, PROTO_ERR_UNAVAILABLE, "KV_RESULT could not be sent", 1);
+        return;
+    }
+    kvcache_seq_set_len(r->kv, x->seq, x->n_kv_tokens);
+    kvx_event ev;
+    kvx_ev_init(&ev, KVX_EV_ACCEPTED, x->rid, x->xfer, PROTO_ERR_NONE, "");
+    ev.seq = x->seq;
+    ev.n_kv_tokens = x->n_kv_tokens;
+    ev.first_token = m->first_token;
+    ev.rng = m->rng;
+    ev.max_tokens = x->max_tokens;
+    ev.temperature = x->temperature;
+    ev.top_p = x->top_p;
+    ev.top_k = x->top_k;
+    log_rdebug(x->rid, "kvx: transfer xfer=%llx complete: seq %d, %d tokens",
+               (unsigned long long)x->xfer, x->seq, x->n_kv_tokens);
+    if (kvx_evq_push(&r->events, &ev) < 0) {
+        rx_unlink(r, x);
+        rx_free(r, x, 1);
+        return;
+    }
+    rx_unlink(r, x);
+    rx_free(r, x, 0); /* the sequence now belongs to the caller */
+}
+
+static void receiver_handle(kvx_receiver_t *r, proto_envelope *e)
+{
+    const proto_msg *m = proto_envelope_msg(e);
+    size_t id_len;
+    const unsigned char *id = proto_envelope_identity(e, &id_len);
+    if (m->type == PROTO_KV_BEGIN) {
+        if (proto_envelope_n_frames(e) != 0) {
+            log_rwarn(m->rid, "kvx: dropped KV_BEGIN with payload frames");
+            return;
+        }
+        rx_begin(r, id, id_len, m);
+        return;
+    }
+    if (m->type != PROTO_KV_LAYER && m->type != PROTO_KV_END && m->type != PROTO_KV_ABORT) {
+        log_rwarn(m->rid, "kvx: dropped unexpected %s on the kv ROUTER", proto_type_str(m->type));
+        return;
+    }
+    kvx_rx *x = rx_find(r, m->xfer);
+    if (!x) {
+        log_rdebug(m->rid, "kvx: dropped %s for unknown or aborted xfer=%llx",
+                   proto_type_str(m->type), (unsigned long long)m->xfer);
+        return;
+    }
+    if (x->id_len != id_len || memcmp(x->id, id, id_len) != 0) {
+        log_rwarn(m->rid, "kvx: dropped %s for xfer=%llx from another peer",
+                  proto_type_str(m->type), (unsigned long long)m->xfer);
+        return;
+    }
+    if (x->rid != m->rid) {
+        rx_drop(r, x, PROTO_KV_ABORT, PROTO_ERR_PROTOCOL, "request id changed mid-transfer", 1);
+        return;
+    }
+    switch (m->type) {
+    case PROTO_KV_LAYER:
+        rx_layer(r, x, m, e);
+        return;
+    case PROTO_KV_END:
+        if (proto_envelope_n_frames(e) != 0) {
+            rx_drop(r, x, PROTO_KV_RESULT, PROTO_ERR_PROTOCOL, "KV_END with payload frames", 1);
+            return;
+        }
+        rx_end(r, x, m);
+        return;
+    default: /* KV_ABORT */
+        rx_drop(r, x, 0, m->code ? m->code : PROTO_ERR_CANCELLED,
+                m->message[0] ? m->message : "aborted by the sender", 1);
+        return;
+    }
+}
+
+int kvx_receiver_process(kvx_receiver_t *r)
+{
+    int before = r->events.n;
+    for (int i = 0; i < KVX_MAX_MSGS_PER_CALL; i++) {
+        int rc = proto_recv(r->sock, 1, r->env, ZMQ_DONTWAIT);
+        if (rc == 0)
+            break;
+        if (rc == -2) {
+            log_warn("kvx: recv on the kv ROUTER: %s", zmq_strerror(errno));
+            break;
+        }
+        if (rc == 1)
+            receiver_handle(r, r->env);
+        proto_envelope_reset(r->env); /* release the frames (zero-copy pins on inproc) */
+    }
+    int64_t now = proto_now_us();
+    for (kvx_rx *x = r->xfers, *n; x; x = n) {
+        n = x->next;
+        if (now >= x->deadline_us)
+            rx_drop(r, x, PROTO_KV_ABORT, PROTO_ERR_TIMEOUT, "no progress within the lease", 1);
+    }
+    return r->events.n - before;
+}
+
+int kvx_receiver_next_timeout_ms(const kvx_receiver_t *r)
+{
+    int64_t now = proto_now_us();
+    int best = -1;
+    for (const kvx_rx *x = r->xfers; x; x = x->next) {
+        int t = kvx_ms_until(x->deadline_us, now);
+        if (best < 0 || t < best)
+            best = t;
+    }
+    return best;
+}
+
+int kvx_receiver_next_event(kvx_receiver_t *r, kvx_event *ev)
+{
+    return kvx_evq_pop(&r->events, ev);
+}
+
+int kvx_receiver_abort(kvx_receiver_t *r, uint64_t rid)
+{
+    for (kvx_rx *x = r->xfers; x; x = x->next) {
+        if (x->rid == rid) {
+            rx_drop(r, x, PROTO_KV_ABORT, PROTO_ERR_CANCELLED, "cancelled", 0);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+int kvx_receiver_n_active(const kvx_receiver_t *r)
+{
+    return r->n_xfers;
+}

@@ -1,0 +1,571 @@
+/*
+ * kvx_sender: the prefill side of kvtransfer (see kvtransfer.h, docs/kvtransfer.md).
+ *
+ * Transfers sit in a singly linked list (at most a few dozen: lookups are linear), peers
+ * (one DEALER per decode endpoint) in another. Zero-copy frames: each transfer has a pin
+ * record, a reference count shared with ZeroMQ. The transfer holds one reference and every
+ * payload frame in flight holds one (released by ZeroMQ's free callback, on its I/O
+ * thread); the last one to let go frees the record, so frames may outlive the transfer and
+ * the sender without touching freed memory. The sequence is freed only when the transfer
+ * is over and the count is back to 1 (no frame in flight).
+ */
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "kvtransfer.h"
+#include "kvx_internal.h"
+#include "log.h"
+
+// --- pins
+
+typedef struct {
+    atomic_int refs; /* 1 (the transfer) + payload frames ZeroMQ still holds */
+} kvx_pin;
+
+static kvx_pin *pin_new(void)
+{
+    kvx_pin *p = malloc(sizeof(*p));
+    if (p)
+        atomic_init(&p->refs, 1);
+    return p;
+}
+
+static void pin_put(kvx_pin *p)
+{
+    if (atomic_fetch_sub_explicit(&p->refs, 1, memory_order_acq_rel) == 1)
+        free(p);
+}
+
+/* ZeroMQ free callback of a zero-copy payload frame (I/O thread or caller's thread). */
+static void pin_frame_free(void *data, void *hint)
+{
+    (void)data;
+    pin_put(hint);
+}
+
+static int pin_frames(kvx_pin *p)
+{
+    return atomic_load_explicit(&p->refs, memory_order_acquire) - 1;
+}
+
+// --- transfers
+
+typedef struct kvx_peer {
+    char endpoint[PROTO_ENDPOINT_LEN];
+    void *sock; /* DEALER, linger 0 */
+    struct kvx_peer *next;
+} kvx_peer;
+
+typedef enum {
+    SX_OPEN,      /* KV_BEGIN sent; layers being sent; waiting for KV_BEGIN_ACK until acked */
+    SX_ENDED,     /* KV_END sent; waiting for KV_RESULT */
+    SX_RELEASING, /* over; the sequence is freed once no frame pins it */
+} sx_state_t;
+
+typedef struct kvx_sx {
+    uint64_t xfer, rid;
+    kvx_peer *peer; /* NULL once the peer's socket was reset */
+    int seq;        /* sender kvcache sequence, owned by kvx */
+    int n_kv_tokens;
+    int n_blocks; /* blocks per layer sent */
+    sx_state_t state;
+    int acked;
+    int n_sent;
+    uint8_t *sent; /* (n_layer,) 1 when the layer was sent */
+    XXH64_state_t *hash;
+    kvx_pin *pin;
+    int64_t deadline_us; /* lease (0 = none) */
+    int64_t over_us;     /* when it entered SX_RELEASING */
+    struct kvx_sx *next;
+} kvx_sx;
+
+struct kvx_sender {
+    void *zctx;
+    kvcache_t *kv;
+    kvx_sender_params p;
+    uint64_t next_xfer;
+    kvx_peer *peers;
+    kvx_sx *xfers;
+    int n_xfers;
+    kvx_evq events;
+    proto_envelope *env;
+    zmq_msg_t *frames; /* (PROTO_MAX_FRAMES,) scratch for one KV_LAYER */
+};
+
+kvx_sender_params kvx_sender_default_params(void)
+{
+    kvx_sender_params p = {.fingerprint = 0, .lease_ms = 5000, .sndhwm = 65536};
+    return p;
+}
+
+kvx_sender_t *kvx_sender_new(void *zctx, kvcache_t *kv, const kvx_sender_params *p)
+{
+    if (!zctx || !kv || !p || p->lease_ms <= 0 || p->sndhwm < 0)
+        return NULL;
+    kvx_sender_t *s = calloc(1, sizeof(*s));
+    if (!s)
+        return NULL;
+    s->zctx = zctx;
+    s->kv = kv;
+    s->p = *p;
+    /* Transfer ids unique across senders (the receiver keys on them): random high bits. */
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t seed = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 20) ^
+                    ((uint64_t)getpid() << 40) ^ (uint64_t)(uintptr_t)s;
+    s->next_xfer = (XXH64(&seed, sizeof(seed), 0) & ~0xffffffffull) | 1;
+    s->env = proto_envelope_new();
+    s->frames = calloc(PROTO_MAX_FRAMES, sizeof(zmq_msg_t));
+    if (!s->env || !s->frames) {
+        kvx_sender_destroy(&s);
+        return NULL;
+    }
+    return s;
+}
+
+static void peer_close(kvx_peer *pe)
+{
+    if (pe->sock)
+        zmq_close(pe->sock);
+    pe->sock = NULL;
+}
+
+static void sx_free(kvx_sender_t *s, kvx_sx *x, int free_seq)
+{
+    if (free_seq && x->seq >= 0)
+        kvcache_seq_free(s->kv, x->seq);
+    if (x->hash)
+        XXH64_freeState(x->hash);
+    if (x->pin)
+        pin_put(x->pin);
+    free(x->sent);
+    free(x);
+}
+
+void kvx_sender_destroy(kvx_sender_t **sp)
+{
+    if (!sp || !*sp)
+        return;
+    kvx_sender_t *s = *sp;
+    for (kvx_peer *pe = s->peers, *n; pe; pe = n) {
+        n = pe->next;
+        peer_close(pe);
+        free(pe);
+    }
+    /* Frames still queued keep their pin records alive (refcount), not the sequences: the
+     * kvcache must outlive the zmq context's termination. */
+    for (kvx_sx *x = s->xfers, *n; x; x = n) {
+        n = x->next;
+        sx_free(s, x, 1);
+    }
+    proto_envelope_destroy(&s->env);
+    free(s->frames);
+    free(s->events.v);
+    free(s);
+    *sp = NULL;
+}
+
+static kvx_peer *peer_get(kvx_sender_t *s, const char *endpoint)
+{
+    for (kvx_peer *pe = s->peers; pe; pe = pe->next)
+        if (strcmp(pe->endpoint, endpoint) == 0)
+            return pe;
+    if (strlen(endpoint) >= PROTO_ENDPOINT_LEN || !*endpoint)
+        return NULL;
+    kvx_peer *pe = calloc(1, sizeof(*pe));
+    if (!pe)
+        return NULL;
+    snprintf(pe->endpoint, sizeof(pe->endpoint), "%s", endpoint);
+    pe->sock = zmq_socket(s->zctx, ZMQ_DEALER);
+    int linger = 0, hwm = s->p.sndhwm, rhwm = 0;
+    if (!pe->sock || zmq_setsockopt(pe->sock, ZMQ_LINGER, &linger, sizeof(linger)) < 0 ||
+        zmq_setsockopt(pe->sock, ZMQ_SNDHWM, &hwm, sizeof(hwm)) < 0 ||
+        zmq_setsockopt(pe->sock, ZMQ_RCVHWM, &rhwm, sizeof(rhwm)) < 0 ||
+        zmq_connect(pe->sock, endpoint) < 0) {
+        log_warn("kvx: cannot connect to %s: %s", endpoint, zmq_strerror(zmq_errno()));
+        peer_close(pe);
+        free(pe);
+        return NULL;
+    }
+    log_debug("kvx: connected to decode endpoint %s", endpoint);
+    pe->next = s->peers;
+    s->peers = pe;
+    return pe;
+}
+
+static kvx_sx *sx_find(const kvx_sender_t *s, uint64_t xfer)
+{
+    for (kvx_sx *x = s->xfers; x; x = x->next)
+        if (x->xfer == xfer)
+            return x;
+    return NULL;
+}
+
+static void sx_send_abort(kvx_sx *x, int code, const char *msg)
+{
+    if (!x->peer)
+        return;
+    proto_msg m;
+    proto_msg_init(&m, PROTO_KV_ABORT);
+    m.rid = x->rid;
+    m.xfer = x->xfer;
+    m.code = code;
+    snprintf(m.message, sizeof(m.message), "%s", msg);
+    if (kvx_send_msg(x->peer->sock, NULL, 0, &m, NULL, 0) < 0)
+        log_rdebug(x->rid, "kvx: KV_ABORT xfer=%llx not sent: %s", (unsigned long long)x->xfer,
+                   zmq_strerror(errno));
+}
+
+/* Move a live transfer to SX_RELEASING. */
+static void sx_over(kvx_sx *x)
+{
+    x->state = SX_RELEASING;
+    x->deadline_us = 0;
+    x->over_us = proto_now_us();
+    if (x->hash) {
+        XXH64_freeState(x->hash);
+        x->hash = NULL;
+    }
+}
+
+/* The transfer failed: report it, tell the receiver if asked, and release. */
+static void sx_fail(kvx_sender_t *s, kvx_sx *x, int code, const char *msg, int tell_peer)
+{
+    if (x->state == SX_RELEASING)
+        return;
+    log_rinfo(x->rid, "kvx: transfer xfer=%llx to %s failed: %s (%s)", (unsigned long long)x->xfer,
+              x->peer ? x->peer->endpoint : "(reset)", proto_err_str(code), msg);
+    if (tell_peer)
+        sx_send_abort(x, code, msg);
+    kvx_event ev;
+    kvx_ev_init(&ev, KVX_EV_FAILED, x->rid, x->xfer, code, msg);
+    kvx_evq_push(&s->events, &ev);
+    sx_over(x);
+}
+
+uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_params *bp)
+{
+    const kvcache_params *kp = kvcache_get_params(s->kv);
+    if (!endpoint || !bp || bp->rid == 0 || bp->n_kv_tokens < 1 || bp->max_tokens < 1 ||
+        !kvcache_seq_active(s->kv, bp->seq))
+        return 0;
+    int need = kvcache_blocks_for(s->kv, bp->n_kv_tokens), have = 0;
+    kvcache_seq_blocks(s->kv, bp->seq, &have);
+    if (need > have || need > PROTO_MAX_FRAMES) {
+        log_rwarn(bp->rid, "kvx: cannot send %d tokens: %d blocks held, %d needed (max %d)",
+                  bp->n_kv_tokens, have, need, PROTO_MAX_FRAMES);
+        return 0;
+    }
+    kvx_peer *pe = peer_get(s, endpoint);
+    if (!pe)
+        return 0;
+    kvx_sx *x = calloc(1, sizeof(*x));
+    if (!x)
+        return 0;
+    x->seq = -1; /* not ours until KV_BEGIN is out */
+    x->sent = calloc((size_t)kp->n_layer, 1);
+    x->hash = XXH64_createState();
+    x->pin = pin_new();
+    if (!x->sent || !x->hash || !x->pin) {
+        sx_free(s, x, 0);
+        return 0;
+    }
+    XXH64_reset(x->hash, 0);
+    x->xfer = s->next_xfer++;
+    x->rid = bp->rid;
+    x->peer = pe;
+    x->n_kv_tokens = bp->n_kv_tokens;
+    x->n_blocks = need;
+
+    proto_msg m;
+    proto_msg_init(&m, PROTO_KV_BEGIN);
+    m.rid = x->rid;
+    m.xfer = x->xfer;
+    m.fingerprint = s->p.fingerprint;
+    m.n_layer = kp->n_layer;
+    m.n_kv_head = kp->n_kv_head;
+    m.head_dim = kp->head_dim;
+    m.dtype = PROTO_DTYPE_F32;
+    m.block_size = kp->block_size;
+    m.n_blocks = need;
+    m.n_kv_tokens = bp->n_kv_tokens;
+    m.max_tokens = bp->max_tokens;
+    m.temperature = bp->temperature;
+    m.top_p = bp->top_p;
+    m.top_k = bp->top_k;
+    m.lease_ms = s->p.lease_ms;
+    m.ts_us = proto_wall_us();
+    if (kvx_send_msg(pe->sock, NULL, 0, &m, NULL, 0) < 0) {
+        log_rwarn(x->rid, "kvx: KV_BEGIN to %s not sent: %s", endpoint, zmq_strerror(errno));
+        sx_free(s, x, 0);
+        return 0;
+    }
+    x->seq = bp->seq;
+    x->state = SX_OPEN;
+    x->deadline_us = kvx_deadline_after(s->p.lease_ms);
+    x->next = s->xfers;
+    s->xfers = x;
+    s->n_xfers++;
+    log_rdebug(x->rid, "kvx: KV_BEGIN xfer=%llx to %s: %d tokens, %d blocks/layer",
+               (unsigned long long)x->xfer, endpoint, x->n_kv_tokens, need);
+    return x->xfer;
+}
+
+int kvx_send_layer(kvx_sender_t *s, uint64_t xfer, int layer)
+{
+    kvx_sx *x = sx_find(s, xfer);
+    if (!x || x->state != SX_OPEN)
+        return -1;
+    const kvcache_params *kp = kvcache_get_params(s->kv);
+    if (layer < 0 || layer >= kp->n_layer || x->sent[layer]) {
+        log_rerror(x->rid, "kvx: send_layer(%d): invalid or already sent", layer);
+        sx_fail(s, x, PROTO_ERR_INTERNAL, "layer sent twice or out of range", 1);
+        return -1;
+    }
+    if (!x->peer) {
+        sx_fail(s, x, PROTO_ERR_UNAVAILABLE, "decode endpoint connection reset", 0);
+        return 0;
+    }
+    const int *blocks = kvcache_seq_blocks(s->kv, x->seq, NULL);
+    size_t bytes = kvcache_block_bytes(s->kv);
+    int n = 0;
+    for (; n < x->n_blocks; n++) {
+        void *data = kvcache_block_data(s->kv, layer, blocks[n]);
+        XXH64_update(x->hash, data, bytes);
+        atomic_fetch_add_explicit(&x->pin->refs, 1, memory_order_relaxed);
+        if (zmq_msg_init_data(&s->frames[n], data, bytes, pin_frame_free, x->pin) < 0) {
+            pin_put(x->pin);
+            break;
+        }
+    }
+    if (n < x->n_blocks) {
+        for (int i = 0; i < n; i++)
+            zmq_msg_close(&s->frames[i]); /* releases their pins */
+        sx_fail(s, x, PROTO_ERR_INTERNAL, "out of memory", 1);
+        return 0;
+    }
+    x->sent[layer] = 1;
+    x->n_sent++;
+    proto_msg m;
+    proto_msg_init(&m, PROTO_KV_LAYER);
+    m.rid = x->rid;
+    m.xfer = x->xfer;
+    m.layer = layer;
+    m.n_blocks = x->n_blocks;
+    if (kvx_send_msg(x->peer->sock, NULL, 0, &m, s->frames, x->n_blocks) < 0) {
+        char msg[PROTO_MESSAGE_LEN];
+        snprintf(msg, sizeof(msg), "KV_LAYER not sent: %s", zmq_strerror(errno));
+        sx_fail(s, x, PROTO_ERR_UNAVAILABLE, msg, 1);
+    }
+    return 0;
+}
+
+int kvx_send_end(kvx_sender_t *s, uint64_t xfer, int first_token, uint64_t rng)
+{
+    kvx_sx *x = sx_find(s, xfer);
+    if (!x || x->state != SX_OPEN)
+        return -1;
+    const kvcache_params *kp = kvcache_get_params(s->kv);
+    if (x->n_sent != kp->n_layer) {
+        log_rerror(x->rid, "kvx: send_end with %d of %d layers sent", x->n_sent, kp->n_layer);
+        sx_fail(s, x, PROTO_ERR_INTERNAL, "KV_END before every layer was sent", 1);
+        return -1;
+    }
+    if (!x->peer) {
+        sx_fail(s, x, PROTO_ERR_UNAVAILABLE, "decode endpoint connection reset", 0);
+        return 0;
+    }
+    proto_msg m;
+    proto_msg_init(&m, PROTO_KV_END);
+    m.rid = x->rid;
+    m.xfer = x->xfer;
+    m.first_token = first_token;
+    m.checksum = XXH64_digest(x->hash);
+    m.rng = rng;
+    m.ts_us = proto_wall_us();
+    if (kvx_send_msg(x->peer->sock, NULL, 0, &m, NULL, 0) < 0) {
+        char msg[PROTO_MESSAGE_LEN];
+        snprintf(msg, sizeof(msg), "KV_END not sent: %s", zmq_strerror(errno));
+        sx_fail(s, x, PROTO_ERR_UNAVAILABLE, msg, 1);
+        return 0;
+    }
+    x->state = SX_ENDED;
+    x->deadline_us = kvx_deadline_after(s->p.lease_ms);
+    return 0;
+}
+
+void kvx_send_abort(kvx_sender_t *s, uint64_t xfer)
+{
+    kvx_sx *x = sx_find(s, xfer);
+    if (!x || x->state == SX_RELEASING)
+        return;
+    log_rdebug(x->rid, "kvx: transfer xfer=%llx aborted by the caller",
+               (unsigned long long)x->xfer);
+    sx_send_abort(x, PROTO_ERR_CANCELLED, "aborted by the sender");
+    sx_over(x);
+}
+
+int kvx_sender_pollitems(kvx_sender_t *s, zmq_pollitem_t *items, int cap)
+{
+    int n = 0;
+    for (kvx_peer *pe = s->peers; pe && n < cap; pe = pe->next) {
+        items[n].socket = pe->sock;
+        items[n].fd = 0;
+        items[n].events = ZMQ_POLLIN;
+        items[n].revents = 0;
+        n++;
+    }
+    return n;
+}
+
+static void sender_handle(kvx_sender_t *s, kvx_peer *pe, const proto_msg *m, int n_frames)
+{
+    kvx_sx *x = sx_find(s, m->xfer);
+    if (!x || x->peer != pe || x->rid != m->rid || x->state == SX_RELEASING) {
+        log_rdebug(m->rid, "kvx: dropped %s for unknown or finished xfer=%llx",
+                   proto_type_str(m->type), (unsigned long long)m->xfer);
+        return;
+    }
+    if (n_frames != 0) {
+        log_rwarn(m->rid, "kvx: dropped %s with %d unexpected payload frames",
+                  proto_type_str(m->type), n_frames);
+        return;
+    }
+    int code = m->code ? m->code : PROTO_ERR_INTERNAL;
+    switch (m->type) {
+    case PROTO_KV_BEGIN_ACK:
+        if (!m->ok) {
+            sx_fail(s, x, code, m->message[0] ? m->message : "rejected by the receiver", 0);
+            return;
+        }
+        x->acked = 1;
+        if (x->state == SX_OPEN)
+            x->deadline_us = 0; /* our own compute paces the layers; the receiver has a lease */
+        return;
+    case PROTO_KV_RESULT:
+        if (!m->ok) {
+            sx_fail(s, x, code, m->message[0] ? m->message : "NACK from the receiver", 0);
+            return;
+        }
+        if (x->state != SX_ENDED) {
+            sx_fail(s, x, PROTO_ERR_PROTOCOL, "KV_RESULT ok before KV_END", 1);
+            return;
+        }
+        log_rdebug(x->rid, "kvx: transfer xfer=%llx accepted", (unsigned long long)x->xfer);
+        kvx_event ev;
+        kvx_ev_init(&ev, KVX_EV_DONE, x->rid, x->xfer, PROTO_ERR_NONE, "");
+        kvx_evq_push(&s->events, &ev);
+        sx_over(x);
+        return;
+    case PROTO_KV_ABORT:
+        sx_fail(s, x, m->code ? m->code : PROTO_ERR_CANCELLED,
+                m->message[0] ? m->message : "aborted by the receiver", 0);
+        return;
+    default:
+        log_rwarn(m->rid, "kvx: dropped unexpected %s on a kv DEALER", proto_type_str(m->type));
+        return;
+    }
+}
+
+/* The endpoint is not taking our frames: close its socket (dropping queued frames, which
+ * releases their pins) and fail whatever else was going there. */
+static void peer_reset(kvx_sender_t *s, kvx_peer *pe)
+{
+    log_warn("kvx: decode endpoint %s is not reading; resetting the connection", pe->endpoint);
+    for (kvx_sx *x = s->xfers; x; x = x->next) {
+        if (x->peer != pe)
+            continue;
+        if (x->state != SX_RELEASING)
+            sx_fail(s, x, PROTO_ERR_UNAVAILABLE, "decode endpoint connection reset", 0);
+        x->peer = NULL;
+    }
+    for (kvx_peer **pp = &s->peers; *pp; pp = &(*pp)->next) {
+        if (*pp == pe) {
+            *pp = pe->next;
+            break;
+        }
+    }
+    peer_close(pe);
+    free(pe);
+}
+
+int kvx_sender_process(kvx_sender_t *s)
+{
+    int before = s->events.n;
+    for (kvx_peer *pe = s->peers; pe; pe = pe->next) {
+        for (int i = 0; i < KVX_MAX_MSGS_PER_CALL; i++) {
+            int rc = proto_recv(pe->sock, 0, s->env, ZMQ_DONTWAIT);
+            if (rc == 0)
+                break;
+            if (rc == -2) {
+                log_warn("kvx: recv on %s: %s", pe->endpoint, zmq_strerror(errno));
+                break;
+            }
+            if (rc == 1)
+                sender_handle(s, pe, proto_envelope_msg(s->env), proto_envelope_n_frames(s->env));
+        }
+        proto_envelope_reset(s->env);
+    }
+    int64_t now = proto_now_us();
+    for (kvx_sx *x = s->xfers; x; x = x->next) {
+        if (x->state != SX_RELEASING && x->deadline_us && now >= x->deadline_us)
+            sx_fail(s, x, PROTO_ERR_TIMEOUT,
+                    x->state == SX_OPEN ? "no KV_BEGIN_ACK within the lease"
+                                        : "no KV_RESULT within the lease",
+                    1);
+    }
+    /* Release finished transfers whose frames are gone; reset peers that sit on frames. */
+    for (kvx_sx **xp = &s->xfers; *xp;) {
+        kvx_sx *x = *xp;
+        if (x->state != SX_RELEASING) {
+            xp = &x->next;
+            continue;
+        }
+        if (pin_frames(x->pin) == 0) {
+            log_rdebug(x->rid, "kvx: xfer=%llx released, sequence %d freed",
+                       (unsigned long long)x->xfer, x->seq);
+            *xp = x->next;
+            s->n_xfers--;
+            sx_free(s, x, 1);
+            continue;
+        }
+        if (x->peer && now - x->over_us >= (int64_t)s->p.lease_ms * 1000)
+            peer_reset(s, x->peer);
+        xp = &x->next;
+    }
+    return s->events.n - before;
+}
+
+int kvx_sender_next_timeout_ms(const kvx_sender_t *s)
+{
+    int64_t now = proto_now_us();
+    int best = -1;
+    for (const kvx_sx *x = s->xfers; x; x = x->next) {
+        int t;
+        if (x->state == SX_RELEASING)
+            t = KVX_PIN_POLL_MS;
+        else if (x->deadline_us)
+            t = kvx_ms_until(x->deadline_us, now);
+        else
+            continue;
+        if (best < 0 || t < best)
+            best = t;
+    }
+    return best;
+}
+
+int kvx_sender_next_event(kvx_sender_t *s, kvx_event *ev)
+{
+    return kvx_evq_pop(&s->events, ev);
+}
+
+int kvx_sender_n_active(const kvx_sender_t *s)
+{
+    return s->n_xfers;
+}

@@ -1,0 +1,463 @@
+#!/usr/bin/python3
+"""A fake gateway for testing the worker programs alone: binds a ctl ROUTER, starts real
+prefill/decode/mixed workers, and drives them with PREFILL/CANCEL orders as the gateway
+would (docs/protocol.md). Standard library plus python3-zmq (msgpack is done by hand).
+
+    tests/integration/fake_gateway.py [--build build] [--model PATH] [case ...]
+
+Cases: greedy_disagg, greedy_mixed, batch_disagg, max_tokens_1, cancel_running,
+cancel_queued, bad_prompt, decode_unreachable, drain, second_signal, reregister. Exit
+status 0 when every case passes. Each worker logs to a file in a temporary directory; the logs are scanned for
+sanitizer reports."""
+
+import argparse
+import os
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+import zmq
+
+# --- minimal msgpack (the subset protocol.c emits and accepts)
+
+
+def mp_pack(o):
+    if o is None:
+        return b"\xc0"
+    if o is True:
+        return b"\xc3"
+    if o is False:
+        return b"\xc2"
+    if isinstance(o, int):
+        if 0 <= o < 0x80:
+            return bytes([o])
+        if -32 <= o < 0:
+            return struct.pack("b", o)
+        if o >= 0:
+            return b"\xcf" + struct.pack(">Q", o)
+        return b"\xd3" + struct.pack(">q", o)
+    if isinstance(o, float):
+        return b"\xcb" + struct.pack(">d", o)
+    if isinstance(o, str):
+        b = o.encode()
+        if len(b) < 32:
+            return bytes([0xA0 | len(b)]) + b
+        return b"\xda" + struct.pack(">H", len(b)) + b
+    if isinstance(o, (list, tuple)):
+        out = b"\xdd" + struct.pack(">I", len(o))
+        return out + b"".join(mp_pack(x) for x in o)
+    if isinstance(o, dict):
+        out = b"\xdf" + struct.pack(">I", len(o))
+        return out + b"".join(mp_pack(k) + mp_pack(v) for k, v in o.items())
+    raise TypeError(type(o))
+
+
+def mp_unpack(b):
+    def rd(i):
+        c = b[i]
+        if c < 0x80:
+            return c, i + 1
+        if c >= 0xE0:
+            return c - 256, i + 1
+        if 0xA0 <= c <= 0xBF:
+            n = c & 31
+            return b[i + 1:i + 1 + n].decode(), i + 1 + n
+        if 0x90 <= c <= 0x9F:
+            return arr(c & 15, i + 1)
+        if 0x80 <= c <= 0x8F:
+            return mp(c & 15, i + 1)
+        fixed = {0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q", 0xD0: ">b", 0xD1: ">h",
+                 0xD2: ">i", 0xD3: ">q", 0xCA: ">f", 0xCB: ">d"}
+        if c in fixed:
+            f = fixed[c]
+            n = struct.calcsize(f)
+            return struct.unpack(f, b[i + 1:i + 1 + n])[0], i + 1 + n
+        if c in (0xD9, 0xDA, 0xDB):
+            ln = {0xD9: ">B", 0xDA: ">H", 0xDB: ">I"}[c]
+            k = struct.calcsize(ln)
+            n = struct.unpack(ln, b[i + 1:i + 1 + k])[0]
+            return b[i + 1 + k:i + 1 + k + n].decode(), i + 1 + k + n
+        if c in (0xDC, 0xDD):
+            ln = ">H" if c == 0xDC else ">I"
+            k = struct.calcsize(ln)
+            return arr(struct.unpack(ln, b[i + 1:i + 1 + k])[0], i + 1 + k)
+        if c in (0xDE, 0xDF):
+            ln = ">H" if c == 0xDE else ">I"
+            k = struct.calcsize(ln)
+            return mp(struct.unpack(ln, b[i + 1:i + 1 + k])[0], i + 1 + k)
+        if c == 0xC0:
+            return None, i + 1
+        if c in (0xC2, 0xC3):
+            return c == 0xC3, i + 1
+        raise ValueError("msgpack byte 0x%02x" % c)
+
+    def arr(n, i):
+        out = []
+        for _ in range(n):
+            v, i = rd(i)
+            out.append(v)
+        return out, i
+
+    def mp(n, i):
+        out = {}
+        for _ in range(n):
+            k, i = rd(i)
+            v, i = rd(i)
+            out[k] = v
+        return out, i
+
+    v, i = rd(0)
+    if i != len(b):
+        raise ValueError("trailing bytes")
+    return v
+
+
+# --- protocol constants (common/protocol.h)
+
+REGISTER, REGISTER_ACK, HEARTBEAT, PREFILL, CANCEL, TOKENS, FINISH, ERROR, BYE = range(1, 10)
+NAMES = {1: "REGISTER", 2: "REGISTER_ACK", 3: "HEARTBEAT", 4: "PREFILL", 5: "CANCEL",
+         6: "TOKENS", 7: "FINISH", 8: "ERROR", 9: "BYE"}
+
+# Greedy "Once upon a time" with stories260K (shared/models/stories260K/SOURCE.md): the
+# prompt is BOS + 4 tokens, then run.c's continuation.
+PROMPT = [1, 403, 407, 261, 378]
+REF_IDS = [int(x) for x in (
+    "403 407 261 378 432 383 286 261 376 298 315 421 395 317 426 338 401 396 267 337 410 408 "
+    "419 292 411 322 265 282 295 433 426 385 328 432 358 394 261 370 432 352 266 268 388 426 "
+    "338 391 266 267 337 335 312 432 398 312 286 267 414 270 333 415").split()]
+CONTINUATION = REF_IDS[4:]
+
+
+class Gateway:
+    def __init__(self, build, model, logdir):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.build, self.model, self.logdir = build, model, logdir
+        self.procs = {}
+        self.workers = {}   # wid -> REGISTER fields
+        self.heartbeats = {}
+        self.events = []    # (wid, msg) of TOKENS/FINISH/ERROR/BYE
+        self.next_rid = 100
+        self.ack = True
+
+    def start(self, name, program, *args):
+        log = open(os.path.join(self.logdir, name + ".log"), "w")
+        cmd = [os.path.join(self.build, "bin", program), "--gateway", self.endpoint,
+               "--model", self.model, "--worker-id", name, "--heartbeat-ms", "100",
+               "--lease-ms", "1000"] + list(args)
+        self.procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log)
+
+    def send(self, wid, msg):
+        msg = dict(msg)
+        msg.setdefault("v", 1)
+        self.sock.send_multipart([wid.encode(), mp_pack(msg)])
+
+    def pump(self, timeout=0.05):
+        if not self.sock.poll(int(timeout * 1000)):
+            return
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            wid = frames[0].decode()
+            m = mp_unpack(frames[1])
+            t = m["t"]
+            if t == REGISTER:
+                self.workers[wid] = m
+                if self.ack:
+                    self.send(wid, {"t": REGISTER_ACK, "hb_ms": 100})
+            elif t == HEARTBEAT:
+                self.heartbeats[wid] = m
+                if wid not in self.workers:
+                    self.send(wid, {"t": BYE, "wid": wid})
+            else:
+                self.events.append((wid, m))
+
+    def wait(self, cond, timeout=10.0, what="condition"):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            self.pump()
+            if cond():
+                return
+        raise AssertionError("timed out waiting for " + what)
+
+    def wait_registered(self, *names):
+        self.wait(lambda: all(n in self.workers for n in names), what="REGISTER of %s" % (names,))
+
+    def prefill(self, wid, tokens, max_tokens, dw="", dep="", temp=0.0, rng=0):
+        rid = self.next_rid
+        self.next_rid += 1
+        self.send(wid, {"t": PREFILL, "rid": rid, "tokens": tokens, "max_tokens": max_tokens,
+                        "temp": temp, "top_p": 1.0, "top_k": 0, "rng": rng, "dw": dw,
+                        "dep": dep})
+        return rid
+
+    def outcome(self, rid):
+        """(tokens assembled by index, finish reason or None, error or None)."""
+        toks, reason, err = {}, None, None
+        for _, m in self.events:
+            if m.get("rid") != rid:
+                continue
+            if m["t"] == TOKENS:
+                for k, t in enumerate(m["tokens"]):
+                    if m["index"] + k in toks and toks[m["index"] + k] != t:
+                        raise AssertionError("rid %d: index %d repeated with %d != %d" %
+                                             (rid, m["index"] + k, t, toks[m["index"] + k]))
+                    toks[m["index"] + k] = t
+            elif m["t"] == FINISH:
+                reason = m["reason"]
+            elif m["t"] == ERROR:
+                err = m
+        ids = [toks[i] for i in range(len(toks))] if set(toks) == set(range(len(toks))) else None
+        return ids, reason, err
+
+    def wait_done(self, rid, timeout=20.0):
+        self.wait(lambda: self.outcome(rid)[1] is not None or self.outcome(rid)[2] is not None,
+                  timeout, "end of request %d" % rid)
+        return self.outcome(rid)
+
+    def stop(self):
+        """SIGTERM every worker still running (they drain and exit 0; sanitizer leak reports
+        land in the logs); returns the names of those that did not exit cleanly."""
+        bad = []
+        for name, (p, log) in self.procs.items():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for name, (p, log) in self.procs.items():
+            try:
+                rc = p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rc = p.wait()
+            if rc != 0:
+                bad.append("%s exited with %d" % (name, rc))
+            log.close()
+        self.procs = {}
+        self.sock.close()
+        self.ctx.term()
+        return bad
+
+    def check_logs(self):
+        bad = []
+        for f in os.listdir(self.logdir):
+            text = open(os.path.join(self.logdir, f)).read()
+            for marker in ("ERROR: AddressSanitizer", "runtime error:", "LeakSanitizer",
+                           "assertion failed"):
+                if marker in text:
+                    bad.append("%s: %s" % (f, marker))
+        return bad
+
+
+def eq(a, b, what):
+    if a != b:
+        raise AssertionError("%s: got %r, want %r" % (what, a, b))
+
+
+def kv_free_back(g, wid):
+    """Wait until wid's heartbeat shows every KV block free."""
+    g.wait(lambda: wid in g.heartbeats and
+           g.heartbeats[wid]["kv_free"] == g.heartbeats[wid]["kv_total"] and
+           g.heartbeats[wid]["running"] == 0,
+           what="KV of %s back to free" % wid)
+
+
+def disagg(g):
+    g.start("p0", "prefill_worker")
+    g.start("d0", "decode_worker", "--kv-bind", "tcp://127.0.0.1:*")
+    g.wait_registered("p0", "d0")
+    return g.workers["d0"]["kvep"]
+
+
+def case_greedy_disagg(g):
+    dep = disagg(g)
+    rid = g.prefill("p0", PROMPT, len(CONTINUATION), dw="d0", dep=dep)
+    ids, reason, err = g.wait_done(rid)
+    eq(err, None, "error")
+    eq(ids, CONTINUATION, "greedy tokens")
+    eq(reason, 2, "finish reason")
+    senders = {w for w, m in g.events if m.get("rid") == rid and m["t"] == TOKENS}
+    eq(senders, {"p0", "d0"}, "TOKENS senders")
+    kv_free_back(g, "d0")
+    kv_free_back(g, "p0")
+
+
+def case_greedy_mixed(g):
+    g.start("m0", "prefill_worker", "--role", "mixed", "--kv-bind", "tcp://127.0.0.1:*")
+    g.wait_registered("m0")
+    eq(g.workers["m0"]["role"], 3, "role")
+    rid = g.prefill("m0", PROMPT, len(CONTINUATION))
+    ids, reason, err = g.wait_done(rid)
+    eq(err, None, "error")
+    eq(ids, CONTINUATION, "greedy tokens")
+    eq(reason, 2, "finish reason")
+    kv_free_back(g, "m0")
+
+
+def case_batch_disagg(g):
+    """Many concurrent requests of different lengths: each is exactly the reference."""
+    dep = disagg(g)
+    rids = []
+    for k in range(12):
+        n = 3 + (k * 7) % 40
+        rids.append((g.prefill("p0", PROMPT, n, dw="d0", dep=dep), n))
+    for rid, n in rids:
+        ids, reason, err = g.wait_done(rid)
+        eq(err, None, "error rid %d" % rid)
+        eq(ids, CONTINUATION[:n], "tokens rid %d" % rid)
+        eq(reason, 2, "reason rid %d" % rid)
+    kv_free_back(g, "d0")
+    kv_free_back(g, "p0")
+
+
+def case_max_tokens_1(g):
+    dep = disagg(g)
+    rid = g.prefill("p0", PROMPT, 1, dw="d0", dep=dep)
+    ids, reason, err = g.wait_done(rid)
+    eq((ids, reason, err), ([CONTINUATION[0]], 2, None), "max_tokens 1")
+    senders = {w for w, m in g.events if m.get("rid") == rid}
+    eq(senders, {"p0"}, "only the prefill worker answers")
+    kv_free_back(g, "p0")
+
+
+def case_cancel_running(g):
+    dep = disagg(g)
+    rid = g.prefill("p0", PROMPT, 400, dw="d0", dep=dep)
+    g.wait(lambda: any(m.get("rid") == rid and w == "d0" for w, m in g.events),
+           what="decode started")
+    g.send("d0", {"t": CANCEL, "rid": rid})
+    g.send("d0", {"t": CANCEL, "rid": rid})        # idempotent
+    g.send("d0", {"t": CANCEL, "rid": 999999})     # unknown
+    kv_free_back(g, "d0")
+    kv_free_back(g, "p0")
+    n = len([m for w, m in g.events if m.get("rid") == rid])
+    time.sleep(0.3)
+    g.pump()
+    eq(len([m for w, m in g.events if m.get("rid") == rid]), n, "no messages after CANCEL")
+    eq(g.outcome(rid)[1], None, "no FINISH after CANCEL")
+
+
+def case_cancel_queued(g):
+    g.start("m0", "prefill_worker", "--role", "mixed", "--kv-bind", "tcp://127.0.0.1:*",
+            "--max-seqs", "1")
+    g.wait_registered("m0")
+    r1 = g.prefill("m0", PROMPT, 300)
+    r2 = g.prefill("m0", PROMPT, 5)
+    g.send("m0", {"t": CANCEL, "rid": r2})
+    ids, reason, err = g.wait_done(r1)
+    eq(ids[:len(CONTINUATION)], CONTINUATION, "first request")
+    time.sleep(0.3)
+    g.pump()
+    eq(g.outcome(r2), ([], None, None), "cancelled request: no message at all")
+    kv_free_back(g, "m0")
+
+
+def case_bad_prompt(g):
+    g.start("m0", "prefill_worker", "--role", "mixed", "--kv-bind", "tcp://127.0.0.1:*")
+    g.wait_registered("m0")
+    rid = g.prefill("m0", [1] * 600, 5)
+    _, _, err = g.wait_done(rid)
+    eq((err["code"], err["retry"]), (8, 0), "too long prompt")
+    rid = g.prefill("m0", [1, 9999], 5)
+    _, _, err = g.wait_done(rid)
+    eq((err["code"], err["retry"]), (8, 0), "token out of vocabulary")
+    # garbage on the ctl socket is dropped, the worker keeps serving
+    g.sock.send_multipart([b"m0", b"\xc1garbage"])
+    g.send("m0", {"t": PREFILL})  # missing fields
+    rid = g.prefill("m0", PROMPT, 3)
+    ids, reason, err = g.wait_done(rid)
+    eq(ids, CONTINUATION[:3], "after garbage")
+
+
+def case_decode_unreachable(g):
+    g.start("p0", "prefill_worker")
+    g.wait_registered("p0")
+    rid = g.prefill("p0", PROMPT, 10, dw="nobody", dep="tcp://127.0.0.1:1")
+    ids, reason, err = g.wait_done(rid, timeout=10)
+    eq(ids, [CONTINUATION[0]], "first token still reported")
+    eq((err["code"], err["retry"]), (4, 1), "timeout error, retryable")
+    kv_free_back(g, "p0")
+
+
+def case_drain(g):
+    dep = disagg(g)
+    rid = g.prefill("p0", PROMPT, 50, dw="d0", dep=dep)
+    g.wait(lambda: any(m.get("rid") == rid and w == "d0" for w, m in g.events),
+           what="decode started")
+    g.procs["d0"][0].send_signal(signal.SIGTERM)
+    g.procs["p0"][0].send_signal(signal.SIGTERM)
+    g.wait(lambda: any(w == "d0" and m["t"] == BYE for w, m in g.events), what="BYE from d0")
+    ids, reason, err = g.outcome(rid)
+    eq((ids, reason), (CONTINUATION[:50], 2), "request finished while draining")
+    eq(g.heartbeats["d0"]["state"], 2, "DRAINING in heartbeats")
+    for name in ("d0", "p0"):
+        eq(g.procs[name][0].wait(timeout=10), 0, "exit status of " + name)
+
+
+def case_second_signal(g):
+    """A second SIGTERM while draining exits at once (status 1) instead of waiting."""
+    g.start("p0", "prefill_worker", "--lease-ms", "5000")
+    g.wait_registered("p0")
+    rid = g.prefill("p0", PROMPT, 10, dw="nobody", dep="tcp://127.0.0.1:1")
+    g.wait(lambda: g.outcome(rid)[0], what="first token")
+    p = g.procs["p0"][0]
+    p.send_signal(signal.SIGTERM)
+    g.wait(lambda: g.heartbeats.get("p0", {}).get("state") == 2, what="DRAINING heartbeat")
+    eq(p.poll(), None, "still draining (transfer pending)")
+    p.send_signal(signal.SIGTERM)
+    eq(p.wait(timeout=5), 1, "exit status after a second signal")
+    g.procs.pop("p0")[1].close()  # its non-zero status is the point here
+
+
+def case_reregister(g):
+    dep = disagg(g)
+    del g.workers["d0"]  # the gateway "forgets" d0: its next HEARTBEAT gets BYE
+    g.wait_registered("d0")
+    rid = g.prefill("p0", PROMPT, 5, dw="d0", dep=dep)
+    ids, _, err = g.wait_done(rid)
+    eq(ids, CONTINUATION[:5], "after re-registering")
+
+
+CASES = [n[5:] for n in sorted(globals()) if n.startswith("case_")]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", default=os.environ.get("BUILD", "build"))
+    ap.add_argument("--model", default=None)
+    ap.add_argument("cases", nargs="*")
+    a = ap.parse_args()
+    model = a.model or os.path.join(a.build, "models", "stories260K.gguf")
+    if not os.path.exists(model):
+        model = "build/models/stories260K.gguf"
+    failed = 0
+    for name in a.cases or CASES:
+        with tempfile.TemporaryDirectory() as logdir:
+            g = Gateway(a.build, model, logdir)
+            t0 = time.time()
+            try:
+                globals()["case_" + name](g)
+                bad = None
+            except Exception as e:  # noqa: BLE001
+                bad = "%s: %s" % (type(e).__name__, e)
+            finally:
+                stopped = g.stop()
+            bad = bad or "; ".join(stopped + g.check_logs()) or None
+            print("%-20s %s (%.1fs)" % (name, "ok" if not bad else "FAIL " + bad,
+                                        time.time() - t0), flush=True)
+            if bad:
+                failed += 1
+                for f in sorted(os.listdir(logdir)):
+                    print("---- %s" % f)
+                    print(open(os.path.join(logdir, f)).read()[-4000:])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

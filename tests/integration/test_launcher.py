@@ -1,0 +1,98 @@
+"""The local launcher: starts a cluster, restarts a worker killed with SIGKILL, and the
+request that was running when it died ends cleanly (an error or a correct completion, never
+a hang); the gateway stays up and the next request is served correctly."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import BIN, MODEL, ROOT, Cluster, free_port  # noqa: E402
+from test_e2e import REF  # noqa: E402
+
+
+class Launcher(unittest.TestCase):
+    def setUp(self):
+        self.port = free_port()
+        self.ctl = free_port()
+        self.kv = free_port()
+        env = dict(os.environ, TIDEPOOL_BIN=BIN)
+        self.log = open(os.path.join(ROOT, os.environ.get("TIDEPOOL_BUILD", "build"),
+                                     "test-logs", "launcher.out"), "wb")
+        self.proc = subprocess.Popen(
+            [os.path.join(ROOT, "deploy/local/start"), "--no-build", "--port", str(self.port),
+             "--ctl-port", str(self.ctl), "--kv-port", str(self.kv), "--model", MODEL,
+             "--worker-arg", "--heartbeat-ms", "--worker-arg", "200",
+             "--worker-arg", "--debug-step-delay-ms", "--worker-arg", "5",
+             "--gateway-arg", "--heartbeat-ms", "--gateway-arg", "200",
+             "--gateway-arg", "--dead-after-ms", "--gateway-arg", "800"],
+            stdout=subprocess.PIPE, stderr=self.log, env=env, start_new_session=True)
+        # a Cluster object only as an HTTP client
+        self.c = Cluster()
+        self.c.port = self.port
+        line = self.proc.stdout.readline().decode()
+        self.assertIn("tidepool is ready: http://127.0.0.1:%d/v1" % self.port, line)
+
+    def tearDown(self):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise
+        self.log.close()
+        self.assertEqual(rc, 0)
+
+    def worker_pids(self, name):
+        out = subprocess.run(["pgrep", "-f", "--", "--worker-id %s" % name],
+                             capture_output=True, text=True).stdout.split()
+        return [int(p) for p in out]
+
+    def kill_during_request(self, name):
+        result = {}
+
+        def run():
+            try:
+                result["r"] = self.c.complete("Once upon a time", max_tokens=200)
+            except Exception as e:  # noqa: BLE001 — a closed connection is an acceptable end
+                result["r"] = ("exception", repr(e))
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(0.3)
+        pids = self.worker_pids(name)
+        self.assertTrue(pids, "no process for %s" % name)
+        for p in pids:
+            os.kill(p, signal.SIGKILL)
+        t.join(60)
+        self.assertFalse(t.is_alive(), "request hung after %s was killed" % name)
+        status, body = result["r"]
+        if status == 200:
+            # a retried request must still be the exact greedy continuation
+            self.assertTrue(body["choices"][0]["text"].startswith(REF["Once upon a time"]))
+        else:
+            self.assertIn(status, (500, 502, 503, 504), body)
+            self.assertIn("error", body)
+        # the launcher restarts the worker and the next request is served correctly
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            if self.worker_pids(name) and self.c.request("GET", "/health")[0] == 200:
+                break
+            time.sleep(0.2)
+        status, body = self.c.complete("Once upon a time", max_tokens=48)
+        self.assertEqual(status, 200, body)
+        self.assertEqual(body["choices"][0]["text"], REF["Once upon a time"])
+
+    def test_kill_decode_worker(self):
+        self.kill_during_request("decode-0")
+
+    def test_kill_prefill_worker(self):
+        self.kill_during_request("prefill-0")
+
+
+if __name__ == "__main__":
+    unittest.main()

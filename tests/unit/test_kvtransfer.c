@@ -1,0 +1,1058 @@
+/*
+ * kvtransfer: every edge of the hand-off state machine (docs/kvtransfer.md).
+ *
+ * One zmq context, inproc:// sockets, two kvcaches (sender and receiver) with a small
+ * synthetic layout whose blocks are filled with known values (exact in float32). Misbehaving
+ * peers are raw DEALER/ROUTER sockets speaking the protocol by hand. After every path the
+ * free KV blocks of both caches must be back to their starting values.
+ *
+ *   test_kvtransfer [case-name-pattern]
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <cmocka.h>
+#include <xxhash.h>
+#include <zmq.h>
+
+#include "kvcache.h"
+#include "kvtransfer.h"
+#include "log.h"
+#include "protocol.h"
+
+#define NL 3    /* layers */
+#define NKH 2   /* kv heads */
+#define HD 4    /* head dim */
+#define BS 4    /* tokens per block */
+#define NBLK 32 /* blocks per cache */
+#define MAXSEQ 8
+#define MAXLEN 64
+#define FP 0x1234abcd5678ef01ull
+
+static int endpoint_counter;
+
+typedef struct {
+    void *zctx;
+    kvcache_t *kvs, *kvr; /* sender, receiver */
+    kvx_sender_t *s;
+    kvx_receiver_t *r;
+    char ep[64];
+    int free_s0, free_r0;
+    proto_envelope *env;
+    kvx_sender_t *s2; /* a second sender (own layout or lease), destroyed by teardown */
+    kvcache_t *kv2;
+    void *raw[8]; /* raw peer sockets, closed by teardown (a failed assert skips the test's
+                   * own cleanup, and zmq_ctx_term would wait for them forever) */
+} fx_t;
+
+static kvcache_t *mk_kv(int n_layer, int n_kv_head, int head_dim, int bs, int n_blocks)
+{
+    kvcache_params p = {.n_layer = n_layer,
+                        .n_kv_head = n_kv_head,
+                        .head_dim = head_dim,
+                        .block_size = bs,
+                        .n_blocks = n_blocks,
+                        .max_seqs = MAXSEQ,
+                        .max_seq_len = MAXLEN};
+    kvcache_t *kv = kvcache_new(&p);
+    assert_non_null(kv);
+    return kv;
+}
+
+static kvx_sender_t *mk_sender(fx_t *f, kvcache_t *kv, int lease_ms)
+{
+    kvx_sender_params p = kvx_sender_default_params();
+    p.fingerprint = FP;
+    p.lease_ms = lease_ms;
+    kvx_sender_t *s = kvx_sender_new(f->zctx, kv, &p);
+    assert_non_null(s);
+    return s;
+}
+
+/* (Re)create the receiver on a fresh endpoint. */
+static void mk_receiver(fx_t *f, uint64_t fp, int lease_ms)
+{
+    kvx_receiver_destroy(&f->r);
+    snprintf(f->ep, sizeof(f->ep), "inproc://kvx-test-%d", ++endpoint_counter);
+    kvx_receiver_params p = kvx_receiver_default_params();
+    p.fingerprint = fp;
+    p.lease_ms = lease_ms;
+    f->r = kvx_receiver_new(f->zctx, f->kvr, f->ep, &p);
+    assert_non_null(f->r);
+    assert_string_equal(kvx_receiver_endpoint(f->r), f->ep);
+}
+
+static int setup(void **state)
+{
+    fx_t *f = calloc(1, sizeof(*f));
+    f->zctx = zmq_ctx_new();
+    f->kvs = mk_kv(NL, NKH, HD, BS, NBLK);
+    f->kvr = mk_kv(NL, NKH, HD, BS, NBLK);
+    f->s = mk_sender(f, f->kvs, 2000);
+    mk_receiver(f, FP, 2000);
+    f->free_s0 = kvcache_n_free_blocks(f->kvs);
+    f->free_r0 = kvcache_n_free_blocks(f->kvr);
+    f->env = proto_envelope_new();
+    *state = f;
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    fx_t *f = *state;
+    kvx_sender_destroy(&f->s);
+    kvx_sender_destroy(&f->s2);
+    kvx_receiver_destroy(&f->r);
+    proto_envelope_destroy(&f->env);
+    for (int i = 0; i < 8; i++)
+        if (f->raw[i])
+            zmq_close(f->raw[i]);
+    zmq_ctx_term(f->zctx);
+    kvcache_destroy(&f->kv2);
+    kvcache_destroy(&f->kvs);
+    kvcache_destroy(&f->kvr);
+    free(f);
+    return 0;
+}
+
+// --- data
+
+static float val(int seed, int layer, int blk, int i)
+{
+    return (float)(seed * 100000 + layer * 10000 + blk * 100 + i);
+}
+
+static int block_floats(const kvcache_t *kv)
+{
+    return (int)(kvcache_block_bytes(kv) / sizeof(float));
+}
+
+static void fill_seq(kvcache_t *kv, int seq, int seed)
+{
+    int nb;
+    const int *blocks = kvcache_seq_blocks(kv, seq, &nb);
+    const kvcache_params *p = kvcache_get_params(kv);
+    for (int l = 0; l < p->n_layer; l++)
+        for (int b = 0; b < nb; b++) {
+            float *d = kvcache_block_data(kv, l, blocks[b]);
+            for (int i = 0; i < block_floats(kv); i++)
+                d[i] = val(seed, l, b, i);
+        }
+}
+
+/* 1 when the first n_blocks blocks of seq hold the values of seed, in every layer. */
+static int seq_holds(kvcache_t *kv, int seq, int seed, int n_blocks)
+{
+    int nb;
+    const int *blocks = kvcache_seq_blocks(kv, seq, &nb);
+    if (nb < n_blocks)
+        return 0;
+    for (int l = 0; l < kvcache_get_params(kv)->n_layer; l++)
+        for (int b = 0; b < n_blocks; b++) {
+            float *d = kvcache_block_data(kv, l, blocks[b]);
+            for (int i = 0; i < block_floats(kv); i++)
+                if (d[i] != val(seed, l, b, i))
+                    return 0;
+        }
+    return 1;
+}
+
+static int make_seq(kvcache_t *kv, int n_tokens, int seed)
+{
+    int seq = kvcache_seq_new(kv);
+    assert_true(seq >= 0);
+    assert_int_equal(kvcache_seq_reserve(kv, seq, n_tokens), KVCACHE_OK);
+    fill_seq(kv, seq, seed);
+    kvcache_seq_set_len(kv, seq, n_tokens);
+    return seq;
+}
+
+// --- driving
+
+static void pump_once(fx_t *f)
+{
+    if (f->r)
+        kvx_receiver_process(f->r);
+    if (f->s)
+        kvx_sender_process(f->s);
+}
+
+static void pump(fx_t *f)
+{
+    for (int i = 0; i < 10; i++) {
+        pump_once(f);
+        usleep(300);
+    }
+}
+
+static int sender_event(fx_t *f, kvx_sender_t *s, kvx_event *ev)
+{
+    for (int i = 0; i < 2000; i++) {
+        if (kvx_sender_next_event(s, ev))
+            return 1;
+        pump_once(f);
+        if (s != f->s)
+            kvx_sender_process(s);
+        usleep(1000);
+    }
+    return 0;
+}
+
+static int receiver_event(fx_t *f, kvx_event *ev)
+{
+    for (int i = 0; i < 2000; i++) {
+        if (kvx_receiver_next_event(f->r, ev))
+            return 1;
+        pump_once(f);
+        usleep(1000);
+    }
+    return 0;
+}
+
+static uint64_t begin(fx_t *f, kvx_sender_t *s, uint64_t rid, int seq, int n_kv, int max_tokens)
+{
+    kvx_begin_params bp = {.rid = rid,
+                           .seq = seq,
+                           .n_kv_tokens = n_kv,
+                           .max_tokens = max_tokens,
+                           .temperature = 0.5f,
+                           .top_p = 0.9f,
+                           .top_k = 40};
+    uint64_t x = kvx_send_begin(s, f->ep, &bp);
+    assert_true(x != 0);
+    return x;
+}
+
+static void send_all(kvx_sender_t *s, uint64_t x)
+{
+    for (int l = 0; l < NL; l++)
+        assert_int_equal(kvx_send_layer(s, x, l), 0);
+}
+
+/* Everything back to the start: no transfer, every block free on both sides. */
+static void assert_all_free(fx_t *f)
+{
+    for (int i = 0; i < 200 && (kvx_sender_n_active(f->s) || kvx_receiver_n_active(f->r)); i++)
+        pump(f);
+    assert_int_equal(kvx_sender_n_active(f->s), 0);
+    assert_int_equal(kvx_receiver_n_active(f->r), 0);
+    assert_int_equal(kvcache_n_free_blocks(f->kvs), f->free_s0);
+    assert_int_equal(kvcache_n_free_blocks(f->kvr), f->free_r0);
+}
+
+static void expect_failed(fx_t *f, kvx_sender_t *s, uint64_t x, int code)
+{
+    kvx_event ev;
+    assert_true(sender_event(f, s, &ev));
+    assert_int_equal(ev.type, KVX_EV_FAILED);
+    assert_true(ev.xfer == x);
+    assert_int_equal(ev.code, code);
+}
+
+// --- raw peers
+
+static void *raw_socket(fx_t *f, int type, const char *connect_to)
+{
+    void *sock = zmq_socket(f->zctx, type);
+    int linger = 0;
+    zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof(linger));
+    for (int i = 0; i < 8; i++) {
+        if (!f->raw[i]) {
+            f->raw[i] = sock;
+            break;
+        }
+    }
+    if (type == ZMQ_DEALER)
+        assert_int_equal(zmq_connect(sock, connect_to), 0);
+    else
+        assert_int_equal(zmq_bind(sock, connect_to), 0);
+    return sock;
+}
+
+static void raw_close(fx_t *f, void *sock)
+{
+    for (int i = 0; i < 8; i++)
+        if (f->raw[i] == sock)
+            f->raw[i] = NULL;
+    zmq_close(sock);
+}
+
+/* Wait (pumping kvx) for a message on a raw socket. */
+static int raw_recv(fx_t *f, void *sock, int router, int timeout_ms)
+{
+    for (int i = 0; i < timeout_ms; i++) {
+        pump_once(f);
+        int rc = proto_recv(sock, router, f->env, ZMQ_DONTWAIT);
+        if (rc == 1)
+            return 1;
+        usleep(1000);
+    }
+    return 0;
+}
+
+static void raw_begin_msg(proto_msg *m, uint64_t rid, uint64_t xfer, int n_kv, int max_tokens)
+{
+    proto_msg_init(m, PROTO_KV_BEGIN);
+    m->rid = rid;
+    m->xfer = xfer;
+    m->fingerprint = FP;
+    m->n_layer = NL;
+    m->n_kv_head = NKH;
+    m->head_dim = HD;
+    m->dtype = PROTO_DTYPE_F32;
+    m->block_size = BS;
+    m->n_blocks = (n_kv + BS - 1) / BS;
+    m->n_kv_tokens = n_kv;
+    m->max_tokens = max_tokens;
+    m->top_p = 1.0f;
+    m->lease_ms = 1000; /* optional, but always encoded: must be valid */
+}
+
+/* Send KV_BEGIN from a raw DEALER and return the ACK's ok. */
+static int raw_begin(fx_t *f, void *sock, uint64_t rid, uint64_t xfer, int n_kv)
+{
+    proto_msg m;
+    raw_begin_msg(&m, rid, xfer, n_kv, 4);
+    assert_int_equal(proto_send(sock, NULL, 0, &m, NULL, 0, 0), 0);
+    assert_true(raw_recv(f, sock, 0, 2000));
+    proto_msg *a = proto_envelope_msg(f->env);
+    assert_int_equal(a->type, PROTO_KV_BEGIN_ACK);
+    return a->ok;
+}
+
+/* Copies of layer `layer` of a sender sequence as frames; optional hash update. */
+static int raw_frames(fx_t *f, int seq, int layer, int n, size_t bytes, zmq_msg_t *frames,
+                      XXH64_state_t *h)
+{
+    int nb;
+    const int *blocks = kvcache_seq_blocks(f->kvs, seq, &nb);
+    for (int i = 0; i < n; i++) {
+        zmq_msg_init_size(&frames[i], bytes);
+        memset(zmq_msg_data(&frames[i]), 0, bytes);
+        size_t k = bytes < kvcache_block_bytes(f->kvs) ? bytes : kvcache_block_bytes(f->kvs);
+        memcpy(zmq_msg_data(&frames[i]), kvcache_block_data(f->kvs, layer, blocks[i % nb]), k);
+        if (h)
+            XXH64_update(h, zmq_msg_data(&frames[i]), bytes);
+    }
+    return n;
+}
+
+static void raw_layer(fx_t *f, void *sock, uint64_t rid, uint64_t xfer, int seq, int layer,
+                      int n_hdr, int n_frames, size_t bytes, XXH64_state_t *h)
+{
+    zmq_msg_t frames[16];
+    raw_frames(f, seq, layer < NL ? layer : 0, n_frames, bytes, frames, h);
+    proto_msg m;
+    proto_msg_init(&m, PROTO_KV_LAYER);
+    m.rid = rid;
+    m.xfer = xfer;
+    m.layer = layer;
+    m.n_blocks = n_hdr;
+    assert_int_equal(proto_send(sock, NULL, 0, &m, frames, n_frames, 0), 0);
+}
+
+static void raw_end(void *sock, uint64_t rid, uint64_t xfer, uint64_t cksum)
+{
+    proto_msg m;
+    proto_msg_init(&m, PROTO_KV_END);
+    m.rid = rid;
+    m.xfer = xfer;
+    m.first_token = 7;
+    m.checksum = cksum;
+    assert_int_equal(proto_send(sock, NULL, 0, &m, NULL, 0, 0), 0);
+}
+
+/* The receiver answered the raw DEALER with `type` and `code`, and kept nothing. */
+static void expect_raw_reply(fx_t *f, void *sock, proto_type_t type, int code)
+{
+    assert_true(raw_recv(f, sock, 0, 2000));
+    proto_msg *a = proto_envelope_msg(f->env);
+    assert_int_equal(a->type, type);
+    assert_int_equal(a->ok, 0);
+    assert_int_equal(a->code, code);
+    kvx_event ev;
+    assert_true(receiver_event(f, &ev));
+    assert_int_equal(ev.type, KVX_EV_FAILED);
+    assert_int_equal(ev.code, code);
+}
+
+// --- happy paths
+
+/* A whole transfer of n_kv tokens; checks every byte and the accounting. */
+static void transfer_ok(fx_t *f, int n_kv, int max_tokens, const int *order)
+{
+    int seed = n_kv % 50 + 1;
+    int seq = make_seq(f->kvs, n_kv, seed);
+    uint64_t x = begin(f, f->s, 42, seq, n_kv, max_tokens);
+    for (int l = 0; l < NL; l++)
+        assert_int_equal(kvx_send_layer(f->s, x, order ? order[l] : l), 0);
+    assert_int_equal(kvx_send_end(f->s, x, 99, 0xfeedull), 0);
+    kvx_event ev;
+    assert_true(receiver_event(f, &ev));
+    assert_int_equal(ev.type, KVX_EV_ACCEPTED);
+    assert_true(ev.rid == 42 && ev.xfer == x);
+    assert_int_equal(ev.n_kv_tokens, n_kv);
+    assert_int_equal(ev.first_token, 99);
+    assert_true(ev.rng == 0xfeedull);
+    assert_int_equal(ev.max_tokens, max_tokens);
+    assert_true(ev.temperature == 0.5f && ev.top_p == 0.9f && ev.top_k == 40);
+    int nb = kvcache_blocks_for(f->kvr, n_kv);
+    assert_true(seq_holds(f->kvr, ev.seq, seed, nb));
+    assert_int_equal(kvcache_seq_len(f->kvr, ev.seq), n_kv);
+    int want = n_kv + max_tokens - 1 > MAXLEN ? MAXLEN : n_kv + max_tokens - 1;
+    assert_int_equal(kvcache_seq_capacity(f->kvr, ev.seq), kvcache_blocks_for(f->kvr, want) * BS);
+    assert_int_equal(kvx_receiver_n_active(f->r), 0); /* handed over */
+    kvx_event sev;
+    assert_true(sender_event(f, f->s, &sev));
+    assert_int_equal(sev.type, KVX_EV_DONE);
+    assert_true(sev.xfer == x);
+    kvcache_seq_free(f->kvr, ev.seq); /* the caller's now */
+    assert_all_free(f);
+}
+
+static void test_happy_path(void **state)
+{
+    transfer_ok(*state, 37, 5, NULL);
+}
+
+static void test_one_token(void **state)
+{
+    transfer_ok(*state, 1, 1, NULL);
+}
+
+static void test_exact_block_multiple(void **state)
+{
+    transfer_ok(*state, 4 * BS, 3, NULL);
+}
+
+static void test_capacity_capped_at_context(void **state)
+{
+    transfer_ok(*state, 50, 1000, NULL);
+}
+
+static void test_layers_out_of_order(void **state)
+{
+    int order[NL] = {2, 0, 1};
+    transfer_ok(*state, 9, 2, order);
+}
+
+static void test_concurrent_transfers(void **state)
+{
+    fx_t *f = *state;
+    int sa = make_seq(f->kvs, 10, 3), sb = make_seq(f->kvs, 21, 4);
+    uint64_t xa = begin(f, f->s, 1, sa, 10, 2), xb = begin(f, f->s, 2, sb, 21, 2);
+    for (int l = 0; l < NL; l++) {
+        kvx_send_layer(f->s, xb, l);
+        kvx_send_layer(f->s, xa, l);
+    }
+    kvx_send_end(f->s, xb, 5, 1);
+    kvx_send_end(f->s, xa, 6, 2);
+    kvx_event e1, e2;
+    assert_true(receiver_event(f, &e1));
+    assert_true(receiver_event(f, &e2));
+    kvx_event *ea = e1.rid == 1 ? &e1 : &e2, *eb = e1.rid == 1 ? &e2 : &e1;
+    assert_int_equal(ea->type, KVX_EV_ACCEPTED);
+    assert_int_equal(eb->type, KVX_EV_ACCEPTED);
+    assert_true(seq_holds(f->kvr, ea->seq, 3, 3));
+    assert_true(seq_holds(f->kvr, eb->seq, 4, 6));
+    kvx_event d1, d2;
+    assert_true(sender_event(f, f->s, &d1));
+    assert_true(sender_event(f, f->s, &d2));
+    assert_int_equal(d1.type, KVX_EV_DONE);
+    assert_int_equal(d2.type, KVX_EV_DONE);
+    kvcache_seq_free(f->kvr, ea->seq);
+    kvcache_seq_free(f->kvr, eb->seq);
+    assert_all_free(f);
+}
+
+// --- rejects at KV_BEGIN
+
+static void test_reject_nospace(void **state)
+{
+    fx_t *f = *state;
+    int s1 = make_seq(f->kvs, 60, 1), s2 = make_seq(f->kvs, 60, 2), s3 = make_seq(f->kvs, 4, 3);
+    uint64_t x1 = begin(f, f->s, 1, s1, 60, 5); /* 64 tokens: 16 blocks */
+    uint64_t x2 = begin(f, f->s, 2, s2, 60, 5); /* the other 16 */
+    pump(f);
+    assert_int_equal(kvcache_n_free_blocks(f->kvr), 0);
+    uint64_t x3 = begin(f, f->s, 3, s3, 4, 2);
+    expect_failed(f, f->s, x3, PROTO_ERR_NOSPACE);
+    assert_int_equal(kvx_receiver_n_active(f->r), 2);
+    kvx_send_abort(f->s, x1);
+    kvx_send_abort(f->s, x2);
+    assert_all_free(f);
+}
+
+static void test_reject_no_sequence_slot(void **state)
+{
+    fx_t *f = *state;
+    uint64_t x[MAXSEQ + 1];
+    for (int i = 0; i <= MAXSEQ; i++) {
+        int seq = kvcache_seq_new(f->kvs);
+        if (seq < 0) { /* the sender ran out first: use a second cache */
+            break;
+        }
+        kvcache_seq_reserve(f->kvs, seq, 1);
+        kvcache_seq_set_len(f->kvs, seq, 1);
+        x[i] = begin(f, f->s, (uint64_t)i + 1, seq, 1, 1);
+    }
+    pump(f);
+    assert_int_equal(kvx_receiver_n_active(f->r), MAXSEQ);
+    /* a ninth transfer from another sender: no slot left */
+    kvcache_t *kv2 = f->kv2 = mk_kv(NL, NKH, HD, BS, 4);
+    kvx_sender_t *s2 = f->s2 = mk_sender(f, kv2, 2000);
+    int seq = make_seq(kv2, 2, 9);
+    uint64_t x9 = begin(f, s2, 99, seq, 2, 2);
+    expect_failed(f, s2, x9, PROTO_ERR_NOSPACE);
+    for (int i = 0; i < MAXSEQ; i++)
+        kvx_send_abort(f->s, x[i]);
+    for (int i = 0; i < 50 && kvx_sender_n_active(s2); i++)
+        pump(f), kvx_sender_process(s2);
+    assert_int_equal(kvcache_n_free_blocks(kv2), 4);
+    assert_all_free(f);
+}
+
+static void test_reject_fingerprint(void **state)
+{
+    fx_t *f = *state;
+    mk_receiver(f, FP ^ 1, 2000);
+    int seq = make_seq(f->kvs, 5, 1);
+    uint64_t x = begin(f, f->s, 7, seq, 5, 3);
+    send_all(f->s, x); /* sent before the reject is read: dropped by the receiver */
+    expect_failed(f, f->s, x, PROTO_ERR_LAYOUT);
+    assert_int_equal(kvx_send_end(f->s, x, 1, 1), -1); /* over: no-op */
+    assert_all_free(f);
+}
+
+static void check_layout_reject(fx_t *f, int n_layer, int n_kv_head, int head_dim, int bs)
+{
+    kvx_sender_destroy(&f->s2);
+    kvcache_destroy(&f->kv2);
+    kvcache_t *kv = f->kv2 = mk_kv(n_layer, n_kv_head, head_dim, bs, 8);
+    kvx_sender_t *s = f->s2 = mk_sender(f, kv, 2000);
+    int seq = make_seq(kv, 5, 1);
+    uint64_t x = begin(f, s, 7, seq, 5, 3);
+    for (int l = 0; l < n_layer; l++)
+        kvx_send_layer(s, x, l);
+    expect_failed(f, s, x, PROTO_ERR_LAYOUT);
+    for (int i = 0; i < 50 && kvx_sender_n_active(s); i++)
+        pump(f), kvx_sender_process(s);
+    assert_int_equal(kvx_sender_n_active(s), 0);
+    assert_int_equal(kvcache_n_free_blocks(kv), 8);
+    assert_all_free(f);
+}
+
+static void test_reject_layout_n_layer(void **state)
+{
+    check_layout_reject(*state, NL + 1, NKH, HD, BS);
+}
+
+static void test_reject_layout_n_kv_head(void **state)
+{
+    check_layout_reject(*state, NL, NKH + 1, HD, BS);
+}
+
+static void test_reject_layout_head_dim(void **state)
+{
+    check_layout_reject(*state, NL, NKH, HD * 2, BS);
+}
+
+static void test_reject_layout_block_size(void **state)
+{
+    check_layout_reject(*state, NL, NKH, HD, BS * 2);
+}
+
+static void test_reject_layout_dtype(void **state)
+{
+    fx_t *f = *state;
+    void *d = raw_socket(f, ZMQ_DEALER, f->ep);
+    proto_msg m;
+    raw_begin_msg(&m, 5, 55, 8, 2);
+    m.dtype = PROTO_DTYPE_F16;
+    assert_int_equal(proto_send(d, NULL, 0, &m, NULL, 0, 0), 0);
+    assert_true(raw_recv(f, d, 0, 2000));
+    assert_int_equal(proto_envelope_msg(f->env)->ok, 0);
+    assert_int_equal(proto_envelope_msg(f->env)->code, PROTO_ERR_LAYOUT);
+    /* n_blocks that does not match n_kv_tokens */
+    raw_begin_msg(&m, 6, 56, 8, 2);
+    m.n_blocks = 3;
+    assert_int_equal(proto_send(d, NULL, 0, &m, NULL, 0, 0), 0);
+    assert_true(raw_recv(f, d, 0, 2000));
+    assert_int_equal(proto_envelope_msg(f->env)->code, PROTO_ERR_PROTOCOL);
+    /* longer than the context */
+    raw_begin_msg(&m, 7, 57, MAXLEN + 1, 2);
+    assert_int_equal(proto_send(d, NULL, 0, &m, NULL, 0, 0), 0);
+    assert_true(raw_recv(f, d, 0, 2000));
+    assert_int_equal(proto_envelope_msg(f->env)->code, PROTO_ERR_BAD_REQUEST);
+    raw_close(f, d);
+    assert_all_free(f);
+}
+
+static void test_reject_not_accepting(void **state)
+{
+    fx_t *f = *state;
+    kvx_receiver_set_accepting(f->r, 0);
+    int seq = make_seq(f->kvs, 5, 1);
+    uint64_t x = begin(f, f->s, 7, seq, 5, 3);
+    expect_failed(f, f->s, x, PROTO_ERR_UNAVAILABLE);
+    assert_all_free(f);
+}
+
+// --- bad transfers (raw sender)
+
+static void test_checksum_mismatch(void **state)
+{
+    fx_t *f = *state;
+    int seq = make_seq(f->kvs, 8, 1);
+    void *d = raw_socket(f, ZMQ_DEALER, f->ep);
+    assert_true(raw_begin(f, d, 9, 90, 8));
+    XXH64_state_t *h = XXH64_createState();
+    XXH64_reset(h, 0);
+    raw_layer(f, d, 9, 90, seq, 0, 2, 2, kvcache_block_bytes(f->kvs), h);
+    raw_layer(f, d, 9, 90, seq, 1, 2, 2, kvcache_block_bytes(f->kvs), h);
+    /* layer 2 with one corrupted byte, checksum over the good bytes */
+    zmq_msg_t frames[2];
+    raw_frames(f, seq, 2, 2, kvcache_block_bytes(f->kvs), frames, h);
+    ((unsigned char *)zmq_msg_data(&frames[1]))[17] ^= 0x40;
+    proto_msg m;
+    proto_msg_init(&m, PROTO_KV_LAYER);
+    m.rid = 9;
+    m.xfer = 90;
+    m.layer = 2;
+    m.n_blocks = 2;
+    assert_int_equal(proto_send(d, NULL, 0, &m, frames, 2, 0), 0);
+    raw_end(d, 9, 90, XXH64_digest(h));
+    XXH64_freeState(h);
+    expect_raw_reply(f, d, PROTO_KV_RESULT, PROTO_ERR_CHECKSUM);
+    kvcache_seq_free(f->kvs, seq);
+    raw_close(f, d);
+    assert_all_free(f);
+}
+
+/* A KV_LAYER the receiver must refuse: the transfer is aborted and its blocks freed. */
+static void check_bad_layer(fx_t *f, int layer, int n_hdr, int n_frames, size_t bytes,
+                            int dup_first)
+{
+    int seq = make_seq(f->kvs, 8, 1);
+    void *d = raw_socket(f, ZMQ_DEALER, f->ep);
+    assert_true(raw_begin(f, d, 9, 91, 8));
+    assert_int_equal(kvx_receiver_n_active(f->r), 1);
+    if (dup_first)
+        raw_layer(f, d, 9, 91, seq, layer, 2, 2, kvcache_block_bytes(f->kvs), NULL);
+    raw_layer(f, d, 9, 91, seq, layer, n_hdr, n_frames, bytes, NULL);
+    expect_raw_reply(f, d, PROTO_KV_ABORT, PROTO_ERR_PROTOCOL);
+    /* anything later for that transfer is dropped */
+    raw_layer(f, d, 9, 91, seq, 1, 2, 2, kvcache_block_bytes(f->kvs), NULL);
+    raw_end(d, 9, 91, 0);
+    pump(f);
+    kvx_event ev;
+    assert_false(kvx_receiver_next_event(f->r, &ev));
+    kvcache_seq_free(f->kvs, seq);
+    raw_close(f, d);
+    assert_all_free(f);
+}
+
+static void test_wrong_frame_size(void **state)
+{
+    fx_t *f = *state;
+    check_bad_layer(f, 0, 2, 2, kvcache_block_bytes(f->kvs) - 4, 0);
+    check_bad_layer(f, 0, 2, 2, kvcache_block_bytes(f->kvs) + 4, 0);
+}
+
+static void test_wrong_n_blocks(void **state)
+{
+    fx_t *f = *state;
+    size_t b = kvcache_block_bytes(f->kvs);
+    check_bad_layer(f, 0, 1, 1, b, 0); /* fewer, header and frames agree */
+    check_bad_layer(f, 0, 3, 3, b, 0); /* more */
+    check_bad_layer(f, 0, 2, 1, b, 0); /* header and frames disagree */
+}
+
+static void test_duplicate_layer(void **state)
+{
+    fx_t *f = *state;
+    check_bad_layer(f, 1, 2, 2, kvcache_block_bytes(f->kvs), 1);
+}
+
+static void test_layer_out_of_range(void **state)
+{
+    fx_t *f = *state;
+    check_bad_layer(f, NL, 2, 2, kvcache_block_bytes(f->kvs), 0);
+}
+
+static void test_end_before_all_layers(void **state)
+{
+    fx_t *f = *state;
+    int seq = make_seq(f->kvs, 8, 1);
+    void *d = raw_socket(f, ZMQ_DEALER, f->ep);
+    assert_true(raw_begin(f, d, 9, 92, 8));
+    XXH64_state_t *h = XXH64_createState();
+    XXH64_reset(h, 0);
+    raw_layer(f, d, 9, 92, seq, 0, 2, 2, kvcache_block_bytes(f->kvs), h);
+    raw_layer(f, d, 9, 92, seq, 1, 2, 2, kvcache_block_bytes(f->kvs), h);
+    raw_end(d, 9, 92, XXH64_digest(h));
+    XXH64_freeState(h);
+    expect_raw_reply(f, d, PROTO_KV_RESULT, PROTO_ERR_PROTOCOL);
+    kvcache_seq_free(f->kvs, seq);
+    raw_close(f, d);
+    assert_all_free(f);
+}
+
+static void test_malformed_header(void **state)
+{
+    fx_t *f = *state;
+    void *d = raw_socket(f, ZMQ_DEALER, f->ep);
+    zmq_send(d, "\xc1garbage", 8, 0);   /* not msgpack */
+    zmq_send(d, "\x81\xa1t\x22", 4, 0); /* KV_LAYER without version/fields */
+    proto_msg m;
+    proto_msg_init(&m, PROTO_KV_LAYER); /* unknown transfer, with a frame */
+    m.rid = 3;
+    m.xfer = 12345;
+    m.layer = 0;
+    m.n_blocks = 1;
+    zmq_msg_t fr;
+    zmq_msg_init_size(&fr, kvcache_block_bytes(f->kvr));
+    memset(zmq_msg_data(&fr), 0xff, kvcache_block_bytes(f->kvr));
+    assert_int_equal(proto_send(d, NULL, 0, &m, &fr, 1, 0), 0);
+    proto_msg_init(&m, PROTO_TOKENS); /* a valid message of the wrong kind */
+    m.rid = 3;
+    assert_int_equal(proto_send(d, NULL, 0, &m, NULL, 0, 0), 0);
+    pump(f);
+    kvx_event ev;
+    assert_false(kvx_receiver_next_event(f->r, &ev));
+    raw_close(f, d);
+    assert_all_free(f);
+    /* the receiver still works */
+    transfer_ok(f, 6, 2, NULL);
+}
+
+// --- leases
+
+static void test_lease_receiver(void **state)
+{
+    fx_t *f = *state;
+    mk_receiver(f, FP, 80);
+    int seq = make_seq(f->kvs, 10, 1);
+    uint64_t x = begin(f, f->s, 4, seq, 10, 3);
+    kvx_send_layer(f->s, x, 0); /* then the sender stalls */
+    pump(f);
+    assert_int_equal(kvx_receiver_n_active(f->r), 1);
+    assert_true(kvx_receiver_next_timeout_ms(f->r) <= 80);
+    usleep(120 * 1000);
+    kvx_event ev;
+    assert_true(receiver_event(f, &ev));
+    assert_int_equal(ev.type, KVX_EV_FAILED);
+    assert_int_equal(ev.code, PROTO_ERR_TIMEOUT);
+    assert_int_equal(kvcache_n_free_blocks(f->kvr), f->free_r0);
+    /* the sender learns it through KV_ABORT */
+    expect_failed(f, f->s, x, PROTO_ERR_TIMEOUT);
+    assert_int_equal(kvx_send_layer(f->s, x, 1), -1);
+    assert_all_free(f);
+}
+
+static void test_lease_sender(void **state)
+{
+    fx_t *f = *state;
+    /* a receiver that reads but never answers */
+    snprintf(f->ep, sizeof(f->ep), "inproc://kvx-silent-%d", ++endpoint_counter);
+    void *silent = raw_socket(f, ZMQ_ROUTER, f->ep);
+    kvx_sender_t *s = f->s2 = mk_sender(f, f->kvs, 80);
+    int seq = make_seq(f->kvs, 10, 1);
+    uint64_t x = begin(f, s, 4, seq, 10, 3);
+    send_all(s, x);
+    assert_true(kvx_sender_next_timeout_ms(s) <= 80);
+    usleep(120 * 1000);
+    expect_failed(f, s, x, PROTO_ERR_TIMEOUT);
+    /* the silent peer got BEGIN, 3 layers, then KV_ABORT(TIMEOUT); reading releases the
+     * zero-copy frames, and only then is the sequence freed */
+    int n = 0, aborted = 0;
+    while (raw_recv(f, silent, 1, 50)) {
+        n++;
+        proto_msg *m = proto_envelope_msg(f->env);
+        if (m->type == PROTO_KV_ABORT)
+            aborted = m->code == PROTO_ERR_TIMEOUT;
+    }
+    proto_envelope_reset(f->env);
+    assert_int_equal(n, 1 + NL + 1);
+    assert_true(aborted);
+    for (int i = 0; i < 100 && kvx_sender_n_active(s); i++)
+        pump(f), kvx_sender_process(s);
+    assert_int_equal(kvx_sender_n_active(s), 0);
+
+    /* ACK arrives but KV_RESULT never does: the lease runs from KV_END */
+    seq = make_seq(f->kvs, 10, 1);
+    x = begin(f, s, 5, seq, 10, 3);
+    assert_true(raw_recv(f, silent, 1, 1000));
+    size_t id_len;
+    unsigned char id[256];
+    memcpy(id, proto_envelope_identity(f->env, &id_len), 256);
+    proto_msg a;
+    proto_msg_init(&a, PROTO_KV_BEGIN_ACK);
+    a.rid = 5;
+    a.xfer = x;
+    a.ok = 1;
+    a.lease_ms = 1000;
+    assert_int_equal(proto_send(silent, id, id_len, &a, NULL, 0, 0), 0);
+    for (int i = 0; i < 20; i++)
+        kvx_sender_process(s), usleep(1000);
+    assert_int_equal(kvx_sender_next_timeout_ms(s), -1); /* acked: no lease while computing */
+    send_all(s, x);
+    kvx_send_end(s, x, 3, 3);
+    usleep(120 * 1000);
+    expect_failed(f, s, x, PROTO_ERR_TIMEOUT);
+    while (raw_recv(f, silent, 1, 50))
+        ;
+    proto_envelope_reset(f->env);
+    for (int i = 0; i < 100 && kvx_sender_n_active(s); i++)
+        pump(f), kvx_sender_process(s);
+    assert_int_equal(kvx_sender_n_active(s), 0);
+    raw_close(f, silent);
+    assert_int_equal(kvcache_n_free_blocks(f->kvs), f->free_s0);
+}
+
+/* A receiver that NACKs, and one that says ok before KV_END. */
+static void test_sender_result_nack(void **state)
+{
+    fx_t *f = *state;
+    snprintf(f->ep, sizeof(f->ep), "inproc://kvx-nack-%d", ++endpoint_counter);
+    void *rr = raw_socket(f, ZMQ_ROUTER, f->ep);
+    for (int variant = 0; variant < 2; variant++) {
+        int seq = make_seq(f->kvs, 6, 1);
+        uint64_t x = begin(f, f->s, 8, seq, 6, 3);
+        send_all(f->s, x);
+        if (variant == 0)
+            kvx_send_end(f->s, x, 1, 1);
+        int got_end = 0;
+        size_t id_len = 0;
+        unsigned char id[256];
+        while (raw_recv(f, rr, 1, 50)) {
+            got_end |= proto_envelope_msg(f->env)->type == PROTO_KV_END;
+            memcpy(id, proto_envelope_identity(f->env, &id_len), 256);
+        }
+        assert_int_equal(got_end, variant == 0);
+        assert_true(id_len > 0);
+        proto_msg m;
+        proto_msg_init(&m, PROTO_KV_RESULT);
+        m.rid = 8;
+        m.xfer = x;
+        m.ok = variant == 0 ? 0 : 1;
+        m.code = variant == 0 ? PROTO_ERR_CHECKSUM : 0;
+        assert_int_equal(proto_send(rr, id, id_len, &m, NULL, 0, 0), 0);
+        expect_failed(f, f->s, x, variant == 0 ? PROTO_ERR_CHECKSUM : PROTO_ERR_PROTOCOL);
+        while (raw_recv(f, rr, 1, 20))
+            ; /* the KV_ABORT of variant 1 */
+        proto_envelope_reset(f->env);
+    }
+    raw_close(f, rr);
+    assert_all_free(f);
+}
+
+// --- aborts
+
+static void test_abort_from_sender(void **state)
+{
+    fx_t *f = *state;
+    int seq = make_seq(f->kvs, 10, 1);
+    uint64_t x = begin(f, f->s, 4, seq, 10, 3);
+    kvx_send_layer(f->s, x, 0);
+    pump(f);
+    assert_int_equal(kvx_receiver_n_active(f->r), 1);
+    kvx_send_abort(f->s, x);
+    kvx_send_abort(f->s, x);      /* twice */
+    kvx_send_abort(f->s, 0xabcd); /* unknown */
+    assert_int_equal(kvx_send_layer(f->s, x, 1), -1);
+    assert_int_equal(kvx_send_end(f->s, x, 1, 1), -1);
+    kvx_event ev;
+    assert_true(receiver_event(f, &ev));
+    assert_int_equal(ev.type, KVX_EV_FAILED);
+    assert_int_equal(ev.code, PROTO_ERR_CANCELLED);
+    pump(f);
+    assert_false(kvx_sender_next_event(f->s, &ev)); /* no event for the caller's own abort */
+    assert_all_free(f);
+}
+
+static void test_abort_from_receiver(void **state)
+{
+    fx_t *f = *state;
+    int seq = make_seq(f->kvs, 10, 1);
+    uint64_t x = begin(f, f->s, 4, seq, 10, 3);
+    kvx_send_layer(f->s, x, 0);
+    pump(f);
+    assert_int_equal(kvx_receiver_abort(f->r, 4), 1);
+    assert_int_equal(kvx_receiver_abort(f->r, 4), 0); /* twice */
+    assert_int_equal(kvx_receiver_abort(f->r, 777), 0);
+    assert_int_equal(kvcache_n_free_blocks(f->kvr), f->free_r0);
+    expect_failed(f, f->s, x, PROTO_ERR_CANCELLED);
+    assert_int_equal(kvx_send_layer(f->s, x, 1), -1);
+    kvx_send_abort(f->s, x); /* after the fact: no-op */
+    assert_all_free(f);
+}
+
+/* Frames of an aborted transfer that were already on the way must be dropped, and must not
+ * touch the blocks the receiver gave to another transfer meanwhile. */
+static void test_late_frames_after_abort(void **state)
+{
+    fx_t *f = *state;
+    int sa = make_seq(f->kvs, 12, 11), sb = make_seq(f->kvs, 12, 22);
+    uint64_t xa = begin(f, f->s, 1, sa, 12, 1);
+    kvx_send_layer(f->s, xa, 0);
+    kvx_receiver_process(f->r);  /* A reserved, layer 0 written */
+    kvx_receiver_abort(f->r, 1); /* A's blocks are free again (KV_ABORT not read yet) */
+    uint64_t xb = begin(f, f->s, 2, sb, 12, 1);
+    kvx_receiver_process(f->r);  /* B reserved: it gets A's old blocks */
+    kvx_send_layer(f->s, xa, 1); /* late: the sender has not seen the abort */
+    kvx_send_layer(f->s, xa, 2);
+    send_all(f->s, xb);
+    kvx_send_end(f->s, xb, 1, 1);
+    kvx_send_end(f->s, xa, 1, 1);
+    kvx_event ev;
+    assert_true(receiver_event(f, &ev));
+    assert_int_equal(ev.type, KVX_EV_ACCEPTED);
+    assert_true(ev.rid == 2);
+    assert_true(seq_holds(f->kvr, ev.seq, 22, 3));
+    pump(f);
+    kvx_event other;
+    assert_false(kvx_receiver_next_event(f->r, &other));
+    kvx_event e1, e2;
+    assert_true(sender_event(f, f->s, &e1));
+    assert_true(sender_event(f, f->s, &e2));
+    kvx_event *fa = e1.xfer == xa ? &e1 : &e2, *fb = e1.xfer == xa ? &e2 : &e1;
+    assert_int_equal(fa->type, KVX_EV_FAILED);
+    assert_int_equal(fa->code, PROTO_ERR_CANCELLED);
+    assert_int_equal(fb->type, KVX_EV_DONE);
+    kvcache_seq_free(f->kvr, ev.seq);
+    assert_all_free(f);
+}
+
+/* A peer that did not open a transfer cannot write into it. */
+static void test_foreign_peer_frames_dropped(void **state)
+{
+    fx_t *f = *state;
+    int seq = make_seq(f->kvs, 8, 5);
+    uint64_t x = begin(f, f->s, 3, seq, 8, 2);
+    pump(f);
+    void *d = raw_socket(f, ZMQ_DEALER, f->ep);
+    int bogus = make_seq(f->kvs, 8, 6);
+    raw_layer(f, d, 3, x, bogus, 0, 2, 2, kvcache_block_bytes(f->kvs), NULL);
+    raw_end(d, 3, x, 0);
+    proto_msg m;
+    proto_msg_init(&m, PROTO_KV_ABORT);
+    m.rid = 3;
+    m.xfer = x;
+    assert_int_equal(proto_send(d, NULL, 0, &m, NULL, 0, 0), 0);
+    pump(f);
+    assert_int_equal(kvx_receiver_n_active(f->r), 1);
+    send_all(f->s, x);
+    kvx_send_end(f->s, x, 1, 1);
+    kvx_event ev;
+    assert_true(receiver_event(f, &ev));
+    assert_int_equal(ev.type, KVX_EV_ACCEPTED);
+    assert_true(seq_holds(f->kvr, ev.seq, 5, 2));
+    kvcache_seq_free(f->kvr, ev.seq);
+    kvcache_seq_free(f->kvs, bogus);
+    raw_close(f, d);
+    assert_all_free(f);
+}
+
+/* A second transfer of the same request (a retry) replaces the first. */
+static void test_same_rid_supersedes(void **state)
+{
+    fx_t *f = *state;
+    int s1 = make_seq(f->kvs, 8, 1), s2 = make_seq(f->kvs, 8, 2);
+    uint64_t x1 = begin(f, f->s, 6, s1, 8, 2);
+    kvx_send_layer(f->s, x1, 0);
+    pump(f);
+    uint64_t x2 = begin(f, f->s, 6, s2, 8, 2);
+    send_all(f->s, x2);
+    kvx_send_end(f->s, x2, 1, 1);
+    kvx_event ev;
+    assert_true(receiver_event(f, &ev));
+    assert_int_equal(ev.type, KVX_EV_FAILED); /* the old one */
+    assert_true(ev.xfer == x1);
+    assert_true(receiver_event(f, &ev));
+    assert_int_equal(ev.type, KVX_EV_ACCEPTED);
+    assert_true(ev.xfer == x2);
+    assert_true(seq_holds(f->kvr, ev.seq, 2, 2));
+    kvcache_seq_free(f->kvr, ev.seq);
+    kvx_event se;
+    assert_true(sender_event(f, f->s, &se));
+    assert_true(sender_event(f, f->s, &se));
+    assert_all_free(f);
+}
+
+/* Misuse by the caller: bad begin arguments, a layer twice, END before every layer. */
+static void test_sender_misuse(void **state)
+{
+    fx_t *f = *state;
+    int seq = make_seq(f->kvs, 8, 1);
+    kvx_begin_params bp = {.rid = 1, .seq = seq, .n_kv_tokens = 9, .max_tokens = 1};
+    assert_true(kvx_send_begin(f->s, f->ep, &bp) == 0); /* more tokens than blocks */
+    bp.n_kv_tokens = 8;
+    bp.seq = MAXSEQ - 1; /* inactive */
+    assert_true(kvx_send_begin(f->s, f->ep, &bp) == 0);
+    bp.seq = seq;
+    bp.rid = 0;
+    assert_true(kvx_send_begin(f->s, f->ep, &bp) == 0);
+    assert_int_equal(kvcache_seq_active(f->kvs, seq), 1); /* still the caller's */
+    uint64_t x = begin(f, f->s, 1, seq, 8, 2);
+    kvx_send_layer(f->s, x, 0);
+    assert_int_equal(kvx_send_layer(f->s, x, 0), -1);
+    expect_failed(f, f->s, x, PROTO_ERR_INTERNAL);
+    int seq2 = make_seq(f->kvs, 8, 1);
+    x = begin(f, f->s, 2, seq2, 8, 2);
+    kvx_send_layer(f->s, x, 0);
+    assert_int_equal(kvx_send_end(f->s, x, 1, 1), -1);
+    expect_failed(f, f->s, x, PROTO_ERR_INTERNAL);
+    kvx_event ev;
+    for (int i = 0; i < 2; i++) /* the receiver saw KV_ABORTs */
+        assert_true(receiver_event(f, &ev));
+    assert_all_free(f);
+}
+
+int main(int argc, char **argv)
+{
+    log_init("test_kvtransfer", LOG_LEVEL_ERROR);
+    const struct CMUnitTest tests[] = {
+#define T(name) cmocka_unit_test_setup_teardown(name, setup, teardown)
+        T(test_happy_path),
+        T(test_one_token),
+        T(test_exact_block_multiple),
+        T(test_capacity_capped_at_context),
+        T(test_layers_out_of_order),
+        T(test_concurrent_transfers),
+        T(test_reject_nospace),
+        T(test_reject_no_sequence_slot),
+        T(test_reject_fingerprint),
+        T(test_reject_layout_n_layer),
+        T(test_reject_layout_n_kv_head),
+        T(test_reject_layout_head_dim),
+        T(test_reject_layout_block_size),
+        T(test_reject_layout_dtype),
+        T(test_reject_not_accepting),
+        T(test_checksum_mismatch),
+        T(test_wrong_frame_size),
+        T(test_wrong_n_blocks),
+        T(test_duplicate_layer),
+        T(test_layer_out_of_range),
+        T(test_end_before_all_layers),
+        T(test_malformed_header),
+        T(test_lease_receiver),
+        T(test_lease_sender),
+        T(test_sender_result_nack),
+        T(test_abort_from_sender),
+        T(test_abort_from_receiver),
+        T(test_late_frames_after_abort),
+        T(test_foreign_peer_frames_dropped),
+        T(test_same_rid_supersedes),
+        T(test_sender_misuse),
+#undef T
+    };
+    if (argc > 1)
+        cmocka_set_test_filter(argv[1]);
+    return cmocka_run_group_tests_name("kvtransfer", tests, NULL, NULL);
+}
