@@ -14,15 +14,43 @@ PY=/usr/bin/python3
 filter=${1:-}
 passed=0
 failed=0
+cases_passed=0
+cases_failed=0
 failures=()
 logdir=$BUILD/test-logs
 mkdir -p "$logdir"
+
+# Add the test cases a log reports to cases_passed / cases_failed (cmocka and unittest).
+count_cases() {
+    local log=$1 n f
+    n=$(grep -oE '^\[==========\] [0-9]+ test\(s\) run' "$log" | grep -oE '[0-9]+' | head -n 1)
+    if [ -n "$n" ]; then
+        f=$(grep -oE '^\[  FAILED  \] [0-9]+ test' "$log" | grep -oE '[0-9]+' | head -n 1)
+        f=${f:-0}
+        cases_passed=$((cases_passed + n - f)); cases_failed=$((cases_failed + f))
+        return
+    fi
+    n=$(grep -oE '^Ran [0-9]+ test' "$log" | grep -oE '[0-9]+' | tail -n 1)
+    if [ -n "$n" ]; then
+        f=$(grep -oE '^FAILED \((failures|errors)=[0-9]+(, (failures|errors)=[0-9]+)?' "$log" |
+            grep -oE '[0-9]+' | awk '{s += $1} END {print s + 0}')
+        local s
+        s=$(grep -oE 'skipped=[0-9]+' "$log" | grep -oE '[0-9]+' | tail -n 1)
+        f=${f:-0}; s=${s:-0}
+        cases_passed=$((cases_passed + n - f - s)); cases_failed=$((cases_failed + f))
+    fi
+}
 
 run_one() { # name, command...
     local name=$1; shift
     local log=$logdir/$(basename "$name").log
     local t0=$SECONDS
-    if timeout 600 "$@" >"$log" 2>&1; then
+    local rc=0 before=$cases_failed
+    timeout 600 "$@" >"$log" 2>&1 || rc=$?
+    count_cases "$log"
+    # a program that failed without reporting a failed case (crash, timeout) counts as one
+    [ $rc -ne 0 ] && [ $cases_failed -eq $before ] && cases_failed=$((cases_failed + 1))
+    if [ $rc -eq 0 ]; then
         passed=$((passed + 1))
         echo "PASS $name ($((SECONDS - t0)) s)"
     else
@@ -47,5 +75,6 @@ done
 if [ ${#failures[@]} -gt 0 ]; then
     echo "failed: ${failures[*]}"
 fi
-echo "$passed passed, $failed failed"
+echo "test programs: $passed passed, $failed failed"
+echo "$cases_passed passed, $cases_failed failed"
 [ "$failed" -eq 0 ]
