@@ -13,7 +13,9 @@
 
 #include "log.h"
 
-typedef enum { F_U64, F_I64, F_INT, F_FLOAT, F_STR, F_TOKENS } field_kind_t;
+typedef enum { F_U64, F_I64, F_INT, F_FLOAT, F_STR, F_TOKENS, F_U64S } field_kind_t;
+
+#define MAX_U64S 64 /* F_U64S: longest array accepted; elements past the known ones are ignored */
 
 #define T(x) (1ull << (x))
 #define CTL_W (T(PROTO_REGISTER) | T(PROTO_HEARTBEAT))
@@ -22,7 +24,7 @@ typedef struct {
     const char *key;
     field_kind_t kind;
     size_t off;
-    size_t size;           /* F_STR: buffer size */
+    size_t size;           /* F_STR: buffer size; F_U64S: bytes of the uint64_t array */
     int64_t min, max;      /* F_INT / F_I64 range; F_FLOAT uses them as a range too */
     uint64_t required;     /* types that must carry it */
     uint64_t allowed;      /* types that may carry it (required implies allowed) */
@@ -85,9 +87,20 @@ static const field_t fields[] = {
     FLD("cksum", F_U64, checksum, 0, 0, T(PROTO_KV_END), 0),
     FLD("lease_ms", F_INT, lease_ms, 1, 3600000, 0, T(PROTO_KV_BEGIN) | T(PROTO_KV_BEGIN_ACK)),
     FLD("ts", F_I64, ts_us, INT64_MIN, INT64_MAX, 0, ~0ull),
+    FLD("kvx_tx", F_U64S, kvx_tx, 0, 0, 0, T(PROTO_HEARTBEAT)),
+    FLD("kvx_rx", F_U64S, kvx_rx, 0, 0, 0, T(PROTO_HEARTBEAT)),
+    FLD("spec", F_U64S, spec, 0, 0, 0, T(PROTO_HEARTBEAT)),
+    FLD("queue_us", F_I64, queue_us, 0, INT64_MAX, 0, T(PROTO_TOKENS) | T(PROTO_FINISH)),
+    FLD("prefill_us", F_I64, prefill_us, 0, INT64_MAX, 0, T(PROTO_TOKENS) | T(PROTO_FINISH)),
+    FLD("xfer_us", F_I64, xfer_us, 0, INT64_MAX, 0, T(PROTO_TOKENS) | T(PROTO_FINISH)),
+    FLD("xfer_bytes", F_U64, xfer_bytes, 0, 0, 0, T(PROTO_TOKENS) | T(PROTO_FINISH)),
+    FLD("step_us", F_I64, step_us, 0, INT64_MAX, 0, T(PROTO_TOKENS) | T(PROTO_FINISH)),
 };
 #define N_FIELDS (sizeof(fields) / sizeof(fields[0]))
 _Static_assert(sizeof(fields) / sizeof(fields[0]) <= 64, "field bitmask is 64 bits");
+_Static_assert(sizeof(proto_kvx_counters) == 6 * sizeof(uint64_t), "counters are a u64 array");
+_Static_assert(sizeof(proto_spec_counters) == (3 + PROTO_SPEC_MAX_POS) * sizeof(uint64_t),
+               "counters are a u64 array");
 
 static const char *type_names[] = {
     [PROTO_REGISTER] = "REGISTER",   [PROTO_REGISTER_ACK] = "REGISTER_ACK",
@@ -164,6 +177,11 @@ static int field_encoded(const field_t *f, const proto_msg *m, uint64_t bit)
         return p[0] != 0;
     case F_TOKENS:
         return m->n_tokens > 0;
+    case F_U64S:
+        for (size_t k = 0; k < f->size / sizeof(uint64_t); k++)
+            if (((const uint64_t *)p)[k] != 0)
+                return 1;
+        return 0;
     }
     return 0;
 }
@@ -218,6 +236,11 @@ int proto_encode(const proto_msg *m, unsigned char **out, size_t *len)
             rc |= msgpack_pack_array(&pk, (size_t)m->n_tokens);
             for (int k = 0; k < m->n_tokens && rc == 0; k++)
                 rc |= msgpack_pack_int(&pk, m->tokens[k]);
+            break;
+        case F_U64S:
+            rc |= msgpack_pack_array(&pk, f->size / sizeof(uint64_t));
+            for (size_t k = 0; k < f->size / sizeof(uint64_t) && rc == 0; k++)
+                rc |= msgpack_pack_uint64(&pk, ((const uint64_t *)p)[k]);
             break;
         }
     }
@@ -274,8 +297,9 @@ static int decode_field(const field_t *f, const msgpack_object *o, proto_msg *m,
         *(uint64_t *)p = o->via.u64;
         return 0;
     case F_I64:
-        if (obj_int64(o, &iv) < 0)
-            return fail(err, errlen, "field '%s': want an integer", f->key);
+        if (obj_int64(o, &iv) < 0 || iv < f->min || iv > f->max)
+            return fail(err, errlen, "field '%s': want an integer in [%lld, %lld]", f->key,
+                        (long long)f->min, (long long)f->max);
         *(int64_t *)p = iv;
         return 0;
     case F_INT:
@@ -326,8 +350,103 @@ static int decode_field(const field_t *f, const msgpack_object *o, proto_msg *m,
         m->n_tokens = (int)n;
         return 0;
     }
+    case F_U64S: {
+        if (o->type != MSGPACK_OBJECT_ARRAY)
+            return fail(err, errlen, "field '%s': want an array", f->key);
+        uint32_t n = o->via.array.size;
+        size_t known = f->size / sizeof(uint64_t);
+        if (n > MAX_U64S)
+            return fail(err, errlen, "field '%s': %u elements > %d", f->key, n, MAX_U64S);
+        for (uint32_t k = 0; k < n; k++)
+            if (o->via.array.ptr[k].type != MSGPACK_OBJECT_POSITIVE_INTEGER)
+                return fail(err, errlen, "field '%s': element %u is not an unsigned integer",
+                            f->key, k);
+        for (uint32_t k = 0; k < n && k < known; k++)
+            ((uint64_t *)p)[k] = o->via.array.ptr[k].via.u64;
+        return 0;
+    }
     }
     return -1;
+}
+
+static uint64_t be(const uint8_t *p, int n)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+/* Walk the msgpack encoding of buf without allocating and check that it is exactly one
+ * well-formed object whose every container count and string length fits in the bytes
+ * that remain. msgpack-c allocates from the declared counts before it reads the elements,
+ * so a 20-byte header claiming a 2^32-entry map would otherwise cost gigabytes; after
+ * this check every count is bounded by len. Returns 0 or -1. */
+static int mp_check(const uint8_t *p, size_t len)
+{
+    size_t pos = 0;
+    uint64_t need = 1; /* objects still to read */
+    while (need > 0) {
+        if (pos >= len)
+            return -1;
+        uint8_t tag = p[pos++];
+        need--;
+        uint64_t skip = 0, count = 0; /* payload bytes; child objects */
+        int hdr = 0;                  /* bytes of length field after the tag */
+        if (tag <= 0x7f || tag >= 0xe0 || tag == 0xc0 || tag == 0xc2 || tag == 0xc3) {
+            continue;
+        } else if (tag <= 0x8f) {
+            count = 2u * (tag & 0x0f);
+        } else if (tag <= 0x9f) {
+            count = tag & 0x0f;
+        } else if (tag <= 0xbf) {
+            skip = tag & 0x1f;
+        } else {
+            switch (tag) {
+            case 0xc4: case 0xd9: hdr = 1; break;        /* bin8, str8 */
+            case 0xc5: case 0xda: hdr = 2; break;        /* bin16, str16 */
+            case 0xc6: case 0xdb: hdr = 4; break;        /* bin32, str32 */
+            case 0xc7: hdr = 1; skip = 1; break;         /* ext8: len, type */
+            case 0xc8: hdr = 2; skip = 1; break;
+            case 0xc9: hdr = 4; skip = 1; break;
+            case 0xca: skip = 4; break;                  /* float32 */
+            case 0xcb: skip = 8; break;                  /* float64 */
+            case 0xcc: case 0xd0: skip = 1; break;
+            case 0xcd: case 0xd1: skip = 2; break;
+            case 0xce: case 0xd2: skip = 4; break;
+            case 0xcf: case 0xd3: skip = 8; break;
+            case 0xd4: skip = 2; break;                  /* fixext1..16: type + data */
+            case 0xd5: skip = 3; break;
+            case 0xd6: skip = 5; break;
+            case 0xd7: skip = 9; break;
+            case 0xd8: skip = 17; break;
+            case 0xdc: case 0xde: hdr = 2; break;        /* array16, map16 */
+            case 0xdd: case 0xdf: hdr = 4; break;        /* array32, map32 */
+            default: return -1;                          /* 0xc1: never used */
+            }
+            if (hdr) {
+                if (len - pos < (size_t)hdr)
+                    return -1;
+                uint64_t n = be(p + pos, hdr);
+                pos += (size_t)hdr;
+                if (tag == 0xdc || tag == 0xdd)
+                    count = n;
+                else if (tag == 0xde || tag == 0xdf)
+                    count = 2 * n;
+                else
+                    skip += n;
+            }
+        }
+        if (skip > len - pos)
+            return -1;
+        pos += (size_t)skip;
+        if (count > len - pos) /* every element takes at least one byte */
+            return -1;
+        need += count;
+        if (need > len - pos)
+            return -1;
+    }
+    return pos == len ? 0 : -1;
 }
 
 int proto_decode(const void *buf, size_t len, proto_msg *m, char *err, size_t errlen)
@@ -335,6 +454,9 @@ int proto_decode(const void *buf, size_t len, proto_msg *m, char *err, size_t er
     memset(m, 0, sizeof(*m));
     if (len == 0 || len > PROTO_MAX_HEADER)
         return fail(err, errlen, "header size %zu out of range", len);
+    if (mp_check(buf, len) < 0)
+        return fail(err, errlen, "header is not one well-formed msgpack object "
+                                 "(truncated, trailing bytes, or counts beyond its size)");
     msgpack_unpacked up;
     msgpack_unpacked_init(&up);
     size_t off = 0;

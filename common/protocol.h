@@ -84,6 +84,31 @@ typedef enum {
 
 typedef enum { PROTO_DTYPE_F32 = 0, PROTO_DTYPE_F16 = 1 } proto_dtype_t;
 
+/* KV-transfer counters of one side of a worker since it started: HEARTBEAT "kvx_tx" (the
+ * sending side) and "kvx_rx" (the receiving side). On the wire: an array of unsigned
+ * integers in member order (a longer array from a newer peer is read up to what is known).
+ * Durations are measured on the reporting worker's own monotonic clock. */
+typedef struct {
+    uint64_t n_ok;       /* transfers completed (the receiver accepted the KV) */
+    uint64_t n_bytes;    /* KV payload bytes of the completed transfers */
+    uint64_t total_us;   /* sum of their durations (begin -> accepted), microseconds */
+    uint64_t n_rejected; /* KV_BEGIN refused (no space, layout mismatch, not accepting) */
+    uint64_t n_timeouts; /* lease expired */
+    uint64_t n_aborted;  /* any other failure: abort, NACK, cancel, connection reset */
+} proto_kvx_counters;
+
+#define PROTO_SPEC_MAX_POS 2 /* draft positions counted (MTP depth) */
+
+/* Speculative-decoding counters of a decode worker since it started (HEARTBEAT "spec";
+ * the same wire form as proto_kvx_counters). vLLM's definitions: a draft is one
+ * draft-and-verify step of one sequence; mean acceptance length = 1 + accepted / drafts. */
+typedef struct {
+    uint64_t n_drafts;                             /* draft-and-verify steps */
+    uint64_t n_draft_tokens;                       /* tokens drafted */
+    uint64_t n_accepted_tokens;                    /* drafted tokens accepted */
+    uint64_t accepted_per_pos[PROTO_SPEC_MAX_POS]; /* accepted at draft position i */
+} proto_spec_counters;
+
 /* One message. Which fields are meaningful depends on type; see the table in protocol.c
  * (and docs/protocol.md). tokens is owned by the struct after proto_decode/proto_recv
  * (free with proto_msg_clear); for sending it is borrowed. */
@@ -104,6 +129,8 @@ typedef struct {
     int kv_blocks_total, kv_blocks_free;
     int running, queued, queued_prompt_tokens;
     uint64_t tokens_in, tokens_out;      /* counters since start */
+    proto_kvx_counters kvx_tx, kvx_rx;   /* HEARTBEAT, optional: KV transfers sent / received */
+    proto_spec_counters spec;            /* HEARTBEAT, optional: speculative decoding */
     int heartbeat_ms;                    /* REGISTER_ACK */
 
     /* request (PREFILL, TOKENS, KV_BEGIN) */
@@ -134,6 +161,15 @@ typedef struct {
     uint64_t checksum;                   /* KV_END: XXH64 of all payload frames in order */
     int lease_ms;                        /* KV_BEGIN: receiver's lease */
     int64_t ts_us;                       /* sender's clock, microseconds (timing) */
+
+    /* request timing (TOKENS, FINISH; optional, 0 = not reported): durations in
+     * microseconds, each measured on the reporting worker's own clock, so they never
+     * depend on clock offsets between hosts */
+    int64_t queue_us;   /* prefill side: PREFILL received -> its batch started */
+    int64_t prefill_us; /* prefill side: batch started -> first token sampled */
+    int64_t xfer_us;    /* decode side: KV_BEGIN received -> transfer accepted */
+    uint64_t xfer_bytes;/* decode side: KV payload bytes received */
+    int64_t step_us;    /* decode side: sequence ready -> first decode step's token */
 } proto_msg;
 
 /* Zero the message (no allocation). */

@@ -60,6 +60,14 @@ static void fill(proto_msg *m, proto_type_t t)
     m->checksum = 0x1234567890abcdefull;
     m->lease_ms = 5000;
     m->ts_us = -5;
+    m->kvx_tx = (proto_kvx_counters){1, 2, 3, 4, 5, 6};
+    m->kvx_rx = (proto_kvx_counters){7, 8, UINT64_MAX, 0, 0, 9};
+    m->spec = (proto_spec_counters){10, 20, 15, {9, 6}};
+    m->queue_us = 11;
+    m->prefill_us = 1234567;
+    m->xfer_us = 3000000000ll;
+    m->xfer_bytes = 1ull << 33;
+    m->step_us = 13;
 }
 
 /* Every type encodes and decodes to the fields it carries, bit for bit. */
@@ -99,6 +107,20 @@ static void test_roundtrip_all_types(void **state)
             assert_true(out.temperature == 0.75f);
             assert_true(out.top_p == 0.9f);
             assert_string_equal(out.decode_endpoint, "ipc:///tmp/kv");
+        }
+        if (t == PROTO_HEARTBEAT) {
+            assert_memory_equal(&out.kvx_tx, &in.kvx_tx, sizeof(in.kvx_tx));
+            assert_memory_equal(&out.kvx_rx, &in.kvx_rx, sizeof(in.kvx_rx));
+            assert_memory_equal(&out.spec, &in.spec, sizeof(in.spec));
+        } else {
+            assert_true(out.kvx_tx.n_ok == 0 && out.spec.n_drafts == 0);
+        }
+        if (t == PROTO_TOKENS || t == PROTO_FINISH) {
+            assert_true(out.queue_us == 11 && out.prefill_us == 1234567);
+            assert_true(out.xfer_us == 3000000000ll && out.xfer_bytes == 1ull << 33);
+            assert_true(out.step_us == 13);
+        } else {
+            assert_true(out.queue_us == 0 && out.xfer_bytes == 0);
         }
         assert_int_equal(out.ts_us, -5);
         free(buf);
@@ -245,6 +267,11 @@ static void test_truncated_and_garbage(void **state)
     longer[len] = 0xc0;
     assert_int_equal(proto_decode(longer, len + 1, &out, err, sizeof(err)), -1);
     assert_non_null(strstr(err, "trailing"));
+    /* a map that claims 2^32-1 entries in a few bytes: rejected before any allocation */
+    static const unsigned char huge[] = {0xdf, 0xff, 0xff, 0xff, 0xff, 0xa1, 't', 0x01};
+    assert_int_equal(proto_decode(huge, sizeof(huge), &out, err, sizeof(err)), -1);
+    static const unsigned char huge_str[] = {0x81, 0xdb, 0x7f, 0xff, 0xff, 0xff, 'x'};
+    assert_int_equal(proto_decode(huge_str, sizeof(huge_str), &out, err, sizeof(err)), -1);
     /* random flips: decode or reject, never crash (ASan run checks memory) */
     srand(7);
     for (int it = 0; it < 2000; it++) {
@@ -369,6 +396,97 @@ static void test_send_recv_frames(void **state)
     zmq_ctx_term(ctx);
 }
 
+/* Counter arrays (kvx_tx, kvx_rx, spec): a shorter array leaves the rest zero, a longer
+ * one (a newer peer) is read up to the known counters; non-integers and negative values
+ * are refused, as are negative durations. Unset counters are not on the wire. */
+static int decode_heartbeat_with(const char *key, int n, int64_t bad_at, char *err, size_t errlen,
+                                 proto_msg *out)
+{
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    proto_msg m;
+    fill(&m, PROTO_HEARTBEAT);
+    memset(&m.kvx_tx, 0, sizeof(m.kvx_tx));
+    memset(&m.kvx_rx, 0, sizeof(m.kvx_rx));
+    memset(&m.spec, 0, sizeof(m.spec));
+    unsigned char *buf;
+    size_t len;
+    assert_int_equal(proto_encode(&m, &buf, &len), 0);
+    /* re-pack: the encoded map plus one more key (rewrite the map header count) */
+    msgpack_unpacked up;
+    msgpack_unpacked_init(&up);
+    size_t off = 0;
+    assert_int_equal(msgpack_unpack_next(&up, (const char *)buf, len, &off),
+                     MSGPACK_UNPACK_SUCCESS);
+    const msgpack_object_map *map = &up.data.via.map;
+    for (uint32_t i = 0; i < map->size; i++)
+        assert_false(map->ptr[i].key.via.str.size == strlen(key) &&
+                     memcmp(map->ptr[i].key.via.str.ptr, key, strlen(key)) == 0);
+    msgpack_pack_map(&pk, map->size + 1);
+    for (uint32_t i = 0; i < map->size; i++) {
+        msgpack_pack_object(&pk, map->ptr[i].key);
+        msgpack_pack_object(&pk, map->ptr[i].val);
+    }
+    kv(&pk, key);
+    msgpack_pack_array(&pk, (size_t)n);
+    for (int k = 0; k < n; k++) {
+        if (k == bad_at)
+            msgpack_pack_int(&pk, -1);
+        else
+            msgpack_pack_uint64(&pk, (uint64_t)(100 + k));
+    }
+    msgpack_unpacked_destroy(&up);
+    free(buf);
+    int rc = proto_decode(sb.data, sb.size, out, err, errlen);
+    msgpack_sbuffer_destroy(&sb);
+    return rc;
+}
+
+static void test_counter_arrays(void **state)
+{
+    (void)state;
+    char err[128];
+    proto_msg out;
+    assert_int_equal(decode_heartbeat_with("kvx_tx", 3, -1, err, sizeof(err), &out), 0);
+    assert_true(out.kvx_tx.n_ok == 100 && out.kvx_tx.n_bytes == 101);
+    assert_true(out.kvx_tx.total_us == 102 && out.kvx_tx.n_rejected == 0);
+    assert_true(out.kvx_tx.n_aborted == 0 && out.kvx_rx.n_ok == 0);
+    proto_msg_clear(&out);
+    assert_int_equal(decode_heartbeat_with("spec", 9, -1, err, sizeof(err), &out), 0);
+    assert_true(out.spec.n_drafts == 100 && out.spec.accepted_per_pos[1] == 104);
+    proto_msg_clear(&out);
+    assert_int_equal(decode_heartbeat_with("kvx_rx", 6, 2, err, sizeof(err), &out), -1);
+    assert_non_null(strstr(err, "kvx_rx"));
+    assert_int_equal(decode_heartbeat_with("kvx_rx", 65, -1, err, sizeof(err), &out), -1);
+    assert_int_equal(decode_heartbeat_with("kvx_rx", 0, -1, err, sizeof(err), &out), 0);
+    proto_msg_clear(&out);
+
+    /* a negative duration is refused */
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 4);
+    kv(&pk, "t"); msgpack_pack_int(&pk, PROTO_FINISH);
+    kv(&pk, "v"); msgpack_pack_int(&pk, PROTO_VERSION);
+    kv(&pk, "rid"); msgpack_pack_int(&pk, 1);
+    kv(&pk, "reason"); msgpack_pack_int(&pk, 1);
+    assert_int_equal(proto_decode(sb.data, sb.size, &out, err, sizeof(err)), 0);
+    proto_msg_clear(&out);
+    msgpack_sbuffer_clear(&sb);
+    msgpack_pack_map(&pk, 5);
+    kv(&pk, "t"); msgpack_pack_int(&pk, PROTO_FINISH);
+    kv(&pk, "v"); msgpack_pack_int(&pk, PROTO_VERSION);
+    kv(&pk, "rid"); msgpack_pack_int(&pk, 1);
+    kv(&pk, "reason"); msgpack_pack_int(&pk, 1);
+    kv(&pk, "prefill_us"); msgpack_pack_int(&pk, -3);
+    assert_int_equal(proto_decode(sb.data, sb.size, &out, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "prefill_us"));
+    msgpack_sbuffer_destroy(&sb);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -379,6 +497,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_send_recv_frames),
         cmocka_unit_test(test_optional_fields_unset),
         cmocka_unit_test(test_send_dontwait_no_peer),
+        cmocka_unit_test(test_counter_arrays),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);
