@@ -52,8 +52,14 @@ class Launcher(unittest.TestCase):
                              capture_output=True, text=True).stdout.split()
         return [int(p) for p in out]
 
-    def kill_during_request(self, name):
+    def kill_during_request(self, name, freeze_first=False):
+        """SIGKILL worker `name` while a request is on it. freeze_first: SIGSTOP it before
+        the request is sent, so that the request is certainly held by it (queued in its
+        socket, not yet prefilled) when it dies."""
         result = {}
+        if freeze_first:
+            for p in self.worker_pids(name):
+                os.kill(p, signal.SIGSTOP)
 
         def run():
             try:
@@ -91,6 +97,9 @@ class Launcher(unittest.TestCase):
         self.kill_during_request("decode-0")
 
     def test_kill_prefill_worker(self):
+        self.kill_during_request("prefill-0", freeze_first=True)
+
+    def test_kill_prefill_worker_while_idle_then_serve(self):
         self.kill_during_request("prefill-0")
 
 
