@@ -33,6 +33,9 @@ typedef struct worker {
     char kvep[PROTO_ENDPOINT_LEN];
     int n_ctx, block_size, max_seqs;
     int kv_total, kv_free, running, queued, qtok; /* last heartbeat */
+    uint64_t tok_in, tok_out;                     /* last heartbeat: counters */
+    proto_kvx_counters kvx_tx, kvx_rx;
+    proto_spec_counters spec;
     int64_t last_seen_us;
     int dead;           /* flagged; reaped by the next sweep or dispatch */
     char why[160];      /* why it was flagged dead */
@@ -60,6 +63,7 @@ typedef struct req {
     int retries;
     int64_t since_us; /* queued since, or last progress while assigned */
     int queued;       /* on the queue (else on the active list) */
+    cluster_req_timing *timing; /* the owner's, optional */
 } req_t;
 
 typedef struct {
@@ -79,6 +83,8 @@ struct cluster {
     req_t *buckets[N_BUCKETS];
     rlist_t queue, active;
     uint64_t next_rid;
+    void (*observer)(const cluster_event *ev, void *ud);
+    void *observer_ud;
 };
 
 // --- small helpers
@@ -164,6 +170,20 @@ static worker_t *worker_find(cluster_t *c, const void *id, size_t len)
         if (w->id_len == len && memcmp(w->id, id, len) == 0)
             return w;
     return NULL;
+}
+
+static void notify(cluster_t *c, cluster_event_type_t type, const worker_t *w, uint64_t rid,
+                   const char *reason)
+{
+    if (!c->observer)
+        return;
+    cluster_event ev = {.type = type,
+                        .worker = w ? w->id : "",
+                        .role = w ? w->role : 0,
+                        .state = w ? w->state : 0,
+                        .rid = rid,
+                        .reason = reason ? reason : ""};
+    c->observer(&ev, c->observer_ud);
 }
 
 static void schedule_dispatch(cluster_t *c)
@@ -277,6 +297,7 @@ static void req_retry(cluster_t *c, req_t *r, int counts, const char *why)
     }
     log_rinfo(r->rid, "retrying (attempt %d) from %d prompt + %d generated tokens: %s",
               r->retries + 1, r->n_prompt, r->n_gen, why);
+    notify(c, CLUSTER_EV_REQUEST_RETRY, NULL, r->rid, why);
     req_detach(c, r, 1);
     list_remove(&c->active, r);
     r->queued = 1;
@@ -303,6 +324,7 @@ static void worker_remove(cluster_t *c, worker_t *w, const char *why)
     LOG_AT(w->dead ? LOG_LEVEL_WARN : LOG_LEVEL_INFO, 0, "worker %s (%s, pid %d) removed: %s",
            w->id, role_str(w->role), w->pid, reason);
     w->dead = 1; /* out of routing while its requests move */
+    notify(c, CLUSTER_EV_WORKER_DOWN, w, 0, reason);
     worker_fail_requests(c, w, reason);
     for (worker_t **pp = &c->workers; *pp; pp = &(*pp)->next) {
         if (*pp == w) {
@@ -330,10 +352,15 @@ static int usable(const worker_t *w)
     return !w->dead && w->state == PROTO_STATE_READY;
 }
 
+/* KV blocks decode worker d reserves for r: the worst case, prompt + max_tokens - 1
+ * tokens capped at the context, exactly as the worker reserves it (kvtransfer). */
 static int blocks_needed(const req_t *r, const worker_t *d)
 {
     int bs = d->block_size > 0 ? d->block_size : 16;
-    return (r->n_prompt + r->n_gen + 1 + bs - 1) / bs;
+    int tokens = r->n_prompt + r->max_tokens - 1;
+    if (d->n_ctx > 0 && tokens > d->n_ctx)
+        tokens = d->n_ctx;
+    return (tokens + bs - 1) / bs;
 }
 
 /* Choose (prefill, decode) for r: the decode/mixed worker must have room (KV blocks free
@@ -341,12 +368,18 @@ static int blocks_needed(const req_t *r, const worker_t *d)
  * prefill workers that can feed it (pure prefill workers, or the mixed worker itself),
  * the one with the least queued prompt tokens wins; ties go to the decode worker with
  * the most free blocks. Returns 0 or -1 (nothing fits now). */
-static int pick(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw)
+static int pick(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw, int *never)
 {
     long best_load = -1, best_free = -1;
     int total = r->n_prompt + r->n_gen;
+    int n_decoders = 0, n_could_fit = 0;
     for (worker_t *d = c->workers; d; d = d->next) {
-        if (!usable(d) || d->full || (d->role != PROTO_ROLE_DECODE && d->role != PROTO_ROLE_MIXED))
+        if (!usable(d) || (d->role != PROTO_ROLE_DECODE && d->role != PROTO_ROLE_MIXED))
+            continue;
+        n_decoders++;
+        if (d->kv_total >= blocks_needed(r, d))
+            n_could_fit++;
+        if (d->full)
             continue;
         if (d->n_ctx > 0 && total >= d->n_ctx)
             continue;
@@ -374,17 +407,20 @@ static int pick(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw)
             }
         }
     }
+    /* no decode worker could ever hold it, even empty: waiting would never end */
+    *never = n_decoders > 0 && n_could_fit == 0;
     return best_load < 0 ? -1 : 0;
 }
 
 /* Try to start an attempt for queued request r. Returns 1 when assigned, 0 when nothing
- * fits, -1 when the PREFILL could not be sent (the worker is flagged dead; r stays
- * queued). */
+ * fits now, -1 when the PREFILL could not be sent (the worker is flagged dead; r stays
+ * queued), -2 when r needs more KV blocks than any decode worker has in total. */
 static int try_assign(cluster_t *c, req_t *r)
 {
     worker_t *pw, *dw;
-    if (pick(c, r, &pw, &dw) < 0)
-        return 0;
+    int never = 0;
+    if (pick(c, r, &pw, &dw, &never) < 0)
+        return never ? -2 : 0;
     proto_msg m;
     proto_msg_init(&m, PROTO_PREFILL);
     m.rid = r->rid;
@@ -416,6 +452,13 @@ static int try_assign(cluster_t *c, req_t *r)
     if (dw != pw)
         dw->n_assigned++;
     r->since_us = proto_now_us();
+    if (r->timing) {
+        if (!r->timing->dispatch_us)
+            r->timing->dispatch_us = r->since_us;
+        r->timing->attempts++;
+        snprintf(r->timing->prefill_worker, sizeof(r->timing->prefill_worker), "%s", pw->id);
+        snprintf(r->timing->decode_worker, sizeof(r->timing->decode_worker), "%s", dw->id);
+    }
     log_rdebug(r->rid, "assigned: prefill %s, decode %s (%d tokens, max_tokens %d)", pw->id, dw->id,
                m.n_tokens, m.max_tokens);
     return 1;
@@ -429,6 +472,24 @@ static void dispatch(cluster_t *c)
     for (req_t *r = c->queue.head; r && misses < DISPATCH_SCAN_MAX; r = next) {
         next = r->next;
         int rc = try_assign(c, r);
+        if (rc == -2) {
+            char msg[256];
+            int most = 0, bs = 16;
+            for (const worker_t *d = c->workers; d; d = d->next)
+                if (usable(d) && (d->role == PROTO_ROLE_DECODE || d->role == PROTO_ROLE_MIXED) &&
+                    d->kv_total > most) {
+                    most = d->kv_total;
+                    bs = d->block_size > 0 ? d->block_size : 16;
+                }
+            snprintf(msg, sizeof(msg),
+                     "This request needs KV cache for %d tokens (prompt %d + max_tokens %d - 1), "
+                     "but the largest decode worker holds %d tokens (%d blocks of %d). Lower "
+                     "max_tokens or the prompt length.",
+                     r->n_prompt + r->max_tokens - 1, r->n_prompt, r->max_tokens, most * bs, most,
+                     bs);
+            req_end_error(c, r, 400, "invalid_request_error", "kv_cache_capacity_exceeded", msg);
+            continue;
+        }
         if (rc < 0) { /* a worker just died: its requests move; start over */
             reap_dead(c);
             next = c->queue.head;
@@ -462,6 +523,7 @@ static void handle_register(cluster_t *c, const proto_msg *m, const unsigned cha
         return;
     }
     worker_t *w = worker_find(c, id, id_len);
+    int old_role = w ? w->role : 0, old_pid = w ? w->pid : 0;
     if (w && (w->pid != m->pid || w->role != m->role)) {
         /* a new incarnation (restart or role change): what the old one had is lost */
         worker_fail_requests(c, w, "worker re-registered");
@@ -495,6 +557,13 @@ static void handle_register(cluster_t *c, const proto_msg *m, const unsigned cha
              w->id, is_new ? "registered" : "re-registered", role_str(w->role), w->pid,
              w->kvep[0] ? w->kvep : "-", w->n_ctx, w->kv_free, w->kv_total, w->block_size,
              w->max_seqs);
+    if (is_new || (old_role == w->role && old_pid != w->pid)) {
+        notify(c, CLUSTER_EV_WORKER_UP, w, 0, is_new ? "registered" : "restarted");
+    } else if (old_role != w->role && c->observer) {
+        cluster_event ev = {.type = CLUSTER_EV_WORKER_ROLE, .worker = w->id, .role = w->role,
+                            .old_role = old_role, .state = w->state, .reason = "re-registered"};
+        c->observer(&ev, c->observer_ud);
+    }
     proto_msg ack;
     proto_msg_init(&ack, PROTO_REGISTER_ACK);
     ack.heartbeat_ms = c->p.heartbeat_ms;
@@ -520,10 +589,19 @@ static void handle_heartbeat(cluster_t *c, worker_t *w, const proto_msg *m, cons
         send_bye(c, id, id_len, m->worker_id);
         return;
     }
-    if (w->state != m->state)
+    int changed = w->state != m->state;
+    if (changed)
         log_info("worker %s is now %s", w->id,
                  m->state == PROTO_STATE_DRAINING ? "draining" : "ready");
     w->state = m->state;
+    if (changed)
+        notify(c, CLUSTER_EV_WORKER_STATE, w, 0,
+               m->state == PROTO_STATE_DRAINING ? "draining" : "ready");
+    w->tok_in = m->tokens_in;
+    w->tok_out = m->tokens_out;
+    w->kvx_tx = m->kvx_tx;
+    w->kvx_rx = m->kvx_rx;
+    w->spec = m->spec;
     w->running = m->running;
     w->queued = m->queued;
     w->qtok = m->queued_prompt_tokens;
@@ -540,6 +618,22 @@ static req_t *attempt_of(cluster_t *c, uint64_t rid, worker_t *w)
     if (!r || r->queued || !w || (r->pw != w && r->dw != w))
         return NULL;
     return r;
+}
+
+/* Keep the durations a worker of the current attempt reported (TOKENS, FINISH). */
+static void note_timing(req_t *r, const worker_t *w, const proto_msg *m)
+{
+    cluster_req_timing *t = r->timing;
+    if (!t)
+        return;
+    if (w == r->pw && (m->queue_us || m->prefill_us)) {
+        t->worker_queue_us = m->queue_us;
+        t->prefill_us = m->prefill_us;
+    }
+    if (w == r->dw && (m->xfer_us || m->xfer_bytes))
+        t->xfer_us = m->xfer_us, t->xfer_bytes = m->xfer_bytes;
+    if (w == r->dw && m->step_us)
+        t->step_us = m->step_us;
 }
 
 static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
@@ -559,6 +653,7 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
         w->pending_blocks -= r->d_blocks;
     }
     r->since_us = proto_now_us();
+    note_timing(r, w, m);
     long start = (long)r->base + m->index;
     if (start > r->n_gen) {
         log_rwarn(r->rid, "TOKENS from %s start at %ld but only %d are known: ignored", w->id,
@@ -589,6 +684,7 @@ static void handle_finish(cluster_t *c, worker_t *w, const proto_msg *m)
     req_t *r = attempt_of(c, m->rid, w);
     if (!r)
         return;
+    note_timing(r, w, m);
     /* A FINISH from the prefill worker (e.g. EOS as the first token) means the decode
      * worker, if another one, must not go on. */
     req_end_finish(c, r, m->reason, w != r->dw);
@@ -807,6 +903,11 @@ cluster_status_t cluster_submit(cluster_t *c, const cluster_job *job, void *ud, 
     r->rng = job->rng;
     r->queued = 1;
     r->since_us = proto_now_us();
+    r->timing = job->timing;
+    if (r->timing) {
+        memset(r->timing, 0, sizeof(*r->timing));
+        r->timing->admit_us = r->since_us;
+    }
     r->hnext = *bucket(c, r->rid);
     *bucket(c, r->rid) = r;
     list_push(&c->queue, r, 0);
@@ -869,6 +970,9 @@ void cluster_foreach_worker(const cluster_t *c,
             .running = w->running, .queued = w->queued, .queued_prompt_tokens = w->qtok,
             .n_assigned = w->n_assigned,
             .last_seen_ms_ago = (double)(now - w->last_seen_us) / 1000.0,
+            .n_ctx = w->n_ctx, .block_size = w->block_size, .max_seqs = w->max_seqs,
+            .tokens_in = w->tok_in, .tokens_out = w->tok_out,
+            .kvx_tx = w->kvx_tx, .kvx_rx = w->kvx_rx, .spec = w->spec,
         };
         fn(&info, ud);
     }
@@ -887,6 +991,12 @@ int cluster_ready(const cluster_t *c, char *reason, size_t cap)
     else
         snprintf(reason, cap, "no decode worker (%d prefill)", st.n_prefill);
     return 0;
+}
+
+void cluster_set_observer(cluster_t *c, void (*fn)(const cluster_event *ev, void *ud), void *ud)
+{
+    c->observer = fn;
+    c->observer_ud = ud;
 }
 
 int cluster_retry_after_s(const cluster_t *c)
