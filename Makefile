@@ -55,6 +55,8 @@ BENCHES  := $(BENCH_SRC:tests/bench/%.c=$(BUILD)/tests/%)
 BINS := $(PROGS:%=$(BUILD)/bin/%) $(TOOLS)
 
 .PHONY: all test unit integration bench clean model
+# keep object files of pattern-rule chains (tools, tests)
+.SECONDARY:
 all: $(BINS) $(TESTS) model
 
 # Rebuild everything when the flags change.
