@@ -1,23 +1,41 @@
 /*
  * model: see model.h.
  *
- * Numerics follow llama2.c's run.c (karpathy/llama2.c 350e04fe) operation for operation:
- * rmsnorm with float accumulation, matmul as one float dot product per output row with j
- * ascending, RoPE on adjacent pairs (i, i+1) of each head with freq = 1 / theta^(i/hs)
- * computed by powf/cosf/sinf as run.c does, softmax with max subtraction, SwiGLU, tied or
- * separate classifier. Batching never changes the arithmetic of a token: every kernel
- * computes each token's row independently, in the same order, so logits are bit-identical
- * whatever the batch composition or chunking (batch invariance). Weights are walked once
- * per layer for all tokens of the call (row i of W is applied to every token before row
- * i + 1), which is what makes prefill and multi-token verify cheap.
+ * Numerics: with the EXACT kernels (the default for all-F32 models) every step follows
+ * llama2.c's run.c (karpathy/llama2.c 350e04fe) operation for operation: rmsnorm with
+ * float accumulation, matmul as one float dot product per output row with j ascending,
+ * RoPE on adjacent pairs (i, i+1) of each head with freq = 1 / theta^(i/hs) computed by
+ * powf/cosf/sinf as run.c does, softmax with max subtraction, SwiGLU, tied or separate
+ * classifier. The FAST kernels change only the order inside a dot product (matrix rows
+ * and attention scores; kernels.h); the Q8_0 kernels also quantize the activations per
+ * block of 32. The attention values are summed in run.c's order with either.
  *
- * Weights are F32 or F16 (converted to float one row at a time into a scratch row, which
- * gives exactly the products run.c would compute on the F32 values of those halves).
- * Weight layout is the GGUF/ggml one: a matrix W (out, in) is row-major, ne = {in, out}.
+ * Batching never changes the arithmetic of a token: every kernel computes each token's
+ * row independently, in the same order, so logits are bit-identical whatever the batch
+ * composition or chunking (batch invariance). Weights are walked once per layer for all
+ * tokens of the call (a block of rows of W is applied to every token before the next
+ * block), which is what makes prefill and multi-token verify cheap.
+ *
+ * Threads: each matrix product is cut into chunks of output rows taken from an atomic
+ * counter by the context's threads (a row is computed whole by one thread), so the
+ * result does not depend on the thread count. The steps of a layer are fused to save
+ * passes and thread hand-offs: Q, K and V in one job whose chunks apply RoPE to their own
+ * rows and write K/V straight into the paged cache; gate and up projections in one job
+ * whose chunks apply SwiGLU to their rows; the output and down projections add into the
+ * residual stream in the chunk; the input of each product is prepared in one pass per
+ * token (rmsnorm, Q8 quantization, AVX-512 pair packing). Attention runs over (token, KV
+ * head) pairs in parallel, the query heads of a KV head together so each K/V row is read
+ * once for all of them. Small steps (stories260K-sized) run on the calling thread: waking
+ * a thread costs more than they do.
+ *
+ * Weights are F32, F16 or Q8_0 (any mix); the token embedding row is converted to float
+ * on lookup. Weight layout is the GGUF/ggml one: a matrix W (out, in) is row-major,
+ * ne = {in, out}.
  */
 #include "model.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,12 +43,11 @@
 #include <xxhash.h>
 
 #include "gguf.h"
+#include "kernels.h"
 #include "log.h"
+#include "threadpool.h"
 
-typedef struct {
-    const void *data; /* (rows, cols) row-major */
-    gguf_tensor_type type;
-} wmat;
+typedef kern_mat wmat;
 
 typedef struct {
     const float *attn_norm; /* (dim,) */
@@ -49,20 +66,32 @@ struct model {
     layer_weights *layers;
     const float *out_norm; /* (dim,) */
     wmat output;           /* (vocab, dim); the embedding when tied */
+    int all_f32;           /* every matrix is F32 (AUTO picks the EXACT kernels) */
+    uint64_t matmul_bytes; /* see model_matmul_bytes() */
 };
 
 struct model_ctx {
     const model_t *m;
     int max_tokens;
+    int n_threads;
+    threadpool_t *pool;
+    kern_isa isa;
+    kern_order order;
+    char kernel_name[32];
     float *x, *xb, *xb2, *q; /* (max_tokens, dim) */
-    float *k, *v;            /* (max_tokens, kv_dim) */
     float *hb, *hb2;         /* (max_tokens, hidden_dim) */
-    float *att;              /* (n_ctx,) attention scores of one head */
-    float *rope;             /* (max_tokens, head_dim): cos, sin per pair */
-    float *row;              /* (max(dim, hidden_dim),) converted F16 weight row */
-    int *tok_item;           /* (max_tokens,) batch item of each token */
-    int *tok_pos;            /* (max_tokens,) position of each token */
-    float **out_dst;         /* (max_tokens,) logits destination of each output row */
+    float *q_d;              /* (max_tokens, max(dim, hidden_dim) / 32) Q8 activation scales */
+    int8_t *q_s;             /* (max_tokens, max(dim, hidden_dim)) Q8 activation values */
+    float *att;              /* (n_threads, att_len) attention scores of one thread */
+    size_t att_len;          /* kv_mul * n_ctx: scores of the query heads of one KV head */
+    float *scratch;          /* (n_threads, scratch_len) kernel scratch */
+    size_t scratch_len;
+    float *rope;     /* (max_tokens, head_dim): cos, sin per pair */
+    void *pack;      /* kern_pack_bytes(max_tokens, max(dim, hidden_dim)), AVX-512 */
+    int *tok_item;   /* (max_tokens,) batch item of each token */
+    int *tok_pos;    /* (max_tokens,) position of each token */
+    float **out_dst; /* (max_tokens,) logits destination of each output row */
+    float **p_q, **p_k, **p_v, **p_xb, **p_xb2, **p_hb, **p_hb2; /* (max_tokens,) row ptrs */
 };
 
 /* ------------------------------------------------------------------------------------- */
@@ -84,7 +113,7 @@ __attribute__((format(printf, 4, 5))) static void set_err(char *err, size_t errl
 
 /* Find a tensor and check its shape {ne0, ne1} (ne1 = 0 for a vector) and type. */
 static const gguf_tensor_info *get_tensor(const gguf_t *g, const char *name, uint64_t ne0,
-                                          uint64_t ne1, int allow_f16, char *err, size_t errlen)
+                                          uint64_t ne1, int allow_quant, char *err, size_t errlen)
 {
     const gguf_tensor_info *t = gguf_find_tensor(g, name);
     const char *path = gguf_path(g);
@@ -100,7 +129,8 @@ static const gguf_tensor_info *get_tensor(const gguf_t *g, const char *name, uin
                 (unsigned long long)ne0, (unsigned long long)(ne1 ? ne1 : 1));
         return NULL;
     }
-    if (!(t->type == GGUF_TENSOR_F32 || (allow_f16 && t->type == GGUF_TENSOR_F16))) {
+    if (!(t->type == GGUF_TENSOR_F32 ||
+          (allow_quant && (t->type == GGUF_TENSOR_F16 || t->type == GGUF_TENSOR_Q8_0)))) {
         set_err(err, errlen, path, "tensor %s has unsupported type %s", name,
                 gguf_tensor_type_name(t->type));
         return NULL;
@@ -120,7 +150,14 @@ static int get_mat(const gguf_t *g, const char *name, uint64_t cols, uint64_t ro
         return -1;
     out->data = t->data;
     out->type = t->type;
+    out->rows = (int)rows;
+    out->cols = (int)cols;
     return 0;
+}
+
+static uint64_t mat_bytes(const wmat *w)
+{
+    return gguf_tensor_nbytes(w->type, (uint64_t)w->rows * (uint64_t)w->cols);
 }
 
 static int get_vec(const gguf_t *g, const char *name, uint64_t n, const float **out, char *err,
@@ -289,6 +326,16 @@ model_t *model_load(const char *path, char *err, size_t errlen)
     } else {
         m->output = m->tok_embd;
     }
+    m->all_f32 = m->output.type == GGUF_TENSOR_F32;
+    m->matmul_bytes = mat_bytes(&m->output);
+    for (int l = 0; l < c->n_layer; l++) {
+        const layer_weights *lw = &m->layers[l];
+        const wmat *ws[7] = {&lw->wq, &lw->wk, &lw->wv, &lw->wo, &lw->w1, &lw->w2, &lw->w3};
+        for (int i = 0; i < 7; i++) {
+            m->all_f32 &= ws[i]->type == GGUF_TENSOR_F32;
+            m->matmul_bytes += mat_bytes(ws[i]);
+        }
+    }
     c->fingerprint = fingerprint(m);
     return m;
 fail:
@@ -312,41 +359,99 @@ const model_config *model_get_config(const model_t *m)
     return &m->cfg;
 }
 
+uint64_t model_matmul_bytes(const model_t *m)
+{
+    return m->matmul_bytes;
+}
+
 /* ------------------------------------------------------------------------------------- */
 /* context */
 
+_Static_assert((int)MODEL_ISA_SCALAR == (int)KERN_ISA_SCALAR + 1 &&
+                   (int)MODEL_ISA_AVX2 == (int)KERN_ISA_AVX2 + 1 &&
+                   (int)MODEL_ISA_AVX512 == (int)KERN_ISA_AVX512 + 1,
+               "model_isa mirrors kern_isa");
+
+model_ctx_params model_ctx_default_params(void)
+{
+    model_ctx_params p = {.max_tokens = 512, .n_threads = 0, .kernel = MODEL_KERNEL_AUTO};
+    return p;
+}
+
 model_ctx_t *model_ctx_new(const model_t *m, int max_tokens)
 {
-    if (!m || max_tokens < 1)
+    model_ctx_params p = model_ctx_default_params();
+    p.max_tokens = max_tokens;
+    return model_ctx_new_params(m, &p);
+}
+
+model_ctx_t *model_ctx_new_params(const model_t *m, const model_ctx_params *p)
+{
+    if (!m || !p || p->max_tokens < 1 || p->n_threads < 0 || p->n_threads > 1024 ||
+        p->kernel < MODEL_KERNEL_AUTO || p->kernel > MODEL_KERNEL_FAST ||
+        p->max_isa < MODEL_ISA_AUTO || p->max_isa > MODEL_ISA_AVX512)
         return NULL;
     const model_config *c = &m->cfg;
     model_ctx_t *ctx = calloc(1, sizeof(*ctx));
     if (!ctx)
         return NULL;
-    size_t T = (size_t)max_tokens;
-    size_t kv_dim = (size_t)c->n_kv_head * (size_t)c->head_dim;
-    int rowlen = c->dim > c->hidden_dim ? c->dim : c->hidden_dim;
+    size_t T = (size_t)p->max_tokens;
+    int wide = c->dim > c->hidden_dim ? c->dim : c->hidden_dim;
     ctx->m = m;
-    ctx->max_tokens = max_tokens;
+    ctx->max_tokens = p->max_tokens;
+    ctx->pool = threadpool_new(p->n_threads);
+    if (!ctx->pool) {
+        free(ctx);
+        return NULL;
+    }
+    ctx->n_threads = threadpool_size(ctx->pool);
+    ctx->isa = kern_isa_detect();
+    if (p->max_isa != MODEL_ISA_AUTO && (int)ctx->isa > (int)p->max_isa - 1)
+        ctx->isa = (kern_isa)((int)p->max_isa - 1); /* MODEL_ISA_x = KERN_ISA_x + 1 */
+    ctx->order = p->kernel == MODEL_KERNEL_EXACT  ? KERN_ORDER_EXACT
+                 : p->kernel == MODEL_KERNEL_FAST ? KERN_ORDER_FAST
+                 : m->all_f32                     ? KERN_ORDER_EXACT
+                                                  : KERN_ORDER_FAST;
+    snprintf(ctx->kernel_name, sizeof(ctx->kernel_name), "%s/%s", kern_isa_name(ctx->isa),
+             kern_order_name(ctx->order));
+    ctx->scratch_len = kern_scratch_floats(wide);
+    int ok = 1;
     ctx->x = calloc(T * (size_t)c->dim, sizeof(float));
     ctx->xb = calloc(T * (size_t)c->dim, sizeof(float));
     ctx->xb2 = calloc(T * (size_t)c->dim, sizeof(float));
     ctx->q = calloc(T * (size_t)c->dim, sizeof(float));
-    ctx->k = calloc(T * kv_dim, sizeof(float));
-    ctx->v = calloc(T * kv_dim, sizeof(float));
     ctx->hb = calloc(T * (size_t)c->hidden_dim, sizeof(float));
     ctx->hb2 = calloc(T * (size_t)c->hidden_dim, sizeof(float));
-    ctx->att = calloc((size_t)c->n_ctx, sizeof(float));
+    ctx->q_d = calloc(T * (size_t)(wide / KERN_Q8_BLOCK + 1), sizeof(float));
+    ctx->q_s = calloc(T * (size_t)wide, 1);
+    ctx->att_len = (size_t)(c->n_head / c->n_kv_head) * (size_t)c->n_ctx;
+    ctx->att = calloc((size_t)ctx->n_threads * ctx->att_len, sizeof(float));
+    ctx->scratch = calloc((size_t)ctx->n_threads * ctx->scratch_len, sizeof(float));
     ctx->rope = calloc(T * (size_t)c->head_dim, sizeof(float));
-    ctx->row = calloc((size_t)rowlen, sizeof(float));
+    if (ctx->isa == KERN_ISA_AVX512 && p->max_tokens >= 2) {
+        ctx->pack = malloc(kern_pack_bytes(p->max_tokens, wide));
+        ok &= ctx->pack != NULL;
+    }
     ctx->tok_item = calloc(T, sizeof(int));
     ctx->tok_pos = calloc(T, sizeof(int));
     ctx->out_dst = calloc(T, sizeof(float *));
-    if (!ctx->x || !ctx->xb || !ctx->xb2 || !ctx->q || !ctx->k || !ctx->v || !ctx->hb ||
-        !ctx->hb2 || !ctx->att || !ctx->rope || !ctx->row || !ctx->tok_item || !ctx->tok_pos ||
+    float ***ptrs[] = {&ctx->p_q,   &ctx->p_k,  &ctx->p_v,  &ctx->p_xb,
+                       &ctx->p_xb2, &ctx->p_hb, &ctx->p_hb2};
+    for (size_t i = 0; i < sizeof(ptrs) / sizeof(ptrs[0]); i++)
+        ok &= (*ptrs[i] = calloc(T, sizeof(float *))) != NULL;
+    if (!ok || !ctx->x || !ctx->xb || !ctx->xb2 || !ctx->q || !ctx->hb || !ctx->hb2 || !ctx->q_d ||
+        !ctx->q_s || !ctx->att || !ctx->scratch || !ctx->rope || !ctx->tok_item || !ctx->tok_pos ||
         !ctx->out_dst) {
         model_ctx_destroy(&ctx);
         return NULL;
+    }
+    /* fixed row pointers of the activation buffers */
+    for (size_t t = 0; t < T; t++) {
+        ctx->p_q[t] = ctx->q + t * (size_t)c->dim;
+        ctx->p_xb[t] = ctx->xb + t * (size_t)c->dim;
+        ctx->p_xb2[t] = ctx->xb2 + t * (size_t)c->dim;
+        ctx->p_hb[t] = ctx->hb + t * (size_t)c->hidden_dim;
+        ctx->p_hb2[t] = ctx->hb2 + t * (size_t)c->hidden_dim;
     }
     return ctx;
 }
@@ -356,26 +461,45 @@ void model_ctx_destroy(model_ctx_t **cp)
     if (!cp || !*cp)
         return;
     model_ctx_t *ctx = *cp;
+    threadpool_destroy(&ctx->pool);
     free(ctx->x);
     free(ctx->xb);
     free(ctx->xb2);
     free(ctx->q);
-    free(ctx->k);
-    free(ctx->v);
     free(ctx->hb);
     free(ctx->hb2);
+    free(ctx->q_d);
+    free(ctx->q_s);
     free(ctx->att);
+    free(ctx->scratch);
     free(ctx->rope);
-    free(ctx->row);
+    free(ctx->pack);
     free(ctx->tok_item);
     free(ctx->tok_pos);
     free(ctx->out_dst);
+    free(ctx->p_q);
+    free(ctx->p_k);
+    free(ctx->p_v);
+    free(ctx->p_xb);
+    free(ctx->p_xb2);
+    free(ctx->p_hb);
+    free(ctx->p_hb2);
     free(ctx);
     *cp = NULL;
 }
 
+int model_ctx_n_threads(const model_ctx_t *ctx)
+{
+    return ctx->n_threads;
+}
+
+const char *model_ctx_kernel_name(const model_ctx_t *ctx)
+{
+    return ctx->kernel_name;
+}
+
 /* ------------------------------------------------------------------------------------- */
-/* kernels (each token's row is computed independently and in a fixed order) */
+/* element-wise steps (each token's row independently, in a fixed order) */
 
 static void rmsnorm(float *o, const float *x, const float *weight, int size, float eps)
 {
@@ -404,45 +528,281 @@ static void softmax(float *x, int size)
         x[i] /= sum;
 }
 
-/* Row i of W (rows, n) as floats: the mapped row for F32, else converted into buf. */
-static const float *weight_row(const wmat *w, int i, int n, float *buf)
+/* RoPE on rows [a, b) (a even) of one token's q or k row v, as run.c. */
+static void rope_rows(float *v, const float *rp, int hs, int a, int b)
 {
-    if (w->type == GGUF_TENSOR_F32)
-        return (const float *)w->data + (size_t)i * (size_t)n;
-    const uint16_t *h = (const uint16_t *)w->data + (size_t)i * (size_t)n;
-    for (int j = 0; j < n; j++)
-        buf[j] = gguf_fp16_to_fp32(h[j]);
-    return buf;
-}
-
-/* W (d, n) @ x (T, n) -> xout (T, d): out[t][i] = sum_j W[i][j] * x[t][j], j ascending. */
-static void matmul(float *xout, const float *x, const wmat *w, int n, int d, int T, float *buf)
-{
-    for (int i = 0; i < d; i++) {
-        const float *wr = weight_row(w, i, n, buf);
-        for (int t = 0; t < T; t++) {
-            const float *xt = x + (size_t)t * (size_t)n;
-            float val = 0.0f;
-            for (int j = 0; j < n; j++)
-                val += wr[j] * xt[j];
-            xout[(size_t)t * (size_t)d + (size_t)i] = val;
-        }
+    for (int i = a; i < b; i += 2) {
+        float fcr = rp[i % hs], fci = rp[i % hs + 1];
+        float v0 = v[i], v1 = v[i + 1];
+        v[i] = v0 * fcr - v1 * fci;
+        v[i + 1] = v0 * fci + v1 * fcr;
     }
 }
 
-/* Same, writing row t to outs[t] (caller's logits buffers). */
-static void matmul_to(float **outs, const float *x, const wmat *w, int n, int d, int T, float *buf)
+/* ------------------------------------------------------------------------------------- */
+/* parallel jobs */
+
+/* Below this many multiply-adds a step runs on the calling thread. */
+#define PAR_MIN_WORK (1 << 20)
+/* Chunks per thread a step is cut into (load balance on a shared machine). */
+#define CHUNKS_PER_THREAD 8
+#define CHUNK_ROW_ALIGN 16 /* rows; even (RoPE pairs) and a multiple of kernel tiles */
+
+typedef enum { POST_NONE, POST_ROPE, POST_RESID, POST_SWIGLU } post_op;
+
+/* One matrix product split into chunks of rows (or two, for gate/up + SwiGLU). */
+typedef struct {
+    const wmat *w, *w_up; /* w_up: POST_SWIGLU's second matrix (same shape) */
+    float *const *out;    /* (T,) output row pointers */
+    float *const *out_up; /* POST_SWIGLU: up-projection rows; the result goes to out */
+    post_op post;
+    float *resid; /* POST_RESID: x (T, rows) += out */
+    int rows, chunk, first_chunk;
+} seg_t;
+
+typedef struct {
+    model_ctx_t *ctx;
+    const kern_act *act;
+    seg_t seg[3];
+    int n_seg, n_chunks;
+    atomic_int next;
+} mm_job;
+
+static int chunk_rows(const model_ctx_t *ctx, int rows)
 {
-    for (int i = 0; i < d; i++) {
-        const float *wr = weight_row(w, i, n, buf);
-        for (int t = 0; t < T; t++) {
-            const float *xt = x + (size_t)t * (size_t)n;
-            float val = 0.0f;
-            for (int j = 0; j < n; j++)
-                val += wr[j] * xt[j];
-            outs[t][i] = val;
-        }
+    int want = ctx->n_threads * CHUNKS_PER_THREAD;
+    int c = (rows + want - 1) / want;
+    c = (c + CHUNK_ROW_ALIGN - 1) / CHUNK_ROW_ALIGN * CHUNK_ROW_ALIGN;
+    return c;
+}
+
+static void mm_add(mm_job *j, const wmat *w, float *const *out, post_op post)
+{
+    seg_t *s = &j->seg[j->n_seg++];
+    memset(s, 0, sizeof(*s));
+    s->w = w;
+    s->out = out;
+    s->post = post;
+    s->rows = w->rows;
+    s->chunk = chunk_rows(j->ctx, w->rows);
+    s->first_chunk = j->n_chunks;
+    j->n_chunks += (s->rows + s->chunk - 1) / s->chunk;
+}
+
+static void mm_chunk(mm_job *j, int c, int ti)
+{
+    model_ctx_t *ctx = j->ctx;
+    const kern_act *a = j->act;
+    int si = 0;
+    while (si + 1 < j->n_seg && c >= j->seg[si + 1].first_chunk)
+        si++;
+    const seg_t *s = &j->seg[si];
+    int r0 = (c - s->first_chunk) * s->chunk;
+    int r1 = r0 + s->chunk < s->rows ? r0 + s->chunk : s->rows;
+    float *scratch = ctx->scratch + (size_t)ti * ctx->scratch_len;
+    kern_matmul(ctx->isa, ctx->order, s->w, a, r0, r1, s->out, scratch);
+    switch (s->post) {
+    case POST_NONE:
+        break;
+    case POST_ROPE: {
+        int hs = ctx->m->cfg.head_dim;
+        for (int t = 0; t < a->T; t++)
+            rope_rows(s->out[t], ctx->rope + (size_t)t * hs, hs, r0, r1);
+        break;
     }
+    case POST_RESID:
+        for (int t = 0; t < a->T; t++) {
+            float *x = s->resid + (size_t)t * s->rows;
+            const float *o = s->out[t];
+            for (int i = r0; i < r1; i++)
+                x[i] += o[i];
+        }
+        break;
+    case POST_SWIGLU:
+        kern_matmul(ctx->isa, ctx->order, s->w_up, a, r0, r1, s->out_up, scratch);
+        for (int t = 0; t < a->T; t++) {
+            float *h = s->out[t];
+            const float *h2 = s->out_up[t];
+            for (int i = r0; i < r1; i++) {
+                float val = h[i];
+                val *= (1.0f / (1.0f + expf(-val)));
+                val *= h2[i];
+                h[i] = val;
+            }
+        }
+        break;
+    }
+}
+
+static void mm_worker(void *arg, int ti, int nth)
+{
+    mm_job *j = arg;
+    for (;;) {
+        int c = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (c >= j->n_chunks)
+            break;
+        mm_chunk(j, c, ti);
+    }
+}
+
+static void mm_run(mm_job *j)
+{
+    long work = 0;
+    for (int i = 0; i < j->n_seg; i++)
+        work += (long)j->seg[i].rows * j->act->n * j->act->T * (j->seg[i].w_up ? 2 : 1);
+    atomic_init(&j->next, 0);
+    if (j->ctx->n_threads == 1 || work < PAR_MIN_WORK)
+        mm_worker(j, 0, 1);
+    else
+        threadpool_run(j->ctx->pool, mm_worker, j);
+}
+
+/* Preparation of a matmul input, parallel over token pairs: optional rmsnorm (src ->
+ * dst), the Q8 form of dst when a consuming matrix is Q8_0, and the AVX-512 pair packing
+ * (done once here rather than by every thread in the kernels). */
+typedef struct {
+    model_ctx_t *ctx;
+    const kern_act *act;
+    const float *src; /* (T, n), or NULL: dst is ready */
+    const float *norm_w;
+    float *dst; /* (T, n) */
+    int quant;
+    atomic_int next;
+} prep_job;
+
+static void prep_worker(void *arg, int ti, int nth)
+{
+    prep_job *j = arg;
+    const model_config *c = &j->ctx->m->cfg;
+    const kern_act *a = j->act;
+    const int n = a->n, nb = n / KERN_Q8_BLOCK;
+    for (;;) {
+        int p = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        int t0 = 2 * p, t1 = t0 + 2 < a->T ? t0 + 2 : a->T;
+        if (t0 >= a->T)
+            break;
+        for (int t = t0; t < t1; t++) {
+            float *d = j->dst + (size_t)t * n;
+            if (j->src)
+                rmsnorm(d, j->src + (size_t)t * n, j->norm_w, n, c->rms_eps);
+            if (j->quant)
+                kern_quantize_act(j->ctx->isa, d, 1, n, j->ctx->q_d + (size_t)t * nb,
+                                  j->ctx->q_s + (size_t)t * n);
+        }
+        kern_pack_act(j->ctx->isa, a, t0, t1);
+    }
+}
+
+/* Prepare and describe the input of the matrices ws[0..nw) that read n columns. */
+static void prep(model_ctx_t *ctx, kern_act *a, const float *src, const float *norm_w, float *dst,
+                 int T, int n, const wmat *const *ws, int nw)
+{
+    int quant = 0, f32 = 0;
+    for (int i = 0; i < nw; i++) {
+        if (ws[i]->type == GGUF_TENSOR_Q8_0)
+            quant = 1;
+        else if (ctx->order == KERN_ORDER_FAST)
+            f32 = 1;
+    }
+    *a = (kern_act){.x = dst, .T = T, .n = n};
+    a->q_d = quant ? ctx->q_d : NULL;
+    a->q_s = quant ? ctx->q_s : NULL;
+    kern_pack_bind(ctx->isa, a, f32, quant, ctx->pack);
+    if (!src && !quant && !a->xp)
+        return;
+    prep_job j = {.ctx = ctx, .act = a, .src = src, .norm_w = norm_w, .dst = dst, .quant = quant};
+    atomic_init(&j.next, 0);
+    if (ctx->n_threads == 1 || (long)T * n < PAR_MIN_WORK / 8)
+        prep_worker(&j, 0, 1);
+    else
+        threadpool_run(ctx->pool, prep_worker, &j);
+}
+
+/* Attention of every (token, KV head) pair over the token's own sequence: the kv_mul
+ * query heads that share a KV head are done together, block by block, so each K and V
+ * row is read once for all of them. Per query head the arithmetic is run.c's: scores
+ * q . k_s (in the kernel order), / sqrt(head_dim), softmax, then the values summed in
+ * position order (kernels.h). */
+typedef struct {
+    model_ctx_t *ctx;
+    kvcache_t *kv;
+    const model_seq_batch *batch;
+    int layer, T, per_chunk, n_chunks;
+    atomic_int next;
+} att_job;
+
+static void att_group(att_job *j, int t, int g, float *att)
+{
+    model_ctx_t *ctx = j->ctx;
+    const model_config *c = &ctx->m->cfg;
+    const int dim = c->dim, hs = c->head_dim, kv_dim = c->n_kv_head * hs;
+    const int kv_mul = c->n_head / c->n_kv_head;
+    const int bs = kvcache_get_params(j->kv)->block_size;
+    const int seq = j->batch[ctx->tok_item[t]].seq;
+    const int n_pos = ctx->tok_pos[t] + 1;
+    const int *blocks = kvcache_seq_blocks(j->kv, seq, NULL);
+    const size_t koff = (size_t)g * hs, att_len = (size_t)c->n_ctx;
+    const float *q = ctx->q + (size_t)t * dim + (size_t)g * kv_mul * hs;
+    float *xb = ctx->xb + (size_t)t * dim + (size_t)g * kv_mul * hs;
+    for (int s0 = 0; s0 < n_pos; s0 += bs) {
+        int rows = n_pos - s0 < bs ? n_pos - s0 : bs;
+        const float *kb = kvcache_block_data(j->kv, j->layer, blocks[s0 / bs]) + koff;
+        for (int h = 0; h < kv_mul; h++)
+            kern_dot_rows(ctx->isa, ctx->order, q + (size_t)h * hs, kb, (size_t)kv_dim, rows, hs,
+                          att + h * att_len + s0);
+    }
+    for (int h = 0; h < kv_mul; h++) {
+        float *a = att + h * att_len;
+        for (int s = 0; s < n_pos; s++)
+            a[s] /= sqrtf(hs);
+        softmax(a, n_pos);
+    }
+    memset(xb, 0, (size_t)kv_mul * hs * sizeof(float));
+    for (int s0 = 0; s0 < n_pos; s0 += bs) {
+        int rows = n_pos - s0 < bs ? n_pos - s0 : bs;
+        const float *vb =
+            kvcache_block_data(j->kv, j->layer, blocks[s0 / bs]) + (size_t)bs * kv_dim + koff;
+        for (int h = 0; h < kv_mul; h++)
+            kern_axpy_rows(ctx->isa, xb + (size_t)h * hs, att + h * att_len + s0, vb,
+                           (size_t)kv_dim, rows, hs);
+    }
+}
+
+static void att_worker(void *arg, int ti, int nth)
+{
+    att_job *j = arg;
+    const model_config *c = &j->ctx->m->cfg;
+    const int n_kv = c->n_kv_head;
+    float *att = j->ctx->att + (size_t)ti * j->ctx->att_len;
+    for (;;) {
+        int ch = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (ch >= j->n_chunks)
+            break;
+        int p0 = ch * j->per_chunk, p1 = p0 + j->per_chunk;
+        if (p1 > j->T * n_kv)
+            p1 = j->T * n_kv;
+        for (int p = p0; p < p1; p++)
+            att_group(j, p / n_kv, p % n_kv, att);
+    }
+}
+
+static void attention(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch, int layer,
+                      int T)
+{
+    const model_config *c = &ctx->m->cfg;
+    att_job j = {.ctx = ctx, .kv = kv, .batch = batch, .layer = layer, .T = T};
+    long work = 0;
+    for (int t = 0; t < T; t++)
+        work += (long)(ctx->tok_pos[t] + 1) * c->dim * 2;
+    int groups = T * c->n_kv_head;
+    int want = ctx->n_threads * CHUNKS_PER_THREAD;
+    j.per_chunk = (groups + want - 1) / want;
+    j.n_chunks = (groups + j.per_chunk - 1) / j.per_chunk;
+    atomic_init(&j.next, 0);
+    if (ctx->n_threads == 1 || work < PAR_MIN_WORK)
+        att_worker(&j, 0, 1);
+    else
+        threadpool_run(ctx->pool, att_worker, &j);
 }
 
 /* ------------------------------------------------------------------------------------- */
@@ -492,8 +852,6 @@ int model_forward(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch,
     if (check_batch(ctx, kv, batch, n, &T) != 0)
         return -1;
     const int dim = c->dim, hid = c->hidden_dim, hs = c->head_dim;
-    const int kv_dim = c->n_kv_head * hs, kv_mul = c->n_head / c->n_kv_head;
-    const int bs = kvcache_get_params(kv)->block_size;
 
     /* token table, embeddings and RoPE factors (as run.c computes them per position) */
     int t = 0;
@@ -502,8 +860,7 @@ int model_forward(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch,
             int pos = batch[b].pos + j;
             ctx->tok_item[t] = b;
             ctx->tok_pos[t] = pos;
-            const float *e = weight_row(&m->tok_embd, batch[b].tokens[j], dim, ctx->row);
-            memcpy(ctx->x + (size_t)t * dim, e, (size_t)dim * sizeof(float));
+            kern_dequant_row(&m->tok_embd, batch[b].tokens[j], ctx->x + (size_t)t * dim);
             float *rp = ctx->rope + (size_t)t * hs;
             for (int i = 0; i < hs; i += 2) {
                 float freq = 1.0f / powf(c->rope_theta, i / (float)hs);
@@ -514,87 +871,50 @@ int model_forward(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch,
         }
     }
 
+    kern_act act;
     for (int l = 0; l < c->n_layer; l++) {
         const layer_weights *lw = &m->layers[l];
-        for (t = 0; t < T; t++)
-            rmsnorm(ctx->xb + (size_t)t * dim, ctx->x + (size_t)t * dim, lw->attn_norm, dim,
-                    c->rms_eps);
-        matmul(ctx->q, ctx->xb, &lw->wq, dim, dim, T, ctx->row);
-        matmul(ctx->k, ctx->xb, &lw->wk, dim, kv_dim, T, ctx->row);
-        matmul(ctx->v, ctx->xb, &lw->wv, dim, kv_dim, T, ctx->row);
 
-        /* RoPE on adjacent pairs, then store K/V into the paged cache */
-        for (t = 0; t < T; t++) {
-            float *q = ctx->q + (size_t)t * dim;
-            float *k = ctx->k + (size_t)t * kv_dim;
-            const float *rp = ctx->rope + (size_t)t * hs;
-            for (int i = 0; i < dim; i += 2) {
-                float fcr = rp[i % hs], fci = rp[i % hs + 1];
-                float v0 = q[i], v1 = q[i + 1];
-                q[i] = v0 * fcr - v1 * fci;
-                q[i + 1] = v0 * fci + v1 * fcr;
-                if (i < kv_dim) {
-                    v0 = k[i];
-                    v1 = k[i + 1];
-                    k[i] = v0 * fcr - v1 * fci;
-                    k[i + 1] = v0 * fci + v1 * fcr;
-                }
-            }
-            int seq = batch[ctx->tok_item[t]].seq;
-            memcpy(kvcache_k(kv, l, seq, ctx->tok_pos[t]), k, (size_t)kv_dim * sizeof(float));
-            memcpy(kvcache_v(kv, l, seq, ctx->tok_pos[t]), ctx->v + (size_t)t * kv_dim,
-                   (size_t)kv_dim * sizeof(float));
-        }
-
-        /* attention: each token over positions [0, pos] of its own sequence */
+        /* Q, K, V with RoPE; K and V rows are written straight into the paged cache */
         for (t = 0; t < T; t++) {
             int seq = batch[ctx->tok_item[t]].seq;
-            int pos = ctx->tok_pos[t];
-            const int *blocks = kvcache_seq_blocks(kv, seq, NULL);
-            for (int h = 0; h < c->n_head; h++) {
-                const float *q = ctx->q + (size_t)t * dim + (size_t)h * hs;
-                size_t koff = (size_t)(h / kv_mul) * hs;
-                float *att = ctx->att;
-                for (int s = 0; s <= pos; s++) {
-                    const float *kr = kvcache_block_data(kv, l, blocks[s / bs]) +
-                                      (size_t)(s % bs) * kv_dim + koff;
-                    float score = 0.0f;
-                    for (int i = 0; i < hs; i++)
-                        score += q[i] * kr[i];
-                    score /= sqrtf(hs);
-                    att[s] = score;
-                }
-                softmax(att, pos + 1);
-                float *xb = ctx->xb + (size_t)t * dim + (size_t)h * hs;
-                memset(xb, 0, (size_t)hs * sizeof(float));
-                for (int s = 0; s <= pos; s++) {
-                    const float *vr = kvcache_block_data(kv, l, blocks[s / bs]) +
-                                      (size_t)bs * kv_dim + (size_t)(s % bs) * kv_dim + koff;
-                    float a = att[s];
-                    for (int i = 0; i < hs; i++)
-                        xb[i] += a * vr[i];
-                }
-            }
+            ctx->p_k[t] = kvcache_k(kv, l, seq, ctx->tok_pos[t]);
+            ctx->p_v[t] = kvcache_v(kv, l, seq, ctx->tok_pos[t]);
         }
+        const wmat *qkv[3] = {&lw->wq, &lw->wk, &lw->wv};
+        prep(ctx, &act, ctx->x, lw->attn_norm, ctx->xb, T, dim, qkv, 3);
+        mm_job j = {.ctx = ctx, .act = &act};
+        mm_add(&j, &lw->wq, ctx->p_q, POST_ROPE);
+        mm_add(&j, &lw->wk, ctx->p_k, POST_ROPE);
+        mm_add(&j, &lw->wv, ctx->p_v, POST_NONE);
+        mm_run(&j);
 
-        matmul(ctx->xb2, ctx->xb, &lw->wo, dim, dim, T, ctx->row);
-        for (size_t i = 0; i < (size_t)T * dim; i++)
-            ctx->x[i] += ctx->xb2[i];
+        attention(ctx, kv, batch, l, T);
 
-        for (t = 0; t < T; t++)
-            rmsnorm(ctx->xb + (size_t)t * dim, ctx->x + (size_t)t * dim, lw->ffn_norm, dim,
-                    c->rms_eps);
-        matmul(ctx->hb, ctx->xb, &lw->w1, dim, hid, T, ctx->row);
-        matmul(ctx->hb2, ctx->xb, &lw->w3, dim, hid, T, ctx->row);
-        for (size_t i = 0; i < (size_t)T * hid; i++) {
-            float val = ctx->hb[i];
-            val *= (1.0f / (1.0f + expf(-val)));
-            val *= ctx->hb2[i];
-            ctx->hb[i] = val;
-        }
-        matmul(ctx->xb, ctx->hb, &lw->w2, hid, dim, T, ctx->row);
-        for (size_t i = 0; i < (size_t)T * dim; i++)
-            ctx->x[i] += ctx->xb[i];
+        /* x += Wo @ attention */
+        const wmat *wo = &lw->wo;
+        prep(ctx, &act, NULL, NULL, ctx->xb, T, dim, &wo, 1);
+        j = (mm_job){.ctx = ctx, .act = &act};
+        mm_add(&j, &lw->wo, ctx->p_xb2, POST_RESID);
+        j.seg[0].resid = ctx->x;
+        mm_run(&j);
+
+        /* hb = silu(W1 @ xb) * (W3 @ xb) */
+        const wmat *w13[2] = {&lw->w1, &lw->w3};
+        prep(ctx, &act, ctx->x, lw->ffn_norm, ctx->xb, T, dim, w13, 2);
+        j = (mm_job){.ctx = ctx, .act = &act};
+        mm_add(&j, &lw->w1, ctx->p_hb, POST_SWIGLU);
+        j.seg[0].w_up = &lw->w3;
+        j.seg[0].out_up = ctx->p_hb2;
+        mm_run(&j);
+
+        /* x += W2 @ hb */
+        const wmat *w2 = &lw->w2;
+        prep(ctx, &act, NULL, NULL, ctx->hb, T, hid, &w2, 1);
+        j = (mm_job){.ctx = ctx, .act = &act};
+        mm_add(&j, &lw->w2, ctx->p_xb, POST_RESID);
+        j.seg[0].resid = ctx->x;
+        mm_run(&j);
 
         if (cb)
             cb(l, ud);
@@ -608,14 +928,19 @@ int model_forward(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch,
             int want = batch[b].logits_all || j == batch[b].n_tokens - 1;
             if (!want)
                 continue;
-            rmsnorm(ctx->xb + (size_t)R * dim, ctx->x + (size_t)t * dim, m->out_norm, dim,
-                    c->rms_eps);
+            if (R != t)
+                memcpy(ctx->x + (size_t)R * dim, ctx->x + (size_t)t * dim,
+                       (size_t)dim * sizeof(float));
             ctx->out_dst[R] =
                 batch[b].logits + (batch[b].logits_all ? (size_t)j * c->vocab_size : 0);
             R++;
         }
     }
-    matmul_to(ctx->out_dst, ctx->xb, &m->output, dim, c->vocab_size, R, ctx->row);
+    const wmat *wout = &m->output;
+    prep(ctx, &act, ctx->x, m->out_norm, ctx->xb, R, dim, &wout, 1);
+    mm_job j = {.ctx = ctx, .act = &act};
+    mm_add(&j, &m->output, ctx->out_dst, POST_NONE);
+    mm_run(&j);
 
     for (int b = 0; b < n; b++)
         kvcache_seq_set_len(kv, batch[b].seq, batch[b].pos + batch[b].n_tokens);

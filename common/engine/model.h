@@ -3,12 +3,16 @@
  * forward pass (RMSNorm, RoPE as in the Llama reference, grouped-query attention, SwiGLU,
  * output head tied to the embedding when the file has no output.weight).
  *
- * Follows llama2.c's run.c numerically (same op order) so greedy output reproduces it.
+ * With F32 weights it follows llama2.c's run.c numerically by default (same op order) so
+ * greedy output reproduces it; F16 and Q8_0 weights use faster SIMD orders (kernels.h).
  * The forward pass works on a batch of sequences, each contributing a run of consecutive
  * tokens at its own position: one token (decode), several (verify), or a whole prompt
  * chunk (prefill). It writes each token's K/V into the paged cache and reads attention
  * over the sequence's own blocks. The forward pass never allocates: scratch buffers are
- * sized at model_ctx_new() for a maximum number of tokens per call.
+ * sized at model_ctx_new() for a maximum number of tokens per call. The matrix products
+ * and attention are split over the context's threads by output rows (by token and KV
+ * head for attention); every output element is computed by one thread in a fixed order,
+ * so the logits depend neither on the thread count nor on the batch.
  */
 #ifndef TP_MODEL_H
 #define TP_MODEL_H
@@ -44,10 +48,56 @@ model_t *model_load(const char *path, char *err, size_t errlen);
 void model_destroy(model_t **m);
 const model_config *model_get_config(const model_t *m);
 
-/* Scratch state for forward passes of at most max_tokens tokens per call (sum over the
- * batch). One context per thread. NULL on out of memory. */
+/* Bytes of weights one forward pass reads: every layer's matrices and the classifier
+ * (the embedding rows looked up are not counted). A batch-1 decode step streams this
+ * much from memory; bench tools divide it by the copy bandwidth for the roofline. */
+uint64_t model_matmul_bytes(const model_t *m);
+
+/* Kernel order of the matrix products (see kernels.h). AUTO: EXACT when every matrix of
+ * the model is F32 (llama2.c run.c's order: greedy output matches run.c), FAST otherwise.
+ * Q8_0 matrices always use the Q8 activation scheme. All threads and instruction sets
+ * give bit-identical logits for a given choice; two processes that must agree (prefill
+ * and decode workers) must make the same choice. */
+typedef enum {
+    MODEL_KERNEL_AUTO = 0,
+    MODEL_KERNEL_EXACT,
+    MODEL_KERNEL_FAST,
+} model_kernel;
+
+/* Instruction set of the kernels: AUTO is the best the CPU has; the others cap it (for
+ * tests and benchmarks: every choice gives bit-identical results). */
+typedef enum {
+    MODEL_ISA_AUTO = 0,
+    MODEL_ISA_SCALAR, /* portable C */
+    MODEL_ISA_AVX2,   /* AVX2 + FMA + F16C */
+    MODEL_ISA_AVX512, /* + AVX-512 F/BW/DQ/VL/VNNI */
+} model_isa;
+
+typedef struct {
+    int max_tokens;      /* tokens per forward call (sum over the batch), >= 1 */
+    int n_threads;       /* compute threads, counting the caller; 0 = CPUs available */
+    model_kernel kernel; /* default AUTO */
+    model_isa max_isa;   /* default AUTO */
+} model_ctx_params;
+
+/* max_tokens 512, n_threads 0 (CPUs available), kernel AUTO, max_isa AUTO. */
+model_ctx_params model_ctx_default_params(void);
+
+/* Scratch state and compute threads for forward passes of at most p->max_tokens tokens
+ * per call. The threads (p->n_threads - 1 of them) sleep when no forward pass runs. One
+ * context per calling thread: model_forward on one context must not run concurrently.
+ * NULL on bad params, out of memory or failure to start the threads. */
+model_ctx_t *model_ctx_new_params(const model_t *m, const model_ctx_params *p);
+
+/* model_ctx_new_params with the default params and max_tokens. */
 model_ctx_t *model_ctx_new(const model_t *m, int max_tokens);
+/* Stop the threads and free; takes NULL; sets *ctx to NULL. */
 void model_ctx_destroy(model_ctx_t **ctx);
+
+/* Threads the context computes with (counting the caller). */
+int model_ctx_n_threads(const model_ctx_t *ctx);
+/* Kernels in use, e.g. "avx2/fast" or "scalar/exact" (valid while ctx lives). */
+const char *model_ctx_kernel_name(const model_ctx_t *ctx);
 
 typedef struct {
     int seq;            /* kvcache sequence id */

@@ -1,7 +1,10 @@
 /*
  * Engine tests: kvcache, gguf (reader/writer, corrupt files), tokenizer, model (reference
- * greedy outputs of llama2.c run.c, batch invariance), sampler, and the converter on the
- * three models of ../shared/models.
+ * greedy outputs of llama2.c run.c, batch invariance), the matrix kernels against their
+ * reference (bit-exact on every instruction set), Q8_0 blocks, the thread pool, logits
+ * invariant to threads and instruction sets for F32/F16/Q8_0 weights (synthetic models
+ * from tidepool-mkmodel), sampler, and the converter on the three models of
+ * ../shared/models.
  *
  * The model comes from $TIDEPOOL_TEST_MODEL (default build/models/stories260K.gguf); when
  * that file is missing it is converted into a temporary directory with the
@@ -19,6 +22,8 @@
 
 #include <fcntl.h>
 #include <limits.h>
+#include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,9 +32,11 @@
 #include <unistd.h>
 
 #include "gguf.h"
+#include "kernels.h"
 #include "kvcache.h"
 #include "model.h"
 #include "sampler.h"
+#include "threadpool.h"
 #include "tokenizer.h"
 
 #define MODELS_DIR "../shared/models"
@@ -928,6 +935,644 @@ static void test_model_batch_invariance(void **state)
 }
 
 /* ------------------------------------------------------------------------------------- */
+/* kernels, thread pool, model across threads / instruction sets / weight types */
+
+/* Run another tool next to this binary ($BUILD/bin/NAME); returns its exit status. */
+static int run_tool(const char *name, const char *args)
+{
+    char conv[PATH_MAX], dir[PATH_MAX], cmd[4 * PATH_MAX];
+    converter_path(conv, sizeof(conv)); /* .../bin/tidepool-convert */
+    snprintf(dir, sizeof(dir), "%s", conv);
+    char *slash = strrchr(dir, '/');
+    if (slash)
+        *slash = '\0';
+    snprintf(cmd, sizeof(cmd), "'%s/%s' %s >/dev/null 2>&1", dir, name, args);
+    int st = system(cmd);
+    if (st == -1 || !WIFEXITED(st))
+        return -1;
+    return WEXITSTATUS(st);
+}
+
+static uint64_t trng = 88172645463325252ULL;
+static float frand(void) /* uniform in [-1, 1) */
+{
+    trng ^= trng << 13;
+    trng ^= trng >> 7;
+    trng ^= trng << 17;
+    return (float)(trng >> 40) / 8388608.0f - 1.0f;
+}
+
+static kern_isa best_isa(void)
+{
+    return kern_isa_detect();
+}
+
+/* Every kernel against the single-dot reference functions, bit for bit, for shapes with
+ * tails (n % 8, n % 16), row counts that are not multiples of the tiles, every token
+ * count up to two AVX-512 packs, split row ranges, on every instruction set this CPU
+ * has. */
+static void test_kernels_vs_reference(void **state)
+{
+    const int shapes[][2] = {{1, 8}, {13, 172}, {9, 37}, {7, 96}, {21, 64}, {66, 352}, {5, 2048}};
+    const int Ts[] = {1, 2, 3, 4, 5, 7, 8, 9, 13, 17};
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+        const int rows = shapes[si][0], n = shapes[si][1], q8ok = n % 32 == 0;
+        const int Tmax = 17;
+        float *wf = malloc((size_t)rows * n * sizeof(float));
+        uint16_t *wh = malloc((size_t)rows * n * sizeof(uint16_t));
+        uint8_t *wq = malloc((size_t)rows * (n / 32 + 1) * 34);
+        float *wh32 = malloc((size_t)rows * n * sizeof(float));
+        float *x = malloc((size_t)Tmax * n * sizeof(float));
+        float *qd = malloc((size_t)Tmax * (n / 32 + 1) * sizeof(float));
+        int8_t *qs = malloc((size_t)Tmax * n);
+        float *qd2 = malloc((size_t)Tmax * (n / 32 + 1) * sizeof(float));
+        int8_t *qs2 = malloc((size_t)Tmax * n);
+        float *ref = malloc((size_t)Tmax * rows * sizeof(float));
+        float *got = malloc((size_t)Tmax * rows * sizeof(float));
+        float *scratch = malloc(kern_scratch_floats(n) * sizeof(float));
+        float *outp[17];
+        assert_non_null(wf);
+        assert_non_null(wh);
+        assert_non_null(wq);
+        assert_non_null(wh32);
+        assert_non_null(x);
+        assert_non_null(qd);
+        assert_non_null(qs);
+        assert_non_null(qd2);
+        assert_non_null(qs2);
+        assert_non_null(ref);
+        assert_non_null(got);
+        assert_non_null(scratch);
+        for (size_t i = 0; i < (size_t)rows * n; i++) {
+            wf[i] = frand() * (i % 97 == 0 ? 8.0f : 0.5f);
+            wh[i] = gguf_fp32_to_fp16(wf[i]);
+            wh32[i] = gguf_fp16_to_fp32(wh[i]);
+        }
+        if (q8ok)
+            for (int r = 0; r < rows; r++)
+                kern_quantize_q8_0(wf + (size_t)r * n, n, wq + (size_t)r * (n / 32) * 34);
+        for (size_t i = 0; i < (size_t)Tmax * n; i++)
+            x[i] = frand() * 2.0f;
+        if (n >= 64)
+            memset(x + 32, 0, 32 * sizeof(float)); /* an all-zero Q8 block: scale 0 */
+        for (int t = 0; t < Tmax; t++)
+            outp[t] = got + (size_t)t * rows;
+        if (q8ok) {
+            kern_quantize_act(KERN_ISA_SCALAR, x, Tmax, n, qd, qs);
+            for (int t = 0; t < Tmax * n; t++)
+                assert_true(qs[t] >= -127 && qs[t] <= 127);
+            for (int isa = KERN_ISA_AVX2; isa <= (int)best_isa(); isa++) {
+                kern_quantize_act((kern_isa)isa, x, Tmax, n, qd2, qs2);
+                assert_memory_equal(qd, qd2, (size_t)Tmax * (n / 32) * sizeof(float));
+                assert_memory_equal(qs, qs2, (size_t)Tmax * n);
+            }
+        }
+        kern_mat mf = {wf, GGUF_TENSOR_F32, rows, n}, mh = {wh, GGUF_TENSOR_F16, rows, n};
+        kern_mat mq = {wq, GGUF_TENSOR_Q8_0, rows, n};
+        struct {
+            const kern_mat *m;
+            kern_order order;
+        } cases[] = {{&mf, KERN_ORDER_EXACT},
+                     {&mf, KERN_ORDER_FAST},
+                     {&mh, KERN_ORDER_EXACT},
+                     {&mh, KERN_ORDER_FAST},
+                     {&mq, KERN_ORDER_FAST}};
+        for (size_t ci = 0; ci < sizeof(cases) / sizeof(cases[0]); ci++) {
+            const kern_mat *m = cases[ci].m;
+            if (m->type == GGUF_TENSOR_Q8_0 && !q8ok)
+                continue;
+            for (size_t ti = 0; ti < sizeof(Ts) / sizeof(Ts[0]); ti++) {
+                int T = Ts[ti];
+                /* reference: one dot product per element */
+                for (int r = 0; r < rows; r++) {
+                    for (int t = 0; t < T; t++) {
+                        const float *xt = x + (size_t)t * n;
+                        float v;
+                        if (m->type == GGUF_TENSOR_Q8_0)
+                            v = kern_dot_q8_0(wq + (size_t)r * (n / 32) * 34,
+                                              qd + (size_t)t * (n / 32), qs + (size_t)t * n, n);
+                        else if (cases[ci].order == KERN_ORDER_EXACT)
+                            v = kern_dot_exact_f32(
+                                (m->type == GGUF_TENSOR_F16 ? wh32 : wf) + (size_t)r * n, xt, n);
+                        else
+                            v = kern_dot_fast_f32(
+                                (m->type == GGUF_TENSOR_F16 ? wh32 : wf) + (size_t)r * n, xt, n);
+                        ref[(size_t)t * rows + r] = v;
+                    }
+                }
+                kern_act a = {.x = x, .q_d = qd, .q_s = qs, .T = T, .n = n};
+                for (int isa = KERN_ISA_SCALAR; isa <= (int)best_isa(); isa++) {
+                    memset(got, 0xff, (size_t)Tmax * rows * sizeof(float));
+                    int split = rows / 3;
+                    kern_matmul((kern_isa)isa, cases[ci].order, m, &a, 0, split, outp, scratch);
+                    kern_matmul((kern_isa)isa, cases[ci].order, m, &a, split, rows, outp, scratch);
+                    if (memcmp(got, ref, (size_t)T * rows * sizeof(float)) != 0)
+                        fail_msg("kernel %s/%s %s rows %d n %d T %d differs from the reference",
+                                 kern_isa_name((kern_isa)isa), kern_order_name(cases[ci].order),
+                                 gguf_tensor_type_name(m->type), rows, n, T);
+                }
+            }
+        }
+        /* the orders compute dot products: compare with double precision */
+        for (int r = 0; r < rows; r++) {
+            const float *w = wf + (size_t)r * n;
+            double exact = 0, mag = 0;
+            for (int j = 0; j < n; j++) {
+                exact += (double)w[j] * x[j];
+                mag += fabs((double)w[j] * x[j]);
+            }
+            assert_true(fabs(kern_dot_exact_f32(w, x, n) - exact) <= 1e-5 * mag + 1e-30);
+            assert_true(fabs(kern_dot_fast_f32(w, x, n) - exact) <= 1e-5 * mag + 1e-30);
+            if (q8ok) /* weights and activations rounded to 8 bits: ~1% of the magnitude */
+                assert_true(fabs(kern_dot_q8_0(wq + (size_t)r * (n / 32) * 34, qd, qs, n) -
+                                 exact) <= 2e-2 * mag);
+        }
+        /* EXACT is run.c's loop */
+        for (int r = 0; r < rows; r++) {
+            float val = 0.0f;
+            for (int j = 0; j < n; j++)
+                val += wf[(size_t)r * n + j] * x[j];
+            float e = kern_dot_exact_f32(wf + (size_t)r * n, x, n);
+            assert_memory_equal(&val, &e, sizeof(float));
+        }
+        free(wf);
+        free(wh);
+        free(wq);
+        free(wh32);
+        free(x);
+        free(qd);
+        free(qs);
+        free(qd2);
+        free(qs2);
+        free(ref);
+        free(got);
+        free(scratch);
+    }
+}
+
+/* The attention helpers against their definitions, on every instruction set. */
+static void test_kernels_attention(void **state)
+{
+    const int ns[] = {8, 12, 64, 128, 200};
+    float q[200], k[17 * 208], y[200], yref[200], a[17], out[17];
+    for (size_t ni = 0; ni < sizeof(ns) / sizeof(ns[0]); ni++) {
+        int n = ns[ni];
+        size_t stride = (size_t)n + 8;
+        for (int i = 0; i < n; i++)
+            q[i] = frand();
+        for (size_t i = 0; i < 17 * stride; i++)
+            k[i] = frand();
+        for (int r = 0; r < 17; r++)
+            a[r] = frand();
+        for (int rows = 1; rows <= 17; rows += 4) {
+            for (int isa = KERN_ISA_SCALAR; isa <= (int)best_isa(); isa++) {
+                for (int order = KERN_ORDER_EXACT; order <= KERN_ORDER_FAST; order++) {
+                    kern_dot_rows((kern_isa)isa, (kern_order)order, q, k, stride, rows, n, out);
+                    for (int r = 0; r < rows; r++) {
+                        float e = order == KERN_ORDER_FAST
+                                      ? kern_dot_fast_f32(q, k + (size_t)r * stride, n)
+                                      : kern_dot_exact_f32(q, k + (size_t)r * stride, n);
+                        assert_memory_equal(&e, &out[r], sizeof(float));
+                    }
+                }
+                /* run.c: xb[i] += a * v[i], position by position */
+                for (int i = 0; i < n; i++)
+                    y[i] = yref[i] = q[i];
+                for (int r = 0; r < rows; r++)
+                    for (int i = 0; i < n; i++)
+                        yref[i] += a[r] * k[(size_t)r * stride + i];
+                kern_axpy_rows((kern_isa)isa, y, a, k, stride, rows, n);
+                assert_memory_equal(y, yref, (size_t)n * sizeof(float));
+            }
+        }
+    }
+}
+
+/* The AVX-512 kernels give the same results from activations packed once by the caller
+ * (kern_pack_bind/kern_pack_act) as from their own packing. */
+static void test_kernels_packed(void **state)
+{
+    if (best_isa() < KERN_ISA_AVX512)
+        skip();
+    const int rows = 37, n = 160, T = 11;
+    float *wf = malloc((size_t)rows * n * sizeof(float));
+    uint8_t *wq = malloc((size_t)rows * n / 32 * 34);
+    float *x = malloc((size_t)T * n * sizeof(float));
+    float qd[11 * 5];
+    int8_t qs[11 * 160];
+    float *o1 = malloc((size_t)T * rows * sizeof(float)),
+          *o2 = malloc((size_t)T * rows * sizeof(float));
+    float *scratch = malloc(kern_scratch_floats(n) * sizeof(float));
+    void *buf = malloc(kern_pack_bytes(T, n));
+    assert_non_null(wf);
+    assert_non_null(wq);
+    assert_non_null(x);
+    assert_non_null(o1);
+    assert_non_null(o2);
+    assert_non_null(scratch);
+    assert_non_null(buf);
+    for (int i = 0; i < rows * n; i++)
+        wf[i] = frand();
+    for (int r = 0; r < rows; r++)
+        kern_quantize_q8_0(wf + (size_t)r * n, n, wq + (size_t)r * n / 32 * 34);
+    for (int i = 0; i < T * n; i++)
+        x[i] = frand();
+    kern_quantize_act(KERN_ISA_AVX512, x, T, n, qd, qs);
+    float *p1[11], *p2[11];
+    for (int t = 0; t < T; t++) {
+        p1[t] = o1 + (size_t)t * rows;
+        p2[t] = o2 + (size_t)t * rows;
+    }
+    kern_mat mats[2] = {{wf, GGUF_TENSOR_F32, rows, n}, {wq, GGUF_TENSOR_Q8_0, rows, n}};
+    for (int mi = 0; mi < 2; mi++) {
+        kern_act a = {.x = x, .q_d = qd, .q_s = qs, .T = T, .n = n};
+        kern_matmul(KERN_ISA_AVX512, KERN_ORDER_FAST, &mats[mi], &a, 0, rows, p1, scratch);
+        kern_pack_bind(KERN_ISA_AVX512, &a, 1, 1, buf);
+        assert_non_null(a.xp);
+        assert_non_null(a.qp);
+        for (int t = 0; t < T; t += 2)
+            kern_pack_act(KERN_ISA_AVX512, &a, t, t + 2 < T ? t + 2 : T);
+        kern_matmul(KERN_ISA_AVX512, KERN_ORDER_FAST, &mats[mi], &a, 0, rows, p2, scratch);
+        assert_memory_equal(o1, o2, (size_t)T * rows * sizeof(float));
+        /* other isas: no packing */
+        kern_pack_bind(KERN_ISA_AVX2, &a, 1, 1, buf);
+        assert_null(a.xp);
+    }
+    free(wf);
+    free(wq);
+    free(x);
+    free(o1);
+    free(o2);
+    free(scratch);
+    free(buf);
+}
+
+/* Q8_0 blocks as GGUF stores them: f16 scale (little-endian) then 32 int8. */
+static void test_kernels_q8_format(void **state)
+{
+    float x[64];
+    for (int i = 0; i < 32; i++)
+        x[i] = (float)(i - 16) / 4.0f; /* amax 4 (at i = 0): d = 4/127 */
+    for (int i = 32; i < 64; i++)
+        x[i] = 0.0f; /* all zero: d = 0, q = 0 */
+    x[40] = -1e-3f;
+    x[41] = 0.0f;
+    uint8_t blk[2 * 34];
+    kern_quantize_q8_0(x, 64, blk);
+    uint16_t h = (uint16_t)(blk[0] | blk[1] << 8);
+    assert_int_equal(h, gguf_fp32_to_fp16(4.0f / 127.0f));
+    assert_int_equal((int8_t)blk[2], -127); /* x[0] = -4 */
+    assert_int_equal((int8_t)blk[2 + 16], 0);
+    assert_int_equal((int8_t)blk[2 + 20], 32); /* 1.0 / (4 / 127) = 31.75 -> 32 */
+    /* second block: amax 1e-3, the lone value maps to -127 */
+    assert_int_equal((int8_t)blk[34 + 2 + 8], -127);
+    assert_int_equal((int8_t)blk[34 + 2 + 0], 0);
+    /* round trip error within half a step (plus the f16 rounding of the scale) */
+    float back[64];
+    kern_mat m = {blk, GGUF_TENSOR_Q8_0, 1, 64};
+    kern_dequant_row(&m, 0, back);
+    for (int i = 0; i < 64; i++) {
+        float d = i < 32 ? 4.0f / 127.0f : 1e-3f / 127.0f;
+        assert_true(fabsf(back[i] - x[i]) <= d * 0.5f + 127.0f * d / 1024.0f);
+    }
+    assert_true(back[0] == gguf_fp16_to_fp32(h) * -127.0f);
+    /* through a GGUF file: the reader sees the type and the 34-byte blocks */
+    char path[PATH_MAX], err[256];
+    snprintf(path, sizeof(path), "%s/q8.gguf", tmpdir);
+    gguf_writer_t *w = gguf_writer_new();
+    uint64_t ne[2] = {32, 2};
+    assert_int_equal(gguf_writer_add_tensor(w, "q.weight", GGUF_TENSOR_Q8_0, 2, ne, blk), 0);
+    assert_int_equal(gguf_writer_write(w, path, err, sizeof(err)), 0);
+    gguf_writer_destroy(&w);
+    gguf_t *g = gguf_open(path, err, sizeof(err));
+    assert_non_null(g);
+    const gguf_tensor_info *t = gguf_find_tensor(g, "q.weight");
+    assert_non_null(t);
+    assert_int_equal(t->type, GGUF_TENSOR_Q8_0);
+    assert_int_equal(t->n_bytes, 68);
+    assert_memory_equal(t->data, blk, 68);
+    kern_mat m2 = {t->data, GGUF_TENSOR_Q8_0, 2, 32};
+    float row1[32];
+    kern_dequant_row(&m2, 1, row1);
+    assert_memory_equal(row1, back + 32, sizeof(row1));
+    gguf_close(&g);
+    /* F16 rows widen exactly */
+    uint16_t hv[8];
+    for (int i = 0; i < 8; i++)
+        hv[i] = gguf_fp32_to_fp16((float)i * 0.3f);
+    kern_mat mh = {hv, GGUF_TENSOR_F16, 1, 8};
+    float wide[8];
+    kern_dequant_row(&mh, 0, wide);
+    for (int i = 0; i < 8; i++)
+        assert_true(wide[i] == gguf_fp16_to_fp32(hv[i]));
+}
+
+typedef struct {
+    atomic_int calls;
+    atomic_int next;
+    int n_items;
+    int spin_us;
+    atomic_int *hits; /* (n_items,) */
+    atomic_int seen_threads[64];
+} tp_job;
+
+static void tp_fn(void *arg, int ti, int nth)
+{
+    tp_job *j = arg;
+    atomic_fetch_add(&j->calls, 1);
+    assert_true(ti >= 0 && ti < nth && nth <= 64);
+    atomic_fetch_add(&j->seen_threads[ti], 1);
+    for (;;) {
+        int i = atomic_fetch_add(&j->next, 1);
+        if (i >= j->n_items)
+            break;
+        atomic_fetch_add(&j->hits[i], 1);
+        if (j->spin_us)
+            usleep((useconds_t)j->spin_us);
+    }
+}
+
+static void test_threadpool(void **state)
+{
+    assert_true(threadpool_default_threads() >= 1);
+    const int sizes[] = {1, 2, 3, 8};
+    static atomic_int hits[1000];
+    for (size_t si = 0; si < sizeof(sizes) / sizeof(sizes[0]); si++) {
+        threadpool_t *p = threadpool_new(sizes[si]);
+        assert_non_null(p);
+        assert_int_equal(threadpool_size(p), sizes[si]);
+        int helped = 0;
+        for (int rep = 0; rep < 300; rep++) {
+            tp_job j = {.n_items = rep % 3 == 0 ? 1000 : rep % 7, .hits = hits};
+            /* some jobs slow enough that the workers surely join */
+            j.spin_us = rep % 50 == 1 ? 200 : 0;
+            if (j.spin_us)
+                j.n_items = 40;
+            for (int i = 0; i < 1000; i++)
+                atomic_init(&hits[i], 0);
+            for (int t = 0; t < 64; t++)
+                atomic_init(&j.seen_threads[t], 0);
+            atomic_init(&j.calls, 0);
+            atomic_init(&j.next, 0);
+            threadpool_run(p, tp_fn, &j);
+            /* the caller ran it, each worker at most once, every item exactly once, and
+             * nobody touches the job after threadpool_run returned */
+            assert_int_equal(atomic_load(&j.seen_threads[0]), 1);
+            for (int t = 1; t < sizes[si]; t++) {
+                assert_true(atomic_load(&j.seen_threads[t]) <= 1);
+                helped += atomic_load(&j.seen_threads[t]);
+            }
+            assert_true(atomic_load(&j.calls) >= 1 && atomic_load(&j.calls) <= sizes[si]);
+            for (int i = 0; i < j.n_items; i++)
+                assert_int_equal(atomic_load(&hits[i]), 1);
+            j.n_items = -1; /* a late worker would trip on this */
+            if (rep == 150)
+                usleep(20000); /* let the workers fall asleep, then wake them */
+        }
+        if (sizes[si] > 1)
+            assert_true(helped > 0); /* the workers do take part */
+        threadpool_destroy(&p);
+        assert_null(p);
+        threadpool_destroy(&p);
+    }
+    threadpool_t *d = threadpool_new(0);
+    assert_non_null(d);
+    assert_int_equal(threadpool_size(d), threadpool_default_threads());
+    threadpool_destroy(&d);
+}
+
+/* Logits of three scenarios that must agree bit for bit: X alone in one call (logits for
+ * every token), X in chunks of 3, and X batched with Y (one decode token after a partial
+ * prefill) and Z (two tokens). Writes X's logits (nx, V) to out. */
+static void scenario_logits(const model_t *m, const model_ctx_params *p, const int *x, int nx,
+                            const int *y, int ny, const int *z, int nz, float *out)
+{
+    const model_config *c = model_get_config(m);
+    const int V = c->vocab_size;
+    kvcache_params kp = {c->n_layer, c->n_kv_head, c->head_dim, 4, 96, 4, c->n_ctx};
+    kvcache_t *kv = kvcache_new(&kp);
+    model_ctx_t *ctx = model_ctx_new_params(m, p);
+    float *got = malloc((size_t)nx * V * sizeof(float));
+    float *scr = malloc((size_t)3 * V * sizeof(float));
+    assert_non_null(kv);
+    assert_non_null(ctx);
+    assert_non_null(got);
+    assert_non_null(scr);
+    int sx = kvcache_seq_new(kv);
+    assert_int_equal(kvcache_seq_reserve(kv, sx, nx), KVCACHE_OK);
+    model_seq_batch b = {sx, 0, nx, x, 1, out};
+    assert_int_equal(model_forward(ctx, kv, &b, 1, NULL, NULL), 0);
+    /* chunks of 3 */
+    kvcache_seq_truncate(kv, sx, 0);
+    assert_int_equal(kvcache_seq_reserve(kv, sx, nx), KVCACHE_OK);
+    for (int q = 0; q < nx; q += 3) {
+        int k = nx - q < 3 ? nx - q : 3;
+        model_seq_batch cb = {sx, q, k, x + q, 1, got + (size_t)q * V};
+        assert_int_equal(model_forward(ctx, kv, &cb, 1, NULL, NULL), 0);
+    }
+    assert_memory_equal(got, out, (size_t)nx * V * sizeof(float));
+    /* batched with others */
+    kvcache_seq_truncate(kv, sx, 0);
+    assert_int_equal(kvcache_seq_reserve(kv, sx, nx), KVCACHE_OK);
+    int sy = kvcache_seq_new(kv), sz = kvcache_seq_new(kv);
+    assert_int_equal(kvcache_seq_reserve(kv, sy, ny), KVCACHE_OK);
+    assert_int_equal(kvcache_seq_reserve(kv, sz, nz), KVCACHE_OK);
+    model_seq_batch pre[2] = {{sy, 0, ny - 1, y, 0, scr}, {sz, 0, nz - 2, z, 0, scr + V}};
+    assert_int_equal(model_forward(ctx, kv, pre, 2, NULL, NULL), 0);
+    model_seq_batch all[3] = {
+        {sy, ny - 1, 1, y + ny - 1, 0, scr},
+        {sx, 0, nx, x, 1, got},
+        {sz, nz - 2, 2, z + nz - 2, 1, scr + V},
+    };
+    memset(got, 0, (size_t)nx * V * sizeof(float));
+    assert_int_equal(model_forward(ctx, kv, all, 3, NULL, NULL), 0);
+    assert_memory_equal(got, out, (size_t)nx * V * sizeof(float));
+    free(got);
+    free(scr);
+    model_ctx_destroy(&ctx);
+    kvcache_destroy(&kv);
+}
+
+/* One model under every thread count and instruction set: the same logits, bit for bit,
+ * and batch invariance each time. Returns the reference logits (nx, V), caller frees. */
+static float *check_invariance(const model_t *m, model_kernel kernel, const int *x, int nx,
+                               const int *y, int ny, const int *z, int nz)
+{
+    const int V = model_get_config(m)->vocab_size;
+    float *ref = malloc((size_t)nx * V * sizeof(float));
+    float *got = malloc((size_t)nx * V * sizeof(float));
+    assert_non_null(ref);
+    assert_non_null(got);
+    const int threads[] = {1, 2, 3};
+    int first = 1;
+    for (int isa = MODEL_ISA_SCALAR; isa <= (int)best_isa() + 1; isa++) {
+        for (size_t ti = 0; ti < sizeof(threads) / sizeof(threads[0]); ti++) {
+            model_ctx_params p = model_ctx_default_params();
+            p.max_tokens = 128;
+            p.n_threads = threads[ti];
+            p.kernel = kernel;
+            p.max_isa = (model_isa)isa;
+            scenario_logits(m, &p, x, nx, y, ny, z, nz, first ? ref : got);
+            if (!first && memcmp(ref, got, (size_t)nx * V * sizeof(float)) != 0)
+                fail_msg("logits differ with isa %d, %d threads", isa - 1, threads[ti]);
+            first = 0;
+        }
+    }
+    free(got);
+    return ref;
+}
+
+static void test_model_threads_isa(void **state)
+{
+    const char *px = "One day, a little dog named Max went to the big park with his ball.";
+    const char *py = "Lily and Ben";
+    const char *pz = "The sun was hot";
+    int x[128], y[64], z[64];
+    int nx = tokenizer_encode(g_tok, px, strlen(px), 1, x, 128, NULL);
+    int ny = tokenizer_encode(g_tok, py, strlen(py), 1, y, 64, NULL);
+    int nz = tokenizer_encode(g_tok, pz, strlen(pz), 1, z, 64, NULL);
+    /* EXACT (the default for this F32 model) and FAST */
+    float *exact = check_invariance(g_model, MODEL_KERNEL_EXACT, x, nx, y, ny, z, nz);
+    float *fast = check_invariance(g_model, MODEL_KERNEL_FAST, x, nx, y, ny, z, nz);
+    const int V = model_get_config(g_model)->vocab_size;
+    /* AUTO is EXACT for an all-F32 model */
+    model_ctx_params p = model_ctx_default_params();
+    p.max_tokens = 64;
+    float *aut = malloc((size_t)nx * V * sizeof(float));
+    assert_non_null(aut);
+    scenario_logits(g_model, &p, x, nx, y, ny, z, nz, aut);
+    assert_memory_equal(aut, exact, (size_t)nx * V * sizeof(float));
+    model_ctx_t *ctx = model_ctx_new_params(g_model, &p);
+    assert_non_null(strstr(model_ctx_kernel_name(ctx), "/exact"));
+    assert_true(model_ctx_n_threads(ctx) >= 1);
+    model_ctx_destroy(&ctx);
+    /* FAST differs from EXACT only in the last bits */
+    int differ = 0;
+    for (int i = 0; i < nx * V; i++) {
+        differ |= exact[i] != fast[i];
+        assert_true(fabsf(exact[i] - fast[i]) <= 1e-4f * (1.0f + fabsf(exact[i])));
+    }
+    assert_true(differ); /* really another order */
+    /* bad params */
+    p.max_tokens = 0;
+    assert_null(model_ctx_new_params(g_model, &p));
+    p.max_tokens = 8;
+    p.kernel = (model_kernel)7;
+    assert_null(model_ctx_new_params(g_model, &p));
+    p.kernel = MODEL_KERNEL_AUTO;
+    p.n_threads = -1;
+    assert_null(model_ctx_new_params(g_model, &p));
+    free(aut);
+    free(exact);
+    free(fast);
+}
+
+/* Greedy decoding with FAST kernels on F32 weights: today it also reproduces run.c's
+ * tokens for the reference prompt (the logits differ in the last bits). Not a promise of
+ * the FAST order, a check that it stays a faithful dot product: if a kernel change makes
+ * this fail, look at the logit margins before calling it a bug. */
+static void test_model_fast_greedy(void **state)
+{
+    int ref[64];
+    assert_int_equal(parse_ids(ref_260k, ref, 64), 60);
+    const model_config *c = model_get_config(g_model);
+    int ptoks[8];
+    int np = tokenizer_encode(g_tok, "Once upon a time", 16, 1, ptoks, 8, NULL);
+    assert_int_equal(np, 5);
+    kvcache_params kp = {c->n_layer, c->n_kv_head, c->head_dim, 16, 8, 1, c->n_ctx};
+    kvcache_t *kv = kvcache_new(&kp);
+    model_ctx_params p = model_ctx_default_params();
+    p.max_tokens = 8;
+    p.kernel = MODEL_KERNEL_FAST;
+    model_ctx_t *ctx = model_ctx_new_params(g_model, &p);
+    sampler_t *smp = sampler_new(c->vocab_size);
+    float *logits = malloc((size_t)c->vocab_size * sizeof(float));
+    assert_non_null(kv);
+    assert_non_null(ctx);
+    assert_non_null(logits);
+    int seq = kvcache_seq_new(kv);
+    assert_int_equal(kvcache_seq_reserve(kv, seq, 64), KVCACHE_OK);
+    model_seq_batch b = {seq, 0, np, ptoks, 0, logits};
+    assert_int_equal(model_forward(ctx, kv, &b, 1, NULL, NULL), 0);
+    sampler_params sp = {0.0f, 1.0f, 0};
+    uint64_t rng = 1;
+    int gen[56];
+    for (int i = 0; i < 56; i++) {
+        gen[i] = sampler_sample(smp, &sp, &rng, logits);
+        model_seq_batch d = {seq, np + i, 1, &gen[i], 0, logits};
+        assert_int_equal(model_forward(ctx, kv, &d, 1, NULL, NULL), 0);
+    }
+    assert_memory_equal(gen, ref + 4, 56 * sizeof(int));
+    free(logits);
+    sampler_destroy(&smp);
+    model_ctx_destroy(&ctx);
+    kvcache_destroy(&kv);
+}
+
+/* A synthetic model (tidepool-mkmodel) in F32, F16 and Q8_0 from one seed: all load,
+ * every weight type is batch- and thread-invariant on every instruction set, and the
+ * quantized logits stay close to the F32 ones. */
+static void test_model_quantized(void **state)
+{
+    const char *types[3] = {"f32", "f16", "q8_0"};
+    /* relative L2 distance of the logits to F32 (measured: F16 8e-4, Q8_0 2e-2) */
+    const double tol[3] = {0, 0.005, 0.05};
+    model_t *m[3];
+    for (int i = 0; i < 3; i++) {
+        char path[PATH_MAX], args[2 * PATH_MAX], err[512];
+        snprintf(path, sizeof(path), "%s/synth-%s.gguf", tmpdir, types[i]);
+        snprintf(args, sizeof(args),
+                 "--dim 128 --hidden-dim 256 --layers 2 --heads 4 --kv-heads 2 --vocab 300 "
+                 "--ctx 128 --seed 7 --type %s --out '%s'",
+                 types[i], path);
+        assert_int_equal(run_tool("tidepool-mkmodel", args), 0);
+        m[i] = model_load(path, err, sizeof(err));
+        if (!m[i])
+            fail_msg("%s", err);
+        const model_config *c = model_get_config(m[i]);
+        assert_int_equal(c->dim, 128);
+        assert_int_equal(c->vocab_size, 300);
+        assert_int_equal(c->n_kv_head, 2);
+        tokenizer_t *t = tokenizer_load(path, err, sizeof(err));
+        assert_non_null(t);
+        int ids[16];
+        int n = tokenizer_encode(t, "hi", 2, 1, ids, 16, NULL); /* BOS + " hi" in bytes */
+        assert_int_equal(n, 4);
+        assert_int_equal(ids[1], ' ' + 3);
+        tokenizer_destroy(&t);
+    }
+    assert_true(model_matmul_bytes(m[1]) * 2 == model_matmul_bytes(m[0]));
+    assert_true(model_matmul_bytes(m[2]) * 32 == model_matmul_bytes(m[0]) / 4 * 34 / 1);
+    /* 96 tokens: enough work that every step but the output projection (attention too)
+     * runs on the threads */
+    int x[96], y[6], z[5];
+    for (int i = 0; i < 96; i++)
+        x[i] = 3 + (i * 37) % 297;
+    for (int i = 0; i < 6; i++)
+        y[i] = 3 + (i * 91) % 297;
+    for (int i = 0; i < 5; i++)
+        z[i] = 3 + (i * 53) % 297;
+    float *logit[3];
+    for (int i = 0; i < 3; i++)
+        logit[i] = check_invariance(m[i], MODEL_KERNEL_AUTO, x, 96, y, 6, z, 5);
+    for (int i = 1; i < 3; i++) {
+        double num = 0, den = 0;
+        for (int k = 0; k < 96 * 300; k++) {
+            double d = (double)logit[i][k] - logit[0][k];
+            num += d * d;
+            den += (double)logit[0][k] * logit[0][k];
+        }
+        double rel = sqrt(num / den);
+        if (!(rel <= tol[i]))
+            fail_msg("%s logits: relative distance %g to F32 > %g", types[i], rel, tol[i]);
+    }
+    for (int i = 0; i < 3; i++) {
+        free(logit[i]);
+        model_destroy(&m[i]);
+    }
+}
+
+/* ------------------------------------------------------------------------------------- */
 /* sampler */
 
 static void test_sampler(void **state)
@@ -1137,6 +1782,14 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_model_config),
         cmocka_unit_test(test_model_greedy_reference),
         cmocka_unit_test(test_model_batch_invariance),
+        cmocka_unit_test(test_kernels_vs_reference),
+        cmocka_unit_test(test_kernels_attention),
+        cmocka_unit_test(test_kernels_packed),
+        cmocka_unit_test(test_kernels_q8_format),
+        cmocka_unit_test(test_threadpool),
+        cmocka_unit_test(test_model_threads_isa),
+        cmocka_unit_test(test_model_fast_greedy),
+        cmocka_unit_test(test_model_quantized),
         cmocka_unit_test(test_sampler),
         cmocka_unit_test(test_convert_other_models),
         cmocka_unit_test(test_convert_errors),

@@ -1,0 +1,46 @@
+/*
+ * kernels_internal: what kernels.c (reference kernels, dispatch) and kernels_x86.c (the
+ * AVX2 and AVX-512 kernels) share. Not part of the engine's interface.
+ */
+#ifndef TP_KERNELS_INTERNAL_H
+#define TP_KERNELS_INTERNAL_H
+
+#include "kernels.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#define KERN_HAVE_X86 1
+#endif
+
+/* Tokens the AVX-512 kernels take at once (4 pairs); sizes the per-thread scratch. */
+#define PACK_T 8
+
+/* Bytes of one weight row. */
+static inline size_t kern_row_bytes(const kern_mat *w)
+{
+    return (size_t)gguf_tensor_nbytes(w->type, (uint64_t)w->cols);
+}
+
+#ifdef KERN_HAVE_X86
+/* AVX2: EXACT-order F32 (scratch: kern_scratch_floats(n) floats), FAST-order F32/F16 and
+ * Q8_0 products of rows [r0, r1), all T tokens. */
+void kern_x86_matmul_exact_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
+                                float *const *out, float *scratch);
+void kern_x86_matmul_fast_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
+                               float *const *out);
+void kern_x86_matmul_q8_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
+                             float *const *out);
+/* AVX-512, T >= 2: F32/F16 (FAST) and Q8_0; scratch: kern_scratch_floats(n) floats. */
+void kern_x86_matmul_avx512(const kern_mat *w, const kern_act *a, int r0, int r1, float *const *out,
+                            float *scratch);
+void kern_x86_quantize_act_avx2(const float *x, int T, int n, float *q_d, int8_t *q_s);
+/* Interleave nt <= PACK_T tokens in pairs (layouts in kernels_x86.c). */
+void kern_x86_pack_pairs_f32(const float *x, int n, int nt, float *xp);
+void kern_x86_pack_pairs_q8(const float *xd, const int8_t *xs, int n, int nt, uint8_t *qp,
+                            float *dp);
+void kern_x86_dot_rows_fast_avx2(const float *q, const float *k, size_t k_stride, int n_rows, int n,
+                                 float *out);
+void kern_x86_axpy_rows_avx2(float *y, const float *a, const float *x, size_t x_stride, int n_rows,
+                             int n);
+#endif
+
+#endif

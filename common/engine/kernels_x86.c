@@ -1,0 +1,662 @@
+/*
+ * kernels_x86: the AVX2 (+FMA, F16C) and AVX-512 (F/BW/DQ/VL/VNNI) kernels behind
+ * kernels.h, each bit-identical to its reference in kernels.c. Functions carry target
+ * attributes, so this file builds with the project's flags and the code runs only where
+ * kern_isa_detect() found the instructions.
+ *
+ * The AVX2 FAST and Q8_0 kernels compute a tile of R weight rows x NT tokens at once
+ * (R * NT independent 8-lane accumulators hide the FMA latency, each weight vector loaded
+ * is used NT times, each activation vector R times); the tile shape changes which dot
+ * products run side by side, never the operations of one dot product. For prefill the
+ * rows are taken in blocks of ROW_BLOCK that stay in L2 while every token tile passes
+ * over them, so each weight byte comes from memory once per call.
+ */
+#include "kernels_internal.h"
+
+#ifdef KERN_HAVE_X86
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+/* Batch-1 decode streams the weights from memory with one row tile per step; software
+ * prefetch this many bytes ahead in each row raised a single core's rate by ~7% (F16)
+ * and ~30% (Q8_0, whose 34-byte blocks the hardware prefetcher follows less well) on
+ * the development machine (tests/bench). Prefill tiles stream from L2 and do not. */
+#define PF_FAST 512
+#define PF_Q8 512
+
+#define ROW_BLOCK 16 /* rows per L2-resident block in prefill */
+
+#define TGT __attribute__((target("avx2,fma,f16c")))
+#define TILE static inline __attribute__((always_inline)) TGT
+
+/* ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), as hsum8_ref */
+TILE float hsum8_avx2(__m256 v)
+{
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+    return _mm_cvtss_f32(s1);
+}
+
+TILE __m256 load_w8(const uint8_t *row, int j, int f16)
+{
+    if (f16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * (size_t)j)));
+    return _mm256_loadu_ps((const float *)row + j);
+}
+
+TILE float load_w1(const uint8_t *row, int j, int f16)
+{
+    if (f16) {
+        uint16_t h;
+        memcpy(&h, row + 2 * (size_t)j, 2);
+        return _cvtsh_ss(h);
+    }
+    return ((const float *)row)[j];
+}
+
+/* FAST order, R rows from wrow (stride ws bytes) x NT tokens from x (stride n). */
+TILE void tile_fast(const int R, const int NT, const int f16, const uint8_t *wrow, size_t ws,
+                    const float *x, int n, float *const *out, int i)
+{
+    const int pf = NT == 1 ? PF_FAST : 0;
+    __m256 acc[8][3];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 3
+        for (int t = 0; t < NT; t++)
+            acc[r][t] = _mm256_setzero_ps();
+    const int n8 = n & ~7;
+    for (int j = 0; j < n8; j += 8) {
+        __m256 xv[3];
+#pragma GCC unroll 3
+        for (int t = 0; t < NT; t++)
+            xv[t] = _mm256_loadu_ps(x + (size_t)t * n + j);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            if (pf && (j & 15) == 0)
+                _mm_prefetch((const char *)(wrow + (size_t)r * ws) + (f16 ? 2 : 4) * j + pf,
+                             _MM_HINT_T0);
+            __m256 wv = load_w8(wrow + (size_t)r * ws, j, f16);
+#pragma GCC unroll 3
+            for (int t = 0; t < NT; t++)
+                acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+#pragma GCC unroll 3
+        for (int t = 0; t < NT; t++) {
+            float s = hsum8_avx2(acc[r][t]);
+            const float *xt = x + (size_t)t * n;
+            for (int j = n8; j < n; j++)
+                s = fmaf(load_w1(wrow + (size_t)r * ws, j, f16), xt[j], s);
+            out[t][i + r] = s;
+        }
+    }
+}
+
+/* Q8_0: R rows x NT tokens; xd/xs: token 0's scales and quants (strides nb, n). The
+ * integer lane sums p[k] = sum of |w| * (x with the sign of w) over elements 4k..4k+3 are
+ * exact: maddubs pairs cannot saturate (|w| <= 128, |x| <= 127). */
+TILE void tile_q8(const int R, const int NT, const uint8_t *wrow, size_t ws, const float *xd,
+                  const int8_t *xs, int n, float *const *out, int i)
+{
+    const int nb = n / KERN_Q8_BLOCK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[8][3];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 3
+        for (int t = 0; t < NT; t++)
+            acc[r][t] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m256i xv[3];
+        __m256 dx[3];
+#pragma GCC unroll 3
+        for (int t = 0; t < NT; t++) {
+            xv[t] = _mm256_loadu_si256(
+                (const __m256i *)(xs + (size_t)t * n + (size_t)b * KERN_Q8_BLOCK));
+            dx[t] = _mm256_broadcast_ss(xd + (size_t)t * nb + b);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = wrow + (size_t)r * ws + (size_t)b * KERN_Q8_BLOCK_BYTES;
+            if (NT == 1)
+                _mm_prefetch((const char *)blk + PF_Q8, _MM_HINT_T0);
+            uint16_t h;
+            memcpy(&h, blk, 2);
+            __m256 dw = _mm256_set1_ps(_cvtsh_ss(h));
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            __m256i aw = _mm256_sign_epi8(wv, wv);
+#pragma GCC unroll 3
+            for (int t = 0; t < NT; t++) {
+                __m256i sx = _mm256_sign_epi8(xv[t], wv);
+                __m256i p16 = _mm256_maddubs_epi16(aw, sx);
+                __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx[t]), p, acc[r][t]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 3
+        for (int t = 0; t < NT; t++)
+            out[t][i + r] = hsum8_avx2(acc[r][t]);
+}
+
+#define DEF_FAST(R, NT, F16)                                                                       \
+    static TGT __attribute__((noinline)) void fast_##R##_##NT##_##F16(                             \
+        const uint8_t *w, size_t ws, const float *x, int n, float *const *out, int i)              \
+    {                                                                                              \
+        tile_fast(R, NT, F16, w, ws, x, n, out, i);                                                \
+    }
+#define DEF_FAST_ALL(F16)                                                                          \
+    DEF_FAST(8, 1, F16)                                                                            \
+    DEF_FAST(4, 3, F16)                                                                            \
+    DEF_FAST(4, 2, F16)                                                                            \
+    DEF_FAST(4, 1, F16)                                                                            \
+    DEF_FAST(1, 3, F16)                                                                            \
+    DEF_FAST(1, 2, F16)                                                                            \
+    DEF_FAST(1, 1, F16)
+DEF_FAST_ALL(0)
+DEF_FAST_ALL(1)
+
+#define DEF_Q8(R, NT)                                                                              \
+    static TGT __attribute__((noinline)) void q8_##R##_##NT(const uint8_t *w, size_t ws,           \
+                                                            const float *xd, const int8_t *xs,     \
+                                                            int n, float *const *out, int i)       \
+    {                                                                                              \
+        tile_q8(R, NT, w, ws, xd, xs, n, out, i);                                                  \
+    }
+DEF_Q8(8, 1)
+DEF_Q8(4, 3)
+DEF_Q8(4, 2)
+DEF_Q8(4, 1)
+DEF_Q8(1, 3)
+DEF_Q8(1, 2)
+DEF_Q8(1, 1)
+
+typedef void (*fast_fn)(const uint8_t *, size_t, const float *, int, float *const *, int);
+typedef void (*q8_fn)(const uint8_t *, size_t, const float *, const int8_t *, int, float *const *,
+                      int);
+
+static const fast_fn fast_r4[2][4] = {
+    {NULL, fast_4_1_0, fast_4_2_0, fast_4_3_0},
+    {NULL, fast_4_1_1, fast_4_2_1, fast_4_3_1},
+};
+static const fast_fn fast_r1[2][4] = {
+    {NULL, fast_1_1_0, fast_1_2_0, fast_1_3_0},
+    {NULL, fast_1_1_1, fast_1_2_1, fast_1_3_1},
+};
+static const q8_fn q8_r4[4] = {NULL, q8_4_1, q8_4_2, q8_4_3};
+static const q8_fn q8_r1[4] = {NULL, q8_1_1, q8_1_2, q8_1_3};
+
+TGT void kern_x86_matmul_fast_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
+                                   float *const *out)
+{
+    const int n = a->n, T = a->T, f16 = w->type == GGUF_TENSOR_F16;
+    const size_t ws = kern_row_bytes(w);
+    const uint8_t *base = w->data;
+    if (T == 1) {
+        int i = r0;
+        for (; i + 8 <= r1; i += 8)
+            (f16 ? fast_8_1_1 : fast_8_1_0)(base + (size_t)i * ws, ws, a->x, n, out, i);
+        for (; i < r1; i++)
+            fast_r1[f16][1](base + (size_t)i * ws, ws, a->x, n, out, i);
+        return;
+    }
+    for (int rb = r0; rb < r1; rb += ROW_BLOCK) {
+        int re = rb + ROW_BLOCK < r1 ? rb + ROW_BLOCK : r1;
+        for (int t = 0; t < T; t += 3) {
+            int nt = T - t < 3 ? T - t : 3;
+            const float *xt = a->x + (size_t)t * n;
+            int i = rb;
+            for (; i + 4 <= re; i += 4)
+                fast_r4[f16][nt](base + (size_t)i * ws, ws, xt, n, out + t, i);
+            for (; i < re; i++)
+                fast_r1[f16][nt](base + (size_t)i * ws, ws, xt, n, out + t, i);
+        }
+    }
+}
+
+TGT void kern_x86_matmul_q8_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
+                                 float *const *out)
+{
+    const int n = a->n, T = a->T, nb = n / KERN_Q8_BLOCK;
+    const size_t ws = kern_row_bytes(w);
+    const uint8_t *base = w->data;
+    if (T == 1) {
+        int i = r0;
+        for (; i + 8 <= r1; i += 8)
+            q8_8_1(base + (size_t)i * ws, ws, a->q_d, a->q_s, n, out, i);
+        for (; i < r1; i++)
+            q8_1_1(base + (size_t)i * ws, ws, a->q_d, a->q_s, n, out, i);
+        return;
+    }
+    for (int rb = r0; rb < r1; rb += ROW_BLOCK) {
+        int re = rb + ROW_BLOCK < r1 ? rb + ROW_BLOCK : r1;
+        for (int t = 0; t < T; t += 3) {
+            int nt = T - t < 3 ? T - t : 3;
+            const float *xd = a->q_d + (size_t)t * nb;
+            const int8_t *xs = a->q_s + (size_t)t * n;
+            int i = rb;
+            for (; i + 4 <= re; i += 4)
+                q8_r4[nt](base + (size_t)i * ws, ws, xd, xs, n, out + t, i);
+            for (; i < re; i++)
+                q8_r1[nt](base + (size_t)i * ws, ws, xd, xs, n, out + t, i);
+        }
+    }
+}
+
+TGT void kern_x86_quantize_act_avx2(const float *x, int T, int n, float *q_d, int8_t *q_s)
+{
+    const int nb = n / KERN_Q8_BLOCK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int t = 0; t < T; t++) {
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (size_t)t * n + (size_t)b * KERN_Q8_BLOCK;
+            __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+            __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+            __m256 m = _mm256_max_ps(
+                _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            float amax = _mm_cvtss_f32(m4);
+            float d = amax / 127.0f;
+            float id = d != 0.0f ? 1.0f / d : 0.0f;
+            q_d[(size_t)t * nb + b] = d;
+            __m256 vid = _mm256_set1_ps(id);
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vid));
+            __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vid));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vid));
+            __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vid));
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            p = _mm256_permutevar8x32_epi32(p, perm);
+            _mm256_storeu_si256((__m256i *)(q_s + (size_t)t * n + (size_t)b * KERN_Q8_BLOCK), p);
+        }
+    }
+}
+
+/* EXACT order (run.c) for F32 weights: the lanes are 8 tokens, not 8 terms of one dot
+ * product, so every lane runs run.c's chain s = s + w[j] * x[j] with j ascending (mul,
+ * then add: no FMA). The token tile is transposed into the scratch (x^T: n x 8, missing
+ * tokens zero, their lanes dropped); each weight element is broadcast to the 8 lanes.
+ * R rows at a time give R independent chains. */
+TILE void tile_exact(const int R, const float *w, size_t n_w, const float *xt, int n, int nt,
+                     float *const *out, int i)
+{
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm256_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        __m256 xv = _mm256_load_ps(xt + (size_t)j * 8);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_add_ps(acc[r],
+                                   _mm256_mul_ps(_mm256_broadcast_ss(w + (size_t)r * n_w + j), xv));
+    }
+    float lanes[8] __attribute__((aligned(32)));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        _mm256_store_ps(lanes, acc[r]);
+        for (int t = 0; t < nt; t++)
+            out[t][i + r] = lanes[t];
+    }
+}
+
+static TGT __attribute__((noinline)) void exact_8(const float *w, size_t n_w, const float *xt,
+                                                  int n, int nt, float *const *out, int i)
+{
+    tile_exact(8, w, n_w, xt, n, nt, out, i);
+}
+
+static TGT __attribute__((noinline)) void exact_1(const float *w, size_t n_w, const float *xt,
+                                                  int n, int nt, float *const *out, int i)
+{
+    tile_exact(1, w, n_w, xt, n, nt, out, i);
+}
+
+TGT void kern_x86_matmul_exact_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
+                                    float *const *out, float *scratch)
+{
+    const int n = a->n, T = a->T;
+    const float *base = w->data;
+    float *xt = (float *)(((uintptr_t)scratch + 31) & ~(uintptr_t)31);
+    for (int t0 = 0; t0 < T; t0 += 8) {
+        int nt = T - t0 < 8 ? T - t0 : 8;
+        for (int j = 0; j < n; j++)
+            for (int e = 0; e < 8; e++)
+                xt[(size_t)j * 8 + e] = e < nt ? a->x[(size_t)(t0 + e) * n + j] : 0.0f;
+        int i = r0;
+        for (; i + 8 <= r1; i += 8)
+            exact_8(base + (size_t)i * n, (size_t)n, xt, n, nt, out + t0, i);
+        for (; i < r1; i++)
+            exact_1(base + (size_t)i * n, (size_t)n, xt, n, nt, out + t0, i);
+    }
+}
+
+/* --- AVX-512: two tokens per register ------------------------------------------------
+ * A 512-bit register holds the 8 lanes of one dot product for token t (low half) and for
+ * token t + 1 (high half), against the same weight row broadcast to both halves: the
+ * same 8-lane order as the AVX2 and reference kernels, twice the work per instruction.
+ * The activations of up to PACK_T tokens are first interleaved in pairs into the
+ * thread's scratch (8 floats of t, 8 of t + 1, ...), for one row block at a time. Q8_0
+ * uses VNNI (vpdpbusd: unsigned x signed bytes, 4 products summed per int32 lane, exact)
+ * with the activation bytes offset to unsigned (x + 128) and the offset taken back by
+ * starting the sum at -128 * (sum of the 4 weights): the lane sums are the same integers
+ * as the reference's. */
+#define TGT512                                                                                     \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define TILE512 static inline __attribute__((always_inline)) TGT512
+#define ROW_BLOCK512 64
+
+/* Interleave tokens [0, nt) of x (stride n) into pairs: xp[(p * steps + s) * 16 + h * 8 + e]
+ * = x[2p + h][8s + e] (a missing odd token repeats its partner; its result is dropped). */
+TGT512 void kern_x86_pack_pairs_f32(const float *x, int n, int nt, float *xp)
+{
+    const int steps = n / 8;
+    for (int p = 0; p < (nt + 1) / 2; p++) {
+        const float *a = x + (size_t)(2 * p) * n;
+        const float *b = 2 * p + 1 < nt ? a + n : a;
+        float *o = xp + (size_t)p * steps * 16;
+        for (int s = 0; s < steps; s++) {
+            __m512 v = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a + 8 * s)),
+                                          _mm256_loadu_ps(b + 8 * s), 1);
+            _mm512_store_ps(o + 16 * s, v);
+        }
+    }
+}
+
+/* Q8 pairs: qp[(p * nb + b) * 64 + h * 32 + e] = xs[2p + h][32b + e] + 128 (unsigned);
+ * dp[(p * nb + b) * 16 + h * 8 + e] = xd[2p + h][b]. */
+TGT512 void kern_x86_pack_pairs_q8(const float *xd, const int8_t *xs, int n, int nt, uint8_t *qp,
+                                   float *dp)
+{
+    const int nb = n / KERN_Q8_BLOCK;
+    const __m256i off = _mm256_set1_epi8((char)0x80);
+    for (int p = 0; p < (nt + 1) / 2; p++) {
+        int t1 = 2 * p + 1 < nt ? 2 * p + 1 : 2 * p;
+        const int8_t *a = xs + (size_t)(2 * p) * n, *b = xs + (size_t)t1 * n;
+        const float *da = xd + (size_t)(2 * p) * nb, *db = xd + (size_t)t1 * nb;
+        for (int k = 0; k < nb; k++) {
+            uint8_t *o = qp + ((size_t)p * nb + k) * 64;
+            _mm256_storeu_si256(
+                (__m256i *)o,
+                _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(a + 32 * k)), off));
+            _mm256_storeu_si256(
+                (__m256i *)(o + 32),
+                _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 32 * k)), off));
+            __m512 d = _mm512_insertf32x8(_mm512_set1_ps(da[k]), _mm256_set1_ps(db[k]), 1);
+            _mm512_store_ps(dp + ((size_t)p * nb + k) * 16, d);
+        }
+    }
+}
+
+TILE512 __m512 load_w16(const uint8_t *row, int s, int f16)
+{
+    if (f16)
+        return _mm512_cvtph_ps(
+            _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(row + 16 * (size_t)s))));
+    return _mm512_broadcast_f32x8(_mm256_loadu_ps((const float *)row + 8 * (size_t)s));
+}
+
+/* FAST order, R rows x NP token pairs (tokens [0, nt) of this tile). */
+TILE512 void tile512_fast(const int R, const int NP, const int f16, const uint8_t *wrow, size_t ws,
+                          const float *xp, const float *x, int n, int nt, float *const *out, int i)
+{
+    const int steps = n / 8, n8 = steps * 8;
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; p++)
+            acc[r][p] = _mm512_setzero_ps();
+    for (int s = 0; s < steps; s++) {
+        __m512 xv[4];
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; p++)
+            xv[p] = _mm512_load_ps(xp + ((size_t)p * steps + s) * 16);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            __m512 wv = load_w16(wrow + (size_t)r * ws, s, f16);
+#pragma GCC unroll 4
+            for (int p = 0; p < NP; p++)
+                acc[r][p] = _mm512_fmadd_ps(wv, xv[p], acc[r][p]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; p++) {
+            for (int h = 0; h < 2; h++) {
+                int t = 2 * p + h;
+                if (t >= nt)
+                    break;
+                __m256 half =
+                    h ? _mm512_extractf32x8_ps(acc[r][p], 1) : _mm512_castps512_ps256(acc[r][p]);
+                float sum = hsum8_avx2(half);
+                const float *xt = x + (size_t)t * n;
+                for (int j = n8; j < n; j++)
+                    sum = fmaf(load_w1(wrow + (size_t)r * ws, j, f16), xt[j], sum);
+                out[t][i + r] = sum;
+            }
+        }
+    }
+}
+
+/* Q8_0, R rows x NP token pairs. */
+TILE512 void tile512_q8(const int R, const int NP, const uint8_t *wrow, size_t ws,
+                        const uint8_t *qp, const float *dp, int n, int nt, float *const *out, int i)
+{
+    const int nb = n / KERN_Q8_BLOCK;
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; p++)
+            acc[r][p] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m512i xv[4];
+        __m512 dv[4];
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; p++) {
+            xv[p] = _mm512_load_si512((const void *)(qp + ((size_t)p * nb + b) * 64));
+            dv[p] = _mm512_load_ps(dp + ((size_t)p * nb + b) * 16);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = wrow + (size_t)r * ws + (size_t)b * KERN_Q8_BLOCK_BYTES;
+            uint16_t h;
+            memcpy(&h, blk, 2);
+            __m512 dw = _mm512_set1_ps(_cvtsh_ss(h));
+            __m512i wv = _mm512_broadcast_i32x8(_mm256_loadu_si256((const __m256i *)(blk + 2)));
+            __m512i wsum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, wv);
+            __m512i base = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(wsum, 7));
+#pragma GCC unroll 4
+            for (int p = 0; p < NP; p++) {
+                __m512 pf = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(base, xv[p], wv));
+                acc[r][p] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dv[p]), pf, acc[r][p]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; p++)
+            for (int h = 0; h < 2 && 2 * p + h < nt; h++)
+                out[2 * p + h][i + r] = hsum8_avx2(h ? _mm512_extractf32x8_ps(acc[r][p], 1)
+                                                     : _mm512_castps512_ps256(acc[r][p]));
+}
+
+#define DEF512(R, NP)                                                                              \
+    static TGT512 __attribute__((noinline)) void f512_##R##_##NP(                                  \
+        int f16, const uint8_t *w, size_t ws, const float *xp, const float *x, int n, int nt,      \
+        float *const *out, int i)                                                                  \
+    {                                                                                              \
+        if (f16)                                                                                   \
+            tile512_fast(R, NP, 1, w, ws, xp, x, n, nt, out, i);                                   \
+        else                                                                                       \
+            tile512_fast(R, NP, 0, w, ws, xp, x, n, nt, out, i);                                   \
+    }                                                                                              \
+    static TGT512 __attribute__((noinline)) void q512_##R##_##NP(                                  \
+        const uint8_t *w, size_t ws, const uint8_t *qp, const float *dp, int n, int nt,            \
+        float *const *out, int i)                                                                  \
+    {                                                                                              \
+        tile512_q8(R, NP, w, ws, qp, dp, n, nt, out, i);                                           \
+    }
+DEF512(4, 4)
+DEF512(4, 3)
+DEF512(4, 2)
+DEF512(4, 1)
+DEF512(1, 4)
+DEF512(1, 3)
+DEF512(1, 2)
+DEF512(1, 1)
+
+typedef void (*f512_fn)(int, const uint8_t *, size_t, const float *, const float *, int, int,
+                        float *const *, int);
+typedef void (*q512_fn)(const uint8_t *, size_t, const uint8_t *, const float *, int, int,
+                        float *const *, int);
+static const f512_fn f512_r4[5] = {NULL, f512_4_1, f512_4_2, f512_4_3, f512_4_4};
+static const f512_fn f512_r1[5] = {NULL, f512_1_1, f512_1_2, f512_1_3, f512_1_4};
+static const q512_fn q512_r4[5] = {NULL, q512_4_1, q512_4_2, q512_4_3, q512_4_4};
+static const q512_fn q512_r1[5] = {NULL, q512_1_1, q512_1_2, q512_1_3, q512_1_4};
+
+static void *align64(void *p)
+{
+    return (void *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+}
+
+/* T >= 2: row blocks of ROW_BLOCK512 rows (in L2), token tiles of PACK_T, row tiles. The
+ * pairs come from the activations packed by kern_pack_act when the caller did, else are
+ * packed here per row block into the thread's scratch. (Splitting the columns too, to
+ * keep the packed activations in L1, measured no faster: not done.) */
+TGT512 void kern_x86_matmul_avx512(const kern_mat *w, const kern_act *a, int r0, int r1,
+                                   float *const *out, float *scratch)
+{
+    const int n = a->n, T = a->T, nb = n / KERN_Q8_BLOCK, steps = n / 8;
+    const int q8 = w->type == GGUF_TENSOR_Q8_0, f16 = w->type == GGUF_TENSOR_F16;
+    const int packed = q8 ? a->qp != NULL : a->xp != NULL;
+    const size_t ws = kern_row_bytes(w);
+    const uint8_t *base = w->data;
+    float *xp = align64(scratch);
+    uint8_t *qp = (uint8_t *)xp;
+    float *dp = (float *)(qp + (size_t)PACK_T / 2 * nb * 64);
+    for (int rb = r0; rb < r1; rb += ROW_BLOCK512) {
+        int re = rb + ROW_BLOCK512 < r1 ? rb + ROW_BLOCK512 : r1;
+        for (int t = 0; t < T; t += PACK_T) {
+            int nt = T - t < PACK_T ? T - t : PACK_T;
+            int np = (nt + 1) / 2;
+            if (packed) {
+                size_t p0 = (size_t)t / 2;
+                xp = (float *)a->xp + p0 * steps * 16;
+                qp = (uint8_t *)a->qp + p0 * nb * 64;
+                dp = (float *)a->dp + p0 * nb * 16;
+            } else if (q8) {
+                kern_x86_pack_pairs_q8(a->q_d + (size_t)t * nb, a->q_s + (size_t)t * n, n, nt, qp,
+                                       dp);
+            } else {
+                kern_x86_pack_pairs_f32(a->x + (size_t)t * n, n, nt, xp);
+            }
+            const float *xt = a->x + (size_t)t * n;
+            int i = rb;
+            for (; i + 4 <= re; i += 4) {
+                if (q8)
+                    q512_r4[np](base + (size_t)i * ws, ws, qp, dp, n, nt, out + t, i);
+                else
+                    f512_r4[np](f16, base + (size_t)i * ws, ws, xp, xt, n, nt, out + t, i);
+            }
+            for (; i < re; i++) {
+                if (q8)
+                    q512_r1[np](base + (size_t)i * ws, ws, qp, dp, n, nt, out + t, i);
+                else
+                    f512_r1[np](f16, base + (size_t)i * ws, ws, xp, xt, n, nt, out + t, i);
+            }
+        }
+    }
+}
+
+/* --- attention helpers ------------------------------------------------------------ */
+
+/* FAST order, four rows at a time (independent chains). */
+TGT void kern_x86_dot_rows_fast_avx2(const float *q, const float *k, size_t k_stride, int n_rows,
+                                     int n, float *out)
+{
+    const int n8 = n & ~7;
+    int r = 0;
+    for (; r + 4 <= n_rows; r += 4) {
+        const float *k0 = k + (size_t)r * k_stride, *k1 = k0 + k_stride, *k2 = k1 + k_stride,
+                    *k3 = k2 + k_stride;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int j = 0; j < n8; j += 8) {
+            __m256 qv = _mm256_loadu_ps(q + j);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + j), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + j), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + j), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + j), a3);
+        }
+        float s0 = hsum8_avx2(a0), s1 = hsum8_avx2(a1), s2 = hsum8_avx2(a2), s3 = hsum8_avx2(a3);
+        for (int j = n8; j < n; j++) {
+            s0 = fmaf(q[j], k0[j], s0);
+            s1 = fmaf(q[j], k1[j], s1);
+            s2 = fmaf(q[j], k2[j], s2);
+            s3 = fmaf(q[j], k3[j], s3);
+        }
+        out[r] = s0;
+        out[r + 1] = s1;
+        out[r + 2] = s2;
+        out[r + 3] = s3;
+    }
+    for (; r < n_rows; r++) {
+        const float *kr = k + (size_t)r * k_stride;
+        __m256 a0 = _mm256_setzero_ps();
+        for (int j = 0; j < n8; j += 8)
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(kr + j), a0);
+        float s0 = hsum8_avx2(a0);
+        for (int j = n8; j < n; j++)
+            s0 = fmaf(q[j], kr[j], s0);
+        out[r] = s0;
+    }
+}
+
+/* y stays in registers for 64 elements at a time while the rows stream by. */
+TGT void kern_x86_axpy_rows_avx2(float *y, const float *a, const float *x, size_t x_stride,
+                                 int n_rows, int n)
+{
+    const int n8 = n & ~7;
+    for (int i0 = 0; i0 < n8; i0 += 64) {
+        int m = (n8 - i0) / 8 < 8 ? (n8 - i0) / 8 : 8;
+        __m256 acc[8];
+        for (int v = 0; v < 8; v++)
+            acc[v] = v < m ? _mm256_loadu_ps(y + i0 + 8 * v) : _mm256_setzero_ps();
+        for (int r = 0; r < n_rows; r++) {
+            const float *xr = x + (size_t)r * x_stride + i0;
+            __m256 ar = _mm256_set1_ps(a[r]);
+            if (m == 8) {
+#pragma GCC unroll 8
+                for (int v = 0; v < 8; v++)
+                    acc[v] = _mm256_add_ps(acc[v], _mm256_mul_ps(ar, _mm256_loadu_ps(xr + 8 * v)));
+            } else {
+                for (int v = 0; v < m; v++)
+                    acc[v] = _mm256_add_ps(acc[v], _mm256_mul_ps(ar, _mm256_loadu_ps(xr + 8 * v)));
+            }
+        }
+        for (int v = 0; v < m; v++)
+            _mm256_storeu_ps(y + i0 + 8 * v, acc[v]);
+    }
+    if (n8 < n)
+        for (int r = 0; r < n_rows; r++) {
+            const float *xr = x + (size_t)r * x_stride;
+            for (int i = n8; i < n; i++)
+                y[i] += a[r] * xr[i];
+        }
+}
+
+#endif /* KERN_HAVE_X86 */

@@ -1,0 +1,315 @@
+/*
+ * bench_engine: throughput of the engine's forward pass, in-process, per model file.
+ *
+ *   bench_engine [--threads N] [--kernel auto|exact|fast] [--isa scalar|avx2|avx512]
+ *                [--quick] MODEL.gguf...
+ *
+ * For each model: prefill of one 128-token prompt, and of four 128-token prompts in one
+ * call (best of a few runs); decode steps at batch 1, 8 and 32 with every sequence at
+ * context ~64 (the 64-token context is prefilled once and its KV blocks copied to the
+ * other sequences, so setting up batch 32 costs one prefill; rate from the median step);
+ * batch 8 again on one thread (thread scaling); the memory-bandwidth roofline of batch-1
+ * decode: the
+ * weight bytes a step reads (model_matmul_bytes) divided by the copy bandwidth measured at
+ * start-up (memcpy of a 512 MiB buffer, best of 3; bandwidth = bytes copied / time), and
+ * the fraction of that bound achieved. Numbers are for comparing within one run on one
+ * machine: the ratios are the result, not the absolute rates. Prompts are random token
+ * ids (seeded); the model's output is not checked here (the unit tests do that).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+
+#include "kvcache.h"
+#include "model.h"
+
+#define CTX 64
+#define PROMPT 128
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* CPU seconds this process used (all threads). */
+static double cpu_s(void)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 +
+           (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
+}
+
+static double copy_bandwidth(void)
+{
+    size_t n = (size_t)512 << 20;
+    char *a = malloc(n), *b = malloc(n);
+    if (!a || !b) {
+        free(a);
+        free(b);
+        return 0;
+    }
+    memset(a, 1, n);
+    memset(b, 2, n);
+    double best = 1e9;
+    for (int i = 0; i < 3; i++) {
+        double t0 = now_s();
+        memcpy(b, a, n);
+        double dt = now_s() - t0;
+        if (dt < best)
+            best = dt;
+        a[i] = b[n - 1 - i]; /* keep the copies observable */
+    }
+    volatile char sink = b[12345];
+    (void)sink;
+    free(a);
+    free(b);
+    return (double)n / best;
+}
+
+static uint64_t rng_state = 0x5eed;
+static int rand_tok(int vocab)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return 3 + (int)(rng_state % (uint64_t)(vocab - 3));
+}
+
+typedef struct {
+    const model_t *m;
+    const model_config *c;
+    kvcache_t *kv;
+    model_ctx_t *ctx;
+    float *logits; /* (32, vocab) */
+    int *toks;     /* (4 * PROMPT,) */
+} bench;
+
+/* Prefill n_seq prompts of len tokens in one call; returns tokens/s (best of reps) and
+ * in *cores the CPUs used during that run (CPU time / wall time). */
+static double bench_prefill(bench *b, int n_seq, int len, int reps, double *cores)
+{
+    double best = 1e30;
+    model_seq_batch items[4];
+    for (int r = 0; r < reps; r++) {
+        int seqs[4];
+        for (int s = 0; s < n_seq; s++) {
+            seqs[s] = kvcache_seq_new(b->kv);
+            if (seqs[s] < 0 || kvcache_seq_reserve(b->kv, seqs[s], len) != KVCACHE_OK)
+                return -1;
+            for (int i = 0; i < len; i++)
+                b->toks[s * len + i] = rand_tok(b->c->vocab_size);
+            items[s] = (model_seq_batch){
+                seqs[s], 0, len, b->toks + s * len, 0, b->logits + (size_t)s * b->c->vocab_size};
+        }
+        double t0 = now_s(), c0 = cpu_s();
+        if (model_forward(b->ctx, b->kv, items, n_seq, NULL, NULL) != 0)
+            return -1;
+        double dt = now_s() - t0;
+        if (dt < best) {
+            best = dt;
+            *cores = (cpu_s() - c0) / dt;
+        }
+        for (int s = 0; s < n_seq; s++)
+            kvcache_seq_free(b->kv, seqs[s]);
+    }
+    return (double)n_seq * len / best;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Decode `steps` steps of B sequences at context CTX (after a one-token warm-up step);
+ * returns tokens/s from the median step time (B tokens per step; the median, because the
+ * machine may be shared), and in *cores the CPUs used over the timed steps. */
+static double bench_decode(bench *b, model_ctx_t *ctx, int B, int steps, double *cores)
+{
+    int seqs[32];
+    int L = b->c->n_layer;
+    double times[64];
+    if (steps > 64)
+        steps = 64;
+    /* one prefilled context, copied block by block into the others */
+    for (int s = 0; s < B; s++) {
+        seqs[s] = kvcache_seq_new(b->kv);
+        if (seqs[s] < 0 || kvcache_seq_reserve(b->kv, seqs[s], CTX + steps + 1) != KVCACHE_OK)
+            return -1;
+    }
+    for (int i = 0; i < CTX; i++)
+        b->toks[i] = rand_tok(b->c->vocab_size);
+    model_seq_batch p = {seqs[0], 0, CTX, b->toks, 0, b->logits};
+    if (model_forward(ctx, b->kv, &p, 1, NULL, NULL) != 0)
+        return -1;
+    int nb;
+    const int *src = kvcache_seq_blocks(b->kv, seqs[0], &nb);
+    int used = kvcache_blocks_for(b->kv, CTX);
+    for (int s = 1; s < B; s++) {
+        const int *dst = kvcache_seq_blocks(b->kv, seqs[s], NULL);
+        for (int l = 0; l < L; l++)
+            for (int k = 0; k < used; k++)
+                memcpy(kvcache_block_data(b->kv, l, dst[k]), kvcache_block_data(b->kv, l, src[k]),
+                       kvcache_block_bytes(b->kv));
+        kvcache_seq_set_len(b->kv, seqs[s], CTX);
+    }
+    model_seq_batch items[32];
+    int tok[32];
+    double wall = 0, c_start = 0;
+    for (int step = 0; step <= steps; step++) {
+        if (step == 1)
+            c_start = cpu_s();
+        for (int s = 0; s < B; s++) {
+            tok[s] = rand_tok(b->c->vocab_size);
+            items[s] = (model_seq_batch){
+                seqs[s], CTX + step, 1, &tok[s], 0, b->logits + (size_t)s * b->c->vocab_size};
+        }
+        double t0 = now_s();
+        if (model_forward(ctx, b->kv, items, B, NULL, NULL) != 0)
+            return -1;
+        if (step > 0) {
+            times[step - 1] = now_s() - t0;
+            wall += times[step - 1];
+        }
+    }
+    *cores = (cpu_s() - c_start) / wall;
+    for (int s = 0; s < B; s++)
+        kvcache_seq_free(b->kv, seqs[s]);
+    qsort(times, (size_t)steps, sizeof(double), cmp_double);
+    return (double)B / times[steps / 2];
+}
+
+static const char *weight_type(const model_t *m, const model_config *c)
+{
+    /* by bytes per weight of the matrices */
+    double per =
+        (double)model_matmul_bytes(m) /
+        ((double)c->n_layer * (2.0 * c->dim * c->dim + 2.0 * c->dim * c->n_kv_head * c->head_dim +
+                               3.0 * c->dim * c->hidden_dim) +
+         (double)c->vocab_size * c->dim);
+    return per > 3 ? "F32" : per > 1.5 ? "F16" : "Q8_0";
+}
+
+int main(int argc, char **argv)
+{
+    model_ctx_params cp = model_ctx_default_params();
+    int quick = 0;
+    int first = 1;
+    for (; first < argc && strncmp(argv[first], "--", 2) == 0; first++) {
+        if (strcmp(argv[first], "--quick") == 0) {
+            quick = 1;
+        } else if (strcmp(argv[first], "--threads") == 0 && first + 1 < argc) {
+            cp.n_threads = atoi(argv[++first]);
+        } else if (strcmp(argv[first], "--isa") == 0 && first + 1 < argc) {
+            const char *k = argv[++first];
+            cp.max_isa = strcmp(k, "scalar") == 0 ? MODEL_ISA_SCALAR
+                         : strcmp(k, "avx2") == 0 ? MODEL_ISA_AVX2
+                                                  : MODEL_ISA_AUTO;
+        } else if (strcmp(argv[first], "--kernel") == 0 && first + 1 < argc) {
+            const char *k = argv[++first];
+            cp.kernel = strcmp(k, "exact") == 0  ? MODEL_KERNEL_EXACT
+                        : strcmp(k, "fast") == 0 ? MODEL_KERNEL_FAST
+                                                 : MODEL_KERNEL_AUTO;
+        } else {
+            fprintf(stderr, "usage: bench_engine [--threads N] [--kernel auto|exact|fast] "
+                            "[--isa scalar|avx2|avx512] [--quick] MODEL.gguf...\n");
+            return 2;
+        }
+    }
+    double bw = copy_bandwidth();
+    printf("copy bandwidth (memcpy 512 MiB, best of 3): %.2f GB/s\n", bw / 1e9);
+    int rc = 0;
+    for (int a = first; a < argc; a++) {
+        char err[512];
+        double t_load = now_s();
+        model_t *m = model_load(argv[a], err, sizeof(err));
+        if (!m) {
+            fprintf(stderr, "bench_engine: %s\n", err);
+            rc = 1;
+            continue;
+        }
+        t_load = now_s() - t_load;
+        bench b = {.m = m, .c = model_get_config(m)};
+        const model_config *c = b.c;
+        int big = model_matmul_bytes(m) > ((uint64_t)256 << 20);
+        cp.max_tokens = 4 * PROMPT;
+        kvcache_params kp = {c->n_layer, c->n_kv_head, c->head_dim, 16, 0, 40, c->n_ctx};
+        kp.n_blocks = 4 * PROMPT / 16 + 32 * ((CTX + 64) / 16 + 1);
+        b.kv = kvcache_new(&kp);
+        b.ctx = model_ctx_new_params(m, &cp);
+        b.logits = malloc((size_t)32 * c->vocab_size * sizeof(float));
+        b.toks = malloc(4 * PROMPT * sizeof(int));
+        if (!b.kv || !b.ctx || !b.logits || !b.toks || c->n_ctx < PROMPT) {
+            fprintf(stderr, "bench_engine: %s: cannot set up (memory, or context < %d)\n", argv[a],
+                    PROMPT);
+            rc = 1;
+            goto next;
+        }
+        double bytes = (double)model_matmul_bytes(m);
+        printf("\n%s: %s, %s weights (%.1f MB read per forward pass), dim %d, %d layers, "
+               "kernels %s, %d threads, loaded in %.1f s\n",
+               argv[a], c->name, weight_type(m, c), bytes / 1e6, c->dim, c->n_layer,
+               model_ctx_kernel_name(b.ctx), model_ctx_n_threads(b.ctx), t_load);
+        int reps = quick ? 1 : big ? 2 : 5;
+        int dsteps1 = big ? (quick ? 3 : 15) : 64, dsteps8 = big ? (quick ? 3 : 7) : 64;
+        int dsteps32 = big ? (quick ? 1 : 3) : 64;
+        /* warm-up: page in the weights, grow the threads' stacks */
+        double cu[7] = {0};
+        bench_prefill(&b, 1, 8, 1, &cu[0]);
+        double p1 = bench_prefill(&b, 1, PROMPT, reps, &cu[0]);
+        double p4 = bench_prefill(&b, 4, PROMPT, reps, &cu[1]);
+        double d1 = bench_decode(&b, b.ctx, 1, dsteps1, &cu[2]);
+        double d8 = bench_decode(&b, b.ctx, 8, dsteps8, &cu[3]);
+        double d32 = bench_decode(&b, b.ctx, 32, dsteps32, &cu[4]);
+        /* thread scaling where it is compute-bound: batch 8 on one thread */
+        double d8_1 = -1;
+        if (model_ctx_n_threads(b.ctx) > 1) {
+            model_ctx_params one = cp;
+            one.n_threads = 1;
+            model_ctx_t *c1 = model_ctx_new_params(m, &one);
+            d8_1 = c1 ? bench_decode(&b, c1, 8, dsteps8, &cu[5]) : -1;
+            model_ctx_destroy(&c1);
+        }
+        if (p1 < 0 || p4 < 0 || d1 < 0 || d8 < 0 || d32 < 0) {
+            fprintf(stderr, "bench_engine: %s: forward pass failed\n", argv[a]);
+            rc = 1;
+            goto next;
+        }
+        double bound = bw / bytes;
+        printf("  (cores: CPU time / wall time of the run; below the thread count when the "
+               "machine is shared)\n");
+        printf("  prefill 1 x %d tokens          : %9.1f tok/s  %21s [%.1f cores]\n", PROMPT, p1,
+               "", cu[0]);
+        printf(
+            "  prefill 4 x %d tokens, 1 call  : %9.1f tok/s  (%5.2fx of 1 prompt)  [%.1f cores]\n",
+            PROMPT, p4, p4 / p1, cu[1]);
+        printf("  decode batch  1, ctx %d        : %9.1f tok/s  %21s [%.1f cores]\n", CTX, d1, "",
+               cu[2]);
+        printf(
+            "  decode batch  8, ctx %d        : %9.1f tok/s  (%5.2fx of batch 1)   [%.1f cores]\n",
+            CTX, d8, d8 / d1, cu[3]);
+        printf(
+            "  decode batch 32, ctx %d        : %9.1f tok/s  (%5.2fx of batch 1)   [%.1f cores]\n",
+            CTX, d32, d32 / d1, cu[4]);
+        if (d8_1 > 0)
+            printf("  decode batch  8, 1 thread      : %9.1f tok/s  (%d threads: %4.2fx)    [%.1f "
+                   "cores]\n",
+                   d8_1, model_ctx_n_threads(b.ctx), d8 / d8_1, cu[5]);
+        printf("  batch-1 decode roofline        : %9.1f tok/s  (%.1f MB / %.2f GB/s); "
+               "achieved %.0f%%\n",
+               bound, bytes / 1e6, bw / 1e9, 100.0 * d1 / bound);
+    next:
+        free(b.logits);
+        free(b.toks);
+        model_ctx_destroy(&b.ctx);
+        kvcache_destroy(&b.kv);
+        model_destroy(&m);
+        fflush(stdout);
+    }
+    return rc;
+}
