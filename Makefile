@@ -73,7 +73,8 @@ $(LIB): $(LIB_OBJ)
 	@mkdir -p $(@D)
 	rm -f $@ && ar rcs $@ $^
 
-$(BUILD)/bin/tidepool-%: $(BUILD)/obj/tools/tidepool-%.o $(LIB)
+# Tools link the program archives too (tidepool-sim runs the gateway's own policy code).
+$(BUILD)/bin/tidepool-%: $(BUILD)/obj/tools/tidepool-%.o $(PROG_LIBS) $(LIB)
 	@mkdir -p $(@D)
 	$(CC) $(ALL_LDFLAGS) -o $@ $^ $(LDLIBS_BASE) $(if $(filter %-top,$@),-lncursesw)
 

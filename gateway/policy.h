@@ -1,0 +1,195 @@
+/*
+ * policy: the tidal scheduling rule, a pure function from observed load figures to actions.
+ *
+ * Each call (one "tick", typically once per heartbeat interval) reads the workers' and the
+ * cluster's figures and returns at most a few role changes {worker, new role} and the
+ * offline admission (how many offline requests may run now, how many to preempt). The
+ * rule (docs/scheduler.md has the full text and every default):
+ *
+ *   1. Pressures, 1.0 = "at the SLO's edge", from EWMA-smoothed signals (smooth_ms):
+ *        prefill = max(queued prompt tokens / (n_prefill * prefill_tokens_per_s)
+ *                        / (queue_budget * TTFT SLO),
+ *                      online prompt-token arrival rate / (n_prefill * prefill_tokens_per_s),
+ *                      max(TTFT p90, oldest gateway wait) / TTFT SLO)
+ *        decode  = max(online decoding sequences / (n_decode * decode_seqs_per_worker),
+ *                      KV use / kv_high * online share, TPOT p90 / TPOT SLO)
+ *   2. Move one worker from role B to role A when pressure(A) >= act_pressure and
+ *      pressure(A) > band * pressure(B after losing the worker); the candidate has been in
+ *      its role min_role_ms; role B keeps min_per_role workers; fewer than the rate cap
+ *      changes happened in the last window_ms. Repeat (re-projecting both pressures) while
+ *      the rule holds and the cap allows: one worker at a time, never overshooting.
+ *      Because the rule projects the donor's pressure after the move, the same load cannot
+ *      ask for the reverse move (band >= 1): no flapping under steady load.
+ *   2b. Reversal guard: a move against the last change's direction also needs min_role_ms
+ *      since that change and the rule asking for it call after call for a hold that is 0
+ *      after a calm spell and doubles (from reverse_hold_ms) with every reversal made
+ *      while the load keeps swinging: a tide that turns is answered at once, load that
+ *      swings faster than min_role_ms stops moving the split after a few rounds.
+ *   3. Offline: may run floor(max(0, offline_target - max(pressures)) * decode capacity)
+ *      requests; online pressure >= preempt_pressure preempts the excess; an offline request
+ *      waiting offline_max_wait_ms guarantees offline_aging_per_worker per decode worker
+ *      while online pressure is below preempt_pressure (aging: never starved forever when
+ *      online load is low).
+ *
+ * State kept between calls (smoothed signals, recent change times, the reversal guard)
+ * lives in policy_state, owned by the caller: no globals, no clock, no I/O, no allocation.
+ * Same inputs and state give the same outputs, so the gateway and tidepool-sim run the same
+ * code. Thread-safe as long as a policy_state is used by one thread at a time.
+ */
+#ifndef TP_GW_POLICY_H
+#define TP_GW_POLICY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define POLICY_MAX_ACTIONS 64      /* role changes returned by one call */
+#define POLICY_MAX_HISTORY 1024    /* change times remembered for the rate cap */
+#define POLICY_MAX_REVERSE_LEVEL 8 /* reversal hold doubles at most this many times */
+
+/* Same values as proto_role_t / proto_state_t (checked in policy.c). */
+typedef enum {
+    POLICY_ROLE_PREFILL = 1,
+    POLICY_ROLE_DECODE = 2,
+    POLICY_ROLE_MIXED = 3,
+} policy_role_t;
+
+typedef enum {
+    POLICY_WORKER_READY = 1,
+    POLICY_WORKER_DRAINING = 2, /* leaving (SIGTERM) or changing role */
+    POLICY_WORKER_DOWN = 3,     /* not counted at all */
+} policy_worker_state_t;
+
+/* One worker's figures, as last reported. */
+typedef struct {
+    int index;                    /* caller's worker index, echoed in actions */
+    int role;                     /* policy_role_t */
+    int state;                    /* policy_worker_state_t */
+    int changing;                 /* 1 while a role change is in progress */
+    int target_role;              /* when changing: the role it is moving to */
+    int64_t role_age_ms;          /* time since its current role began */
+    int running;                  /* sequences running (decode) or prompts in flight (prefill) */
+    int queued;                   /* prompts queued at the worker */
+    int64_t queued_prompt_tokens; /* tokens of those prompts */
+    int kv_blocks_used, kv_blocks_total;
+    int decode_batch;   /* sequences in the last decode step */
+    double ttft_p90_ms; /* recent, this worker's requests; <= 0 = unknown */
+    double tpot_p90_ms; /* recent (or last step time); <= 0 = unknown */
+} policy_worker;
+
+/* Cluster-wide figures from the gateway. Online = interactive; offline = flex / batch. */
+typedef struct {
+    int64_t queued_prompt_tokens;  /* online prompts waiting for a prefill worker */
+    int64_t oldest_wait_ms;        /* how long the oldest of them has waited */
+    int online_queued;             /* online requests waiting for a prefill worker */
+    int online_running;            /* online requests admitted (prefill .. finish) */
+    int online_decoding;           /* online sequences decoding or waiting for decode room */
+    int64_t prompt_tokens_arrived; /* counter: online prompt tokens ever admitted */
+    int offline_queued, offline_running;
+    int64_t offline_oldest_wait_ms;
+    double ttft_p90_ms; /* recent online p90 over the cluster; <= 0 = unknown */
+    double tpot_p90_ms; /* recent online p90 over the cluster; <= 0 = unknown */
+} policy_cluster;
+
+typedef struct {
+    int64_t now_ms;               /* monotonic time of this call (ms) */
+    const policy_worker *workers; /* (n_workers,), borrowed */
+    int n_workers;
+    policy_cluster cluster;
+} policy_input;
+
+/* Every knob; defaults in policy_default_params() and docs/scheduler.md. */
+typedef struct {
+    /* targets */
+    double ttft_slo_ms; /* time to first token target */
+    double tpot_slo_ms; /* time per output token target */
+    /* capacity estimates (from costmodel or measurement) */
+    double prefill_tokens_per_s;   /* prompt tokens one prefill worker computes per second */
+    double decode_seqs_per_worker; /* sequences one decode worker runs within the TPOT SLO */
+    double queue_budget;           /* share of the TTFT SLO a prompt may spend queued */
+    double kv_high;                /* KV use fraction counted as "full" */
+    /* smoothing and hysteresis */
+    int64_t smooth_ms;       /* EWMA time constant of every signal */
+    double act_pressure;     /* the pressured role must reach this to gain a worker */
+    double band;             /* ... and exceed the donor's projected pressure by this */
+    int64_t min_role_ms;     /* a worker stays at least this long in a role, and the
+                              * split does not reverse direction sooner than this */
+    int64_t reverse_hold_ms; /* ... nor, after a recent reversal, before the rule asked
+                              * for it this long (doubling per recent reversal) */
+    int max_changes;         /* role changes allowed per window (0 = none) ... */
+    double max_change_frac;  /* ... or this share of the workers, if larger */
+    int64_t window_ms;       /* the rate cap's sliding window */
+    int min_per_role;        /* workers that always stay prefill-capable and decode-capable */
+    /* offline admission */
+    double offline_target;        /* offline fills capacity up to this online pressure */
+    double preempt_pressure;      /* online pressure that preempts offline work */
+    int64_t offline_max_wait_ms;  /* aging: an offline request waiting this long ... */
+    int offline_aging_per_worker; /* ... guarantees this many offline slots per decode worker */
+} policy_params;
+
+/* The smoothed load signals (one EWMA each). */
+typedef struct {
+    double queued_tokens;    /* online prompt tokens waiting for prefill */
+    double oldest_wait_ms;   /* oldest of them */
+    double prompt_rate;      /* online prompt tokens arriving per second */
+    double ttft_ms, tpot_ms; /* p90s, 0 when unknown */
+    double decoding;         /* online sequences decoding or waiting for decode room */
+    double kv_frac;          /* KV use fraction of decode-capable workers, online share */
+} policy_signals;
+
+/* Between calls; initialize with policy_state_init, then only the policy writes it. */
+typedef struct {
+    int initialized;
+    int64_t n_calls; /* successful policy_decide calls */
+    int64_t last_ms;
+    int64_t last_prompt_tokens; /* cluster counter at the previous call */
+    policy_signals sig;         /* EWMA, time constant smooth_ms */
+    int last_dir;               /* role gained by the last change (0 = none yet) */
+    int64_t last_change_ms;
+    int reverse_holding;      /* the rule asks for the opposite direction ... */
+    int64_t reverse_since_ms; /* ... since then, call after call */
+    int reverse_level;        /* recent reversals (decays by one per calm spell) */
+    int64_t last_ask_end_ms;  /* when the last run of reversal asks ended */
+    /* recent role changes (ring), for the rate cap */
+    int64_t change_ms[POLICY_MAX_HISTORY];
+    int n_hist, hist_head;
+    int64_t n_changes; /* role changes decided since init */
+} policy_state;
+
+typedef struct {
+    int worker; /* policy_worker.index */
+    int role;   /* policy_role_t to move to */
+} policy_action;
+
+typedef struct {
+    policy_action actions[POLICY_MAX_ACTIONS];
+    int n_actions;
+    int offline_max_running; /* offline requests that may be running now */
+    int offline_preempt;     /* offline requests to preempt now (0 = none) */
+    /* diagnostics (after this call's actions are projected) */
+    double prefill_pressure, decode_pressure;
+    int n_prefill, n_decode; /* prefill-capable / decode-capable workers after the actions */
+} policy_output;
+
+/* Defaults for every knob (see docs/scheduler.md). */
+policy_params policy_default_params(void);
+
+/* 0 when every knob is in range, else -1 with a message naming the knob in err. */
+int policy_params_check(const policy_params *p, char *err, size_t err_len);
+
+/* Zero the state. The first policy_decide call seeds the smoothed signals and makes no
+ * role change (one sample is not a trend); offline admission is decided from it. */
+void policy_state_init(policy_state *st);
+
+/* One decision. Reads p and in (borrowed), updates *st, writes *out. Role changes name
+ * workers that are READY, not changing, and at least min_role_ms in their role; the caller
+ * starts them (and reports changing = 1 with target_role until done). Time going
+ * backwards is treated as no time passing. Returns 0, or -1 (out zeroed, state unchanged)
+ * when p fails policy_params_check or in is malformed (n_workers < 0, workers NULL with
+ * n_workers > 0, an unknown role or state). */
+int policy_decide(const policy_params *p, policy_state *st, const policy_input *in,
+                  policy_output *out);
+
+/* "prefill" | "decode" | "mixed" | "?" */
+const char *policy_role_str(int role);
+
+#endif

@@ -1,0 +1,555 @@
+/*
+ * The tidal policy (gateway/policy.h) under scripted load: a small fixture holds a cluster's
+ * workers, feeds the policy one tick per simulated second, applies its role changes at once
+ * (the worker's time in role restarts) and records them, so each case states a property of
+ * the decisions: no actions under steady load, a growing queue is answered one worker per
+ * window, no flapping, never below one worker per role, the rate cap, offline admission
+ * and aging, determinism, and input checks.
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "gateway/policy.h"
+
+#define MAXW 128
+#define MAXCH 4096
+#define TICK_MS 1000
+
+typedef struct {
+    policy_params p;
+    policy_state st;
+    policy_worker w[MAXW];
+    int64_t role_since[MAXW];
+    int n;
+    int64_t now;
+    policy_cluster c;
+    double prompt_rate; /* tokens/s added to c.prompt_tokens_arrived each tick */
+    /* every change applied: time, worker, new role */
+    int64_t ch_ms[MAXCH];
+    int ch_worker[MAXCH], ch_role[MAXCH];
+    int n_ch;
+    policy_output last;
+} fx;
+
+/* n_p prefill then n_d decode workers, settled in their roles (movable at once). */
+static void fx_init(fx *f, int n_p, int n_d)
+{
+    memset(f, 0, sizeof(*f));
+    f->p = policy_default_params();
+    policy_state_init(&f->st);
+    f->n = n_p + n_d;
+    f->now = 1000000;
+    for (int i = 0; i < f->n; i++) {
+        f->w[i].index = i;
+        f->w[i].role = i < n_p ? POLICY_ROLE_PREFILL : POLICY_ROLE_DECODE;
+        f->w[i].state = POLICY_WORKER_READY;
+        f->w[i].kv_blocks_total = 1000;
+        f->role_since[i] = f->now - 10 * 60 * 1000;
+    }
+}
+
+static int fx_count(const fx *f, int role)
+{
+    int k = 0;
+    for (int i = 0; i < f->n; i++)
+        k += f->w[i].role == role;
+    return k;
+}
+
+/* One decision at f->now; applies the changes at once; advances time by one tick. */
+static void fx_tick(fx *f)
+{
+    for (int i = 0; i < f->n; i++)
+        f->w[i].role_age_ms = f->now - f->role_since[i];
+    f->c.prompt_tokens_arrived += (int64_t)(f->prompt_rate * TICK_MS / 1000);
+    policy_input in = {.now_ms = f->now, .workers = f->w, .n_workers = f->n, .cluster = f->c};
+    assert_int_equal(policy_decide(&f->p, &f->st, &in, &f->last), 0);
+    for (int i = 0; i < f->last.n_actions; i++) {
+        int w = f->last.actions[i].worker;
+        assert_true(w >= 0 && w < f->n);
+        assert_int_not_equal(f->w[w].role, f->last.actions[i].role);
+        assert_true(f->w[w].role_age_ms >= f->p.min_role_ms);
+        f->w[w].role = f->last.actions[i].role;
+        f->role_since[w] = f->now;
+        assert_true(f->n_ch < MAXCH);
+        f->ch_ms[f->n_ch] = f->now;
+        f->ch_worker[f->n_ch] = w;
+        f->ch_role[f->n_ch] = f->last.actions[i].role;
+        f->n_ch++;
+    }
+    assert_true(fx_count(f, POLICY_ROLE_PREFILL) + fx_count(f, POLICY_ROLE_MIXED) >=
+                f->p.min_per_role);
+    assert_true(fx_count(f, POLICY_ROLE_DECODE) + fx_count(f, POLICY_ROLE_MIXED) >=
+                f->p.min_per_role);
+    f->now += TICK_MS;
+}
+
+/* Deterministic noise in [1 - a, 1 + a]. */
+static double noise(uint64_t *s, double a)
+{
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    double u = (double)(*s >> 11) * 0x1.0p-53;
+    return 1 - a + 2 * a * u;
+}
+
+/* Steady figures at a given load of each role (1.0 = at capacity), with noise. */
+static void fx_steady(fx *f, double pref_load, double dec_load, uint64_t *rng, double a)
+{
+    int n_p = fx_count(f, POLICY_ROLE_PREFILL), n_d = fx_count(f, POLICY_ROLE_DECODE);
+    f->prompt_rate = pref_load * n_p * f->p.prefill_tokens_per_s * noise(rng, a);
+    f->c.queued_prompt_tokens = (int64_t)(2000 * noise(rng, a));
+    f->c.oldest_wait_ms = (int64_t)(100 * noise(rng, a));
+    f->c.online_decoding = (int)(dec_load * n_d * f->p.decode_seqs_per_worker * noise(rng, a));
+    f->c.ttft_p90_ms = 0.3 * f->p.ttft_slo_ms * noise(rng, a);
+    f->c.tpot_p90_ms = 0.4 * f->p.tpot_slo_ms * noise(rng, a);
+    for (int i = 0; i < f->n; i++)
+        if (f->w[i].role == POLICY_ROLE_DECODE)
+            f->w[i].kv_blocks_used = (int)(400 * noise(rng, a));
+}
+
+// --- cases -------------------------------------------------------------------------------
+
+/* Balanced, moderately loaded, noisy but steady: 1000 ticks, not one role change. */
+static void test_steady_balanced_no_actions(void **state)
+{
+    (void)state;
+    fx *f = calloc(1, sizeof(fx));
+    fx_init(f, 4, 4);
+    uint64_t rng = 1;
+    /* the rate figures are absolute: fixed at the balanced split */
+    for (int t = 0; t < 1000; t++) {
+        fx_steady(f, 0.55, 0.55, &rng, 0.3);
+        fx_tick(f);
+    }
+    assert_int_equal(f->n_ch, 0);
+    assert_int_equal(fx_count(f, POLICY_ROLE_PREFILL), 4);
+    /* and a steady but lopsided load with both roles under the action level: still none */
+    fx_init(f, 4, 4);
+    for (int t = 0; t < 1000; t++) {
+        fx_steady(f, 0.75, 0.1, &rng, 0.05);
+        fx_tick(f);
+    }
+    assert_int_equal(f->n_ch, 0);
+    free(f);
+}
+
+/* A prefill queue that keeps growing: decode workers move to prefill, one per window
+ * (window = min time in role here), until one decode worker is left; never the reverse. */
+static void test_growing_queue_moves_to_prefill(void **state)
+{
+    (void)state;
+    fx *f = calloc(1, sizeof(fx));
+    fx_init(f, 4, 4);
+    f->p.min_role_ms = 30000;
+    f->p.window_ms = 30000;
+    f->p.max_changes = 1;
+    f->p.max_change_frac = 0;
+    f->prompt_rate = 20000;
+    f->c.online_decoding = 100;
+    f->c.ttft_p90_ms = 500;
+    f->c.tpot_p90_ms = 15;
+    int64_t start = f->now;
+    for (int t = 0; t < 200; t++) {
+        f->c.queued_prompt_tokens += 20000;
+        f->c.oldest_wait_ms += 1000;
+        fx_tick(f);
+    }
+    assert_int_equal(f->n_ch, 3);
+    assert_int_equal(fx_count(f, POLICY_ROLE_DECODE), 1);
+    assert_true(f->ch_ms[0] - start <= 10000); /* answered within a few ticks */
+    for (int i = 0; i < f->n_ch; i++) {
+        assert_int_equal(f->ch_role[i], POLICY_ROLE_PREFILL);
+        if (i > 0)
+            assert_true(f->ch_ms[i] - f->ch_ms[i - 1] >= f->p.window_ms);
+    }
+    /* the least loaded decode worker went first */
+    fx_init(f, 2, 4);
+    f->p.max_changes = 1;
+    f->p.max_change_frac = 0;
+    f->w[2].running = 50;
+    f->w[3].running = 7;
+    f->w[4].running = 3;
+    f->w[5].running = 0;
+    f->role_since[5] = f->now; /* ... unless it has not been in its role long enough */
+    f->c.queued_prompt_tokens = 1000000;
+    fx_tick(f); /* the first call only seeds the signals */
+    assert_int_equal(f->last.n_actions, 0);
+    fx_tick(f);
+    assert_int_equal(f->last.n_actions, 1);
+    assert_int_equal(f->last.actions[0].worker, 4);
+    free(f);
+}
+
+/* Load swinging between a prefill-heavy and a decode-heavy burst, every 3 to 14 s (faster
+ * than the 30 s minimum time in role). The split may follow the first swings, but each
+ * reversal doubles the hold the next one needs, so it settles: at most 3 reversals, at
+ * most (3 + 1) * 6 moves, and none in the last 10 of the 15 minutes. */
+static void test_oscillating_load_no_flapping(void **state)
+{
+    (void)state;
+    fx *f = calloc(1, sizeof(fx));
+    for (int half = 3; half <= 14; half++) {
+        fx_init(f, 4, 4);
+        f->p.min_role_ms = 30000;
+        for (int t = 0; t < 900; t++) {
+            if ((t / half) % 2 == 0) { /* prefill-heavy burst */
+                f->prompt_rate = 60000;
+                f->c.queued_prompt_tokens = 150000;
+                f->c.oldest_wait_ms = 2500;
+                f->c.ttft_p90_ms = 3000;
+                f->c.online_decoding = 60;
+                f->c.tpot_p90_ms = 15;
+            } else { /* decode-heavy burst */
+                f->prompt_rate = 5000;
+                f->c.queued_prompt_tokens = 0;
+                f->c.oldest_wait_ms = 0;
+                f->c.ttft_p90_ms = 300;
+                f->c.online_decoding = 900;
+                f->c.tpot_p90_ms = 60;
+            }
+            fx_tick(f);
+        }
+        int reversals = 0;
+        for (int i = 1; i < f->n_ch; i++)
+            reversals += f->ch_role[i] != f->ch_role[i - 1];
+        if (reversals > 3 || f->n_ch > 24 ||
+            (f->n_ch && f->ch_ms[f->n_ch - 1] - f->ch_ms[0] >= 300000))
+            fail_msg("half-period %d s: %d changes, %d reversals, last after %lld s", half, f->n_ch,
+                     reversals,
+                     (long long)(f->n_ch ? (f->ch_ms[f->n_ch - 1] - f->ch_ms[0]) / 1000 : 0));
+        /* the same worker never changes twice within min_role_ms (checked per change) */
+        for (int i = 0; i < f->n_ch; i++)
+            for (int j = i + 1; j < f->n_ch; j++)
+                if (f->ch_worker[i] == f->ch_worker[j])
+                    assert_true(f->ch_ms[j] - f->ch_ms[i] >= f->p.min_role_ms);
+    }
+    free(f);
+}
+
+/* A tide that turns now and then (every 3 minutes) is answered at once every time: the
+ * reversal hold is back to zero after a calm spell. */
+static void test_slow_tide_answered_promptly(void **state)
+{
+    (void)state;
+    fx *f = calloc(1, sizeof(fx));
+    fx_init(f, 4, 4);
+    int64_t start = f->now;
+    for (int t = 0; t < 1080; t++) {
+        int phase = (t / 180) % 2;
+        f->prompt_rate = phase == 0 ? 60000 : 5000;
+        f->c.queued_prompt_tokens = phase == 0 ? 100000 : 0;
+        f->c.online_decoding = phase == 0 ? 60 : 900;
+        f->c.tpot_p90_ms = phase == 0 ? 15 : 60;
+        fx_tick(f);
+    }
+    /* the first change after each turn comes within 10 s of it */
+    for (int turn = 0; turn < 6; turn++) {
+        int64_t t_turn = start + (int64_t)turn * 180 * 1000;
+        int64_t first = -1;
+        for (int i = 0; i < f->n_ch && first < 0; i++)
+            if (f->ch_ms[i] >= t_turn)
+                first = f->ch_ms[i] - t_turn;
+        if (first < 0 || first > 10000)
+            fail_msg("turn %d answered after %lld ms", turn, (long long)first);
+    }
+    free(f);
+}
+
+/* Pressure as high as it gets on one side never takes the other side below one worker;
+ * a mixed worker counts for both roles and is never moved. */
+static void test_never_below_one_per_role(void **state)
+{
+    (void)state;
+    fx *f = calloc(1, sizeof(fx));
+    /* 1 + 1 under extreme pressure on each side in turn: nothing can move */
+    fx_init(f, 1, 1);
+    f->p.min_role_ms = 0;
+    for (int t = 0; t < 100; t++) {
+        f->c.queued_prompt_tokens = (t % 20 < 10) ? 100000000 : 0;
+        f->c.online_decoding = (t % 20 < 10) ? 0 : 100000;
+        fx_tick(f);
+    }
+    assert_int_equal(f->n_ch, 0);
+    /* 2 + 6, prefill flooded for a long time: ends at 7 + 1, never 8 + 0 */
+    fx_init(f, 2, 6);
+    f->p.min_role_ms = 0;
+    f->p.max_changes = 8;
+    f->c.queued_prompt_tokens = 100000000;
+    f->c.online_decoding = 10;
+    for (int t = 0; t < 300; t++)
+        fx_tick(f);
+    assert_int_equal(fx_count(f, POLICY_ROLE_DECODE), 1);
+    assert_int_equal(fx_count(f, POLICY_ROLE_PREFILL), 7);
+    /* mixed + 3 decode, decode flooded: no prefill-role worker to take, mixed stays */
+    fx_init(f, 0, 4);
+    f->w[0].role = POLICY_ROLE_MIXED;
+    f->p.min_role_ms = 0;
+    f->c.online_decoding = 100000;
+    for (int t = 0; t < 50; t++)
+        fx_tick(f);
+    assert_int_equal(f->n_ch, 0);
+    /* prefill + mixed + 2 decode, decode flooded: the prefill worker may go (mixed covers) */
+    fx_init(f, 1, 3);
+    f->w[1].role = POLICY_ROLE_MIXED;
+    f->p.min_role_ms = 0;
+    f->c.online_decoding = 100000;
+    for (int t = 0; t < 50; t++)
+        fx_tick(f);
+    assert_int_equal(f->n_ch, 1);
+    assert_int_equal(f->ch_worker[0], 0);
+    assert_int_equal(f->w[1].role, POLICY_ROLE_MIXED);
+    /* a worker already changing to prefill counts as prefill: with 1 prefill + 2 decode of
+     * which one is on its way to prefill, the last decode worker stays */
+    fx_init(f, 1, 2);
+    f->p.min_role_ms = 0;
+    f->w[1].changing = 1;
+    f->w[1].target_role = POLICY_ROLE_PREFILL;
+    f->w[1].state = POLICY_WORKER_DRAINING;
+    f->c.queued_prompt_tokens = 100000000;
+    for (int t = 0; t < 20; t++)
+        fx_tick(f);
+    assert_int_equal(f->n_ch, 0);
+    free(f);
+}
+
+/* At most max_changes (or max_change_frac of the workers) in any window_ms. */
+static void test_rate_cap(void **state)
+{
+    (void)state;
+    fx *f = calloc(1, sizeof(fx));
+    for (int variant = 0; variant < 2; variant++) {
+        fx_init(f, 50, 50);
+        f->p.min_role_ms = 0;
+        f->p.window_ms = 10000;
+        f->p.max_changes = 3;
+        f->p.max_change_frac = variant ? 0.1 : 0; /* 10 of 100 workers */
+        int cap = variant ? 10 : 3;
+        f->c.queued_prompt_tokens = 1000000000;
+        f->c.oldest_wait_ms = 60000;
+        f->c.online_decoding = 10;
+        for (int t = 0; t < 100; t++)
+            fx_tick(f);
+        assert_true(f->n_ch > cap);
+        for (int i = 0; i < f->n_ch; i++) {
+            int k = 0;
+            for (int j = 0; j <= i; j++)
+                k += f->ch_ms[i] - f->ch_ms[j] < f->p.window_ms;
+            assert_true(k <= cap);
+        }
+        /* used fully: the cap, not the rule, is what limits the pace here (until one
+         * decode worker is left) */
+        int expect = cap * 9 < 49 ? cap * 9 : 49;
+        assert_true(f->n_ch >= expect);
+    }
+    /* max_changes = 0 and no fraction: a static split, never a change */
+    fx_init(f, 4, 4);
+    f->p.max_changes = 0;
+    f->p.max_change_frac = 0;
+    f->c.queued_prompt_tokens = 1000000000;
+    for (int t = 0; t < 100; t++)
+        fx_tick(f);
+    assert_int_equal(f->n_ch, 0);
+    free(f);
+}
+
+/* Offline admission shrinks as the online queue grows and preempts when online needs the
+ * room; with online load high but below preemption, aging still lets offline work run. */
+static void test_offline_admission_and_aging(void **state)
+{
+    (void)state;
+    fx *f = calloc(1, sizeof(fx));
+    fx_init(f, 4, 4);
+    f->p.max_changes = 0; /* hold the split: this case is about admission */
+    f->p.max_change_frac = 0;
+    f->c.online_decoding = 100;
+    f->c.offline_running = 50;
+    f->c.offline_queued = 500;
+    f->c.offline_oldest_wait_ms = 1000;
+    fx_tick(f);
+    int first = f->last.offline_max_running;
+    assert_true(first > 0);
+    assert_int_equal(f->last.offline_preempt, 0);
+    int prev = first, saw_preempt = 0;
+    for (int t = 0; t < 60; t++) {
+        f->c.queued_prompt_tokens += 5000;
+        f->c.oldest_wait_ms += 200;
+        fx_tick(f);
+        assert_true(f->last.offline_max_running <= prev);
+        prev = f->last.offline_max_running;
+        if (f->last.offline_preempt > 0) {
+            saw_preempt = 1;
+            assert_int_equal(f->last.offline_preempt,
+                             f->c.offline_running - f->last.offline_max_running);
+        }
+    }
+    assert_int_equal(prev, 0);
+    assert_true(saw_preempt);
+
+    /* Aging: online pressure ~0.7 leaves no spare capacity below offline_target (0.6), so
+     * offline gets nothing ... until its oldest request has waited offline_max_wait_ms. */
+    fx_init(f, 4, 4);
+    f->p.max_changes = 0;
+    f->p.max_change_frac = 0;
+    f->c.online_decoding = (int)(0.7 * 4 * f->p.decode_seqs_per_worker);
+    f->c.offline_queued = 20;
+    f->c.offline_running = 0;
+    int granted_at = -1;
+    for (int t = 0; t < 120; t++) {
+        f->c.offline_oldest_wait_ms = (int64_t)t * 1000;
+        fx_tick(f);
+        assert_int_equal(f->last.offline_preempt, 0);
+        if (f->last.offline_max_running > 0 && granted_at < 0)
+            granted_at = t;
+        if (granted_at >= 0)
+            assert_true(f->last.offline_max_running >= 4 * f->p.offline_aging_per_worker);
+    }
+    assert_int_equal(granted_at, (int)(f->p.offline_max_wait_ms / 1000));
+
+    /* Online above the preemption level: online comes first, aging or not. */
+    fx_init(f, 4, 4);
+    f->p.max_changes = 0;
+    f->p.max_change_frac = 0;
+    f->c.online_decoding = (int)(1.5 * 4 * f->p.decode_seqs_per_worker);
+    f->c.offline_queued = 20;
+    f->c.offline_running = 8;
+    f->c.offline_oldest_wait_ms = 10 * f->p.offline_max_wait_ms;
+    for (int t = 0; t < 10; t++)
+        fx_tick(f);
+    assert_int_equal(f->last.offline_max_running, 0);
+    assert_int_equal(f->last.offline_preempt, 8);
+    free(f);
+}
+
+/* The same script twice from fresh states: identical outputs and states, call by call. */
+static void test_deterministic(void **state)
+{
+    (void)state;
+    fx *a = calloc(1, sizeof(fx)), *b = calloc(1, sizeof(fx));
+    fx_init(a, 3, 5);
+    fx_init(b, 3, 5);
+    uint64_t ra = 7, rb = 7;
+    for (int t = 0; t < 500; t++) {
+        double pl = (t / 100) % 2 ? 1.4 : 0.3, dl = (t / 100) % 2 ? 0.3 : 1.2;
+        fx_steady(a, pl, dl, &ra, 0.2);
+        fx_steady(b, pl, dl, &rb, 0.2);
+        fx_tick(a);
+        fx_tick(b);
+        assert_memory_equal(&a->last, &b->last, sizeof(policy_output));
+    }
+    assert_memory_equal(&a->st, &b->st, sizeof(policy_state));
+    assert_true(a->n_ch > 0); /* the script did make it move */
+    free(a);
+    free(b);
+}
+
+/* Bad knobs or bad input: -1, output zeroed, state untouched; time going backwards is
+ * "no time passed". */
+static void test_bad_input(void **state)
+{
+    (void)state;
+    fx *f = calloc(1, sizeof(fx));
+    fx_init(f, 2, 2);
+    fx_tick(f);
+    policy_state before = f->st;
+    policy_output out;
+    policy_input in = {.now_ms = f->now, .workers = f->w, .n_workers = f->n, .cluster = f->c};
+    char err[128];
+
+    policy_params bad = f->p;
+    bad.band = 0.5;
+    assert_int_equal(policy_params_check(&bad, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "band"));
+    memset(&out, 0xff, sizeof(out));
+    assert_int_equal(policy_decide(&bad, &f->st, &in, &out), -1);
+    assert_int_equal(out.n_actions, 0);
+    bad = f->p;
+    bad.min_per_role = 0;
+    assert_int_equal(policy_decide(&bad, &f->st, &in, &out), -1);
+    bad = f->p;
+    bad.ttft_slo_ms = 0;
+    assert_int_equal(policy_decide(&bad, &f->st, &in, &out), -1);
+
+    f->w[1].role = 9;
+    assert_int_equal(policy_decide(&f->p, &f->st, &in, &out), -1);
+    f->w[1].role = POLICY_ROLE_PREFILL;
+    f->w[1].state = 0;
+    assert_int_equal(policy_decide(&f->p, &f->st, &in, &out), -1);
+    f->w[1].state = POLICY_WORKER_READY;
+    in.n_workers = -1;
+    assert_int_equal(policy_decide(&f->p, &f->st, &in, &out), -1);
+    in.n_workers = 2;
+    in.workers = NULL;
+    assert_int_equal(policy_decide(&f->p, &f->st, &in, &out), -1);
+    assert_memory_equal(&before, &f->st, sizeof(policy_state));
+
+    /* no workers at all: fine, nothing to do */
+    in.n_workers = 0;
+    assert_int_equal(policy_decide(&f->p, &f->st, &in, &out), 0);
+    assert_int_equal(out.n_actions, 0);
+
+    /* time going backwards */
+    in.workers = f->w;
+    in.n_workers = f->n;
+    in.now_ms = f->now - 100000;
+    in.cluster.prompt_tokens_arrived = 5;
+    assert_int_equal(policy_decide(&f->p, &f->st, &in, &out), 0);
+    assert_true(isfinite(out.prefill_pressure) && isfinite(out.decode_pressure));
+    assert_string_equal(policy_role_str(POLICY_ROLE_DECODE), "decode");
+    assert_string_equal(policy_role_str(42), "?");
+    free(f);
+}
+
+/* Decode-side pressure from TPOT and KV use moves prefill workers to decode; a DOWN worker
+ * is not counted and never chosen. */
+static void test_decode_pressure_moves_to_decode(void **state)
+{
+    (void)state;
+    fx *f = calloc(1, sizeof(fx));
+    fx_init(f, 4, 4);
+    f->p.max_changes = 1;
+    f->p.max_change_frac = 0;
+    f->w[0].state = POLICY_WORKER_DOWN;
+    f->prompt_rate = 5000;
+    f->c.online_decoding = 400;
+    f->c.tpot_p90_ms = 1.3 * f->p.tpot_slo_ms;
+    for (int i = 4; i < 8; i++)
+        f->w[i].kv_blocks_used = 950;
+    for (int t = 0; t < 200; t++)
+        fx_tick(f);
+    assert_true(f->n_ch >= 1);
+    for (int i = 0; i < f->n_ch; i++) {
+        assert_int_equal(f->ch_role[i], POLICY_ROLE_DECODE);
+        assert_int_not_equal(f->ch_worker[i], 0);
+    }
+    /* the down worker does not count as the last prefill worker */
+    int alive_prefill = 0;
+    for (int i = 1; i < f->n; i++)
+        alive_prefill += f->w[i].role == POLICY_ROLE_PREFILL;
+    assert_true(alive_prefill >= 1);
+    free(f);
+}
+
+int main(int argc, char **argv)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_steady_balanced_no_actions),
+        cmocka_unit_test(test_growing_queue_moves_to_prefill),
+        cmocka_unit_test(test_oscillating_load_no_flapping),
+        cmocka_unit_test(test_slow_tide_answered_promptly),
+        cmocka_unit_test(test_never_below_one_per_role),
+        cmocka_unit_test(test_rate_cap),
+        cmocka_unit_test(test_offline_admission_and_aging),
+        cmocka_unit_test(test_deterministic),
+        cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_decode_pressure_moves_to_decode),
+    };
+    if (argc > 1)
+        cmocka_set_test_filter(argv[1]);
+    return cmocka_run_group_tests_name("policy", tests, NULL, NULL);
+}
