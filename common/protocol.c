@@ -98,7 +98,7 @@ static const field_t fields[] = {
 };
 #define N_FIELDS (sizeof(fields) / sizeof(fields[0]))
 _Static_assert(sizeof(fields) / sizeof(fields[0]) <= 64, "field bitmask is 64 bits");
-_Static_assert(sizeof(proto_kvx_counters) == 6 * sizeof(uint64_t), "counters are a u64 array");
+_Static_assert(sizeof(proto_kvx_counters) == 7 * sizeof(uint64_t), "counters are a u64 array");
 _Static_assert(sizeof(proto_spec_counters) == (3 + PROTO_SPEC_MAX_POS) * sizeof(uint64_t),
                "counters are a u64 array");
 

@@ -93,8 +93,9 @@ typedef struct {
     uint64_t n_bytes;    /* KV payload bytes of the completed transfers */
     uint64_t total_us;   /* sum of their durations (begin -> accepted), microseconds */
     uint64_t n_rejected; /* KV_BEGIN refused (no space, layout mismatch, not accepting) */
-    uint64_t n_timeouts; /* lease expired */
-    uint64_t n_aborted;  /* any other failure: abort, NACK, cancel, connection reset */
+    uint64_t n_timeouts;  /* lease expired */
+    uint64_t n_aborted;   /* any other failure: abort by the peer, NACK, connection reset */
+    uint64_t n_cancelled; /* abandoned on purpose: gateway CANCEL, superseded, sender's abort */
 } proto_kvx_counters;
 
 #define PROTO_SPEC_MAX_POS 2 /* draft positions counted (MTP depth) */

@@ -75,7 +75,19 @@ static void ctl_send_logged(worker_t *w, const proto_msg *m)
                   zmq_strerror(errno));
 }
 
-void worker_send_tokens(worker_t *w, uint64_t rid, int index, const int *tokens, int n)
+static void set_timing(proto_msg *m, const worker_timing *t)
+{
+    if (!t)
+        return;
+    m->queue_us = t->queue_us > 0 ? t->queue_us : 0;
+    m->prefill_us = t->prefill_us > 0 ? t->prefill_us : 0;
+    m->xfer_us = t->xfer_us > 0 ? t->xfer_us : 0;
+    m->xfer_bytes = t->xfer_bytes;
+    m->step_us = t->step_us > 0 ? t->step_us : 0;
+}
+
+void worker_send_tokens_timed(worker_t *w, uint64_t rid, int index, const int *tokens, int n,
+                              const worker_timing *t)
 {
     proto_msg m;
     proto_msg_init(&m, PROTO_TOKENS);
@@ -84,18 +96,30 @@ void worker_send_tokens(worker_t *w, uint64_t rid, int index, const int *tokens,
     m.tokens = (int *)tokens; /* borrowed for sending */
     m.n_tokens = n;
     m.ts_us = proto_wall_us();
+    set_timing(&m, t);
     ctl_send_logged(w, &m);
 }
 
-void worker_send_finish(worker_t *w, uint64_t rid, int reason)
+void worker_send_tokens(worker_t *w, uint64_t rid, int index, const int *tokens, int n)
+{
+    worker_send_tokens_timed(w, rid, index, tokens, n, NULL);
+}
+
+void worker_send_finish_timed(worker_t *w, uint64_t rid, int reason, const worker_timing *t)
 {
     proto_msg m;
     proto_msg_init(&m, PROTO_FINISH);
     m.rid = rid;
     m.reason = reason;
     m.ts_us = proto_wall_us();
+    set_timing(&m, t);
     ctl_send_logged(w, &m);
     log_rdebug(rid, "finished (%s)", reason == PROTO_FINISH_STOP ? "stop" : "length");
+}
+
+void worker_send_finish(worker_t *w, uint64_t rid, int reason)
+{
+    worker_send_finish_timed(w, rid, reason, NULL);
 }
 
 void worker_send_error(worker_t *w, uint64_t rid, int code, int retry, const char *msg)
@@ -145,6 +169,11 @@ static void send_heartbeat(worker_t *w)
     m.kv_blocks_free = kvcache_n_free_blocks(w->kv);
     m.tokens_in = w->tokens_in;
     m.tokens_out = w->tokens_out;
+    if (w->sender)
+        kvx_sender_get_stats(w->sender, &m.kvx_tx);
+    if (w->receiver)
+        kvx_receiver_get_stats(w->receiver, &m.kvx_rx);
+    m.spec = w->spec;
     m.ts_us = proto_wall_us();
     if (ctl_send(w, &m) < 0)
         log_debug("HEARTBEAT not sent: %s", zmq_strerror(errno));

@@ -42,7 +42,21 @@ typedef struct {
     int last;                     /* WREQ_RUNNING: token to feed next */
     int n_gen;                    /* tokens generated so far, first included */
     int n_sent;                   /* generated tokens this worker reported (TOKENS index) */
+    /* timing (proto_now_us of this worker; reported as durations, see worker_timing) */
+    int64_t t_recv_us;   /* PREFILL received */
+    int64_t t_ready_us;  /* ready to decode (KV accepted or local prefill done); 0 once the
+                          * first decode step was reported */
+    int64_t xfer_us;     /* KV transfer duration on the receiving side (0 = none) */
+    uint64_t xfer_bytes; /* KV payload bytes received */
 } wreq;
+
+/* Durations a worker reports with a request's TOKENS or FINISH (proto_msg queue_us,
+ * prefill_us, xfer_us, xfer_bytes, step_us; 0 = not reported), in microseconds of this
+ * worker's clock. */
+typedef struct {
+    int64_t queue_us, prefill_us, xfer_us, step_us;
+    uint64_t xfer_bytes;
+} worker_timing;
 
 typedef struct {
     /* settings (config table) */
@@ -82,11 +96,16 @@ typedef struct {
     int64_t next_hb_us;
     int draining;
     uint64_t tokens_in, tokens_out;
+    proto_spec_counters spec; /* speculative decoding (HEARTBEAT "spec"); zeros without MTP */
 } worker_t;
 
 // --- worker.c: messages to the gateway (each logs and drops on failure)
 void worker_send_tokens(worker_t *w, uint64_t rid, int index, const int *tokens, int n);
 void worker_send_finish(worker_t *w, uint64_t rid, int reason);
+/* The same, carrying the request's durations t (NULL: none). */
+void worker_send_tokens_timed(worker_t *w, uint64_t rid, int index, const int *tokens, int n,
+                              const worker_timing *t);
+void worker_send_finish_timed(worker_t *w, uint64_t rid, int reason, const worker_timing *t);
 void worker_send_error(worker_t *w, uint64_t rid, int code, int retry, const char *msg);
 
 // --- worker_sched.c

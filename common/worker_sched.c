@@ -142,6 +142,7 @@ void sched_on_prefill(worker_t *w, proto_msg *m)
         return;
     }
     r->state = WREQ_QUEUED;
+    r->t_recv_us = proto_now_us();
     r->prompt = m->tokens; /* take the decoded array */
     r->n_prompt = m->n_tokens;
     m->tokens = NULL;
@@ -179,17 +180,21 @@ void sched_on_cancel(worker_t *w, uint64_t rid)
 static void start_decode(worker_t *w, wreq *r)
 {
     r->state = WREQ_RUNNING;
+    r->t_ready_us = proto_now_us();
+    worker_timing t = {.xfer_us = r->xfer_us, .xfer_bytes = r->xfer_bytes};
     if (r->first == w->mc->eos_id) {
-        worker_send_finish(w, r->rid, PROTO_FINISH_STOP);
+        worker_send_finish_timed(w, r->rid, PROTO_FINISH_STOP, &t);
         req_remove(w, r);
         return;
     }
     if (r->n_gen >= r->max_tokens || r->pos >= w->mc->n_ctx) {
         if (r->n_sent == 0) {
-            worker_send_tokens(w, r->rid, 0, &r->first, 1);
+            worker_send_tokens_timed(w, r->rid, 0, &r->first, 1, &t);
             r->n_sent = 1;
+            worker_send_finish(w, r->rid, PROTO_FINISH_LENGTH);
+        } else {
+            worker_send_finish_timed(w, r->rid, PROTO_FINISH_LENGTH, &t);
         }
-        worker_send_finish(w, r->rid, PROTO_FINISH_LENGTH);
         req_remove(w, r);
     }
 }
@@ -219,6 +224,8 @@ static void on_accepted(worker_t *w, const kvx_event *ev)
     r->sp.top_k = ev->top_k;
     r->rng = ev->rng;
     r->state = WREQ_RUNNING;
+    r->xfer_us = ev->xfer_us;
+    r->xfer_bytes = ev->n_bytes;
     if (ev->first_token >= w->mc->vocab_size) {
         worker_send_error(w, r->rid, PROTO_ERR_PROTOCOL, 1, "first token out of vocabulary");
         req_remove(w, r);
@@ -349,6 +356,7 @@ int sched_prefill_step(worker_t *w)
     w->n_batch = m;
     if (m == 0)
         return 1;
+    int64_t t_start = proto_now_us();
     if (model_forward(w->mctx, w->kv, w->batch, m, on_layer, w) < 0) {
         fail_batch(w, m, "prefill");
         return 1;
@@ -358,16 +366,18 @@ int sched_prefill_step(worker_t *w)
         wreq *r = w->batch_reqs[i];
         w->tokens_in += (uint64_t)r->n_prompt;
         int first = sampler_sample(w->sampler, &r->sp, &r->rng, w->batch[i].logits);
+        worker_timing t = {.queue_us = t_start - r->t_recv_us,
+                           .prefill_us = proto_now_us() - t_start};
         r->first = first;
         r->n_gen = 1;
         free(r->prompt);
         r->prompt = NULL;
         if (first == w->mc->eos_id) { /* nothing to decode: the EOS itself is not sent */
-            worker_send_finish(w, r->rid, PROTO_FINISH_STOP);
+            worker_send_finish_timed(w, r->rid, PROTO_FINISH_STOP, &t);
             req_remove(w, r);
             continue;
         }
-        worker_send_tokens(w, r->rid, 0, &first, 1);
+        worker_send_tokens_timed(w, r->rid, 0, &first, 1, &t);
         r->n_sent = 1;
         w->tokens_out++;
         if (r->max_tokens <= 1) {
@@ -415,19 +425,27 @@ int sched_decode_step(worker_t *w)
         r->pos++;
         int t = sampler_sample(w->sampler, &r->sp, &r->rng, w->batch[i].logits);
         int out[2], k = 0;
+        /* the first decode step reports the transfer and its own latency */
+        worker_timing tm = {0}, *tp = NULL;
+        if (r->t_ready_us) {
+            tm = (worker_timing){.xfer_us = r->xfer_us, .xfer_bytes = r->xfer_bytes,
+                                 .step_us = proto_now_us() - r->t_ready_us};
+            tp = &tm;
+            r->t_ready_us = 0;
+        }
         if (r->n_sent == 0)
             out[k++] = r->first; /* the first TOKENS repeats the prefill's token */
         if (t == w->mc->eos_id) {
             if (k)
-                worker_send_tokens(w, r->rid, 0, out, k);
-            worker_send_finish(w, r->rid, PROTO_FINISH_STOP);
+                worker_send_tokens_timed(w, r->rid, 0, out, k, tp);
+            worker_send_finish_timed(w, r->rid, PROTO_FINISH_STOP, k ? NULL : tp);
             req_remove(w, r);
             continue;
         }
         out[k++] = t;
         r->n_gen++;
         w->tokens_out++;
-        worker_send_tokens(w, r->rid, r->n_sent, out, k);
+        worker_send_tokens_timed(w, r->rid, r->n_sent, out, k, tp);
         r->n_sent += k;
         if (r->n_gen >= r->max_tokens || r->pos >= w->mc->n_ctx) {
             worker_send_finish(w, r->rid, PROTO_FINISH_LENGTH);

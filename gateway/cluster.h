@@ -31,6 +31,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "protocol.h"
+
 struct event_base;
 
 typedef struct cluster cluster_t;
@@ -60,6 +62,24 @@ typedef struct {
     void (*on_error)(void *ud, int status, const char *type, const char *code, const char *message);
 } cluster_callbacks;
 
+/* What the cluster learns about a request's timing, filled in as it happens when the job
+ * names one (cluster_job.timing). Times are this gateway's monotonic clock (proto_now_us);
+ * the workers' figures are durations each measured on one worker's own clock (TOKENS /
+ * FINISH optional fields; 0 = not reported), never differences between two hosts'
+ * clocks. On a retry the worker figures are those of the latest attempt. */
+typedef struct {
+    int64_t admit_us;                  /* cluster_submit */
+    int64_t dispatch_us;               /* the first PREFILL sent (0 = none yet) */
+    int64_t worker_queue_us;           /* prefill worker: PREFILL received -> batch start */
+    int64_t prefill_us;                /* prefill worker: batch start -> first token */
+    int64_t xfer_us;                   /* decode worker: KV transfer (0 = none, mixed) */
+    uint64_t xfer_bytes;               /* decode worker: KV bytes received */
+    int64_t step_us;                   /* decode worker: ready -> first decode step */
+    int attempts;                      /* PREFILL orders sent */
+    char prefill_worker[PROTO_ID_LEN]; /* the latest attempt's workers ("" = none yet) */
+    char decode_worker[PROTO_ID_LEN];
+} cluster_req_timing;
+
 /* One request to run. */
 typedef struct {
     const int *tokens; /* (n_tokens,) prompt ids, BOS included; copied */
@@ -69,6 +89,9 @@ typedef struct {
     float top_p;
     int top_k;
     uint64_t rng; /* initial sampler state (sampler_seed_state) */
+    cluster_req_timing *timing; /* optional (NULL): borrowed until the request ends (its
+                                 * on_finish / on_error, or cluster_cancel); zeroed and
+                                 * filled by the cluster */
 } cluster_job;
 
 typedef enum {
@@ -119,6 +142,10 @@ typedef struct {
     int running, queued, queued_prompt_tokens;
     int n_assigned;               /* requests the gateway has assigned to it right now */
     double last_seen_ms_ago;
+    int n_ctx, block_size, max_seqs;            /* from REGISTER */
+    uint64_t tokens_in, tokens_out;             /* counters since the worker started */
+    proto_kvx_counters kvx_tx, kvx_rx;          /* KV transfers sent / received */
+    proto_spec_counters spec;                   /* speculative decoding */
 } cluster_worker_info;
 
 /* Call fn for every alive worker, in registration order. */
@@ -127,5 +154,30 @@ void cluster_foreach_worker(const cluster_t *c,
 
 /* Seconds a client should wait before retrying after CLUSTER_FULL (>= 1). */
 int cluster_retry_after_s(const cluster_t *c);
+
+// --- events (for the stats socket)
+
+typedef enum {
+    CLUSTER_EV_WORKER_UP = 1, /* a worker registered */
+    CLUSTER_EV_WORKER_DOWN,   /* a worker was removed: BYE, silent, unreachable (reason) */
+    CLUSTER_EV_WORKER_ROLE,   /* a worker re-registered with another role (old_role) */
+    CLUSTER_EV_WORKER_STATE,  /* a worker went ready <-> draining (state) */
+    CLUSTER_EV_REQUEST_RETRY, /* an attempt of request rid failed and it is re-run (reason) */
+} cluster_event_type_t;
+
+/* One event; strings are borrowed for the observer's call. */
+typedef struct {
+    cluster_event_type_t type;
+    const char *worker; /* worker id ("" when none) */
+    int role;           /* proto_role_t, 0 when none */
+    int old_role;       /* WORKER_ROLE: the previous role */
+    int state;          /* proto_state_t, 0 when none */
+    uint64_t rid;       /* REQUEST_RETRY */
+    const char *reason; /* "" when none */
+} cluster_event;
+
+/* Call fn(ev, ud) for every event from now on (fn NULL: none). fn runs on the loop thread
+ * inside cluster code: it must not call back into the cluster. */
+void cluster_set_observer(cluster_t *c, void (*fn)(const cluster_event *ev, void *ud), void *ud);
 
 #endif

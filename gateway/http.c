@@ -23,6 +23,7 @@
 
 #include "api.h"
 #include "log.h"
+#include "metrics.h"
 #include "protocol.h"
 #include "sampler.h"
 #include "stream.h"
@@ -45,6 +46,8 @@ typedef struct gw_req {
     char id[48];
     int64_t created;
     int64_t t_start_us, t_first_us;
+    int64_t t_last_us;          /* latest tokens at the gateway */
+    cluster_req_timing timing; /* filled by the cluster */
 } gw_req;
 
 struct http_server {
@@ -59,6 +62,7 @@ struct http_server {
     const tokenizer_t *tok;
     int max_piece; /* bytes of the longest token piece */
     cluster_t *cluster;
+    stats_t *stats; /* NULL: no figures */
     uint64_t id_nonce;
     gw_req *active;
     int n_active;
@@ -120,17 +124,54 @@ static void req_free(gw_req *g)
     free(g);
 }
 
-static void log_end(const gw_req *g, int status, const char *how)
+static const char *ms_str(char *buf, size_t cap, double ms)
+{
+    if (ms < 0)
+        snprintf(buf, cap, "-");
+    else
+        snprintf(buf, cap, "%.2f", ms);
+    return buf;
+}
+
+/* The request ends: count it in the stats and log its one summary line (INFO) with the
+ * phases of its time to first token (docs/stats.md). how: the finish reason (FINISHED) or
+ * the error message. */
+static void log_end(const gw_req *g, int status, stats_end_t end, const char *how)
 {
     int64_t now = proto_now_us();
+    int n_out = g->stream ? stream_n_tokens(g->stream) : 0;
+    stats_request sr = {.rid = g->rid,
+                        .how = end,
+                        .finish_reason = end == STATS_END_FINISHED ? how : NULL,
+                        .status = status,
+                        .error = end == STATS_END_FAILED ? how : NULL,
+                        .n_prompt = g->n_prompt,
+                        .n_output = n_out,
+                        .t_first_us = g->t_first_us,
+                        .t_last_us = g->t_last_us,
+                        .t_end_us = now,
+                        .timing = &g->timing};
+    stats_breakdown b;
+    if (g->srv->stats)
+        stats_request_end(g->srv->stats, &sr, &b);
+    else
+        stats_breakdown_of(&sr, &b);
+    char q[24], p[24], x[24], d[24], t[24], e[24];
     log_rinfo(g->rid,
-              "%s %s: %d, %s; prompt %d, completion %d tokens, first token %.1f ms, "
-              "total %.1f ms",
+              "request end: %s %s status=%d finish=%s prompt_tokens=%d output_tokens=%d "
+              "queue_ms=%s prefill_ms=%s transfer_ms=%s first_decode_ms=%s ttft_ms=%s "
+              "e2e_ms=%s prefill=%s decode=%s attempts=%d%s%s%s",
               g->kind == API_CHAT ? "/v1/chat/completions" : "/v1/completions",
-              g->streaming ? "stream" : "json", status, how, g->n_prompt,
-              g->stream ? stream_n_tokens(g->stream) : 0,
-              g->t_first_us ? (double)(g->t_first_us - g->t_start_us) / 1000.0 : -1.0,
-              (double)(now - g->t_start_us) / 1000.0);
+              g->streaming ? "stream" : "json", status,
+              end == STATS_END_FINISHED ? how : end == STATS_END_CANCELLED ? "abort" : "error",
+              g->n_prompt, n_out, ms_str(q, sizeof(q), b.queue_ms),
+              ms_str(p, sizeof(p), b.prefill_ms), ms_str(x, sizeof(x), b.transfer_ms),
+              ms_str(d, sizeof(d), b.first_decode_ms), ms_str(t, sizeof(t), b.ttft_ms),
+              ms_str(e, sizeof(e), b.e2e_ms),
+              g->timing.prefill_worker[0] ? g->timing.prefill_worker : "-",
+              g->timing.decode_worker[0] ? g->timing.decode_worker : "-", g->timing.attempts,
+              end == STATS_END_FINISHED ? "" : " reason=\"", end == STATS_END_FINISHED ? "" : how,
+              end == STATS_END_FINISHED ? "" : "\"");
 }
 
 static api_response_info info_of(const gw_req *g)
@@ -223,7 +264,7 @@ static void complete(gw_req *g, const char *finish_reason)
                             "could not format the response");
         free(body);
     }
-    log_end(g, 200, finish_reason);
+    log_end(g, 200, STATS_END_FINISHED, finish_reason);
     g->req = NULL;
     req_free(g);
 }
@@ -244,7 +285,7 @@ static void fail(gw_req *g, int status, const char *type, const char *code, cons
     } else {
         reply_error(g->req, &e);
     }
-    log_end(g, status, msg);
+    log_end(g, status, STATS_END_FAILED, msg);
     g->req = NULL;
     req_free(g);
 }
@@ -254,8 +295,15 @@ static void fail(gw_req *g, int status, const char *type, const char *code, cons
 static int on_tokens(void *ud, const int *tokens, int n)
 {
     gw_req *g = ud;
-    if (!g->t_first_us)
-        g->t_first_us = proto_now_us();
+    int64_t now = proto_now_us();
+    if (!g->t_first_us) {
+        g->t_first_us = now;
+        if (g->srv->stats)
+            stats_first_token(g->srv->stats, &g->timing, now);
+    } else if (g->srv->stats) {
+        stats_tokens(g->srv->stats, &g->timing, (double)(now - g->t_last_us) / 1e6, now);
+    }
+    g->t_last_us = now;
     for (int i = 0; i < n; i++) {
         stream_status_t st = stream_push(g->stream, tokens[i]);
         if (st == STREAM_STOP) {
@@ -318,7 +366,7 @@ static void on_close(struct evhttp_connection *conn, void *arg)
      * attached and libevent frees it right after this callback. */
     if (g->req && evhttp_request_get_connection(g->req) == NULL)
         evhttp_request_free(g->req);
-    log_end(g, 499, "client disconnected");
+    log_end(g, 499, STATS_END_CANCELLED, "client disconnected");
     g->req = NULL;
     req_free(g);
 }
@@ -355,14 +403,23 @@ static void watch_close(gw_req *g)
 
 // --- handlers
 
+static void count_rejected(http_server_t *s)
+{
+    if (s->stats)
+        stats_request_rejected(s->stats);
+}
+
 static void handle_completion(http_server_t *s, struct evhttp_request *req, api_kind_t kind)
 {
     struct evbuffer *in = evhttp_request_get_input_buffer(req);
     size_t len = evbuffer_get_length(in);
     api_error e;
+    if (s->stats)
+        stats_request_received(s->stats);
     if (len > s->max_body) {
         api_error_set(&e, 413, "invalid_request_error", NULL, "request_too_large",
                       "The request body is %zu bytes; the limit is %zu bytes.", len, s->max_body);
+        count_rejected(s);
         reply_error(req, &e);
         return;
     }
@@ -371,6 +428,7 @@ static void handle_completion(http_server_t *s, struct evhttp_request *req, api_
     if (api_parse(kind, body, len, &r, &e) < 0 || api_check_model(&r, s->model, &e) < 0) {
         log_debug("400: %s", e.message);
         api_request_free(&r);
+        count_rejected(s);
         reply_error(req, &e);
         return;
     }
@@ -444,6 +502,7 @@ static void handle_completion(http_server_t *s, struct evhttp_request *req, api_
         .top_p = (float)r.top_p,
         .top_k = r.top_k,
         .rng = sampler_seed_state(seed),
+        .timing = &g->timing,
     };
     cluster_status_t st = cluster_submit(s->cluster, &job, g, &g->rid);
     if (st == CLUSTER_FULL) {
@@ -490,6 +549,7 @@ bad:
     }
     free(tokens);
     api_request_free(&r);
+    count_rejected(s);
     reply_error(req, &e);
 }
 
@@ -542,6 +602,36 @@ static void handle_workers(http_server_t *s, struct evhttp_request *req)
     free(body);
 }
 
+/* GET /metrics: the stats in the Prometheus text format. */
+static void handle_metrics(http_server_t *s, struct evhttp_request *req)
+{
+    if (!s->stats) {
+        reply_error_msg(req, 503, "server_error", NULL, "not_ready", "metrics are not enabled");
+        return;
+    }
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (!f) {
+        reply_error_msg(req, 500, "server_error", NULL, NULL, "out of memory");
+        return;
+    }
+    stats_write_metrics(s->stats, s->cluster, f);
+    int bad = ferror(f);
+    fclose(f);
+    struct evbuffer *b = evbuffer_new();
+    if (bad || !b || evbuffer_add(b, text, len) < 0) {
+        reply_error_msg(req, 500, "server_error", NULL, NULL, "out of memory");
+    } else {
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type",
+                          METRICS_CONTENT_TYPE);
+        evhttp_send_reply(req, 200, "OK", b);
+    }
+    if (b)
+        evbuffer_free(b);
+    free(text);
+}
+
 static void handle_models(http_server_t *s, struct evhttp_request *req, const char *which)
 {
     if (which) { /* GET /v1/models/{id} */
@@ -591,9 +681,18 @@ static const char *method_str(enum evhttp_cmd_type m)
     return "?";
 }
 
+/* Every response that went out completely: count its status. */
+static void on_reply_done(struct evhttp_request *req, void *arg)
+{
+    http_server_t *s = arg;
+    if (s->stats)
+        stats_http_response(s->stats, evhttp_request_get_response_code(req));
+}
+
 static void on_request(struct evhttp_request *req, void *arg)
 {
     http_server_t *s = arg;
+    evhttp_request_set_on_complete_cb(req, on_reply_done, s);
     enum evhttp_cmd_type method = evhttp_request_get_command(req);
     const struct evhttp_uri *uri = evhttp_request_get_evhttp_uri(req);
     const char *path = uri ? evhttp_uri_get_path(uri) : NULL;
@@ -610,7 +709,8 @@ static void on_request(struct evhttp_request *req, void *arg)
         allow = "POST";
         kind = API_CHAT;
     } else if (strcmp(path, "/v1/models") == 0 || strncmp(path, "/v1/models/", 11) == 0 ||
-               strcmp(path, "/health") == 0 || strcmp(path, "/workers") == 0) {
+               strcmp(path, "/health") == 0 || strcmp(path, "/workers") == 0 ||
+               strcmp(path, "/metrics") == 0) {
         allow = "GET";
     }
     if (!allow) {
@@ -633,6 +733,8 @@ static void on_request(struct evhttp_request *req, void *arg)
         handle_health(s, req);
     else if (strcmp(path, "/workers") == 0)
         handle_workers(s, req);
+    else if (strcmp(path, "/metrics") == 0)
+        handle_metrics(s, req);
     else
         handle_models(s, req, path[10] == '/' ? path + 11 : NULL);
 }
@@ -701,6 +803,11 @@ fail:
 void http_server_set_cluster(http_server_t *s, cluster_t *c)
 {
     s->cluster = c;
+}
+
+void http_server_set_stats(http_server_t *s, stats_t *stats)
+{
+    s->stats = stats;
 }
 
 int http_server_port(const http_server_t *s)

@@ -6,8 +6,9 @@
  * text), admitted into the cluster (cluster.h) and answered from the cluster's callbacks:
  * text goes through a stream_t (stream.h) so that only whole UTF-8 characters are sent and
  * stop strings are honoured. A client that disconnects cancels its request. GET
- * /v1/models and GET /health report the model and the cluster. Anything else gets an
- * OpenAI-style JSON error (404 unknown path, 405 wrong method). Loop thread only.
+ * /v1/models and GET /health report the model and the cluster; GET /metrics exposes the
+ * stats (stats.h) in the Prometheus text format. Anything else gets an OpenAI-style JSON
+ * error (404 unknown path, 405 wrong method). Loop thread only.
  */
 #ifndef TP_GW_HTTP_H
 #define TP_GW_HTTP_H
@@ -15,6 +16,7 @@
 #include <stddef.h>
 
 #include "cluster.h"
+#include "stats.h"
 #include "tokenizer.h"
 
 struct event_base;
@@ -43,6 +45,10 @@ const cluster_callbacks *http_server_callbacks(void);
 /* Attach the cluster requests are admitted into (borrowed; must outlive the server's use
  * of it, i.e. destroy the cluster before the server). */
 void http_server_set_cluster(http_server_t *s, cluster_t *c);
+
+/* Record requests, responses and timings in stats (borrowed; must outlive the server) and
+ * serve them at GET /metrics. Without it /metrics answers 503. */
+void http_server_set_stats(http_server_t *s, stats_t *stats);
 
 /* The port actually bound (useful with port 0). */
 int http_server_port(const http_server_t *s);

@@ -5,8 +5,10 @@
  * context length from the model file, never the weights.
  *
  * One thread, one event loop: HTTP connections, the ctl socket (through evzmq), timers
- * and signals. SIGTERM/SIGINT: stop accepting, let requests in flight finish (up to
- * --drain-timeout-ms), then exit. See docs/api.md and docs/protocol.md.
+ * and signals. Operators' figures: GET /metrics (Prometheus) and the stats PUB socket
+ * (--stats-bind), both from stats.h; see docs/stats.md. SIGTERM/SIGINT: stop accepting,
+ * let requests in flight finish (up to --drain-timeout-ms), then exit. See docs/api.md and
+ * docs/protocol.md.
  */
 #include <event2/event.h>
 #include <signal.h>
@@ -20,11 +22,14 @@
 #include "gguf.h"
 #include "http.h"
 #include "log.h"
+#include "statpub.h"
+#include "stats.h"
 #include "tokenizer.h"
 
-static char *opt_host, *opt_ctl_bind, *opt_model, *opt_served_name, *opt_log_level;
+static char *opt_host, *opt_ctl_bind, *opt_model, *opt_served_name, *opt_log_level,
+    *opt_stats_bind;
 static long long opt_port, opt_max_body, opt_max_queue, opt_hb_ms, opt_dead_ms, opt_timeout_ms,
-    opt_retries, opt_drain_ms;
+    opt_retries, opt_drain_ms, opt_stats_interval_ms, opt_stats_window_s;
 
 static const config_entry_t settings[] = {
     {"host", CONFIG_STRING, &opt_host, "127.0.0.1", 0, 0, "address the HTTP server listens on"},
@@ -49,6 +54,12 @@ static const config_entry_t settings[] = {
      "times a failed request is re-run on other workers before an error"},
     {"drain-timeout-ms", CONFIG_INT, &opt_drain_ms, "30000", 0, 3600000,
      "on SIGTERM, how long requests in flight may take to finish"},
+    {"stats-bind", CONFIG_STRING, &opt_stats_bind, "tcp://127.0.0.1:5558", 0, 0,
+     "ZeroMQ endpoint of the stats PUB socket (\"\" = off); see docs/stats.md"},
+    {"stats-interval-ms", CONFIG_INT, &opt_stats_interval_ms, "1000", 10, 3600000,
+     "period of the snapshots published on the stats socket"},
+    {"stats-window-s", CONFIG_INT, &opt_stats_window_s, "60", 1, 3600,
+     "window of the latency percentiles on the stats socket"},
     {"log-level", CONFIG_STRING, &opt_log_level, "info", 0, 0, "debug, info, warn or error"},
     {NULL, 0, NULL, NULL, 0, 0, NULL},
 };
@@ -148,6 +159,8 @@ int main(int argc, char **argv)
     app_t app = {0};
     tokenizer_t *tok = NULL;
     cluster_t *cluster = NULL;
+    stats_t *stats = NULL;
+    statpub_t *pub = NULL;
     struct event *sigterm = NULL, *sigint = NULL;
     char err[512], name[128];
     int n_ctx;
@@ -181,6 +194,15 @@ int main(int argc, char **argv)
         log_error("%s", err);
         goto out;
     }
+    stats_params sp = stats_default_params();
+    sp.model_name = served;
+    sp.window_s = (int)opt_stats_window_s;
+    stats = stats_new(&sp);
+    if (!stats) {
+        log_error("out of memory");
+        goto out;
+    }
+    http_server_set_stats(app.http, stats);
     cluster_params cp = cluster_default_params();
     cp.ctl_bind = opt_ctl_bind;
     cp.heartbeat_ms = (int)opt_hb_ms;
@@ -194,6 +216,20 @@ int main(int argc, char **argv)
         goto out;
     }
     http_server_set_cluster(app.http, cluster);
+    cluster_set_observer(cluster, stats_on_cluster_event, stats);
+    if (opt_stats_bind && opt_stats_bind[0]) {
+        statpub_params pp = statpub_default_params();
+        pp.bind = opt_stats_bind;
+        pp.interval_ms = (int)opt_stats_interval_ms;
+        pp.model_name = served;
+        pub = statpub_new(app.base, &pp, stats, cluster, err, sizeof(err));
+        /* dashboards are not worth refusing to serve for: go on without the socket */
+        if (!pub)
+            log_error("%s: the stats socket is off (GET /metrics still works)", err);
+        else
+            log_info("stats socket bound at %s (every %lld ms)", statpub_endpoint(pub),
+                     opt_stats_interval_ms);
+    }
 
     sigterm = evsignal_new(app.base, SIGTERM, on_signal, &app);
     sigint = evsignal_new(app.base, SIGINT, on_signal, &app);
@@ -208,7 +244,11 @@ int main(int argc, char **argv)
     exit_code = 0;
 
 out:
-    /* The cluster first: it fails what is left, which answers those clients. */
+    /* The publisher first (it reads the cluster), then the cluster: it fails what is left,
+     * which answers those clients. */
+    statpub_destroy(&pub);
+    if (cluster)
+        cluster_set_observer(cluster, NULL, NULL);
     cluster_destroy(&cluster);
     if (app.base && app.http) {
         struct timeval flush = {0, 200 * 1000}; /* let those answers go out */
@@ -216,6 +256,7 @@ out:
         event_base_dispatch(app.base);
     }
     http_server_destroy(&app.http);
+    stats_destroy(&stats);
     if (app.drain_ev)
         event_free(app.drain_ev);
     if (sigterm)

@@ -25,7 +25,9 @@
  *     then frees it with kvcache_seq_free() when decoding ends.
  *
  * Events (done, failed, accepted) are queued and pulled with kvx_*_next_event(), so no
- * callback ever re-enters the caller. Leases use the monotonic clock (proto_now_us).
+ * callback ever re-enters the caller. Each side counts its transfers (completed, bytes,
+ * time, rejects, timeouts, aborts, cancels) for the worker's heartbeat:
+ * kvx_*_get_stats(). Leases use the monotonic clock (proto_now_us).
  * Threading: each object, its sockets and its kvcache belong to one thread. The only
  * cross-thread access is the atomic pin count, decremented by ZeroMQ's I/O thread.
  * Library code: logs through log.h only, never asserts on peer input.
@@ -65,6 +67,11 @@ typedef struct {
     int max_tokens;
     float temperature, top_p;
     int top_k;
+    /* KVX_EV_DONE (sender) and KVX_EV_ACCEPTED (receiver): the transfer's duration on this
+     * side's monotonic clock (sender: KV_BEGIN sent -> KV_RESULT ok; receiver: KV_BEGIN
+     * accepted -> KV_END verified) and its payload bytes */
+    int64_t xfer_us;
+    uint64_t n_bytes;
 } kvx_event;
 
 // --- sender
@@ -146,6 +153,14 @@ int kvx_sender_next_event(kvx_sender_t *s, kvx_event *ev);
  * released (their sequences are not free yet). */
 int kvx_sender_n_active(const kvx_sender_t *s);
 
+/* Copy the sender's counters since it was created into *out: n_ok / n_bytes / total_us of
+ * the transfers the receiver accepted; n_rejected (KV_BEGIN_ACK refused), n_timeouts
+ * (lease expired), n_cancelled (kvx_send_abort by the caller, e.g. on a gateway CANCEL, or
+ * a KV_ABORT with code PROTO_ERR_CANCELLED from the receiver), n_aborted (every other
+ * failure). Each transfer that started counts exactly once, when it
+ * ends. */
+void kvx_sender_get_stats(const kvx_sender_t *s, proto_kvx_counters *out);
+
 // --- receiver
 
 typedef struct {
@@ -195,5 +210,13 @@ int kvx_receiver_abort(kvx_receiver_t *r, uint64_t rid);
 
 /* Transfers in progress (each holds a reserved sequence). */
 int kvx_receiver_n_active(const kvx_receiver_t *r);
+
+/* Copy the receiver's counters since it was created into *out: n_ok / n_bytes / total_us
+ * of the transfers handed over (KVX_EV_ACCEPTED); n_rejected (KV_BEGIN refused: layout,
+ * capacity, not accepting, duplicate id); n_timeouts (lease expired); n_cancelled
+ * (kvx_receiver_abort, an abort with code PROTO_ERR_CANCELLED from the sender, superseded
+ * by a new transfer of the same request); n_aborted (every other drop: checksum or
+ * protocol error, KV_RESULT not sent). */
+void kvx_receiver_get_stats(const kvx_receiver_t *r, proto_kvx_counters *out);
 
 #endif

@@ -28,6 +28,8 @@ typedef struct kvx_rx {
     uint8_t *got; /* (n_layer,) 1 when the layer arrived */
     XXH64_state_t *hash;
     int64_t deadline_us; /* lease: last message + lease_ms */
+    int64_t t0_us;       /* KV_BEGIN accepted (stats) */
+    uint64_t n_bytes;    /* payload bytes received (stats) */
     struct kvx_rx *next;
 } kvx_rx;
 
@@ -41,6 +43,7 @@ struct kvx_receiver {
     int n_xfers;
     kvx_evq events;
     proto_envelope *env;
+    proto_kvx_counters st;
 };
 
 kvx_receiver_params kvx_receiver_default_params(void)
@@ -163,6 +166,12 @@ static void rx_drop(kvx_receiver_t *r, kvx_rx *x, proto_type_t reply, int code, 
 {
     log_rinfo(x->rid, "kvx: transfer xfer=%llx dropped: %s (%s)", (unsigned long long)x->xfer,
               proto_err_str(code), msg);
+    if (code == PROTO_ERR_TIMEOUT)
+        r->st.n_timeouts++;
+    else if (code == PROTO_ERR_CANCELLED)
+        r->st.n_cancelled++;
+    else
+        r->st.n_aborted++;
     if (reply)
         rx_reply(r, x->id, x->id_len, reply, x->rid, x->xfer, 0, code, msg, NULL);
     if (report) {
@@ -193,6 +202,7 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
             rx_drop(r, old, 0, PROTO_ERR_PROTOCOL, "duplicate KV_BEGIN", 1);
         rx_reply(r, id, id_len, PROTO_KV_BEGIN_ACK, m->rid, m->xfer, 0, PROTO_ERR_PROTOCOL,
                  "transfer id already in use", NULL);
+        r->st.n_rejected++;
         return;
     }
     for (kvx_rx *x = r->xfers; x; x = x->next) {
@@ -228,6 +238,7 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
     if (code) {
         log_rinfo(m->rid, "kvx: KV_BEGIN xfer=%llx rejected: %s", (unsigned long long)m->xfer, why);
         rx_reply(r, id, id_len, PROTO_KV_BEGIN_ACK, m->rid, m->xfer, 0, code, why, NULL);
+        r->st.n_rejected++;
         return;
     }
     /* Worst case: the transferred tokens plus the KV of every generated token but the last. */
@@ -244,6 +255,7 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
         code = st == KVCACHE_ERR ? PROTO_ERR_BAD_REQUEST : PROTO_ERR_NOSPACE;
         log_rinfo(m->rid, "kvx: KV_BEGIN xfer=%llx rejected: %s", (unsigned long long)m->xfer, why);
         rx_reply(r, id, id_len, PROTO_KV_BEGIN_ACK, m->rid, m->xfer, 0, code, why, NULL);
+        r->st.n_rejected++;
         return;
     }
     kvx_rx *x = calloc(1, sizeof(*x));
@@ -257,6 +269,7 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
         kvcache_seq_free(r->kv, seq);
         rx_reply(r, id, id_len, PROTO_KV_BEGIN_ACK, m->rid, m->xfer, 0, PROTO_ERR_INTERNAL,
                  "out of memory", NULL);
+        r->st.n_rejected++;
         return;
     }
     XXH64_reset(x->hash, 0);
@@ -272,9 +285,11 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
     x->top_p = m->top_p;
     x->top_k = m->top_k;
     x->deadline_us = kvx_deadline_after(r->p.lease_ms);
+    x->t0_us = proto_now_us();
     int sent = 0;
     rx_reply(r, id, id_len, PROTO_KV_BEGIN_ACK, m->rid, m->xfer, 1, 0, "", &sent);
     if (!sent) {
+        r->st.n_aborted++; /* accepted, but the sender cannot know: it times out */
         rx_free(r, x, 1);
         return;
     }
@@ -317,6 +332,7 @@ static void rx_layer(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_env
     }
     x->got[m->layer] = 1;
     x->n_got++;
+    x->n_bytes += (uint64_t)n_frames * bytes;
     x->deadline_us = kvx_deadline_after(r->p.lease_ms);
 }
 
@@ -353,6 +369,11 @@ static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m)
     ev.temperature = x->temperature;
     ev.top_p = x->top_p;
     ev.top_k = x->top_k;
+    ev.xfer_us = proto_now_us() - x->t0_us;
+    ev.n_bytes = x->n_bytes;
+    r->st.n_ok++;
+    r->st.n_bytes += x->n_bytes;
+    r->st.total_us += (uint64_t)ev.xfer_us;
     log_rdebug(x->rid, "kvx: transfer xfer=%llx complete: seq %d, %d tokens",
                (unsigned long long)x->xfer, x->seq, x->n_kv_tokens);
     if (kvx_evq_push(&r->events, &ev) < 0) {
@@ -469,4 +490,9 @@ int kvx_receiver_abort(kvx_receiver_t *r, uint64_t rid)
 int kvx_receiver_n_active(const kvx_receiver_t *r)
 {
     return r->n_xfers;
+}
+
+void kvx_receiver_get_stats(const kvx_receiver_t *r, proto_kvx_counters *out)
+{
+    *out = r->st;
 }

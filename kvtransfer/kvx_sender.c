@@ -82,6 +82,9 @@ typedef struct kvx_sx {
     kvx_pin *pin;
     int64_t deadline_us; /* lease (0 = none) */
     int64_t over_us;     /* when it entered SX_RELEASING */
+    int64_t t0_us;       /* KV_BEGIN sent (stats) */
+    uint64_t n_bytes;    /* payload bytes handed to ZeroMQ (stats) */
+    int rejected;        /* KV_BEGIN_ACK refused it (stats) */
     struct kvx_sx *next;
 } kvx_sx;
 
@@ -96,6 +99,7 @@ struct kvx_sender {
     kvx_evq events;
     proto_envelope *env;
     zmq_msg_t *frames; /* (PROTO_MAX_FRAMES,) scratch for one KV_LAYER */
+    proto_kvx_counters st;
 };
 
 kvx_sender_params kvx_sender_default_params(void)
@@ -239,6 +243,14 @@ static void sx_fail(kvx_sender_t *s, kvx_sx *x, int code, const char *msg, int t
 {
     if (x->state == SX_RELEASING)
         return;
+    if (x->rejected)
+        s->st.n_rejected++;
+    else if (code == PROTO_ERR_TIMEOUT)
+        s->st.n_timeouts++;
+    else if (code == PROTO_ERR_CANCELLED)
+        s->st.n_cancelled++;
+    else
+        s->st.n_aborted++;
     log_rinfo(x->rid, "kvx: transfer xfer=%llx to %s failed: %s (%s)", (unsigned long long)x->xfer,
               x->peer ? x->peer->endpoint : "(reset)", proto_err_str(code), msg);
     if (tell_peer)
@@ -308,6 +320,7 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
     }
     x->seq = bp->seq;
     x->state = SX_OPEN;
+    x->t0_us = proto_now_us();
     x->deadline_us = kvx_deadline_after(s->p.lease_ms);
     x->next = s->xfers;
     s->xfers = x;
@@ -352,6 +365,7 @@ int kvx_send_layer(kvx_sender_t *s, uint64_t xfer, int layer)
     }
     x->sent[layer] = 1;
     x->n_sent++;
+    x->n_bytes += (uint64_t)x->n_blocks * bytes;
     proto_msg m;
     proto_msg_init(&m, PROTO_KV_LAYER);
     m.rid = x->rid;
@@ -407,6 +421,7 @@ void kvx_send_abort(kvx_sender_t *s, uint64_t xfer)
         return;
     log_rdebug(x->rid, "kvx: transfer xfer=%llx aborted by the caller",
                (unsigned long long)x->xfer);
+    s->st.n_cancelled++;
     sx_send_abort(x, PROTO_ERR_CANCELLED, "aborted by the sender");
     sx_over(x);
 }
@@ -441,6 +456,7 @@ static void sender_handle(kvx_sender_t *s, kvx_peer *pe, const proto_msg *m, int
     switch (m->type) {
     case PROTO_KV_BEGIN_ACK:
         if (!m->ok) {
+            x->rejected = 1;
             sx_fail(s, x, code, m->message[0] ? m->message : "rejected by the receiver", 0);
             return;
         }
@@ -460,6 +476,11 @@ static void sender_handle(kvx_sender_t *s, kvx_peer *pe, const proto_msg *m, int
         log_rdebug(x->rid, "kvx: transfer xfer=%llx accepted", (unsigned long long)x->xfer);
         kvx_event ev;
         kvx_ev_init(&ev, KVX_EV_DONE, x->rid, x->xfer, PROTO_ERR_NONE, "");
+        ev.xfer_us = proto_now_us() - x->t0_us;
+        ev.n_bytes = x->n_bytes;
+        s->st.n_ok++;
+        s->st.n_bytes += x->n_bytes;
+        s->st.total_us += (uint64_t)ev.xfer_us;
         kvx_evq_push(&s->events, &ev);
         sx_over(x);
         return;
@@ -568,4 +589,9 @@ int kvx_sender_next_event(kvx_sender_t *s, kvx_event *ev)
 int kvx_sender_n_active(const kvx_sender_t *s)
 {
     return s->n_xfers;
+}
+
+void kvx_sender_get_stats(const kvx_sender_t *s, proto_kvx_counters *out)
+{
+    *out = s->st;
 }

@@ -36,6 +36,7 @@ class Cluster:
         self.tmp = tempfile.mkdtemp(prefix="tidepool-test-")
         self.port = free_port()
         self.ctl = "tcp://127.0.0.1:%d" % free_port()
+        self.stats = "tcp://127.0.0.1:%d" % free_port()  # the gateway's stats PUB socket
         self.model = model
         self.env = dict(os.environ)
         self.env.update(env or {})
@@ -61,7 +62,8 @@ class Cluster:
         return self._spawn("gateway", [os.path.join(BIN, "gateway"), "--host", "127.0.0.1",
                                        "--port", str(self.port), "--ctl-bind", self.ctl,
                                        "--model", self.model, "--heartbeat-ms", "200",
-                                       "--dead-after-ms", "800"] + self.gateway_args)
+                                       "--dead-after-ms", "800", "--stats-bind", self.stats]
+                           + self.gateway_args)
 
     def start_worker(self, name, role):
         prog = "decode_worker" if role == "decode" else "prefill_worker"

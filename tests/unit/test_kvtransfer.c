@@ -893,6 +893,67 @@ static void test_abort_from_receiver(void **state)
     assert_all_free(f);
 }
 
+/* Each side counts every transfer once when it ends: completed (bytes, time), rejected,
+ * cancelled; and the DONE / ACCEPTED events carry the transfer's time and size. */
+static void test_stats_counters(void **state)
+{
+    fx_t *f = *state;
+    proto_kvx_counters cs, cr;
+    kvx_sender_get_stats(f->s, &cs);
+    kvx_receiver_get_stats(f->r, &cr);
+    assert_true(cs.n_ok == 0 && cr.n_ok == 0 && cs.n_bytes == 0 && cr.n_cancelled == 0);
+
+    int seq = make_seq(f->kvs, 37, 1);
+    uint64_t x = begin(f, f->s, 42, seq, 37, 5);
+    send_all(f->s, x);
+    assert_int_equal(kvx_send_end(f->s, x, 99, 1), 0);
+    kvx_event ev, sev;
+    assert_true(receiver_event(f, &ev));
+    assert_int_equal(ev.type, KVX_EV_ACCEPTED);
+    assert_true(sender_event(f, f->s, &sev));
+    assert_int_equal(sev.type, KVX_EV_DONE);
+    uint64_t bytes = (uint64_t)NL * (uint64_t)kvcache_blocks_for(f->kvs, 37) *
+                     kvcache_block_bytes(f->kvs);
+    assert_true(ev.n_bytes == bytes && sev.n_bytes == bytes);
+    assert_true(ev.xfer_us >= 0 && sev.xfer_us > 0);
+    kvcache_seq_free(f->kvr, ev.seq);
+    kvx_sender_get_stats(f->s, &cs);
+    kvx_receiver_get_stats(f->r, &cr);
+    assert_true(cs.n_ok == 1 && cs.n_bytes == bytes && cs.total_us == (uint64_t)sev.xfer_us);
+    assert_true(cr.n_ok == 1 && cr.n_bytes == bytes && cr.total_us == (uint64_t)ev.xfer_us);
+
+    /* cancelled by the sender's caller: both sides count a cancel */
+    seq = make_seq(f->kvs, 10, 2);
+    x = begin(f, f->s, 43, seq, 10, 3);
+    kvx_send_layer(f->s, x, 0);
+    pump(f);
+    kvx_send_abort(f->s, x);
+    assert_true(receiver_event(f, &ev));
+    assert_int_equal(ev.type, KVX_EV_FAILED);
+    /* cancelled by the receiver (gateway CANCEL on the decode side) */
+    seq = make_seq(f->kvs, 10, 3);
+    x = begin(f, f->s, 44, seq, 10, 3);
+    kvx_send_layer(f->s, x, 0);
+    pump(f);
+    assert_int_equal(kvx_receiver_abort(f->r, 44), 1);
+    expect_failed(f, f->s, x, PROTO_ERR_CANCELLED);
+    assert_all_free(f);
+    kvx_sender_get_stats(f->s, &cs);
+    kvx_receiver_get_stats(f->r, &cr);
+    assert_true(cs.n_cancelled == 2 && cr.n_cancelled == 2);
+    assert_true(cs.n_ok == 1 && cr.n_ok == 1 && cs.n_aborted == 0 && cr.n_aborted == 0);
+
+    /* rejected at KV_BEGIN: fingerprint mismatch */
+    mk_receiver(f, FP + 1, 2000);
+    seq = make_seq(f->kvs, 5, 4);
+    x = begin(f, f->s, 45, seq, 5, 2);
+    expect_failed(f, f->s, x, PROTO_ERR_LAYOUT);
+    kvx_sender_get_stats(f->s, &cs);
+    kvx_receiver_get_stats(f->r, &cr);
+    assert_true(cs.n_rejected == 1 && cr.n_rejected == 1 && cs.n_timeouts == 0);
+    assert_all_free(f);
+}
+
 /* Frames of an aborted transfer that were already on the way must be dropped, and must not
  * touch the blocks the receiver gave to another transfer meanwhile. */
 static void test_late_frames_after_abort(void **state)
@@ -1050,6 +1111,7 @@ int main(int argc, char **argv)
         T(test_foreign_peer_frames_dropped),
         T(test_same_rid_supersedes),
         T(test_sender_misuse),
+        T(test_stats_counters),
 #undef T
     };
     if (argc > 1)

@@ -60,8 +60,8 @@ static void fill(proto_msg *m, proto_type_t t)
     m->checksum = 0x1234567890abcdefull;
     m->lease_ms = 5000;
     m->ts_us = -5;
-    m->kvx_tx = (proto_kvx_counters){1, 2, 3, 4, 5, 6};
-    m->kvx_rx = (proto_kvx_counters){7, 8, UINT64_MAX, 0, 0, 9};
+    m->kvx_tx = (proto_kvx_counters){1, 2, 3, 4, 5, 6, 7};
+    m->kvx_rx = (proto_kvx_counters){7, 8, UINT64_MAX, 0, 0, 9, 10};
     m->spec = (proto_spec_counters){10, 20, 15, {9, 6}};
     m->queue_us = 11;
     m->prefill_us = 1234567;

@@ -1,0 +1,472 @@
+/* statpub: see statpub.h. The snapshot is packed straight from stats and the cluster's
+ * worker list; map sizes are counted by hand, so each map is written by one function whose
+ * key count sits next to its keys. */
+#include "statpub.h"
+
+#include <errno.h>
+#include <event2/event.h>
+#include <math.h>
+#include <msgpack.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zmq.h>
+
+#include "log.h"
+
+struct statpub {
+    struct event_base *base;
+    struct event *tick;
+    void *zctx, *sock;
+    stats_t *stats;
+    const cluster_t *cluster;
+    char *model;
+    int interval_ms;
+    char endpoint[PROTO_ENDPOINT_LEN];
+    uint64_t seq, sent, dropped;
+};
+
+statpub_params statpub_default_params(void)
+{
+    statpub_params p = {.bind = "tcp://127.0.0.1:5558",
+                        .interval_ms = 1000,
+                        .sndhwm = 100,
+                        .model_name = "tidepool"};
+    return p;
+}
+
+// --- packing helpers
+
+static void pk_key(msgpack_packer *pk, const char *k)
+{
+    size_t n = strlen(k);
+    msgpack_pack_str(pk, n);
+    msgpack_pack_str_body(pk, k, n);
+}
+
+static void pk_str(msgpack_packer *pk, const char *k, const char *v)
+{
+    pk_key(pk, k);
+    size_t n = strlen(v);
+    msgpack_pack_str(pk, n);
+    msgpack_pack_str_body(pk, v, n);
+}
+
+static void pk_u64(msgpack_packer *pk, const char *k, uint64_t v)
+{
+    pk_key(pk, k);
+    msgpack_pack_uint64(pk, v);
+}
+
+static void pk_i64(msgpack_packer *pk, const char *k, int64_t v)
+{
+    pk_key(pk, k);
+    msgpack_pack_int64(pk, v);
+}
+
+/* A float, or nil when it is not a number (an empty percentile). */
+static void pk_dbl(msgpack_packer *pk, const char *k, double v)
+{
+    pk_key(pk, k);
+    if (isfinite(v))
+        msgpack_pack_double(pk, v);
+    else
+        msgpack_pack_nil(pk);
+}
+
+static void pk_role(msgpack_packer *pk, const char *k, int role)
+{
+    pk_key(pk, k);
+    if (role) {
+        const char *r = stats_role_str(role);
+        msgpack_pack_str(pk, strlen(r));
+        msgpack_pack_str_body(pk, r, strlen(r));
+    } else {
+        msgpack_pack_nil(pk);
+    }
+}
+
+/* {"p50", "p90", "p99" (ms, nil when empty), "n"} */
+static void pk_pct(msgpack_packer *pk, const char *k, const stats_percentiles *p)
+{
+    pk_key(pk, k);
+    msgpack_pack_map(pk, 4);
+    pk_dbl(pk, "p50", p->p50 * 1000.0);
+    pk_dbl(pk, "p90", p->p90 * 1000.0);
+    pk_dbl(pk, "p99", p->p99 * 1000.0);
+    pk_u64(pk, "n", p->n);
+}
+
+/* {"transfers", "bytes", "ms", "rejects", "timeouts", "aborts", "cancels"} */
+static void pk_kvx(msgpack_packer *pk, const char *k, const proto_kvx_counters *c)
+{
+    pk_key(pk, k);
+    msgpack_pack_map(pk, 7);
+    pk_u64(pk, "transfers", c->n_ok);
+    pk_u64(pk, "bytes", c->n_bytes);
+    pk_dbl(pk, "ms", (double)c->total_us / 1000.0);
+    pk_u64(pk, "rejects", c->n_rejected);
+    pk_u64(pk, "timeouts", c->n_timeouts);
+    pk_u64(pk, "aborts", c->n_aborted);
+    pk_u64(pk, "cancels", c->n_cancelled);
+}
+
+/* {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos" [..],
+ *  "mean_acceptance_length" (1 + accepted / drafts; nil without drafts)} */
+static void pk_spec(msgpack_packer *pk, const proto_spec_counters *c)
+{
+    pk_key(pk, "spec");
+    msgpack_pack_map(pk, 5);
+    pk_u64(pk, "num_drafts", c->n_drafts);
+    pk_u64(pk, "num_draft_tokens", c->n_draft_tokens);
+    pk_u64(pk, "num_accepted_tokens", c->n_accepted_tokens);
+    pk_key(pk, "accepted_per_pos");
+    msgpack_pack_array(pk, PROTO_SPEC_MAX_POS);
+    for (int i = 0; i < PROTO_SPEC_MAX_POS; i++)
+        msgpack_pack_uint64(pk, c->accepted_per_pos[i]);
+    pk_dbl(pk, "mean_acceptance_length",
+           c->n_drafts ? 1.0 + (double)c->n_accepted_tokens / (double)c->n_drafts : NAN);
+}
+
+static void kvx_add(proto_kvx_counters *a, const proto_kvx_counters *b)
+{
+    a->n_ok += b->n_ok;
+    a->n_bytes += b->n_bytes;
+    a->total_us += b->total_us;
+    a->n_rejected += b->n_rejected;
+    a->n_timeouts += b->n_timeouts;
+    a->n_aborted += b->n_aborted;
+    a->n_cancelled += b->n_cancelled;
+}
+
+static void spec_add(proto_spec_counters *a, const proto_spec_counters *b)
+{
+    a->n_drafts += b->n_drafts;
+    a->n_draft_tokens += b->n_draft_tokens;
+    a->n_accepted_tokens += b->n_accepted_tokens;
+    for (int i = 0; i < PROTO_SPEC_MAX_POS; i++)
+        a->accepted_per_pos[i] += b->accepted_per_pos[i];
+}
+
+/* The body of an event (also each entry of a snapshot's "events"). */
+static void pk_event(msgpack_packer *pk, const stats_event *ev, int with_header)
+{
+    msgpack_pack_map(pk, 10 + (with_header ? 2 : 0));
+    if (with_header) {
+        pk_u64(pk, "schema", STATPUB_SCHEMA);
+        pk_str(pk, "type", "event");
+    }
+    pk_u64(pk, "seq", ev->seq);
+    pk_i64(pk, "ts_ms", ev->ts_ms);
+    pk_str(pk, "event", ev->type);
+    pk_str(pk, "worker", ev->worker);
+    pk_role(pk, "role", ev->role);
+    pk_role(pk, "old_role", ev->old_role);
+    pk_key(pk, "state");
+    if (ev->state) {
+        const char *st = stats_state_str(ev->state);
+        msgpack_pack_str(pk, strlen(st));
+        msgpack_pack_str_body(pk, st, strlen(st));
+    } else {
+        msgpack_pack_nil(pk);
+    }
+    pk_u64(pk, "rid", ev->rid);
+    pk_i64(pk, "status", ev->status); /* request_error: the HTTP status; else 0 */
+    pk_str(pk, "reason", ev->reason);
+}
+
+// --- the snapshot
+
+typedef struct {
+    cluster_worker_info info;
+    char id[PROTO_ID_LEN];
+    char kvep[PROTO_ENDPOINT_LEN];
+} wcopy;
+
+typedef struct {
+    wcopy *v;
+    int n, cap;
+} wlist;
+
+static void copy_worker(const cluster_worker_info *wi, void *ud)
+{
+    wlist *l = ud;
+    if (l->n == l->cap) {
+        int cap = l->cap ? l->cap * 2 : 16;
+        wcopy *v = realloc(l->v, (size_t)cap * sizeof(*v));
+        if (!v)
+            return;
+        l->v = v;
+        l->cap = cap;
+    }
+    wcopy *w = &l->v[l->n++];
+    w->info = *wi;
+    snprintf(w->id, sizeof(w->id), "%s", wi->id);
+    snprintf(w->kvep, sizeof(w->kvep), "%s", wi->kv_endpoint);
+    w->info.id = w->id;
+    w->info.kv_endpoint = w->kvep;
+}
+
+static void pk_worker(msgpack_packer *pk, const stats_t *stats, const cluster_worker_info *w,
+                      int64_t now_us)
+{
+    stats_worker_figures f;
+    stats_get_worker(stats, w->id, now_us, &f);
+    int used = w->kv_blocks_total - w->kv_blocks_free;
+    msgpack_pack_map(pk, 24);
+    pk_str(pk, "id", w->id);
+    pk_role(pk, "role", w->role);
+    pk_str(pk, "state", stats_state_str(w->state));
+    pk_str(pk, "address", w->kv_endpoint);
+    pk_i64(pk, "pid", w->pid);
+    pk_i64(pk, "running", w->running);
+    pk_i64(pk, "queued", w->queued);
+    pk_i64(pk, "queued_prompt_tokens", w->queued_prompt_tokens);
+    pk_i64(pk, "assigned", w->n_assigned);
+    pk_i64(pk, "kv_blocks_total", w->kv_blocks_total);
+    pk_i64(pk, "kv_blocks_used", used);
+    pk_i64(pk, "kv_blocks_free", w->kv_blocks_free);
+    pk_dbl(pk, "kv_usage", w->kv_blocks_total > 0 ? (double)used / w->kv_blocks_total : 0.0);
+    pk_u64(pk, "tokens_in_total", w->tokens_in);
+    pk_u64(pk, "tokens_out_total", w->tokens_out);
+    pk_dbl(pk, "tokens_in_per_s", f.tokens_in_per_s);
+    pk_dbl(pk, "tokens_out_per_s", f.tokens_out_per_s);
+    pk_pct(pk, "ttft_ms", &f.ttft);
+    pk_pct(pk, "tpot_ms", &f.tpot);
+    pk_pct(pk, "itl_ms", &f.itl);
+    pk_spec(pk, &w->spec);
+    pk_key(pk, "kv_transfer");
+    msgpack_pack_map(pk, 2);
+    pk_kvx(pk, "send", &w->kvx_tx);
+    pk_kvx(pk, "recv", &w->kvx_rx);
+    pk_dbl(pk, "last_seen_ms", w->last_seen_ms_ago);
+    pk_i64(pk, "max_seqs", w->max_seqs);
+}
+
+static void pk_gateway(msgpack_packer *pk, const stats_gateway_figures *g)
+{
+    pk_key(pk, "gateway");
+    msgpack_pack_map(pk, 6);
+    pk_dbl(pk, "uptime_s", g->uptime_s);
+    pk_i64(pk, "started_ms", g->started_wall_ms);
+    pk_key(pk, "requests");
+    msgpack_pack_map(pk, 9);
+    pk_u64(pk, "received", g->received);
+    pk_u64(pk, "finished", g->finished);
+    pk_u64(pk, "finished_stop", g->finished_stop);
+    pk_u64(pk, "finished_length", g->finished_length);
+    pk_u64(pk, "failed", g->failed_total);
+    pk_u64(pk, "rejected", g->rejected);
+    pk_u64(pk, "cancelled", g->cancelled);
+    pk_i64(pk, "queued", g->queued);
+    pk_i64(pk, "running", g->running);
+    pk_key(pk, "http");
+    msgpack_pack_map(pk, 3);
+    pk_u64(pk, "2xx", g->http_2xx);
+    pk_u64(pk, "4xx", g->http_4xx);
+    pk_u64(pk, "5xx", g->http_5xx);
+    pk_u64(pk, "prompt_tokens", g->prompt_tokens);
+    pk_u64(pk, "generation_tokens", g->generation_tokens);
+}
+
+static void pk_cluster(msgpack_packer *pk, const stats_t *stats, const wlist *l, int64_t now_us)
+{
+    int by_role[4] = {0}, draining = 0;
+    long running = 0, queued = 0, qtok = 0, kv_total = 0, kv_free = 0;
+    proto_kvx_counters tx = {0}, rx = {0};
+    proto_spec_counters spec = {0};
+    for (int i = 0; i < l->n; i++) {
+        const cluster_worker_info *w = &l->v[i].info;
+        if (w->state != PROTO_STATE_READY)
+            draining++;
+        else if (w->role >= 1 && w->role <= 3)
+            by_role[w->role]++;
+        running += w->running;
+        queued += w->queued;
+        qtok += w->queued_prompt_tokens;
+        kv_total += w->kv_blocks_total;
+        kv_free += w->kv_blocks_free;
+        kvx_add(&tx, &w->kvx_tx);
+        kvx_add(&rx, &w->kvx_rx);
+        spec_add(&spec, &w->spec);
+    }
+    stats_worker_figures f;
+    stats_get_cluster(stats, now_us, &f);
+    pk_key(pk, "cluster");
+    msgpack_pack_map(pk, 14);
+    pk_key(pk, "workers");
+    msgpack_pack_map(pk, 4);
+    pk_i64(pk, "prefill", by_role[PROTO_ROLE_PREFILL]);
+    pk_i64(pk, "decode", by_role[PROTO_ROLE_DECODE]);
+    pk_i64(pk, "mixed", by_role[PROTO_ROLE_MIXED]);
+    pk_i64(pk, "draining", draining);
+    pk_i64(pk, "running", running);
+    pk_i64(pk, "queued", queued);
+    pk_i64(pk, "queued_prompt_tokens", qtok);
+    pk_i64(pk, "kv_blocks_total", kv_total);
+    pk_i64(pk, "kv_blocks_used", kv_total - kv_free);
+    pk_i64(pk, "kv_blocks_free", kv_free);
+    pk_dbl(pk, "tokens_in_per_s", f.tokens_in_per_s);
+    pk_dbl(pk, "tokens_out_per_s", f.tokens_out_per_s);
+    pk_pct(pk, "ttft_ms", &f.ttft);
+    pk_pct(pk, "tpot_ms", &f.tpot);
+    pk_pct(pk, "itl_ms", &f.itl);
+    pk_spec(pk, &spec);
+    pk_key(pk, "kv_transfer");
+    msgpack_pack_map(pk, 2);
+    pk_kvx(pk, "send", &tx);
+    pk_kvx(pk, "recv", &rx);
+}
+
+int statpub_pack_snapshot(statpub_t *p, msgpack_sbuffer *sb, int64_t now_us)
+{
+    wlist l = {0};
+    if (p->cluster)
+        cluster_foreach_worker(p->cluster, copy_worker, &l);
+    stats_gateway_figures g;
+    stats_get_gateway(p->stats, p->cluster, &g);
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 10);
+    pk_u64(&pk, "schema", STATPUB_SCHEMA);
+    pk_str(&pk, "type", "snapshot");
+    pk_u64(&pk, "seq", ++p->seq);
+    pk_i64(&pk, "ts_ms", proto_wall_us() / 1000);
+    pk_i64(&pk, "interval_ms", p->interval_ms);
+    pk_str(&pk, "model", p->model);
+    pk_gateway(&pk, &g);
+    pk_cluster(&pk, p->stats, &l, now_us);
+    pk_key(&pk, "workers");
+    msgpack_pack_array(&pk, (size_t)l.n);
+    for (int i = 0; i < l.n; i++)
+        pk_worker(&pk, p->stats, &l.v[i].info, now_us);
+    int n_ev = stats_n_events(p->stats);
+    pk_key(&pk, "events");
+    msgpack_pack_array(&pk, (size_t)n_ev);
+    for (int i = 0; i < n_ev; i++)
+        pk_event(&pk, stats_event_at(p->stats, i), 0);
+    free(l.v);
+    return sb->data ? 0 : -1;
+}
+
+// --- sending
+
+/* Send [topic, body] without ever blocking; a PUB socket drops what a subscriber cannot
+ * take. */
+static void publish(statpub_t *p, const char *topic, const msgpack_sbuffer *sb)
+{
+    if (zmq_send(p->sock, topic, strlen(topic), ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0) {
+        p->dropped++;
+        log_debug("stats: %s not published: %s", topic, zmq_strerror(errno));
+        return;
+    }
+    /* after the first frame a multipart message goes whole or not at all */
+    zmq_send(p->sock, sb->data, sb->size, ZMQ_DONTWAIT);
+    p->sent++;
+}
+
+static void on_event(const stats_event *ev, void *ud)
+{
+    statpub_t *p = ud;
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    pk_event(&pk, ev, 1);
+    if (sb.data)
+        publish(p, "event", &sb);
+    msgpack_sbuffer_destroy(&sb);
+}
+
+static void on_tick(evutil_socket_t fd, short what, void *arg)
+{
+    statpub_t *p = arg;
+    (void)fd;
+    (void)what;
+    int64_t now = proto_now_us();
+    stats_sample(p->stats, p->cluster, now);
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    if (statpub_pack_snapshot(p, &sb, now) == 0)
+        publish(p, "snapshot", &sb);
+    msgpack_sbuffer_destroy(&sb);
+}
+
+statpub_t *statpub_new(struct event_base *base, const statpub_params *prm, stats_t *stats,
+                       const cluster_t *c, char *err, size_t errlen)
+{
+    if (!base || !prm || !prm->bind || !stats || prm->interval_ms < 10 || prm->sndhwm < 1) {
+        snprintf(err, errlen, "stats socket: invalid parameters");
+        return NULL;
+    }
+    statpub_t *p = calloc(1, sizeof(*p));
+    if (!p) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    p->base = base;
+    p->stats = stats;
+    p->cluster = c;
+    p->interval_ms = prm->interval_ms;
+    p->model = strdup(prm->model_name ? prm->model_name : "");
+    p->zctx = zmq_ctx_new();
+    if (!p->model || !p->zctx) {
+        snprintf(err, errlen, "out of memory");
+        goto fail;
+    }
+    p->sock = zmq_socket(p->zctx, ZMQ_PUB);
+    int linger = 0, hwm = prm->sndhwm;
+    size_t len = sizeof(p->endpoint);
+    if (!p->sock || zmq_setsockopt(p->sock, ZMQ_LINGER, &linger, sizeof(linger)) < 0 ||
+        zmq_setsockopt(p->sock, ZMQ_SNDHWM, &hwm, sizeof(hwm)) < 0) {
+        snprintf(err, errlen, "stats socket: %s", zmq_strerror(zmq_errno()));
+        goto fail;
+    }
+    if (zmq_bind(p->sock, prm->bind) < 0) {
+        snprintf(err, errlen, "cannot bind the stats socket to %s: %s", prm->bind,
+                 zmq_strerror(zmq_errno()));
+        goto fail;
+    }
+    if (zmq_getsockopt(p->sock, ZMQ_LAST_ENDPOINT, p->endpoint, &len) < 0)
+        snprintf(p->endpoint, sizeof(p->endpoint), "%s", prm->bind);
+    p->tick = event_new(base, -1, EV_PERSIST, on_tick, p);
+    struct timeval tv = {prm->interval_ms / 1000, (prm->interval_ms % 1000) * 1000};
+    if (!p->tick || event_add(p->tick, &tv) < 0) {
+        snprintf(err, errlen, "stats socket: cannot add the timer");
+        goto fail;
+    }
+    stats_set_event_sink(stats, on_event, p);
+    return p;
+fail:
+    statpub_destroy(&p);
+    return NULL;
+}
+
+void statpub_destroy(statpub_t **pp)
+{
+    if (!pp || !*pp)
+        return;
+    statpub_t *p = *pp;
+    if (p->tick)
+        event_free(p->tick);
+    if (p->stats)
+        stats_set_event_sink(p->stats, NULL, NULL);
+    if (p->sock)
+        zmq_close(p->sock);
+    if (p->zctx)
+        zmq_ctx_term(p->zctx);
+    free(p->model);
+    free(p);
+    *pp = NULL;
+}
+
+const char *statpub_endpoint(const statpub_t *p)
+{
+    return p->endpoint;
+}
+
+void statpub_counts(const statpub_t *p, uint64_t *sent, uint64_t *dropped)
+{
+    *sent = p->sent;
+    *dropped = p->dropped;
+}

@@ -1,0 +1,422 @@
+"""The operators' view: the stats socket (ZeroMQ PUB, msgpack snapshots and events), GET
+/metrics (Prometheus text, checked with promtool) and the Grafana dashboard's metric names,
+against a real cluster under a known load. Needs python3-zmq and python3-msgpack; promtool
+(Debian package prometheus) for the format check, skipped with a message when absent."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import unittest
+
+import msgpack
+import zmq
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import ROOT, Cluster  # noqa: E402
+
+# 12 requests: (prompt, max_tokens, stream)
+LOAD = [
+    ("Once upon a time", 48, False),
+    ("Tom and Sue went to the", 32, False),
+    ("The cat sat", 16, True),
+    ("Lily liked to", 24, False),
+    ("One day, a big dog", 40, True),
+    ("Once upon a time", 8, False),
+    ("The sun was", 20, False),
+    ("Ben had a red ball", 12, True),
+    ("Tom and Sue went to the", 4, False),
+    ("A little bird", 28, False),
+    ("The girl", 36, True),
+    ("Mom said", 2, False),
+]
+
+
+class Subscriber:
+    """A SUB socket on the gateway's stats socket, keeping the latest snapshot and every
+    event seen."""
+
+    def __init__(self, endpoint):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.events = []
+        self.snapshot = None
+        self.topics = set()
+
+    def pump(self, timeout_ms=100):
+        while self.sock.poll(timeout_ms):
+            timeout_ms = 0
+            frames = self.sock.recv_multipart()
+            assert len(frames) == 2, "two-frame messages, got %d" % len(frames)
+            topic, body = frames
+            self.topics.add(topic)
+            msg = msgpack.unpackb(body, raw=False)
+            assert msg["schema"] == 1, msg
+            if topic == b"snapshot":
+                assert msg["type"] == "snapshot"
+                self.snapshot = msg
+            elif topic == b"event":
+                assert msg["type"] == "event"
+                self.events.append(msg)
+            else:
+                raise AssertionError("unknown topic %r" % topic)
+
+    def wait(self, pred, timeout=15, what="snapshot"):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            self.pump()
+            if self.snapshot is not None and pred(self.snapshot):
+                return self.snapshot
+        raise AssertionError("no %s matched within %ss; last: %s" %
+                             (what, timeout, json.dumps(self.snapshot)[:3000]))
+
+    def wait_event(self, pred, timeout=15):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            self.pump()
+            for e in self.events:
+                if pred(e):
+                    return e
+        raise AssertionError("no such event within %ss; seen: %r" % (timeout, self.events))
+
+    def close(self):
+        self.sock.close()
+        self.ctx.term()
+
+
+def run_load(cluster):
+    """Send LOAD concurrently; return the list of usage objects and finish reasons."""
+    results = [None] * len(LOAD)
+
+    def one(i):
+        prompt, max_tokens, stream = LOAD[i]
+        if stream:
+            body = {"model": "stories260K", "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0, "stream_options": {"include_usage": True}}
+            status, events, done = cluster.stream("/v1/completions", body)
+            usage = [e["usage"] for e in events if e.get("usage")][0]
+            finish = [e["choices"][0]["finish_reason"] for e in events
+                      if e.get("choices") and e["choices"][0]["finish_reason"]][0]
+            results[i] = (status, usage, finish)
+        else:
+            status, body = cluster.complete(prompt, max_tokens=max_tokens)
+            results[i] = (status, body["usage"], body["choices"][0]["finish_reason"])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(LOAD))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for r in results:
+        assert r is not None and r[0] == 200, r
+    return results
+
+
+def parse_metrics(text):
+    """Prometheus text -> {(name, frozenset(labels)): value}, and HELP/TYPE per family."""
+    samples, types, helps = {}, {}, {}
+    label_re = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, typ = line.split(" ", 3)
+            types[name] = typ
+            continue
+        if line.startswith("# HELP "):
+            helps[line.split(" ", 3)[2]] = True
+            continue
+        if not line or line.startswith("#"):
+            continue
+        series, value = line.rsplit(" ", 1)
+        if "{" in series:
+            name, rest = series.split("{", 1)
+            labels = frozenset(label_re.findall(rest))
+        else:
+            name, labels = series, frozenset()
+        samples[(name, labels)] = float(value)
+    return samples, types, helps
+
+
+def metric(samples, name, **labels):
+    """The one sample of name whose labels include these."""
+    want = set(labels.items())
+    found = [v for (n, ls), v in samples.items() if n == name and want <= set(ls)]
+    assert len(found) == 1, "%s %r: %d samples" % (name, labels, len(found))
+    return found[0]
+
+
+def metric_sum(samples, name, **labels):
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+class UnderLoad(unittest.TestCase):
+    """One cluster, one known load; the snapshot and /metrics must agree with the answers."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.cluster = Cluster(roles=("prefill", "decode"),
+                              gateway_args=["--stats-interval-ms", "200"])
+        cls.cluster.__enter__()
+        try:
+            cls.sub = Subscriber(cls.cluster.stats)
+            cls.base = cls.sub.wait(lambda s: len(s["workers"]) == 2, what="two workers")
+            cls.base_free = {w["id"]: w["kv_blocks_free"] for w in cls.base["workers"]}
+            cls.results = run_load(cls.cluster)
+            cls.prompt_total = sum(r[1]["prompt_tokens"] for r in cls.results)
+            cls.gen_total = sum(r[1]["completion_tokens"] for r in cls.results)
+
+            def settled(s):
+                return (s["gateway"]["requests"]["finished"] == len(LOAD) and
+                        all(w["kv_blocks_free"] == cls.base_free[w["id"]] and w["running"] == 0
+                            for w in s["workers"]) and
+                        sum(w["tokens_out_total"] for w in s["workers"]) == cls.gen_total and
+                        sum(w["kv_transfer"]["recv"]["transfers"] for w in s["workers"]) ==
+                        sum(1 for p, m, st in LOAD if m > 1) and
+                        sum(w["kv_transfer"]["send"]["transfers"] +
+                            w["kv_transfer"]["send"]["cancels"] for w in s["workers"]) ==
+                        sum(1 for p, m, st in LOAD if m > 1))
+            cls.snap = cls.sub.wait(settled, what="snapshot after the load")
+        except BaseException:
+            cls.cluster.__exit__(None, None, None)
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.sub.close()
+        cls.cluster.__exit__(None, None, None)
+
+    def test_snapshot_matches_the_load(self):
+        s = self.snap
+        self.assertEqual(s["schema"], 1)
+        self.assertEqual(s["model"], "stories260K")
+        g = s["gateway"]
+        req = g["requests"]
+        self.assertEqual(req["received"], len(LOAD))
+        self.assertEqual(req["finished"], len(LOAD))
+        stops = sum(1 for r in self.results if r[2] == "stop")
+        self.assertEqual(req["finished_stop"], stops)
+        self.assertEqual(req["finished_length"], len(LOAD) - stops)
+        self.assertEqual((req["failed"], req["cancelled"], req["queued"], req["running"]),
+                         (0, 0, 0, 0))
+        self.assertEqual(g["prompt_tokens"], self.prompt_total)
+        self.assertEqual(g["generation_tokens"], self.gen_total)
+        self.assertGreaterEqual(g["http"]["2xx"], len(LOAD))
+        self.assertEqual(g["http"]["4xx"], 0)
+        self.assertGreater(g["uptime_s"], 0)
+        roles = {w["id"]: w["role"] for w in s["workers"]}
+        self.assertEqual(roles, {"prefill-0": "prefill", "decode-1": "decode"})
+        by_id = {w["id"]: w for w in s["workers"]}
+        p, d = by_id["prefill-0"], by_id["decode-1"]
+        self.assertEqual(d["address"], [w for w in self.base["workers"]
+                                        if w["id"] == "decode-1"][0]["address"])
+        self.assertTrue(d["address"].startswith("tcp://127.0.0.1:"))
+        self.assertEqual(p["address"], "")
+        self.assertEqual(p["state"], "ready")
+        # KV back to where it started, on both workers
+        for w in s["workers"]:
+            self.assertEqual(w["kv_blocks_free"], self.base_free[w["id"]], w["id"])
+            self.assertEqual(w["kv_blocks_used"], w["kv_blocks_total"] - w["kv_blocks_free"])
+        # the workers' own counters agree with the answers
+        self.assertEqual(p["tokens_in_total"], self.prompt_total)
+        self.assertEqual(p["tokens_out_total"] + d["tokens_out_total"], self.gen_total)
+        n_xfer = sum(1 for _, m, _ in LOAD if m > 1)
+        tx, rx = p["kv_transfer"]["send"], d["kv_transfer"]["recv"]
+        self.assertEqual(rx["transfers"], n_xfer)
+        # the gateway cancels a request it completed (max_tokens) on both workers; a prefill
+        # worker that had not yet read KV_RESULT counts that transfer as cancelled
+        self.assertEqual(tx["transfers"] + tx["cancels"], n_xfer)
+        self.assertGreater(rx["bytes"], 0)
+        self.assertLessEqual(tx["bytes"], rx["bytes"])
+        self.assertEqual((rx["rejects"], rx["timeouts"], rx["aborts"], rx["cancels"]),
+                         (0, 0, 0, 0))
+        self.assertEqual((tx["rejects"], tx["timeouts"], tx["aborts"]), (0, 0, 0))
+        self.assertGreater(rx["ms"], 0)
+        # spec-decode counters exist (zeros until MTP)
+        self.assertEqual(d["spec"]["accepted_per_pos"], [0, 0])
+        self.assertIsNone(d["spec"]["mean_acceptance_length"])
+        # latency percentiles over the window
+        c = s["cluster"]
+        self.assertEqual(c["ttft_ms"]["n"], len(LOAD))
+        self.assertEqual(p["ttft_ms"]["n"], len(LOAD))
+        self.assertTrue(0 < c["ttft_ms"]["p50"] <= c["ttft_ms"]["p90"] <= c["ttft_ms"]["p99"])
+        self.assertEqual(d["tpot_ms"]["n"], sum(1 for r in self.results
+                                                if r[1]["completion_tokens"] >= 2))
+        self.assertGreater(d["itl_ms"]["n"], 0)
+        self.assertEqual(c["workers"], {"prefill": 1, "decode": 1, "mixed": 0, "draining": 0})
+        self.assertEqual(c["kv_transfer"]["recv"]["transfers"], n_xfer)
+        # late subscribers see the workers come up in the recent events
+        ups = [e["worker"] for e in s["events"] if e["event"] == "worker_up"]
+        self.assertEqual(sorted(ups), ["decode-1", "prefill-0"])
+
+    def test_metrics_promtool_and_exact_counters(self):
+        c = self.cluster.conn()
+        c.request("GET", "/metrics")
+        r = c.getresponse()
+        text = r.read().decode()
+        self.assertEqual(r.status, 200)
+        self.assertTrue(r.getheader("Content-Type").startswith("text/plain; version=0.0.4"))
+        c.close()
+        samples, types, helps = parse_metrics(text)
+        M = "stories260K"
+        self.assertEqual(metric(samples, "tidepool:prompt_tokens_total", model_name=M),
+                         self.prompt_total)
+        self.assertEqual(metric(samples, "tidepool:generation_tokens_total", model_name=M),
+                         self.gen_total)
+        stops = sum(1 for r in self.results if r[2] == "stop")
+        self.assertEqual(metric(samples, "tidepool:request_success_total",
+                                finished_reason="stop"), stops)
+        self.assertEqual(metric(samples, "tidepool:request_success_total",
+                                finished_reason="length"), len(LOAD) - stops)
+        self.assertEqual(metric(samples, "tidepool:requests_received_total"), len(LOAD))
+        self.assertEqual(metric(samples, "tidepool:request_failure_total"), 0)
+        for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                  "request_queue_time_seconds", "request_prefill_time_seconds",
+                  "request_decode_time_seconds"):
+            self.assertEqual(metric(samples, "tidepool:%s_count" % h), len(LOAD), h)
+            self.assertEqual(metric(samples, "tidepool:%s_bucket" % h, le="+Inf"), len(LOAD))
+            self.assertEqual(types["tidepool:" + h], "histogram")
+        n_xfer = sum(1 for _, m, _ in LOAD if m > 1)
+        self.assertEqual(metric(samples, "tidepool:kv_transfer_seconds_count"), n_xfer)
+        self.assertEqual(metric(samples, "tidepool:kv_transfer_bytes_count"), n_xfer)
+        self.assertEqual(metric(samples, "tidepool:request_time_per_output_token_seconds_count"),
+                         sum(1 for r in self.results if r[1]["completion_tokens"] >= 2))
+        self.assertEqual(metric(samples, "tidepool:kv_transfers_total", worker="decode-1",
+                                side="recv", result="ok"), n_xfer)
+        self.assertEqual(metric(samples, "tidepool:kv_transfers_total", worker="prefill-0",
+                                side="send", result="ok") +
+                         metric(samples, "tidepool:kv_transfers_total", worker="prefill-0",
+                                side="send", result="cancelled"), n_xfer)
+        self.assertEqual(metric(samples, "tidepool:kv_transfer_bytes_sum"),
+                         metric(samples, "tidepool:worker_kv_transfer_bytes_total",
+                                worker="decode-1", side="recv"))
+        self.assertEqual(metric(samples, "tidepool:num_requests_running"), 0)
+        self.assertEqual(metric(samples, "tidepool:num_requests_waiting"), 0)
+        self.assertEqual(metric(samples, "tidepool:kv_cache_usage_perc", worker="decode-1",
+                                role="decode"), 0)
+        self.assertEqual(metric(samples, "tidepool:spec_decode_num_drafts_total",
+                                worker="decode-1"), 0)
+        self.assertEqual(metric(samples, "tidepool:spec_decode_num_accepted_tokens_per_pos_total",
+                                worker="decode-1", position="1"), 0)
+        self.assertEqual(metric(samples, "tidepool:worker_prompt_tokens_total",
+                                worker="prefill-0"), self.prompt_total)
+        self.assertEqual(metric(samples, "tidepool:workers", role="decode", state="ready"), 1)
+        self.assertEqual(metric_sum(samples, "tidepool:http_responses_total", code="200") >=
+                         len(LOAD), True)
+        for name in types:
+            self.assertIn(name, helps)
+            self.assertTrue(name.startswith("tidepool:"), name)
+        # every request-level series carries model_name
+        for (name, labels) in samples:
+            self.assertIn("model_name", dict(labels), name)
+        promtool = shutil.which("promtool")
+        if not promtool:
+            self.skipTest("promtool not installed (Debian package prometheus): format not "
+                          "checked")
+        p = subprocess.run([promtool, "check", "metrics"], input=text.encode(),
+                           capture_output=True, timeout=60)
+        out = (p.stdout + p.stderr).decode()
+        # vLLM's naming puts a colon in every name, which promtool's linter reports (exit 3);
+        # anything else, and every parse error (exit 1), fails.
+        problems = [line for line in out.splitlines()
+                    if line.strip() and "metric names should not contain ':'" not in line]
+        self.assertIn(p.returncode, (0, 3), out)
+        self.assertEqual(problems, [], out)
+
+    def test_grafana_dashboard_names_exist(self):
+        path = os.path.join(ROOT, "deploy", "grafana", "tidepool.json")
+        with open(path) as f:
+            dash = json.load(f)
+        status, text = self.cluster.request("GET", "/metrics")
+        samples, types, helps = parse_metrics(text)
+        names = {n for n, _ in samples}
+        exprs = []
+
+        def walk(o):
+            if isinstance(o, dict):
+                if isinstance(o.get("expr"), str):
+                    exprs.append(o["expr"])
+                for v in o.values():
+                    walk(v)
+            elif isinstance(o, list):
+                for v in o:
+                    walk(v)
+        walk(dash)
+        self.assertGreaterEqual(len(exprs), 10)
+        used = set()
+        for e in exprs:
+            used.update(re.findall(r"tidepool:[A-Za-z0-9_:]+", e))
+        self.assertTrue(used)
+        for n in used:
+            self.assertIn(n, names, "the dashboard uses %s, which /metrics does not have" % n)
+
+
+class Events(unittest.TestCase):
+    def test_worker_and_request_events(self):
+        # one slow decode step so a request is still running when its decode worker dies
+        with Cluster(roles=("prefill", "decode"),
+                     gateway_args=["--stats-interval-ms", "200", "--max-retries", "0"],
+                     worker_args=["--debug-step-delay-ms", "20"]) as c:
+            sub = Subscriber(c.stats)
+            sub.wait(lambda s: len(s["workers"]) == 2)
+            c.start_worker("mixed-9", "mixed")
+            up = sub.wait_event(lambda e: e["event"] == "worker_up" and e["worker"] == "mixed-9")
+            self.assertEqual(up["role"], "mixed")
+            self.assertEqual(up["schema"], 1)
+            sub.wait(lambda s: any(w["id"] == "mixed-9" for w in s["workers"]))
+            c.kill("mixed-9", signal.SIGTERM)
+            down = sub.wait_event(lambda e: e["event"] == "worker_down" and
+                                  e["worker"] == "mixed-9")
+            self.assertIn("BYE", down["reason"])
+            # a request whose decode worker dies fails (no retries): request_error
+            result = {}
+
+            def run():
+                result["r"] = c.complete("Once upon a time", max_tokens=400)
+            t = threading.Thread(target=run)
+            t.start()
+            sub.wait(lambda s: any(w["id"] == "decode-1" and w["running"] > 0
+                                   for w in s["workers"]))
+            c.kill("decode-1", signal.SIGKILL)
+            t.join(60)
+            self.assertEqual(result["r"][0], 503, result)
+            err = sub.wait_event(lambda e: e["event"] == "request_error")
+            self.assertEqual(err["status"], 503)
+            self.assertGreater(err["rid"], 0)
+            sub.wait_event(lambda e: e["event"] == "worker_down" and e["worker"] == "decode-1")
+            snap = sub.wait(lambda s: s["gateway"]["requests"]["failed"] == 1 and
+                            not any(w["id"] == "decode-1" for w in s["workers"]))
+            self.assertEqual(snap["gateway"]["http"]["5xx"] >= 1, True)
+            sub.close()
+
+
+class SlowSubscriber(unittest.TestCase):
+    def test_absent_and_stalled_subscribers_do_not_slow_serving(self):
+        with Cluster(roles=("mixed",), gateway_args=["--stats-interval-ms", "10"]) as c:
+            ctx = zmq.Context()
+            stalled = ctx.socket(zmq.SUB)  # subscribes, never reads
+            stalled.setsockopt(zmq.SUBSCRIBE, b"")
+            stalled.setsockopt(zmq.RCVHWM, 1)
+            stalled.setsockopt(zmq.LINGER, 0)
+            stalled.connect(c.stats)
+            time.sleep(1.0)  # ~100 snapshots pile up against a subscriber that never reads
+            t0 = time.time()
+            for _ in range(5):
+                status, body = c.complete("Once upon a time", max_tokens=16)
+                self.assertEqual(status, 200)
+            self.assertLess(time.time() - t0, 10)
+            stalled.close()
+            ctx.term()
+            status, body = c.request("GET", "/health")
+            self.assertEqual(status, 200)
+
+
+if __name__ == "__main__":
+    unittest.main()
