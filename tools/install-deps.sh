@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages tidepool builds, tests and runs with. Idempotent: does
 # nothing when everything is present. Needs root (uses sudo when not root).
-# libncurses-dev: tidepool-top. python3-msgpack: the stats-socket tests. prometheus: only for
+# libncurses-dev: tidepool-top. libsqlite3-dev: the gateway's Batch API state (--state-db).
+# python3-msgpack: the stats-socket tests. prometheus: only for
 # promtool, which checks GET /metrics in the tests (~23 MB download; on a host with systemd
 # its server service starts too: `systemctl disable --now prometheus` if unwanted).
 set -eu
 PKGS=(build-essential pkg-config libzmq3-dev libmsgpack-dev libevent-dev libjansson-dev
-      libxxhash-dev libcmocka-dev libinih-dev libcurl4-openssl-dev curl python3 python3-zmq
-      tmux libncurses-dev python3-msgpack prometheus)
+      libxxhash-dev libcmocka-dev libinih-dev libcurl4-openssl-dev curl iproute2 python3 python3-zmq
+      tmux libncurses-dev python3-msgpack prometheus libsqlite3-dev)
 missing=()
 for p in "${PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -12,9 +12,14 @@
 
 typedef struct sampler sampler_t;
 
+/* A temperature below this is greedy (as vLLM's _SAMPLING_EPS): dividing logits by a
+ * denormal temperature would overflow them to inf and sample garbage. */
+#define SAMPLER_GREEDY_EPS 1e-5f
+
 typedef struct {
     float temperature; /* 0 = greedy; > 0 scales logits */
-    float top_p;       /* (0, 1]; 1 = off */
+    float top_p;       /* [0, 1]; 1 = off; 0 (or a value that underflowed to 0) keeps
+                        * only the most likely token */
     int top_k;         /* 0 = off */
 } sampler_params;
 
@@ -29,5 +34,15 @@ uint64_t sampler_seed_state(uint64_t seed);
  * sequence's random state, advanced by one draw when temperature > 0 and left unchanged
  * for greedy. Greedy ties go to the lowest id. Never allocates. */
 int sampler_sample(sampler_t *s, const sampler_params *p, uint64_t *rng, float *logits);
+
+/* The distribution sampler_sample draws from, for p->temperature > 0: probs (vocab_size
+ * floats) gets the probability of every token after temperature, top-k, softmax and top-p
+ * (0 outside the kept set; the kept ones sum to 1). logits is modified in place. For
+ * greedy params it is one-hot at the argmax. Never allocates; does not draw. */
+void sampler_probs(sampler_t *s, const sampler_params *p, float *logits, float *probs);
+
+/* One uniform draw in [0, 1) from the sequence's random state (the generator
+ * sampler_sample uses; 24-bit resolution), advancing *rng. */
+float sampler_uniform(uint64_t *rng);
 
 #endif

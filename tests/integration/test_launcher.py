@@ -25,7 +25,8 @@ class Launcher(unittest.TestCase):
                                      "test-logs", "launcher.out"), "wb")
         self.proc = subprocess.Popen(
             [os.path.join(ROOT, "deploy/local/start"), "--no-build", "--port", str(self.port),
-             "--ctl-port", str(self.ctl), "--kv-port", str(self.kv), "--model", MODEL,
+             "--ctl-port", str(self.ctl), "--kv-port", str(self.kv),
+             "--stats-port", str(free_port()), "--model", MODEL,
              "--worker-arg", "--heartbeat-ms", "--worker-arg", "200",
              "--worker-arg", "--debug-step-delay-ms", "--worker-arg", "5",
              "--gateway-arg", "--heartbeat-ms", "--gateway-arg", "200",
@@ -38,6 +39,9 @@ class Launcher(unittest.TestCase):
         self.assertIn("tidepool is ready: http://127.0.0.1:%d/v1" % self.port, line)
 
     def tearDown(self):
+        if self.proc.poll() is not None:
+            self.log.close()
+            return
         self.proc.send_signal(signal.SIGTERM)
         try:
             rc = self.proc.wait(timeout=30)
@@ -48,7 +52,9 @@ class Launcher(unittest.TestCase):
         self.assertEqual(rc, 0)
 
     def worker_pids(self, name):
-        out = subprocess.run(["pgrep", "-f", "--", "--worker-id %s" % name],
+        # only this test's launcher's children: other clusters on the machine are not ours
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-f", "--",
+                              "--worker-id %s" % name],
                              capture_output=True, text=True).stdout.split()
         return [int(p) for p in out]
 
@@ -92,6 +98,36 @@ class Launcher(unittest.TestCase):
         status, body = self.c.complete("Once upon a time", max_tokens=48)
         self.assertEqual(status, 200, body)
         self.assertEqual(body["choices"][0]["text"], REF["Once upon a time"])
+
+    def test_sigterm_drains_running_requests(self):
+        """Stopping the launcher lets requests already running finish (gateway drains
+        first, then the workers), and every process exits."""
+        results = [None] * 8
+
+        def run(i):
+            try:
+                results[i] = self.c.stream_text("Once upon a time", max_tokens=48)
+            except Exception as e:  # noqa: BLE001
+                results[i] = ("exception", repr(e), [], False)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(results))]
+        for t in threads:
+            t.start()
+        time.sleep(0.15)
+        children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        self.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        self.assertEqual(self.proc.wait(timeout=60), 0)
+        for i, (status, text, events, done) in enumerate(results):
+            self.assertEqual(status, 200, "request %d: %r" % (i, text))
+            self.assertTrue(done, "request %d ended without [DONE]" % i)
+            self.assertEqual(text, REF["Once upon a time"], "request %d" % i)
+        for pid in children:
+            self.assertFalse(os.path.exists("/proc/%s" % pid) and
+                             open("/proc/%s/stat" % pid).read().split()[2] != "Z",
+                             "process %s still running" % pid)
 
     def test_kill_decode_worker(self):
         self.kill_during_request("decode-0")

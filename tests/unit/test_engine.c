@@ -131,7 +131,7 @@ static int greedy(const model_t *m, const tokenizer_t *tok, const char *prompt, 
     runner_init(&r, m, 16, (c->n_ctx + 15) / 16, 1, np);
     int seq = kvcache_seq_new(r.kv);
     assert_int_equal(kvcache_seq_reserve(r.kv, seq, np + n_gen), KVCACHE_OK);
-    model_seq_batch b = {seq, 0, np, ptoks, 0, r.logits};
+    model_seq_batch b = {seq, 0, np, ptoks, 0, r.logits, NULL, 0, NULL};
     assert_int_equal(model_forward(r.ctx, r.kv, &b, 1, NULL, NULL), 0);
     sampler_params sp = {0.0f, 1.0f, 0};
     uint64_t rng = 1;
@@ -150,7 +150,7 @@ static int greedy(const model_t *m, const tokenizer_t *tok, const char *prompt, 
         prev = next;
         if (n == n_gen)
             break;
-        model_seq_batch d = {seq, np + n - 1, 1, &out[n - 1], 0, r.logits};
+        model_seq_batch d = {seq, np + n - 1, 1, &out[n - 1], 0, r.logits, NULL, 0, NULL};
         assert_int_equal(model_forward(r.ctx, r.kv, &d, 1, NULL, NULL), 0);
     }
     text[tl] = '\0';
@@ -847,7 +847,7 @@ static void test_model_batch_invariance(void **state)
     assert_non_null(got);
     int sx = kvcache_seq_new(r.kv);
     assert_int_equal(kvcache_seq_reserve(r.kv, sx, nx), KVCACHE_OK);
-    model_seq_batch b = {sx, 0, nx, x, 1, ref};
+    model_seq_batch b = {sx, 0, nx, x, 1, ref, NULL, 0, NULL};
     cb_state cs = {0, -1};
     assert_int_equal(model_forward(r.ctx, r.kv, &b, 1, layer_cb, &cs), 0);
     assert_int_equal(cs.calls, c->n_layer);
@@ -866,7 +866,7 @@ static void test_model_batch_invariance(void **state)
         assert_int_equal(kvcache_seq_reserve(r.kv, sx, nx), KVCACHE_OK);
         for (int p = 0; p < nx; p += chunk) {
             int k = nx - p < chunk ? nx - p : chunk;
-            model_seq_batch cb = {sx, p, k, x + p, 1, got + (size_t)p * V};
+            model_seq_batch cb = {sx, p, k, x + p, 1, got + (size_t)p * V, NULL, 0, NULL};
             assert_int_equal(model_forward(r.ctx, r.kv, &cb, 1, NULL, NULL), 0);
         }
         assert_memory_equal(got, ref, (size_t)nx * V * sizeof(float));
@@ -884,7 +884,7 @@ static void test_model_batch_invariance(void **state)
     runner_init(&r2, g_model, 4, 64, 4, 128);
     int sy = kvcache_seq_new(r2.kv);
     assert_int_equal(kvcache_seq_reserve(r2.kv, sy, ny), KVCACHE_OK);
-    model_seq_batch by = {sy, 0, ny, y, 0, yref};
+    model_seq_batch by = {sy, 0, ny, y, 0, yref, NULL, 0, NULL};
     assert_int_equal(model_forward(r2.ctx, r2.kv, &by, 1, NULL, NULL), 0);
     runner_free(&r2);
 
@@ -894,12 +894,13 @@ static void test_model_batch_invariance(void **state)
     assert_int_equal(kvcache_seq_reserve(r.kv, sz, nz), KVCACHE_OK);
     assert_int_equal(kvcache_seq_reserve(r.kv, sx, nx), KVCACHE_OK);
     /* Y and Z prefilled partly first, then all three together */
-    model_seq_batch pre[2] = {{sy2, 0, ny - 1, y, 0, ygot}, {sz, 0, nz - 2, z, 0, zgot}};
+    model_seq_batch pre[2] = {{sy2, 0, ny - 1, y, 0, ygot, NULL, 0, NULL},
+                              {sz, 0, nz - 2, z, 0, zgot, NULL, 0, NULL}};
     assert_int_equal(model_forward(r.ctx, r.kv, pre, 2, NULL, NULL), 0);
     model_seq_batch all[3] = {
-        {sy2, ny - 1, 1, y + ny - 1, 0, ygot},
-        {sx, 0, nx, x, 1, got},
-        {sz, nz - 2, 2, z + nz - 2, 1, zgot},
+        {sy2, ny - 1, 1, y + ny - 1, 0, ygot, NULL, 0, NULL},
+        {sx, 0, nx, x, 1, got, NULL, 0, NULL},
+        {sz, nz - 2, 2, z + nz - 2, 1, zgot, NULL, 0, NULL},
     };
     memset(got, 0, (size_t)nx * V * sizeof(float));
     assert_int_equal(model_forward(r.ctx, r.kv, all, 3, NULL, NULL), 0);
@@ -909,20 +910,23 @@ static void test_model_batch_invariance(void **state)
 
     /* invalid arguments */
     int badtok = V;
-    model_seq_batch e1 = {sx, nx, 1, &badtok, 0, got};
+    model_seq_batch e1 = {sx, nx, 1, &badtok, 0, got, NULL, 0, NULL};
     assert_int_equal(model_forward(r.ctx, r.kv, &e1, 1, NULL, NULL), -1);
-    model_seq_batch e2 = {sx, nx, 1, x, 0, got}; /* beyond capacity (nx rounded to 4) */
+    /* beyond capacity (nx rounded to 4) */
+    model_seq_batch e2 = {sx, nx, 1, x, 0, got, NULL, 0, NULL};
     kvcache_seq_truncate(r.kv, sx, nx);
     if (kvcache_seq_capacity(r.kv, sx) == nx)
         assert_int_equal(model_forward(r.ctx, r.kv, &e2, 1, NULL, NULL), -1);
-    model_seq_batch e3 = {sx, nx + 1, 1, x, 0, got}; /* gap after the cached length */
+    /* gap after the cached length */
+    model_seq_batch e3 = {sx, nx + 1, 1, x, 0, got, NULL, 0, NULL};
     assert_int_equal(kvcache_seq_reserve(r.kv, sx, nx + 2), KVCACHE_OK);
     assert_int_equal(model_forward(r.ctx, r.kv, &e3, 1, NULL, NULL), -1);
-    model_seq_batch e4[2] = {{sx, nx, 1, x, 0, got}, {sx, nx, 1, x, 0, got}}; /* dup seq */
+    model_seq_batch e4[2] = {{sx, nx, 1, x, 0, got, NULL, 0, NULL},
+                             {sx, nx, 1, x, 0, got, NULL, 0, NULL}}; /* dup seq */
     assert_int_equal(model_forward(r.ctx, r.kv, e4, 2, NULL, NULL), -1);
-    model_seq_batch e5 = {sx, 0, 129, x, 0, got}; /* more than max_tokens */
+    model_seq_batch e5 = {sx, 0, 129, x, 0, got, NULL, 0, NULL}; /* more than max_tokens */
     assert_int_equal(model_forward(r.ctx, r.kv, &e5, 1, NULL, NULL), -1);
-    model_seq_batch e6 = {3, 0, 1, x, 0, got}; /* inactive slot */
+    model_seq_batch e6 = {3, 0, 1, x, 0, got, NULL, 0, NULL}; /* inactive slot */
     assert_int_equal(model_forward(r.ctx, r.kv, &e6, 1, NULL, NULL), -1);
     assert_int_equal(kvcache_seq_len(r.kv, sx), nx);
 
@@ -1360,14 +1364,14 @@ static void scenario_logits(const model_t *m, const model_ctx_params *p, const i
     assert_non_null(scr);
     int sx = kvcache_seq_new(kv);
     assert_int_equal(kvcache_seq_reserve(kv, sx, nx), KVCACHE_OK);
-    model_seq_batch b = {sx, 0, nx, x, 1, out};
+    model_seq_batch b = {sx, 0, nx, x, 1, out, NULL, 0, NULL};
     assert_int_equal(model_forward(ctx, kv, &b, 1, NULL, NULL), 0);
     /* chunks of 3 */
     kvcache_seq_truncate(kv, sx, 0);
     assert_int_equal(kvcache_seq_reserve(kv, sx, nx), KVCACHE_OK);
     for (int q = 0; q < nx; q += 3) {
         int k = nx - q < 3 ? nx - q : 3;
-        model_seq_batch cb = {sx, q, k, x + q, 1, got + (size_t)q * V};
+        model_seq_batch cb = {sx, q, k, x + q, 1, got + (size_t)q * V, NULL, 0, NULL};
         assert_int_equal(model_forward(ctx, kv, &cb, 1, NULL, NULL), 0);
     }
     assert_memory_equal(got, out, (size_t)nx * V * sizeof(float));
@@ -1377,12 +1381,13 @@ static void scenario_logits(const model_t *m, const model_ctx_params *p, const i
     int sy = kvcache_seq_new(kv), sz = kvcache_seq_new(kv);
     assert_int_equal(kvcache_seq_reserve(kv, sy, ny), KVCACHE_OK);
     assert_int_equal(kvcache_seq_reserve(kv, sz, nz), KVCACHE_OK);
-    model_seq_batch pre[2] = {{sy, 0, ny - 1, y, 0, scr}, {sz, 0, nz - 2, z, 0, scr + V}};
+    model_seq_batch pre[2] = {{sy, 0, ny - 1, y, 0, scr, NULL, 0, NULL},
+                              {sz, 0, nz - 2, z, 0, scr + V, NULL, 0, NULL}};
     assert_int_equal(model_forward(ctx, kv, pre, 2, NULL, NULL), 0);
     model_seq_batch all[3] = {
-        {sy, ny - 1, 1, y + ny - 1, 0, scr},
-        {sx, 0, nx, x, 1, got},
-        {sz, nz - 2, 2, z + nz - 2, 1, scr + V},
+        {sy, ny - 1, 1, y + ny - 1, 0, scr, NULL, 0, NULL},
+        {sx, 0, nx, x, 1, got, NULL, 0, NULL},
+        {sz, nz - 2, 2, z + nz - 2, 1, scr + V, NULL, 0, NULL},
     };
     memset(got, 0, (size_t)nx * V * sizeof(float));
     assert_int_equal(model_forward(ctx, kv, all, 3, NULL, NULL), 0);
@@ -1492,14 +1497,14 @@ static void test_model_fast_greedy(void **state)
     assert_non_null(logits);
     int seq = kvcache_seq_new(kv);
     assert_int_equal(kvcache_seq_reserve(kv, seq, 64), KVCACHE_OK);
-    model_seq_batch b = {seq, 0, np, ptoks, 0, logits};
+    model_seq_batch b = {seq, 0, np, ptoks, 0, logits, NULL, 0, NULL};
     assert_int_equal(model_forward(ctx, kv, &b, 1, NULL, NULL), 0);
     sampler_params sp = {0.0f, 1.0f, 0};
     uint64_t rng = 1;
     int gen[56];
     for (int i = 0; i < 56; i++) {
         gen[i] = sampler_sample(smp, &sp, &rng, logits);
-        model_seq_batch d = {seq, np + i, 1, &gen[i], 0, logits};
+        model_seq_batch d = {seq, np + i, 1, &gen[i], 0, logits, NULL, 0, NULL};
         assert_int_equal(model_forward(ctx, kv, &d, 1, NULL, NULL), 0);
     }
     assert_memory_equal(gen, ref + 4, 56 * sizeof(int));
@@ -1595,7 +1600,14 @@ static void test_sampler(void **state)
 
     /* top-k = 1 and a tiny top-p equal greedy (whatever the draw) */
     sampler_params k1 = {1.0f, 1.0f, 1}, ptiny = {1.0f, 1e-6f, 0}, both = {0.8f, 1e-6f, 5};
+    /* a denormal temperature is greedy (dividing by it would overflow the logits), and
+     * top_p 0 (what 1e-50 becomes as a float) keeps the top token, never "off" */
+    sampler_params tdenorm = {1e-39f, 1.0f, 0}, pzero = {1.0f, 0.0f, 0};
     for (int i = 0; i < 50; i++) {
+        memcpy(l, base, sizeof(l));
+        assert_int_equal(sampler_sample(s, &tdenorm, &rng, l), 100);
+        memcpy(l, base, sizeof(l));
+        assert_int_equal(sampler_sample(s, &pzero, &rng, l), 100);
         memcpy(l, base, sizeof(l));
         assert_int_equal(sampler_sample(s, &k1, &rng, l), 100);
         memcpy(l, base, sizeof(l));
