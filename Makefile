@@ -12,7 +12,7 @@ endif
 comma := ,
 
 CC      ?= cc
-PKGS    := libzmq msgpack libevent jansson libxxhash inih
+PKGS    := libzmq msgpack libevent jansson libxxhash inih sqlite3
 OPT     ?= -O2
 CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -g $(OPT) -Wall -Wextra -Werror -Wshadow \
                -Wno-unused-parameter -fno-strict-aliasing -pthread -I. -Icommon -Icommon/engine \

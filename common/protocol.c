@@ -67,6 +67,8 @@ static const field_t fields[] = {
     FLD("rng", F_U64, rng, 0, 0, T(PROTO_PREFILL) | T(PROTO_KV_END), 0),
     FLD("dw", F_STR, decode_worker, 0, 0, T(PROTO_PREFILL), 0),
     FLD("dep", F_STR, decode_endpoint, 0, 0, T(PROTO_PREFILL), 0),
+    FLD("mtp", F_INT, mtp_depth, 0, PROTO_SPEC_MAX_POS + 1, 0,
+        T(PROTO_PREFILL) | T(PROTO_KV_BEGIN)),
     FLD("reason", F_INT, reason, 1, 2, T(PROTO_FINISH), 0),
     FLD("code", F_INT, code, 0, 100, T(PROTO_ERROR), T(PROTO_KV_BEGIN_ACK) |
         T(PROTO_KV_RESULT) | T(PROTO_KV_ABORT)),
@@ -80,9 +82,13 @@ static const field_t fields[] = {
     FLD("head_dim", F_INT, head_dim, 1, 65536, T(PROTO_KV_BEGIN), 0),
     FLD("dtype", F_INT, dtype, 0, 1, T(PROTO_KV_BEGIN), 0),
     FLD("layer", F_INT, layer, 0, 4095, T(PROTO_KV_LAYER), 0),
+    FLD("blk0", F_INT, blk0, 0, PROTO_MAX_FRAMES - 1, 0, T(PROTO_KV_LAYER)),
     FLD("n_blocks", F_INT, n_blocks, 0, PROTO_MAX_FRAMES, T(PROTO_KV_LAYER) | T(PROTO_KV_BEGIN),
         0),
     FLD("n_kv_tok", F_INT, n_kv_tokens, 1, 1 << 24, T(PROTO_KV_BEGIN), 0),
+    FLD("n_mtp", F_INT, n_mtp, 0, 64, 0, T(PROTO_KV_BEGIN)),
+    FLD("mtp_fp", F_U64, mtp_fp, 0, 0, 0, T(PROTO_KV_BEGIN)),
+    FLD("hid", F_INT, n_hidden, 0, 1 << 20, 0, T(PROTO_KV_BEGIN)),
     FLD("first", F_INT, first_token, 0, INT32_MAX, T(PROTO_KV_END), 0),
     FLD("cksum", F_U64, checksum, 0, 0, T(PROTO_KV_END), 0),
     FLD("lease_ms", F_INT, lease_ms, 1, 3600000, 0, T(PROTO_KV_BEGIN) | T(PROTO_KV_BEGIN_ACK)),
@@ -186,10 +192,9 @@ static int field_encoded(const field_t *f, const proto_msg *m, uint64_t bit)
     return 0;
 }
 
-int proto_encode(const proto_msg *m, unsigned char **out, size_t *len)
+/* Pack the header of m through pk. Returns 0, or -1 if m is invalid for its type. */
+static int encode_header(const proto_msg *m, msgpack_packer *pk)
 {
-    *out = NULL;
-    *len = 0;
     if (!type_valid(m->type))
         return -1;
     uint64_t bit = T(m->type);
@@ -200,56 +205,90 @@ int proto_encode(const proto_msg *m, unsigned char **out, size_t *len)
     if (m->n_tokens < 0 || m->n_tokens > PROTO_MAX_TOKENS || (m->n_tokens > 0 && !m->tokens))
         return -1;
 
-    msgpack_sbuffer sb;
-    msgpack_packer pk;
-    msgpack_sbuffer_init(&sb);
-    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-    int rc = msgpack_pack_map(&pk, (size_t)n);
-    rc |= pack_str(&pk, "t") | msgpack_pack_int(&pk, m->type);
-    rc |= pack_str(&pk, "v") | msgpack_pack_int(&pk, PROTO_VERSION);
+    int rc = msgpack_pack_map(pk, (size_t)n);
+    rc |= pack_str(pk, "t") | msgpack_pack_int(pk, m->type);
+    rc |= pack_str(pk, "v") | msgpack_pack_int(pk, PROTO_VERSION);
     for (size_t i = 0; i < N_FIELDS && rc == 0; i++) {
         const field_t *f = &fields[i];
         if (!field_encoded(f, m, bit))
             continue;
         const char *p = (const char *)m + f->off;
-        rc |= pack_str(&pk, f->key);
+        rc |= pack_str(pk, f->key);
         switch (f->kind) {
         case F_U64:
-            rc |= msgpack_pack_uint64(&pk, *(const uint64_t *)p);
+            rc |= msgpack_pack_uint64(pk, *(const uint64_t *)p);
             break;
         case F_I64:
-            rc |= msgpack_pack_int64(&pk, *(const int64_t *)p);
+            rc |= msgpack_pack_int64(pk, *(const int64_t *)p);
             break;
         case F_INT:
-            rc |= msgpack_pack_int(&pk, *(const int *)p);
+            rc |= msgpack_pack_int(pk, *(const int *)p);
             break;
         case F_FLOAT:
-            rc |= msgpack_pack_float(&pk, *(const float *)p);
+            rc |= msgpack_pack_float(pk, *(const float *)p);
             break;
         case F_STR:
             if (memchr(p, 0, f->size) == NULL)
                 rc = -1;
             else
-                rc |= pack_str(&pk, p);
+                rc |= pack_str(pk, p);
             break;
         case F_TOKENS:
-            rc |= msgpack_pack_array(&pk, (size_t)m->n_tokens);
+            rc |= msgpack_pack_array(pk, (size_t)m->n_tokens);
             for (int k = 0; k < m->n_tokens && rc == 0; k++)
-                rc |= msgpack_pack_int(&pk, m->tokens[k]);
+                rc |= msgpack_pack_int(pk, m->tokens[k]);
             break;
         case F_U64S:
-            rc |= msgpack_pack_array(&pk, f->size / sizeof(uint64_t));
+            rc |= msgpack_pack_array(pk, f->size / sizeof(uint64_t));
             for (size_t k = 0; k < f->size / sizeof(uint64_t) && rc == 0; k++)
-                rc |= msgpack_pack_uint64(&pk, ((const uint64_t *)p)[k]);
+                rc |= msgpack_pack_uint64(pk, ((const uint64_t *)p)[k]);
             break;
         }
     }
-    if (rc != 0) {
+    return rc != 0 ? -1 : 0;
+}
+
+int proto_encode(const proto_msg *m, unsigned char **out, size_t *len)
+{
+    *out = NULL;
+    *len = 0;
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    if (encode_header(m, &pk) < 0) {
         msgpack_sbuffer_destroy(&sb);
         return -1;
     }
     *out = (unsigned char *)sb.data; /* sbuffer memory is malloc'd: caller frees */
     *len = sb.size;
+    return 0;
+}
+
+/* proto_send's header buffer: on the caller's stack, so that sending a usual header
+ * (every TOKENS of a decode step) allocates nothing here; a larger one (a long PREFILL)
+ * moves to the heap. */
+typedef struct {
+    char *data;
+    size_t size, cap;
+    char *heap; /* data when it outgrew the stack buffer, else NULL */
+} hdr_buf;
+
+static int hdr_buf_write(void *ud, const char *buf, size_t len)
+{
+    hdr_buf *b = ud;
+    if (len > b->cap - b->size) {
+        size_t cap = b->cap * 2 > b->size + len ? b->cap * 2 : b->size + len;
+        char *p = realloc(b->heap, cap);
+        if (!p)
+            return -1;
+        if (!b->heap)
+            memcpy(p, b->data, b->size);
+        b->heap = b->data = p;
+        b->cap = cap;
+    }
+    memcpy(b->data + b->size, buf, len);
+    b->size += len;
     return 0;
 }
 
@@ -539,15 +578,20 @@ done:
 int proto_send(void *sock, const void *identity, size_t identity_len, const proto_msg *m,
                zmq_msg_t *frames, int n_frames, int flags)
 {
-    unsigned char *hdr;
-    size_t hlen;
+    char stack[1024];
+    hdr_buf hb = {stack, 0, sizeof(stack), NULL};
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &hb, hdr_buf_write);
     int i = 0;
-    if (proto_encode(m, &hdr, &hlen) < 0) {
+    if (encode_header(m, &pk) < 0) {
+        free(hb.heap);
         errno = EINVAL;
         goto fail;
     }
+    const char *hdr = hb.data;
+    size_t hlen = hb.size;
     if (identity && zmq_send(sock, identity, identity_len, flags | ZMQ_SNDMORE) < 0) {
-        free(hdr);
+        free(hb.heap);
         goto fail;
     }
     /* After the first frame of a multipart message ZeroMQ delivers all or nothing, so
@@ -555,7 +599,7 @@ int proto_send(void *sock, const void *identity, size_t identity_len, const prot
      * ZMQ_DONTWAIT (it is the header when there is no identity frame). */
     int hflags = identity ? (flags & ~ZMQ_DONTWAIT) : flags;
     int rc = zmq_send(sock, hdr, hlen, hflags | (n_frames ? ZMQ_SNDMORE : 0));
-    free(hdr);
+    free(hb.heap);
     if (rc < 0)
         goto fail;
     for (; i < n_frames; i++) {

@@ -143,6 +143,9 @@ typedef struct {
     int top_k;
     uint64_t rng;                        /* sampler state (sampler.h) */
     char decode_worker[PROTO_ID_LEN];    /* PREFILL: chosen decode worker ("" = local) */
+    int mtp_depth;                       /* PREFILL, KV_BEGIN, optional: the request's MTP
+                                          * depth + 1 (1..3 = depth 0..2); 0 = not set (the
+                                          * worker's --mtp-depth) */
     char decode_endpoint[PROTO_ENDPOINT_LEN];
 
     /* results (FINISH, ERROR, KV_BEGIN_ACK, KV_RESULT, KV_ABORT) */
@@ -156,8 +159,16 @@ typedef struct {
     uint64_t xfer;                       /* transfer id, unique per sender */
     int n_layer, n_kv_head, head_dim, dtype;
     int layer;                           /* KV_LAYER: layer index */
+    int blk0;                            /* KV_LAYER, optional: index of the first block the
+                                          * frames carry (default 0; a layer may come in
+                                          * several messages of contiguous block ranges) */
     int n_blocks;                        /* KV_LAYER: payload frames; KV_BEGIN: blocks */
     int n_kv_tokens;                     /* KV_BEGIN: tokens whose KV is sent */
+    int n_mtp;                           /* KV_BEGIN, optional: how many of the n_layer
+                                          * layers are MTP-module layers (the last ones) */
+    uint64_t mtp_fp;                     /* KV_BEGIN, optional: fingerprint of the modules */
+    int n_hidden;                        /* KV_BEGIN, optional: floats of the MTP hand-off
+                                          * state KV_END carries as its one payload frame */
     int first_token;                     /* KV_END */
     uint64_t checksum;                   /* KV_END: XXH64 of all payload frames in order */
     int lease_ms;                        /* KV_BEGIN: receiver's lease */

@@ -240,10 +240,12 @@ static int setup_model(worker_t *w)
     }
     w->mc = model_get_config(w->model);
     const model_config *mc = w->mc;
+    if (wmtp_load(w) < 0)
+        return -1;
     int per_seq = (int)((mc->n_ctx + w->block_size - 1) / w->block_size);
     if (w->kv_blocks == 0)
         w->kv_blocks = w->max_seqs * per_seq;
-    kvcache_params kp = {.n_layer = mc->n_layer,
+    kvcache_params kp = {.n_layer = mc->n_layer + w->n_mtp, /* MTP modules' K/V last */
                          .n_kv_head = mc->n_kv_head,
                          .head_dim = mc->head_dim,
                          .block_size = (int)w->block_size,
@@ -257,12 +259,15 @@ static int setup_model(worker_t *w)
         return -1;
     }
     w->max_items = (int)w->max_seqs;
+    /* Prompts run in chunks of at most max_batch_tokens per pass (worker_sched.c), so the
+     * scratch is sized for a batch, not for the context. */
     int max_tokens = (int)w->max_batch_tokens;
-    if (max_tokens < mc->n_ctx)
-        max_tokens = mc->n_ctx; /* any prompt that fits the context runs in one pass */
     if (max_tokens < w->max_items)
         max_tokens = w->max_items;
-    w->mctx = model_ctx_new(w->model, max_tokens);
+    model_ctx_params cp = model_ctx_default_params();
+    cp.max_tokens = max_tokens;
+    cp.n_threads = (int)w->threads;
+    w->mctx = model_ctx_new_params(w->model, &cp);
     w->sampler = sampler_new(mc->vocab_size);
     w->logits = malloc((size_t)w->max_items * (size_t)mc->vocab_size * sizeof(float));
     w->batch = calloc((size_t)w->max_items, sizeof(*w->batch));
@@ -271,11 +276,17 @@ static int setup_model(worker_t *w)
         log_error("out of memory allocating the model's buffers");
         return -1;
     }
+    if (wmtp_setup(w) < 0)
+        return -1;
     log_info("model %s: %s, %d layers, dim %d, vocab %d, context %d, fingerprint %016llx",
              w->model_path, mc->name, mc->n_layer, mc->dim, mc->vocab_size, mc->n_ctx,
              (unsigned long long)mc->fingerprint);
     log_info("KV cache: %d blocks of %d tokens (%zu bytes per block per layer), %d sequences",
              kp.n_blocks, kp.block_size, kvcache_block_bytes(w->kv), kp.max_seqs);
+    log_info("compute: %d threads (%s), kernels %s; prefill chunks of %lld tokens, batches of "
+             "%d tokens",
+             model_ctx_n_threads(w->mctx), w->threads ? "--threads" : "CPUs available",
+             model_ctx_kernel_name(w->mctx), w->prefill_chunk_tokens, max_tokens);
     return 0;
 }
 
@@ -299,6 +310,11 @@ static int setup_sockets(worker_t *w)
         kvx_receiver_params rp = kvx_receiver_default_params();
         rp.fingerprint = w->mc->fingerprint;
         rp.lease_ms = (int)w->lease_ms;
+        if (w->mtp) {
+            rp.n_mtp = w->n_mtp;
+            rp.mtp_fp = mtp_fingerprint(w->mtp);
+            rp.n_hidden = specdec_hand_floats(w->sd);
+        }
         w->receiver = kvx_receiver_new(w->zctx, w->kv, w->kv_bind, &rp);
         if (!w->receiver)
             return -1; /* logged */
@@ -343,6 +359,7 @@ static void teardown(worker_t *w, int fast)
     free(w->batch);
     free(w->batch_reqs);
     sampler_destroy(&w->sampler);
+    wmtp_teardown(w);
     model_ctx_destroy(&w->mctx);
     kvcache_destroy(&w->kv);
     model_destroy(&w->model);
@@ -478,7 +495,24 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
         {"max-seqs", CONFIG_INT, &w.max_seqs, "64", 1, 65536,
          "sequences in the KV cache (running plus in transfer) and per batch"},
         {"max-batch-tokens", CONFIG_INT, &w.max_batch_tokens, "2048", 1, 1 << 24,
-         "prompt tokens per prefill batch (one longer prompt still runs alone)"},
+         "prompt tokens per prefill forward pass, over every prompt of the batch"},
+        {"prefill-chunk-tokens", CONFIG_INT, &w.prefill_chunk_tokens, "512", 1, 1 << 24,
+         "prompt tokens of one sequence per forward pass: a longer prompt is computed in "
+         "chunks, one per loop iteration"},
+        {"threads", CONFIG_INT, &w.threads, "0", 0, 1024,
+         "compute threads, the loop thread included (0 = the CPUs this process may use)"},
+        {"mtp", CONFIG_STRING, &w.mtp_setting, "auto", 0, 0,
+         "MTP modules: auto (the model file's, else models/mtp/<name>-mtp.gguf beside the "
+         "model, in the working directory or the build's repository) | none | a side file"},
+        {"mtp-depth", CONFIG_INT, &w.mtp_depth_set, "-1", -1, 2,
+         "MTP drafts per decode step at most, and the default of requests (-1 = 2 when "
+         "modules are loaded; 0 = off); the worker lowers it when it does not pay"},
+        {"mtp-adaptive", CONFIG_BOOL, &w.mtp_adaptive, "true", 0, 0,
+         "lower a sequence's MTP depth when its acceptance and the batch size make "
+         "verification not pay (docs/mtp.md); off: always --mtp-depth"},
+        {"mtp-sampling", CONFIG_STRING, &w.mtp_sampling, "rejection", 0, 0,
+         "MTP with temperature > 0: rejection (drafts sampled from the modules, speculative "
+         "rejection sampling) | onehot (argmax drafts: seeded output identical at any depth)"},
         {"heartbeat-ms", CONFIG_INT, &w.heartbeat_ms, "500", 10, 3600000,
          "heartbeat interval until the gateway sets one"},
         {"lease-ms", CONFIG_INT, &w.lease_ms, "5000", 10, 3600000,
@@ -500,6 +534,12 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
     if (w.role_name && *w.role_name && role_parse(w.role_name, &w.role) < 0) {
         fprintf(stderr, "%s: invalid --role '%s': want prefill, decode or mixed\n", program,
                 w.role_name);
+        goto out;
+    }
+    if (w.mtp_sampling && strcmp(w.mtp_sampling, "rejection") != 0 &&
+        strcmp(w.mtp_sampling, "onehot") != 0) {
+        fprintf(stderr, "%s: invalid --mtp-sampling '%s': want rejection or onehot\n", program,
+                w.mtp_sampling);
         goto out;
     }
     if (log_level_parse(w.log_level, &level) < 0) {

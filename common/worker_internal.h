@@ -12,12 +12,16 @@
 #include "kvtransfer.h"
 #include "model.h"
 #include "protocol.h"
+#include "mtp.h"
 #include "sampler.h"
+#include "specdec.h"
 
 #define WORKER_MAX_QUEUE 4096 /* PREFILL orders waiting; more are refused (retryable) */
 
 typedef enum {
     WREQ_QUEUED = 1, /* PREFILL received, waiting for a batch; owns only its prompt */
+    WREQ_PREFILLING, /* admitted (sequence reserved, KV_BEGIN sent); its prompt is computed
+                      * one chunk per loop iteration, n_done tokens so far */
     WREQ_SENDING,    /* prefill done, KV in the hands of kvx; waiting for KV_RESULT */
     WREQ_RUNNING,    /* decoding; owns kvcache sequence seq */
 } wreq_state_t;
@@ -31,6 +35,10 @@ typedef struct {
     wreq_state_t state;
     int *prompt; /* (n_prompt,) token ids; NULL after the prefill */
     int n_prompt;
+    int n_done;   /* WREQ_PREFILLING: prompt tokens whose KV is computed */
+    int n_chunk;  /* prompt tokens in the batch being computed */
+    int blk_sent; /* transfer: blocks of every layer handed to kvx so far */
+    int blk_upto; /* transfer: blocks of every layer complete after the batch being computed */
     int max_tokens; /* generated tokens in total, first included */
     sampler_params sp;
     uint64_t rng;                 /* sampler state */
@@ -44,10 +52,17 @@ typedef struct {
     int n_sent;                   /* generated tokens this worker reported (TOKENS index) */
     /* timing (proto_now_us of this worker; reported as durations, see worker_timing) */
     int64_t t_recv_us;   /* PREFILL received */
+    int64_t t_start_us;  /* its first prefill chunk started */
     int64_t t_ready_us;  /* ready to decode (KV accepted or local prefill done); 0 once the
                           * first decode step was reported */
     int64_t xfer_us;     /* KV transfer duration on the receiving side (0 = none) */
     uint64_t xfer_bytes; /* KV payload bytes received */
+    /* MTP (worker_mtp.c) */
+    int mtp_req;   /* the request's MTP depth + 1 (PREFILL / KV_BEGIN "mtp"); 0 = not set */
+    int mtp_depth; /* drafts this sequence may make per step: 0 = no module work */
+    float *hand;   /* (2, dim) hand-off state for its first decode step (owned; NULL when
+                    * mtp_depth is 0): filled by its prefill or taken from KV_END */
+    specdec_ctl ctl; /* decoding: its depth controller (acceptance EWMAs) */
 } wreq;
 
 /* Durations a worker reports with a request's TOKENS or FINISH (proto_msg queue_us,
@@ -63,6 +78,8 @@ typedef struct {
     char *gateway, *model_path, *worker_id, *role_name, *kv_bind, *kv_advertise, *log_level;
     long long kv_blocks, block_size, max_seqs, max_batch_tokens, heartbeat_ms, lease_ms;
     long long debug_step_delay_ms;
+    long long prefill_chunk_tokens; /* prompt tokens per sequence per forward pass */
+    long long threads;              /* compute threads (0 = CPUs available) */
 
     proto_role_t role;
     char wid[PROTO_ID_LEN];
@@ -97,6 +114,22 @@ typedef struct {
     int draining;
     uint64_t tokens_in, tokens_out;
     proto_spec_counters spec; /* speculative decoding (HEARTBEAT "spec"); zeros without MTP */
+
+    /* MTP (worker_mtp.c): settings, the modules, the draft-and-verify state, the depth
+     * controller, and scratch for the prefill's hidden states */
+    char *mtp_setting;         /* --mtp: "auto" | "none" | a side file */
+    long long mtp_depth_set;   /* --mtp-depth: -1 = 2 when modules are loaded */
+    int mtp_adaptive;          /* --mtp-adaptive: lower the depth when it does not pay */
+    char *mtp_sampling;        /* --mtp-sampling: rejection | onehot */
+    mtp_t *mtp;                /* NULL: no modules */
+    int n_mtp;                 /* modules loaded (their KV layers follow the main ones) */
+    int mtp_depth;             /* the worker's depth (cap and default per request) */
+    specdec_t *sd;             /* always (plain decoding is its depth-0 path) */
+    specdec_costs sd_costs;    /* step cost by depth and batch size (decode/mixed) */
+    float sd_prior[2];         /* acceptance each sequence's controller starts from */
+    specdec_item *sd_items;    /* (max_items,) */
+    specdec_prefill_item *sd_pitems; /* (max_items,) */
+    float *hid;                /* (max_tokens, dim): prefill hidden states (h_0) */
 } worker_t;
 
 // --- worker.c: messages to the gateway (each logs and drops on failure)
@@ -108,6 +141,22 @@ void worker_send_tokens_timed(worker_t *w, uint64_t rid, int index, const int *t
 void worker_send_finish_timed(worker_t *w, uint64_t rid, int reason, const worker_timing *t);
 void worker_send_error(worker_t *w, uint64_t rid, int code, int retry, const char *msg);
 
+// --- worker_mtp.c
+/* Find and load the MTP modules per --mtp (before the KV cache exists: it gets w->n_mtp
+ * extra layers). Returns 0 (w->mtp may stay NULL: none), or -1 after logging a bad file. */
+int wmtp_load(worker_t *w);
+/* With the model context ready: the draft-and-verify state, the controller, and (decode
+ * and mixed workers with modules) the verify-cost measurement. Returns 0 or -1. */
+int wmtp_setup(worker_t *w);
+void wmtp_teardown(worker_t *w);
+/* The depth a request gets: the worker's, lowered by the request's (mtp_req = depth + 1,
+ * 0 = not set); 0 without modules. */
+int wmtp_req_depth(const worker_t *w, int mtp_req);
+/* After the prefill forward pass over the batch (batch_reqs/batch[0..m)): run the modules
+ * over the chunks of the requests with MTP and hand kvx their module-layer blocks. Returns
+ * 0, or -1 when a module pass failed. */
+int wmtp_prefill(worker_t *w, int m);
+
 // --- worker_sched.c
 /* Handle a PREFILL order (validated by the decoder; checked against the model here). */
 void sched_on_prefill(worker_t *w, proto_msg *m);
@@ -115,7 +164,9 @@ void sched_on_prefill(worker_t *w, proto_msg *m);
 void sched_on_cancel(worker_t *w, uint64_t rid);
 /* Drain kvx events (sender and receiver). */
 void sched_on_kvx_events(worker_t *w);
-/* Run one prefill batch if requests are queued and fit. Returns 1 if it did work. */
+/* Run one prefill batch: the next chunk of every prompt being computed, and queued
+ * prompts admitted while they fit (max_batch_tokens, KV blocks, sequence slots). Returns
+ * 1 if it did work. */
 int sched_prefill_step(worker_t *w);
 /* Run one decode step over every running sequence. Returns 1 if it did work. */
 int sched_decode_step(worker_t *w);

@@ -1,15 +1,31 @@
 /*
  * worker_sched: the requests of a worker (see worker_internal.h for the states).
  *
- * Prefill: FIFO; one batch per loop iteration takes queued prompts up to max_batch_tokens
- * (always at least one) while KV blocks and sequence slots last, sends KV_BEGIN for each
- * transferred request before the forward pass, and hands every finished layer to kvx from
- * the layer callback, so the transfer overlaps compute. Decode: every running sequence
+ * Prefill: FIFO, chunked. One batch per loop iteration takes the next chunk (at most
+ * prefill_chunk_tokens tokens) of every prompt being computed, then admits queued prompts
+ * in order while KV blocks and sequence slots last, up to max_batch_tokens tokens in all
+ * (the last prompt's chunk is cut to fit). A long prompt thus takes several iterations and
+ * never stalls the loop: decode steps of a mixed worker, control messages and transfers
+ * run between its chunks. Each chunk writes its KV into the prompt's one sequence at
+ * positions [n_done, n_done + n_chunk); batch-invariant kernels make the result identical
+ * to an unchunked pass. A transferred request sends KV_BEGIN when admitted, before its
+ * first chunk, and the layer callback hands kvx, per layer, the blocks the chunk
+ * completed (a block partly filled goes with the chunk that completes it, or with the
+ * last chunk), so the transfer overlaps compute. Decode: every running sequence
  * advances by one token per step in one forward pass; sequences join (KV arrived, or a
  * local prefill finished) and leave (EOS, max_tokens, context full, cancel) between steps.
  *
  * KV reservations are worst case (prompt + max_tokens - 1, capped at the context), so a
  * running sequence never runs out of blocks mid-generation.
+ *
+ * Per-step work is planned once: the batch arrays (batch, batch_reqs), the logits buffer
+ * (max_items, vocab) and the forward pass's scratch (model_ctx, max(max_batch_tokens,
+ * max_items) tokens) are sized at start-up, a chunk's bookkeeping lives in its request
+ * (n_done, n_chunk, blk_sent, blk_upto), and message headers are encoded on the stack
+ * (proto_send), so the prefill and decode steps allocate nothing themselves. What still
+ * allocates is per request, not per step (the prompt array, a transfer's record in kvx),
+ * and inside ZeroMQ: its copy of each message over 33 bytes (TOKENS, FINISH) and one
+ * record per zero-copy KV frame (checked with valgrind --tool=dhat on a mixed worker).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -27,10 +43,13 @@ static wreq *req_find(const worker_t *w, uint64_t rid)
     return NULL;
 }
 
+/* The request of a transfer: prefilling (a chunked prompt's transfer may fail before its
+ * last chunk, e.g. KV_BEGIN rejected) or waiting for KV_RESULT. */
 static wreq *req_find_xfer(const worker_t *w, uint64_t xfer)
 {
     for (int i = 0; i < w->n_reqs; i++)
-        if (w->reqs[i]->state == WREQ_SENDING && w->reqs[i]->xfer == xfer)
+        if (w->reqs[i]->xfer == xfer &&
+            (w->reqs[i]->state == WREQ_PREFILLING || w->reqs[i]->state == WREQ_SENDING))
             return w->reqs[i];
     return NULL;
 }
@@ -73,6 +92,7 @@ static void req_remove(worker_t *w, wreq *r)
     }
     w->prefill_blocked = 0; /* resources were freed: the queue may move again */
     free(r->prompt);
+    free(r->hand);
     free(r);
 }
 
@@ -153,6 +173,10 @@ void sched_on_prefill(worker_t *w, proto_msg *m)
     r->sp.top_k = m->top_k;
     /* a zero state would stall xorshift: derive one from the request id */
     r->rng = m->rng ? m->rng : sampler_seed_state(rid);
+    r->mtp_req = m->mtp_depth;
+    r->mtp_depth = wmtp_req_depth(w, m->mtp_depth);
+    if (r->mtp_depth > 0 && !(r->hand = calloc((size_t)specdec_hand_floats(w->sd), sizeof(float))))
+        r->mtp_depth = 0; /* out of memory: this request runs without MTP */
     snprintf(r->dep, sizeof(r->dep), "%s", m->decode_endpoint);
     w->prefill_blocked = 0;
     log_rdebug(rid, "queued: %d prompt tokens, max_tokens %d, decode at %s", r->n_prompt,
@@ -181,6 +205,10 @@ static void start_decode(worker_t *w, wreq *r)
 {
     r->state = WREQ_RUNNING;
     r->t_ready_us = proto_now_us();
+    /* the module state of the first MTP step (the sequence id may have served another
+     * request before: always reset) */
+    specdec_seq_start(w->sd, r->seq, r->pos, r->first, r->hand, r->hand ? r->mtp_depth : 0);
+    specdec_ctl_init(&r->ctl, specdec_seq_max_depth(w->sd, r->seq), w->sd_prior);
     worker_timing t = {.xfer_us = r->xfer_us, .xfer_bytes = r->xfer_bytes};
     if (r->first == w->mc->eos_id) {
         worker_send_finish_timed(w, r->rid, PROTO_FINISH_STOP, &t);
@@ -208,6 +236,7 @@ static void on_accepted(worker_t *w, const kvx_event *ev)
     }
     wreq *r = req_add(w, ev->rid);
     if (!r) {
+        free(ev->hidden);
         kvcache_seq_free(w->kv, ev->seq);
         worker_send_error(w, ev->rid, PROTO_ERR_INTERNAL, 1, "out of memory");
         return;
@@ -223,6 +252,11 @@ static void on_accepted(worker_t *w, const kvx_event *ev)
     r->sp.top_p = ev->top_p > 0 ? ev->top_p : 1.0f;
     r->sp.top_k = ev->top_k;
     r->rng = ev->rng;
+    r->mtp_req = ev->mtp;
+    r->hand = ev->hidden; /* taken: NULL when the transfer had no (usable) module state */
+    r->mtp_depth = ev->mtp_ok && ev->n_hidden == specdec_hand_floats(w->sd)
+                       ? wmtp_req_depth(w, ev->mtp)
+                       : 0;
     r->state = WREQ_RUNNING;
     r->xfer_us = ev->xfer_us;
     r->xfer_bytes = ev->n_bytes;
@@ -263,12 +297,26 @@ void sched_on_kvx_events(worker_t *w)
 
 // --- prefill
 
+/* Layer `layer` of the batch is written: hand kvx the blocks each transferred prompt's
+ * chunk completed in it, [blk_sent, blk_upto) (often none for a chunk smaller than a
+ * block). */
 static void on_layer(int layer, void *ud)
 {
     worker_t *w = ud;
-    for (int i = 0; i < w->n_batch; i++)
-        if (w->batch_reqs[i]->xfer)
-            kvx_send_layer(w->sender, w->batch_reqs[i]->xfer, layer);
+    for (int i = 0; i < w->n_batch; i++) {
+        const wreq *r = w->batch_reqs[i];
+        if (r->xfer && r->blk_upto > r->blk_sent)
+            kvx_send_layer_blocks(w->sender, r->xfer, layer, r->blk_sent,
+                                  r->blk_upto - r->blk_sent);
+    }
+}
+
+/* Blocks of every layer complete once r's current chunk is computed: the full blocks, and
+ * with the last chunk the partly filled last one too. */
+static int blocks_complete(const worker_t *w, const wreq *r)
+{
+    int done = r->n_done + r->n_chunk;
+    return done == r->n_prompt ? kvcache_blocks_for(w->kv, done) : done / (int)w->block_size;
 }
 
 /* Admit r into the batch: a sequence with room for its prompt (and, when decoded here, for
@@ -304,37 +352,59 @@ static void fail_batch(worker_t *w, int n, const char *what)
 
 int sched_prefill_step(worker_t *w)
 {
-    if (w->prefill_blocked)
-        return 0;
     const int vocab = w->mc->vocab_size;
-    int n = 0, tokens = 0;
-    for (int i = 0; i < w->n_reqs && n < w->max_items; i++) {
+    const int chunk = (int)w->prefill_chunk_tokens;
+    int n = 0, budget = (int)w->max_batch_tokens;
+    /* Prompts being computed continue (they are ahead in arrival order), and queued ones
+     * are admitted in order until one does not fit (FIFO: no overtaking) or the budget of
+     * tokens is spent. */
+    for (int i = 0; i < w->n_reqs && n < w->max_items && budget > 0; i++) {
         wreq *r = w->reqs[i];
-        if (r->state != WREQ_QUEUED)
+        if (r->state == WREQ_QUEUED) {
+            if (w->prefill_blocked)
+                continue;
+            if (admit(w, r) < 0) {
+                w->prefill_blocked = 1; /* until a request leaves or kvx frees KV */
+                continue;
+            }
+            r->n_done = 0;
+            r->blk_sent = 0;
+        } else if (r->state != WREQ_PREFILLING) {
             continue;
-        if (n > 0 && tokens + r->n_prompt > w->max_batch_tokens)
-            break;
-        if (admit(w, r) < 0)
-            break;
-        tokens += r->n_prompt;
+        }
+        int take = r->n_prompt - r->n_done;
+        take = take < chunk ? take : chunk;
+        take = take < budget ? take : budget;
+        r->n_chunk = take;
+        budget -= take;
         w->batch_reqs[n++] = r;
     }
-    if (n == 0) {
-        w->prefill_blocked = 1; /* until a request leaves or kvx frees KV */
+    if (n == 0)
         return 0;
-    }
-    /* Start the transfers before computing, so that layers stream as they finish. */
-    int m = 0;
+    /* Start the transfers of newly admitted prompts before computing, so that layers
+     * stream as they finish. */
+    int64_t t_start = proto_now_us();
+    int m = 0, hid_rows = 0;
     for (int i = 0; i < n; i++) {
         wreq *r = w->batch_reqs[i];
-        if (r->dep[0] && r->max_tokens > 1) {
+        int fresh = r->state == WREQ_QUEUED;
+        r->state = WREQ_PREFILLING;
+        if (fresh)
+            r->t_start_us = t_start;
+        if (fresh && r->dep[0] && r->max_tokens > 1) {
+            int mtp = r->mtp_depth > 0; /* module layers and the hand-off state go along */
             kvx_begin_params bp = {.rid = r->rid,
                                    .seq = r->seq,
                                    .n_kv_tokens = r->n_prompt,
                                    .max_tokens = r->max_tokens,
                                    .temperature = r->sp.temperature,
                                    .top_p = r->sp.top_p,
-                                   .top_k = r->sp.top_k};
+                                   .top_k = r->sp.top_k,
+                                   .n_layer = w->mc->n_layer + (mtp ? w->n_mtp : 0),
+                                   .n_mtp = mtp ? w->n_mtp : 0,
+                                   .mtp_fp = mtp ? mtp_fingerprint(w->mtp) : 0,
+                                   .n_hidden = mtp ? specdec_hand_floats(w->sd) : 0,
+                                   .mtp = r->mtp_req};
             r->xfer = kvx_send_begin(w->sender, r->dep, &bp);
             if (!r->xfer) {
                 char msg[PROTO_MESSAGE_LEN];
@@ -344,30 +414,46 @@ int sched_prefill_step(worker_t *w)
                 continue;
             }
         }
+        r->blk_upto = blocks_complete(w, r);
+        log_rdebug(r->rid, "prefill chunk [%d, %d) of %d, KV blocks [%d, %d) to send", r->n_done,
+                   r->n_done + r->n_chunk, r->n_prompt, r->blk_sent,
+                   r->xfer ? r->blk_upto : r->blk_sent);
         w->batch_reqs[m] = r;
         w->batch[m] = (model_seq_batch){.seq = r->seq,
-                                        .pos = 0,
-                                        .n_tokens = r->n_prompt,
-                                        .tokens = r->prompt,
+                                        .pos = r->n_done,
+                                        .n_tokens = r->n_chunk,
+                                        .tokens = r->prompt + r->n_done,
                                         .logits_all = 0,
                                         .logits = w->logits + (size_t)m * vocab};
+        if (r->mtp_depth > 0) { /* h_0 of every position, for the MTP modules */
+            w->batch[m].hidden = w->hid + (size_t)hid_rows * w->mc->dim;
+            w->batch[m].hidden_all = 1;
+            hid_rows += r->n_chunk;
+        }
         m++;
     }
     w->n_batch = m;
     if (m == 0)
         return 1;
-    int64_t t_start = proto_now_us();
     if (model_forward(w->mctx, w->kv, w->batch, m, on_layer, w) < 0) {
         fail_batch(w, m, "prefill");
+        return 1;
+    }
+    if (wmtp_prefill(w, m) < 0) { /* MTP modules over the chunks; their layers to kvx */
+        fail_batch(w, m, "MTP prefill");
         return 1;
     }
     w->n_batch = 0;
     for (int i = 0; i < m; i++) {
         wreq *r = w->batch_reqs[i];
-        w->tokens_in += (uint64_t)r->n_prompt;
+        r->n_done += r->n_chunk;
+        r->blk_sent = r->blk_upto;
+        w->tokens_in += (uint64_t)r->n_chunk;
+        if (r->n_done < r->n_prompt)
+            continue; /* its next chunk runs in the next loop iteration */
         int first = sampler_sample(w->sampler, &r->sp, &r->rng, w->batch[i].logits);
-        worker_timing t = {.queue_us = t_start - r->t_recv_us,
-                           .prefill_us = proto_now_us() - t_start};
+        worker_timing t = {.queue_us = r->t_start_us - r->t_recv_us,
+                           .prefill_us = proto_now_us() - r->t_start_us};
         r->first = first;
         r->n_gen = 1;
         free(r->prompt);
@@ -385,7 +471,9 @@ int sched_prefill_step(worker_t *w)
             req_remove(w, r);
         } else if (r->xfer) {
             r->state = WREQ_SENDING;
-            kvx_send_end(w->sender, r->xfer, first, r->rng); /* failure comes as an event */
+            /* failure comes as an event */
+            kvx_send_end_mtp(w->sender, r->xfer, first, r->rng, r->mtp_depth > 0 ? r->hand : NULL,
+                             r->mtp_depth > 0 ? specdec_hand_floats(w->sd) : 0);
         } else {
             r->pos = r->n_prompt;
             r->last = first;
@@ -399,32 +487,49 @@ int sched_prefill_step(worker_t *w)
 
 int sched_decode_step(worker_t *w)
 {
-    const int vocab = w->mc->vocab_size;
     int n = 0;
+    for (int i = 0; i < w->n_reqs && n < w->max_items; i++)
+        if (w->reqs[i]->state == WREQ_RUNNING)
+            n++;
+    if (n == 0)
+        return 0;
+    /* each sequence's MTP depth: its controller's (its acceptance, the batch size), or its
+     * cap when not adaptive; no drafts past max_tokens (a step emits up to depth + 1) */
+    int b = n;
+    n = 0;
     for (int i = 0; i < w->n_reqs && n < w->max_items; i++) {
         wreq *r = w->reqs[i];
         if (r->state != WREQ_RUNNING)
             continue;
+        int d = w->mtp_adaptive ? specdec_ctl_depth(&r->ctl, &w->sd_costs, b) : r->ctl.max_depth;
+        if (d > r->max_tokens - r->n_gen - 1)
+            d = r->max_tokens - r->n_gen - 1;
         w->batch_reqs[n] = r;
-        w->batch[n] = (model_seq_batch){.seq = r->seq,
+        w->sd_items[n] = (specdec_item){.seq = r->seq,
                                         .pos = r->pos,
-                                        .n_tokens = 1,
-                                        .tokens = &r->last,
-                                        .logits_all = 0,
-                                        .logits = w->logits + (size_t)n * vocab};
+                                        .last = r->last,
+                                        .depth = d > 0 ? d : 0,
+                                        .sp = &r->sp,
+                                        .rng = &r->rng};
         n++;
     }
-    if (n == 0)
-        return 0;
-    if (model_forward(w->mctx, w->kv, w->batch, n, NULL, NULL) < 0) {
+    /* draft with the modules, verify every sequence's [last, d1, d2] in one pass */
+    if (specdec_step(w->sd, w->mctx, w->kv, w->sd_items, n) < 0) {
         fail_batch(w, n, "decode");
         return 1;
     }
     for (int i = 0; i < n; i++) {
         wreq *r = w->batch_reqs[i];
-        r->pos++;
-        int t = sampler_sample(w->sampler, &r->sp, &r->rng, w->batch[i].logits);
-        int out[2], k = 0;
+        const specdec_item *x = &w->sd_items[i];
+        if (x->n_drafted > 0) {
+            w->spec.n_drafts++;
+            w->spec.n_draft_tokens += (uint64_t)x->n_drafted;
+            w->spec.n_accepted_tokens += (uint64_t)x->n_accepted;
+            for (int j = 0; j < x->n_accepted && j < PROTO_SPEC_MAX_POS; j++)
+                w->spec.accepted_per_pos[j]++;
+            specdec_ctl_observe(&r->ctl, x->n_drafted, x->n_accepted);
+        }
+        int out[SPECDEC_MAX_DEPTH + 2], k = 0, reason = 0;
         /* the first decode step reports the transfer and its own latency */
         worker_timing tm = {0}, *tp = NULL;
         if (r->t_ready_us) {
@@ -435,23 +540,28 @@ int sched_decode_step(worker_t *w)
         }
         if (r->n_sent == 0)
             out[k++] = r->first; /* the first TOKENS repeats the prefill's token */
-        if (t == w->mc->eos_id) {
-            if (k)
-                worker_send_tokens_timed(w, r->rid, 0, out, k, tp);
-            worker_send_finish_timed(w, r->rid, PROTO_FINISH_STOP, k ? NULL : tp);
-            req_remove(w, r);
-            continue;
-        }
-        out[k++] = t;
-        r->n_gen++;
-        w->tokens_out++;
-        worker_send_tokens_timed(w, r->rid, r->n_sent, out, k, tp);
-        r->n_sent += k;
-        if (r->n_gen >= r->max_tokens || r->pos >= w->mc->n_ctx) {
-            worker_send_finish(w, r->rid, PROTO_FINISH_LENGTH);
-            req_remove(w, r);
-        } else {
+        /* the emitted tokens in order, up to EOS (not sent), max_tokens or the context's
+         * end: nothing after them is sent or counted */
+        for (int j = 0; j < x->n_tokens && !reason; j++) {
+            int t = x->tokens[j];
+            r->pos++; /* the KV of the token before t is in the cache */
+            if (t == w->mc->eos_id) {
+                reason = PROTO_FINISH_STOP;
+                break;
+            }
+            out[k++] = t;
+            r->n_gen++;
+            w->tokens_out++;
             r->last = t;
+            if (r->n_gen >= r->max_tokens || r->pos >= w->mc->n_ctx)
+                reason = PROTO_FINISH_LENGTH;
+        }
+        if (k)
+            worker_send_tokens_timed(w, r->rid, r->n_sent, out, k, tp);
+        r->n_sent += k;
+        if (reason) {
+            worker_send_finish_timed(w, r->rid, reason, k ? NULL : tp);
+            req_remove(w, r);
         }
     }
     return 1;
@@ -463,7 +573,8 @@ int sched_has_work(const worker_t *w)
 {
     for (int i = 0; i < w->n_reqs; i++) {
         const wreq *r = w->reqs[i];
-        if (r->state == WREQ_RUNNING || (r->state == WREQ_QUEUED && !w->prefill_blocked))
+        if (r->state == WREQ_RUNNING || r->state == WREQ_PREFILLING ||
+            (r->state == WREQ_QUEUED && !w->prefill_blocked))
             return 1;
     }
     return 0;
@@ -479,6 +590,8 @@ void sched_load(const worker_t *w, int *running, int *queued, int *queued_tokens
             *queued_tokens += r->n_prompt;
         } else {
             (*running)++;
+            if (r->state == WREQ_PREFILLING) /* its prompt tokens still to compute */
+                *queued_tokens += r->n_prompt - r->n_done;
         }
     }
 }

@@ -406,6 +406,27 @@ static int parse_fields(json_t *root, api_request *r, api_error *e)
             return type_error(e, "stream_options", "a boolean include_usage", iu);
         r->include_usage = iu && json_is_true(iu);
     }
+    if ((v = field(root, "service_tier"))) {
+        if (!json_is_string(v))
+            return type_error(e, "service_tier", "a string", v);
+        const char *t = json_string_value(v);
+        if (strcmp(t, "flex") == 0)
+            r->offline = 1;
+        else if (strcmp(t, "auto") != 0 && strcmp(t, "default") != 0)
+            return api_error_set(e, 400, INVALID, "service_tier", "invalid_value",
+                                 "'service_tier' must be 'auto', 'default' or 'flex', got "
+                                 "'%.64s'.",
+                                 t);
+    }
+    r->mtp_depth = -1;
+    if (get_int(root, "mtp_depth", &iv, &present, e))
+        return -1;
+    if (present) {
+        if (iv < 0 || iv > 2)
+            return api_error_set(e, 400, INVALID, "mtp_depth", "invalid_value",
+                                 "'mtp_depth' must be 0, 1 or 2, got %lld.", (long long)iv);
+        r->mtp_depth = (int)iv;
+    }
     if (get_int(root, "n", &iv, &present, e))
         return -1;
     if (present && iv != 1)
@@ -547,10 +568,13 @@ char *api_format_response(const api_response_info *info, const char *text, size_
                            "finish_reason", finish_reason);
     if (!choice)
         return NULL;
-    return dump(json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", info->id, "object",
-                          info->kind == API_CHAT ? "chat.completion" : "text_completion", "created",
-                          (json_int_t)info->created, "model", info->model, "choices", choice,
-                          "usage", usage_obj(n_prompt, n_completion)));
+    json_t *root = json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", info->id, "object",
+                             info->kind == API_CHAT ? "chat.completion" : "text_completion",
+                             "created", (json_int_t)info->created, "model", info->model,
+                             "choices", choice, "usage", usage_obj(n_prompt, n_completion));
+    if (root && info->service_tier)
+        json_object_set_new(root, "service_tier", json_string(info->service_tier));
+    return dump(root);
 }
 
 char *api_format_chunk(const api_response_info *info, const char *text, size_t len,
@@ -587,6 +611,8 @@ char *api_format_chunk(const api_response_info *info, const char *text, size_t l
         json_pack("{s:s, s:s, s:I, s:s, s:[o]}", "id", info->id, "object",
                   info->kind == API_CHAT ? "chat.completion.chunk" : "text_completion", "created",
                   (json_int_t)info->created, "model", info->model, "choices", choice);
+    if (root && info->service_tier)
+        json_object_set_new(root, "service_tier", json_string(info->service_tier));
     if (root && info->include_usage)
         json_object_set_new(root, "usage", json_null());
     return dump(root);
@@ -594,10 +620,13 @@ char *api_format_chunk(const api_response_info *info, const char *text, size_t l
 
 char *api_format_usage_chunk(const api_response_info *info, int n_prompt, int n_completion)
 {
-    return dump(json_pack("{s:s, s:s, s:I, s:s, s:[], s:o}", "id", info->id, "object",
-                          info->kind == API_CHAT ? "chat.completion.chunk" : "text_completion",
-                          "created", (json_int_t)info->created, "model", info->model, "choices",
-                          "usage", usage_obj(n_prompt, n_completion)));
+    json_t *root = json_pack("{s:s, s:s, s:I, s:s, s:[], s:o}", "id", info->id, "object",
+                             info->kind == API_CHAT ? "chat.completion.chunk" : "text_completion",
+                             "created", (json_int_t)info->created, "model", info->model,
+                             "choices", "usage", usage_obj(n_prompt, n_completion));
+    if (root && info->service_tier)
+        json_object_set_new(root, "service_tier", json_string(info->service_tier));
+    return dump(root);
 }
 
 char *api_format_models(const char *model, int64_t created, int n_ctx)

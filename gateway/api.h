@@ -39,6 +39,8 @@ typedef struct {
     int n_stop;
     int stream;        /* 1: SSE */
     int include_usage; /* stream_options.include_usage */
+    int offline;       /* service_tier "flex": the offline tier ("auto", "default": online) */
+    int mtp_depth;     /* extension "mtp_depth": 0..2 MTP drafts per step at most; -1 absent */
 } api_request;
 
 /* An error reply: HTTP status and the fields of OpenAI's {"error": {...}} object.
@@ -89,6 +91,7 @@ typedef struct {
     int64_t created;   /* unix seconds */
     const char *model; /* served model name */
     int include_usage; /* streaming: chunks carry "usage": null, then a usage chunk */
+    const char *service_tier; /* "flex" / "default" in every body and chunk; NULL = none */
 } api_response_info;
 
 /* finish reasons as OpenAI spells them */

@@ -5,7 +5,12 @@
  * worker found dead is only flagged where it is found (the flag keeps it out of
  * routing); the dispatch event and the sweep timer reap flagged workers, re-running their
  * requests, so no list is changed while it is being walked. Dispatch itself runs from a
- * deferred event, never inside the caller of cluster_submit or a message handler. */
+ * deferred event, never inside the caller of cluster_submit or a message handler.
+ *
+ * Offline tier: a second FIFO (oqueue) that dispatch reads only when the online queue is
+ * empty, up to the policy's offline_max_running (n_off_running counts the offline requests
+ * on the active list; promoted ones count as online). The policy runs from the sweep timer
+ * every heartbeat_ms; its role changes are not applied yet (docs/scheduler.md). */
 #include "cluster.h"
 
 #include <errno.h>
@@ -37,6 +42,7 @@ typedef struct worker {
     proto_kvx_counters kvx_tx, kvx_rx;
     proto_spec_counters spec;
     int64_t last_seen_us;
+    int64_t role_since_us; /* registered in its current role (the policy's role age) */
     int dead;           /* flagged; reaped by the next sweep or dispatch */
     char why[160];      /* why it was flagged dead */
     int full;           /* a NOSPACE came back: no decode work until the next heartbeat */
@@ -56,14 +62,20 @@ typedef struct req {
     float temperature, top_p;
     int top_k;
     uint64_t rng;
+    int mtp_depth; /* PREFILL "mtp": depth + 1, 0 = not set */
     worker_t *pw, *dw; /* current attempt (NULL while queued) */
     int base;          /* n_gen when the attempt started */
     int p_started, d_started;
     int p_qtok, d_blocks; /* what this attempt added to pw/dw pending counters */
     int retries;
+    unsigned attempt; /* attempts started; its low 8 bits go into the wire rid */
     int64_t since_us; /* queued since, or last progress while assigned */
     int queued;       /* on the queue (else on the active list) */
     cluster_req_timing *timing; /* the owner's, optional */
+    const cluster_callbacks *cb; /* the job's, or the cluster's */
+    int offline;                 /* offline tier */
+    int promoted;                /* offline, promoted by aging: queued and run as online */
+    int64_t enq_us;              /* admitted (offline aging) */
 } req_t;
 
 typedef struct {
@@ -82,7 +94,19 @@ struct cluster {
     worker_t *workers;
     req_t *buckets[N_BUCKETS];
     rlist_t queue, active;
+    rlist_t oqueue;     /* offline requests waiting (promoted ones move to queue) */
+    int n_off_running;  /* offline, not promoted, on the active list */
+    int n_promoted;     /* promoted by aging and not ended */
     uint64_t next_rid;
+    /* the tidal policy (offline admission and preemption) */
+    policy_state pstate;
+    policy_worker *pworkers; /* scratch input, grown as workers come */
+    int pworkers_cap;
+    int64_t last_policy_us;
+    int64_t online_prompt_tokens; /* online prompt tokens ever admitted */
+    int offline_max_running;
+    uint64_t n_preempted;
+    int policy_failed; /* logged once */
     void (*observer)(const cluster_event *ev, void *ud);
     void *observer_ud;
 };
@@ -98,6 +122,7 @@ cluster_params cluster_default_params(void)
         .request_timeout_ms = 60000,
         .max_retries = 3,
         .max_queue = 1024,
+        .policy = policy_default_params(),
     };
     return p;
 }
@@ -139,6 +164,35 @@ static void list_remove(rlist_t *l, req_t *r)
         l->tail = r->prev;
     r->prev = r->next = NULL;
     l->n--;
+}
+
+/* The queue r waits in: online (and promoted offline) requests, or offline ones. */
+static rlist_t *qlist(cluster_t *c, const req_t *r)
+{
+    return r->offline && !r->promoted ? &c->oqueue : &c->queue;
+}
+
+static void active_add(cluster_t *c, req_t *r)
+{
+    list_push(&c->active, r, 0);
+    if (r->offline && !r->promoted)
+        c->n_off_running++;
+}
+
+static void active_remove(cluster_t *c, req_t *r)
+{
+    list_remove(&c->active, r);
+    if (r->offline && !r->promoted)
+        c->n_off_running--;
+}
+
+/* Workers see one rid per attempt: the request's id shifted left by WIRE_ATTEMPT_BITS,
+ * plus the attempt number modulo 2^WIRE_ATTEMPT_BITS (request ids start at 1, so a wire
+ * rid is never 0). */
+#define WIRE_ATTEMPT_BITS 8
+static uint64_t wire_rid(const req_t *r)
+{
+    return (r->rid << WIRE_ATTEMPT_BITS) | (r->attempt & ((1u << WIRE_ATTEMPT_BITS) - 1));
 }
 
 static req_t **bucket(cluster_t *c, uint64_t rid)
@@ -240,9 +294,9 @@ static void req_detach(cluster_t *c, req_t *r, int cancel)
             r->dw->n_assigned--;
     }
     if (cancel) {
-        send_cancel(c, r->pw, r->rid);
+        send_cancel(c, r->pw, wire_rid(r));
         if (r->dw != r->pw)
-            send_cancel(c, r->dw, r->rid);
+            send_cancel(c, r->dw, wire_rid(r));
     }
     r->pw = r->dw = NULL;
     r->p_qtok = r->d_blocks = 0;
@@ -252,7 +306,12 @@ static void req_detach(cluster_t *c, req_t *r, int cancel)
 static void req_unlink(cluster_t *c, req_t *r)
 {
     hash_remove(c, r);
-    list_remove(r->queued ? &c->queue : &c->active, r);
+    if (r->queued)
+        list_remove(qlist(c, r), r);
+    else
+        active_remove(c, r);
+    if (r->promoted)
+        c->n_promoted--;
 }
 
 static void req_free(req_t *r)
@@ -267,7 +326,7 @@ static void req_end_error(cluster_t *c, req_t *r, int status, const char *type, 
     req_detach(c, r, 1);
     req_unlink(c, r);
     log_rwarn(r->rid, "request failed: %s", msg);
-    c->cb.on_error(r->ud, status, type, code, msg);
+    r->cb->on_error(r->ud, status, type, code, msg);
     req_free(r);
 }
 
@@ -277,7 +336,7 @@ static void req_end_finish(cluster_t *c, req_t *r, int reason, int cancel)
     req_unlink(c, r);
     log_rdebug(r->rid, "finished (%s) after %d tokens",
                reason == PROTO_FINISH_STOP ? "stop" : "length", r->n_gen);
-    c->cb.on_finish(r->ud, reason);
+    r->cb->on_finish(r->ud, reason);
     req_free(r);
 }
 
@@ -299,11 +358,26 @@ static void req_retry(cluster_t *c, req_t *r, int counts, const char *why)
               r->retries + 1, r->n_prompt, r->n_gen, why);
     notify(c, CLUSTER_EV_REQUEST_RETRY, NULL, r->rid, why);
     req_detach(c, r, 1);
-    list_remove(&c->active, r);
+    active_remove(c, r);
     r->queued = 1;
     r->since_us = proto_now_us();
-    list_push(&c->queue, r, 1);
+    list_push(qlist(c, r), r, 1);
     schedule_dispatch(c);
+}
+
+/* Online load needs the room: cancel offline request r on its workers and put it back at
+ * the head of the offline queue with its tokens so far (re-run later like a retry). */
+static void req_preempt(cluster_t *c, req_t *r)
+{
+    c->n_preempted++;
+    log_rinfo(r->rid, "offline request preempted after %d generated tokens: re-queued",
+              r->n_gen);
+    notify(c, CLUSTER_EV_REQUEST_PREEMPT, NULL, r->rid, "online load");
+    req_detach(c, r, 1);
+    active_remove(c, r);
+    r->queued = 1;
+    r->since_us = proto_now_us();
+    list_push(&c->oqueue, r, 1);
 }
 
 /* Flag w dead and re-run everything it had. */
@@ -312,8 +386,15 @@ static void worker_fail_requests(cluster_t *c, worker_t *w, const char *why)
     req_t *next;
     for (req_t *r = c->active.head; r; r = next) {
         next = r->next;
-        if (r->pw == w || r->dw == w)
+        if (r->pw == w && r->dw != w && r->d_started) {
+            /* its part is done: the decode worker has the KV and is generating, so the
+             * request goes on there; re-running it would only waste work (and, when
+             * sampling, change the answer mid-stream) */
+            w->n_assigned--;
+            r->pw = NULL;
+        } else if (r->pw == w || r->dw == w) {
             req_retry(c, r, 1, why);
+        }
     }
 }
 
@@ -417,13 +498,14 @@ static int pick(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw, int 
  * queued), -2 when r needs more KV blocks than any decode worker has in total. */
 static int try_assign(cluster_t *c, req_t *r)
 {
-    worker_t *pw, *dw;
+    worker_t *pw = NULL, *dw = NULL;
     int never = 0;
     if (pick(c, r, &pw, &dw, &never) < 0)
         return never ? -2 : 0;
     proto_msg m;
     proto_msg_init(&m, PROTO_PREFILL);
-    m.rid = r->rid;
+    r->attempt++;
+    m.rid = wire_rid(r);
     m.tokens = r->tokens;
     m.n_tokens = r->n_prompt + r->n_gen;
     m.max_tokens = r->max_tokens - r->n_gen;
@@ -431,14 +513,15 @@ static int try_assign(cluster_t *c, req_t *r)
     m.top_p = r->top_p;
     m.top_k = r->top_k;
     m.rng = r->rng;
+    m.mtp_depth = r->mtp_depth;
     snprintf(m.decode_worker, sizeof(m.decode_worker), "%s", dw->id);
     snprintf(m.decode_endpoint, sizeof(m.decode_endpoint), "%s", pw == dw ? "" : dw->kvep);
     m.ts_us = proto_wall_us();
     if (send_to(c, pw, &m) < 0)
         return -1;
-    list_remove(&c->queue, r);
+    list_remove(qlist(c, r), r);
     r->queued = 0;
-    list_push(&c->active, r, 0);
+    active_add(c, r);
     r->pw = pw;
     r->dw = dw;
     r->base = r->n_gen;
@@ -464,13 +547,15 @@ static int try_assign(cluster_t *c, req_t *r)
     return 1;
 }
 
-static void dispatch(cluster_t *c)
+/* Assign what fits from queue l (offline: within the policy's admission). */
+static void dispatch_list(cluster_t *c, rlist_t *l, int offline)
 {
-    reap_dead(c);
     int misses = 0;
     req_t *next;
-    for (req_t *r = c->queue.head; r && misses < DISPATCH_SCAN_MAX; r = next) {
+    for (req_t *r = l->head; r && misses < DISPATCH_SCAN_MAX; r = next) {
         next = r->next;
+        if (offline && c->n_off_running >= c->offline_max_running)
+            break;
         int rc = try_assign(c, r);
         if (rc == -2) {
             char msg[256];
@@ -492,12 +577,21 @@ static void dispatch(cluster_t *c)
         }
         if (rc < 0) { /* a worker just died: its requests move; start over */
             reap_dead(c);
-            next = c->queue.head;
+            next = l->head;
             misses++;
         } else if (rc == 0) {
             misses++;
         }
     }
+}
+
+/* Online first; offline only when no online request waits. */
+static void dispatch(cluster_t *c)
+{
+    reap_dead(c);
+    dispatch_list(c, &c->queue, 0);
+    if (!c->queue.head)
+        dispatch_list(c, &c->oqueue, 1);
 }
 
 static void on_dispatch(evutil_socket_t fd, short what, void *arg)
@@ -550,6 +644,8 @@ static void handle_register(cluster_t *c, const proto_msg *m, const unsigned cha
     w->kv_total = m->kv_blocks_total;
     w->kv_free = m->kv_blocks_free;
     w->last_seen_us = proto_now_us();
+    if (is_new || old_role != w->role)
+        w->role_since_us = w->last_seen_us;
     w->dead = 0;
     w->full = 0;
     log_info("worker %s %s: role %s, pid %d, kv %s, n_ctx %d, kv blocks %d/%d of %d tokens, "
@@ -611,11 +707,14 @@ static void handle_heartbeat(cluster_t *c, worker_t *w, const proto_msg *m, cons
     schedule_dispatch(c);
 }
 
-/* The request's current attempt, if the sender is one of its workers. */
-static req_t *attempt_of(cluster_t *c, uint64_t rid, worker_t *w)
+/* The request's current attempt, if the wire rid names it and the sender is one of its
+ * workers. A message of an earlier attempt (a worker that was slow to see its CANCEL)
+ * names another attempt and is ignored, so its tokens can never be taken for the new
+ * attempt's. */
+static req_t *attempt_of(cluster_t *c, uint64_t wire, worker_t *w)
 {
-    req_t *r = req_find(c, rid);
-    if (!r || r->queued || !w || (r->pw != w && r->dw != w))
+    req_t *r = req_find(c, wire >> WIRE_ATTEMPT_BITS);
+    if (!r || r->queued || !w || (r->pw != w && r->dw != w) || wire != wire_rid(r))
         return NULL;
     return r;
 }
@@ -671,7 +770,7 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
     int *dst = r->tokens + r->n_prompt + r->n_gen;
     memcpy(dst, m->tokens + skip, (size_t)n_new * sizeof(int));
     r->n_gen += n_new;
-    if (c->cb.on_tokens(r->ud, dst, n_new)) {
+    if (r->cb->on_tokens(r->ud, dst, n_new)) {
         /* the owner completed it (stop string, EOS, max_tokens) */
         req_detach(c, r, 1);
         req_unlink(c, r);
@@ -758,6 +857,132 @@ static void on_ctl(void *sock, void *ud)
     proto_envelope_reset(c->env);
 }
 
+// --- offline tier: aging and the tidal policy
+
+/* Aging: promote offline requests that waited policy.offline_max_wait_ms to the online
+ * queue, at most offline_aging_per_worker per decode-capable worker at a time (and at
+ * least one), so offline work is never starved forever whatever the online load. */
+static void promote_aged(cluster_t *c, int64_t now)
+{
+    int n_dec = 0;
+    for (const worker_t *w = c->workers; w; w = w->next)
+        n_dec += usable(w) && (w->role == PROTO_ROLE_DECODE || w->role == PROTO_ROLE_MIXED);
+    int cap = c->p.policy.offline_aging_per_worker * n_dec;
+    if (cap < 1)
+        cap = 1;
+    int64_t wait_us = c->p.policy.offline_max_wait_ms * 1000;
+    while (c->oqueue.head && c->n_promoted < cap && now - c->oqueue.head->enq_us >= wait_us) {
+        req_t *r = c->oqueue.head;
+        list_remove(&c->oqueue, r);
+        r->promoted = 1;
+        c->n_promoted++;
+        r->since_us = now;
+        list_push(&c->queue, r, 0);
+        log_rinfo(r->rid, "offline request waited %lld ms: promoted to the online queue",
+                  (long long)(now - r->enq_us) / 1000);
+        schedule_dispatch(c);
+    }
+}
+
+/* One policy call on the figures the gateway has; applies the offline admission and
+ * preemption (role changes are left to the role-change machinery, not wired yet). */
+static void policy_tick(cluster_t *c, int64_t now)
+{
+    int n = 0, have_prefill = 0, n_dec = 0;
+    long seqs = 0;
+    for (const worker_t *w = c->workers; w; w = w->next)
+        n++;
+    if (n > c->pworkers_cap) {
+        policy_worker *v = realloc(c->pworkers, (size_t)n * sizeof(*v));
+        if (!v)
+            return;
+        c->pworkers = v;
+        c->pworkers_cap = n;
+    }
+    int i = 0;
+    for (const worker_t *w = c->workers; w; w = w->next, i++) {
+        policy_worker *pw = &c->pworkers[i];
+        memset(pw, 0, sizeof(*pw));
+        pw->index = i;
+        pw->role = w->role;
+        pw->state = w->dead                           ? POLICY_WORKER_DOWN
+                    : w->state == PROTO_STATE_READY ? POLICY_WORKER_READY
+                                                    : POLICY_WORKER_DRAINING;
+        pw->role_age_ms = (now - w->role_since_us) / 1000;
+        pw->running = w->running;
+        pw->queued = w->queued;
+        pw->queued_prompt_tokens = w->qtok;
+        pw->kv_blocks_total = w->kv_total;
+        pw->kv_blocks_used = w->kv_total - w->kv_free;
+        pw->decode_batch = w->running;
+        if (usable(w) && (w->role == PROTO_ROLE_PREFILL || w->role == PROTO_ROLE_MIXED))
+            have_prefill = 1;
+        if (usable(w) && (w->role == PROTO_ROLE_DECODE || w->role == PROTO_ROLE_MIXED) &&
+            w->max_seqs > 0) {
+            n_dec++;
+            seqs += w->max_seqs;
+        }
+    }
+    policy_input in = {.now_ms = now / 1000, .workers = c->pworkers, .n_workers = n};
+    policy_cluster *cl = &in.cluster;
+    int decoding = 0;
+    for (const req_t *r = c->active.head; r; r = r->next) {
+        if (r->offline && !r->promoted)
+            continue;
+        cl->online_running++;
+        decoding += r->p_started || r->d_started;
+    }
+    /* A request waits here only when no decode worker has room, unless there is no prefill
+     * worker at all: only then is it a prefill shortage (docs/scheduler.md). */
+    if (have_prefill) {
+        decoding += c->queue.n;
+    } else {
+        cl->online_queued = c->queue.n;
+        for (const req_t *r = c->queue.head; r; r = r->next)
+            cl->queued_prompt_tokens += r->n_prompt + r->n_gen;
+        if (c->queue.head)
+            cl->oldest_wait_ms = (now - c->queue.head->since_us) / 1000;
+    }
+    cl->online_decoding = decoding;
+    cl->prompt_tokens_arrived = c->online_prompt_tokens;
+    cl->offline_queued = c->oqueue.n;
+    cl->offline_running = c->n_off_running;
+    int64_t oldest = now;
+    for (const req_t *r = c->oqueue.head; r; r = r->next)
+        if (r->enq_us < oldest)
+            oldest = r->enq_us;
+    cl->offline_oldest_wait_ms = (now - oldest) / 1000;
+    policy_params pp = c->p.policy;
+    if (n_dec > 0)
+        pp.decode_seqs_per_worker = (double)seqs / n_dec;
+    policy_output out;
+    if (policy_decide(&pp, &c->pstate, &in, &out) < 0) {
+        if (!c->policy_failed)
+            log_error("the tidal policy refused its input: offline admission stays at %d",
+                      c->offline_max_running);
+        c->policy_failed = 1;
+        return;
+    }
+    if (out.offline_max_running != c->offline_max_running)
+        log_debug("offline admission %d -> %d (pressure prefill %.2f decode %.2f; offline "
+                  "running %d, queued %d)",
+                  c->offline_max_running, out.offline_max_running, out.prefill_pressure,
+                  out.decode_pressure, c->n_off_running, c->oqueue.n);
+    c->offline_max_running = out.offline_max_running;
+    /* Preempt the offline requests started last: the least work is lost. */
+    int k = out.offline_preempt;
+    req_t *prev;
+    for (req_t *r = c->active.tail; r && k > 0; r = prev) {
+        prev = r->prev;
+        if (r->offline && !r->promoted) {
+            req_preempt(c, r);
+            k--;
+        }
+    }
+    if (out.offline_max_running > c->n_off_running && c->oqueue.head)
+        schedule_dispatch(c);
+}
+
 // --- timers
 
 static void on_sweep(evutil_socket_t fd, short what, void *arg)
@@ -789,12 +1014,17 @@ static void on_sweep(evutil_socket_t fd, short what, void *arg)
     }
     for (req_t *r = c->queue.head; r; r = next) {
         next = r->next;
-        if (now - r->since_us > limit) {
+        if (!r->offline && now - r->since_us > limit) {
             char msg[160];
             snprintf(msg, sizeof(msg), "no worker could take the request within %d ms",
                      c->p.request_timeout_ms);
             req_end_error(c, r, 503, "server_error", "no_worker_available", msg);
         }
+    }
+    promote_aged(c, now);
+    if (now - c->last_policy_us >= (int64_t)c->p.heartbeat_ms * 1000) {
+        c->last_policy_us = now;
+        policy_tick(c, now);
     }
     dispatch(c);
 }
@@ -813,6 +1043,11 @@ cluster_t *cluster_new(struct event_base *base, const cluster_params *p,
     c->p = *p;
     c->cb = *cb;
     c->next_rid = ((uint64_t)time(NULL) << 20) | 1; /* distinct across gateway restarts */
+    if (policy_params_check(&p->policy, err, errlen) < 0) {
+        free(c);
+        return NULL;
+    }
+    policy_state_init(&c->pstate);
     c->zctx = zmq_ctx_new();
     c->env = proto_envelope_new();
     if (!c->zctx || !c->env) {
@@ -860,6 +1095,9 @@ void cluster_destroy(cluster_t **pc)
     while (c->queue.head)
         req_end_error(c, c->queue.head, 503, "server_error", "shutting_down",
                       "the server is shutting down");
+    while (c->oqueue.head)
+        req_end_error(c, c->oqueue.head, 503, "server_error", "shutting_down",
+                      "the server is shutting down");
     while (c->workers) {
         worker_t *w = c->workers;
         c->workers = w->next;
@@ -875,6 +1113,7 @@ void cluster_destroy(cluster_t **pc)
     if (c->zctx)
         zmq_ctx_term(c->zctx);
     proto_envelope_destroy(&c->env);
+    free(c->pworkers);
     free(c);
     *pc = NULL;
 }
@@ -901,23 +1140,32 @@ cluster_status_t cluster_submit(cluster_t *c, const cluster_job *job, void *ud, 
     r->top_p = job->top_p;
     r->top_k = job->top_k;
     r->rng = job->rng;
+    r->mtp_depth = job->mtp_depth >= 0 && job->mtp_depth <= PROTO_SPEC_MAX_POS + 1 ? job->mtp_depth
+                                                                                : 0;
     r->queued = 1;
     r->since_us = proto_now_us();
+    r->enq_us = r->since_us;
     r->timing = job->timing;
+    r->cb = job->cb ? job->cb : &c->cb;
+    r->offline = job->offline != 0;
     if (r->timing) {
         memset(r->timing, 0, sizeof(*r->timing));
         r->timing->admit_us = r->since_us;
     }
     r->hnext = *bucket(c, r->rid);
     *bucket(c, r->rid) = r;
-    list_push(&c->queue, r, 0);
+    rlist_t *q = qlist(c, r);
+    list_push(q, r, 0);
     *rid = r->rid;
+    if (!r->offline)
+        c->online_prompt_tokens += r->n_prompt;
     /* Start at once when nobody is ahead, so a burst does not fill the queue with
      * requests that have somewhere to go; only a request that must wait counts against
-     * max_queue. */
-    if (c->queue.head == r)
+     * max_queue. An offline request also needs an empty online queue and an offline slot. */
+    if (q->head == r &&
+        (!r->offline || (!c->queue.head && c->n_off_running < c->offline_max_running)))
         try_assign(c, r);
-    if (r->queued && c->queue.n > c->p.max_queue) {
+    if (r->queued && q->n > c->p.max_queue) {
         req_unlink(c, r);
         req_free(r);
         return CLUSTER_FULL;
@@ -953,8 +1201,13 @@ void cluster_get_stats(const cluster_t *c, cluster_stats *st)
         else if (w->role == PROTO_ROLE_MIXED)
             st->n_mixed++;
     }
-    st->n_queued = c->queue.n;
+    st->n_queued = c->queue.n + c->oqueue.n;
     st->n_running = c->active.n;
+    st->n_offline_queued = c->oqueue.n;
+    st->n_offline_running = c->n_off_running;
+    st->n_promoted = c->n_promoted;
+    st->offline_max_running = c->offline_max_running;
+    st->n_preempted = c->n_preempted;
 }
 
 void cluster_foreach_worker(const cluster_t *c,

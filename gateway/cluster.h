@@ -23,6 +23,18 @@
  * failures it ends with on_error. Every admitted request ends with exactly one on_finish
  * or on_error call, or with cluster_cancel() by its owner.
  *
+ * Two tiers: online requests (interactive) and offline ones (service_tier "flex", batch
+ * lines). The queue is two-level: offline requests are dispatched only when no online
+ * request waits, and only while fewer than the tidal policy's offline_max_running
+ * (policy.h, called every heartbeat_ms with the workers' and the queues' figures) run.
+ * When the policy asks for preemption, the offline requests started last are cancelled on
+ * their workers and re-queued with their tokens so far (re-run later like a retry: the
+ * owner sees one unbroken sequence). Aging: an offline request waiting
+ * policy.offline_max_wait_ms is promoted to the online queue (at most
+ * offline_aging_per_worker per decode-capable worker at a time), so it is never starved
+ * forever; a promoted request is not preempted. Offline requests never time out in the
+ * queue (their owner bounds the wait); --request-timeout-ms still applies to their attempts.
+ *
  * Runs entirely on the loop thread of the event_base it was created with; never blocks.
  */
 #ifndef TP_GW_CLUSTER_H
@@ -31,6 +43,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "policy.h"
 #include "protocol.h"
 
 struct event_base;
@@ -43,7 +56,11 @@ typedef struct {
     int dead_after_ms;      /* silence after which a worker is dead */
     int request_timeout_ms; /* no progress this long: retry (assigned) / 503 (queued) */
     int max_retries;        /* failed attempts re-run before giving up */
-    int max_queue;          /* requests waiting for a worker before cluster_submit is FULL */
+    int max_queue;          /* requests waiting for a worker before cluster_submit is FULL
+                             * (online and offline requests each have a queue this long) */
+    policy_params policy;   /* the tidal policy's knobs (offline admission, preemption and
+                             * aging); decode_seqs_per_worker is replaced every tick by the
+                             * decode-capable workers' mean max_seqs when there are any */
 } cluster_params;
 
 /* Defaults matching the gateway's flags. */
@@ -89,9 +106,13 @@ typedef struct {
     float top_p;
     int top_k;
     uint64_t rng; /* initial sampler state (sampler_seed_state) */
+    int mtp_depth; /* the request's MTP depth + 1 (1..3 = depth 0..2); 0 = the workers' */
     cluster_req_timing *timing; /* optional (NULL): borrowed until the request ends (its
                                  * on_finish / on_error, or cluster_cancel); zeroed and
                                  * filled by the cluster */
+    int offline;                /* 1: offline tier (flex, batch), see the top comment */
+    const cluster_callbacks *cb; /* optional: this request's callbacks instead of the
+                                  * cluster's (borrowed; must outlive the request) */
 } cluster_job;
 
 typedef enum {
@@ -124,8 +145,13 @@ int cluster_ready(const cluster_t *c, char *reason, size_t cap);
 typedef struct {
     int n_prefill, n_decode, n_mixed; /* alive and ready workers by role */
     int n_draining;                   /* alive, draining */
-    int n_queued;                     /* requests waiting for a worker */
-    int n_running;                    /* requests assigned to workers */
+    int n_queued;                     /* requests waiting for a worker (both tiers) */
+    int n_running;                    /* requests assigned to workers (both tiers) */
+    int n_offline_queued;             /* offline requests in the offline queue */
+    int n_offline_running;            /* offline requests assigned (not promoted ones) */
+    int n_promoted;                   /* offline requests promoted by aging, not yet ended */
+    int offline_max_running;          /* the policy's last offline admission */
+    uint64_t n_preempted;             /* preemptions since start */
 } cluster_stats;
 
 void cluster_get_stats(const cluster_t *c, cluster_stats *st);
@@ -163,6 +189,7 @@ typedef enum {
     CLUSTER_EV_WORKER_ROLE,   /* a worker re-registered with another role (old_role) */
     CLUSTER_EV_WORKER_STATE,  /* a worker went ready <-> draining (state) */
     CLUSTER_EV_REQUEST_RETRY, /* an attempt of request rid failed and it is re-run (reason) */
+    CLUSTER_EV_REQUEST_PREEMPT, /* offline request rid was preempted and re-queued (reason) */
 } cluster_event_type_t;
 
 /* One event; strings are borrowed for the observer's call. */
@@ -172,7 +199,7 @@ typedef struct {
     int role;           /* proto_role_t, 0 when none */
     int old_role;       /* WORKER_ROLE: the previous role */
     int state;          /* proto_state_t, 0 when none */
-    uint64_t rid;       /* REQUEST_RETRY */
+    uint64_t rid;       /* REQUEST_RETRY, REQUEST_PREEMPT */
     const char *reason; /* "" when none */
 } cluster_event;
 

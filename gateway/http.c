@@ -22,6 +22,7 @@
 #include <time.h>
 
 #include "api.h"
+#include "batch.h"
 #include "log.h"
 #include "metrics.h"
 #include "protocol.h"
@@ -43,6 +44,7 @@ typedef struct gw_req {
     char *text; /* non-streaming: the answer so far */
     size_t text_len, text_cap;
     int n_prompt, max_tokens;
+    int offline; /* service_tier "flex" */
     char id[48];
     int64_t created;
     int64_t t_start_us, t_first_us;
@@ -63,6 +65,7 @@ struct http_server {
     int max_piece; /* bytes of the longest token piece */
     cluster_t *cluster;
     stats_t *stats; /* NULL: no figures */
+    batch_t *batch; /* NULL: the Files and Batch API answer 503 */
     uint64_t id_nonce;
     gw_req *active;
     int n_active;
@@ -150,7 +153,8 @@ static void log_end(const gw_req *g, int status, stats_end_t end, const char *ho
                         .t_first_us = g->t_first_us,
                         .t_last_us = g->t_last_us,
                         .t_end_us = now,
-                        .timing = &g->timing};
+                        .timing = &g->timing,
+                        .offline = g->offline};
     stats_breakdown b;
     if (g->srv->stats)
         stats_request_end(g->srv->stats, &sr, &b);
@@ -182,6 +186,7 @@ static api_response_info info_of(const gw_req *g)
         .created = g->created,
         .model = g->srv->model,
         .include_usage = g->include_usage,
+        .service_tier = g->offline ? "flex" : "default",
     };
     return info;
 }
@@ -298,9 +303,9 @@ static int on_tokens(void *ud, const int *tokens, int n)
     int64_t now = proto_now_us();
     if (!g->t_first_us) {
         g->t_first_us = now;
-        if (g->srv->stats)
+        if (g->srv->stats && !g->offline) /* offline waits stay out of the online figures */
             stats_first_token(g->srv->stats, &g->timing, now);
-    } else if (g->srv->stats) {
+    } else if (g->srv->stats && !g->offline) {
         stats_tokens(g->srv->stats, &g->timing, (double)(now - g->t_last_us) / 1e6, now);
     }
     g->t_last_us = now;
@@ -479,6 +484,7 @@ static void handle_completion(http_server_t *s, struct evhttp_request *req, api_
     g->include_usage = r.stream && r.include_usage;
     g->n_prompt = n;
     g->max_tokens = r.max_tokens;
+    g->offline = r.offline;
     g->created = now_s();
     g->t_start_us = proto_now_us();
     g->stream = stream_new(s->tok, tokens[n - 1], tokenizer_eos(s->tok),
@@ -502,7 +508,9 @@ static void handle_completion(http_server_t *s, struct evhttp_request *req, api_
         .top_p = (float)r.top_p,
         .top_k = r.top_k,
         .rng = sampler_seed_state(seed),
+        .mtp_depth = r.mtp_depth >= 0 ? r.mtp_depth + 1 : 0,
         .timing = &g->timing,
+        .offline = r.offline,
     };
     cluster_status_t st = cluster_submit(s->cluster, &job, g, &g->rid);
     if (st == CLUSTER_FULL) {
@@ -518,8 +526,9 @@ static void handle_completion(http_server_t *s, struct evhttp_request *req, api_
         goto oom;
     snprintf(g->id, sizeof(g->id), "%s-%016llx%llx", kind == API_CHAT ? "chatcmpl" : "cmpl",
              (unsigned long long)s->id_nonce, (unsigned long long)g->rid);
-    log_rdebug(g->rid, "admitted: %d prompt tokens, max_tokens %d, temperature %.3g, %s", n,
-               r.max_tokens, r.temperature, r.stream ? "stream" : "json");
+    log_rdebug(g->rid, "admitted: %d prompt tokens, max_tokens %d, temperature %.3g, %s%s", n,
+               r.max_tokens, r.temperature, r.stream ? "stream" : "json",
+               r.offline ? ", offline (flex)" : "");
     evhttp_connection_set_closecb(g->conn, on_close, g);
     if (!g->streaming)
         watch_close(g);
@@ -689,6 +698,8 @@ static void on_reply_done(struct evhttp_request *req, void *arg)
         stats_http_response(s->stats, evhttp_request_get_response_code(req));
 }
 
+static int batch_route(const char *path, char *id, size_t cap, const char **allow);
+
 static void on_request(struct evhttp_request *req, void *arg)
 {
     http_server_t *s = arg;
@@ -702,7 +713,11 @@ static void on_request(struct evhttp_request *req, void *arg)
 
     const char *allow = NULL;
     int kind = -1;
-    if (strcmp(path, "/v1/completions") == 0) {
+    int broute = -1;
+    char bid[128] = "";
+    if ((broute = batch_route(path, bid, sizeof(bid), &allow)) >= 0) {
+        /* the Files and Batch API (batch.h) */
+    } else if (strcmp(path, "/v1/completions") == 0) {
         allow = "POST";
         kind = API_COMPLETIONS;
     } else if (strcmp(path, "/v1/chat/completions") == 0) {
@@ -719,15 +734,21 @@ static void on_request(struct evhttp_request *req, void *arg)
         return;
     }
     int is_get = method == EVHTTP_REQ_GET || method == EVHTTP_REQ_HEAD;
-    if ((strcmp(allow, "POST") == 0 && method != EVHTTP_REQ_POST) ||
-        (strcmp(allow, "GET") == 0 && !is_get)) {
+    if (!((strstr(allow, "POST") && method == EVHTTP_REQ_POST) ||
+          (strstr(allow, "GET") && is_get))) {
         evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", allow);
         snprintf(msg, sizeof(msg), "Method %s is not allowed for %.200s (use %s).",
                  method_str(method), path, allow);
         reply_error_msg(req, 405, "invalid_request_error", NULL, "method_not_allowed", msg);
         return;
     }
-    if (kind >= 0)
+    if (broute >= 0) {
+        if (s->batch)
+            batch_handle(s->batch, req, (batch_route_t)broute, bid[0] ? bid : NULL);
+        else
+            reply_error_msg(req, 503, "server_error", NULL, "not_ready",
+                            "the Batch API is not enabled");
+    } else if (kind >= 0)
         handle_completion(s, req, (api_kind_t)kind);
     else if (strcmp(path, "/health") == 0)
         handle_health(s, req);
@@ -772,7 +793,10 @@ http_server_t *http_server_new(struct event_base *base, const http_params *p, ch
     }
     /* Bodies up to twice the limit are read and answered with a JSON 413; beyond that
      * libevent answers 413 itself before reading the body. */
-    evhttp_set_max_body_size(s->http, (ev_ssize_t)(2 * p->max_body_bytes + 65536));
+    size_t max_read = 2 * p->max_body_bytes + 65536;
+    if (p->max_upload_bytes + 65536 > max_read) /* uploads: the file plus multipart headers */
+        max_read = p->max_upload_bytes + 65536;
+    evhttp_set_max_body_size(s->http, (ev_ssize_t)max_read);
     evhttp_set_max_headers_size(s->http, 64 * 1024);
     evhttp_set_allowed_methods(s->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
                                             EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE |
@@ -808,6 +832,48 @@ void http_server_set_cluster(http_server_t *s, cluster_t *c)
 void http_server_set_stats(http_server_t *s, stats_t *stats)
 {
     s->stats = stats;
+}
+
+void http_server_set_batch(http_server_t *s, batch_t *b)
+{
+    s->batch = b;
+}
+
+/* The batch route of path (its {id} into id), with the methods it allows; -1 when path is
+ * not one. An unknown path under /v1/files or /v1/batches is -1 (404). */
+static int batch_route(const char *path, char *id, size_t cap, const char **allow)
+{
+    static const struct {
+        const char *prefix, *suffix, *allow;
+        batch_route_t route;
+    } routes[] = {
+        {"/v1/files/", "/content", "GET", BATCH_ROUTE_FILE_CONTENT},
+        {"/v1/files/", "", "GET", BATCH_ROUTE_FILE},
+        {"/v1/batches/", "/cancel", "POST", BATCH_ROUTE_CANCEL},
+        {"/v1/batches/", "", "GET", BATCH_ROUTE_BATCH},
+    };
+    if (strcmp(path, "/v1/files") == 0) {
+        *allow = "POST";
+        return BATCH_ROUTE_FILES;
+    }
+    if (strcmp(path, "/v1/batches") == 0) {
+        *allow = "GET, POST";
+        return BATCH_ROUTE_BATCHES;
+    }
+    for (size_t i = 0; i < sizeof(routes) / sizeof(routes[0]); i++) {
+        size_t pl = strlen(routes[i].prefix), sl = strlen(routes[i].suffix), n = strlen(path);
+        if (n <= pl + sl || strncmp(path, routes[i].prefix, pl) != 0 ||
+            strcmp(path + n - sl, routes[i].suffix) != 0)
+            continue;
+        size_t idl = n - pl - sl;
+        if (idl >= cap || memchr(path + pl, '/', idl))
+            continue;
+        memcpy(id, path + pl, idl);
+        id[idl] = 0;
+        *allow = routes[i].allow;
+        return routes[i].route;
+    }
+    return -1;
 }
 
 int http_server_port(const http_server_t *s)

@@ -7,7 +7,8 @@
  * text goes through a stream_t (stream.h) so that only whole UTF-8 characters are sent and
  * stop strings are honoured. A client that disconnects cancels its request. GET
  * /v1/models and GET /health report the model and the cluster; GET /metrics exposes the
- * stats (stats.h) in the Prometheus text format. Anything else gets an OpenAI-style JSON
+ * stats (stats.h) in the Prometheus text format. /v1/files and /v1/batches are routed to
+ * the Batch API (batch.h). Anything else gets an OpenAI-style JSON
  * error (404 unknown path, 405 wrong method). Loop thread only.
  */
 #ifndef TP_GW_HTTP_H
@@ -15,6 +16,7 @@
 
 #include <stddef.h>
 
+#include "batch.h"
 #include "cluster.h"
 #include "stats.h"
 #include "tokenizer.h"
@@ -27,6 +29,8 @@ typedef struct {
     const char *host;       /* address to listen on (copied) */
     int port;               /* 0 = any free port (see http_server_port) */
     size_t max_body_bytes;  /* larger bodies get 413 */
+    size_t max_upload_bytes; /* POST /v1/files: largest file (0 = no uploads beyond
+                              * max_body_bytes); the HTTP layer reads bodies this large */
     const char *model_name; /* served model name (copied) */
     int n_ctx;              /* context length in tokens */
     const tokenizer_t *tok; /* borrowed; must outlive the server */
@@ -49,6 +53,10 @@ void http_server_set_cluster(http_server_t *s, cluster_t *c);
 /* Record requests, responses and timings in stats (borrowed; must outlive the server) and
  * serve them at GET /metrics. Without it /metrics answers 503. */
 void http_server_set_stats(http_server_t *s, stats_t *stats);
+
+/* Serve the Files and Batch API from b (borrowed; must outlive the server). Without it
+ * those routes answer 503. */
+void http_server_set_batch(http_server_t *s, batch_t *b);
 
 /* The port actually bound (useful with port 0). */
 int http_server_port(const http_server_t *s);

@@ -7,8 +7,9 @@
  * One thread, one event loop: HTTP connections, the ctl socket (through evzmq), timers
  * and signals. Operators' figures: GET /metrics (Prometheus) and the stats PUB socket
  * (--stats-bind), both from stats.h; see docs/stats.md. SIGTERM/SIGINT: stop accepting,
- * let requests in flight finish (up to --drain-timeout-ms), then exit. See docs/api.md and
- * docs/protocol.md.
+ * let requests in flight finish (up to --drain-timeout-ms), then exit. Offline requests
+ * (service_tier flex) and the Batch API (batch.h, state in --state-db) run in the cluster's
+ * offline tier. See docs/api.md and docs/protocol.md.
  */
 #include <event2/event.h>
 #include <signal.h>
@@ -17,6 +18,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "batch.h"
 #include "cluster.h"
 #include "config.h"
 #include "gguf.h"
@@ -30,6 +32,11 @@ static char *opt_host, *opt_ctl_bind, *opt_model, *opt_served_name, *opt_log_lev
     *opt_stats_bind;
 static long long opt_port, opt_max_body, opt_max_queue, opt_hb_ms, opt_dead_ms, opt_timeout_ms,
     opt_retries, opt_drain_ms, opt_stats_interval_ms, opt_stats_window_s;
+/* offline tier and Batch API */
+static char *opt_state_db;
+static long long opt_batch_max_file_bytes, opt_batch_max_lines, opt_batch_max_inflight;
+static double opt_offline_max_wait_s, opt_offline_target, opt_preempt_pressure, opt_smooth_s,
+    opt_ttft_slo_ms, opt_tpot_slo_ms;
 
 static const config_entry_t settings[] = {
     {"host", CONFIG_STRING, &opt_host, "127.0.0.1", 0, 0, "address the HTTP server listens on"},
@@ -60,6 +67,26 @@ static const config_entry_t settings[] = {
      "period of the snapshots published on the stats socket"},
     {"stats-window-s", CONFIG_INT, &opt_stats_window_s, "60", 1, 3600,
      "window of the latency percentiles on the stats socket"},
+    {"state-db", CONFIG_STRING, &opt_state_db, "build/state/gateway.db", 0, 0,
+     "SQLite file of the Batch API's files, batches and results (\"\" = Batch API off)"},
+    {"batch-max-file-bytes", CONFIG_INT, &opt_batch_max_file_bytes, "104857600", 1, 1073741824,
+     "largest file accepted by POST /v1/files"},
+    {"batch-max-lines", CONFIG_INT, &opt_batch_max_lines, "50000", 1, 10000000,
+     "lines (requests) per batch input file"},
+    {"batch-max-inflight", CONFIG_INT, &opt_batch_max_inflight, "256", 1, 1000000,
+     "batch lines submitted to the cluster at a time (all batches)"},
+    {"offline-max-wait-s", CONFIG_DOUBLE, &opt_offline_max_wait_s, "60", 0, 1e7,
+     "aging: an offline (flex, batch) request waiting this long is promoted"},
+    {"offline-target", CONFIG_DOUBLE, &opt_offline_target, "0.6", 0, 100,
+     "offline work fills decode capacity up to this online pressure"},
+    {"preempt-pressure", CONFIG_DOUBLE, &opt_preempt_pressure, "0.95", 0.01, 100,
+     "online pressure at which running offline work is preempted"},
+    {"smooth-s", CONFIG_DOUBLE, &opt_smooth_s, "5", 0, 1e6,
+     "tidal policy: time constant of its smoothed load signals"},
+    {"ttft-slo-ms", CONFIG_DOUBLE, &opt_ttft_slo_ms, "2000", 1, 1e7,
+     "tidal policy: time-to-first-token target"},
+    {"tpot-slo-ms", CONFIG_DOUBLE, &opt_tpot_slo_ms, "50", 1, 1e7,
+     "tidal policy: time-per-output-token target"},
     {"log-level", CONFIG_STRING, &opt_log_level, "info", 0, 0, "debug, info, warn or error"},
     {NULL, 0, NULL, NULL, 0, 0, NULL},
 };
@@ -161,6 +188,7 @@ int main(int argc, char **argv)
     cluster_t *cluster = NULL;
     stats_t *stats = NULL;
     statpub_t *pub = NULL;
+    batch_t *batch = NULL;
     struct event *sigterm = NULL, *sigint = NULL;
     char err[512], name[128];
     int n_ctx;
@@ -185,6 +213,7 @@ int main(int argc, char **argv)
         .host = opt_host,
         .port = (int)opt_port,
         .max_body_bytes = (size_t)opt_max_body,
+        .max_upload_bytes = opt_state_db[0] ? (size_t)opt_batch_max_file_bytes : 0,
         .model_name = served,
         .n_ctx = n_ctx,
         .tok = tok,
@@ -210,12 +239,42 @@ int main(int argc, char **argv)
     cp.request_timeout_ms = (int)opt_timeout_ms;
     cp.max_retries = (int)opt_retries;
     cp.max_queue = (int)opt_max_queue;
+    cp.policy.offline_max_wait_ms = (int64_t)(opt_offline_max_wait_s * 1000);
+    cp.policy.offline_target = opt_offline_target;
+    cp.policy.preempt_pressure = opt_preempt_pressure;
+    cp.policy.smooth_ms = (int64_t)(opt_smooth_s * 1000);
+    cp.policy.ttft_slo_ms = opt_ttft_slo_ms;
+    cp.policy.tpot_slo_ms = opt_tpot_slo_ms;
+    if (policy_params_check(&cp.policy, err, sizeof(err)) < 0) {
+        log_error("%s", err);
+        goto out;
+    }
     cluster = cluster_new(app.base, &cp, http_server_callbacks(), err, sizeof(err));
     if (!cluster) {
         log_error("%s", err);
         goto out;
     }
     http_server_set_cluster(app.http, cluster);
+    if (opt_state_db[0]) {
+        batch_params bp = batch_default_params();
+        bp.state_db = opt_state_db;
+        bp.max_file_bytes = (size_t)opt_batch_max_file_bytes;
+        bp.max_lines = (int)opt_batch_max_lines;
+        bp.max_inflight = (int)opt_batch_max_inflight;
+        bp.max_body_bytes = (size_t)opt_max_body;
+        bp.model_name = served;
+        bp.n_ctx = n_ctx;
+        bp.tok = tok;
+        batch = batch_new(app.base, &bp, err, sizeof(err));
+        if (!batch) {
+            log_error("%s", err);
+            goto out;
+        }
+        batch_set_stats(batch, stats);
+        batch_set_cluster(batch, cluster);
+        http_server_set_batch(app.http, batch);
+        log_info("Batch API state in %s", opt_state_db);
+    }
     cluster_set_observer(cluster, stats_on_cluster_event, stats);
     if (opt_stats_bind && opt_stats_bind[0]) {
         statpub_params pp = statpub_default_params();
@@ -249,12 +308,17 @@ out:
     statpub_destroy(&pub);
     if (cluster)
         cluster_set_observer(cluster, NULL, NULL);
+    if (batch) /* its lines in flight stay unfinished (resumed at the next start) */
+        batch_set_cluster(batch, NULL);
     cluster_destroy(&cluster);
     if (app.base && app.http) {
         struct timeval flush = {0, 200 * 1000}; /* let those answers go out */
         event_base_loopexit(app.base, &flush);
         event_base_dispatch(app.base);
     }
+    if (app.http)
+        http_server_set_batch(app.http, NULL);
+    batch_destroy(&batch);
     http_server_destroy(&app.http);
     stats_destroy(&stats);
     if (app.drain_ev)

@@ -87,6 +87,7 @@ struct stats {
     metrics_window *ttft, *tpot, *itl; /* every request */
     uint64_t received, rejected, finished_stop, finished_length, failed, cancelled;
     uint64_t prompt_tokens, generation_tokens;
+    uint64_t offline_generation_tokens, offline_preemptions;
     uint64_t http_status[600]; /* by status code (100..599) */
     stats_worker **workers;
     int n_workers, cap_workers;
@@ -293,6 +294,8 @@ void stats_request_end(stats_t *s, const stats_request *r, stats_breakdown *out)
     if (r->how == STATS_END_FINISHED || r->t_first_us) {
         s->prompt_tokens += (uint64_t)(r->n_prompt > 0 ? r->n_prompt : 0);
         s->generation_tokens += (uint64_t)(r->n_output > 0 ? r->n_output : 0);
+        if (r->offline)
+            s->offline_generation_tokens += (uint64_t)(r->n_output > 0 ? r->n_output : 0);
     }
     if (r->how == STATS_END_CANCELLED) {
         s->cancelled++;
@@ -312,6 +315,8 @@ void stats_request_end(stats_t *s, const stats_request *r, stats_breakdown *out)
         s->finished_stop++;
     else
         s->finished_length++;
+    if (r->offline) /* its waits are by design: keep the online latency figures clean */
+        return;
     const cluster_req_timing *t = r->timing;
     int64_t now = r->t_end_us ? r->t_end_us : proto_now_us();
     if (b.e2e_ms >= 0)
@@ -355,9 +360,12 @@ void stats_on_cluster_event(const cluster_event *ce, void *ud)
         [CLUSTER_EV_WORKER_UP] = "worker_up",         [CLUSTER_EV_WORKER_DOWN] = "worker_down",
         [CLUSTER_EV_WORKER_ROLE] = "worker_role",     [CLUSTER_EV_WORKER_STATE] = "worker_state",
         [CLUSTER_EV_REQUEST_RETRY] = "request_retry",
+        [CLUSTER_EV_REQUEST_PREEMPT] = "request_preempt",
     };
     if ((int)ce->type < 1 || (int)ce->type >= (int)(sizeof(names) / sizeof(names[0])))
         return;
+    if (ce->type == CLUSTER_EV_REQUEST_PREEMPT)
+        s->offline_preemptions++;
     stats_event ev = {.type = names[ce->type],
                       .role = ce->role,
                       .old_role = ce->old_role,
@@ -445,11 +453,15 @@ void stats_get_gateway(const stats_t *s, const cluster_t *c, stats_gateway_figur
     }
     out->prompt_tokens = s->prompt_tokens;
     out->generation_tokens = s->generation_tokens;
+    out->offline_generation_tokens = s->offline_generation_tokens;
+    out->offline_preemptions = s->offline_preemptions;
     if (c) {
         cluster_stats cs;
         cluster_get_stats(c, &cs);
         out->queued = cs.n_queued;
         out->running = cs.n_running;
+        out->offline_queued = cs.n_offline_queued;
+        out->offline_running = cs.n_offline_running;
     }
     out->uptime_s = (double)(proto_now_us() - s->start_us) / 1e6;
     out->started_wall_ms = s->start_wall_ms;
@@ -702,6 +714,20 @@ void stats_write_metrics(const stats_t *s, const cluster_t *c, FILE *f)
         metrics_label lb[2] = {ml, {"finished_reason", fin[i].reason}};
         metrics_write_sample(f, full, NULL, lb, 2, (double)fin[i].n);
     }
+    write_one(f, s, "num_offline_requests_waiting", "gauge",
+              "Offline requests (service_tier flex, batch lines) waiting in the gateway's "
+              "offline queue.",
+              g.offline_queued);
+    write_one(f, s, "num_offline_requests_running", "gauge",
+              "Offline requests assigned to workers (within the tidal policy's admission).",
+              g.offline_running);
+    write_one(f, s, "offline_generation_tokens_total", "counter",
+              "Generated tokens of the offline requests answered (flex requests, batch lines).",
+              (double)g.offline_generation_tokens);
+    write_one(f, s, "offline_preemptions_total", "counter",
+              "Offline requests preempted (cancelled on their workers and re-queued) because "
+              "online load rose.",
+              (double)g.offline_preemptions);
     write_one(f, s, "requests_received_total", "counter",
               "Completion requests received (POST /v1/completions, /v1/chat/completions).",
               (double)g.received);

@@ -88,6 +88,9 @@ typedef struct {
     int64_t t_first_us, t_last_us;    /* first and last token at the gateway */
     int64_t t_end_us;                 /* the end */
     const cluster_req_timing *timing; /* the cluster's record */
+    int offline;                      /* offline tier (flex, batch): counted, and its tokens
+                                       * in the offline counter too, but kept out of the
+                                       * latency histograms and windows (online SLOs) */
 } stats_request;
 
 /* A request's phases in milliseconds (-1 = unknown / not applicable): queue = gateway
@@ -114,7 +117,7 @@ typedef struct {
     uint64_t seq;     /* 1, 2, ... in the order they happened */
     int64_t ts_ms;    /* wall clock, ms since the epoch */
     const char *type; /* "worker_up", "worker_down", "worker_role", "worker_state",
-                       * "request_retry", "request_error" (static strings) */
+                       * "request_retry", "request_preempt", "request_error" (static) */
     char worker[PROTO_ID_LEN];
     int role, old_role, state; /* proto_role_t / proto_state_t, 0 = none */
     uint64_t rid;
@@ -144,7 +147,10 @@ typedef struct {
     uint64_t failed_total; /* rejected + failed after admission */
     uint64_t http_2xx, http_4xx, http_5xx;
     uint64_t prompt_tokens, generation_tokens;
+    uint64_t offline_generation_tokens; /* of offline requests answered */
+    uint64_t offline_preemptions;       /* offline requests preempted (cluster events) */
     int queued, running; /* the cluster's queue and assigned requests */
+    int offline_queued, offline_running;
     double uptime_s;
     int64_t started_wall_ms; /* start, wall clock */
 } stats_gateway_figures;

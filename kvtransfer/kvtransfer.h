@@ -3,21 +3,25 @@
  * worker over the kv socket, as a specified state machine (docs/kvtransfer.md).
  *
  * Sender (prefill side, kvx_sender_t): one DEALER per decode endpoint, created lazily. A
- * transfer is KV_BEGIN, then one KV_LAYER per layer as the forward pass finishes it (payload
- * frames point into the kvcache pool: zero copies), then KV_END with the first token, the
- * sampler state and an XXH64 of every payload byte in order. The receiver answers
+ * transfer is KV_BEGIN, then KV_LAYER messages as the forward pass finishes each layer
+ * (payload frames point into the kvcache pool: zero copies) -- one per layer, or, when the
+ * prompt is computed in chunks, one per layer and chunk carrying the blocks that chunk
+ * completed (a contiguous range starting at block blk0) -- then KV_END with the first
+ * token, the sampler state and an XXH64 of every payload byte in order. The receiver answers
  * KV_BEGIN_ACK (ok or reject) and KV_RESULT (ok or NACK); either side may send KV_ABORT.
  *
  * Receiver (decode side, kvx_receiver_t): one ROUTER. On KV_BEGIN it checks the model
  * fingerprint, the KV layout and its capacity, and reserves a sequence for the worst case
  * (the transferred tokens plus every token the request may still generate). KV_LAYER frames
- * are checked and copied into the reserved blocks; KV_END with a matching checksum hands
- * the sequence to the caller (KVX_EV_ACCEPTED).
+ * are checked and copied into the reserved blocks, each block of each layer exactly once;
+ * KV_END with every block of every layer received and a matching checksum hands the
+ * sequence to the caller (KVX_EV_ACCEPTED).
  *
  * Ownership of KV memory (one owner at every moment):
  *   - sender: from a successful kvx_send_begin() the sequence belongs to kvx. The caller's
- *     forward pass may still write layers not yet handed to kvx_send_layer(), and must not
- *     touch the sequence after kvx_send_end() or kvx_send_abort(). kvx frees it
+ *     forward pass may still write the blocks of each layer not yet handed to
+ *     kvx_send_layer*(), and must not touch the sequence after kvx_send_end() or
+ *     kvx_send_abort(). kvx frees it
  *     (kvcache_seq_free) once the transfer is over AND no payload frame that points into it
  *     is still held by ZeroMQ (pin count 0).
  *   - receiver: kvx owns the reserved sequence from an accepted KV_BEGIN until either it
@@ -72,6 +76,14 @@ typedef struct {
      * accepted -> KV_END verified) and its payload bytes */
     int64_t xfer_us;
     uint64_t n_bytes;
+    /* KVX_EV_ACCEPTED, MTP (docs/kvtransfer.md): mtp is KV_BEGIN's requested depth + 1
+     * (0 = not set); mtp_ok = 1 when the module layers were stored and the hand-off state
+     * arrived: hidden, (n_hidden,) float32, malloc'd, owned by whoever pops the event (free
+     * it). With mtp_ok = 0, hidden is NULL and the sequence has no module state. */
+    int mtp;
+    int mtp_ok;
+    float *hidden;
+    int n_hidden;
 } kvx_event;
 
 // --- sender
@@ -103,6 +115,15 @@ typedef struct {
     int max_tokens;  /* tokens to generate in total, first included (>= 1) */
     float temperature, top_p;
     int top_k;
+    /* MTP (optional, zero = none): n_layer = layers to transfer, the first n_layer of the
+     * cache (0 = all of them); n_mtp of them, the last ones, are module layers, whose
+     * fingerprint is mtp_fp; n_hidden = floats of the hand-off state kvx_send_end_mtp()
+     * will send; mtp = the request's MTP depth + 1 (0 = not set), carried to the receiver */
+    int n_layer;
+    int n_mtp;
+    uint64_t mtp_fp;
+    int n_hidden;
+    int mtp;
 } kvx_begin_params;
 
 /* Start a transfer to the decode worker at endpoint: connect if needed and send KV_BEGIN.
@@ -112,20 +133,39 @@ typedef struct {
  * send queue full): the caller still owns the sequence. */
 uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_params *p);
 
-/* Send layer `layer` of the transfer's sequence as one KV_LAYER message whose
- * blocks_for(n_kv_tokens) payload frames, each (2, block_size, kv_dim) float32, point into
- * the kvcache pool (no copy), and fold those bytes into the checksum. Call once per layer,
- * in any order, after the forward pass wrote it. Returns 0, or -1 when the transfer is
- * unknown or already over (a no-op: its outcome is or was reported by an event) or the
- * layer is invalid / already sent (the transfer then fails with PROTO_ERR_INTERNAL). A send
- * failure fails the transfer (PROTO_ERR_UNAVAILABLE, reported as an event) and returns 0. */
+/* Send blocks [blk0, blk0 + n_blocks) of the transfer's sequence in layer `layer` as one
+ * KV_LAYER message whose n_blocks payload frames, each (2, block_size, kv_dim) float32,
+ * point into the kvcache pool (no copy), and fold those bytes into the checksum. Within a
+ * layer, ranges go in order (blk0 = the blocks of that layer sent so far) and together
+ * cover the blocks_for(n_kv_tokens) blocks; layers may interleave in any order. Call once
+ * the forward pass has written those blocks of that layer completely: a block must not
+ * change after it was handed over (a chunked prefill sends a block partly filled by one
+ * chunk only when the next chunk completes it, or the prompt ends). Returns 0, or -1 when
+ * the transfer is unknown or already over (a no-op: its outcome is or was reported by an
+ * event) or the range is invalid: layer out of range, n_blocks < 1, blk0 not where the
+ * layer's previous range ended, past the last block (the transfer then fails with
+ * PROTO_ERR_INTERNAL). A send failure fails the transfer (PROTO_ERR_UNAVAILABLE, reported
+ * as an event) and returns 0. */
+int kvx_send_layer_blocks(kvx_sender_t *s, uint64_t xfer, int layer, int blk0, int n_blocks);
+
+/* Send the blocks of layer `layer` not sent yet (the whole layer, blocks_for(n_kv_tokens)
+ * of them, when none was): kvx_send_layer_blocks() from where the layer stands to its end.
+ * Same returns; a layer already sent completely is refused as sent twice (-1,
+ * PROTO_ERR_INTERNAL). */
 int kvx_send_layer(kvx_sender_t *s, uint64_t xfer, int layer);
 
 /* Send KV_END (first token, sampler state rng, checksum) and wait for KV_RESULT (at most
- * lease_ms). Every layer must have been sent. Returns 0, or -1 when the transfer is unknown
- * or over (no-op) or not every layer was sent (then it fails with PROTO_ERR_INTERNAL).
- * The outcome comes as KVX_EV_DONE or KVX_EV_FAILED. */
+ * lease_ms). Every block of every layer must have been sent. Returns 0, or -1 when the
+ * transfer is unknown or over (no-op) or not every block of every layer was sent (then it
+ * fails with PROTO_ERR_INTERNAL). The outcome comes as KVX_EV_DONE or KVX_EV_FAILED. */
 int kvx_send_end(kvx_sender_t *s, uint64_t xfer, int first_token, uint64_t rng);
+
+/* kvx_send_end for a transfer begun with n_hidden > 0: KV_END carries hidden (n_hidden
+ * floats, copied) as its one payload frame, folded into the checksum after the layers.
+ * n_hidden must equal the one given to kvx_send_begin (else -1 and the transfer fails with
+ * PROTO_ERR_INTERNAL). Same returns as kvx_send_end. */
+int kvx_send_end_mtp(kvx_sender_t *s, uint64_t xfer, int first_token, uint64_t rng,
+                     const float *hidden, int n_hidden);
 
 /* Abandon a transfer: send KV_ABORT (code PROTO_ERR_CANCELLED) to the receiver if it is
  * still in progress; no event follows. The sequence is freed by kvx once no frame pins it.
@@ -167,6 +207,14 @@ typedef struct {
     uint64_t fingerprint; /* must equal KV_BEGIN's fp */
     int lease_ms;         /* a transfer with no message for this long is aborted */
     int rcvhwm;           /* ZMQ_RCVHWM of the ROUTER */
+    /* MTP (optional): the last n_mtp layers of the cache are module layers of modules with
+     * fingerprint mtp_fp, whose hand-off state is n_hidden floats. A transfer whose main
+     * layers match is accepted whatever modules it carries; its module layers and state
+     * are kept only when it has at most n_mtp module layers, the same mtp_fp and n_hidden
+     * (else dropped: the sequence decodes without MTP). */
+    int n_mtp;
+    uint64_t mtp_fp;
+    int n_hidden;
 } kvx_receiver_params;
 
 /* Defaults: lease 5000 ms, rcvhwm 65536. */

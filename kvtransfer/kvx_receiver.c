@@ -4,7 +4,9 @@
  * Transfers in progress sit in a singly linked list keyed by transfer id (a few dozen at
  * most: lookups are linear); each remembers the routing id of the peer that opened it,
  * and nothing from another peer is ever written into its blocks. Every frame is checked
- * before the first byte is copied.
+ * before the first byte is copied. A layer may arrive in several KV_LAYER messages, each a
+ * contiguous block range (chunked prefill): a bitmap of (layer, block) pairs accepts each
+ * block exactly once, and KV_END requires all of them.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -24,8 +26,14 @@ typedef struct kvx_rx {
     int n_kv_tokens, n_blocks, max_tokens;
     float temperature, top_p;
     int top_k;
-    int n_got;
-    uint8_t *got; /* (n_layer,) 1 when the layer arrived */
+    int n_layer;  /* layers transferred (KV_BEGIN n_layer) */
+    int n_main;   /* of which main-model layers: stored at the same index */
+    int keep_mtp; /* store the module layers and the hand-off state (compatible modules) */
+    int n_hidden; /* floats of the hand-off state KV_END carries (0 = none) */
+    int mtp;      /* the request's MTP depth + 1 (0 = not set) */
+    int n_got;    /* blocks received, every layer counted (complete: n_layer * n_blocks) */
+    uint8_t *got; /* bitmap (n_layer * n_blocks bits): bit l * n_blocks + b = block b of
+                   * layer l arrived */
     XXH64_state_t *hash;
     int64_t deadline_us; /* lease: last message + lease_ms */
     int64_t t0_us;       /* KV_BEGIN accepted (stats) */
@@ -107,6 +115,9 @@ void kvx_receiver_destroy(kvx_receiver_t **rp)
         n = x->next;
         rx_free(r, x, 1);
     }
+    kvx_event ev;
+    while (kvx_evq_pop(&r->events, &ev)) /* events nobody popped: their hand-off states */
+        free(ev.hidden);
     proto_envelope_destroy(&r->env);
     free(r->events.v);
     free(r);
@@ -218,14 +229,17 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
         code = PROTO_ERR_LAYOUT;
         snprintf(why, sizeof(why), "model fingerprint %016llx, want %016llx",
                  (unsigned long long)m->fingerprint, (unsigned long long)r->p.fingerprint);
-    } else if (m->n_layer != kp->n_layer || m->n_kv_head != kp->n_kv_head ||
-               m->head_dim != kp->head_dim || m->block_size != kp->block_size ||
-               m->dtype != PROTO_DTYPE_F32) {
+    } else if (m->n_mtp >= m->n_layer || m->n_layer - m->n_mtp != kp->n_layer - r->p.n_mtp ||
+               m->n_kv_head != kp->n_kv_head || m->head_dim != kp->head_dim ||
+               m->block_size != kp->block_size || m->dtype != PROTO_DTYPE_F32) {
+        /* the main layers must match; MTP module layers are optional (see below) */
         code = PROTO_ERR_LAYOUT;
         snprintf(why, sizeof(why),
-                 "layout n_layer=%d n_kv_head=%d head_dim=%d bs=%d dtype=%d, want %d %d %d %d %d",
-                 m->n_layer, m->n_kv_head, m->head_dim, m->block_size, m->dtype, kp->n_layer,
-                 kp->n_kv_head, kp->head_dim, kp->block_size, PROTO_DTYPE_F32);
+                 "layout main layers=%d n_kv_head=%d head_dim=%d bs=%d dtype=%d, want %d %d %d "
+                 "%d %d",
+                 m->n_layer - m->n_mtp, m->n_kv_head, m->head_dim, m->block_size, m->dtype,
+                 kp->n_layer - r->p.n_mtp, kp->n_kv_head, kp->head_dim, kp->block_size,
+                 PROTO_DTYPE_F32);
     } else if (m->n_kv_tokens > kp->max_seq_len) {
         code = PROTO_ERR_BAD_REQUEST;
         snprintf(why, sizeof(why), "%d tokens exceed the context of %d", m->n_kv_tokens,
@@ -260,7 +274,7 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
     }
     kvx_rx *x = calloc(1, sizeof(*x));
     if (x) {
-        x->got = calloc((size_t)kp->n_layer, 1);
+        x->got = calloc(((size_t)m->n_layer * (size_t)m->n_blocks + 7) / 8, 1);
         x->hash = XXH64_createState();
     }
     if (!x || !x->got || !x->hash || id_len > sizeof(x->id)) {
@@ -280,6 +294,20 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
     x->seq = seq;
     x->n_kv_tokens = m->n_kv_tokens;
     x->n_blocks = m->n_blocks;
+    x->n_layer = m->n_layer;
+    x->n_main = m->n_layer - m->n_mtp;
+    x->n_hidden = m->n_hidden;
+    x->mtp = m->mtp_depth;
+    /* MTP module layers and the hand-off state are kept when they are what our modules
+     * would compute; otherwise they are received (checksummed) and dropped, and the
+     * sequence decodes without MTP */
+    x->keep_mtp = m->n_mtp > 0 && m->n_mtp <= r->p.n_mtp && m->mtp_fp == r->p.mtp_fp &&
+                  m->n_hidden == r->p.n_hidden && r->p.n_hidden > 0;
+    if (m->n_mtp > 0 && !x->keep_mtp)
+        log_rinfo(m->rid, "kvx: KV_BEGIN xfer=%llx: its %d MTP module layers (fingerprint "
+                  "%016llx, %d hand-off floats) do not match ours (%d, %016llx, %d): dropped",
+                  (unsigned long long)m->xfer, m->n_mtp, (unsigned long long)m->mtp_fp,
+                  m->n_hidden, r->p.n_mtp, (unsigned long long)r->p.mtp_fp, r->p.n_hidden);
     x->max_tokens = m->max_tokens;
     x->temperature = m->temperature;
     x->top_p = m->top_p;
@@ -300,20 +328,29 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
                (unsigned long long)x->xfer, x->n_kv_tokens, seq, n_tokens);
 }
 
+static int rx_got(const kvx_rx *x, int layer, int blk)
+{
+    size_t bit = (size_t)layer * (size_t)x->n_blocks + (size_t)blk;
+    return (x->got[bit / 8] >> (bit % 8)) & 1;
+}
+
 static void rx_layer(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_envelope *e)
 {
-    const kvcache_params *kp = kvcache_get_params(r->kv);
     char why[PROTO_MESSAGE_LEN];
     int n_frames = proto_envelope_n_frames(e);
     size_t bytes = kvcache_block_bytes(r->kv);
+    int b0 = m->blk0, nb = m->n_blocks;
     why[0] = 0;
-    if (m->layer < 0 || m->layer >= kp->n_layer)
+    if (m->layer < 0 || m->layer >= x->n_layer)
         snprintf(why, sizeof(why), "layer %d out of range", m->layer);
-    else if (x->got[m->layer])
-        snprintf(why, sizeof(why), "layer %d sent twice", m->layer);
-    else if (m->n_blocks != x->n_blocks || n_frames != x->n_blocks)
-        snprintf(why, sizeof(why), "layer %d: n_blocks %d with %d frames, want %d", m->layer,
-                 m->n_blocks, n_frames, x->n_blocks);
+    else if (nb < 1 || n_frames != nb)
+        snprintf(why, sizeof(why), "layer %d: n_blocks %d with %d frames", m->layer, nb, n_frames);
+    else if (b0 < 0 || b0 > x->n_blocks - nb)
+        snprintf(why, sizeof(why), "layer %d: blocks [%d, %d) out of range: the transfer has %d",
+                 m->layer, b0, b0 + nb, x->n_blocks);
+    for (int i = 0; i < nb && !why[0]; i++)
+        if (rx_got(x, m->layer, b0 + i))
+            snprintf(why, sizeof(why), "layer %d: block %d sent twice", m->layer, b0 + i);
     for (int i = 0; i < n_frames && !why[0]; i++) {
         size_t n = zmq_msg_size(proto_envelope_frame(e, i));
         if (n != bytes)
@@ -325,25 +362,54 @@ static void rx_layer(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_env
         return;
     }
     const int *blocks = kvcache_seq_blocks(r->kv, x->seq, NULL);
+    int store = m->layer < x->n_main || x->keep_mtp; /* module layers: see rx_begin */
     for (int i = 0; i < n_frames; i++) {
         const void *src = zmq_msg_data(proto_envelope_frame(e, i));
         XXH64_update(x->hash, src, bytes);
-        memcpy(kvcache_block_data(r->kv, m->layer, blocks[i]), src, bytes);
+        if (store)
+            memcpy(kvcache_block_data(r->kv, m->layer, blocks[b0 + i]), src, bytes);
+        size_t bit = (size_t)m->layer * (size_t)x->n_blocks + (size_t)(b0 + i);
+        x->got[bit / 8] |= (uint8_t)(1u << (bit % 8));
     }
-    x->got[m->layer] = 1;
-    x->n_got++;
+    x->n_got += n_frames;
     x->n_bytes += (uint64_t)n_frames * bytes;
     x->deadline_us = kvx_deadline_after(r->p.lease_ms);
 }
 
-static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m)
+static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_envelope *e)
 {
-    const kvcache_params *kp = kvcache_get_params(r->kv);
     char why[PROTO_MESSAGE_LEN];
-    if (x->n_got != kp->n_layer) {
-        snprintf(why, sizeof(why), "KV_END after %d of %d layers", x->n_got, kp->n_layer);
+    if (x->n_got != x->n_layer * x->n_blocks) {
+        int l = 0, b = 0; /* the first block missing, for the log */
+        for (int i = 0; i < x->n_layer * x->n_blocks; i++) {
+            if (!rx_got(x, i / x->n_blocks, i % x->n_blocks)) {
+                l = i / x->n_blocks;
+                b = i % x->n_blocks;
+                break;
+            }
+        }
+        snprintf(why, sizeof(why),
+                 "KV_END after %d of %d blocks (%d layers of %d): layer %d "
+                 "block %d missing",
+                 x->n_got, x->n_layer * x->n_blocks, x->n_layer, x->n_blocks, l, b);
         rx_drop(r, x, PROTO_KV_RESULT, PROTO_ERR_PROTOCOL, why, 1);
         return;
+    }
+    /* the MTP hand-off state: exactly one frame of n_hidden floats when announced */
+    int n_frames = proto_envelope_n_frames(e);
+    size_t hbytes = (size_t)x->n_hidden * sizeof(float);
+    const void *hsrc = NULL;
+    if (n_frames != (x->n_hidden ? 1 : 0) ||
+        (n_frames && zmq_msg_size(proto_envelope_frame(e, 0)) != hbytes)) {
+        snprintf(why, sizeof(why), "KV_END with %d payload frames (%zu bytes), want %d (%zu)",
+                 n_frames, n_frames ? zmq_msg_size(proto_envelope_frame(e, 0)) : 0,
+                 x->n_hidden ? 1 : 0, hbytes);
+        rx_drop(r, x, PROTO_KV_RESULT, PROTO_ERR_PROTOCOL, why, 1);
+        return;
+    }
+    if (n_frames) {
+        hsrc = zmq_msg_data(proto_envelope_frame(e, 0));
+        XXH64_update(x->hash, hsrc, hbytes);
     }
     uint64_t sum = XXH64_digest(x->hash);
     if (sum != m->checksum) {
@@ -370,13 +436,23 @@ static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m)
     ev.top_p = x->top_p;
     ev.top_k = x->top_k;
     ev.xfer_us = proto_now_us() - x->t0_us;
-    ev.n_bytes = x->n_bytes;
+    ev.n_bytes = x->n_bytes + hbytes;
+    ev.mtp = x->mtp;
+    if (x->keep_mtp && hsrc) {
+        ev.hidden = malloc(hbytes);
+        if (ev.hidden) { /* out of memory: the sequence just decodes without MTP */
+            memcpy(ev.hidden, hsrc, hbytes);
+            ev.n_hidden = x->n_hidden;
+            ev.mtp_ok = 1;
+        }
+    }
     r->st.n_ok++;
     r->st.n_bytes += x->n_bytes;
     r->st.total_us += (uint64_t)ev.xfer_us;
     log_rdebug(x->rid, "kvx: transfer xfer=%llx complete: seq %d, %d tokens",
                (unsigned long long)x->xfer, x->seq, x->n_kv_tokens);
     if (kvx_evq_push(&r->events, &ev) < 0) {
+        free(ev.hidden);
         rx_unlink(r, x);
         rx_free(r, x, 1);
         return;
@@ -422,11 +498,7 @@ static void receiver_handle(kvx_receiver_t *r, proto_envelope *e)
         rx_layer(r, x, m, e);
         return;
     case PROTO_KV_END:
-        if (proto_envelope_n_frames(e) != 0) {
-            rx_drop(r, x, PROTO_KV_RESULT, PROTO_ERR_PROTOCOL, "KV_END with payload frames", 1);
-            return;
-        }
-        rx_end(r, x, m);
+        rx_end(r, x, m, e);
         return;
     default: /* KV_ABORT */
         rx_drop(r, x, 0, m->code ? m->code : PROTO_ERR_CANCELLED,

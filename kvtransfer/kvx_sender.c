@@ -76,8 +76,10 @@ typedef struct kvx_sx {
     int n_blocks; /* blocks per layer sent */
     sx_state_t state;
     int acked;
-    int n_sent;
-    uint8_t *sent; /* (n_layer,) 1 when the layer was sent */
+    int n_sent;      /* layers sent completely */
+    int *next_blk;   /* (n_layer,) blocks of each layer sent so far: ranges go in order */
+    int n_layer;     /* layers transferred: the first n_layer of the cache */
+    int n_hidden;    /* floats of the MTP hand-off state KV_END carries (0 = none) */
     XXH64_state_t *hash;
     kvx_pin *pin;
     int64_t deadline_us; /* lease (0 = none) */
@@ -148,7 +150,7 @@ static void sx_free(kvx_sender_t *s, kvx_sx *x, int free_seq)
         XXH64_freeState(x->hash);
     if (x->pin)
         pin_put(x->pin);
-    free(x->sent);
+    free(x->next_blk);
     free(x);
 }
 
@@ -274,6 +276,11 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
                   bp->n_kv_tokens, have, need, PROTO_MAX_FRAMES);
         return 0;
     }
+    int n_layer = bp->n_layer ? bp->n_layer : kp->n_layer;
+    if (n_layer < 1 || n_layer > kp->n_layer || bp->n_mtp < 0 || bp->n_mtp >= n_layer ||
+        bp->n_hidden < 0 || bp->n_hidden > (1 << 20) || bp->mtp < 0 ||
+        bp->mtp > PROTO_SPEC_MAX_POS + 1)
+        return 0;
     kvx_peer *pe = peer_get(s, endpoint);
     if (!pe)
         return 0;
@@ -281,10 +288,12 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
     if (!x)
         return 0;
     x->seq = -1; /* not ours until KV_BEGIN is out */
-    x->sent = calloc((size_t)kp->n_layer, 1);
+    x->n_layer = n_layer;
+    x->n_hidden = bp->n_hidden;
+    x->next_blk = calloc((size_t)n_layer, sizeof(int));
     x->hash = XXH64_createState();
     x->pin = pin_new();
-    if (!x->sent || !x->hash || !x->pin) {
+    if (!x->next_blk || !x->hash || !x->pin) {
         sx_free(s, x, 0);
         return 0;
     }
@@ -300,7 +309,11 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
     m.rid = x->rid;
     m.xfer = x->xfer;
     m.fingerprint = s->p.fingerprint;
-    m.n_layer = kp->n_layer;
+    m.n_layer = n_layer;
+    m.n_mtp = bp->n_mtp;
+    m.mtp_fp = bp->mtp_fp;
+    m.n_hidden = bp->n_hidden;
+    m.mtp_depth = bp->mtp;
     m.n_kv_head = kp->n_kv_head;
     m.head_dim = kp->head_dim;
     m.dtype = PROTO_DTYPE_F32;
@@ -330,15 +343,19 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
     return x->xfer;
 }
 
-int kvx_send_layer(kvx_sender_t *s, uint64_t xfer, int layer)
+int kvx_send_layer_blocks(kvx_sender_t *s, uint64_t xfer, int layer, int blk0, int n_blocks)
 {
     kvx_sx *x = sx_find(s, xfer);
     if (!x || x->state != SX_OPEN)
         return -1;
-    const kvcache_params *kp = kvcache_get_params(s->kv);
-    if (layer < 0 || layer >= kp->n_layer || x->sent[layer]) {
-        log_rerror(x->rid, "kvx: send_layer(%d): invalid or already sent", layer);
-        sx_fail(s, x, PROTO_ERR_INTERNAL, "layer sent twice or out of range", 1);
+    if (layer < 0 || layer >= x->n_layer || n_blocks < 1 || blk0 != x->next_blk[layer] ||
+        blk0 + n_blocks > x->n_blocks) {
+        log_rerror(x->rid,
+                   "kvx: send_layer(%d) blocks [%d, +%d): invalid, out of order or "
+                   "already sent",
+                   layer, blk0, n_blocks);
+        sx_fail(s, x, PROTO_ERR_INTERNAL, "layer blocks sent twice, out of order or out of range",
+                1);
         return -1;
     }
     if (!x->peer) {
@@ -348,8 +365,8 @@ int kvx_send_layer(kvx_sender_t *s, uint64_t xfer, int layer)
     const int *blocks = kvcache_seq_blocks(s->kv, x->seq, NULL);
     size_t bytes = kvcache_block_bytes(s->kv);
     int n = 0;
-    for (; n < x->n_blocks; n++) {
-        void *data = kvcache_block_data(s->kv, layer, blocks[n]);
+    for (; n < n_blocks; n++) {
+        void *data = kvcache_block_data(s->kv, layer, blocks[blk0 + n]);
         XXH64_update(x->hash, data, bytes);
         atomic_fetch_add_explicit(&x->pin->refs, 1, memory_order_relaxed);
         if (zmq_msg_init_data(&s->frames[n], data, bytes, pin_frame_free, x->pin) < 0) {
@@ -357,22 +374,24 @@ int kvx_send_layer(kvx_sender_t *s, uint64_t xfer, int layer)
             break;
         }
     }
-    if (n < x->n_blocks) {
+    if (n < n_blocks) {
         for (int i = 0; i < n; i++)
             zmq_msg_close(&s->frames[i]); /* releases their pins */
         sx_fail(s, x, PROTO_ERR_INTERNAL, "out of memory", 1);
         return 0;
     }
-    x->sent[layer] = 1;
-    x->n_sent++;
-    x->n_bytes += (uint64_t)x->n_blocks * bytes;
+    x->next_blk[layer] += n_blocks;
+    if (x->next_blk[layer] == x->n_blocks)
+        x->n_sent++;
+    x->n_bytes += (uint64_t)n_blocks * bytes;
     proto_msg m;
     proto_msg_init(&m, PROTO_KV_LAYER);
     m.rid = x->rid;
     m.xfer = x->xfer;
     m.layer = layer;
-    m.n_blocks = x->n_blocks;
-    if (kvx_send_msg(x->peer->sock, NULL, 0, &m, s->frames, x->n_blocks) < 0) {
+    m.blk0 = blk0;
+    m.n_blocks = n_blocks;
+    if (kvx_send_msg(x->peer->sock, NULL, 0, &m, s->frames, n_blocks) < 0) {
         char msg[PROTO_MESSAGE_LEN];
         snprintf(msg, sizeof(msg), "KV_LAYER not sent: %s", zmq_strerror(errno));
         sx_fail(s, x, PROTO_ERR_UNAVAILABLE, msg, 1);
@@ -380,20 +399,56 @@ int kvx_send_layer(kvx_sender_t *s, uint64_t xfer, int layer)
     return 0;
 }
 
-int kvx_send_end(kvx_sender_t *s, uint64_t xfer, int first_token, uint64_t rng)
+int kvx_send_layer(kvx_sender_t *s, uint64_t xfer, int layer)
 {
     kvx_sx *x = sx_find(s, xfer);
     if (!x || x->state != SX_OPEN)
         return -1;
-    const kvcache_params *kp = kvcache_get_params(s->kv);
-    if (x->n_sent != kp->n_layer) {
-        log_rerror(x->rid, "kvx: send_end with %d of %d layers sent", x->n_sent, kp->n_layer);
+    int from = layer >= 0 && layer < x->n_layer ? x->next_blk[layer] : 0;
+    /* a layer already sent whole asks for 0 blocks: refused as a second send */
+    return kvx_send_layer_blocks(s, xfer, layer, from, x->n_blocks - from);
+}
+
+int kvx_send_end(kvx_sender_t *s, uint64_t xfer, int first_token, uint64_t rng)
+{
+    return kvx_send_end_mtp(s, xfer, first_token, rng, NULL, 0);
+}
+
+int kvx_send_end_mtp(kvx_sender_t *s, uint64_t xfer, int first_token, uint64_t rng,
+                     const float *hidden, int n_hidden)
+{
+    kvx_sx *x = sx_find(s, xfer);
+    if (!x || x->state != SX_OPEN)
+        return -1;
+    if (x->n_sent != x->n_layer) {
+        log_rerror(x->rid, "kvx: send_end with %d of %d layers sent completely", x->n_sent,
+                   x->n_layer);
         sx_fail(s, x, PROTO_ERR_INTERNAL, "KV_END before every layer was sent", 1);
+        return -1;
+    }
+    if (n_hidden != x->n_hidden || (n_hidden && !hidden)) {
+        log_rerror(x->rid, "kvx: send_end with %d hand-off floats, KV_BEGIN announced %d",
+                   n_hidden, x->n_hidden);
+        sx_fail(s, x, PROTO_ERR_INTERNAL, "KV_END hand-off state does not match KV_BEGIN", 1);
         return -1;
     }
     if (!x->peer) {
         sx_fail(s, x, PROTO_ERR_UNAVAILABLE, "decode endpoint connection reset", 0);
         return 0;
+    }
+    /* the hand-off state: one small frame, copied, after the layers in the checksum */
+    zmq_msg_t frame;
+    int n_frames = 0;
+    if (n_hidden) {
+        size_t bytes = (size_t)n_hidden * sizeof(float);
+        if (zmq_msg_init_size(&frame, bytes) < 0) {
+            sx_fail(s, x, PROTO_ERR_INTERNAL, "out of memory", 1);
+            return 0;
+        }
+        memcpy(zmq_msg_data(&frame), hidden, bytes);
+        XXH64_update(x->hash, hidden, bytes);
+        x->n_bytes += bytes;
+        n_frames = 1;
     }
     proto_msg m;
     proto_msg_init(&m, PROTO_KV_END);
@@ -403,7 +458,7 @@ int kvx_send_end(kvx_sender_t *s, uint64_t xfer, int first_token, uint64_t rng)
     m.checksum = XXH64_digest(x->hash);
     m.rng = rng;
     m.ts_us = proto_wall_us();
-    if (kvx_send_msg(x->peer->sock, NULL, 0, &m, NULL, 0) < 0) {
+    if (kvx_send_msg(x->peer->sock, NULL, 0, &m, n_frames ? &frame : NULL, n_frames) < 0) {
         char msg[PROTO_MESSAGE_LEN];
         snprintf(msg, sizeof(msg), "KV_END not sent: %s", zmq_strerror(errno));
         sx_fail(s, x, PROTO_ERR_UNAVAILABLE, msg, 1);

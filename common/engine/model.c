@@ -59,6 +59,13 @@ typedef struct {
     wmat w2;                /* (dim, hidden_dim): ffn_down */
 } layer_weights;
 
+struct model_nextn {
+    const float *hnorm, *enorm; /* (dim,) */
+    wmat eh_proj;               /* (dim, 2 * dim): [hidden half | embedding half] */
+    layer_weights blk;
+    uint64_t matmul_bytes;
+};
+
 struct model {
     model_config cfg;
     gguf_t *g;
@@ -79,6 +86,7 @@ struct model_ctx {
     kern_order order;
     char kernel_name[32];
     float *x, *xb, *xb2, *q; /* (max_tokens, dim) */
+    float *cat;              /* (max_tokens, 2 * dim): MTP module input [hnorm(h) ; enorm(e)] */
     float *hb, *hb2;         /* (max_tokens, hidden_dim) */
     float *q_d;              /* (max_tokens, max(dim, hidden_dim) / 32) Q8 activation scales */
     int8_t *q_s;             /* (max_tokens, max(dim, hidden_dim)) Q8 activation values */
@@ -92,6 +100,7 @@ struct model_ctx {
     int *tok_pos;    /* (max_tokens,) position of each token */
     float **out_dst; /* (max_tokens,) logits destination of each output row */
     float **p_q, **p_k, **p_v, **p_xb, **p_xb2, **p_hb, **p_hb2; /* (max_tokens,) row ptrs */
+    float **p_x;                                                 /* (max_tokens,) rows of x */
 };
 
 /* ------------------------------------------------------------------------------------- */
@@ -241,6 +250,17 @@ model_t *model_load(const char *path, char *err, size_t errlen)
         get_u32_key(g, "llama.attention.head_count", &c->n_head, err, errlen) != 0 ||
         get_u32_key(g, "llama.context_length", &c->n_ctx, err, errlen) != 0)
         goto fail;
+    uint32_t nextn;
+    if (gguf_get_u32(g, "llama.nextn_predict_layers", &nextn) == 0 && nextn > 0) {
+        /* MTP modules in the file (llama.cpp's DeepSeek-V3 layout): block_count counts
+         * them; the main stack is the first block_count - nextn blocks (see mtp.h) */
+        if (nextn >= (uint32_t)c->n_layer) {
+            set_err(err, errlen, path, "llama.nextn_predict_layers %u >= llama.block_count %d",
+                    nextn, c->n_layer);
+            goto fail;
+        }
+        c->n_layer -= (int)nextn;
+    }
     if (gguf_find_key(g, "llama.attention.head_count_kv") >= 0) {
         if (get_u32_key(g, "llama.attention.head_count_kv", &c->n_kv_head, err, errlen) != 0)
             goto fail;
@@ -396,7 +416,8 @@ model_ctx_t *model_ctx_new_params(const model_t *m, const model_ctx_params *p)
     if (!ctx)
         return NULL;
     size_t T = (size_t)p->max_tokens;
-    int wide = c->dim > c->hidden_dim ? c->dim : c->hidden_dim;
+    /* widest matmul input: dim, hidden_dim, or 2 * dim (an MTP module's eh_proj) */
+    int wide = 2 * c->dim > c->hidden_dim ? 2 * c->dim : c->hidden_dim;
     ctx->m = m;
     ctx->max_tokens = p->max_tokens;
     ctx->pool = threadpool_new(p->n_threads);
@@ -420,6 +441,7 @@ model_ctx_t *model_ctx_new_params(const model_t *m, const model_ctx_params *p)
     ctx->xb = calloc(T * (size_t)c->dim, sizeof(float));
     ctx->xb2 = calloc(T * (size_t)c->dim, sizeof(float));
     ctx->q = calloc(T * (size_t)c->dim, sizeof(float));
+    ctx->cat = calloc(T * 2 * (size_t)c->dim, sizeof(float));
     ctx->hb = calloc(T * (size_t)c->hidden_dim, sizeof(float));
     ctx->hb2 = calloc(T * (size_t)c->hidden_dim, sizeof(float));
     ctx->q_d = calloc(T * (size_t)(wide / KERN_Q8_BLOCK + 1), sizeof(float));
@@ -436,11 +458,11 @@ model_ctx_t *model_ctx_new_params(const model_t *m, const model_ctx_params *p)
     ctx->tok_pos = calloc(T, sizeof(int));
     ctx->out_dst = calloc(T, sizeof(float *));
     float ***ptrs[] = {&ctx->p_q,   &ctx->p_k,  &ctx->p_v,  &ctx->p_xb,
-                       &ctx->p_xb2, &ctx->p_hb, &ctx->p_hb2};
+                       &ctx->p_xb2, &ctx->p_hb, &ctx->p_hb2, &ctx->p_x};
     for (size_t i = 0; i < sizeof(ptrs) / sizeof(ptrs[0]); i++)
         ok &= (*ptrs[i] = calloc(T, sizeof(float *))) != NULL;
-    if (!ok || !ctx->x || !ctx->xb || !ctx->xb2 || !ctx->q || !ctx->hb || !ctx->hb2 || !ctx->q_d ||
-        !ctx->q_s || !ctx->att || !ctx->scratch || !ctx->rope || !ctx->tok_item || !ctx->tok_pos ||
+    if (!ok || !ctx->x || !ctx->xb || !ctx->xb2 || !ctx->q || !ctx->cat || !ctx->hb || !ctx->hb2 ||
+        !ctx->q_d || !ctx->q_s || !ctx->att || !ctx->scratch || !ctx->rope || !ctx->tok_item || !ctx->tok_pos ||
         !ctx->out_dst) {
         model_ctx_destroy(&ctx);
         return NULL;
@@ -448,6 +470,7 @@ model_ctx_t *model_ctx_new_params(const model_t *m, const model_ctx_params *p)
     /* fixed row pointers of the activation buffers */
     for (size_t t = 0; t < T; t++) {
         ctx->p_q[t] = ctx->q + t * (size_t)c->dim;
+        ctx->p_x[t] = ctx->x + t * (size_t)c->dim;
         ctx->p_xb[t] = ctx->xb + t * (size_t)c->dim;
         ctx->p_xb2[t] = ctx->xb2 + t * (size_t)c->dim;
         ctx->p_hb[t] = ctx->hb + t * (size_t)c->hidden_dim;
@@ -466,6 +489,7 @@ void model_ctx_destroy(model_ctx_t **cp)
     free(ctx->xb);
     free(ctx->xb2);
     free(ctx->q);
+    free(ctx->cat);
     free(ctx->hb);
     free(ctx->hb2);
     free(ctx->q_d);
@@ -484,6 +508,7 @@ void model_ctx_destroy(model_ctx_t **cp)
     free(ctx->p_xb2);
     free(ctx->p_hb);
     free(ctx->p_hb2);
+    free(ctx->p_x);
     free(ctx);
     *cp = NULL;
 }
@@ -491,6 +516,11 @@ void model_ctx_destroy(model_ctx_t **cp)
 int model_ctx_n_threads(const model_ctx_t *ctx)
 {
     return ctx->n_threads;
+}
+
+int model_ctx_max_tokens(const model_ctx_t *ctx)
+{
+    return ctx->max_tokens;
 }
 
 const char *model_ctx_kernel_name(const model_ctx_t *ctx)
@@ -808,19 +838,22 @@ static void attention(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *ba
 /* ------------------------------------------------------------------------------------- */
 /* forward */
 
+/* nextn: 1 for model_forward_nextn (logits optional, hidden_in required, layer checked by
+ * the caller). */
 static int check_batch(const model_ctx_t *ctx, const kvcache_t *kv, const model_seq_batch *b, int n,
-                       int *total)
+                       int nextn, int *total)
 {
     const model_config *c = &ctx->m->cfg;
     const kvcache_params *kp = kvcache_get_params(kv);
     if (!b || n < 1)
         return -1;
-    if (kp->n_layer != c->n_layer || kp->n_kv_head != c->n_kv_head || kp->head_dim != c->head_dim)
+    if (kp->n_layer < c->n_layer || kp->n_kv_head != c->n_kv_head || kp->head_dim != c->head_dim)
         return -1;
     long sum = 0;
     for (int i = 0; i < n; i++) {
         const model_seq_batch *s = &b[i];
-        if (!s->tokens || !s->logits || s->n_tokens < 1 || s->pos < 0)
+        if (!s->tokens || (!nextn && !s->logits) || (nextn && !s->hidden_in) ||
+            s->n_tokens < 1 || s->pos < 0)
             return -1;
         if (!kvcache_seq_active(kv, s->seq))
             return -1;
@@ -843,24 +876,21 @@ static int check_batch(const model_ctx_t *ctx, const kvcache_t *kv, const model_
     return 0;
 }
 
-int model_forward(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch, int n,
-                  model_layer_cb cb, void *ud)
+/* Token table and RoPE factors of the batch (as run.c computes them per position); with
+ * embd, each token's embedding row into embd (T, dim). */
+static void setup_tokens(model_ctx_t *ctx, const model_seq_batch *batch, int n, float *embd)
 {
     const model_t *m = ctx->m;
     const model_config *c = &m->cfg;
-    int T;
-    if (check_batch(ctx, kv, batch, n, &T) != 0)
-        return -1;
-    const int dim = c->dim, hid = c->hidden_dim, hs = c->head_dim;
-
-    /* token table, embeddings and RoPE factors (as run.c computes them per position) */
+    const int dim = c->dim, hs = c->head_dim;
     int t = 0;
     for (int b = 0; b < n; b++) {
         for (int j = 0; j < batch[b].n_tokens; j++, t++) {
             int pos = batch[b].pos + j;
             ctx->tok_item[t] = b;
             ctx->tok_pos[t] = pos;
-            kern_dequant_row(&m->tok_embd, batch[b].tokens[j], ctx->x + (size_t)t * dim);
+            if (embd)
+                kern_dequant_row(&m->tok_embd, batch[b].tokens[j], embd + (size_t)t * dim);
             float *rp = ctx->rope + (size_t)t * hs;
             for (int i = 0; i < hs; i += 2) {
                 float freq = 1.0f / powf(c->rope_theta, i / (float)hs);
@@ -870,62 +900,83 @@ int model_forward(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch,
             }
         }
     }
+}
 
+/* One transformer block over the T tokens of the batch: x (T, dim) is updated in place;
+ * K/V go to cache layer kv_layer. */
+static void run_block(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch,
+                      const layer_weights *lw, int kv_layer, int T)
+{
+    const model_config *c = &ctx->m->cfg;
+    const int dim = c->dim, hid = c->hidden_dim;
     kern_act act;
-    for (int l = 0; l < c->n_layer; l++) {
-        const layer_weights *lw = &m->layers[l];
 
-        /* Q, K, V with RoPE; K and V rows are written straight into the paged cache */
-        for (t = 0; t < T; t++) {
-            int seq = batch[ctx->tok_item[t]].seq;
-            ctx->p_k[t] = kvcache_k(kv, l, seq, ctx->tok_pos[t]);
-            ctx->p_v[t] = kvcache_v(kv, l, seq, ctx->tok_pos[t]);
-        }
-        const wmat *qkv[3] = {&lw->wq, &lw->wk, &lw->wv};
-        prep(ctx, &act, ctx->x, lw->attn_norm, ctx->xb, T, dim, qkv, 3);
-        mm_job j = {.ctx = ctx, .act = &act};
-        mm_add(&j, &lw->wq, ctx->p_q, POST_ROPE);
-        mm_add(&j, &lw->wk, ctx->p_k, POST_ROPE);
-        mm_add(&j, &lw->wv, ctx->p_v, POST_NONE);
-        mm_run(&j);
-
-        attention(ctx, kv, batch, l, T);
-
-        /* x += Wo @ attention */
-        const wmat *wo = &lw->wo;
-        prep(ctx, &act, NULL, NULL, ctx->xb, T, dim, &wo, 1);
-        j = (mm_job){.ctx = ctx, .act = &act};
-        mm_add(&j, &lw->wo, ctx->p_xb2, POST_RESID);
-        j.seg[0].resid = ctx->x;
-        mm_run(&j);
-
-        /* hb = silu(W1 @ xb) * (W3 @ xb) */
-        const wmat *w13[2] = {&lw->w1, &lw->w3};
-        prep(ctx, &act, ctx->x, lw->ffn_norm, ctx->xb, T, dim, w13, 2);
-        j = (mm_job){.ctx = ctx, .act = &act};
-        mm_add(&j, &lw->w1, ctx->p_hb, POST_SWIGLU);
-        j.seg[0].w_up = &lw->w3;
-        j.seg[0].out_up = ctx->p_hb2;
-        mm_run(&j);
-
-        /* x += W2 @ hb */
-        const wmat *w2 = &lw->w2;
-        prep(ctx, &act, NULL, NULL, ctx->hb, T, hid, &w2, 1);
-        j = (mm_job){.ctx = ctx, .act = &act};
-        mm_add(&j, &lw->w2, ctx->p_xb, POST_RESID);
-        j.seg[0].resid = ctx->x;
-        mm_run(&j);
-
-        if (cb)
-            cb(l, ud);
+    /* Q, K, V with RoPE; K and V rows are written straight into the paged cache */
+    for (int t = 0; t < T; t++) {
+        int seq = batch[ctx->tok_item[t]].seq;
+        ctx->p_k[t] = kvcache_k(kv, kv_layer, seq, ctx->tok_pos[t]);
+        ctx->p_v[t] = kvcache_v(kv, kv_layer, seq, ctx->tok_pos[t]);
     }
+    const wmat *qkv[3] = {&lw->wq, &lw->wk, &lw->wv};
+    prep(ctx, &act, ctx->x, lw->attn_norm, ctx->xb, T, dim, qkv, 3);
+    mm_job j = {.ctx = ctx, .act = &act};
+    mm_add(&j, &lw->wq, ctx->p_q, POST_ROPE);
+    mm_add(&j, &lw->wk, ctx->p_k, POST_ROPE);
+    mm_add(&j, &lw->wv, ctx->p_v, POST_NONE);
+    mm_run(&j);
 
+    attention(ctx, kv, batch, kv_layer, T);
+
+    /* x += Wo @ attention */
+    const wmat *wo = &lw->wo;
+    prep(ctx, &act, NULL, NULL, ctx->xb, T, dim, &wo, 1);
+    j = (mm_job){.ctx = ctx, .act = &act};
+    mm_add(&j, &lw->wo, ctx->p_xb2, POST_RESID);
+    j.seg[0].resid = ctx->x;
+    mm_run(&j);
+
+    /* hb = silu(W1 @ xb) * (W3 @ xb) */
+    const wmat *w13[2] = {&lw->w1, &lw->w3};
+    prep(ctx, &act, ctx->x, lw->ffn_norm, ctx->xb, T, dim, w13, 2);
+    j = (mm_job){.ctx = ctx, .act = &act};
+    mm_add(&j, &lw->w1, ctx->p_hb, POST_SWIGLU);
+    j.seg[0].w_up = &lw->w3;
+    j.seg[0].out_up = ctx->p_hb2;
+    mm_run(&j);
+
+    /* x += W2 @ hb */
+    const wmat *w2 = &lw->w2;
+    prep(ctx, &act, NULL, NULL, ctx->hb, T, hid, &w2, 1);
+    j = (mm_job){.ctx = ctx, .act = &act};
+    mm_add(&j, &lw->w2, ctx->p_xb, POST_RESID);
+    j.seg[0].resid = ctx->x;
+    mm_run(&j);
+}
+
+/* The outputs of the final residual x (T, dim): each item's hidden rows, then the final
+ * norm and classifier for the tokens whose logits are wanted (items with logits). */
+static void run_head(model_ctx_t *ctx, const model_seq_batch *batch, int n)
+{
+    const model_t *m = ctx->m;
+    const model_config *c = &m->cfg;
+    const int dim = c->dim;
+    int t = 0;
+    for (int b = 0; b < n; b++) {
+        const model_seq_batch *s = &batch[b];
+        if (s->hidden) {
+            int all = s->hidden_all || s->logits_all;
+            int j0 = all ? 0 : s->n_tokens - 1;
+            memcpy(s->hidden, ctx->x + (size_t)(t + j0) * dim,
+                   (size_t)(s->n_tokens - j0) * dim * sizeof(float));
+        }
+        t += s->n_tokens;
+    }
     /* final norm and classifier, only for the tokens whose logits are wanted */
     int R = 0;
     t = 0;
     for (int b = 0; b < n; b++) {
         for (int j = 0; j < batch[b].n_tokens; j++, t++) {
-            int want = batch[b].logits_all || j == batch[b].n_tokens - 1;
+            int want = batch[b].logits && (batch[b].logits_all || j == batch[b].n_tokens - 1);
             if (!want)
                 continue;
             if (R != t)
@@ -936,13 +987,124 @@ int model_forward(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch,
             R++;
         }
     }
+    if (R == 0)
+        return;
+    kern_act act;
     const wmat *wout = &m->output;
     prep(ctx, &act, ctx->x, m->out_norm, ctx->xb, R, dim, &wout, 1);
     mm_job j = {.ctx = ctx, .act = &act};
     mm_add(&j, &m->output, ctx->out_dst, POST_NONE);
     mm_run(&j);
+}
 
+int model_forward(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch, int n,
+                  model_layer_cb cb, void *ud)
+{
+    const model_t *m = ctx->m;
+    const model_config *c = &m->cfg;
+    int T;
+    if (check_batch(ctx, kv, batch, n, 0, &T) != 0)
+        return -1;
+    setup_tokens(ctx, batch, n, ctx->x);
+    for (int l = 0; l < c->n_layer; l++) {
+        run_block(ctx, kv, batch, &m->layers[l], l, T);
+        if (cb)
+            cb(l, ud);
+    }
+    run_head(ctx, batch, n);
     for (int b = 0; b < n; b++)
         kvcache_seq_set_len(kv, batch[b].seq, batch[b].pos + batch[b].n_tokens);
+    return 0;
+}
+
+// --- MTP modules ("nextn")
+
+const gguf_t *model_gguf(const model_t *m)
+{
+    return m->g;
+}
+
+model_nextn_t *model_nextn_load(const model_t *m, const gguf_t *g, int block, char *err,
+                                size_t errlen)
+{
+    if (err && errlen)
+        err[0] = '\0';
+    const model_config *c = &m->cfg;
+    model_nextn_t *mod = calloc(1, sizeof(*mod));
+    if (!mod) {
+        set_err(err, errlen, gguf_path(g), "out of memory");
+        return NULL;
+    }
+    int dim = c->dim, hid = c->hidden_dim, kv_dim = c->n_kv_head * c->head_dim;
+    layer_weights *lw = &mod->blk;
+    char nm[96];
+#define NAME(s) (snprintf(nm, sizeof(nm), "blk.%d." s ".weight", block), nm)
+    if (get_vec(g, NAME("nextn.hnorm"), dim, &mod->hnorm, err, errlen) != 0 ||
+        get_vec(g, NAME("nextn.enorm"), dim, &mod->enorm, err, errlen) != 0 ||
+        get_mat(g, NAME("nextn.eh_proj"), 2 * (uint64_t)dim, dim, &mod->eh_proj, err,
+                errlen) != 0 ||
+        get_vec(g, NAME("attn_norm"), dim, &lw->attn_norm, err, errlen) != 0 ||
+        get_mat(g, NAME("attn_q"), dim, dim, &lw->wq, err, errlen) != 0 ||
+        get_mat(g, NAME("attn_k"), dim, kv_dim, &lw->wk, err, errlen) != 0 ||
+        get_mat(g, NAME("attn_v"), dim, kv_dim, &lw->wv, err, errlen) != 0 ||
+        get_mat(g, NAME("attn_output"), dim, dim, &lw->wo, err, errlen) != 0 ||
+        get_vec(g, NAME("ffn_norm"), dim, &lw->ffn_norm, err, errlen) != 0 ||
+        get_mat(g, NAME("ffn_gate"), dim, hid, &lw->w1, err, errlen) != 0 ||
+        get_mat(g, NAME("ffn_down"), hid, dim, &lw->w2, err, errlen) != 0 ||
+        get_mat(g, NAME("ffn_up"), dim, hid, &lw->w3, err, errlen) != 0) {
+        free(mod);
+        return NULL;
+    }
+#undef NAME
+    const wmat *ws[8] = {&mod->eh_proj, &lw->wq, &lw->wk, &lw->wv,
+                         &lw->wo,       &lw->w1, &lw->w2, &lw->w3};
+    for (int i = 0; i < 8; i++)
+        mod->matmul_bytes += mat_bytes(ws[i]);
+    return mod;
+}
+
+void model_nextn_destroy(model_nextn_t **mp)
+{
+    if (!mp || !*mp)
+        return;
+    free(*mp);
+    *mp = NULL;
+}
+
+uint64_t model_nextn_matmul_bytes(const model_nextn_t *mod)
+{
+    return mod->matmul_bytes;
+}
+
+int model_forward_nextn(model_ctx_t *ctx, kvcache_t *kv, const model_nextn_t *mod, int kv_layer,
+                        const model_seq_batch *batch, int n)
+{
+    const model_t *m = ctx->m;
+    const model_config *c = &m->cfg;
+    int T;
+    if (!mod || kv_layer < c->n_layer || kv_layer >= kvcache_get_params(kv)->n_layer ||
+        check_batch(ctx, kv, batch, n, 1, &T) != 0)
+        return -1;
+    const int dim = c->dim;
+    /* embeddings into xb, then cat = [rmsnorm(h, hnorm) ; rmsnorm(e, enorm)] per token */
+    setup_tokens(ctx, batch, n, ctx->xb);
+    int t = 0;
+    for (int b = 0; b < n; b++) {
+        for (int j = 0; j < batch[b].n_tokens; j++, t++) {
+            float *row = ctx->cat + (size_t)t * 2 * dim;
+            rmsnorm(row, batch[b].hidden_in + (size_t)j * dim, mod->hnorm, dim, c->rms_eps);
+            rmsnorm(row + dim, ctx->xb + (size_t)t * dim, mod->enorm, dim, c->rms_eps);
+        }
+    }
+    /* x = eh_proj @ cat */
+    kern_act act;
+    const wmat *eh = &mod->eh_proj;
+    prep(ctx, &act, NULL, NULL, ctx->cat, T, 2 * dim, &eh, 1);
+    mm_job j = {.ctx = ctx, .act = &act};
+    mm_add(&j, &mod->eh_proj, ctx->p_x, POST_NONE);
+    mm_run(&j);
+
+    run_block(ctx, kv, batch, &mod->blk, kv_layer, T);
+    run_head(ctx, batch, n);
     return 0;
 }

@@ -20,6 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "gguf.h"
 #include "kvcache.h"
 
 typedef struct model model_t;
@@ -96,6 +97,8 @@ void model_ctx_destroy(model_ctx_t **ctx);
 
 /* Threads the context computes with (counting the caller). */
 int model_ctx_n_threads(const model_ctx_t *ctx);
+/* Tokens one forward call may carry (model_ctx_params.max_tokens). */
+int model_ctx_max_tokens(const model_ctx_t *ctx);
 /* Kernels in use, e.g. "avx2/fast" or "scalar/exact" (valid while ctx lives). */
 const char *model_ctx_kernel_name(const model_ctx_t *ctx);
 
@@ -105,7 +108,15 @@ typedef struct {
     int n_tokens;       /* >= 1 */
     const int *tokens;  /* (n_tokens,) token ids */
     int logits_all;     /* 1: logits for every token; 0: for the last token only */
-    float *logits;      /* out, caller-owned: (logits_all ? n_tokens : 1, vocab_size) */
+    float *logits;      /* out, caller-owned: (logits_all ? n_tokens : 1, vocab_size); may be
+                         * NULL for model_forward_nextn (no head computed for the item) */
+    /* Optional (zero = off). hidden: out, caller-owned, the residual stream after the last
+     * block and BEFORE the final norm (MTP's h_0), (rows, dim) with rows = n_tokens when
+     * hidden_all or logits_all, else 1 (the last token). hidden_in: model_forward_nextn
+     * only, the hidden-state input of each token, (n_tokens, dim). */
+    float *hidden;
+    int hidden_all;
+    const float *hidden_in;
 } model_seq_batch;
 
 /* Called after layer `layer` has written its K/V for every sequence of the batch. */
@@ -113,9 +124,45 @@ typedef void (*model_layer_cb)(int layer, void *ud);
 
 /* Run the forward pass over n batch items. The cache must already have capacity for
  * [0, pos + n_tokens) of each sequence (kvcache_seq_reserve); on return each sequence's
- * length is pos + n_tokens. cb may be NULL. Returns 0, or -1 on invalid arguments
- * (token id out of range, too many tokens, position beyond n_ctx or capacity). */
+ * length is pos + n_tokens. The cache may have more layers than the model (MTP modules'
+ * KV lives in layers n_layer and up); the model uses layers [0, n_layer). cb may be NULL.
+ * Returns 0, or -1 on invalid arguments (token id out of range, too many tokens, position
+ * beyond n_ctx or capacity). */
 int model_forward(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch, int n,
                   model_layer_cb cb, void *ud);
+
+/* ------------------------------------------------------------------------------------- */
+/* Extra blocks outside the main stack: DeepSeek-V3 multi-token-prediction ("nextn")
+ * modules (docs/mtp.md). A module k turns the hidden state h (dim) of a position and the
+ * embedding of a token into x = eh_proj . [rmsnorm(h, hnorm) ; rmsnorm(E[tok], enorm)],
+ * runs one ordinary llama block on x at the position (K/V in its own cache layer), and
+ * reads logits through the model's final norm and output head. */
+typedef struct model_nextn model_nextn_t;
+
+/* The model's own GGUF file (borrowed, lives as long as the model): MTP modules may be
+ * stored in it. */
+const gguf_t *model_gguf(const model_t *m);
+
+/* Load module tensors `blk.<block>.nextn.{hnorm,enorm,eh_proj}.weight` and the block's
+ * `blk.<block>.{attn_norm,attn_q,...,ffn_up}.weight` from g (borrowed: must outlive the
+ * module), with every shape checked against m's dimensions (F32, F16 or Q8_0 matrices;
+ * F32 vectors). NULL with a message naming the file and tensor in err on failure. */
+model_nextn_t *model_nextn_load(const model_t *m, const gguf_t *g, int block, char *err,
+                                size_t errlen);
+void model_nextn_destroy(model_nextn_t **mod);
+/* Bytes of the module's matrices (eh_proj and the block; the shared head not counted). */
+uint64_t model_nextn_matmul_bytes(const model_nextn_t *mod);
+
+/* Run module mod over n batch items: item i's tokens at positions [pos, pos + n_tokens)
+ * with hidden-state inputs hidden_in (n_tokens, dim); K/V go to cache layer kv_layer
+ * (>= the model's n_layer, < the cache's) and attention reads that layer over [0, p] of
+ * the item's sequence, so the layer must hold the module's K/V for [0, pos). Outputs per
+ * item, each optional: logits (logits_all as in model_forward; NULL: no head) and hidden
+ * (the module's output h_k, hidden_all / logits_all rows as in model_forward). Sequence
+ * lengths are not changed (the main model owns them); positions need capacity and
+ * pos <= the sequence's length. Same arithmetic and batch invariance as model_forward.
+ * Returns 0, or -1 on invalid arguments. */
+int model_forward_nextn(model_ctx_t *ctx, kvcache_t *kv, const model_nextn_t *mod, int kv_layer,
+                        const model_seq_batch *batch, int n);
 
 #endif

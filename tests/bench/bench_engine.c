@@ -104,7 +104,8 @@ static double bench_prefill(bench *b, int n_seq, int len, int reps, double *core
             for (int i = 0; i < len; i++)
                 b->toks[s * len + i] = rand_tok(b->c->vocab_size);
             items[s] = (model_seq_batch){
-                seqs[s], 0, len, b->toks + s * len, 0, b->logits + (size_t)s * b->c->vocab_size};
+                seqs[s], 0,    len,  b->toks + s * len, 0, b->logits + (size_t)s * b->c->vocab_size,
+                NULL,    0, NULL};
         }
         double t0 = now_s(), c0 = cpu_s();
         if (model_forward(b->ctx, b->kv, items, n_seq, NULL, NULL) != 0)
@@ -144,7 +145,7 @@ static double bench_decode(bench *b, model_ctx_t *ctx, int B, int steps, double 
     }
     for (int i = 0; i < CTX; i++)
         b->toks[i] = rand_tok(b->c->vocab_size);
-    model_seq_batch p = {seqs[0], 0, CTX, b->toks, 0, b->logits};
+    model_seq_batch p = {seqs[0], 0, CTX, b->toks, 0, b->logits, NULL, 0, NULL};
     if (model_forward(ctx, b->kv, &p, 1, NULL, NULL) != 0)
         return -1;
     int nb;
@@ -167,7 +168,8 @@ static double bench_decode(bench *b, model_ctx_t *ctx, int B, int steps, double 
         for (int s = 0; s < B; s++) {
             tok[s] = rand_tok(b->c->vocab_size);
             items[s] = (model_seq_batch){
-                seqs[s], CTX + step, 1, &tok[s], 0, b->logits + (size_t)s * b->c->vocab_size};
+                seqs[s], CTX + step, 1, &tok[s], 0, b->logits + (size_t)s * b->c->vocab_size,
+                NULL,    0,          NULL};
         }
         double t0 = now_s();
         if (model_forward(ctx, b->kv, items, B, NULL, NULL) != 0)

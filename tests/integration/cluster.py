@@ -37,6 +37,8 @@ class Cluster:
         self.port = free_port()
         self.ctl = "tcp://127.0.0.1:%d" % free_port()
         self.stats = "tcp://127.0.0.1:%d" % free_port()  # the gateway's stats PUB socket
+        # the Batch API's SQLite state: private to this cluster, kept across gateway restarts
+        self.state_db = os.path.join(self.tmp, "state", "gateway.db")
         self.model = model
         self.env = dict(os.environ)
         self.env.update(env or {})
@@ -62,7 +64,8 @@ class Cluster:
         return self._spawn("gateway", [os.path.join(BIN, "gateway"), "--host", "127.0.0.1",
                                        "--port", str(self.port), "--ctl-bind", self.ctl,
                                        "--model", self.model, "--heartbeat-ms", "200",
-                                       "--dead-after-ms", "800", "--stats-bind", self.stats]
+                                       "--dead-after-ms", "800", "--stats-bind", self.stats,
+                                       "--state-db", self.state_db]
                            + self.gateway_args)
 
     def start_worker(self, name, role):

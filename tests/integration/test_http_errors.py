@@ -479,11 +479,15 @@ class FakeWorkerTest(unittest.TestCase):
         b = self.worker("w-b")
         a.send(ERROR, rid=rid, code=7, msg="injected", retry=1)
         m2 = self.prefill(b)
-        self.assertEqual(m2["rid"], rid)
+        # each attempt has its own wire rid: same request id (high bits), next attempt
+        self.assertEqual(m2["rid"] >> 8, rid >> 8)
+        self.assertEqual(m2["rid"], rid + 1)
         self.assertEqual(m2["tokens"][n_prompt:], want[:3])  # prompt + tokens so far
         self.assertEqual(m2["max_tokens"], 3)
-        b.send(TOKENS, rid=rid, index=0, tokens=want[3:6])
-        b.send(FINISH, rid=rid, reason=2)
+        # a stale message of the first attempt, even from the new attempt's worker, is ignored
+        b.send(TOKENS, rid=rid, index=0, tokens=ids_of("zz"))
+        b.send(TOKENS, rid=m2["rid"], index=0, tokens=want[3:6])
+        b.send(FINISH, rid=m2["rid"], reason=2)
         st, _, data = res()
         self.assertEqual(st, 200, data)
         j = json.loads(data)
@@ -509,8 +513,8 @@ class FakeWorkerTest(unittest.TestCase):
             m2 = b.recv(0.1, want=(PREFILL,))
         self.assertIsNotNone(m2, "the request was not re-run")
         self.assertEqual(m2["max_tokens"], 2)
-        b.send(TOKENS, rid=rid, index=0, tokens=ids_of("cd"))
-        b.send(FINISH, rid=rid, reason=2)
+        b.send(TOKENS, rid=m2["rid"], index=0, tokens=ids_of("cd"))
+        b.send(FINISH, rid=m2["rid"], reason=2)
         st, _, data = res()
         self.assertEqual(st, 200)
         events = [e[6:] for e in data.decode().split("\n\n") if e]

@@ -117,6 +117,22 @@ static const vcase cases[] = {
     {"echo", C, "{\"prompt\": \"hi\", \"echo\": true}", 400, "echo", "unsupported_parameter"},
     {"best_of 2", C, "{\"prompt\": \"hi\", \"best_of\": 2}", 400, "best_of",
      "unsupported_parameter"},
+    {"service_tier bad", C, "{\"prompt\": \"hi\", \"service_tier\": \"scale\"}", 400,
+     "service_tier", "invalid_value"},
+    {"service_tier type", C, "{\"prompt\": \"hi\", \"service_tier\": 1}", 400,
+     "service_tier", "invalid_type"},
+    {"service_tier flex", C, "{\"prompt\": \"hi\", \"service_tier\": \"flex\"}", 0, NULL,
+     NULL},
+    {"service_tier auto", CH,
+     "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"service_tier\": \"auto\"}",
+     0, NULL, NULL},
+    {"mtp_depth 3", C, "{\"prompt\": \"hi\", \"mtp_depth\": 3}", 400, "mtp_depth",
+     "invalid_value"},
+    {"mtp_depth -1", C, "{\"prompt\": \"hi\", \"mtp_depth\": -1}", 400, "mtp_depth",
+     "invalid_value"},
+    {"mtp_depth type", C, "{\"prompt\": \"hi\", \"mtp_depth\": \"2\"}", 400, "mtp_depth",
+     "invalid_type"},
+    {"mtp_depth 0", C, "{\"prompt\": \"hi\", \"mtp_depth\": 0}", 0, NULL, NULL},
     {"presence_penalty high", C, "{\"prompt\": \"hi\", \"presence_penalty\": 3}", 400,
      "presence_penalty", "invalid_value"},
     /* valid ones */
@@ -238,6 +254,25 @@ static void test_parsed_values(void **state)
     assert_int_equal(r.has_seed, 0);
     assert_int_equal(r.stream, 0);
     assert_null(r.model);
+    assert_int_equal(r.offline, 0);
+    api_request_free(&r);
+
+    b = "{\"prompt\": \"hi\", \"service_tier\": \"flex\"}";
+    assert_int_equal(api_parse(API_COMPLETIONS, b, strlen(b), &r, &e), 0);
+    assert_int_equal(r.offline, 1);
+    api_request_free(&r);
+    b = "{\"prompt\": \"hi\", \"service_tier\": \"default\"}";
+    assert_int_equal(api_parse(API_COMPLETIONS, b, strlen(b), &r, &e), 0);
+    assert_int_equal(r.offline, 0);
+    assert_int_equal(r.mtp_depth, -1); /* absent: the workers' default */
+    api_request_free(&r);
+    b = "{\"prompt\": \"hi\", \"mtp_depth\": 1}";
+    assert_int_equal(api_parse(API_COMPLETIONS, b, strlen(b), &r, &e), 0);
+    assert_int_equal(r.mtp_depth, 1);
+    api_request_free(&r);
+    b = "{\"prompt\": \"hi\", \"mtp_depth\": null}";
+    assert_int_equal(api_parse(API_COMPLETIONS, b, strlen(b), &r, &e), 0);
+    assert_int_equal(r.mtp_depth, -1);
     api_request_free(&r);
 }
 
@@ -313,7 +348,7 @@ static void test_length_checks(void **state)
 static void test_formats(void **state)
 {
     (void)state;
-    api_response_info info = {API_COMPLETIONS, "cmpl-1", 1700000000, "m", 0};
+    api_response_info info = {API_COMPLETIONS, "cmpl-1", 1700000000, "m", 0, NULL};
     char *s = api_format_response(&info, "caf\xC3\xA9", 5, API_FINISH_LENGTH, 3, 4);
     json_t *j = json_loads(s, 0, NULL);
     assert_non_null(j);

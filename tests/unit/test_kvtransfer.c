@@ -356,6 +356,32 @@ static void raw_layer(fx_t *f, void *sock, uint64_t rid, uint64_t xfer, int seq,
     assert_int_equal(proto_send(sock, NULL, 0, &m, frames, n_frames, 0), 0);
 }
 
+/* Blocks [blk0, blk0 + n) of layer `layer` of a sender sequence as one KV_LAYER (the
+ * range is not checked here: the receiver must). */
+static void raw_range(fx_t *f, void *sock, uint64_t rid, uint64_t xfer, int seq, int layer,
+                      int blk0, int n, XXH64_state_t *h)
+{
+    zmq_msg_t frames[16];
+    size_t bytes = kvcache_block_bytes(f->kvs);
+    int nb;
+    const int *blocks = kvcache_seq_blocks(f->kvs, seq, &nb);
+    for (int i = 0; i < n; i++) {
+        zmq_msg_init_size(&frames[i], bytes);
+        memcpy(zmq_msg_data(&frames[i]), kvcache_block_data(f->kvs, layer, blocks[(blk0 + i) % nb]),
+               bytes);
+        if (h)
+            XXH64_update(h, zmq_msg_data(&frames[i]), bytes);
+    }
+    proto_msg m;
+    proto_msg_init(&m, PROTO_KV_LAYER);
+    m.rid = rid;
+    m.xfer = xfer;
+    m.layer = layer;
+    m.blk0 = blk0;
+    m.n_blocks = n;
+    assert_int_equal(proto_send(sock, NULL, 0, &m, frames, n, 0), 0);
+}
+
 static void raw_end(void *sock, uint64_t rid, uint64_t xfer, uint64_t cksum)
 {
     proto_msg m;
@@ -668,7 +694,9 @@ static void test_wrong_n_blocks(void **state)
 {
     fx_t *f = *state;
     size_t b = kvcache_block_bytes(f->kvs);
-    check_bad_layer(f, 0, 1, 1, b, 0); /* fewer, header and frames agree */
+    /* (fewer blocks than the layer, header and frames agreeing, is a valid partial range:
+     * see test_range_*) */
+    check_bad_layer(f, 0, 0, 0, b, 0); /* an empty range */
     check_bad_layer(f, 0, 3, 3, b, 0); /* more */
     check_bad_layer(f, 0, 2, 1, b, 0); /* header and frames disagree */
 }
@@ -700,6 +728,168 @@ static void test_end_before_all_layers(void **state)
     expect_raw_reply(f, d, PROTO_KV_RESULT, PROTO_ERR_PROTOCOL);
     kvcache_seq_free(f->kvs, seq);
     raw_close(f, d);
+    assert_all_free(f);
+}
+
+// --- layers in several messages (chunked prefill): block ranges
+
+/* The real sender: each layer in ranges of 3, 1 and 6 blocks (37 tokens = 10 blocks),
+ * layers interleaved as a chunked prefill sends them; the receiver gets every byte. */
+static void test_range_coverage_complete(void **state)
+{
+    fx_t *f = *state;
+    int seq = make_seq(f->kvs, 37, 5);
+    uint64_t x = begin(f, f->s, 42, seq, 37, 4);
+    static const int cuts[] = {0, 3, 4, 10};
+    for (int c = 0; c < 3; c++)
+        for (int l = 0; l < NL; l++)
+            assert_int_equal(kvx_send_layer_blocks(f->s, x, l, cuts[c], cuts[c + 1] - cuts[c]), 0);
+    assert_int_equal(kvx_send_end(f->s, x, 99, 7), 0);
+    kvx_event ev;
+    assert_true(receiver_event(f, &ev));
+    assert_int_equal(ev.type, KVX_EV_ACCEPTED);
+    assert_int_equal(ev.n_kv_tokens, 37);
+    assert_true(seq_holds(f->kvr, ev.seq, 5, 10));
+    assert_true(ev.n_bytes == (uint64_t)NL * 10 * kvcache_block_bytes(f->kvs));
+    kvx_event sev;
+    assert_true(sender_event(f, f->s, &sev));
+    assert_int_equal(sev.type, KVX_EV_DONE);
+    kvcache_seq_free(f->kvr, ev.seq);
+    assert_all_free(f);
+
+    /* a partial layer finished by kvx_send_layer (the rest of it) */
+    seq = make_seq(f->kvs, 9, 6);
+    x = begin(f, f->s, 43, seq, 9, 2);
+    for (int l = 0; l < NL; l++) {
+        assert_int_equal(kvx_send_layer_blocks(f->s, x, l, 0, 1), 0);
+        assert_int_equal(kvx_send_layer(f->s, x, l), 0);
+    }
+    assert_int_equal(kvx_send_end(f->s, x, 1, 1), 0);
+    assert_true(receiver_event(f, &ev));
+    assert_int_equal(ev.type, KVX_EV_ACCEPTED);
+    assert_true(seq_holds(f->kvr, ev.seq, 6, 3));
+    assert_true(sender_event(f, f->s, &sev));
+    assert_int_equal(sev.type, KVX_EV_DONE);
+    kvcache_seq_free(f->kvr, ev.seq);
+    assert_all_free(f);
+}
+
+/* On the wire, ranges of a layer may come in any order: a raw sender sends the blocks of
+ * each layer back to front, one message per block. */
+static void test_range_any_order_on_the_wire(void **state)
+{
+    fx_t *f = *state;
+    int seq = make_seq(f->kvs, 11, 7); /* 3 blocks */
+    void *d = raw_socket(f, ZMQ_DEALER, f->ep);
+    assert_true(raw_begin(f, d, 9, 93, 11));
+    XXH64_state_t *h = XXH64_createState();
+    XXH64_reset(h, 0);
+    for (int l = 0; l < NL; l++)
+        for (int b = 2; b >= 0; b--)
+            raw_range(f, d, 9, 93, seq, l, b, 1, h);
+    raw_end(d, 9, 93, XXH64_digest(h));
+    XXH64_freeState(h);
+    kvx_event ev;
+    assert_true(receiver_event(f, &ev));
+    assert_int_equal(ev.type, KVX_EV_ACCEPTED);
+    assert_true(seq_holds(f->kvr, ev.seq, 7, 3));
+    assert_true(raw_recv(f, d, 0, 2000)); /* KV_RESULT ok */
+    assert_int_equal(proto_envelope_msg(f->env)->type, PROTO_KV_RESULT);
+    assert_int_equal(proto_envelope_msg(f->env)->ok, 1);
+    proto_envelope_reset(f->env);
+    kvcache_seq_free(f->kvr, ev.seq);
+    kvcache_seq_free(f->kvs, seq);
+    raw_close(f, d);
+    assert_all_free(f);
+}
+
+/* A range that repeats a block already received (even partly) aborts the transfer, and
+ * nothing of it is written. */
+static void test_range_overlap_rejected(void **state)
+{
+    fx_t *f = *state;
+    for (int variant = 0; variant < 2; variant++) {
+        int seq = make_seq(f->kvs, 11, 1);
+        void *d = raw_socket(f, ZMQ_DEALER, f->ep);
+        assert_true(raw_begin(f, d, 9, 94 + variant, 11));
+        raw_range(f, d, 9, 94 + variant, seq, 1, 0, 2, NULL); /* blocks 0, 1 */
+        if (variant == 0)
+            raw_range(f, d, 9, 94, seq, 1, 1, 2, NULL); /* 1 again, with 2 */
+        else
+            raw_range(f, d, 9, 95, seq, 1, 0, 1, NULL); /* 0 again */
+        expect_raw_reply(f, d, PROTO_KV_ABORT, PROTO_ERR_PROTOCOL);
+        kvcache_seq_free(f->kvs, seq);
+        raw_close(f, d);
+        assert_all_free(f);
+    }
+}
+
+/* KV_END with a block missing in one layer (a gap between two ranges) is refused: NACK
+ * PROTOCOL, blocks freed. */
+static void test_range_gap_at_end_rejected(void **state)
+{
+    fx_t *f = *state;
+    int seq = make_seq(f->kvs, 11, 1); /* 3 blocks */
+    void *d = raw_socket(f, ZMQ_DEALER, f->ep);
+    assert_true(raw_begin(f, d, 9, 96, 11));
+    XXH64_state_t *h = XXH64_createState();
+    XXH64_reset(h, 0);
+    for (int l = 0; l < NL; l++) {
+        raw_range(f, d, 9, 96, seq, l, 0, 1, h);
+        if (l != 1) /* layer 1 lacks block 1 */
+            raw_range(f, d, 9, 96, seq, l, 1, 1, h);
+        raw_range(f, d, 9, 96, seq, l, 2, 1, h);
+    }
+    raw_end(d, 9, 96, XXH64_digest(h));
+    XXH64_freeState(h);
+    expect_raw_reply(f, d, PROTO_KV_RESULT, PROTO_ERR_PROTOCOL);
+    kvcache_seq_free(f->kvs, seq);
+    raw_close(f, d);
+    assert_all_free(f);
+}
+
+/* A range past the transfer's blocks aborts it. */
+static void test_range_out_of_bounds(void **state)
+{
+    fx_t *f = *state;
+    static const int cases[][2] = {{2, 2}, {3, 1}, {1, 3}}; /* (blk0, n) of a 3-block layer */
+    for (int c = 0; c < 3; c++) {
+        int seq = make_seq(f->kvs, 11, 1);
+        void *d = raw_socket(f, ZMQ_DEALER, f->ep);
+        assert_true(raw_begin(f, d, 9, 97 + (uint64_t)c, 11));
+        raw_range(f, d, 9, 97 + (uint64_t)c, seq, 0, cases[c][0], cases[c][1], NULL);
+        expect_raw_reply(f, d, PROTO_KV_ABORT, PROTO_ERR_PROTOCOL);
+        kvcache_seq_free(f->kvs, seq);
+        raw_close(f, d);
+        assert_all_free(f);
+    }
+}
+
+/* The sender refuses ranges that are out of order, empty or past the end (caller bugs):
+ * the transfer fails with INTERNAL and everything is freed. */
+static void test_range_sender_misuse(void **state)
+{
+    fx_t *f = *state;
+    static const int cases[][2] = {{1, 1}, {0, 0}, {0, 4}}; /* (blk0, n) for 3 blocks */
+    for (int c = 0; c < 3; c++) {
+        int seq = make_seq(f->kvs, 11, 1);
+        uint64_t x = begin(f, f->s, 50 + (uint64_t)c, seq, 11, 2);
+        assert_int_equal(kvx_send_layer_blocks(f->s, x, 0, cases[c][0], cases[c][1]), -1);
+        expect_failed(f, f->s, x, PROTO_ERR_INTERNAL);
+        kvx_event ev;
+        assert_true(receiver_event(f, &ev)); /* its KV_ABORT */
+        assert_int_equal(ev.type, KVX_EV_FAILED);
+        assert_all_free(f);
+    }
+    /* END with a layer only partly sent */
+    int seq = make_seq(f->kvs, 11, 1);
+    uint64_t x = begin(f, f->s, 60, seq, 11, 2);
+    for (int l = 0; l < NL; l++)
+        assert_int_equal(kvx_send_layer_blocks(f->s, x, l, 0, l == 2 ? 2 : 3), 0);
+    assert_int_equal(kvx_send_end(f->s, x, 1, 1), -1);
+    expect_failed(f, f->s, x, PROTO_ERR_INTERNAL);
+    kvx_event ev;
+    assert_true(receiver_event(f, &ev));
     assert_all_free(f);
 }
 
@@ -1075,11 +1265,220 @@ static void test_sender_misuse(void **state)
     assert_all_free(f);
 }
 
+// --- MTP: module layers and the hand-off state (docs/kvtransfer.md)
+
+#define NMTP 2                      /* module layers after the NL main ones */
+#define MFP 0x6d7470f00dull         /* module fingerprint */
+#define NHID 6                      /* hand-off floats */
+
+/* Replace the fixture's caches with NL + NMTP layers; the receiver knows modules
+ * (n_mtp, fp, n_hidden) as given. */
+static void mtp_fixture(fx_t *f, int r_n_mtp, uint64_t r_fp, int r_n_hidden)
+{
+    kvx_sender_destroy(&f->s);
+    kvx_receiver_destroy(&f->r);
+    kvcache_destroy(&f->kvs);
+    kvcache_destroy(&f->kvr);
+    f->kvs = mk_kv(NL + NMTP, NKH, HD, BS, NBLK);
+    f->kvr = mk_kv(NL + r_n_mtp, NKH, HD, BS, NBLK);
+    f->s = mk_sender(f, f->kvs, 2000);
+    snprintf(f->ep, sizeof(f->ep), "inproc://kvx-test-%d", ++endpoint_counter);
+    kvx_receiver_params p = kvx_receiver_default_params();
+    p.fingerprint = FP;
+    p.lease_ms = 2000;
+    p.n_mtp = r_n_mtp;
+    p.mtp_fp = r_fp;
+    p.n_hidden = r_n_hidden;
+    f->r = kvx_receiver_new(f->zctx, f->kvr, f->ep, &p);
+    assert_non_null(f->r);
+    f->free_s0 = kvcache_n_free_blocks(f->kvs);
+    f->free_r0 = kvcache_n_free_blocks(f->kvr);
+}
+
+/* Transfer 9 tokens with the module layers (or only the main ones) and the hand-off state;
+ * returns the ACCEPTED event (the caller frees ev->hidden and the sequence). */
+static void mtp_transfer(fx_t *f, int with_modules, kvx_event *ev)
+{
+    const float hid[NHID] = {1.5f, -2.0f, 3.25f, 0.0f, 1e-3f, -7.0f};
+    int seq = make_seq(f->kvs, 9, 3);
+    kvx_begin_params bp = {.rid = 77,
+                           .seq = seq,
+                           .n_kv_tokens = 9,
+                           .max_tokens = 4,
+                           .top_p = 1.0f,
+                           .n_layer = with_modules ? NL + NMTP : NL,
+                           .n_mtp = with_modules ? NMTP : 0,
+                           .mtp_fp = with_modules ? MFP : 0,
+                           .n_hidden = with_modules ? NHID : 0,
+                           .mtp = 3};
+    uint64_t x = kvx_send_begin(f->s, f->ep, &bp);
+    assert_true(x != 0);
+    for (int l = 0; l < bp.n_layer; l++)
+        assert_int_equal(kvx_send_layer(f->s, x, l), 0);
+    if (with_modules)
+        assert_int_equal(kvx_send_end_mtp(f->s, x, 5, 11, hid, NHID), 0);
+    else
+        assert_int_equal(kvx_send_end(f->s, x, 5, 11), 0);
+    assert_true(receiver_event(f, ev));
+    assert_int_equal(ev->type, KVX_EV_ACCEPTED);
+    assert_int_equal(ev->mtp, 3);
+    if (ev->mtp_ok) {
+        assert_int_equal(ev->n_hidden, NHID);
+        assert_memory_equal(ev->hidden, hid, sizeof(hid));
+    }
+    kvx_event sev;
+    assert_true(sender_event(f, f->s, &sev));
+    assert_int_equal(sev.type, KVX_EV_DONE);
+}
+
+/* Block 0 of seq in layer l holds the sender's values (seed 3). */
+static int layer_holds(kvcache_t *kv, int seq, int l)
+{
+    const int *blocks = kvcache_seq_blocks(kv, seq, NULL);
+    const float *d = kvcache_block_data(kv, l, blocks[0]);
+    for (int i = 0; i < block_floats(kv); i++)
+        if (d[i] != val(3, l, 0, i))
+            return 0;
+    return 1;
+}
+
+static void test_mtp_transfer(void **state)
+{
+    fx_t *f = *state;
+    mtp_fixture(f, NMTP, MFP, NHID);
+    kvx_event ev;
+    mtp_transfer(f, 1, &ev);
+    assert_int_equal(ev.mtp_ok, 1);
+    assert_true(seq_holds(f->kvr, ev.seq, 3, 3)); /* every layer, modules included */
+    free(ev.hidden);
+    kvcache_seq_free(f->kvr, ev.seq);
+    assert_all_free(f);
+}
+
+/* Modules the receiver does not have (another fingerprint, fewer layers, another state
+ * size): the main layers are taken, the module layers and the state dropped. */
+static void test_mtp_modules_dropped(void **state)
+{
+    fx_t *f = *state;
+    const struct {
+        int n_mtp;
+        uint64_t fp;
+        int n_hidden;
+    } cases[] = {{NMTP, MFP ^ 1, NHID}, {1, MFP, NHID}, {NMTP, MFP, NHID + 1}, {0, 0, 0}};
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        mtp_fixture(f, cases[c].n_mtp, cases[c].fp, cases[c].n_hidden);
+        kvx_event ev;
+        mtp_transfer(f, 1, &ev);
+        assert_int_equal(ev.mtp_ok, 0);
+        assert_null(ev.hidden);
+        for (int l = 0; l < NL; l++)
+            assert_true(layer_holds(f->kvr, ev.seq, l));
+        for (int l = NL; l < NL + cases[c].n_mtp; l++) /* untouched: still zero */
+            assert_false(layer_holds(f->kvr, ev.seq, l));
+        kvcache_seq_free(f->kvr, ev.seq);
+        assert_all_free(f);
+    }
+}
+
+/* A transfer of the main layers only (a request without MTP) to a worker with modules. */
+static void test_mtp_main_layers_only(void **state)
+{
+    fx_t *f = *state;
+    mtp_fixture(f, NMTP, MFP, NHID);
+    kvx_event ev;
+    mtp_transfer(f, 0, &ev);
+    assert_int_equal(ev.mtp_ok, 0);
+    assert_null(ev.hidden);
+    for (int l = 0; l < NL; l++)
+        assert_true(layer_holds(f->kvr, ev.seq, l));
+    kvcache_seq_free(f->kvr, ev.seq);
+    /* a layer such a transfer does not carry is a caller bug */
+    int seq = make_seq(f->kvs, 9, 3);
+    kvx_begin_params bp = {.rid = 78, .seq = seq, .n_kv_tokens = 9, .max_tokens = 4,
+                           .top_p = 1.0f, .n_layer = NL};
+    uint64_t x = kvx_send_begin(f->s, f->ep, &bp);
+    assert_true(x != 0);
+    assert_int_equal(kvx_send_layer(f->s, x, NL), -1);
+    expect_failed(f, f->s, x, PROTO_ERR_INTERNAL);
+    assert_true(receiver_event(f, &ev)); /* the receiver hears KV_ABORT */
+    assert_int_equal(ev.type, KVX_EV_FAILED);
+    assert_all_free(f);
+}
+
+/* The main layers must match: a sender whose layers are split otherwise is refused. */
+static void test_mtp_layout_main_mismatch(void **state)
+{
+    fx_t *f = *state;
+    mtp_fixture(f, NMTP, MFP, NHID);
+    int seq = make_seq(f->kvs, 5, 1);
+    kvx_begin_params bp = {.rid = 8, .seq = seq, .n_kv_tokens = 5, .max_tokens = 2,
+                           .top_p = 1.0f, .n_layer = NL + NMTP, .n_mtp = 1, .mtp_fp = MFP,
+                           .n_hidden = NHID};
+    uint64_t x = kvx_send_begin(f->s, f->ep, &bp);
+    assert_true(x != 0);
+    expect_failed(f, f->s, x, PROTO_ERR_LAYOUT);
+    /* bad MTP params never start */
+    bp.n_mtp = NL + NMTP;
+    assert_true(kvx_send_begin(f->s, f->ep, &bp) == 0);
+    bp.n_mtp = 0;
+    bp.n_layer = NL + NMTP + 1;
+    assert_true(kvx_send_begin(f->s, f->ep, &bp) == 0);
+    kvcache_seq_free(f->kvs, seq);
+    assert_all_free(f);
+}
+
+/* KV_END must carry exactly the announced state: the sender refuses a mismatch, the
+ * receiver NACKs a KV_END without it. */
+static void test_mtp_hidden_mismatch(void **state)
+{
+    fx_t *f = *state;
+    mtp_fixture(f, NMTP, MFP, NHID);
+    int seq = make_seq(f->kvs, 5, 1);
+    kvx_begin_params bp = {.rid = 9, .seq = seq, .n_kv_tokens = 5, .max_tokens = 2,
+                           .top_p = 1.0f, .n_layer = NL + NMTP, .n_mtp = NMTP, .mtp_fp = MFP,
+                           .n_hidden = NHID};
+    uint64_t x = kvx_send_begin(f->s, f->ep, &bp);
+    for (int l = 0; l < NL + NMTP; l++)
+        assert_int_equal(kvx_send_layer(f->s, x, l), 0);
+    assert_int_equal(kvx_send_end(f->s, x, 1, 1), -1); /* no state: refused */
+    expect_failed(f, f->s, x, PROTO_ERR_INTERNAL);
+    kvx_event ev;
+    assert_true(receiver_event(f, &ev)); /* the receiver hears KV_ABORT */
+    assert_int_equal(ev.type, KVX_EV_FAILED);
+    /* a raw peer announcing a state and not sending it */
+    void *d = raw_socket(f, ZMQ_DEALER, f->ep);
+    proto_msg m;
+    raw_begin_msg(&m, 10, 100, 4, 2);
+    m.n_layer = NL + NMTP;
+    m.n_mtp = NMTP;
+    m.mtp_fp = MFP;
+    m.n_hidden = NHID;
+    assert_int_equal(proto_send(d, NULL, 0, &m, NULL, 0, 0), 0);
+    assert_true(raw_recv(f, d, 0, 2000));
+    assert_int_equal(proto_envelope_msg(f->env)->ok, 1);
+    XXH64_state_t *h = XXH64_createState();
+    XXH64_reset(h, 0);
+    int rseq = make_seq(f->kvs, 4, 2);
+    for (int l = 0; l < NL + NMTP; l++)
+        raw_range(f, d, 10, 100, rseq, l, 0, 1, h);
+    raw_end(d, 10, 100, XXH64_digest(h));
+    XXH64_freeState(h);
+    expect_raw_reply(f, d, PROTO_KV_RESULT, PROTO_ERR_PROTOCOL);
+    raw_close(f, d);
+    kvcache_seq_free(f->kvs, rseq);
+    assert_all_free(f);
+}
+
 int main(int argc, char **argv)
 {
     log_init("test_kvtransfer", LOG_LEVEL_ERROR);
     const struct CMUnitTest tests[] = {
 #define T(name) cmocka_unit_test_setup_teardown(name, setup, teardown)
+        T(test_mtp_transfer),
+        T(test_mtp_modules_dropped),
+        T(test_mtp_main_layers_only),
+        T(test_mtp_layout_main_mismatch),
+        T(test_mtp_hidden_mismatch),
         T(test_happy_path),
         T(test_one_token),
         T(test_exact_block_multiple),
@@ -1101,6 +1500,12 @@ int main(int argc, char **argv)
         T(test_duplicate_layer),
         T(test_layer_out_of_range),
         T(test_end_before_all_layers),
+        T(test_range_coverage_complete),
+        T(test_range_any_order_on_the_wire),
+        T(test_range_overlap_rejected),
+        T(test_range_gap_at_end_rejected),
+        T(test_range_out_of_bounds),
+        T(test_range_sender_misuse),
         T(test_malformed_header),
         T(test_lease_receiver),
         T(test_lease_sender),

@@ -54,8 +54,13 @@ static void fill(proto_msg *m, proto_type_t t)
     m->head_dim = 8;
     m->dtype = PROTO_DTYPE_F32;
     m->layer = 4;
+    m->blk0 = 3;
     m->n_blocks = 2;
     m->n_kv_tokens = 17;
+    m->mtp_depth = 3;
+    m->n_mtp = 2;
+    m->mtp_fp = 0xf26e0b476c7a31b6ull;
+    m->n_hidden = 128;
     m->first_token = 432;
     m->checksum = 0x1234567890abcdefull;
     m->lease_ms = 5000;
@@ -97,6 +102,13 @@ static void test_roundtrip_all_types(void **state)
             assert_true(out.checksum == in.checksum);
             assert_true(out.rng == UINT64_MAX);
         }
+        /* blk0: optional, KV_LAYER only */
+        assert_int_equal(out.blk0, t == PROTO_KV_LAYER ? 3 : 0);
+        /* MTP: the request's depth on PREFILL and KV_BEGIN; the module layout on KV_BEGIN */
+        assert_int_equal(out.mtp_depth, t == PROTO_PREFILL || t == PROTO_KV_BEGIN ? 3 : 0);
+        assert_int_equal(out.n_mtp, t == PROTO_KV_BEGIN ? 2 : 0);
+        assert_true(out.mtp_fp == (t == PROTO_KV_BEGIN ? in.mtp_fp : 0));
+        assert_int_equal(out.n_hidden, t == PROTO_KV_BEGIN ? 128 : 0);
         if (t == PROTO_HEARTBEAT) {
             assert_string_equal(out.worker_id, "decode-host-1");
             assert_true(out.tokens_in == 1ull << 40);
@@ -216,6 +228,59 @@ static void b_out_of_range(msgpack_packer *pk)
     kv(pk, "rid"); msgpack_pack_int(pk, 1);
     kv(pk, "reason"); msgpack_pack_int(pk, 3);
 }
+static void b_blk0_out_of_range(msgpack_packer *pk)
+{
+    msgpack_pack_map(pk, 7);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_KV_LAYER);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "rid"); msgpack_pack_int(pk, 1);
+    kv(pk, "xfer"); msgpack_pack_int(pk, 2);
+    kv(pk, "layer"); msgpack_pack_int(pk, 0);
+    kv(pk, "n_blocks"); msgpack_pack_int(pk, 1);
+    kv(pk, "blk0"); msgpack_pack_int(pk, PROTO_MAX_FRAMES);
+}
+static void b_prefill_mtp(msgpack_packer *pk, int mtp)
+{
+    msgpack_pack_map(pk, 12);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_PREFILL);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "rid"); msgpack_pack_int(pk, 1);
+    kv(pk, "tokens"); msgpack_pack_array(pk, 1); msgpack_pack_int(pk, 1);
+    kv(pk, "max_tokens"); msgpack_pack_int(pk, 4);
+    kv(pk, "temp"); msgpack_pack_float(pk, 0.0f);
+    kv(pk, "top_p"); msgpack_pack_float(pk, 1.0f);
+    kv(pk, "top_k"); msgpack_pack_int(pk, 0);
+    kv(pk, "rng"); msgpack_pack_int(pk, 7);
+    kv(pk, "dw"); kv(pk, "d");
+    kv(pk, "dep"); kv(pk, "");
+    kv(pk, "mtp"); msgpack_pack_int(pk, mtp);
+}
+static void b_mtp_out_of_range(msgpack_packer *pk) { b_prefill_mtp(pk, 4); }
+static void b_mtp_negative(msgpack_packer *pk) { b_prefill_mtp(pk, -1); }
+static void b_mtp_ok(msgpack_packer *pk) { b_prefill_mtp(pk, 1); }
+static void b_blk0_negative(msgpack_packer *pk)
+{
+    msgpack_pack_map(pk, 7);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_KV_LAYER);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "rid"); msgpack_pack_int(pk, 1);
+    kv(pk, "xfer"); msgpack_pack_int(pk, 2);
+    kv(pk, "layer"); msgpack_pack_int(pk, 0);
+    kv(pk, "n_blocks"); msgpack_pack_int(pk, 1);
+    kv(pk, "blk0"); msgpack_pack_int(pk, -1);
+}
+static void b_blk0_on_kv_end(msgpack_packer *pk)
+{
+    msgpack_pack_map(pk, 8);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_KV_END);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "rid"); msgpack_pack_int(pk, 1);
+    kv(pk, "xfer"); msgpack_pack_int(pk, 2);
+    kv(pk, "first"); msgpack_pack_int(pk, 0);
+    kv(pk, "cksum"); msgpack_pack_int(pk, 0);
+    kv(pk, "rng"); msgpack_pack_int(pk, 0);
+    kv(pk, "blk0"); msgpack_pack_int(pk, 1);
+}
 static void b_ok_cancel(msgpack_packer *pk)
 {
     msgpack_pack_map(pk, 4);
@@ -239,6 +304,12 @@ static void test_malformed_headers(void **state)
         {"negative token", b_negative_token, -1, "token"},
         {"long string", b_long_string, -1, "too long"},
         {"out of range", b_out_of_range, -1, "reason"},
+        {"blk0 out of range", b_blk0_out_of_range, -1, "blk0"},
+        {"blk0 negative", b_blk0_negative, -1, "blk0"},
+        {"blk0 ignored on KV_END", b_blk0_on_kv_end, 0, ""},
+        {"mtp out of range", b_mtp_out_of_range, -1, "mtp"},
+        {"mtp negative", b_mtp_negative, -1, "mtp"},
+        {"mtp depth 0", b_mtp_ok, 0, ""},
         {"valid with unknown key", b_ok_cancel, 0, ""},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
@@ -396,6 +467,46 @@ static void test_send_recv_frames(void **state)
     zmq_ctx_term(ctx);
 }
 
+/* proto_send encodes headers on its stack and moves to the heap past 1 KiB: a PREFILL of
+ * the largest prompt, and one on each side of the switch, arrive intact; an invalid
+ * message is refused with EINVAL. */
+static void test_send_header_sizes(void **state)
+{
+    (void)state;
+    void *ctx = zmq_ctx_new();
+    void *router = zmq_socket(ctx, ZMQ_ROUTER);
+    void *dealer = zmq_socket(ctx, ZMQ_DEALER);
+    assert_int_equal(zmq_bind(router, "inproc://proto-sizes"), 0);
+    assert_int_equal(zmq_connect(dealer, "inproc://proto-sizes"), 0);
+    int *toks = malloc(PROTO_MAX_TOKENS * sizeof(int));
+    for (int i = 0; i < PROTO_MAX_TOKENS; i++)
+        toks[i] = (i * 7919) % 100000;
+    proto_envelope *e = proto_envelope_new();
+    static const int sizes[] = {1, 150, 200, 300, PROTO_MAX_TOKENS};
+    for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); k++) {
+        proto_msg m;
+        fill(&m, PROTO_PREFILL);
+        m.tokens = toks;
+        m.n_tokens = sizes[k];
+        assert_int_equal(proto_send(dealer, NULL, 0, &m, NULL, 0, 0), 0);
+        assert_int_equal(proto_recv(router, 1, e, 0), 1);
+        proto_msg *out = proto_envelope_msg(e);
+        assert_int_equal(out->n_tokens, sizes[k]);
+        assert_memory_equal(out->tokens, toks, (size_t)sizes[k] * sizeof(int));
+        assert_string_equal(out->decode_endpoint, "ipc:///tmp/kv");
+    }
+    proto_msg bad;
+    fill(&bad, PROTO_TOKENS);
+    bad.tokens = NULL; /* n_tokens 5 without tokens */
+    assert_int_equal(proto_send(dealer, NULL, 0, &bad, NULL, 0, 0), -1);
+    assert_int_equal(errno, EINVAL);
+    free(toks);
+    proto_envelope_destroy(&e);
+    zmq_close(dealer);
+    zmq_close(router);
+    zmq_ctx_term(ctx);
+}
+
 /* Counter arrays (kvx_tx, kvx_rx, spec): a shorter array leaves the rest zero, a longer
  * one (a newer peer) is read up to the known counters; non-integers and negative values
  * are refused, as are negative durations. Unset counters are not on the wire. */
@@ -495,6 +606,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_truncated_and_garbage),
         cmocka_unit_test(test_encode_rejects),
         cmocka_unit_test(test_send_recv_frames),
+        cmocka_unit_test(test_send_header_sizes),
         cmocka_unit_test(test_optional_fields_unset),
         cmocka_unit_test(test_send_dontwait_no_peer),
         cmocka_unit_test(test_counter_arrays),

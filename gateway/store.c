@@ -1,0 +1,388 @@
+/* store: see store.h.
+ *
+ * Pending writes are a growable array of ops, written in order by store_flush() with
+ * prepared statements inside BEGIN IMMEDIATE ... COMMIT. A failed flush rolls back and
+ * keeps the ops for the next try. */
+#include "store.h"
+
+#include <errno.h>
+#include <sqlite3.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "log.h"
+
+#define SCHEMA_VERSION 1
+
+typedef struct {
+    int is_result; /* 0: batch object, 1: line result */
+    char *batch_id;
+    int line, ok;
+    char *json;
+} store_op;
+
+struct store {
+    sqlite3 *db;
+    char *path;
+    sqlite3_stmt *put_batch, *put_result;
+    store_op *ops;
+    int n_ops, cap_ops;
+};
+
+static const char *schema =
+    "CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+    "CREATE TABLE IF NOT EXISTS files(id TEXT PRIMARY KEY, purpose TEXT NOT NULL,"
+    " filename TEXT NOT NULL, bytes INTEGER NOT NULL, created_at INTEGER NOT NULL,"
+    " content BLOB NOT NULL);"
+    "CREATE TABLE IF NOT EXISTS batches(id TEXT PRIMARY KEY, object TEXT NOT NULL);"
+    "CREATE TABLE IF NOT EXISTS results(batch_id TEXT NOT NULL, line INTEGER NOT NULL,"
+    " ok INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY(batch_id, line));"
+    "INSERT OR IGNORE INTO meta(key, value) VALUES('schema_version', '1');";
+
+/* mkdir -p of path's directory. */
+static int make_parent(const char *path, char *err, size_t errlen)
+{
+    char *dir = strdup(path);
+    if (!dir) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    char *slash = strrchr(dir, '/');
+    if (!slash || slash == dir) {
+        free(dir);
+        return 0;
+    }
+    *slash = 0;
+    for (char *p = dir + 1;; p++) {
+        if (*p == '/' || *p == 0) {
+            char c = *p;
+            *p = 0;
+            if (mkdir(dir, 0755) < 0 && errno != EEXIST) {
+                snprintf(err, errlen, "cannot create directory %s: %s", dir, strerror(errno));
+                free(dir);
+                return -1;
+            }
+            *p = c;
+            if (!c)
+                break;
+        }
+    }
+    free(dir);
+    return 0;
+}
+
+store_t *store_open(const char *path, char *err, size_t errlen)
+{
+    if (make_parent(path, err, errlen) < 0)
+        return NULL;
+    store_t *s = calloc(1, sizeof(*s));
+    if (!s || !(s->path = strdup(path))) {
+        free(s);
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    char *msg = NULL;
+    sqlite3_stmt *st = NULL;
+    if (sqlite3_open_v2(path, &s->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, NULL) !=
+        SQLITE_OK) {
+        snprintf(err, errlen, "%s: cannot open the state database: %s", path,
+                 s->db ? sqlite3_errmsg(s->db) : "out of memory");
+        goto fail;
+    }
+    sqlite3_busy_timeout(s->db, 2000);
+    if (sqlite3_exec(s->db, "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;", NULL, NULL,
+                     &msg) != SQLITE_OK ||
+        sqlite3_exec(s->db, schema, NULL, NULL, &msg) != SQLITE_OK) {
+        snprintf(err, errlen, "%s: not a usable state database: %s", path,
+                 msg ? msg : sqlite3_errmsg(s->db));
+        goto fail;
+    }
+    if (sqlite3_prepare_v2(s->db, "SELECT value FROM meta WHERE key = 'schema_version'", -1, &st,
+                           NULL) != SQLITE_OK ||
+        sqlite3_step(st) != SQLITE_ROW) {
+        snprintf(err, errlen, "%s: cannot read the schema version", path);
+        goto fail;
+    }
+    int version = atoi((const char *)sqlite3_column_text(st, 0));
+    sqlite3_finalize(st);
+    st = NULL;
+    if (version != SCHEMA_VERSION) {
+        snprintf(err, errlen, "%s: schema version %d, this gateway knows %d", path, version,
+                 SCHEMA_VERSION);
+        goto fail;
+    }
+    if (sqlite3_prepare_v2(s->db,
+                           "INSERT INTO batches(id, object) VALUES(?1, ?2) ON CONFLICT(id) DO "
+                           "UPDATE SET object = excluded.object",
+                           -1, &s->put_batch, NULL) != SQLITE_OK ||
+        sqlite3_prepare_v2(s->db,
+                           "INSERT OR REPLACE INTO results(batch_id, line, ok, body) "
+                           "VALUES(?1, ?2, ?3, ?4)",
+                           -1, &s->put_result, NULL) != SQLITE_OK) {
+        snprintf(err, errlen, "%s: %s", path, sqlite3_errmsg(s->db));
+        goto fail;
+    }
+    return s;
+fail:
+    sqlite3_free(msg);
+    sqlite3_finalize(st);
+    store_close(&s);
+    return NULL;
+}
+
+static void op_free(store_op *op)
+{
+    free(op->batch_id);
+    free(op->json);
+}
+
+void store_close(store_t **ps)
+{
+    if (!ps || !*ps)
+        return;
+    store_t *s = *ps;
+    if (s->db && s->n_ops && store_flush(s) < 0)
+        log_error("%s: %d writes could not be saved", s->path, s->n_ops);
+    for (int i = 0; i < s->n_ops; i++)
+        op_free(&s->ops[i]);
+    free(s->ops);
+    sqlite3_finalize(s->put_batch);
+    sqlite3_finalize(s->put_result);
+    if (s->db)
+        sqlite3_close(s->db);
+    free(s->path);
+    free(s);
+    *ps = NULL;
+}
+
+// --- files
+
+int store_file_put(store_t *s, const store_file *f, const void *content, size_t len)
+{
+    sqlite3_stmt *st = NULL;
+    int rc = -1;
+    if (sqlite3_prepare_v2(s->db,
+                           "INSERT INTO files(id, purpose, filename, bytes, created_at, content) "
+                           "VALUES(?1, ?2, ?3, ?4, ?5, ?6)",
+                           -1, &st, NULL) != SQLITE_OK)
+        goto out;
+    sqlite3_bind_text(st, 1, f->id, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 2, f->purpose, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 3, f->filename, -1, SQLITE_STATIC);
+    sqlite3_bind_int64(st, 4, (sqlite3_int64)len);
+    sqlite3_bind_int64(st, 5, f->created_at);
+    sqlite3_bind_blob64(st, 6, content ? content : "", (sqlite3_uint64)len, SQLITE_STATIC);
+    if (sqlite3_step(st) == SQLITE_DONE)
+        rc = 0;
+out:
+    if (rc < 0)
+        log_error("%s: cannot save file %s: %s", s->path, f->id, sqlite3_errmsg(s->db));
+    sqlite3_finalize(st);
+    return rc;
+}
+
+int store_file_get(store_t *s, const char *id, store_file *out)
+{
+    sqlite3_stmt *st = NULL;
+    int rc = -1;
+    if (sqlite3_prepare_v2(s->db,
+                           "SELECT id, purpose, filename, bytes, created_at FROM files WHERE id "
+                           "= ?1",
+                           -1, &st, NULL) != SQLITE_OK)
+        goto out;
+    sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
+    int step = sqlite3_step(st);
+    if (step == SQLITE_DONE) {
+        rc = 1;
+    } else if (step == SQLITE_ROW) {
+        memset(out, 0, sizeof(*out));
+        snprintf(out->id, sizeof(out->id), "%s", (const char *)sqlite3_column_text(st, 0));
+        snprintf(out->purpose, sizeof(out->purpose), "%s",
+                 (const char *)sqlite3_column_text(st, 1));
+        snprintf(out->filename, sizeof(out->filename), "%s",
+                 (const char *)sqlite3_column_text(st, 2));
+        out->bytes = sqlite3_column_int64(st, 3);
+        out->created_at = sqlite3_column_int64(st, 4);
+        rc = 0;
+    }
+out:
+    if (rc < 0)
+        log_error("%s: cannot read file %s: %s", s->path, id, sqlite3_errmsg(s->db));
+    sqlite3_finalize(st);
+    return rc;
+}
+
+int store_file_content(store_t *s, const char *id, char **data, size_t *len)
+{
+    sqlite3_stmt *st = NULL;
+    int rc = -1;
+    *data = NULL;
+    *len = 0;
+    if (sqlite3_prepare_v2(s->db, "SELECT content FROM files WHERE id = ?1", -1, &st, NULL) !=
+        SQLITE_OK)
+        goto out;
+    sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
+    int step = sqlite3_step(st);
+    if (step == SQLITE_DONE) {
+        rc = 1;
+    } else if (step == SQLITE_ROW) {
+        const void *blob = sqlite3_column_blob(st, 0);
+        size_t n = (size_t)sqlite3_column_bytes(st, 0);
+        char *d = malloc(n + 1);
+        if (d) {
+            if (n)
+                memcpy(d, blob, n);
+            d[n] = 0;
+            *data = d;
+            *len = n;
+            rc = 0;
+        }
+    }
+out:
+    if (rc < 0)
+        log_error("%s: cannot read file %s: %s", s->path, id, sqlite3_errmsg(s->db));
+    sqlite3_finalize(st);
+    return rc;
+}
+
+// --- queued writes
+
+static int push_op(store_t *s, int is_result, const char *batch_id, int line, int ok,
+                   const char *json)
+{
+    if (s->n_ops >= STORE_MAX_PENDING && store_flush(s) < 0 && s->n_ops >= 4 * STORE_MAX_PENDING)
+        return -1; /* the disk keeps failing: refuse rather than grow without bound */
+    if (s->n_ops == s->cap_ops) {
+        int cap = s->cap_ops ? s->cap_ops * 2 : 64;
+        store_op *v = realloc(s->ops, (size_t)cap * sizeof(*v));
+        if (!v)
+            return -1;
+        s->ops = v;
+        s->cap_ops = cap;
+    }
+    store_op op = {.is_result = is_result, .line = line, .ok = ok};
+    op.batch_id = strdup(batch_id);
+    op.json = strdup(json);
+    if (!op.batch_id || !op.json) {
+        op_free(&op);
+        return -1;
+    }
+    s->ops[s->n_ops++] = op;
+    return 0;
+}
+
+int store_batch_put(store_t *s, const char *id, const char *json)
+{
+    return push_op(s, 0, id, 0, 0, json);
+}
+
+int store_result_put(store_t *s, const char *batch_id, int line, int ok, const char *json)
+{
+    return push_op(s, 1, batch_id, line, ok, json);
+}
+
+int store_n_pending(const store_t *s)
+{
+    return s->n_ops;
+}
+
+int store_flush(store_t *s)
+{
+    if (s->n_ops == 0)
+        return 0;
+    if (sqlite3_exec(s->db, "BEGIN IMMEDIATE", NULL, NULL, NULL) != SQLITE_OK) {
+        log_error("%s: cannot begin a transaction: %s", s->path, sqlite3_errmsg(s->db));
+        return -1;
+    }
+    for (int i = 0; i < s->n_ops; i++) {
+        const store_op *op = &s->ops[i];
+        sqlite3_stmt *st = op->is_result ? s->put_result : s->put_batch;
+        sqlite3_reset(st);
+        sqlite3_clear_bindings(st);
+        sqlite3_bind_text(st, 1, op->batch_id, -1, SQLITE_STATIC);
+        if (op->is_result) {
+            sqlite3_bind_int(st, 2, op->line);
+            sqlite3_bind_int(st, 3, op->ok);
+            sqlite3_bind_text(st, 4, op->json, -1, SQLITE_STATIC);
+        } else {
+            sqlite3_bind_text(st, 2, op->json, -1, SQLITE_STATIC);
+        }
+        int rc = sqlite3_step(st);
+        sqlite3_reset(st);
+        if (rc != SQLITE_DONE) {
+            log_error("%s: write failed: %s", s->path, sqlite3_errmsg(s->db));
+            sqlite3_exec(s->db, "ROLLBACK", NULL, NULL, NULL);
+            return -1;
+        }
+    }
+    if (sqlite3_exec(s->db, "COMMIT", NULL, NULL, NULL) != SQLITE_OK) {
+        log_error("%s: commit failed: %s", s->path, sqlite3_errmsg(s->db));
+        sqlite3_exec(s->db, "ROLLBACK", NULL, NULL, NULL);
+        return -1;
+    }
+    for (int i = 0; i < s->n_ops; i++)
+        op_free(&s->ops[i]);
+    s->n_ops = 0;
+    return 0;
+}
+
+// --- reads
+
+int store_batch_foreach(store_t *s, int (*fn)(const char *id, const char *json, void *ud), void *ud)
+{
+    if (store_flush(s) < 0)
+        return -1;
+    sqlite3_stmt *st = NULL;
+    if (sqlite3_prepare_v2(s->db, "SELECT id, object FROM batches ORDER BY rowid", -1, &st, NULL) !=
+        SQLITE_OK) {
+        log_error("%s: %s", s->path, sqlite3_errmsg(s->db));
+        return -1;
+    }
+    int step, rc = 0;
+    while ((step = sqlite3_step(st)) == SQLITE_ROW) {
+        if (fn((const char *)sqlite3_column_text(st, 0), (const char *)sqlite3_column_text(st, 1),
+               ud))
+            break;
+    }
+    if (step != SQLITE_ROW && step != SQLITE_DONE) {
+        log_error("%s: reading batches: %s", s->path, sqlite3_errmsg(s->db));
+        rc = -1;
+    }
+    sqlite3_finalize(st);
+    return rc;
+}
+
+int store_results_foreach(store_t *s, const char *batch_id, int ok,
+                          int (*fn)(int line, int ok, const char *json, size_t len, void *ud),
+                          void *ud)
+{
+    if (store_flush(s) < 0)
+        return -1;
+    sqlite3_stmt *st = NULL;
+    const char *sql = ok < 0 ? "SELECT line, ok, body FROM results WHERE batch_id = ?1 ORDER BY "
+                               "line"
+                             : "SELECT line, ok, body FROM results WHERE batch_id = ?1 AND ok = "
+                               "?2 ORDER BY line";
+    if (sqlite3_prepare_v2(s->db, sql, -1, &st, NULL) != SQLITE_OK) {
+        log_error("%s: %s", s->path, sqlite3_errmsg(s->db));
+        return -1;
+    }
+    sqlite3_bind_text(st, 1, batch_id, -1, SQLITE_STATIC);
+    if (ok >= 0)
+        sqlite3_bind_int(st, 2, ok);
+    int step, rc = 0;
+    while ((step = sqlite3_step(st)) == SQLITE_ROW) {
+        const char *body = (const char *)sqlite3_column_text(st, 2);
+        size_t n = (size_t)sqlite3_column_bytes(st, 2);
+        if (fn(sqlite3_column_int(st, 0), sqlite3_column_int(st, 1), body ? body : "", n, ud))
+            break;
+    }
+    if (step != SQLITE_ROW && step != SQLITE_DONE) {
+        log_error("%s: reading results: %s", s->path, sqlite3_errmsg(s->db));
+        rc = -1;
+    }
+    sqlite3_finalize(st);
+    return rc;
+}

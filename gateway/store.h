@@ -1,0 +1,82 @@
+/*
+ * store: the gateway's durable state in one SQLite file: uploaded and generated files,
+ * batch objects, and the result of every finished batch line.
+ *
+ * The database runs in WAL mode with synchronous=NORMAL: a commit costs no fsync (the WAL
+ * is synced at checkpoints), and a committed transaction survives a crash of the process
+ * (not necessarily of the machine). Batch objects and line results are not written when
+ * they are put: they are queued in memory and written by store_flush() in one transaction,
+ * which the caller runs once per loop tick, so the loop pays one short commit however many
+ * lines finished; the queue is bounded (STORE_MAX_PENDING: a put beyond it flushes first).
+ * Files are written at once (an upload is answered only once its file is durable).
+ *
+ * Tables (schema version 1): files(id, purpose, filename, bytes, created_at, content),
+ * batches(id, object: the batch's JSON), results(batch_id, line, ok, body: one JSONL line).
+ * One thread at a time (the gateway's loop thread).
+ */
+#ifndef TP_GW_STORE_H
+#define TP_GW_STORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define STORE_MAX_PENDING 4096 /* queued writes before a put flushes by itself */
+
+typedef struct store store_t;
+
+/* Open or create the database at path (its directory is created when missing), switch to
+ * WAL and create the tables. NULL with a message naming the file in err. */
+store_t *store_open(const char *path, char *err, size_t errlen);
+
+/* Flush pending writes, close and free. Takes NULL; NULLs *s. */
+void store_close(store_t **s);
+
+// --- files
+
+typedef struct {
+    char id[64];
+    char purpose[32]; /* "batch", "batch_output" */
+    char filename[256];
+    int64_t bytes;
+    int64_t created_at; /* unix seconds */
+} store_file;
+
+/* Insert file f with its content (len bytes), committed before returning. 0 or -1 (the
+ * id exists, disk error). */
+int store_file_put(store_t *s, const store_file *f, const void *content, size_t len);
+
+/* The metadata of file id into *out: 0, 1 when there is no such file, -1 on error. */
+int store_file_get(store_t *s, const char *id, store_file *out);
+
+/* The content of file id: *data is malloc'd (NUL-terminated, len bytes before the NUL),
+ * the caller's. 0, 1 when there is no such file, -1 on error. */
+int store_file_content(store_t *s, const char *id, char **data, size_t *len);
+
+// --- batches and results (queued until store_flush)
+
+/* Queue the insert-or-replace of batch id's object (JSON text, copied). 0 or -1 (OOM). */
+int store_batch_put(store_t *s, const char *id, const char *json);
+
+/* Call fn for every stored batch in creation order (pending writes are flushed first);
+ * fn returns 0 to go on. 0, or -1 on a database error. */
+int store_batch_foreach(store_t *s, int (*fn)(const char *id, const char *json, void *ud),
+                        void *ud);
+
+/* Queue line's result of batch batch_id (ok: 1 = output file, 0 = error file; json: the
+ * JSONL line without newline, copied). 0 or -1 (OOM). */
+int store_result_put(store_t *s, const char *batch_id, int line, int ok, const char *json);
+
+/* Call fn for every stored result of batch_id, by line (pending writes flushed first).
+ * ok < 0: every result, else only those with that ok. fn returns 0 to go on. 0 or -1. */
+int store_results_foreach(store_t *s, const char *batch_id, int ok,
+                          int (*fn)(int line, int ok, const char *json, size_t len, void *ud),
+                          void *ud);
+
+/* Write every queued put in one transaction. 0, or -1 (the writes stay queued and the
+ * next flush tries again). */
+int store_flush(store_t *s);
+
+/* Puts queued and not yet written. */
+int store_n_pending(const store_t *s);
+
+#endif

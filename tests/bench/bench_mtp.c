@@ -1,0 +1,476 @@
+/*
+ * bench_mtp: the MTP2 decode path, in-process (engine level: model + modules + specdec).
+ *
+ *   bench_mtp [--quick] STORIES.gguf STORIES-MTP.gguf SYNTH-1B.gguf
+ *
+ * 1. Acceptance on held-out prompts (24 story openings that are neither reference prompts
+ *    nor from the trainer's data): greedy draft-and-verify, 128 tokens per prompt, at depth
+ *    1 and 2: mean acceptance length (vLLM's: 1 + accepted / drafts, i.e. tokens per
+ *    draft-and-verify step), a1 = P(d1 accepted), a2 = P(d2 accepted | d1 accepted). The
+ *    same at temperature 1 with rejection sampling and with one-hot drafts, for reference.
+ * 2. TPOT (time per output token of a sequence: decode time / tokens decoded per sequence)
+ *    of the default model at depth 0, 1, 2, batch 1 and 16, greedy, 128 tokens, best of 3.
+ * 3. On the synthetic 1B-class model (no trained modules exist for it): a side file of two
+ *    modules shaped like trained ones (each block a copy of the model's last block, random
+ *    eh_proj) is written once next to it, and the step cost at depth 1 and 2 relative to a
+ *    plain decode step is measured at batch 1 and 4 (specdec_measure_costs), along with the
+ *    pure verify ratio (a forward pass of 2 and 3 tokens vs 1). From the acceptance of part
+ *    1, it prints the speedup trained modules of that acceptance would give there:
+ *    E_d / cost_d, E_1 = 1 + a1, E_2 = 1 + a1 + a1 a2.
+ *
+ * Numbers are ratios within one run on one (possibly shared) machine.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gguf.h"
+#include "kvcache.h"
+#include "model.h"
+#include "mtp.h"
+#include "sampler.h"
+#include "specdec.h"
+#include "tokenizer.h"
+
+#define NGEN 128
+#define MAXB 24
+
+static const char *HELD_OUT[] = {
+    "Sam had a red kite",
+    "The little bird could not fly",
+    "Mia found a shiny stone in the garden",
+    "Ben and his dog went to the beach",
+    "One morning, the sun was very bright",
+    "Anna wanted to bake a cake for her mom",
+    "There was a big tree near the house",
+    "Tim saw a small frog in the pond",
+    "The cat and the mouse were friends",
+    "A boy named Max liked to paint",
+    "It was a rainy day and Lucy was bored",
+    "The old man had a funny hat",
+    "Sara lost her favorite toy",
+    "In the forest, there lived a happy bear",
+    "Jack wanted to be a brave knight",
+    "The train was very long and fast",
+    "Emma and her brother built a sand castle",
+    "A little fish swam in the blue sea",
+    "The farmer had many cows and a pig",
+    "Lily's mom gave her a new dress",
+    "Tom was sad because it was cold outside",
+    "The dragon was not scary at all",
+    "Zoe liked to play with her ball",
+    "Once there was a tiny car",
+};
+#define N_HELD ((int)(sizeof(HELD_OUT) / sizeof(HELD_OUT[0])))
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+typedef struct {
+    const model_t *m;
+    const model_config *c;
+    const mtp_t *mt;
+    kvcache_t *kv;
+    model_ctx_t *ctx;
+    specdec_t *sd;
+    sampler_t *smp;
+    float *logits; /* (MAXB, vocab) */
+    float *h0;     /* (max_tokens, dim) */
+    int max_tokens;
+} rig;
+
+static int rig_init(rig *r, const model_t *m, const mtp_t *mt, int max_tokens)
+{
+    memset(r, 0, sizeof(*r));
+    r->m = m;
+    r->c = model_get_config(m);
+    r->mt = mt;
+    r->max_tokens = max_tokens;
+    const model_config *c = r->c;
+    kvcache_params kp = {.n_layer = c->n_layer + (mt ? mtp_n_modules(mt) : 0),
+                         .n_kv_head = c->n_kv_head,
+                         .head_dim = c->head_dim,
+                         .block_size = 16,
+                         .n_blocks = MAXB * ((NGEN + 64 + 8) / 16 + 2) + 64,
+                         .max_seqs = MAXB + 8,
+                         .max_seq_len = c->n_ctx};
+    r->kv = kvcache_new(&kp);
+    r->ctx = model_ctx_new(m, max_tokens);
+    r->sd = specdec_new(m, mt, MAXB + 8, MAXB, max_tokens);
+    r->smp = sampler_new(c->vocab_size);
+    r->logits = malloc((size_t)MAXB * c->vocab_size * sizeof(float));
+    r->h0 = malloc((size_t)max_tokens * c->dim * sizeof(float));
+    return r->kv && r->ctx && r->sd && r->smp && r->logits && r->h0 ? 0 : -1;
+}
+
+static void rig_free(rig *r)
+{
+    kvcache_destroy(&r->kv);
+    model_ctx_destroy(&r->ctx);
+    specdec_destroy(&r->sd);
+    sampler_destroy(&r->smp);
+    free(r->logits);
+    free(r->h0);
+}
+
+typedef struct {
+    long steps, drafted, accepted, emitted, a1_n, a1_ok, a2_n, a2_ok;
+    double decode_s; /* wall time in specdec_step */
+    long decoded;    /* tokens decoded (after the first), all sequences */
+} run_stats;
+
+/* Decode n prompts together, n_gen tokens each (stops early only at EOS), at `depth`. */
+static int run(rig *r, int n, int **prompts, const int *np, int depth, const sampler_params *sp,
+               uint64_t seed, run_stats *st)
+{
+    const model_config *c = r->c;
+    const int D = c->dim, V = c->vocab_size;
+    int seqs[MAXB], pos[MAXB], ngen[MAXB], last[MAXB], done[MAXB], idx[MAXB];
+    uint64_t rng[MAXB];
+    static float hand[MAXB][2 * 4096];
+    model_seq_batch pb[MAXB];
+    specdec_prefill_item pit[MAXB];
+    specdec_item items[MAXB];
+    if (n > MAXB || D > 4096)
+        return -1;
+    int rows = 0;
+    for (int i = 0; i < n; i++) {
+        seqs[i] = kvcache_seq_new(r->kv);
+        if (seqs[i] < 0 ||
+            kvcache_seq_reserve(r->kv, seqs[i], np[i] + NGEN + SPECDEC_MAX_DEPTH) != KVCACHE_OK)
+            return -1;
+        pb[i] = (model_seq_batch){.seq = seqs[i],
+                                  .n_tokens = np[i],
+                                  .tokens = prompts[i],
+                                  .logits = r->logits + (size_t)i * V,
+                                  .hidden = r->h0 + (size_t)rows * D,
+                                  .hidden_all = 1};
+        pit[i] = (specdec_prefill_item){.seq = seqs[i],
+                                        .n_tokens = np[i],
+                                        .prompt = prompts[i],
+                                        .n_prompt = np[i],
+                                        .h0 = r->h0 + (size_t)rows * D,
+                                        .depth = depth,
+                                        .hand = hand[i]};
+        rows += np[i];
+    }
+    if (rows > r->max_tokens || model_forward(r->ctx, r->kv, pb, n, NULL, NULL) != 0)
+        return -1;
+    if (depth > 0 && specdec_prefill(r->sd, r->ctx, r->kv, pit, n) != 0)
+        return -1;
+    for (int i = 0; i < n; i++) {
+        rng[i] = sampler_seed_state(seed + (uint64_t)i);
+        last[i] = sampler_sample(r->smp, sp, &rng[i], r->logits + (size_t)i * V);
+        pos[i] = np[i];
+        ngen[i] = 1;
+        done[i] = last[i] == c->eos_id;
+        specdec_seq_start(r->sd, seqs[i], np[i], last[i], depth > 0 ? hand[i] : NULL, depth);
+    }
+    for (;;) {
+        int m = 0;
+        for (int i = 0; i < n; i++) {
+            if (done[i])
+                continue;
+            int d = depth < NGEN - ngen[i] - 1 ? depth : NGEN - ngen[i] - 1;
+            items[m] = (specdec_item){.seq = seqs[i],
+                                      .pos = pos[i],
+                                      .last = last[i],
+                                      .depth = d,
+                                      .sp = sp,
+                                      .rng = &rng[i]};
+            idx[m++] = i;
+        }
+        if (!m)
+            break;
+        double t0 = now_s();
+        if (specdec_step(r->sd, r->ctx, r->kv, items, m) != 0)
+            return -1;
+        st->decode_s += now_s() - t0;
+        for (int k = 0; k < m; k++) {
+            int i = idx[k];
+            const specdec_item *x = &items[k];
+            st->steps++;
+            st->drafted += x->n_drafted;
+            st->accepted += x->n_accepted;
+            st->emitted += x->n_tokens;
+            if (x->n_drafted >= 1) {
+                st->a1_n++;
+                st->a1_ok += x->n_accepted >= 1;
+            }
+            if (x->n_drafted >= 2 && x->n_accepted >= 1) {
+                st->a2_n++;
+                st->a2_ok += x->n_accepted >= 2;
+            }
+            pos[i] += x->n_tokens;
+            for (int j = 0; j < x->n_tokens && !done[i]; j++) {
+                ngen[i]++;
+                st->decoded++;
+                last[i] = x->tokens[j];
+                if (last[i] == c->eos_id || ngen[i] >= NGEN)
+                    done[i] = 1;
+            }
+        }
+    }
+    for (int i = 0; i < n; i++)
+        kvcache_seq_free(r->kv, seqs[i]);
+    return 0;
+}
+
+/* Write a side file of two modules for model m (blocks copied from its last block, random
+ * eh_proj at the scale of a trained one's, unit norms). */
+static int write_synth_modules(const model_t *m, const char *path)
+{
+    const model_config *c = model_get_config(m);
+    const gguf_t *g = model_gguf(m);
+    const int D = c->dim, L = c->n_layer;
+    gguf_writer_t *w = gguf_writer_new();
+    float *eh = malloc((size_t)D * 2 * D * sizeof(float));
+    float *ones = malloc((size_t)D * sizeof(float));
+    if (!w || !eh || !ones)
+        return -1;
+    uint64_t s = 0x5eed;
+    for (size_t i = 0; i < (size_t)D * 2 * D; i++) {
+        s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+        eh[i] = ((float)((s >> 40) & 0xffff) / 65536.0f - 0.5f) * 0.04f;
+    }
+    for (int i = 0; i < D; i++)
+        ones[i] = 1.0f;
+    int rc = gguf_writer_add_str(w, "general.architecture", "llama");
+    rc |= gguf_writer_add_str(w, "general.name", "synthetic-mtp");
+    rc |= gguf_writer_add_u32(w, "llama.nextn_predict_layers", 2);
+    rc |= gguf_writer_add_u32(w, "llama.block_count", (uint32_t)L);
+    rc |= gguf_writer_add_u32(w, "llama.embedding_length", (uint32_t)D);
+    rc |= gguf_writer_add_u32(w, "llama.feed_forward_length", (uint32_t)c->hidden_dim);
+    rc |= gguf_writer_add_u32(w, "llama.attention.head_count", (uint32_t)c->n_head);
+    rc |= gguf_writer_add_u32(w, "llama.attention.head_count_kv", (uint32_t)c->n_kv_head);
+    static const char *blk[] = {"attn_norm", "attn_q",   "attn_k",   "attn_v", "attn_output",
+                                "ffn_norm",  "ffn_gate", "ffn_down", "ffn_up"};
+    char src[96], dst[96];
+    uint64_t ne_eh[2] = {2 * (uint64_t)D, (uint64_t)D}, ne_v[1] = {(uint64_t)D};
+    for (int k = 0; k < 2 && rc == 0; k++) {
+        snprintf(dst, sizeof(dst), "blk.%d.nextn.eh_proj.weight", L + k);
+        rc |= gguf_writer_add_tensor(w, dst, GGUF_TENSOR_F32, 2, ne_eh, eh);
+        snprintf(dst, sizeof(dst), "blk.%d.nextn.enorm.weight", L + k);
+        rc |= gguf_writer_add_tensor(w, dst, GGUF_TENSOR_F32, 1, ne_v, ones);
+        snprintf(dst, sizeof(dst), "blk.%d.nextn.hnorm.weight", L + k);
+        rc |= gguf_writer_add_tensor(w, dst, GGUF_TENSOR_F32, 1, ne_v, ones);
+        for (size_t t = 0; t < sizeof(blk) / sizeof(blk[0]); t++) {
+            snprintf(src, sizeof(src), "blk.%d.%s.weight", L - 1, blk[t]);
+            snprintf(dst, sizeof(dst), "blk.%d.%s.weight", L + k, blk[t]);
+            const gguf_tensor_info *ti = gguf_find_tensor(g, src);
+            if (!ti) {
+                rc = -1;
+                break;
+            }
+            rc |= gguf_writer_add_tensor(w, dst, ti->type, ti->n_dims, ti->ne, ti->data);
+        }
+    }
+    char err[512];
+    if (rc == 0 && gguf_writer_write(w, path, err, sizeof(err)) != 0) {
+        fprintf(stderr, "bench_mtp: %s\n", err);
+        rc = -1;
+    }
+    gguf_writer_destroy(&w);
+    free(eh);
+    free(ones);
+    return rc;
+}
+
+static double ratio_or_nan(double a, double b)
+{
+    return b > 0 ? a / b : NAN;
+}
+
+int main(int argc, char **argv)
+{
+    int quick = 0, a = 1;
+    if (a < argc && strcmp(argv[a], "--quick") == 0) {
+        quick = 1;
+        a++;
+    }
+    if (argc - a != 3) {
+        fprintf(stderr, "usage: bench_mtp [--quick] STORIES.gguf STORIES-MTP.gguf SYNTH-1B.gguf\n");
+        return 2;
+    }
+    const char *mpath = argv[a], *mtpath = argv[a + 1], *bigpath = argv[a + 2];
+    char err[512];
+    model_t *m = model_load(mpath, err, sizeof(err));
+    mtp_t *mt = m ? mtp_load(m, mtpath, err, sizeof(err)) : NULL;
+    tokenizer_t *tok = m ? tokenizer_load(mpath, err, sizeof(err)) : NULL;
+    if (!m || !mt || !tok) {
+        fprintf(stderr, "bench_mtp: %s\n", err);
+        return 1;
+    }
+    const model_config *c = model_get_config(m);
+    rig r;
+    if (rig_init(&r, m, mt, 1024) != 0) {
+        fprintf(stderr, "bench_mtp: out of memory\n");
+        return 1;
+    }
+    int ptok[N_HELD][64], np[N_HELD], *pp[N_HELD];
+    for (int i = 0; i < N_HELD; i++) {
+        np[i] = tokenizer_encode(tok, HELD_OUT[i], strlen(HELD_OUT[i]), 1, ptok[i], 64, NULL);
+        pp[i] = ptok[i];
+        if (np[i] < 1)
+            return 1;
+    }
+
+    /* 1. acceptance */
+    printf("== acceptance: %s + %s, %d held-out prompts, %d tokens each\n", c->name, mtpath, N_HELD,
+           NGEN);
+    sampler_params greedy = {.temperature = 0.0f, .top_p = 1.0f};
+    sampler_params t1 = {.temperature = 1.0f, .top_p = 1.0f};
+    double a1 = 0, a2 = 0, mal2 = 0;
+    struct {
+        const char *name;
+        const sampler_params *sp;
+        specdec_sampling mode;
+        int depth;
+    } acc_runs[] = {{"greedy", &greedy, SPECDEC_SAMPLE_REJECTION, 1},
+                    {"greedy", &greedy, SPECDEC_SAMPLE_REJECTION, 2},
+                    {"temperature 1, rejection sampling", &t1, SPECDEC_SAMPLE_REJECTION, 2},
+                    {"temperature 1, one-hot drafts", &t1, SPECDEC_SAMPLE_ONEHOT, 2}};
+    for (size_t k = 0; k < sizeof(acc_runs) / sizeof(acc_runs[0]); k++) {
+        run_stats st = {0};
+        specdec_set_sampling(r.sd, acc_runs[k].mode);
+        if (run(&r, N_HELD, pp, np, acc_runs[k].depth, acc_runs[k].sp, 1, &st) != 0) {
+            fprintf(stderr, "bench_mtp: decode failed\n");
+            return 1;
+        }
+        double mal = 1.0 + (double)st.accepted / (double)st.steps;
+        double p1 = ratio_or_nan((double)st.a1_ok, (double)st.a1_n);
+        double p2 = ratio_or_nan((double)st.a2_ok, (double)st.a2_n);
+        printf("  %-34s depth %d: mean acceptance length %.3f  (a1 %.3f, a2|a1 %.3f; %ld steps)\n",
+               acc_runs[k].name, acc_runs[k].depth, mal, p1, acc_runs[k].depth > 1 ? p2 : NAN,
+               st.steps);
+        if (k == 1) {
+            a1 = p1;
+            a2 = p2;
+            mal2 = mal;
+        }
+    }
+    specdec_set_sampling(r.sd, SPECDEC_SAMPLE_REJECTION);
+    printf("  target >= 2.4 at depth 2 (greedy): %s\n", mal2 >= 2.4 ? "met" : "NOT met");
+
+    /* 2. TPOT */
+    printf("\n== TPOT: %s, engine-level decode loop, greedy, %d tokens per sequence, best of "
+           "3\n",
+           c->name, NGEN);
+    printf("  %-6s %-6s %10s %12s %14s %8s\n", "batch", "depth", "TPOT ms", "tokens/s",
+           "tokens/step", "vs d0");
+    int batches[2] = {1, 16};
+    for (int bi = 0; bi < 2; bi++) {
+        double tpot0 = 0;
+        for (int d = 0; d <= 2; d++) {
+            double best = 1e30, tps = 0, tpstep = 0;
+            for (int rep = 0; rep < 3; rep++) {
+                run_stats st = {0};
+                if (run(&r, batches[bi], pp, np, d, &greedy, 1, &st) != 0)
+                    return 1;
+                double tpot = st.decode_s / ((double)st.decoded / batches[bi]);
+                if (tpot < best) {
+                    best = tpot;
+                    tps = (double)st.decoded / st.decode_s;
+                    tpstep = (double)st.emitted / (double)st.steps;
+                }
+            }
+            if (d == 0)
+                tpot0 = best;
+            printf("  %-6d %-6d %10.4f %12.0f %14.2f %7.2fx\n", batches[bi], d, best * 1e3, tps,
+                   tpstep, tpot0 / best);
+        }
+    }
+    rig_free(&r);
+
+    /* 3. the 1B-class model */
+    printf("\n== verify cost on %s\n", bigpath);
+    model_t *big = model_load(bigpath, err, sizeof(err));
+    if (!big) {
+        fprintf(stderr, "bench_mtp: %s\n", err);
+        return 1;
+    }
+    char side[1100];
+    snprintf(side, sizeof(side), "%.1000s", bigpath);
+    char *dot = strrchr(side, '.');
+    if (dot && strcmp(dot, ".gguf") == 0)
+        *dot = '\0';
+    strncat(side, "-mtp.gguf", sizeof(side) - strlen(side) - 1);
+    mtp_t *bmt = mtp_load(big, side, err, sizeof(err));
+    if (!bmt) {
+        printf("  writing synthetic modules (trained-module shapes, random weights) to %s\n", side);
+        if (write_synth_modules(big, side) != 0 || !(bmt = mtp_load(big, side, err, sizeof(err)))) {
+            fprintf(stderr, "bench_mtp: %s\n", err);
+            return 1;
+        }
+    }
+    rig rb;
+    if (rig_init(&rb, big, bmt, 256) != 0) {
+        fprintf(stderr, "bench_mtp: out of memory (1B)\n");
+        return 1;
+    }
+    const model_config *bc = model_get_config(big);
+    printf("  %s: dim %d, %d layers, vocab %d, kernels %s, %d threads; modules %.0f MB each\n",
+           bc->name, bc->dim, bc->n_layer, bc->vocab_size, model_ctx_kernel_name(rb.ctx),
+           model_ctx_n_threads(rb.ctx), (double)mtp_matmul_bytes(bmt, 1) / 1e6);
+    /* pure verify: one sequence at context 64, a pass of 1, 2, 3 tokens */
+    {
+        int seq = kvcache_seq_new(rb.kv);
+        int toks[64 + 3];
+        for (int i = 0; i < 67; i++)
+            toks[i] = 3 + (i * 7919) % (bc->vocab_size - 3);
+        kvcache_seq_reserve(rb.kv, seq, 64 + 3);
+        model_seq_batch b = {.seq = seq, .n_tokens = 64, .tokens = toks, .logits = rb.logits};
+        model_forward(rb.ctx, rb.kv, &b, 1, NULL, NULL);
+        float *lg = malloc((size_t)3 * bc->vocab_size * sizeof(float));
+        double tv[4] = {0};
+        for (int n = 1; n <= 3; n++) {
+            double best = 1e30;
+            for (int rep = 0; rep < (quick ? 2 : 4); rep++) {
+                b = (model_seq_batch){.seq = seq,
+                                      .pos = 64,
+                                      .n_tokens = n,
+                                      .tokens = toks + 64,
+                                      .logits_all = 1,
+                                      .logits = lg};
+                double t0 = now_s();
+                model_forward(rb.ctx, rb.kv, &b, 1, NULL, NULL);
+                double dt = now_s() - t0;
+                best = dt < best ? dt : best;
+            }
+            tv[n] = best;
+        }
+        free(lg);
+        kvcache_seq_free(rb.kv, seq);
+        printf("  verify pass at batch 1: 1 token %.1f ms; 2 tokens x%.3f; 3 tokens x%.3f\n",
+               tv[1] * 1e3, tv[2] / tv[1], tv[3] / tv[1]);
+    }
+    specdec_costs costs;
+    if (specdec_measure_costs(rb.sd, rb.ctx, rb.kv, quick ? 1 : 4, 20000.0, &costs) != 0) {
+        fprintf(stderr, "bench_mtp: cost measurement failed\n");
+        return 1;
+    }
+    double e1 = 1 + a1, e2 = 1 + a1 + a1 * a2;
+    printf("  whole MTP step (module passes + verify) vs a plain step, and the speedup of\n"
+           "  modules with the acceptance measured above (E1 = %.3f, E2 = %.3f tokens/step):\n",
+           e1, e2);
+    printf("  %-6s %12s %10s %10s %12s %12s\n", "batch", "plain ms", "d1 cost", "d2 cost",
+           "d1 speedup", "d2 speedup");
+    for (int k = 0; k < costs.n; k++)
+        printf("  %-6d %12.1f %9.3fx %9.3fx %11.2fx %11.2fx\n", costs.batch[k], costs.plain_ms[k],
+               costs.ratio[k][1], costs.ratio[k][2], e1 / costs.ratio[k][1],
+               e2 / costs.ratio[k][2]);
+    rig_free(&rb);
+    mtp_destroy(&bmt);
+    model_destroy(&big);
+    mtp_destroy(&mt);
+    tokenizer_destroy(&tok);
+    model_destroy(&m);
+    return 0;
+}

@@ -1,0 +1,469 @@
+"""Offline serving and the Batch API, end to end: real gateway + workers over HTTP.
+
+- service_tier "flex" requests complete and echo their tier;
+- the Files and Batch API: upload (multipart and raw), create, poll, output lines equal to
+  the non-streaming answers of the same greedy requests, bad lines in the error file, every
+  bad request a 4xx OpenAI error, cancel;
+- a gateway SIGKILLed in the middle of a batch and restarted on the same state database and
+  ports loses no finished line and finishes the rest;
+- online requests are served before queued offline ones, and offline work is preempted
+  (and still answered in full) when online load rises."""
+
+import json
+import os
+import sqlite3
+import sys
+import threading
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import Cluster  # noqa: E402
+
+PROMPTS = ["Once upon a time", "Tom and Sue went to the", "The cat", "One day, a little bird"]
+BOUNDARY = "tidepool-test-boundary-4f2a"
+
+
+def multipart(fields, files, boundary=BOUNDARY):
+    """A multipart/form-data body: fields [(name, str)], files [(name, filename, bytes)]."""
+    out = b""
+    for name, value in fields:
+        out += ("--%s\r\nContent-Disposition: form-data; name=\"%s\"\r\n\r\n" %
+                (boundary, name)).encode() + value.encode() + b"\r\n"
+    for name, filename, data in files:
+        out += ("--%s\r\nContent-Disposition: form-data; name=\"%s\"; filename=\"%s\"\r\n"
+                "Content-Type: application/jsonl\r\n\r\n" % (boundary, name, filename)).encode()
+        out += data + b"\r\n"
+    out += ("--%s--\r\n" % boundary).encode()
+    return out
+
+
+def line(custom_id, body, url="/v1/completions", method="POST"):
+    return json.dumps({"custom_id": custom_id, "method": method, "url": url, "body": body})
+
+
+def completion_body(prompt, max_tokens=24, **kw):
+    body = {"model": "stories260K", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body.update(kw)
+    return body
+
+
+def upload(c, text, multipart_form=True, filename="input.jsonl"):
+    data = text.encode() if isinstance(text, str) else text
+    if multipart_form:
+        return c.request("POST", "/v1/files",
+                         raw=multipart([("purpose", "batch")], [("file", filename, data)]),
+                         headers={"Content-Type": "multipart/form-data; boundary=" + BOUNDARY})
+    return c.request("POST", "/v1/files?purpose=batch", raw=data,
+                     headers={"Content-Type": "application/jsonl"})
+
+
+def create(c, file_id, endpoint="/v1/completions"):
+    return c.request("POST", "/v1/batches", {"input_file_id": file_id, "endpoint": endpoint,
+                                             "completion_window": "24h"})
+
+
+def wait_batch(c, batch_id, timeout=60, until=("completed", "failed", "cancelled", "expired")):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        status, b = c.request("GET", "/v1/batches/" + batch_id)
+        if status == 200 and b["status"] in until:
+            return b
+        time.sleep(0.1)
+    raise AssertionError("batch %s not %s after %ss: %r\n%s" % (batch_id, until, timeout, b,
+                                                                 c.log("gateway")[-3000:]))
+
+
+def file_lines(c, file_id):
+    status, text = c.request("GET", "/v1/files/%s/content" % file_id)
+    assert status == 200, (status, text)
+    if isinstance(text, dict):  # one line parses as a JSON document
+        return [text]
+    return [json.loads(x) for x in text.splitlines() if x.strip()]
+
+
+def metric(c, name):
+    status, text = c.request("GET", "/metrics")
+    for l in text.splitlines():
+        if l.startswith("tidepool:" + name + "{") or l.startswith("tidepool:" + name + " "):
+            return float(l.rsplit(" ", 1)[1])
+    raise AssertionError("metric %s not found" % name)
+
+
+class BatchApi(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.c = Cluster(roles=("prefill", "decode"),
+                        gateway_args=["--batch-max-lines", "20", "--batch-max-file-bytes", "20000"])
+        cls.c.__enter__()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.c.__exit__(None, None, None)
+
+    def reference(self, body, path="/v1/completions"):
+        status, r = self.c.request("POST", path, body)
+        self.assertEqual(status, 200, r)
+        return r
+
+    def test_flex_requests(self):
+        c = self.c
+        ref = self.reference(completion_body("Once upon a time", 16))
+        self.assertEqual(ref["service_tier"], "default")
+        status, r = c.complete("Once upon a time", max_tokens=16, service_tier="flex")
+        self.assertEqual(status, 200, r)
+        self.assertEqual(r["service_tier"], "flex")
+        self.assertEqual(r["choices"][0]["text"], ref["choices"][0]["text"])
+        for tier in ("auto", "default"):
+            status, r = c.complete("Once upon a time", max_tokens=4, service_tier=tier)
+            self.assertEqual((status, r["service_tier"]), (200, "default"))
+        status, text, events, done = c.stream_text("Once upon a time", max_tokens=16,
+                                                   service_tier="flex")
+        self.assertTrue(done)
+        self.assertEqual(text, ref["choices"][0]["text"])
+        self.assertTrue(all(e["service_tier"] == "flex" for e in events))
+        status, r = c.complete("Once upon a time", max_tokens=4, service_tier="priority")
+        self.assertEqual(status, 400)
+        self.assertEqual((r["error"]["param"], r["error"]["code"]),
+                         ("service_tier", "invalid_value"))
+        self.assertGreaterEqual(metric(c, "offline_generation_tokens_total"), 32)
+
+    def test_roundtrip_completions(self):
+        c = self.c
+        bodies = [completion_body(p, 20 + i) for i, p in enumerate(PROMPTS)]
+        bodies.append(completion_body("Once upon a time", 40, stop=["Lily"]))
+        refs = [self.reference(b) for b in bodies]
+        text = "\n".join(line("req-%d" % i, b) for i, b in enumerate(bodies)) + "\n"
+        status, f = upload(c, text)
+        self.assertEqual(status, 200, f)
+        self.assertEqual((f["object"], f["purpose"], f["bytes"], f["filename"]),
+                         ("file", "batch", len(text.encode()), "input.jsonl"))
+        self.assertTrue(f["id"].startswith("file-"))
+        self.assertEqual(c.request("GET", "/v1/files/" + f["id"]), (200, f))
+        status, content = c.request("GET", "/v1/files/%s/content" % f["id"])
+        self.assertEqual(status, 200)
+        status, b = create(c, f["id"])
+        self.assertEqual(status, 200, b)
+        self.assertTrue(b["id"].startswith("batch_"))
+        self.assertEqual((b["object"], b["endpoint"], b["input_file_id"],
+                          b["completion_window"]),
+                         ("batch", "/v1/completions", f["id"], "24h"))
+        self.assertIn(b["status"], ("validating", "in_progress"))
+        b = wait_batch(c, b["id"])
+        self.assertEqual(b["status"], "completed", b)
+        self.assertEqual(b["request_counts"], {"total": 5, "completed": 5, "failed": 0})
+        self.assertIsNone(b["error_file_id"])
+        for key in ("created_at", "in_progress_at", "finalizing_at", "completed_at"):
+            self.assertIsInstance(b[key], int, key)
+        out = file_lines(c, b["output_file_id"])
+        self.assertEqual(len(out), 5)
+        by_id = {o["custom_id"]: o for o in out}
+        for i, ref in enumerate(refs):
+            o = by_id["req-%d" % i]
+            self.assertTrue(o["id"].startswith("batch_req_"))
+            self.assertIsNone(o["error"])
+            self.assertEqual(o["response"]["status_code"], 200)
+            body = o["response"]["body"]
+            self.assertEqual(o["response"]["request_id"], body["id"])
+            self.assertEqual(body["choices"][0]["text"], ref["choices"][0]["text"])
+            self.assertEqual(body["choices"][0]["finish_reason"],
+                             ref["choices"][0]["finish_reason"])
+            self.assertEqual(body["usage"], ref["usage"])
+            self.assertEqual(body["object"], "text_completion")
+        status, f2 = c.request("GET", "/v1/files/" + b["output_file_id"])
+        self.assertEqual(f2["purpose"], "batch_output")
+        status, lst = c.request("GET", "/v1/batches?limit=100")
+        self.assertEqual(status, 200)
+        self.assertEqual(lst["object"], "list")
+        self.assertIn(b["id"], [x["id"] for x in lst["data"]])
+
+    def test_roundtrip_chat_raw_upload(self):
+        c = self.c
+        msgs = [{"role": "user", "content": "Tell me a story"}]
+        body = {"model": "stories260K", "messages": msgs, "max_tokens": 20, "temperature": 0}
+        ref = self.reference(body, "/v1/chat/completions")
+        text = line("chat-1", body, url="/v1/chat/completions")
+        status, f = upload(c, text, multipart_form=False)
+        self.assertEqual(status, 200, f)
+        status, b = create(c, f["id"], "/v1/chat/completions")
+        self.assertEqual(status, 200, b)
+        b = wait_batch(c, b["id"])
+        out = file_lines(c, b["output_file_id"])
+        self.assertEqual(len(out), 1)
+        got = out[0]["response"]["body"]
+        self.assertEqual(got["object"], "chat.completion")
+        self.assertEqual(got["choices"][0]["message"], ref["choices"][0]["message"])
+
+    def test_bad_lines_go_to_the_error_file(self):
+        c = self.c
+        good = completion_body("Once upon a time", 8)
+        lines = [
+            line("ok-1", good),
+            "this is not json",
+            json.dumps({"method": "POST", "url": "/v1/completions", "body": good}),
+            line("bad-method", good, method="GET"),
+            line("bad-url", good, url="/v1/chat/completions"),
+            json.dumps({"custom_id": "bad-body", "method": "POST", "url": "/v1/completions",
+                        "body": "x"}),
+            line("ok-1", good),  # duplicate custom_id
+            line("bad-max-tokens", dict(good, max_tokens=0)),
+            line("bad-model", dict(good, model="gpt-4")),
+            line("too-long", dict(good, max_tokens=100000)),
+            line("no-prompt", {"model": "stories260K"}),
+            line("ok-2", good),
+        ]
+        status, f = upload(c, "\n\n".join(lines))  # blank lines are skipped
+        self.assertEqual(status, 200, f)
+        status, b = create(c, f["id"])
+        b = wait_batch(c, b["id"])
+        self.assertEqual(b["status"], "completed")
+        self.assertEqual(b["request_counts"], {"total": 12, "completed": 2, "failed": 10})
+        out = file_lines(c, b["output_file_id"])
+        self.assertEqual(sorted(o["custom_id"] for o in out), ["ok-1", "ok-2"])
+        errs = file_lines(c, b["error_file_id"])
+        self.assertEqual(len(errs), 10)
+        codes = {}
+        for e in errs:
+            if e["response"] is None:
+                codes[e["error"]["line"]] = e["error"]["code"]
+            else:
+                self.assertIsNone(e["error"])
+                codes[e["custom_id"]] = (e["response"]["status_code"],
+                                         e["response"]["body"]["error"]["code"])
+        self.assertEqual(codes[2], "invalid_json_line")
+        self.assertEqual(codes[3], "missing_custom_id")
+        self.assertEqual(codes[4], "invalid_method")
+        self.assertEqual(codes[5], "mismatched_url")
+        self.assertEqual(codes[6], "invalid_body")
+        self.assertEqual(codes[7], "duplicate_custom_id")
+        self.assertEqual(codes["bad-max-tokens"], (400, "invalid_value"))
+        self.assertEqual(codes["bad-model"], (404, "model_not_found"))
+        self.assertEqual(codes["too-long"], (400, "context_length_exceeded"))
+        self.assertEqual(codes["no-prompt"], (400, "missing_required_parameter"))
+
+    def test_bad_requests(self):
+        c = self.c
+        ok_line = line("a", completion_body("Hi", 2))
+
+        def check(resp, status, code=None, param=None):
+            st, body = resp
+            self.assertEqual(st, status, body)
+            self.assertIn("error", body)
+            self.assertIn("message", body["error"])
+            if code:
+                self.assertEqual(body["error"]["code"], code, body)
+            if param:
+                self.assertEqual(body["error"]["param"], param, body)
+
+        mp = {"Content-Type": "multipart/form-data; boundary=" + BOUNDARY}
+        # uploads
+        check(c.request("POST", "/v1/files", raw=multipart([], [("file", "x", b"{}")]),
+                        headers=mp), 400, "missing_required_parameter", "purpose")
+        check(c.request("POST", "/v1/files", raw=multipart([("purpose", "fine-tune")],
+                                                           [("file", "x", b"{}")]),
+                        headers=mp), 400, "invalid_value", "purpose")
+        check(c.request("POST", "/v1/files", raw=multipart([("purpose", "batch")], []),
+                        headers=mp), 400, "missing_required_parameter", "file")
+        check(c.request("POST", "/v1/files", raw=b"--" + BOUNDARY.encode() + b"\r\nbroken",
+                        headers=mp), 400, "invalid_multipart")
+        check(c.request("POST", "/v1/files",
+                        raw=b"no boundary", headers={"Content-Type": "multipart/form-data"}),
+              400, "invalid_multipart")
+        check(c.request("POST", "/v1/files", raw=ok_line.encode(),
+                        headers={"Content-Type": "application/jsonl"}),
+              400, "missing_required_parameter", "purpose")
+        check(upload(c, "  \n\n"), 400, "invalid_file")
+        check(upload(c, b"\xff\xfe{}\n"), 400, "invalid_encoding")
+        check(upload(c, "\n".join([ok_line] * 21)), 400, "too_many_lines")
+        check(upload(c, ok_line + " " * 20000), 413, "file_too_large")
+        # batches
+        status, f = upload(c, ok_line)
+        self.assertEqual(status, 200)
+        check(c.request("POST", "/v1/batches", raw=b"{nope"), 400, "invalid_json")
+        check(c.request("POST", "/v1/batches", [1]), 400, "invalid_type")
+        check(c.request("POST", "/v1/batches", {"endpoint": "/v1/completions",
+                                                "completion_window": "24h"}),
+              400, "missing_required_parameter", "input_file_id")
+        check(c.request("POST", "/v1/batches", {"input_file_id": f["id"],
+                                                "completion_window": "24h"}),
+              400, "missing_required_parameter", "endpoint")
+        check(c.request("POST", "/v1/batches", {"input_file_id": f["id"],
+                                                "endpoint": "/v1/completions"}),
+              400, "missing_required_parameter", "completion_window")
+        check(c.request("POST", "/v1/batches", {"input_file_id": 7, "endpoint": "/v1/completions",
+                                                "completion_window": "24h"}),
+              400, "invalid_type", "input_file_id")
+        check(create(c, "file-doesnotexist"), 404, "file_not_found", "input_file_id")
+        check(create(c, f["id"], "/v1/embeddings"), 400, "invalid_value", "endpoint")
+        check(c.request("POST", "/v1/batches", {"input_file_id": f["id"],
+                                                "endpoint": "/v1/completions",
+                                                "completion_window": "1h"}),
+              400, "invalid_value", "completion_window")
+        check(c.request("POST", "/v1/batches", {"input_file_id": f["id"],
+                                                "endpoint": "/v1/completions",
+                                                "completion_window": "24h", "metadata": [1]}),
+              400, "invalid_value", "metadata")
+        check(c.request("GET", "/v1/batches/batch_nope"), 404, "batch_not_found")
+        check(c.request("POST", "/v1/batches/batch_nope/cancel"), 404, "batch_not_found")
+        check(c.request("GET", "/v1/files/file-nope"), 404, "file_not_found")
+        check(c.request("GET", "/v1/files/file-nope/content"), 404, "file_not_found")
+        check(c.request("GET", "/v1/batches?limit=0"), 400, "invalid_value", "limit")
+        check(c.request("GET", "/v1/batches?after=batch_nope"), 404)
+        check(c.request("GET", "/v1/files"), 405, "method_not_allowed")
+        check(c.request("DELETE", "/v1/batches"), 405, "method_not_allowed")
+        check(c.request("GET", "/v1/batches/x/y"), 404, "unknown_url")
+        # a finished batch cannot be cancelled; an output file cannot be a batch's input
+        status, b = create(c, f["id"])
+        b = wait_batch(c, b["id"])
+        check(c.request("POST", "/v1/batches/%s/cancel" % b["id"]), 400, "invalid_state")
+        check(create(c, b["output_file_id"]), 400, "invalid_value", "input_file_id")
+
+
+class Cancel(unittest.TestCase):
+    def test_cancel(self):
+        with Cluster(roles=("mixed",), worker_args=["--debug-step-delay-ms", "25"],
+                     gateway_args=["--batch-max-inflight", "2"]) as c:
+            text = "\n".join(line("r%d" % i, completion_body("Once upon a time", 60))
+                             for i in range(10))
+            status, f = upload(c, text)
+            status, b = create(c, f["id"])
+            self.assertEqual(status, 200)
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                status, b = c.request("GET", "/v1/batches/" + b["id"])
+                if b["request_counts"]["completed"] >= 2:
+                    break
+                time.sleep(0.05)
+            status, b2 = c.request("POST", "/v1/batches/%s/cancel" % b["id"])
+            self.assertEqual(status, 200, b2)
+            self.assertIn(b2["status"], ("cancelling", "cancelled"))
+            b = wait_batch(c, b["id"], until=("cancelled",))
+            self.assertIsInstance(b["cancelled_at"], int)
+            done = b["request_counts"]["completed"]
+            self.assertGreaterEqual(done, 2)
+            self.assertLess(done, 10)
+            self.assertEqual(b["request_counts"]["total"], 10)
+            out = file_lines(c, b["output_file_id"])
+            self.assertEqual(len(out), done)
+            status, e = c.request("POST", "/v1/batches/%s/cancel" % b["id"])
+            self.assertEqual(status, 400)
+            # the worker is free again: an online request is served at once
+            status, r = c.complete("Once upon a time", max_tokens=4)
+            self.assertEqual(status, 200)
+
+
+class Restart(unittest.TestCase):
+    def test_gateway_killed_mid_batch(self):
+        with Cluster(roles=("mixed",), worker_args=["--debug-step-delay-ms", "30"],
+                     gateway_args=["--batch-max-inflight", "2"]) as c:
+            n = 12
+            bodies = [completion_body(PROMPTS[i % len(PROMPTS)], 40 + i) for i in range(n)]
+            text = "\n".join(line("r%d" % i, b) for i, b in enumerate(bodies))
+            status, f = upload(c, text)
+            status, b = create(c, f["id"])
+            self.assertEqual(status, 200, b)
+            db = sqlite3.connect(c.state_db)
+
+            def stored():
+                rows = db.execute("SELECT line, body FROM results WHERE batch_id = ?",
+                                  (b["id"],)).fetchall()
+                return {row[0]: json.loads(row[1]) for row in rows}
+
+            deadline = time.time() + 30
+            before = {}
+            while time.time() < deadline and len(before) < 3:
+                before = stored()
+                time.sleep(0.05)
+            self.assertGreaterEqual(len(before), 3, c.log("gateway")[-2000:])
+            c.kill("gateway")  # SIGKILL: no flush, no goodbye
+            before = stored()  # everything committed before the kill
+            self.assertLess(len(before), n, "the batch finished before the kill; slow it down")
+            c.start_gateway()
+            c.wait_healthy(30)
+            b = wait_batch(c, b["id"], timeout=60)
+            self.assertEqual(b["status"], "completed", b)
+            self.assertEqual(b["request_counts"], {"total": n, "completed": n, "failed": 0})
+            out = file_lines(c, b["output_file_id"])
+            self.assertEqual(sorted(o["custom_id"] for o in out),
+                             sorted("r%d" % i for i in range(n)))
+            by_id = {o["custom_id"]: o for o in out}
+            for line_no, res in before.items():  # not recomputed: the very same result
+                self.assertEqual(by_id[res["custom_id"]], res)
+            self.assertIn("resumed (in_progress): %d of %d lines already done" %
+                          (len(before), n), c.log("gateway"))
+            db.close()
+            for i, body in enumerate(bodies):  # and every answer is the greedy one
+                status, ref = c.request("POST", "/v1/completions", body)
+                self.assertEqual(by_id["r%d" % i]["response"]["body"]["choices"][0]["text"],
+                                 ref["choices"][0]["text"])
+
+
+class Tiers(unittest.TestCase):
+    def run_concurrently(self, c, jobs):
+        """jobs: [(name, body, wait)] started in order; wait: seconds to sleep first, or a
+        function to poll until true. Returns {name: (finish time, status, response)}."""
+        done = {}
+
+        def run(name, body):
+            status, r = c.request("POST", "/v1/completions", body, timeout=120)
+            done[name] = (time.time(), status, r)
+
+        threads = []
+        for name, body, wait in jobs:
+            if callable(wait):
+                deadline = time.time() + 30
+                while not wait() and time.time() < deadline:
+                    time.sleep(0.02)
+            elif wait:
+                time.sleep(wait)
+            t = threading.Thread(target=run, args=(name, body))
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join(120)
+        return done
+
+    def test_online_first(self):
+        # one slow worker with room for 8 sequences: offline may fill floor(0.6 * 0.5 * 8) = 2
+        with Cluster(roles=("mixed",),
+                     worker_args=["--debug-step-delay-ms", "20", "--max-seqs", "8"],
+                     gateway_args=["--smooth-s", "0"]) as c:
+            jobs = [("off-%d" % i, completion_body("Once upon a time", 60, service_tier="flex"),
+                     0) for i in range(8)]
+            jobs.append(("online", completion_body("Tom and Sue went to the", 60),
+                         lambda: metric(c, "num_offline_requests_waiting") >= 6))
+            done = self.run_concurrently(c, jobs)
+            self.assertTrue(all(v[1] == 200 for v in done.values()), done)
+            t_online = done["online"][0]
+            later = [k for k, v in done.items() if k != "online" and v[0] > t_online]
+            self.assertGreaterEqual(len(later), 5, "online finished after most offline: %r" %
+                                    {k: v[0] - t_online for k, v in done.items()})
+            self.assertEqual(done["online"][2]["service_tier"], "default")
+
+    def test_preemption(self):
+        # room for 4 sequences, offline admission floor(0.6 * 0.5 * 4) = 1; two online
+        # sequences already put the decode pressure at 1.0 >= 0.95: the offline one yields
+        with Cluster(roles=("mixed",),
+                     worker_args=["--debug-step-delay-ms", "25", "--max-seqs", "4"],
+                     gateway_args=["--smooth-s", "0", "--offline-max-wait-s", "1000"]) as c:
+            ref_off = c.complete("Once upon a time", max_tokens=240)[1]["choices"][0]["text"]
+            jobs = [("off-%d" % i, completion_body("Once upon a time", 240, service_tier="flex"),
+                     0) for i in range(2)]
+            started = lambda: (metric(c, "num_offline_requests_running") >= 1 and  # noqa: E731
+                               metric(c, "offline_generation_tokens_total") == 0 and
+                               time.sleep(0.3) is None)
+            jobs += [("on-%d" % i, completion_body("Tom and Sue went to the", 20),
+                      started if i == 0 else 0) for i in range(3)]
+            done = self.run_concurrently(c, jobs)
+            self.assertTrue(all(v[1] == 200 for v in done.values()), done)
+            for k in ("off-0", "off-1"):  # preempted and resumed: still one unbroken answer
+                self.assertEqual(done[k][2]["choices"][0]["text"], ref_off)
+                self.assertEqual(done[k][2]["usage"]["completion_tokens"], 240)
+                self.assertEqual(done[k][2]["service_tier"], "flex")
+            self.assertGreaterEqual(metric(c, "offline_preemptions_total"), 1,
+                                    c.log("gateway")[-3000:])
+            self.assertIn("preempted", c.log("gateway"))
+
+
+if __name__ == "__main__":
+    unittest.main()
