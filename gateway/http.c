@@ -13,6 +13,7 @@
 #include <event2/event.h>
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
+#include <event2/listener.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -586,14 +587,14 @@ static void handle_health(http_server_t *s, struct evhttp_request *req)
 static void add_worker_json(const cluster_worker_info *w, void *ud)
 {
     static const char *roles[] = {"?", "prefill", "decode", "mixed"};
-    json_t *o = json_pack("{s:s, s:s, s:s, s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f}", "id",
+    json_t *o = json_pack("{s:s, s:s, s:s, s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:I}", "id",
                           w->id, "role", roles[w->role >= 1 && w->role <= 3 ? w->role : 0],
                           "state", w->state == PROTO_STATE_READY ? "ready" : "draining",
                           "kv_endpoint", w->kv_endpoint, "pid", w->pid, "kv_blocks_total",
                           w->kv_blocks_total, "kv_blocks_free", w->kv_blocks_free, "running",
                           w->running, "queued", w->queued, "queued_prompt_tokens",
                           w->queued_prompt_tokens, "assigned", w->n_assigned,
-                          "last_seen_ms_ago", w->last_seen_ms_ago);
+                          "last_seen_ms_ago", (json_int_t)(w->last_seen_ms_ago + 0.5));
     if (o)
         json_array_append_new((json_t *)ud, o);
 }
@@ -700,10 +701,57 @@ static void on_reply_done(struct evhttp_request *req, void *arg)
 
 static int batch_route(const char *path, char *id, size_t cap, const char **allow);
 
+/* Running out of file descriptors makes accept() fail at once, every time the listener
+ * is readable: pause accepting for 100 ms instead of spinning (and logging) at full speed.
+ * (The error callback's argument is evhttp's, not ours: only the listener is used.) */
+static void on_accept_resume(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd;
+    (void)what;
+    evconnlistener_enable(arg);
+}
+
+static void on_accept_error(struct evconnlistener *l, void *arg)
+{
+    (void)arg;
+    static int64_t warned_us; /* one line a second at most, whatever the listener */
+    int e = EVUTIL_SOCKET_ERROR();
+    if (e != EMFILE && e != ENFILE && e != ENOBUFS && e != ENOMEM)
+        return; /* transient (ECONNABORTED, EINTR): libevent retries */
+    int64_t now = proto_now_us();
+    if (now - warned_us > 1000000) {
+        log_warn("cannot accept connections: %s; pausing accepts for 100 ms", strerror(e));
+        warned_us = now;
+    }
+    struct timeval tv = {0, 100000};
+    if (event_base_once(evconnlistener_get_base(l), -1, EV_TIMEOUT, on_accept_resume, l, &tv) == 0)
+        evconnlistener_disable(l);
+}
+
+/* Requests whose framing is ambiguous (RFC 9112 6.3: several Content-Length headers) are
+ * refused and their connection closed, so that nothing after them is read as a request
+ * (request smuggling). Returns 1 when req was answered. */
+static int reject_ambiguous_framing(struct evhttp_request *req)
+{
+    int n = 0;
+    struct evkeyvalq *h = evhttp_request_get_input_headers(req);
+    for (struct evkeyval *kv = h->tqh_first; kv; kv = kv->next.tqe_next)
+        if (evutil_ascii_strcasecmp(kv->key, "Content-Length") == 0)
+            n++;
+    if (n <= 1)
+        return 0;
+    evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
+    reply_error_msg(req, 400, "invalid_request_error", NULL, "bad_framing",
+                    "The request has more than one Content-Length header.");
+    return 1;
+}
+
 static void on_request(struct evhttp_request *req, void *arg)
 {
     http_server_t *s = arg;
     evhttp_request_set_on_complete_cb(req, on_reply_done, s);
+    if (reject_ambiguous_framing(req))
+        return;
     enum evhttp_cmd_type method = evhttp_request_get_command(req);
     const struct evhttp_uri *uri = evhttp_request_get_evhttp_uri(req);
     const char *path = uri ? evhttp_uri_get_path(uri) : NULL;
@@ -801,13 +849,14 @@ http_server_t *http_server_new(struct event_base *base, const http_params *p, ch
     evhttp_set_allowed_methods(s->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
                                             EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE |
                                             EVHTTP_REQ_OPTIONS | EVHTTP_REQ_PATCH);
-    evhttp_set_timeout(s->http, 600); /* idle keep-alive connections, stalled writes */
+    evhttp_set_timeout(s->http, p->timeout_s > 0 ? p->timeout_s : 60);
     evhttp_set_gencb(s->http, on_request, s);
     s->bound = evhttp_bind_socket_with_handle(s->http, p->host, (ev_uint16_t)p->port);
     if (!s->bound) {
         snprintf(err, errlen, "cannot listen on %s:%d: %s", p->host, p->port, strerror(errno));
         goto fail;
     }
+    evconnlistener_set_error_cb(evhttp_bound_socket_get_listener(s->bound), on_accept_error);
     s->port = p->port;
     evutil_socket_t fd = evhttp_bound_socket_get_fd(s->bound);
     struct sockaddr_storage ss;

@@ -31,6 +31,9 @@ typedef struct {
     size_t max_body_bytes;  /* larger bodies get 413 */
     size_t max_upload_bytes; /* POST /v1/files: largest file (0 = no uploads beyond
                               * max_body_bytes); the HTTP layer reads bodies this large */
+    int timeout_s;          /* a connection that sends no bytes of its request, or takes
+                             * none of our reply, for this long is closed (slowloris, stalled
+                             * readers); 0 = 60 */
     const char *model_name; /* served model name (copied) */
     int n_ctx;              /* context length in tokens */
     const tokenizer_t *tok; /* borrowed; must outlive the server */

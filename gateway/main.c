@@ -13,6 +13,7 @@
  */
 #include <event2/event.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +31,7 @@
 
 static char *opt_host, *opt_ctl_bind, *opt_model, *opt_served_name, *opt_log_level,
     *opt_stats_bind;
+static long long opt_http_timeout_s;
 static long long opt_port, opt_max_body, opt_max_queue, opt_hb_ms, opt_dead_ms, opt_timeout_ms,
     opt_retries, opt_drain_ms, opt_stats_interval_ms, opt_stats_window_s;
 /* offline tier and Batch API */
@@ -49,6 +51,9 @@ static const config_entry_t settings[] = {
      "model name in the API (default: the file's general.name)"},
     {"max-body-bytes", CONFIG_INT, &opt_max_body, "1048576", 1024, 1073741824,
      "largest request body accepted; larger ones get 413"},
+    {"http-timeout-s", CONFIG_INT, &opt_http_timeout_s, "60", 1, 86400,
+     "close a client connection idle this long while sending its request or while a reply "
+     "waits for it to read"},
     {"max-queue", CONFIG_INT, &opt_max_queue, "1024", 0, 10000000,
      "requests waiting for a worker before new ones get 429"},
     {"heartbeat-ms", CONFIG_INT, &opt_hb_ms, "500", 10, 3600000,
@@ -204,6 +209,14 @@ int main(int argc, char **argv)
     log_info("model %s: '%s', context %d tokens, vocabulary %d", opt_model, served, n_ctx,
              tokenizer_vocab_size(tok));
 
+    /* One descriptor per client connection: take the hard limit rather than the usual
+     * soft 1024, so that load is refused by --max-queue, not by accept() failing. */
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+    }
+
     app.base = event_base_new();
     if (!app.base) {
         log_error("cannot create the event loop");
@@ -213,6 +226,7 @@ int main(int argc, char **argv)
         .host = opt_host,
         .port = (int)opt_port,
         .max_body_bytes = (size_t)opt_max_body,
+        .timeout_s = (int)opt_http_timeout_s,
         .max_upload_bytes = opt_state_db[0] ? (size_t)opt_batch_max_file_bytes : 0,
         .model_name = served,
         .n_ctx = n_ctx,

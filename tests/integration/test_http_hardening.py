@@ -1,0 +1,159 @@
+"""HTTP-level hardening of the gateway: ambiguous framing (request smuggling), slow
+clients (slowloris) and the idle timeout, which must not cut requests that are merely
+waiting for tokens."""
+
+import json
+import os
+import resource
+import subprocess
+import socket
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import Cluster  # noqa: E402
+from test_e2e import REF  # noqa: E402
+
+
+def raw(port, data, timeout=5):
+    """Send raw bytes; return everything the server sends until it closes or times out."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    s.sendall(data)
+    out = b""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    except socket.timeout:
+        pass
+    s.close()
+    return out
+
+
+class Hardening(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.c = Cluster(roles=("prefill", "decode"), gateway_args=["--http-timeout-s", "1"],
+                        worker_args=["--debug-step-delay-ms", "100"])
+        cls.c.start()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.c.stop()
+        reports = cls.c.sanitizer_reports()
+        if reports:
+            raise AssertionError("sanitizer reports:\n" + "\n".join(reports))
+
+    def test_duplicate_content_length_is_refused_and_nothing_smuggled(self):
+        body = b'{"a":1}'
+        smuggled = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+        req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: 7\r\nContent-Length: %d\r\n\r\n" % (len(body) + len(smuggled)))
+        out = raw(self.c.port, req + body + smuggled)
+        self.assertTrue(out.startswith(b"HTTP/1.1 400"), out[:200])
+        self.assertEqual(out.count(b"HTTP/1.1 "), 1, "a second (smuggled) response came back")
+        payload = out.split(b"\r\n\r\n", 1)[1]
+        self.assertEqual(json.loads(payload)["error"]["code"], "bad_framing")
+
+    def test_slowloris_connection_is_closed(self):
+        s = socket.create_connection(("127.0.0.1", self.c.port), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n")  # never finished
+        t0 = time.time()
+        try:
+            data = s.recv(65536)
+        except (ConnectionResetError, socket.timeout):
+            data = b""
+        waited = time.time() - t0
+        s.close()
+        self.assertLess(waited, 8, "a half-sent request held its connection open")
+        self.assertNotIn(b"200 OK", data)
+
+    def test_request_longer_than_idle_timeout_completes(self):
+        # 48 tokens at >= 100 ms a step (MTP emits at most 3 per step): over the 1 s idle
+        # timeout, non-streaming, so the client reads
+        # nothing until the end
+        t0 = time.time()
+        status, body = self.c.complete("Once upon a time", max_tokens=48)
+        self.assertGreater(time.time() - t0, 1.5)
+        self.assertEqual(status, 200, body)
+        self.assertEqual(body["choices"][0]["text"], REF["Once upon a time"])
+        status, text, events, done = self.c.stream_text("Once upon a time", max_tokens=48)
+        self.assertTrue(done)
+        self.assertEqual(text, REF["Once upon a time"])
+
+
+class OutOfDescriptors(unittest.TestCase):
+    def test_accept_failures_pause_instead_of_spinning(self):
+        """With 64 descriptors and 120 clients, accept() fails: the gateway must not spin
+        (nor flood its log), and must serve again once the clients are gone."""
+        from cluster import BIN, MODEL, free_port  # noqa: E402
+        import tempfile
+        port = free_port()
+        tmp = tempfile.mkdtemp(prefix="tidepool-emfile-")
+        log = open(os.path.join(tmp, "gateway.log"), "wb")
+
+        def limit():
+            resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+        p = subprocess.Popen([os.path.join(BIN, "gateway"), "--port", str(port), "--ctl-bind",
+                              "tcp://127.0.0.1:%d" % free_port(), "--stats-bind",
+                              "tcp://127.0.0.1:%d" % free_port(), "--model", MODEL,
+                              "--state-db", os.path.join(tmp, "state.db")],
+                             stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit)
+        try:
+            deadline = time.time() + 10
+            while time.time() < deadline:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            socks = []
+            for _ in range(120):
+                try:
+                    s = socket.create_connection(("127.0.0.1", port), timeout=1)
+                    s.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+                    socks.append(s)
+                except OSError:
+                    pass
+            t0 = time.time()
+            cpu0 = _proc_cpu(p.pid)
+            time.sleep(2)
+            cpu = (_proc_cpu(p.pid) - cpu0) / (time.time() - t0)
+            for s in socks:
+                s.close()
+            self.assertLess(cpu, 0.5, "gateway spun at %.0f%% CPU while out of descriptors"
+                            % (cpu * 100))
+            time.sleep(0.5)
+            status = None
+            for _ in range(50):
+                try:
+                    c = socket.create_connection(("127.0.0.1", port), timeout=2)
+                    c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    status = c.recv(100)[:12]
+                    c.close()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            self.assertEqual(status, b"HTTP/1.1 503")  # serving again (no workers: 503)
+            self.assertIsNone(p.poll(), "gateway died")
+        finally:
+            p.terminate()
+            p.wait(10)
+            log.close()
+        with open(os.path.join(tmp, "gateway.log")) as f:
+            lines = f.read().count("cannot accept connections")
+        self.assertLessEqual(lines, 10)
+
+
+def _proc_cpu(pid):
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+if __name__ == "__main__":
+    unittest.main()
