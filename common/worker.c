@@ -163,7 +163,11 @@ static void send_heartbeat(worker_t *w)
     proto_msg_init(&m, PROTO_HEARTBEAT);
     snprintf(m.worker_id, sizeof(m.worker_id), "%s", w->wid);
     m.role = w->role;
-    m.state = w->draining ? PROTO_STATE_DRAINING : PROTO_STATE_READY;
+    m.state = w->draining      ? PROTO_STATE_DRAINING
+              : w->role_target ? PROTO_STATE_CHANGING
+                               : PROTO_STATE_READY;
+    m.role_change_us = w->role_change_us;
+    m.n_role_changes = w->n_role_changes;
     sched_load(w, &m.running, &m.queued, &m.queued_prompt_tokens);
     m.kv_blocks_total = kvcache_n_blocks(w->kv);
     m.kv_blocks_free = kvcache_n_free_blocks(w->kv);
@@ -189,11 +193,21 @@ static void heartbeat_tick(worker_t *w, int force)
     if (!w->registered) {
         if (send_register(w) < 0 && delay_ms > REGISTER_RETRY_MS)
             delay_ms = REGISTER_RETRY_MS;
+        if (!w->unacked_since_us)
+            w->unacked_since_us = now;
+        else if (now - w->unacked_since_us > 5000000) {
+            log_warn("no REGISTER_ACK from the gateway at %s for 5 s: is it running, and is "
+                     "worker id '%s' unique? (ZeroMQ refuses a second connection with an id "
+                     "in use)", w->gateway, w->wid);
+            w->unacked_since_us = now;
+        }
     } else {
         send_heartbeat(w);
     }
     w->next_hb_us = now + (int64_t)delay_ms * 1000;
 }
+
+static void on_role(worker_t *w, int role);
 
 static void on_ctl(worker_t *w, proto_msg *m, int n_frames)
 {
@@ -208,6 +222,7 @@ static void on_ctl(worker_t *w, proto_msg *m, int n_frames)
             log_info("registered with the gateway as %s (heartbeat %d ms)", w->wid,
                      m->heartbeat_ms);
         w->registered = 1;
+        w->unacked_since_us = 0;
         w->hb_ms = m->heartbeat_ms;
         w->next_hb_us = proto_now_us() + (int64_t)w->hb_ms * 1000;
         return;
@@ -221,6 +236,9 @@ static void on_ctl(worker_t *w, proto_msg *m, int n_frames)
         return;
     case PROTO_CANCEL:
         sched_on_cancel(w, m->rid);
+        return;
+    case PROTO_ROLE:
+        on_role(w, m->role);
         return;
     default:
         log_rwarn(m->rid, "dropped unexpected %s from the gateway", proto_type_str(m->type));
@@ -290,6 +308,45 @@ static int setup_model(worker_t *w)
     return 0;
 }
 
+/* The kv ROUTER of a decode/mixed worker (bound at --kv-bind) and the endpoint it
+ * advertises. Returns 0 or -1 (logged). */
+static int open_receiver(worker_t *w)
+{
+    kvx_receiver_params rp = kvx_receiver_default_params();
+    rp.fingerprint = w->mc->fingerprint;
+    rp.lease_ms = (int)w->lease_ms;
+    if (w->mtp) {
+        rp.n_mtp = w->n_mtp;
+        rp.mtp_fp = mtp_fingerprint(w->mtp);
+        rp.n_hidden = specdec_hand_floats(w->sd);
+    }
+    w->receiver = kvx_receiver_new(w->zctx, w->kv, w->kv_bind, &rp);
+    if (!w->receiver)
+        return -1; /* logged */
+    const char *ep = w->kv_advertise && *w->kv_advertise ? w->kv_advertise
+                                                         : kvx_receiver_endpoint(w->receiver);
+    snprintf(w->kv_endpoint, sizeof(w->kv_endpoint), "%s", ep);
+    if (strstr(w->kv_endpoint, "//0.0.0.0:") || strstr(w->kv_endpoint, "//*:"))
+        log_warn("kv endpoint %s is not reachable by peers: set --kv-advertise", w->kv_endpoint);
+    log_info("kv socket bound at %s (advertised %s)", kvx_receiver_endpoint(w->receiver),
+             w->kv_endpoint);
+    return 0;
+}
+
+/* The kv sender of a prefill/mixed worker. Returns 0 or -1 (logged). */
+static int open_sender(worker_t *w)
+{
+    kvx_sender_params sp = kvx_sender_default_params();
+    sp.fingerprint = w->mc->fingerprint;
+    sp.lease_ms = (int)w->lease_ms;
+    w->sender = kvx_sender_new(w->zctx, w->kv, &sp);
+    if (!w->sender) {
+        log_error("cannot create the KV sender");
+        return -1;
+    }
+    return 0;
+}
+
 static int setup_sockets(worker_t *w)
 {
     w->zctx = zmq_ctx_new();
@@ -306,36 +363,94 @@ static int setup_sockets(worker_t *w)
         log_error("cannot connect the ctl socket to %s: %s", w->gateway, zmq_strerror(zmq_errno()));
         return -1;
     }
-    if (w->role != PROTO_ROLE_PREFILL) {
-        kvx_receiver_params rp = kvx_receiver_default_params();
-        rp.fingerprint = w->mc->fingerprint;
-        rp.lease_ms = (int)w->lease_ms;
-        if (w->mtp) {
-            rp.n_mtp = w->n_mtp;
-            rp.mtp_fp = mtp_fingerprint(w->mtp);
-            rp.n_hidden = specdec_hand_floats(w->sd);
+    if (w->role != PROTO_ROLE_PREFILL && open_receiver(w) < 0)
+        return -1; /* logged */
+    if (w->role != PROTO_ROLE_DECODE && open_sender(w) < 0)
+        return -1;
+    return 0;
+}
+
+// --- live role change (docs/scheduler.md "Live role changes")
+
+/* ROLE from the gateway: start draining towards role. Prefill -> decode: no new prompts
+ * (sched_on_prefill refuses them; the gateway stopped sending them when it sent ROLE), the
+ * batch and its transfers finish. Decode -> prefill: no new KV (the receiver refuses
+ * KV_BEGIN), the running sequences finish. role_switch() runs once the worker is idle. */
+static void on_role(worker_t *w, int role)
+{
+    if (role != PROTO_ROLE_PREFILL && role != PROTO_ROLE_DECODE) {
+        log_warn("ROLE %s ignored: only prefill <-> decode changes are supported",
+                 role_str((proto_role_t)role));
+        return;
+    }
+    if (w->draining) {
+        log_warn("ROLE %s ignored: this worker is leaving", role_str((proto_role_t)role));
+        return;
+    }
+    if (w->role == PROTO_ROLE_MIXED) {
+        log_warn("ROLE %s ignored: a mixed worker keeps its role", role_str((proto_role_t)role));
+        w->registered = 0; /* the gateway learns it did not change */
+        heartbeat_tick(w, 1);
+        return;
+    }
+    if (role == (int)w->role) { /* already there, or an order taken back while draining */
+        log_info("ROLE %s: already %s%s", role_str((proto_role_t)role), role_str(w->role),
+                 w->role_target ? " (change called off)" : "");
+        w->role_target = 0;
+        if (w->receiver)
+            kvx_receiver_set_accepting(w->receiver, 1);
+        w->registered = 0; /* REGISTER again: the gateway routes to it again */
+        heartbeat_tick(w, 1);
+        return;
+    }
+    if (!w->role_target)
+        w->role_order_us = proto_now_us();
+    w->role_target = (proto_role_t)role;
+    if (w->receiver)
+        kvx_receiver_set_accepting(w->receiver, 0);
+    log_info("role change %s -> %s ordered: draining (%s)", role_str(w->role),
+             role_str(w->role_target),
+             w->role == PROTO_ROLE_PREFILL ? "finishing the batch and its transfers"
+                                           : "running sequences finish, no new KV");
+    heartbeat_tick(w, 1); /* state CHANGING right away */
+}
+
+/* The drain is complete: become role_target (open the kv socket it needs, close the one it
+ * no longer needs) and REGISTER again. When the new socket cannot be opened the worker
+ * stays in its role and registers again as it was. */
+static void role_switch(worker_t *w)
+{
+    proto_role_t from = w->role, to = w->role_target;
+    w->role_target = 0;
+    int ok;
+    if (to == PROTO_ROLE_DECODE) {
+        ok = open_receiver(w) == 0;
+        if (ok) {
+            kvx_sender_destroy(&w->sender); /* idle: no transfer holds a sequence */
         }
-        w->receiver = kvx_receiver_new(w->zctx, w->kv, w->kv_bind, &rp);
-        if (!w->receiver)
-            return -1; /* logged */
-        const char *ep = w->kv_advertise && *w->kv_advertise ? w->kv_advertise
-                                                             : kvx_receiver_endpoint(w->receiver);
-        snprintf(w->kv_endpoint, sizeof(w->kv_endpoint), "%s", ep);
-        if (strstr(w->kv_endpoint, "//0.0.0.0:") || strstr(w->kv_endpoint, "//*:"))
-            log_warn("kv endpoint %s is not reachable by peers: set --kv-advertise",
-                     w->kv_endpoint);
-        log_info("kv socket bound at %s (advertised %s)", kvx_receiver_endpoint(w->receiver),
+    } else {
+        ok = open_sender(w) == 0;
+        if (ok) {
+            kvx_receiver_destroy(&w->receiver);
+            w->kv_endpoint[0] = 0;
+        }
+    }
+    if (!ok) {
+        log_error("role change %s -> %s failed (see above): staying %s", role_str(from),
+                  role_str(to), role_str(from));
+        if (w->receiver)
+            kvx_receiver_set_accepting(w->receiver, 1);
+    } else {
+        w->role = to;
+        w->role_change_us = proto_now_us() - w->role_order_us;
+        w->n_role_changes++;
+        log_info("role changed %s -> %s in %.1f ms%s%s", role_str(from), role_str(to),
+                 (double)w->role_change_us / 1000.0, w->kv_endpoint[0] ? ": kv at " : "",
                  w->kv_endpoint);
     }
-    if (w->role != PROTO_ROLE_DECODE) {
-        kvx_sender_params sp = kvx_sender_default_params();
-        sp.fingerprint = w->mc->fingerprint;
-        sp.lease_ms = (int)w->lease_ms;
-        w->sender = kvx_sender_new(w->zctx, w->kv, &sp);
-        if (!w->sender)
-            return -1;
-    }
-    return 0;
+    w->prefill_blocked = 0;
+    w->registered = 0; /* REGISTER with the new role (and kv endpoint) */
+    heartbeat_tick(w, 1);
 }
 
 static void teardown(worker_t *w, int fast)
@@ -458,6 +573,8 @@ static int run(worker_t *w)
             w->prefill_blocked = 0; /* KV was freed (or taken): let the queue try again */
             last_free = free_now;
         }
+        if (w->role_target && !w->draining && sched_idle(w))
+            role_switch(w);
         heartbeat_tick(w, 0);
         if (w->draining && sched_idle(w)) {
             log_info("drained: leaving");
@@ -486,7 +603,8 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
         {"role", CONFIG_STRING, &w.role_name, NULL, 0, 0,
          "prefill | decode | mixed (unset: the program's own role)"},
         {"kv-bind", CONFIG_STRING, &w.kv_bind, "tcp://127.0.0.1:5560", 0, 0,
-         "decode/mixed: kv socket to bind (tcp://HOST:* picks a free port)"},
+         "decode/mixed: kv socket to bind (tcp://HOST:* picks a free port); a prefill worker "
+         "binds it when it changes to decode (ROLE)"},
         {"kv-advertise", CONFIG_STRING, &w.kv_advertise, NULL, 0, 0,
          "decode/mixed: kv endpoint announced to the gateway (unset: the bound one)"},
         {"kv-blocks", CONFIG_INT, &w.kv_blocks, "0", 0, 1e9,

@@ -109,9 +109,17 @@ typedef struct {
     int prefill_blocked; /* the last prefill attempt could not admit anything */
 
     int registered;
+
+    int64_t unacked_since_us; /* first REGISTER not acknowledged yet (0 = none) */
     int hb_ms;
     int64_t next_hb_us;
     int draining;
+    /* live role change (ROLE from the gateway; worker.c): the role being moved to (0 =
+     * none), when the order came, and the figures reported in HEARTBEAT */
+    proto_role_t role_target;
+    int64_t role_order_us;
+    int64_t role_change_us; /* the last change's duration: ROLE received -> switched */
+    uint64_t n_role_changes;
     uint64_t tokens_in, tokens_out;
     proto_spec_counters spec; /* speculative decoding (HEARTBEAT "spec"); zeros without MTP */
 

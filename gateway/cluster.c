@@ -50,6 +50,12 @@ typedef struct worker {
     int pending_blocks; /* KV blocks promised as decode worker, no token reported yet */
     int n_decode;       /* requests assigned with this worker as decode worker */
     int n_assigned;     /* requests assigned to it in any role */
+    /* live role change: ROLE sent, routing skips it until it registers in target_role */
+    int changing, target_role;
+    int64_t change_us;      /* when ROLE was sent */
+    int emulated;           /* REGISTER / HEARTBEAT "emu" */
+    uint64_t n_role_changes; /* last heartbeat */
+    int64_t role_change_us;  /* last heartbeat: its last change's duration */
 } worker_t;
 
 typedef struct req {
@@ -107,6 +113,8 @@ struct cluster {
     int offline_max_running;
     uint64_t n_preempted;
     int policy_failed; /* logged once */
+    uint64_t n_role_changes, n_role_orders;
+    double last_role_change_ms;
     void (*observer)(const cluster_event *ev, void *ud);
     void *observer_ud;
 };
@@ -601,6 +609,132 @@ static void on_dispatch(evutil_socket_t fd, short what, void *arg)
     dispatch(arg);
 }
 
+// --- live role changes
+
+static void notify_role(cluster_t *c, const worker_t *w, int role, int old_role,
+                        const char *reason)
+{
+    if (!c->observer)
+        return;
+    cluster_event ev = {.type = CLUSTER_EV_ROLE_CHANGE, .worker = w->id, .role = role,
+                        .old_role = old_role, .state = w->state, .reason = reason};
+    c->observer(&ev, c->observer_ud);
+}
+
+/* Send ROLE to w and take it out of routing until it registers again. Returns 0 or -1
+ * (the send failed: w is flagged dead). */
+static int role_order(cluster_t *c, worker_t *w, int role, const char *why)
+{
+    proto_msg m;
+    proto_msg_init(&m, PROTO_ROLE);
+    m.role = role;
+    if (send_to(c, w, &m) < 0)
+        return -1;
+    w->changing = 1;
+    w->target_role = role;
+    w->change_us = proto_now_us();
+    w->state = PROTO_STATE_CHANGING;
+    c->n_role_orders++;
+    log_info("worker %s: role change %s -> %s ordered by %s", w->id, role_str(w->role),
+             role_str(role), why);
+    char reason[96];
+    snprintf(reason, sizeof(reason), "ordered by %s", why);
+    notify_role(c, w, role, w->role, reason);
+    return 0;
+}
+
+/* w registered again after ROLE (same process), in role `role`: the change is done (or the
+ * worker could not make it and stayed). It drained first, so what it still has here is
+ * finished on its side: a request it prefilled is decoding elsewhere (its KV was accepted
+ * before the worker went idle: the prefill worker is released from it); a request it was
+ * to decode whose KV never came (refused while draining) is re-run. */
+static void role_change_done(cluster_t *c, worker_t *w, int role)
+{
+    double ms = (double)(proto_now_us() - w->change_us) / 1000.0;
+    req_t *next;
+    for (req_t *r = c->active.head; r; r = next) {
+        next = r->next;
+        if (r->pw == w && r->dw != w) {
+            if (!r->p_started)
+                w->pending_qtok -= r->p_qtok;
+            w->n_assigned--;
+            r->pw = NULL;
+        } else if (r->dw == w) {
+            req_retry(c, r, 0, "its decode worker changed role");
+        }
+    }
+    char reason[96];
+    if (role == w->target_role) {
+        c->n_role_changes++;
+        c->last_role_change_ms = ms;
+        snprintf(reason, sizeof(reason), "done in %.1f ms", ms);
+        log_info("worker %s: role change %s -> %s done in %.1f ms", w->id, role_str(w->role),
+                 role_str(role), ms);
+    } else {
+        snprintf(reason, sizeof(reason), "not made: still %s", role_str(role));
+        log_warn("worker %s: role change to %s not made: it registered again as %s", w->id,
+                 role_str(w->target_role), role_str(role));
+    }
+    notify_role(c, w, role, w->role, reason);
+}
+
+/* Workers able to do role (ready ones, plus those changing to it; mixed counts for both),
+ * not counting skip. */
+static int n_capable(const cluster_t *c, int role, const worker_t *skip)
+{
+    int n = 0;
+    for (const worker_t *w = c->workers; w; w = w->next) {
+        if (w == skip || w->dead)
+            continue;
+        int r = w->changing ? w->target_role : w->role;
+        if (!w->changing && w->state != PROTO_STATE_READY)
+            continue;
+        n += r == role || r == PROTO_ROLE_MIXED;
+    }
+    return n;
+}
+
+int cluster_set_role(cluster_t *c, const char *id, int role, const char *why, char *err,
+                     size_t errlen)
+{
+    if (role != PROTO_ROLE_PREFILL && role != PROTO_ROLE_DECODE) {
+        snprintf(err, errlen, "role must be prefill or decode");
+        return -3;
+    }
+    worker_t *w = worker_find(c, id, strlen(id));
+    if (!w || w->dead) {
+        snprintf(err, errlen, "no worker '%s'", id);
+        return -1;
+    }
+    if (w->role == PROTO_ROLE_MIXED) {
+        snprintf(err, errlen, "worker '%s' is mixed: it keeps its role", id);
+        return -2;
+    }
+    if (w->changing) {
+        snprintf(err, errlen, "worker '%s' is already changing to %s", id,
+                 role_str(w->target_role));
+        return -2;
+    }
+    if (w->role == role) {
+        snprintf(err, errlen, "worker '%s' is already %s", id, role_str(role));
+        return -2;
+    }
+    if (w->state != PROTO_STATE_READY) {
+        snprintf(err, errlen, "worker '%s' is not ready (draining)", id);
+        return -2;
+    }
+    if (n_capable(c, w->role, w) < 1) {
+        snprintf(err, errlen, "worker '%s' is the last %s worker: the cluster keeps at least "
+                 "one per role", id, role_str(w->role));
+        return -2;
+    }
+    if (role_order(c, w, role, why) < 0) {
+        snprintf(err, errlen, "worker '%s' is unreachable", id);
+        return -1;
+    }
+    return 0;
+}
+
 // --- messages from workers
 
 static void handle_register(cluster_t *c, const proto_msg *m, const unsigned char *id,
@@ -618,7 +752,10 @@ static void handle_register(cluster_t *c, const proto_msg *m, const unsigned cha
     }
     worker_t *w = worker_find(c, id, id_len);
     int old_role = w ? w->role : 0, old_pid = w ? w->pid : 0;
-    if (w && (w->pid != m->pid || w->role != m->role)) {
+    int ordered = w && w->changing && w->pid == m->pid; /* the end of a role change */
+    if (ordered) {
+        role_change_done(c, w, m->role);
+    } else if (w && (w->pid != m->pid || w->role != m->role)) {
         /* a new incarnation (restart or role change): what the old one had is lost */
         worker_fail_requests(c, w, "worker re-registered");
     }
@@ -636,6 +773,9 @@ static void handle_register(cluster_t *c, const proto_msg *m, const unsigned cha
     }
     w->role = m->role;
     w->state = PROTO_STATE_READY;
+    w->changing = 0;
+    w->target_role = 0;
+    w->emulated = m->emulated;
     w->pid = m->pid;
     snprintf(w->kvep, sizeof(w->kvep), "%s", m->kv_endpoint);
     w->n_ctx = m->n_ctx;
@@ -657,7 +797,8 @@ static void handle_register(cluster_t *c, const proto_msg *m, const unsigned cha
         notify(c, CLUSTER_EV_WORKER_UP, w, 0, is_new ? "registered" : "restarted");
     } else if (old_role != w->role && c->observer) {
         cluster_event ev = {.type = CLUSTER_EV_WORKER_ROLE, .worker = w->id, .role = w->role,
-                            .old_role = old_role, .state = w->state, .reason = "re-registered"};
+                            .old_role = old_role, .state = w->state,
+                            .reason = ordered ? "role change" : "re-registered"};
         c->observer(&ev, c->observer_ud);
     }
     proto_msg ack;
@@ -685,14 +826,21 @@ static void handle_heartbeat(cluster_t *c, worker_t *w, const proto_msg *m, cons
         send_bye(c, id, id_len, m->worker_id);
         return;
     }
-    int changed = w->state != m->state;
+    /* while a role change is on, a heartbeat sent before the worker saw ROLE (still ready)
+     * must not put it back into routing */
+    int st = w->changing && m->state == PROTO_STATE_READY ? PROTO_STATE_CHANGING : m->state;
+    int changed = w->state != st;
+    const char *st_name = st == PROTO_STATE_DRAINING   ? "draining"
+                          : st == PROTO_STATE_CHANGING ? "changing role"
+                                                       : "ready";
     if (changed)
-        log_info("worker %s is now %s", w->id,
-                 m->state == PROTO_STATE_DRAINING ? "draining" : "ready");
-    w->state = m->state;
+        log_info("worker %s is now %s", w->id, st_name);
+    w->state = st;
     if (changed)
-        notify(c, CLUSTER_EV_WORKER_STATE, w, 0,
-               m->state == PROTO_STATE_DRAINING ? "draining" : "ready");
+        notify(c, CLUSTER_EV_WORKER_STATE, w, 0, st_name);
+    w->emulated = m->emulated;
+    w->n_role_changes = m->n_role_changes;
+    w->role_change_us = m->role_change_us;
     w->tok_in = m->tokens_in;
     w->tok_out = m->tokens_out;
     w->kvx_tx = m->kvx_tx;
@@ -909,6 +1057,8 @@ static void policy_tick(cluster_t *c, int64_t now)
                     : w->state == PROTO_STATE_READY ? POLICY_WORKER_READY
                                                     : POLICY_WORKER_DRAINING;
         pw->role_age_ms = (now - w->role_since_us) / 1000;
+        pw->changing = w->changing;
+        pw->target_role = w->target_role;
         pw->running = w->running;
         pw->queued = w->queued;
         pw->queued_prompt_tokens = w->qtok;
@@ -981,6 +1131,18 @@ static void policy_tick(cluster_t *c, int64_t now)
     }
     if (out.offline_max_running > c->n_off_running && c->oqueue.head)
         schedule_dispatch(c);
+    /* Role changes (--tidal): by draining, see role_order(); never the last of a role. */
+    for (int a = 0; c->p.tidal && a < out.n_actions; a++) {
+        worker_t *w = c->workers;
+        for (int j = 0; w && j < out.actions[a].worker; j++)
+            w = w->next;
+        int role = out.actions[a].role;
+        if (!w || w->dead || w->changing || w->role == PROTO_ROLE_MIXED || w->role == role ||
+            w->state != PROTO_STATE_READY || n_capable(c, w->role, w) < 1 ||
+            (role != PROTO_ROLE_PREFILL && role != PROTO_ROLE_DECODE))
+            continue;
+        role_order(c, w, role, "the tidal policy");
+    }
 }
 
 // --- timers
@@ -1059,9 +1221,14 @@ cluster_t *cluster_new(struct event_base *base, const cluster_params *p,
         snprintf(err, errlen, "zmq_socket: %s", zmq_strerror(errno));
         goto fail;
     }
-    int one = 1, zero = 0, hwm = 100000;
+    int one = 1, zero = 0, hwm = 100000, hb_ivl = 1000, hb_timeout = 3000;
     zmq_setsockopt(c->sock, ZMQ_ROUTER_MANDATORY, &one, sizeof(one));
-    zmq_setsockopt(c->sock, ZMQ_ROUTER_HANDOVER, &one, sizeof(one));
+    /* No ROUTER_HANDOVER: a second process connecting with a worker id that is in use is
+     * refused by ZeroMQ, instead of silently stealing the id from the live worker (whose
+     * replies would then go nowhere). A worker that dies frees its id when its connection
+     * closes; one cut off by the network, within hb_timeout by ZMTP heartbeats. */
+    zmq_setsockopt(c->sock, ZMQ_HEARTBEAT_IVL, &hb_ivl, sizeof(hb_ivl));
+    zmq_setsockopt(c->sock, ZMQ_HEARTBEAT_TIMEOUT, &hb_timeout, sizeof(hb_timeout));
     zmq_setsockopt(c->sock, ZMQ_LINGER, &zero, sizeof(zero));
     zmq_setsockopt(c->sock, ZMQ_SNDHWM, &hwm, sizeof(hwm));
     zmq_setsockopt(c->sock, ZMQ_RCVHWM, &hwm, sizeof(hwm));
@@ -1208,6 +1375,11 @@ void cluster_get_stats(const cluster_t *c, cluster_stats *st)
     st->n_promoted = c->n_promoted;
     st->offline_max_running = c->offline_max_running;
     st->n_preempted = c->n_preempted;
+    for (const worker_t *w = c->workers; w; w = w->next)
+        st->n_changing += !w->dead && w->changing;
+    st->n_role_changes = c->n_role_changes;
+    st->n_role_orders = c->n_role_orders;
+    st->last_role_change_ms = c->last_role_change_ms;
 }
 
 void cluster_foreach_worker(const cluster_t *c,
@@ -1226,6 +1398,9 @@ void cluster_foreach_worker(const cluster_t *c,
             .n_ctx = w->n_ctx, .block_size = w->block_size, .max_seqs = w->max_seqs,
             .tokens_in = w->tok_in, .tokens_out = w->tok_out,
             .kvx_tx = w->kvx_tx, .kvx_rx = w->kvx_rx, .spec = w->spec,
+            .changing = w->changing, .target_role = w->target_role, .emulated = w->emulated,
+            .n_role_changes = w->n_role_changes,
+            .role_change_ms = (double)w->role_change_us / 1000.0,
         };
         fn(&info, ud);
     }
