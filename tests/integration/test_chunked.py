@@ -106,8 +106,13 @@ class ChunkedPrefill(unittest.TestCase):
         rid = errors[0][1]
         last = [i for i, r, _ in rid_lines(log, r"prefill chunk \[\d+, %d\)" % n_prompt)
                 if r == rid]
-        self.assertTrue(last and errors[0][0] < last[0],
+        # each attempt has its own wire rid: the failed one must never reach its last chunk
+        # (or only after the error), and the re-run (next wire rid) computes it
+        self.assertTrue(not last or errors[0][0] < last[0],
                         "the attempt must end before its last chunk, not after")
+        rerun = [i for i, r, _ in rid_lines(log, r"prefill chunk \[\d+, %d\)" % n_prompt)
+                 if int(r) == int(rid) + 1]
+        self.assertTrue(rerun, "the re-run attempt did not compute the whole prompt")
 
     def test_mixed(self):
         self.run_pair(("mixed",), ["--debug-step-delay-ms", "5"], self.decode_interleaves)
