@@ -42,8 +42,8 @@ typedef struct {
 static const field_t fields[] = {
     FLD("rid", F_U64, rid, 1, 0, RID_TYPES, 0),
     FLD("wid", F_STR, worker_id, 0, 0, CTL_W | T(PROTO_BYE), 0),
-    FLD("role", F_INT, role, 1, 3, CTL_W, 0),
-    FLD("state", F_INT, state, 1, 2, T(PROTO_HEARTBEAT), 0),
+    FLD("role", F_INT, role, 1, 3, CTL_W | T(PROTO_ROLE), 0),
+    FLD("state", F_INT, state, 1, 3, T(PROTO_HEARTBEAT), 0),
     FLD("kvep", F_STR, kv_endpoint, 0, 0, T(PROTO_REGISTER), 0),
     FLD("fp", F_U64, fingerprint, 0, 0, T(PROTO_REGISTER) | T(PROTO_KV_BEGIN), 0),
     FLD("pid", F_INT, pid, 0, INT32_MAX, T(PROTO_REGISTER), 0),
@@ -101,6 +101,9 @@ static const field_t fields[] = {
     FLD("xfer_us", F_I64, xfer_us, 0, INT64_MAX, 0, T(PROTO_TOKENS) | T(PROTO_FINISH)),
     FLD("xfer_bytes", F_U64, xfer_bytes, 0, 0, 0, T(PROTO_TOKENS) | T(PROTO_FINISH)),
     FLD("step_us", F_I64, step_us, 0, INT64_MAX, 0, T(PROTO_TOKENS) | T(PROTO_FINISH)),
+    FLD("emu", F_INT, emulated, 0, 1, 0, CTL_W),
+    FLD("role_us", F_I64, role_change_us, 0, INT64_MAX, 0, T(PROTO_HEARTBEAT)),
+    FLD("n_role", F_U64, n_role_changes, 0, 0, 0, T(PROTO_HEARTBEAT)),
 };
 #define N_FIELDS (sizeof(fields) / sizeof(fields[0]))
 _Static_assert(sizeof(fields) / sizeof(fields[0]) <= 64, "field bitmask is 64 bits");
@@ -116,7 +119,7 @@ static const char *type_names[] = {
     [PROTO_BYE] = "BYE",             [PROTO_KV_BEGIN] = "KV_BEGIN",
     [PROTO_KV_BEGIN_ACK] = "KV_BEGIN_ACK", [PROTO_KV_LAYER] = "KV_LAYER",
     [PROTO_KV_END] = "KV_END",       [PROTO_KV_RESULT] = "KV_RESULT",
-    [PROTO_KV_ABORT] = "KV_ABORT",
+    [PROTO_KV_ABORT] = "KV_ABORT",   [PROTO_ROLE] = "ROLE",
 };
 
 static int type_valid(int t)

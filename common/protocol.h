@@ -14,7 +14,7 @@
  *
  * Sockets (see DESIGN.md):
  *   ctl: gateway ROUTER <-> worker DEALER: REGISTER, REGISTER_ACK, HEARTBEAT, PREFILL, CANCEL,
- *        TOKENS, FINISH, ERROR, BYE.
+ *        TOKENS, FINISH, ERROR, BYE, ROLE.
  *   kv:  decode worker ROUTER <-> prefill worker DEALER: KV_BEGIN, KV_BEGIN_ACK, KV_LAYER,
  *        KV_END, KV_RESULT, KV_ABORT (state machine in docs/kvtransfer.md).
  */
@@ -43,6 +43,7 @@ typedef enum {
     PROTO_FINISH,        /* worker -> gateway: request ended (reason) */
     PROTO_ERROR,         /* worker -> gateway: request failed (code, message, retryable) */
     PROTO_BYE,           /* worker -> gateway: leaving after draining */
+    PROTO_ROLE,          /* gateway -> worker: change to role (drain, switch, REGISTER again) */
     PROTO_KV_BEGIN = 32, /* prefill -> decode: reserve KV for a request */
     PROTO_KV_BEGIN_ACK,  /* decode -> prefill: ok, or rejected (code, message) */
     PROTO_KV_LAYER,      /* prefill -> decode: one layer's KV blocks as payload frames */
@@ -61,6 +62,7 @@ typedef enum {
 typedef enum {
     PROTO_STATE_READY = 1,
     PROTO_STATE_DRAINING = 2,
+    PROTO_STATE_CHANGING = 3, /* draining for a role change (ROLE); registers again after */
 } proto_state_t;
 
 typedef enum {
@@ -133,6 +135,11 @@ typedef struct {
     proto_kvx_counters kvx_tx, kvx_rx;   /* HEARTBEAT, optional: KV transfers sent / received */
     proto_spec_counters spec;            /* HEARTBEAT, optional: speculative decoding */
     int heartbeat_ms;                    /* REGISTER_ACK */
+    int emulated;                        /* REGISTER, HEARTBEAT, optional: 1 = emulated
+                                          * accelerator (--emulate): compute is a sleep */
+    int64_t role_change_us;              /* HEARTBEAT, optional: the last role change's
+                                          * duration (ROLE received -> switched), us */
+    uint64_t n_role_changes;             /* HEARTBEAT, optional: role changes since start */
 
     /* request (PREFILL, TOKENS, KV_BEGIN) */
     int *tokens;                         /* PREFILL: prompt ids; TOKENS: generated ids */

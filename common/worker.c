@@ -150,6 +150,7 @@ static int send_register(worker_t *w)
     m.max_seqs = (int)w->max_seqs;
     m.kv_blocks_total = kvcache_n_blocks(w->kv);
     m.kv_blocks_free = kvcache_n_free_blocks(w->kv);
+    m.emulated = w->emu_on;
     m.ts_us = proto_wall_us();
     int rc = ctl_send(w, &m);
     if (rc < 0)
@@ -178,6 +179,7 @@ static void send_heartbeat(worker_t *w)
     if (w->receiver)
         kvx_receiver_get_stats(w->receiver, &m.kvx_rx);
     m.spec = w->spec;
+    m.emulated = w->emu_on;
     m.ts_us = proto_wall_us();
     if (ctl_send(w, &m) < 0)
         log_debug("HEARTBEAT not sent: %s", zmq_strerror(errno));
@@ -339,6 +341,7 @@ static int open_sender(worker_t *w)
     kvx_sender_params sp = kvx_sender_default_params();
     sp.fingerprint = w->mc->fingerprint;
     sp.lease_ms = (int)w->lease_ms;
+    sp.n_mtp = w->n_mtp;
     w->sender = kvx_sender_new(w->zctx, w->kv, &sp);
     if (!w->sender) {
         log_error("cannot create the KV sender");
@@ -635,6 +638,10 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
          "heartbeat interval until the gateway sets one"},
         {"lease-ms", CONFIG_INT, &w.lease_ms, "5000", 10, 3600000,
          "KV transfer lease: silence after which a transfer is aborted"},
+        {"emulate", CONFIG_STRING, &w.emulate, "", 0, 0,
+         "emulated accelerator: a cost-model preset (a100-llama3-8b, h100-llama3-8b) whose "
+         "prefill/decode times each step is padded to; tokens come from the real model; "
+         "MTP off (docs/scheduler.md); \"\" = real compute"},
         {"debug-step-delay-ms", CONFIG_INT, &w.debug_step_delay_ms, "0", 0, 10000,
          "testing only: sleep this long after every compute step"},
         {"log-level", CONFIG_STRING, &w.log_level, "info", 0, 0, "debug | info | warn | error"},
@@ -693,6 +700,12 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
         rc = 1;
         goto out;
     }
+    if (wemu_setup(&w) < 0) {
+        rc = 2;
+        goto out;
+    }
+    if (w.emu_on)
+        w.mtp_depth_set = 0; /* the cost model emits one token per sequence per step */
     if (setup_model(&w) < 0 || setup_sockets(&w) < 0) {
         rc = 1;
         teardown(&w, 1);

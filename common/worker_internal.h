@@ -8,6 +8,7 @@
 
 #include <stdint.h>
 
+#include "costmodel.h"
 #include "kvcache.h"
 #include "kvtransfer.h"
 #include "model.h"
@@ -80,6 +81,9 @@ typedef struct {
     long long debug_step_delay_ms;
     long long prefill_chunk_tokens; /* prompt tokens per sequence per forward pass */
     long long threads;              /* compute threads (0 = CPUs available) */
+    char *emulate;                  /* --emulate: cost-model preset ("" = real compute) */
+    int emu_on;                     /* emulated-accelerator mode (worker_emu.c) */
+    costmodel emu;                  /* its preset */
 
     proto_role_t role;
     char wid[PROTO_ID_LEN];
@@ -164,6 +168,16 @@ int wmtp_req_depth(const worker_t *w, int mtp_req);
  * over the chunks of the requests with MTP and hand kvx their module-layer blocks. Returns
  * 0, or -1 when a module pass failed. */
 int wmtp_prefill(worker_t *w, int m);
+
+// --- worker_emu.c: emulated-accelerator mode (--emulate)
+/* Check --emulate and load its preset (logs the mode). Returns 0, or -1 on an unknown
+ * preset (logged with the known ones). */
+int wemu_setup(worker_t *w);
+/* After the prefill batch batch[0..m) that started at t0_us: sleep until the cost model's
+ * prefill time has passed (no-op unless emulated). */
+void wemu_pad_prefill(worker_t *w, int m, int64_t t0_us);
+/* After the decode step over sd_items[0..n) that started at t0_us: the same. */
+void wemu_pad_decode(worker_t *w, int n, int64_t t0_us);
 
 // --- worker_sched.c
 /* Handle a PREFILL order (validated by the decoder; checked against the model here). */

@@ -14,8 +14,9 @@
 #include "log.h"
 #include "worker_internal.h"
 
-#define COST_MAX_STEP_MS 250.0 /* start-up measurement: batch sizes whose plain step is
-                                * slower are not measured */
+#define COST_MAX_STEP_MS                                                                           \
+    250.0 /* start-up measurement: batch sizes whose plain step is                                 \
+           * slower are not measured */
 
 int wmtp_load(worker_t *w)
 {
@@ -59,10 +60,9 @@ int wmtp_setup(worker_t *w)
 {
     const model_config *mc = w->mc;
     int max_tokens = model_ctx_max_tokens(w->mctx);
-    w->mtp_depth = w->mtp ? (w->mtp_depth_set < 0 ? w->n_mtp
-                                                  : (int)w->mtp_depth_set < w->n_mtp
-                                                        ? (int)w->mtp_depth_set
-                                                        : w->n_mtp)
+    w->mtp_depth = w->mtp ? (w->mtp_depth_set < 0               ? w->n_mtp
+                             : (int)w->mtp_depth_set < w->n_mtp ? (int)w->mtp_depth_set
+                                                                : w->n_mtp)
                           : 0;
     w->sd = specdec_new(w->model, w->mtp, (int)w->max_seqs, w->max_items, max_tokens);
     w->sd_items = calloc((size_t)w->max_items, sizeof(*w->sd_items));
@@ -84,14 +84,10 @@ int wmtp_setup(worker_t *w)
         log_error("invalid --mtp-sampling '%s': want rejection or onehot", smode);
         return -1;
     }
-    if (!w->mtp || w->mtp_depth == 0 || w->role == PROTO_ROLE_PREFILL) {
-        if (w->mtp)
-            log_info("MTP: depth %d (%s)", w->mtp_depth,
-                     w->role == PROTO_ROLE_PREFILL ? "prefill: module K/V for the prompts"
-                                                   : "no drafting");
-        return 0;
-    }
-    /* the verify cost at a few batch sizes, on this machine, for the controllers */
+    if (!w->mtp || w->mtp_depth == 0)
+        return 0; /* wmtp_load logged why */
+    /* the verify cost at a few batch sizes, on this machine, for the controllers (every
+     * role: a prefill worker may be switched to decoding) */
     int max_b = w->max_items < 64 ? w->max_items : 64;
     if (!w->mtp_adaptive) {
         log_info("MTP: depth %d, fixed (--mtp-adaptive off), %s sampling", w->mtp_depth, smode);

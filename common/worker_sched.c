@@ -116,8 +116,9 @@ void sched_on_prefill(worker_t *w, proto_msg *m)
         worker_send_error(w, rid, PROTO_ERR_UNAVAILABLE, 1, "this is a decode worker");
         return;
     }
-    if (w->draining) {
-        worker_send_error(w, rid, PROTO_ERR_UNAVAILABLE, 1, "worker is draining");
+    if (w->draining || w->role_target) {
+        worker_send_error(w, rid, PROTO_ERR_UNAVAILABLE, 1,
+                          w->draining ? "worker is draining" : "worker is changing role");
         return;
     }
     if (m->n_tokens < 1 || m->n_tokens > mc->n_ctx) {
@@ -443,6 +444,7 @@ int sched_prefill_step(worker_t *w)
         fail_batch(w, m, "MTP prefill");
         return 1;
     }
+    wemu_pad_prefill(w, m, t_start); /* --emulate: the cost model's time (worker_emu.c) */
     w->n_batch = 0;
     for (int i = 0; i < m; i++) {
         wreq *r = w->batch_reqs[i];
@@ -514,10 +516,12 @@ int sched_decode_step(worker_t *w)
         n++;
     }
     /* draft with the modules, verify every sequence's [last, d1, d2] in one pass */
+    int64_t t_step = proto_now_us();
     if (specdec_step(w->sd, w->mctx, w->kv, w->sd_items, n) < 0) {
         fail_batch(w, n, "decode");
         return 1;
     }
+    wemu_pad_decode(w, n, t_step); /* --emulate: the cost model's time (worker_emu.c) */
     for (int i = 0; i < n; i++) {
         wreq *r = w->batch_reqs[i];
         const specdec_item *x = &w->sd_items[i];

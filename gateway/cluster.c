@@ -115,6 +115,8 @@ struct cluster {
     int policy_failed; /* logged once */
     uint64_t n_role_changes, n_role_orders;
     double last_role_change_ms;
+    void (*lat_fn)(void *ud, int64_t now_us, double *ttft_p90_ms, double *tpot_p90_ms);
+    void *lat_ud;
     void (*observer)(const cluster_event *ev, void *ud);
     void *observer_ud;
 };
@@ -652,7 +654,8 @@ static void role_change_done(cluster_t *c, worker_t *w, int role)
 {
     double ms = (double)(proto_now_us() - w->change_us) / 1000.0;
     req_t *next;
-    for (req_t *r = c->active.head; r; r = next) {
+    /* (a worker that registers again in its old role kept whatever it was doing) */
+    for (req_t *r = role != w->role ? c->active.head : NULL; r; r = next) {
         next = r->next;
         if (r->pw == w && r->dw != w) {
             if (!r->p_started)
@@ -1094,6 +1097,8 @@ static void policy_tick(cluster_t *c, int64_t now)
             cl->oldest_wait_ms = (now - c->queue.head->since_us) / 1000;
     }
     cl->online_decoding = decoding;
+    if (c->p.tidal && c->lat_fn)
+        c->lat_fn(c->lat_ud, now, &cl->ttft_p90_ms, &cl->tpot_p90_ms);
     cl->prompt_tokens_arrived = c->online_prompt_tokens;
     cl->offline_queued = c->oqueue.n;
     cl->offline_running = c->n_off_running;
@@ -1419,6 +1424,15 @@ int cluster_ready(const cluster_t *c, char *reason, size_t cap)
     else
         snprintf(reason, cap, "no decode worker (%d prefill)", st.n_prefill);
     return 0;
+}
+
+void cluster_set_latency_source(cluster_t *c,
+                                void (*fn)(void *ud, int64_t now_us, double *ttft_p90_ms,
+                                           double *tpot_p90_ms),
+                                void *ud)
+{
+    c->lat_fn = fn;
+    c->lat_ud = ud;
 }
 
 void cluster_set_observer(cluster_t *c, void (*fn)(const cluster_event *ev, void *ud), void *ud)

@@ -61,6 +61,7 @@ typedef struct {
     policy_params policy;   /* the tidal policy's knobs (offline admission, preemption and
                              * aging); decode_seqs_per_worker is replaced every tick by the
                              * decode-capable workers' mean max_seqs when there are any */
+    int tidal;              /* 1: apply the policy's role changes (ROLE to the worker) */
 } cluster_params;
 
 /* Defaults matching the gateway's flags. */
@@ -152,6 +153,10 @@ typedef struct {
     int n_promoted;                   /* offline requests promoted by aging, not yet ended */
     int offline_max_running;          /* the policy's last offline admission */
     uint64_t n_preempted;             /* preemptions since start */
+    int n_changing;                   /* alive workers changing role (ROLE sent) */
+    uint64_t n_role_changes;          /* role changes completed since start */
+    uint64_t n_role_orders;           /* ROLE orders sent (policy and operator) */
+    double last_role_change_ms;       /* order -> re-registered, the latest one (0 = none) */
 } cluster_stats;
 
 void cluster_get_stats(const cluster_t *c, cluster_stats *st);
@@ -172,11 +177,35 @@ typedef struct {
     uint64_t tokens_in, tokens_out;             /* counters since the worker started */
     proto_kvx_counters kvx_tx, kvx_rx;          /* KV transfers sent / received */
     proto_spec_counters spec;                   /* speculative decoding */
+    int changing;                 /* 1: a role change is in progress (ROLE sent) */
+    int target_role;              /* when changing: proto_role_t it moves to */
+    int emulated;                 /* 1: emulated accelerator (--emulate) */
+    uint64_t n_role_changes;      /* from its heartbeat: role changes since it started */
+    double role_change_ms;        /* from its heartbeat: its last change (0 = none) */
 } cluster_worker_info;
 
 /* Call fn for every alive worker, in registration order. */
 void cluster_foreach_worker(const cluster_t *c,
                             void (*fn)(const cluster_worker_info *w, void *ud), void *ud);
+
+/* Order worker id to change to role (PROTO_ROLE_PREFILL or PROTO_ROLE_DECODE): ROLE goes
+ * to it and routing skips it until it registers again in the new role (it drains first:
+ * docs/scheduler.md "Live role changes"). why names who ordered it (logs, events).
+ * Returns 0 when ordered; -1 unknown worker; -2 refused with the reason in err (mixed
+ * worker, already that role, already changing, not ready, or the last ready worker able
+ * to do its current role); -3 bad role. */
+int cluster_set_role(cluster_t *c, const char *id, int role, const char *why, char *err,
+                     size_t errlen);
+
+/* With tidal on (cluster_params.tidal): fn gives the policy the cluster's recent online
+ * TTFT and TPOT p90 (ms; <= 0 = unknown) every tick, at now_us (proto_now_us). fn runs on
+ * the loop thread and must not call back into the cluster. NULL: no latency signals. With
+ * tidal off the policy gets none (its offline admission then depends on load alone, as
+ * before). */
+void cluster_set_latency_source(cluster_t *c,
+                                void (*fn)(void *ud, int64_t now_us, double *ttft_p90_ms,
+                                           double *tpot_p90_ms),
+                                void *ud);
 
 /* Seconds a client should wait before retrying after CLUSTER_FULL (>= 1). */
 int cluster_retry_after_s(const cluster_t *c);
@@ -190,6 +219,8 @@ typedef enum {
     CLUSTER_EV_WORKER_STATE,  /* a worker went ready <-> draining (state) */
     CLUSTER_EV_REQUEST_RETRY, /* an attempt of request rid failed and it is re-run (reason) */
     CLUSTER_EV_REQUEST_PREEMPT, /* offline request rid was preempted and re-queued (reason) */
+    CLUSTER_EV_ROLE_CHANGE,   /* a role change was ordered (reason "ordered by ...", role =
+                               * target, old_role) or completed (reason "done in N ms") */
 } cluster_event_type_t;
 
 /* One event; strings are borrowed for the observer's call. */

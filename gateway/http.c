@@ -595,8 +595,67 @@ static void add_worker_json(const cluster_worker_info *w, void *ud)
                           w->running, "queued", w->queued, "queued_prompt_tokens",
                           w->queued_prompt_tokens, "assigned", w->n_assigned,
                           "last_seen_ms_ago", (json_int_t)(w->last_seen_ms_ago + 0.5));
+    if (o && w->state == PROTO_STATE_CHANGING)
+        json_object_set_new(o, "state", json_string("changing"));
+    if (o && w->changing)
+        json_object_set_new(
+            o, "target_role",
+            json_string(roles[w->target_role >= 1 && w->target_role <= 3 ? w->target_role : 0]));
+    if (o && w->emulated)
+        json_object_set_new(o, "emulated", json_true());
+    if (o && w->n_role_changes) {
+        json_object_set_new(o, "role_changes", json_integer((json_int_t)w->n_role_changes));
+        json_object_set_new(o, "last_role_change_ms", json_real(w->role_change_ms));
+    }
     if (o)
         json_array_append_new((json_t *)ud, o);
+}
+
+/* POST /workers/{id}/role {"role": "prefill" | "decode"}: order a live role change
+ * (operators; docs/scheduler.md "Live role changes"). 202 when ordered; 404 unknown
+ * worker; 409 refused (the last worker of its role, mixed, already changing); 400 bad body. */
+static void handle_worker_role(http_server_t *s, struct evhttp_request *req, const char *id)
+{
+    struct evbuffer *in = evhttp_request_get_input_buffer(req);
+    size_t len = evbuffer_get_length(in);
+    if (len > s->max_body) {
+        reply_error_msg(req, 413, "invalid_request_error", NULL, "request_too_large",
+                        "request body too large");
+        return;
+    }
+    const char *body = len ? (const char *)evbuffer_pullup(in, (ev_ssize_t)len) : "";
+    json_t *root = json_loadb(body, len, 0, NULL);
+    json_t *jr = json_is_object(root) ? json_object_get(root, "role") : NULL;
+    const char *rs = json_is_string(jr) ? json_string_value(jr) : NULL;
+    int role = rs && strcmp(rs, "prefill") == 0  ? PROTO_ROLE_PREFILL
+               : rs && strcmp(rs, "decode") == 0 ? PROTO_ROLE_DECODE
+                                                 : 0;
+    json_decref(root); /* rs is gone with it */
+    if (!role) {
+        reply_error_msg(req, 400, "invalid_request_error", "role", "invalid_role",
+                        "The body must be {\"role\": \"prefill\"} or {\"role\": \"decode\"}.");
+        return;
+    }
+    char err[256];
+    int rc = s->cluster ? cluster_set_role(s->cluster, id, role, "the operator", err, sizeof(err))
+                        : -1;
+    if (!s->cluster)
+        snprintf(err, sizeof(err), "no worker '%.100s'", id);
+    if (rc == -1) {
+        reply_error_msg(req, 404, "invalid_request_error", NULL, "worker_not_found", err);
+    } else if (rc == -2) {
+        reply_error_msg(req, 409, "invalid_request_error", "role", "role_change_refused", err);
+    } else if (rc < 0) {
+        reply_error_msg(req, 400, "invalid_request_error", "role", "invalid_role", err);
+    } else {
+        json_t *o = json_pack("{s:s, s:s, s:s}", "id", id, "role",
+                              role == PROTO_ROLE_PREFILL ? "prefill" : "decode", "status",
+                              "changing");
+        char *out = o ? json_dumps(o, JSON_COMPACT) : NULL;
+        json_decref(o);
+        reply_json(req, 202, out ? out : "{\"status\":\"changing\"}");
+        free(out);
+    }
 }
 
 /* GET /workers: every alive worker with its last reported load figures (operators). */
@@ -763,7 +822,16 @@ static void on_request(struct evhttp_request *req, void *arg)
     int kind = -1;
     int broute = -1;
     char bid[128] = "";
-    if ((broute = batch_route(path, bid, sizeof(bid), &allow)) >= 0) {
+    char wid[PROTO_ID_LEN] = ""; /* POST /workers/{id}/role */
+    size_t plen = strlen(path);
+    if (strncmp(path, "/workers/", 9) == 0 && plen > 14 && plen - 14 < sizeof(wid) &&
+        strcmp(path + plen - 5, "/role") == 0 && !memchr(path + 9, '/', plen - 14)) {
+        memcpy(wid, path + 9, plen - 14);
+        wid[plen - 14] = 0;
+    }
+    if (wid[0]) {
+        allow = "POST";
+    } else if ((broute = batch_route(path, bid, sizeof(bid), &allow)) >= 0) {
         /* the Files and Batch API (batch.h) */
     } else if (strcmp(path, "/v1/completions") == 0) {
         allow = "POST";
@@ -790,7 +858,9 @@ static void on_request(struct evhttp_request *req, void *arg)
         reply_error_msg(req, 405, "invalid_request_error", NULL, "method_not_allowed", msg);
         return;
     }
-    if (broute >= 0) {
+    if (wid[0]) {
+        handle_worker_role(s, req, wid);
+    } else if (broute >= 0) {
         if (s->batch)
             batch_handle(s->batch, req, (batch_route_t)broute, bid[0] ? bid : NULL);
         else

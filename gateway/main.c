@@ -39,6 +39,10 @@ static char *opt_state_db;
 static long long opt_batch_max_file_bytes, opt_batch_max_lines, opt_batch_max_inflight;
 static double opt_offline_max_wait_s, opt_offline_target, opt_preempt_pressure, opt_smooth_s,
     opt_ttft_slo_ms, opt_tpot_slo_ms;
+/* tidal role changes */
+static int opt_tidal;
+static double opt_tidal_min_role_s;
+static long long opt_tidal_max_changes;
 
 static const config_entry_t settings[] = {
     {"host", CONFIG_STRING, &opt_host, "127.0.0.1", 0, 0, "address the HTTP server listens on"},
@@ -92,9 +96,26 @@ static const config_entry_t settings[] = {
      "tidal policy: time-to-first-token target"},
     {"tpot-slo-ms", CONFIG_DOUBLE, &opt_tpot_slo_ms, "50", 1, 1e7,
      "tidal policy: time-per-output-token target"},
+    {"tidal", CONFIG_BOOL, &opt_tidal, "false", 0, 0,
+     "apply the tidal policy's role changes (workers move between prefill and decode by "
+     "draining); off: roles change only by POST /workers/{id}/role"},
+    {"tidal-min-role-s", CONFIG_DOUBLE, &opt_tidal_min_role_s, "30", 0, 1e6,
+     "tidal policy: a worker stays at least this long in a role"},
+    {"tidal-max-changes", CONFIG_INT, &opt_tidal_max_changes, "2", 0, 1000000,
+     "tidal policy: role changes allowed per 10 s window"},
     {"log-level", CONFIG_STRING, &opt_log_level, "info", 0, 0, "debug, info, warn or error"},
     {NULL, 0, NULL, NULL, 0, 0, NULL},
 };
+
+/* The tidal policy's latency signals (--tidal): the cluster's online TTFT and TPOT p90 over
+ * the stats window, in ms (0 = no sample yet). */
+static void online_p90(void *ud, int64_t now_us, double *ttft_ms, double *tpot_ms)
+{
+    stats_worker_figures f;
+    stats_get_cluster(ud, now_us, &f);
+    *ttft_ms = f.ttft.n > 0 && f.ttft.p90 == f.ttft.p90 ? f.ttft.p90 * 1000.0 : 0.0;
+    *tpot_ms = f.tpot.n > 0 && f.tpot.p90 == f.tpot.p90 ? f.tpot.p90 * 1000.0 : 0.0;
+}
 
 typedef struct {
     struct event_base *base;
@@ -259,6 +280,9 @@ int main(int argc, char **argv)
     cp.policy.smooth_ms = (int64_t)(opt_smooth_s * 1000);
     cp.policy.ttft_slo_ms = opt_ttft_slo_ms;
     cp.policy.tpot_slo_ms = opt_tpot_slo_ms;
+    cp.policy.min_role_ms = (int64_t)(opt_tidal_min_role_s * 1000);
+    cp.policy.max_changes = (int)opt_tidal_max_changes;
+    cp.tidal = opt_tidal;
     if (policy_params_check(&cp.policy, err, sizeof(err)) < 0) {
         log_error("%s", err);
         goto out;
@@ -290,6 +314,7 @@ int main(int argc, char **argv)
         log_info("Batch API state in %s", opt_state_db);
     }
     cluster_set_observer(cluster, stats_on_cluster_event, stats);
+    cluster_set_latency_source(cluster, online_p90, stats);
     if (opt_stats_bind && opt_stats_bind[0]) {
         statpub_params pp = statpub_default_params();
         pp.bind = opt_stats_bind;

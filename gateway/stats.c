@@ -114,7 +114,10 @@ const char *stats_role_str(int role)
 
 const char *stats_state_str(int state)
 {
-    return state == PROTO_STATE_READY ? "ready" : state == PROTO_STATE_DRAINING ? "draining" : "?";
+    return state == PROTO_STATE_READY      ? "ready"
+           : state == PROTO_STATE_DRAINING ? "draining"
+           : state == PROTO_STATE_CHANGING ? "changing"
+                                           : "?";
 }
 
 static metrics_window *new_window(int window_s)
@@ -361,6 +364,7 @@ void stats_on_cluster_event(const cluster_event *ce, void *ud)
         [CLUSTER_EV_WORKER_ROLE] = "worker_role",     [CLUSTER_EV_WORKER_STATE] = "worker_state",
         [CLUSTER_EV_REQUEST_RETRY] = "request_retry",
         [CLUSTER_EV_REQUEST_PREEMPT] = "request_preempt",
+        [CLUSTER_EV_ROLE_CHANGE] = "role_change",
     };
     if ((int)ce->type < 1 || (int)ce->type >= (int)(sizeof(names) / sizeof(names[0])))
         return;

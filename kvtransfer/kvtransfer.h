@@ -92,6 +92,8 @@ typedef struct {
     uint64_t fingerprint; /* model fingerprint sent in KV_BEGIN */
     int lease_ms;         /* wait at most this long for KV_BEGIN_ACK and for KV_RESULT */
     int sndhwm;           /* messages queued per decode endpoint (ZMQ_SNDHWM) */
+    int n_mtp;            /* the cache's last n_mtp layers are MTP module layers: a transfer
+                           * that does not name its layers sends the others (default 0) */
 } kvx_sender_params;
 
 /* Defaults: lease 5000 ms, sndhwm 65536. */
@@ -116,7 +118,8 @@ typedef struct {
     float temperature, top_p;
     int top_k;
     /* MTP (optional, zero = none): n_layer = layers to transfer, the first n_layer of the
-     * cache (0 = all of them); n_mtp of them, the last ones, are module layers, whose
+     * cache (0 = every main layer: all but the sender's n_mtp module layers); n_mtp of
+     * them, the last ones, are module layers, whose
      * fingerprint is mtp_fp; n_hidden = floats of the hand-off state kvx_send_end_mtp()
      * will send; mtp = the request's MTP depth + 1 (0 = not set), carried to the receiver */
     int n_layer;

@@ -410,6 +410,7 @@ static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_envel
     if (n_frames) {
         hsrc = zmq_msg_data(proto_envelope_frame(e, 0));
         XXH64_update(x->hash, hsrc, hbytes);
+        x->n_bytes += hbytes; /* payload bytes, as the sender counts them */
     }
     uint64_t sum = XXH64_digest(x->hash);
     if (sum != m->checksum) {
@@ -436,7 +437,7 @@ static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_envel
     ev.top_p = x->top_p;
     ev.top_k = x->top_k;
     ev.xfer_us = proto_now_us() - x->t0_us;
-    ev.n_bytes = x->n_bytes + hbytes;
+    ev.n_bytes = x->n_bytes;
     ev.mtp = x->mtp;
     if (x->keep_mtp && hsrc) {
         ev.hidden = malloc(hbytes);

@@ -112,7 +112,8 @@ kvx_sender_params kvx_sender_default_params(void)
 
 kvx_sender_t *kvx_sender_new(void *zctx, kvcache_t *kv, const kvx_sender_params *p)
 {
-    if (!zctx || !kv || !p || p->lease_ms <= 0 || p->sndhwm < 0)
+    if (!zctx || !kv || !p || p->lease_ms <= 0 || p->sndhwm < 0 || p->n_mtp < 0 ||
+        p->n_mtp >= kvcache_get_params(kv)->n_layer)
         return NULL;
     kvx_sender_t *s = calloc(1, sizeof(*s));
     if (!s)
@@ -276,7 +277,7 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
                   bp->n_kv_tokens, have, need, PROTO_MAX_FRAMES);
         return 0;
     }
-    int n_layer = bp->n_layer ? bp->n_layer : kp->n_layer;
+    int n_layer = bp->n_layer ? bp->n_layer : kp->n_layer - s->p.n_mtp;
     if (n_layer < 1 || n_layer > kp->n_layer || bp->n_mtp < 0 || bp->n_mtp >= n_layer ||
         bp->n_hidden < 0 || bp->n_hidden > (1 << 20) || bp->mtp < 0 ||
         bp->mtp > PROTO_SPEC_MAX_POS + 1)

@@ -462,8 +462,8 @@ model_ctx_t *model_ctx_new_params(const model_t *m, const model_ctx_params *p)
     for (size_t i = 0; i < sizeof(ptrs) / sizeof(ptrs[0]); i++)
         ok &= (*ptrs[i] = calloc(T, sizeof(float *))) != NULL;
     if (!ok || !ctx->x || !ctx->xb || !ctx->xb2 || !ctx->q || !ctx->cat || !ctx->hb || !ctx->hb2 ||
-        !ctx->q_d || !ctx->q_s || !ctx->att || !ctx->scratch || !ctx->rope || !ctx->tok_item || !ctx->tok_pos ||
-        !ctx->out_dst) {
+        !ctx->q_d || !ctx->q_s || !ctx->att || !ctx->scratch || !ctx->rope || !ctx->tok_item ||
+        !ctx->tok_pos || !ctx->out_dst) {
         model_ctx_destroy(&ctx);
         return NULL;
     }

@@ -524,38 +524,24 @@ static double now_ms(void)
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
 }
 
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 #define COST_PROMPT 16
 #define COST_REPS 5
 
-/* Median step time (ms) of COST_REPS steps (after one untimed) at depth d of b sequences. */
-static double time_steps(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *items, int b,
-                         int d, double max_ms)
+/* Time (ms) of one step at depth d of b sequences, advancing them; -1 on failure. */
+static double time_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *items, int b,
+                        int d)
 {
-    double t[COST_REPS];
-    for (int r = 0; r <= COST_REPS; r++) {
-        for (int i = 0; i < b; i++)
-            items[i].depth = d;
-        double t0 = now_ms();
-        if (specdec_step(sd, ctx, kv, items, b) != 0)
-            return -1;
-        double dt = now_ms() - t0;
-        for (int i = 0; i < b; i++) {
-            items[i].pos += items[i].n_tokens;
-            items[i].last = items[i].tokens[items[i].n_tokens - 1];
-        }
-        if (r > 0)
-            t[r - 1] = dt;
-        else if (d == 0 && dt > max_ms)
-            return dt; /* too slow to measure: the caller stops here */
+    for (int i = 0; i < b; i++)
+        items[i].depth = d;
+    double t0 = now_ms();
+    if (specdec_step(sd, ctx, kv, items, b) != 0)
+        return -1;
+    double dt = now_ms() - t0;
+    for (int i = 0; i < b; i++) {
+        items[i].pos += items[i].n_tokens;
+        items[i].last = items[i].tokens[items[i].n_tokens - 1];
     }
-    qsort(t, COST_REPS, sizeof(double), cmp_d);
-    return t[COST_REPS / 2];
+    return dt;
 }
 
 int specdec_measure_costs(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, int max_batch,
@@ -630,11 +616,20 @@ int specdec_measure_costs(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, int ma
             items[i] = (specdec_item){
                 .seq = seqs[i], .pos = COST_PROMPT, .last = first, .sp = &sp, .rng = &rngs[i]};
         }
-        double t[SPECDEC_MAX_DEPTH + 1] = {0};
-        for (int d = 0; ok && d <= sd->n_mod; d++) {
-            t[d] = time_steps(sd, ctx, kv, items, b, d, max_step_ms);
-            if (t[d] <= 0 || (d == 0 && t[d] > max_step_ms))
-                ok = 0;
+        /* rounds of one step at each depth (interleaved, so that a load change on a
+         * shared machine hits every depth alike), the first untimed; the fastest of each
+         * depth (noise only adds time) */
+        double t[SPECDEC_MAX_DEPTH + 1];
+        for (int d = 0; d <= SPECDEC_MAX_DEPTH; d++)
+            t[d] = 1e30;
+        for (int rep = 0; ok && rep <= COST_REPS; rep++) {
+            for (int d = 0; ok && d <= sd->n_mod; d++) {
+                double dt = time_step(sd, ctx, kv, items, b, d);
+                if (dt < 0 || (d == 0 && dt > max_step_ms))
+                    ok = 0; /* failed, or too slow to measure: stop here */
+                else if (rep > 0 && dt < t[d])
+                    t[d] = dt;
+            }
         }
         if (ok) {
             int k = out->n++;

@@ -159,8 +159,9 @@ typedef struct {
 /* Time plain steps and steps at depths 1..max on b sequences of a random 16-token prompt,
  * for b = 1, 2, 4, ... up to max_batch (within the cache's free blocks; a batch size whose
  * plain step takes more than max_step_ms is not measured: larger batches use the last
- * measured ratios). Uses and frees its own sequences. Returns 0, or -1 when nothing could
- * be measured (no modules, no space). */
+ * measured ratios): 5 rounds of one step at each depth (after an untimed round), the
+ * fastest step of each depth. Uses and frees its own sequences. Returns 0, or -1 when
+ * nothing could be measured (no modules, no space). */
 int specdec_measure_costs(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, int max_batch,
                           double max_step_ms, specdec_costs *out);
 /* The ratio at batch size b (interpolated; the nearest point outside the range). */

@@ -72,8 +72,8 @@ class Cluster:
         prog = "decode_worker" if role == "decode" else "prefill_worker"
         argv = [os.path.join(BIN, prog), "--role", role, "--gateway", self.ctl,
                 "--model", self.model, "--worker-id", name, "--heartbeat-ms", "200"]
-        if role in ("decode", "mixed"):
-            argv += ["--kv-bind", "tcp://127.0.0.1:%d" % free_port()]
+        # every worker gets a kv port: a prefill worker binds it if it changes to decode
+        argv += ["--kv-bind", "tcp://127.0.0.1:%d" % free_port()]
         return self._spawn(name, argv + self.worker_args)
 
     def worker_names(self, role=None):

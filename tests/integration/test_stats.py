@@ -239,9 +239,16 @@ class UnderLoad(unittest.TestCase):
                          (0, 0, 0, 0))
         self.assertEqual((tx["rejects"], tx["timeouts"], tx["aborts"]), (0, 0, 0))
         self.assertGreater(rx["ms"], 0)
-        # spec-decode counters exist (zeros until MTP)
-        self.assertEqual(d["spec"]["accepted_per_pos"], [0, 0])
-        self.assertIsNone(d["spec"]["mean_acceptance_length"])
+        # spec-decode counters (MTP2 with the default model's modules): consistent
+        sp = d["spec"]
+        self.assertEqual(sum(sp["accepted_per_pos"]), sp["num_accepted_tokens"])
+        self.assertLessEqual(sp["num_accepted_tokens"], sp["num_draft_tokens"])
+        self.assertLessEqual(sp["num_draft_tokens"], 2 * sp["num_drafts"])
+        if sp["num_drafts"]:
+            self.assertAlmostEqual(sp["mean_acceptance_length"],
+                                   1 + sp["num_accepted_tokens"] / sp["num_drafts"], places=6)
+        else:
+            self.assertIsNone(sp["mean_acceptance_length"])
         # latency percentiles over the window
         c = s["cluster"]
         self.assertEqual(c["ttft_ms"]["n"], len(LOAD))
@@ -301,10 +308,13 @@ class UnderLoad(unittest.TestCase):
         self.assertEqual(metric(samples, "tidepool:num_requests_waiting"), 0)
         self.assertEqual(metric(samples, "tidepool:kv_cache_usage_perc", worker="decode-1",
                                 role="decode"), 0)
-        self.assertEqual(metric(samples, "tidepool:spec_decode_num_drafts_total",
-                                worker="decode-1"), 0)
+        acc = metric(samples, "tidepool:spec_decode_num_accepted_tokens_total", worker="decode-1")
         self.assertEqual(metric(samples, "tidepool:spec_decode_num_accepted_tokens_per_pos_total",
-                                worker="decode-1", position="1"), 0)
+                                worker="decode-1", position="0") +
+                         metric(samples, "tidepool:spec_decode_num_accepted_tokens_per_pos_total",
+                                worker="decode-1", position="1"), acc)
+        self.assertLessEqual(acc, metric(samples, "tidepool:spec_decode_num_draft_tokens_total",
+                                         worker="decode-1"))
         self.assertEqual(metric(samples, "tidepool:worker_prompt_tokens_total",
                                 worker="prefill-0"), self.prompt_total)
         self.assertEqual(metric(samples, "tidepool:workers", role="decode", state="ready"), 1)

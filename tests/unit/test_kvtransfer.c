@@ -1392,10 +1392,17 @@ static void test_mtp_main_layers_only(void **state)
     for (int l = 0; l < NL; l++)
         assert_true(layer_holds(f->kvr, ev.seq, l));
     kvcache_seq_free(f->kvr, ev.seq);
-    /* a layer such a transfer does not carry is a caller bug */
+    /* a sender that knows its cache's module layers sends the main ones by default; a
+     * layer such a transfer does not carry is a caller bug */
+    kvx_sender_destroy(&f->s);
+    kvx_sender_params sp = kvx_sender_default_params();
+    sp.fingerprint = FP;
+    sp.n_mtp = NMTP;
+    f->s = kvx_sender_new(f->zctx, f->kvs, &sp);
+    assert_non_null(f->s);
     int seq = make_seq(f->kvs, 9, 3);
     kvx_begin_params bp = {.rid = 78, .seq = seq, .n_kv_tokens = 9, .max_tokens = 4,
-                           .top_p = 1.0f, .n_layer = NL};
+                           .top_p = 1.0f};
     uint64_t x = kvx_send_begin(f->s, f->ep, &bp);
     assert_true(x != 0);
     assert_int_equal(kvx_send_layer(f->s, x, NL), -1);

@@ -815,6 +815,17 @@ static void test_specdec_greedy_equivalence(void **state)
                 assert_int_equal(st.drafted, 0);
         }
     }
+    /* a prompt of BOS alone: no module position in the prefill, h_1[-1] does not exist */
+    {
+        int bos = c->bos_id, one = 1, two = 2, refb[NG];
+        const int *pr = &bos;
+        int nrb = plain_greedy(&bos, 1, NG, refb);
+        dec_stats st = {0};
+        decode(&r, 1, &pr, &one, &two, NULL, &sp, NULL, NG, outs, nout, &st);
+        assert_int_equal(nout[0], nrb);
+        assert_memory_equal(outs[0], refb, (size_t)nrb * sizeof(int));
+        assert_true(st.accepted > 0);
+    }
     /* batched: 12 sequences with mixed depths and both prompts in every step */
     const int *prs[12];
     int nps[12], depths[12];
@@ -1078,7 +1089,9 @@ static void test_specdec_sampling_distribution(void **state)
             }
             /* 4 tokens, so that the first decode step may draft 2 */
             decode(&r, 64, prs, nps, depths, NULL, &sp, seeds, 4, outs, nout,
-                   di == 1 ? &st2 : di == 2 ? &st1h : NULL);
+                   di == 1   ? &st2
+                   : di == 2 ? &st1h
+                             : NULL);
             for (int i = 0; i < 64; i++) {
                 if (di == 0)
                     memcpy(plain[s0 + i], buf[i], sizeof(buf[i]));

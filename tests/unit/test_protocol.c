@@ -73,6 +73,9 @@ static void fill(proto_msg *m, proto_type_t t)
     m->xfer_us = 3000000000ll;
     m->xfer_bytes = 1ull << 33;
     m->step_us = 13;
+    m->emulated = 1;
+    m->role_change_us = 250000;
+    m->n_role_changes = 3;
 }
 
 /* Every type encodes and decodes to the fields it carries, bit for bit. */
@@ -134,6 +137,11 @@ static void test_roundtrip_all_types(void **state)
         } else {
             assert_true(out.queue_us == 0 && out.xfer_bytes == 0);
         }
+        if (t == PROTO_ROLE || t == PROTO_REGISTER || t == PROTO_HEARTBEAT)
+            assert_int_equal(out.role, PROTO_ROLE_DECODE);
+        assert_int_equal(out.emulated, t == PROTO_REGISTER || t == PROTO_HEARTBEAT);
+        assert_true(out.role_change_us == (t == PROTO_HEARTBEAT ? 250000 : 0));
+        assert_true(out.n_role_changes == (t == PROTO_HEARTBEAT ? 3u : 0u));
         assert_int_equal(out.ts_us, -5);
         free(buf);
         proto_msg_clear(&out);

@@ -1,0 +1,217 @@
+"""Live role changes: a worker moves between prefill and decode by draining, under load,
+and no stream loses, repeats or alters a token (docs/scheduler.md "Live role changes").
+
+Real workers and the real model; --debug-step-delay-ms keeps the streams running while
+the changes happen. The texts must equal the greedy references of test_e2e."""
+
+import os
+import sys
+import threading
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import Cluster  # noqa: E402
+from test_e2e import REF, worker_figures  # noqa: E402
+from test_stats import Subscriber  # noqa: E402
+from test_chunked import CHUNK, LONG, MAX_TOKENS, greedy  # noqa: E402
+
+
+def set_role(c, wid, role):
+    return c.request("POST", "/workers/%s/role" % wid, {"role": role})
+
+
+def wait_roles(c, want, timeout=15):
+    """Wait until /workers shows every worker of want {id: role} ready in that role."""
+    deadline = time.time() + timeout
+    figs = None
+    while time.time() < deadline:
+        figs = worker_figures(c)
+        if all(figs.get(k, {}).get("role") == v and figs[k]["state"] == "ready"
+               for k, v in want.items()):
+            return figs
+        time.sleep(0.05)
+    raise AssertionError("roles not reached: want %r, have %r" % (want, figs))
+
+
+class RoleChange(unittest.TestCase):
+    def run_streams(self, c, n, results):
+        prompts = (list(REF) * n)[:n]
+
+        def run(i):
+            results[i] = (prompts[i], c.stream_text(prompts[i], max_tokens=48))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        return threads
+
+    def check_streams(self, threads, results):
+        for t in threads:
+            t.join(60)
+        for i, r in enumerate(results):
+            self.assertIsNotNone(r, "stream %d did not finish" % i)
+            prompt, (status, text, events, done) = r
+            self.assertEqual(status, 200, events)
+            self.assertTrue(done, "stream %d must end with [DONE]" % i)
+            self.assertEqual(text, REF[prompt], "stream %d" % i)
+            self.assertEqual(events[-1]["choices"][0]["finish_reason"], "length")
+
+    def test_role_changes_under_load(self):
+        with Cluster(roles=("prefill", "decode", "decode"),
+                     worker_args=["--debug-step-delay-ms", "40"]) as c:
+            wait_roles(c, {"prefill-0": "prefill", "decode-1": "decode", "decode-2": "decode"})
+            sub = Subscriber(c.stats)
+            self.addCleanup(sub.close)
+            # the endpoint's errors first (OpenAI-style bodies)
+            status, body = set_role(c, "prefill-0", "decode")
+            self.assertEqual(status, 409, body)  # the last prefill worker
+            self.assertEqual(body["error"]["code"], "role_change_refused")
+            status, body = set_role(c, "nobody", "decode")
+            self.assertEqual(status, 404, body)
+            status, body = c.request("POST", "/workers/decode-1/role", {"role": "mixed"})
+            self.assertEqual(status, 400, body)
+            status, body = set_role(c, "decode-1", "decode")
+            self.assertEqual(status, 409, body)  # already decode
+            status, body = c.request("GET", "/workers/decode-1/role")
+            self.assertEqual(status, 405, body)
+
+            # 12 greedy streams; both directions change while they run
+            results = [None] * 12
+            threads = self.run_streams(c, 12, results)
+            time.sleep(0.3)
+            status, body = set_role(c, "decode-1", "prefill")
+            self.assertEqual(status, 202, body)
+            self.assertEqual(body["status"], "changing")
+            status, body = set_role(c, "decode-2", "prefill")
+            self.assertEqual(status, 409, body)  # would leave no decode worker
+            self.assertIn("last decode", body["error"]["message"])
+            status, body = set_role(c, "prefill-0", "decode")
+            self.assertEqual(status, 202, body)  # decode-1 is becoming prefill
+            status, body = set_role(c, "prefill-0", "decode")
+            self.assertEqual(status, 409, body)  # already changing
+            self.check_streams(threads, results)
+            figs = wait_roles(c, {"prefill-0": "decode", "decode-1": "prefill",
+                                  "decode-2": "decode"})
+            self.assertTrue(figs["prefill-0"]["kv_endpoint"].startswith("tcp://"))
+            self.assertEqual(figs["decode-1"]["kv_endpoint"], "")
+            # decode-1 had running sequences when ordered: it drained them before switching
+            deadline = time.time() + 5
+            while time.time() < deadline and "last_role_change_ms" not in figs["decode-1"]:
+                time.sleep(0.1)
+                figs = worker_figures(c)
+            self.assertGreater(figs["decode-1"]["last_role_change_ms"], 40, figs["decode-1"])
+
+            # the new roles serve, and change back while streams run
+            results = [None] * 12
+            threads = self.run_streams(c, 12, results)
+            time.sleep(0.3)
+            status, body = set_role(c, "prefill-0", "prefill")
+            self.assertEqual(status, 202, body)
+            status, body = set_role(c, "decode-1", "decode")
+            self.assertEqual(status, 202, body)
+            self.check_streams(threads, results)
+            figs = wait_roles(c, {"prefill-0": "prefill", "decode-1": "decode"})
+            # the workers report the change's latency in their heartbeats
+            deadline = time.time() + 5
+            while time.time() < deadline and figs["prefill-0"].get("role_changes") != 2:
+                time.sleep(0.1)
+                figs = worker_figures(c)
+            self.assertEqual(figs["prefill-0"].get("role_changes"), 2, figs)
+            self.assertGreater(figs["prefill-0"]["last_role_change_ms"], 0)
+            # one last check that the cluster is whole
+            status, body = c.complete("Once upon a time", max_tokens=48)
+            self.assertEqual(status, 200, body)
+            self.assertEqual(body["choices"][0]["text"], REF["Once upon a time"])
+            log = c.log("gateway")
+            done = [ln for ln in log.splitlines() if "role change" in ln and "done in" in ln]
+            self.assertEqual(len(done), 4, log[-3000:])
+            # and the stats socket carries role_change events: ordered, then done in N ms
+            sub.wait_event(lambda e: e.get("event") == "role_change" and e["worker"] == "decode-1"
+                           and e["reason"] == "ordered by the operator")
+            ev = sub.wait_event(lambda e: e.get("event") == "role_change"
+                                and e["worker"] == "decode-1"
+                                and e["reason"].startswith("done in "))
+            self.assertGreater(float(ev["reason"].split()[2]), 40, ev)
+
+    def test_prefill_worker_finishes_its_prompt_then_switches(self):
+        """A prefill worker ordered to decode mid-prompt (chunks of 7 tokens) computes the
+        rest of the prompt and hands its KV over before it switches."""
+        with Cluster(roles=("prefill", "prefill", "decode"),
+                     worker_args=CHUNK + ["--debug-step-delay-ms", "10", "--log-level",
+                                          "debug"]) as c:
+            wait_roles(c, {"prefill-0": "prefill", "prefill-1": "prefill", "decode-2": "decode"})
+            want, n_prompt = greedy(c)  # the same text as unchunked (test_chunked)
+            result = {}
+            t = threading.Thread(target=lambda: result.update(
+                r=c.stream_text(LONG, max_tokens=MAX_TOKENS)))
+            t.start()
+            busy = None
+            deadline = time.time() + 5
+            while busy is None and time.time() < deadline:
+                busy = next((k for k, w in worker_figures(c).items()
+                             if w["role"] == "prefill" and w["assigned"] > 0), None)
+            self.assertIsNotNone(busy, "the long prompt was never assigned")
+            status, body = set_role(c, busy, "decode")
+            self.assertEqual(status, 202, body)
+            t.join(30)
+            status, text, events, done = result["r"]
+            self.assertEqual((status, done, text), (200, True, want))
+            wait_roles(c, {busy: "decode"})
+            log = c.log(busy).splitlines()
+            last_chunk = max(i for i, ln in enumerate(log)
+                             if "prefill chunk [" in ln and ", %d) of" % n_prompt in ln)
+            switched = next(i for i, ln in enumerate(log) if "role changed prefill -> decode" in ln)
+            ordered = next(i for i, ln in enumerate(log) if "role change prefill -> decode" in ln)
+            self.assertLess(ordered, last_chunk, "the order came mid-prompt")
+            self.assertLess(last_chunk, switched)
+            # and it decodes now: a request lands on it or on decode-2, both serve
+            self.assertEqual(greedy(c, next(iter(REF)), 48)[0], REF[next(iter(REF))])
+
+    def test_tidal_policy_moves_a_worker(self):
+        """--tidal: a decode shortage (1 decode worker of 2 sequences, 12 streams) makes the
+        policy move a prefill worker to decode, by draining; the streams stay exact."""
+        with Cluster(roles=("prefill", "prefill", "decode"),
+                     gateway_args=["--tidal", "--tidal-min-role-s", "0", "--smooth-s", "0.3"],
+                     worker_args=["--debug-step-delay-ms", "20", "--max-seqs", "2"]) as c:
+            wait_roles(c, {"prefill-0": "prefill", "prefill-1": "prefill", "decode-2": "decode"})
+            results = [None] * 12
+            threads = self.run_streams(c, 12, results)
+            self.check_streams(threads, results)
+            figs = worker_figures(c)
+            roles = sorted(w["role"] for w in figs.values())
+            self.assertEqual(roles, ["decode", "decode", "prefill"], figs)
+            self.assertIn("ordered by the tidal policy", c.log("gateway"))
+
+
+class Emulated(unittest.TestCase):
+    def test_emulated_workers_serve_with_model_timings(self):
+        """4 emulated workers (a100-llama3-8b): real tokens, the cost model's step times."""
+        with Cluster(roles=("prefill", "prefill", "decode", "decode"),
+                     worker_args=["--emulate", "a100-llama3-8b"]) as c:
+            wait_roles(c, {"prefill-0": "prefill", "prefill-1": "prefill",
+                           "decode-2": "decode", "decode-3": "decode"})
+            figs = worker_figures(c)
+            self.assertTrue(all(w.get("emulated") for w in figs.values()), figs)
+            for name in figs:
+                self.assertIn("EMULATED accelerator 'a100-llama3-8b'", c.log(name))
+            t0 = time.time()
+            status, body = c.complete("Once upon a time", max_tokens=48)
+            elapsed = time.time() - t0
+            self.assertEqual(status, 200, body)
+            self.assertEqual(body["choices"][0]["text"], REF["Once upon a time"])
+            # 47 decode steps of an 8B bf16 model on an A100 read 16 GB of weights each: at
+            # least 7.8 ms per step at full memory bandwidth (the cost model adds MBU and
+            # overhead); the small real model alone takes well under 1 ms per step
+            self.assertGreater(elapsed, 47 * 0.0078, elapsed)
+            self.assertLess(elapsed, 5.0, elapsed)
+            # concurrent streams batch: 8 at once take far less than 8 times one
+            results = [None] * 8
+            threads = RoleChange.run_streams(self, c, 8, results)
+            t0 = time.time()
+            RoleChange.check_streams(self, threads, results)
+            self.assertLess(time.time() - t0, 4 * elapsed)
+
+
+if __name__ == "__main__":
+    unittest.main()
