@@ -111,6 +111,12 @@ typedef struct {
     wreq **reqs; /* every live request, in arrival order */
     int n_reqs, cap_reqs;
     int prefill_blocked; /* the last prefill attempt could not admit anything */
+    /* Recently cancelled rids this worker did not hold yet (a CANCEL can overtake the KV
+     * hand-off): KV that arrives for one is freed at once instead of being decoded. Wire
+     * rids are unique per attempt, so a retry is never mistaken for one. A ring. */
+#define WORKER_TOMBSTONES 256
+    uint64_t tombstones[WORKER_TOMBSTONES];
+    int next_tombstone;
 
     int registered;
 

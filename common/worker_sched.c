@@ -194,8 +194,20 @@ void sched_on_cancel(worker_t *w, uint64_t rid)
     }
     if (w->receiver && kvx_receiver_abort(w->receiver, rid))
         dropped = 1;
-    if (dropped)
+    if (dropped) {
         log_rinfo(rid, "cancelled");
+    } else if (w->receiver) { /* its KV may still be on the way here */
+        w->tombstones[w->next_tombstone] = rid;
+        w->next_tombstone = (w->next_tombstone + 1) % WORKER_TOMBSTONES;
+    }
+}
+
+static int tombstoned(const worker_t *w, uint64_t rid)
+{
+    for (int i = 0; i < WORKER_TOMBSTONES; i++)
+        if (w->tombstones[i] == rid)
+            return 1;
+    return 0;
 }
 
 // --- kvx events
@@ -230,6 +242,12 @@ static void start_decode(worker_t *w, wreq *r)
 
 static void on_accepted(worker_t *w, const kvx_event *ev)
 {
+    if (tombstoned(w, ev->rid)) { /* cancelled before its KV arrived: nothing to decode */
+        log_rinfo(ev->rid, "KV arrived for a cancelled request: freed");
+        free(ev->hidden);
+        kvcache_seq_free(w->kv, ev->seq);
+        return;
+    }
     wreq *old = req_find(w, ev->rid);
     if (old) {
         log_rwarn(ev->rid, "KV for a request already here: the old attempt is dropped");
