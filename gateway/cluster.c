@@ -922,8 +922,10 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
     memcpy(dst, m->tokens + skip, (size_t)n_new * sizeof(int));
     r->n_gen += n_new;
     if (r->cb->on_tokens(r->ud, dst, n_new)) {
-        /* the owner completed it (stop string, EOS, max_tokens) */
-        req_detach(c, r, 1);
+        /* the owner completed it (stop string, EOS, max_tokens). At max_tokens the workers
+         * end it by themselves (they count too): a CANCEL would only turn their clean
+         * finish into a cancellation in their logs and transfer counters. */
+        req_detach(c, r, r->n_gen < r->max_tokens);
         req_unlink(c, r);
         req_free(r);
     }
