@@ -509,8 +509,10 @@ static void send_bye(worker_t *w)
     snprintf(m.worker_id, sizeof(m.worker_id), "%s", w->wid);
     snprintf(m.message, sizeof(m.message), "drained");
     m.ts_us = proto_wall_us();
+    /* EAGAIN: the gateway is already gone (the launcher stops it first): nothing to tell */
     if (ctl_send(w, &m) < 0)
-        log_warn("BYE not sent: %s", zmq_strerror(errno));
+        LOG_AT(errno == EAGAIN ? LOG_LEVEL_INFO : LOG_LEVEL_WARN, 0, "BYE not sent: %s",
+               errno == EAGAIN ? "the gateway is not connected" : zmq_strerror(errno));
 }
 
 static int min_timeout(int a, int b)
