@@ -122,34 +122,16 @@ static int argmax(const float *x, int n)
     return best;
 }
 
-int sampler_sample(sampler_t *s, const sampler_params *p, uint64_t *rng, float *logits)
+/* The candidates a top-k and/or top-p draw chooses among: fills s->c best first with
+ * probabilities (after temperature; logits may be overwritten) and returns their count;
+ * *last is the index of the last candidate inside the nucleus and *cum the probability
+ * mass of c[0..last]. Shared by sampler_sample and sampler_probs so that the distribution
+ * speculative decoding verifies against is exactly the one sampling draws from. */
+static int candidates(sampler_t *s, const sampler_params *p, float *logits, int top_k,
+                      int use_top_p, int *last, float *cum)
 {
     const int n = s->vocab_size;
-    if (!(p->temperature >= SAMPLER_GREEDY_EPS))
-        return argmax(logits, n);
-    for (int i = 0; i < n; i++)
-        logits[i] /= p->temperature;
-    float coin = rand_f32(rng);
-    int top_k = p->top_k > 0 && p->top_k < n ? p->top_k : 0;
-    int use_top_p = p->top_p < 1.0f; /* <= 0 keeps only the top token */
     cand *c = s->c;
-
-    if (!top_k && !use_top_p) { /* plain multinomial over the whole vocabulary */
-        int mi = argmax(logits, n);
-        float max_val = logits[mi], sum = 0.0f;
-        for (int i = 0; i < n; i++) {
-            logits[i] = expf(logits[i] - max_val);
-            sum += logits[i];
-        }
-        float r = coin * sum, cdf = 0.0f;
-        for (int i = 0; i < n; i++) {
-            cdf += logits[i];
-            if (r < cdf)
-                return i;
-        }
-        return mi; /* rounding */
-    }
-
     int m;
     if (top_k) { /* the k best by logit, then sorted; softmax over them */
         for (int i = 0; i < top_k; i++)
@@ -189,25 +171,59 @@ int sampler_sample(sampler_t *s, const sampler_params *p, uint64_t *rng, float *
         sort_best_first(c, m);
     }
 
-    int last = m - 1;
-    float cum = 0.0f;
+    *last = m - 1;
+    *cum = 0.0f;
     if (use_top_p) {
         for (int i = 0; i < m; i++) {
-            cum += c[i].val;
-            if (cum > p->top_p) {
-                last = i;
+            *cum += c[i].val;
+            if (*cum > p->top_p) {
+                *last = i;
                 break;
             }
         }
-        if (cum <= p->top_p) {
-            cum = 0.0f;
+        if (*cum <= p->top_p) {
+            *cum = 0.0f;
             for (int i = 0; i < m; i++)
-                cum += c[i].val;
+                *cum += c[i].val;
         }
     } else {
         for (int i = 0; i < m; i++)
-            cum += c[i].val;
+            *cum += c[i].val;
     }
+    return m;
+}
+
+int sampler_sample(sampler_t *s, const sampler_params *p, uint64_t *rng, float *logits)
+{
+    const int n = s->vocab_size;
+    if (!(p->temperature >= SAMPLER_GREEDY_EPS))
+        return argmax(logits, n);
+    for (int i = 0; i < n; i++)
+        logits[i] /= p->temperature;
+    float coin = rand_f32(rng);
+    int top_k = p->top_k > 0 && p->top_k < n ? p->top_k : 0;
+    int use_top_p = p->top_p < 1.0f; /* <= 0 keeps only the top token */
+
+    if (!top_k && !use_top_p) { /* plain multinomial over the whole vocabulary */
+        int mi = argmax(logits, n);
+        float max_val = logits[mi], sum = 0.0f;
+        for (int i = 0; i < n; i++) {
+            logits[i] = expf(logits[i] - max_val);
+            sum += logits[i];
+        }
+        float r = coin * sum, cdf = 0.0f;
+        for (int i = 0; i < n; i++) {
+            cdf += logits[i];
+            if (r < cdf)
+                return i;
+        }
+        return mi; /* rounding */
+    }
+
+    int last;
+    float cum;
+    candidates(s, p, logits, top_k, use_top_p, &last, &cum);
+    const cand *c = s->c;
     float r = coin * cum, cdf = 0.0f;
     for (int i = 0; i <= last; i++) {
         cdf += c[i].val;
@@ -235,7 +251,6 @@ void sampler_probs(sampler_t *s, const sampler_params *p, float *logits, float *
         logits[i] /= p->temperature;
     int top_k = p->top_k > 0 && p->top_k < n ? p->top_k : 0;
     int use_top_p = p->top_p < 1.0f; /* <= 0 keeps only the top token */
-    cand *c = s->c;
 
     if (!top_k && !use_top_p) { /* softmax over the whole vocabulary */
         int mi = argmax(logits, n);
@@ -250,63 +265,9 @@ void sampler_probs(sampler_t *s, const sampler_params *p, float *logits, float *
     }
 
     /* the candidates sampler_sample draws among, best first, as it computes them */
-    int m;
-    if (top_k) {
-        for (int i = 0; i < top_k; i++)
-            c[i] = (cand){logits[i], i};
-        for (int i = top_k / 2 - 1; i >= 0; i--)
-            sift_worst(c, top_k, i);
-        for (int i = top_k; i < n; i++) {
-            cand x = {logits[i], i};
-            if (better(&x, &c[0])) {
-                c[0] = x;
-                sift_worst(c, top_k, 0);
-            }
-        }
-        m = top_k;
-        sort_best_first(c, m);
-        float max_val = c[0].val, sum = 0.0f;
-        for (int i = 0; i < m; i++) {
-            c[i].val = expf(c[i].val - max_val);
-            sum += c[i].val;
-        }
-        for (int i = 0; i < m; i++)
-            c[i].val /= sum;
-    } else {
-        int mi = argmax(logits, n);
-        float max_val = logits[mi], sum = 0.0f;
-        for (int i = 0; i < n; i++) {
-            logits[i] = expf(logits[i] - max_val);
-            sum += logits[i];
-        }
-        float cutoff = n > 1 ? (1.0f - p->top_p) / (float)(n - 1) : 0.0f;
-        m = 0;
-        for (int i = 0; i < n; i++) {
-            float pr = logits[i] / sum;
-            if (pr >= cutoff || i == mi)
-                c[m++] = (cand){pr, i};
-        }
-        sort_best_first(c, m);
-    }
-    int last = m - 1;
-    float cum = 0.0f;
-    if (use_top_p) {
-        for (int i = 0; i < m; i++) {
-            cum += c[i].val;
-            if (cum > p->top_p) {
-                last = i;
-                break;
-            }
-        }
-        if (cum <= p->top_p) {
-            cum = 0.0f;
-            for (int i = 0; i < m; i++)
-                cum += c[i].val;
-        }
-    } else {
-        for (int i = 0; i < m; i++)
-            cum += c[i].val;
-    }
+    int last;
+    float cum;
+    candidates(s, p, logits, top_k, use_top_p, &last, &cum);
     for (int i = 0; i <= last; i++)
-        probs[c[i].id] = c[i].val / cum;
+        probs[s->c[i].id] = s->c[i].val / cum;
 }
