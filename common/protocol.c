@@ -36,8 +36,8 @@ typedef struct {
 
 #define KV_ALL (T(PROTO_KV_BEGIN) | T(PROTO_KV_BEGIN_ACK) | T(PROTO_KV_LAYER) | \
                 T(PROTO_KV_END) | T(PROTO_KV_RESULT) | T(PROTO_KV_ABORT))
-#define RID_TYPES (T(PROTO_PREFILL) | T(PROTO_CANCEL) | T(PROTO_TOKENS) | T(PROTO_FINISH) | \
-                   T(PROTO_ERROR) | KV_ALL)
+#define RID_TYPES (T(PROTO_PREFILL) | T(PROTO_MIGRATE) | T(PROTO_CANCEL) | T(PROTO_TOKENS) | \
+                   T(PROTO_FINISH) | T(PROTO_ERROR) | KV_ALL)
 
 static const field_t fields[] = {
     FLD("rid", F_U64, rid, 1, 0, RID_TYPES, 0),
@@ -65,8 +65,8 @@ static const field_t fields[] = {
     FLD("top_p", F_FLOAT, top_p, 0, 1, T(PROTO_PREFILL) | T(PROTO_KV_BEGIN), 0),
     FLD("top_k", F_INT, top_k, 0, 1 << 24, T(PROTO_PREFILL) | T(PROTO_KV_BEGIN), 0),
     FLD("rng", F_U64, rng, 0, 0, T(PROTO_PREFILL) | T(PROTO_KV_END), 0),
-    FLD("dw", F_STR, decode_worker, 0, 0, T(PROTO_PREFILL), 0),
-    FLD("dep", F_STR, decode_endpoint, 0, 0, T(PROTO_PREFILL), 0),
+    FLD("dw", F_STR, decode_worker, 0, 0, T(PROTO_PREFILL) | T(PROTO_MIGRATE), 0),
+    FLD("dep", F_STR, decode_endpoint, 0, 0, T(PROTO_PREFILL) | T(PROTO_MIGRATE), 0),
     FLD("mtp", F_INT, mtp_depth, 0, PROTO_SPEC_MAX_POS + 1, 0,
         T(PROTO_PREFILL) | T(PROTO_KV_BEGIN)),
     FLD("reason", F_INT, reason, 1, 2, T(PROTO_FINISH), 0),
@@ -89,9 +89,11 @@ static const field_t fields[] = {
     FLD("n_mtp", F_INT, n_mtp, 0, 64, 0, T(PROTO_KV_BEGIN)),
     FLD("mtp_fp", F_U64, mtp_fp, 0, 0, 0, T(PROTO_KV_BEGIN)),
     FLD("hid", F_INT, n_hidden, 0, 1 << 20, 0, T(PROTO_KV_BEGIN)),
+    FLD("gen", F_INT, n_gen, 0, 1 << 24, 0, T(PROTO_KV_BEGIN)),
     FLD("first", F_INT, first_token, 0, INT32_MAX, T(PROTO_KV_END), 0),
     FLD("cksum", F_U64, checksum, 0, 0, T(PROTO_KV_END), 0),
     FLD("lease_ms", F_INT, lease_ms, 1, 3600000, 0, T(PROTO_KV_BEGIN) | T(PROTO_KV_BEGIN_ACK)),
+    FLD("pad", F_I64, pad_bytes, 0, PROTO_MAX_PAD, 0, T(PROTO_KV_BEGIN)),
     FLD("ts", F_I64, ts_us, INT64_MIN, INT64_MAX, 0, ~0ull),
     FLD("kvx_tx", F_U64S, kvx_tx, 0, 0, 0, T(PROTO_HEARTBEAT)),
     FLD("kvx_rx", F_U64S, kvx_rx, 0, 0, 0, T(PROTO_HEARTBEAT)),
@@ -104,10 +106,12 @@ static const field_t fields[] = {
     FLD("emu", F_INT, emulated, 0, 1, 0, CTL_W),
     FLD("role_us", F_I64, role_change_us, 0, INT64_MAX, 0, T(PROTO_HEARTBEAT)),
     FLD("n_role", F_U64, n_role_changes, 0, 0, 0, T(PROTO_HEARTBEAT)),
+    FLD("mig", F_U64S, mig, 0, 0, 0, T(PROTO_HEARTBEAT)),
 };
 #define N_FIELDS (sizeof(fields) / sizeof(fields[0]))
 _Static_assert(sizeof(fields) / sizeof(fields[0]) <= 64, "field bitmask is 64 bits");
 _Static_assert(sizeof(proto_kvx_counters) == 7 * sizeof(uint64_t), "counters are a u64 array");
+_Static_assert(sizeof(proto_mig_counters) == 4 * sizeof(uint64_t), "counters are a u64 array");
 _Static_assert(sizeof(proto_spec_counters) == (3 + PROTO_SPEC_MAX_POS) * sizeof(uint64_t),
                "counters are a u64 array");
 
@@ -120,6 +124,7 @@ static const char *type_names[] = {
     [PROTO_KV_BEGIN_ACK] = "KV_BEGIN_ACK", [PROTO_KV_LAYER] = "KV_LAYER",
     [PROTO_KV_END] = "KV_END",       [PROTO_KV_RESULT] = "KV_RESULT",
     [PROTO_KV_ABORT] = "KV_ABORT",   [PROTO_ROLE] = "ROLE",
+    [PROTO_MIGRATE] = "MIGRATE",
 };
 
 static int type_valid(int t)

@@ -32,6 +32,7 @@
 #define PROTO_ID_LEN 64            /* worker ids, NUL included */
 #define PROTO_ENDPOINT_LEN 256     /* ZeroMQ endpoints, NUL included */
 #define PROTO_MESSAGE_LEN 256      /* error text, NUL included */
+#define PROTO_MAX_PAD (1ll << 48)  /* KV_BEGIN "pad": padding bytes of one transfer */
 
 typedef enum {
     PROTO_REGISTER = 1,  /* worker -> gateway: I exist (id, role, capacity, kv endpoint) */
@@ -44,6 +45,8 @@ typedef enum {
     PROTO_ERROR,         /* worker -> gateway: request failed (code, message, retryable) */
     PROTO_BYE,           /* worker -> gateway: leaving after draining */
     PROTO_ROLE,          /* gateway -> worker: change to role (drain, switch, REGISTER again) */
+    PROTO_MIGRATE,       /* gateway -> decode worker: move running request rid to decode
+                          * worker dw at dep over the kv socket (live migration) */
     PROTO_KV_BEGIN = 32, /* prefill -> decode: reserve KV for a request */
     PROTO_KV_BEGIN_ACK,  /* decode -> prefill: ok, or rejected (code, message) */
     PROTO_KV_LAYER,      /* prefill -> decode: one layer's KV blocks as payload frames */
@@ -112,6 +115,16 @@ typedef struct {
     uint64_t accepted_per_pos[PROTO_SPEC_MAX_POS]; /* accepted at draft position i */
 } proto_spec_counters;
 
+/* Live-migration counters of a decode worker since it started (HEARTBEAT "mig"; the same
+ * wire form as proto_kvx_counters): running sequences moved out to another decode worker
+ * (docs/scheduler.md "Live role changes"), the time they took, and those moved in. */
+typedef struct {
+    uint64_t n_out;        /* sequences moved out (the receiver accepted them) */
+    uint64_t n_out_failed; /* moves that failed (the request is re-run by the gateway) */
+    uint64_t out_us;       /* sum of the successful moves' durations (MIGRATE -> accepted) */
+    uint64_t n_in;         /* sequences moved in from another decode worker */
+} proto_mig_counters;
+
 /* One message. Which fields are meaningful depends on type; see the table in protocol.c
  * (and docs/protocol.md). tokens is owned by the struct after proto_decode/proto_recv
  * (free with proto_msg_clear); for sending it is borrowed. */
@@ -140,6 +153,7 @@ typedef struct {
     int64_t role_change_us;              /* HEARTBEAT, optional: the last role change's
                                           * duration (ROLE received -> switched), us */
     uint64_t n_role_changes;             /* HEARTBEAT, optional: role changes since start */
+    proto_mig_counters mig;              /* HEARTBEAT, optional: live migrations */
 
     /* request (PREFILL, TOKENS, KV_BEGIN) */
     int *tokens;                         /* PREFILL: prompt ids; TOKENS: generated ids */
@@ -176,9 +190,17 @@ typedef struct {
     uint64_t mtp_fp;                     /* KV_BEGIN, optional: fingerprint of the modules */
     int n_hidden;                        /* KV_BEGIN, optional: floats of the MTP hand-off
                                           * state KV_END carries as its one payload frame */
+    int n_gen;                           /* KV_BEGIN, optional: a migrated sequence: tokens
+                                          * its attempt generated so far, KV_END's first
+                                          * included (its TOKENS index is n_gen - 1); 0 =
+                                          * a prefill hand-off (the first token) */
     int first_token;                     /* KV_END */
     uint64_t checksum;                   /* KV_END: XXH64 of all payload frames in order */
     int lease_ms;                        /* KV_BEGIN: receiver's lease */
+    int64_t pad_bytes;                   /* KV_BEGIN, optional: zero padding the transfer
+                                          * carries on top of its KV, in bytes (emulated
+                                          * workers; docs/kvtransfer.md "Padding"): each
+                                          * KV_LAYER then has one padding frame, last */
     int64_t ts_us;                       /* sender's clock, microseconds (timing) */
 
     /* request timing (TOKENS, FINISH; optional, 0 = not reported): durations in

@@ -179,6 +179,7 @@ static void send_heartbeat(worker_t *w)
     if (w->receiver)
         kvx_receiver_get_stats(w->receiver, &m.kvx_rx);
     m.spec = w->spec;
+    m.mig = w->mig;
     m.emulated = w->emu_on;
     m.ts_us = proto_wall_us();
     if (ctl_send(w, &m) < 0)
@@ -241,6 +242,9 @@ static void on_ctl(worker_t *w, proto_msg *m, int n_frames)
         return;
     case PROTO_ROLE:
         on_role(w, m->role);
+        return;
+    case PROTO_MIGRATE:
+        sched_on_migrate(w, m);
         return;
     default:
         log_rwarn(m->rid, "dropped unexpected %s from the gateway", proto_type_str(m->type));
@@ -342,12 +346,18 @@ static int open_sender(worker_t *w)
     sp.fingerprint = w->mc->fingerprint;
     sp.lease_ms = (int)w->lease_ms;
     sp.n_mtp = w->n_mtp;
+    sp.pad_to_bytes_per_token = wemu_kv_bytes_per_token(w); /* --emulate: the emulated KV size */
     w->sender = kvx_sender_new(w->zctx, w->kv, &sp);
     if (!w->sender) {
         log_error("cannot create the KV sender");
         return -1;
     }
     return 0;
+}
+
+int worker_open_sender(worker_t *w)
+{
+    return w->sender ? 0 : open_sender(w);
 }
 
 static int setup_sockets(worker_t *w)
@@ -377,8 +387,10 @@ static int setup_sockets(worker_t *w)
 
 /* ROLE from the gateway: start draining towards role. Prefill -> decode: no new prompts
  * (sched_on_prefill refuses them; the gateway stopped sending them when it sent ROLE), the
- * batch and its transfers finish. Decode -> prefill: no new KV (the receiver refuses
- * KV_BEGIN), the running sequences finish. role_switch() runs once the worker is idle. */
+ * batch and its transfers finish. Decode -> prefill: the running sequences, and those whose
+ * KV is still arriving, move to other decode workers as the MIGRATE orders that follow say
+ * (worker_sched.c); any without an order finish here. role_switch() runs once the worker
+ * is idle. */
 static void on_role(worker_t *w, int role)
 {
     if (role != PROTO_ROLE_PREFILL && role != PROTO_ROLE_DECODE) {
@@ -409,12 +421,15 @@ static void on_role(worker_t *w, int role)
     if (!w->role_target)
         w->role_order_us = proto_now_us();
     w->role_target = (proto_role_t)role;
-    if (w->receiver)
-        kvx_receiver_set_accepting(w->receiver, 0);
+    /* A decode worker keeps accepting the KV already on its way (the gateway routes nothing
+     * new to it): the MIGRATE orders that follow ROLE move those sequences on as they land,
+     * which is cheaper than refusing them (a refusal makes the gateway prefill again). */
     log_info("role change %s -> %s ordered: draining (%s)", role_str(w->role),
              role_str(w->role_target),
-             w->role == PROTO_ROLE_PREFILL ? "finishing the batch and its transfers"
-                                           : "running sequences finish, no new KV");
+             w->role == PROTO_ROLE_PREFILL
+                 ? "finishing the batch and its transfers"
+                 : "no new KV; running sequences move where the gateway orders (MIGRATE), "
+                   "the others finish here");
     heartbeat_tick(w, 1); /* state CHANGING right away */
 }
 
@@ -432,7 +447,7 @@ static void role_switch(worker_t *w)
             kvx_sender_destroy(&w->sender); /* idle: no transfer holds a sequence */
         }
     } else {
-        ok = open_sender(w) == 0;
+        ok = worker_open_sender(w) == 0; /* it may exist already: migrations */
         if (ok) {
             kvx_receiver_destroy(&w->receiver);
             w->kv_endpoint[0] = 0;
@@ -445,6 +460,9 @@ static void role_switch(worker_t *w)
             kvx_receiver_set_accepting(w->receiver, 1);
     } else {
         w->role = to;
+        char tag[32]; /* log lines name the new role (the pool's threads do not log) */
+        snprintf(tag, sizeof(tag), "%s_worker", role_str(to));
+        log_init(tag, log_min_level);
         w->role_change_us = proto_now_us() - w->role_order_us;
         w->n_role_changes++;
         log_info("role changed %s -> %s in %.1f ms%s%s", role_str(from), role_str(to),

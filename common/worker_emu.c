@@ -12,9 +12,13 @@
  * start (a WARN line), in REGISTER and HEARTBEAT ("emu" = 1), and the gateway shows it in
  * GET /workers ("emulated": true).
  *
- * Not emulated (yet): the KV bytes. Transfers carry the real small model's KV layout, not
- * the emulated model's; costmodel_kv_bytes_per_token() gives what the emulated model
- * would send, which the start-up line reports.
+ * KV transfers weigh what the emulated model's would: the sender sends the real small
+ * model's KV (which the decode worker needs) plus zero padding, so that a transfer of n
+ * tokens puts n x costmodel_kv_bytes_per_token() payload bytes on the wire (a100-llama3-8b:
+ * 131072 per token), streamed with its layers (kvx_sender_params.pad_to_bytes_per_token,
+ * docs/kvtransfer.md "Padding"), and the kv byte counters count them. The padding is
+ * zero-copy from one read-only mapping of zeros. Not emulated: the link's speed (the bytes
+ * take what the real network takes) and the KV cache's capacity (the real model's blocks).
  */
 #include <errno.h>
 #include <string.h>
@@ -39,10 +43,16 @@ int wemu_setup(worker_t *w)
     }
     w->emu_on = 1;
     log_warn("EMULATED accelerator '%s': prefill and decode times are the cost model's "
-             "(sleeps), not measurements; tokens come from the real model; KV bytes are the "
-             "real model's (the emulated model would send %.0f bytes per token)",
-             w->emu.name, costmodel_kv_bytes_per_token(&w->emu));
+             "(sleeps), not measurements; tokens come from the real model; KV transfers are "
+             "padded with zeros to the emulated model's %llu bytes per token (the KV cache "
+             "holds the real model's)",
+             w->emu.name, (unsigned long long)wemu_kv_bytes_per_token(w));
     return 0;
+}
+
+uint64_t wemu_kv_bytes_per_token(const worker_t *w)
+{
+    return w->emu_on ? (uint64_t)costmodel_kv_bytes_per_token(&w->emu) : 0;
 }
 
 /* Sleep until t0_us + ms (monotonic, proto_now_us). */

@@ -25,6 +25,8 @@ typedef enum {
                       * one chunk per loop iteration, n_done tokens so far */
     WREQ_SENDING,    /* prefill done, KV in the hands of kvx; waiting for KV_RESULT */
     WREQ_RUNNING,    /* decoding; owns kvcache sequence seq */
+    WREQ_MIGRATING,  /* decoding paused: its KV is moving to another decode worker (MIGRATE;
+                      * kvx owns seq); waiting for KV_RESULT, then it leaves */
 } wreq_state_t;
 
 /* One request known to this worker. Memory: the prompt is owned until the prefill ran.
@@ -56,6 +58,7 @@ typedef struct {
     int64_t t_start_us;  /* its first prefill chunk started */
     int64_t t_ready_us;  /* ready to decode (KV accepted or local prefill done); 0 once the
                           * first decode step was reported */
+    int64_t t_mig_us;    /* WREQ_MIGRATING: MIGRATE received */
     int64_t xfer_us;     /* KV transfer duration on the receiving side (0 = none) */
     uint64_t xfer_bytes; /* KV payload bytes received */
     /* MTP (worker_mtp.c) */
@@ -131,6 +134,16 @@ typedef struct {
     int64_t role_change_us; /* the last change's duration: ROLE received -> switched */
     uint64_t n_role_changes;
     uint64_t tokens_in, tokens_out;
+    /* live migration (MIGRATE; worker_sched.c): counters for HEARTBEAT "mig", and the
+     * MIGRATE orders for requests whose KV had not arrived yet (a ring: the order is
+     * carried out when the KV is accepted) */
+    proto_mig_counters mig;
+#define WORKER_MIG_PENDING 64
+    struct {
+        uint64_t rid;
+        char dep[PROTO_ENDPOINT_LEN];
+    } mig_pending[WORKER_MIG_PENDING];
+    int next_mig_pending;
     proto_spec_counters spec; /* speculative decoding (HEARTBEAT "spec"); zeros without MTP */
 
     /* MTP (worker_mtp.c): settings, the modules, the draft-and-verify state, the depth
@@ -159,6 +172,10 @@ void worker_send_tokens_timed(worker_t *w, uint64_t rid, int index, const int *t
 void worker_send_finish_timed(worker_t *w, uint64_t rid, int reason, const worker_timing *t);
 void worker_send_error(worker_t *w, uint64_t rid, int code, int retry, const char *msg);
 
+/* Create the KV sender if there is none (a decode worker creates it to migrate sequences).
+ * Returns 0, or -1 (logged). */
+int worker_open_sender(worker_t *w);
+
 // --- worker_mtp.c
 /* Find and load the MTP modules per --mtp (before the KV cache exists: it gets w->n_mtp
  * extra layers). Returns 0 (w->mtp may stay NULL: none), or -1 after logging a bad file. */
@@ -184,10 +201,20 @@ int wemu_setup(worker_t *w);
 void wemu_pad_prefill(worker_t *w, int m, int64_t t0_us);
 /* After the decode step over sd_items[0..n) that started at t0_us: the same. */
 void wemu_pad_decode(worker_t *w, int n, int64_t t0_us);
+/* The KV bytes per token of the emulated model (costmodel_kv_bytes_per_token), to which
+ * the KV sender pads every transfer (kvx_sender_params.pad_to_bytes_per_token); 0 when
+ * not emulated (no padding). */
+uint64_t wemu_kv_bytes_per_token(const worker_t *w);
 
 // --- worker_sched.c
 /* Handle a PREFILL order (validated by the decoder; checked against the model here). */
 void sched_on_prefill(worker_t *w, proto_msg *m);
+/* Handle MIGRATE (decode worker): move running request m->rid, with its KV and its
+ * progress, to the decode worker at m->decode_endpoint over kvtransfer; an order for a
+ * request whose KV has not arrived yet is kept and carried out when it does. A move that
+ * cannot start leaves the request decoding here; one that fails after it started is
+ * reported as a retryable ERROR (the gateway re-runs it from its tokens so far). */
+void sched_on_migrate(worker_t *w, const proto_msg *m);
 /* Handle CANCEL: drop rid wherever it is; unknown ids are ignored. */
 void sched_on_cancel(worker_t *w, uint64_t rid);
 /* Drain kvx events (sender and receiver). */

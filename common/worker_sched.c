@@ -49,7 +49,8 @@ static wreq *req_find_xfer(const worker_t *w, uint64_t xfer)
 {
     for (int i = 0; i < w->n_reqs; i++)
         if (w->reqs[i]->xfer == xfer &&
-            (w->reqs[i]->state == WREQ_PREFILLING || w->reqs[i]->state == WREQ_SENDING))
+            (w->reqs[i]->state == WREQ_PREFILLING || w->reqs[i]->state == WREQ_SENDING ||
+             w->reqs[i]->state == WREQ_MIGRATING))
             return w->reqs[i];
     return NULL;
 }
@@ -210,6 +211,90 @@ static int tombstoned(const worker_t *w, uint64_t rid)
     return 0;
 }
 
+// --- live migration (docs/scheduler.md "Live role changes")
+
+/* Move running request r to the decode worker at dep: pause it (it leaves the decode
+ * batch), hand its sequence to kvx and send every main layer's blocks of its pos tokens,
+ * then KV_END with the token to feed next and the sampler state. KV_BEGIN "gen" tells the
+ * receiver how far the attempt got, so it continues at the next token index; max_tokens
+ * counts what is left. The MTP modules' state stays behind: the receiver decodes the
+ * sequence without drafting (greedy output is the same either way). Returns 0 when the
+ * move started, -1 when it could not (r keeps decoding here). */
+static int migrate_start(worker_t *w, wreq *r, const char *dep)
+{
+    if (worker_open_sender(w) < 0)
+        return -1;
+    kvx_begin_params bp = {.rid = r->rid,
+                           .seq = r->seq,
+                           .n_kv_tokens = r->pos,
+                           .max_tokens = r->max_tokens - r->n_gen + 1,
+                           .temperature = r->sp.temperature,
+                           .top_p = r->sp.top_p,
+                           .top_k = r->sp.top_k,
+                           .n_layer = w->mc->n_layer,
+                           .mtp = r->mtp_req,
+                           .n_gen = r->n_gen};
+    uint64_t xfer = kvx_send_begin(w->sender, dep, &bp);
+    if (!xfer)
+        return -1;
+    r->xfer = xfer; /* kvx owns r->seq from here */
+    r->state = WREQ_MIGRATING;
+    r->t_mig_us = proto_now_us();
+    snprintf(r->dep, sizeof(r->dep), "%s", dep);
+    for (int l = 0; l < w->mc->n_layer; l++)
+        if (kvx_send_layer(w->sender, xfer, l) < 0)
+            return 0; /* the transfer failed: reported as an event */
+    kvx_send_end(w->sender, xfer, r->last, r->rng); /* the outcome comes as an event */
+    log_rinfo(r->rid, "migrating to %s: %d tokens of KV, %d of %d generated", dep, r->pos,
+              r->n_gen, r->max_tokens);
+    return 0;
+}
+
+/* Carry out a MIGRATE order for r, or log why it stays. */
+static void migrate(worker_t *w, wreq *r, const char *dep)
+{
+    if (migrate_start(w, r, dep) < 0) {
+        w->mig.n_out_failed++;
+        log_rwarn(r->rid, "cannot start migrating to %s: it keeps decoding here", dep);
+    }
+}
+
+void sched_on_migrate(worker_t *w, const proto_msg *m)
+{
+    if (w->role != PROTO_ROLE_DECODE) {
+        log_rwarn(m->rid, "MIGRATE ignored: only a decode worker migrates its sequences");
+        return;
+    }
+    if (!m->decode_endpoint[0] || strcmp(m->decode_endpoint, w->kv_endpoint) == 0) {
+        log_rwarn(m->rid, "MIGRATE ignored: target endpoint '%s' is %s", m->decode_endpoint,
+                  m->decode_endpoint[0] ? "this worker" : "empty");
+        return;
+    }
+    wreq *r = req_find(w, m->rid);
+    if (r && r->state == WREQ_RUNNING) {
+        migrate(w, r, m->decode_endpoint);
+    } else if (r) {
+        log_rinfo(m->rid, "MIGRATE ignored: already migrating");
+    } else { /* its KV may still be on the way here: carry the order out when it lands */
+        w->mig_pending[w->next_mig_pending].rid = m->rid;
+        snprintf(w->mig_pending[w->next_mig_pending].dep, PROTO_ENDPOINT_LEN, "%s",
+                 m->decode_endpoint);
+        w->next_mig_pending = (w->next_mig_pending + 1) % WORKER_MIG_PENDING;
+    }
+}
+
+/* A MIGRATE order kept for rid (its slot is cleared), or NULL. */
+static const char *mig_pending_take(worker_t *w, uint64_t rid)
+{
+    for (int i = 0; i < WORKER_MIG_PENDING; i++) {
+        if (w->mig_pending[i].rid == rid) {
+            w->mig_pending[i].rid = 0;
+            return w->mig_pending[i].dep;
+        }
+    }
+    return NULL;
+}
+
 // --- kvx events
 
 /* A sequence became ours to decode (KV arrived, or the local prefill finished): start it,
@@ -267,6 +352,12 @@ static void on_accepted(worker_t *w, const kvx_event *ev)
     r->n_gen = 1;
     r->n_sent = 0; /* the first TOKENS repeats the first token at index 0 */
     r->max_tokens = ev->max_tokens;
+    if (ev->n_gen > 0) { /* migrated: tokens [0, n_gen) were reported by the other worker */
+        r->n_gen = ev->n_gen;
+        r->n_sent = ev->n_gen;
+        r->max_tokens = ev->max_tokens + ev->n_gen - 1;
+        w->mig.n_in++;
+    }
     r->sp.temperature = ev->temperature;
     r->sp.top_p = ev->top_p > 0 ? ev->top_p : 1.0f;
     r->sp.top_k = ev->top_k;
@@ -277,15 +368,23 @@ static void on_accepted(worker_t *w, const kvx_event *ev)
                        ? wmtp_req_depth(w, ev->mtp)
                        : 0;
     r->state = WREQ_RUNNING;
-    r->xfer_us = ev->xfer_us;
-    r->xfer_bytes = ev->n_bytes;
+    r->xfer_us = ev->n_gen > 0 ? 0 : ev->xfer_us; /* a move is not the request's hand-off */
+    r->xfer_bytes = ev->n_gen > 0 ? 0 : ev->n_bytes;
     if (ev->first_token >= w->mc->vocab_size) {
         worker_send_error(w, r->rid, PROTO_ERR_PROTOCOL, 1, "first token out of vocabulary");
         req_remove(w, r);
         return;
     }
-    log_rdebug(r->rid, "KV received: %d tokens in seq %d, decoding", r->pos, r->seq);
-    start_decode(w, r);
+    log_rdebug(r->rid, "KV received: %d tokens in seq %d, %d generated, decoding", r->pos,
+               r->seq, r->n_gen);
+    int migrated = ev->n_gen > 0;
+    uint64_t rid = r->rid;
+    start_decode(w, r); /* may end r */
+    if (migrated && (r = req_find(w, rid)) != NULL)
+        r->t_ready_us = 0; /* its first step reports no hand-off timing */
+    const char *dep = mig_pending_take(w, rid);
+    if (dep && (r = req_find(w, rid)) != NULL && r->state == WREQ_RUNNING)
+        migrate(w, r, dep); /* ordered to move on while its KV was on the way */
 }
 
 void sched_on_kvx_events(worker_t *w)
@@ -302,13 +401,24 @@ void sched_on_kvx_events(worker_t *w)
         wreq *r = req_find_xfer(w, ev.xfer);
         if (!r)
             continue; /* cancelled meanwhile */
+        int moving = r->state == WREQ_MIGRATING;
         if (ev.type == KVX_EV_DONE) {
-            log_rdebug(r->rid, "KV handed to %s", r->dep);
+            if (moving) {
+                int64_t us = proto_now_us() - r->t_mig_us;
+                w->mig.n_out++;
+                w->mig.out_us += (uint64_t)us;
+                log_rinfo(r->rid, "migrated to %s in %.1f ms", r->dep, (double)us / 1000.0);
+            } else {
+                log_rdebug(r->rid, "KV handed to %s", r->dep);
+            }
             req_remove(w, r); /* aborting a finished transfer is a no-op */
             continue;
         }
+        if (moving)
+            w->mig.n_out_failed++;
         char msg[PROTO_MESSAGE_LEN];
-        snprintf(msg, sizeof(msg), "KV transfer to %.100s failed: %.120s", r->dep, ev.message);
+        snprintf(msg, sizeof(msg), "KV %s to %.100s failed: %.120s",
+                 moving ? "migration" : "transfer", r->dep, ev.message);
         worker_send_error(w, r->rid, ev.code ? ev.code : PROTO_ERR_INTERNAL, 1, msg);
         req_remove(w, r);
     }

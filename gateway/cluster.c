@@ -56,6 +56,7 @@ typedef struct worker {
     int emulated;           /* REGISTER / HEARTBEAT "emu" */
     uint64_t n_role_changes; /* last heartbeat */
     int64_t role_change_us;  /* last heartbeat: its last change's duration */
+    proto_mig_counters mig;  /* last heartbeat: live migrations */
 } worker_t;
 
 typedef struct req {
@@ -70,6 +71,10 @@ typedef struct req {
     uint64_t rng;
     int mtp_depth; /* PREFILL "mtp": depth + 1, 0 = not set */
     worker_t *pw, *dw; /* current attempt (NULL while queued) */
+    worker_t *mw;      /* live migration: the decode worker moving it to dw (MIGRATE sent),
+                        * until dw reports a token or mw changed role; NULL otherwise */
+    int mw_started;    /* mw had reported a token when the move was ordered (its KV had
+                        * landed there: the prefill worker's part was done) */
     int base;          /* n_gen when the attempt started */
     int p_started, d_started;
     int p_qtok, d_blocks; /* what this attempt added to pw/dw pending counters */
@@ -115,6 +120,7 @@ struct cluster {
     int policy_failed; /* logged once */
     uint64_t n_role_changes, n_role_orders;
     double last_role_change_ms;
+    uint64_t n_migrate_orders; /* MIGRATE sent */
     void (*lat_fn)(void *ud, int64_t now_us, double *ttft_p90_ms, double *tpot_p90_ms);
     void *lat_ud;
     void (*observer)(const cluster_event *ev, void *ud);
@@ -307,8 +313,10 @@ static void req_detach(cluster_t *c, req_t *r, int cancel)
         send_cancel(c, r->pw, wire_rid(r));
         if (r->dw != r->pw)
             send_cancel(c, r->dw, wire_rid(r));
+        if (r->mw && r->mw != r->pw && r->mw != r->dw)
+            send_cancel(c, r->mw, wire_rid(r));
     }
-    r->pw = r->dw = NULL;
+    r->pw = r->dw = r->mw = NULL;
     r->p_qtok = r->d_blocks = 0;
 }
 
@@ -396,13 +404,14 @@ static void worker_fail_requests(cluster_t *c, worker_t *w, const char *why)
     req_t *next;
     for (req_t *r = c->active.head; r; r = next) {
         next = r->next;
-        if (r->pw == w && r->dw != w && r->d_started) {
+        if (r->pw == w && r->dw != w && (r->d_started || (r->mw && r->mw_started))) {
             /* its part is done: the decode worker has the KV and is generating, so the
              * request goes on there; re-running it would only waste work (and, when
              * sampling, change the answer mid-stream) */
             w->n_assigned--;
             r->pw = NULL;
-        } else if (r->pw == w || r->dw == w) {
+        } else if (r->pw == w || r->dw == w || r->mw == w) {
+            /* (a worker that died moving r away: whether its KV arrived is unknown) */
             req_retry(c, r, 1, why);
         }
     }
@@ -623,6 +632,73 @@ static void notify_role(cluster_t *c, const worker_t *w, int role, int old_role,
     c->observer(&ev, c->observer_ud);
 }
 
+/* The decode worker to move r to from w (live migration): a ready decode worker other than
+ * w with a kv endpoint, room for r's worst case (as pick() counts it) and a sequence slot;
+ * the most free blocks wins. NULL when none has room now (r then finishes on w). */
+static worker_t *migration_target(cluster_t *c, const req_t *r, const worker_t *w)
+{
+    worker_t *best = NULL;
+    long best_free = -1;
+    for (worker_t *d = c->workers; d; d = d->next) {
+        if (d == w || !usable(d) || d->role != PROTO_ROLE_DECODE || !d->kvep[0] || d->full)
+            continue;
+        long free_blocks = (long)d->kv_free - d->pending_blocks;
+        if (free_blocks < blocks_needed(r, d) ||
+            (d->max_seqs > 0 && d->n_decode >= d->max_seqs) ||
+            (d->n_ctx > 0 && r->n_prompt + r->n_gen >= d->n_ctx))
+            continue;
+        if (free_blocks > best_free) {
+            best_free = free_blocks;
+            best = d;
+        }
+    }
+    return best;
+}
+
+/* w is leaving the decode role: order it to move every request it decodes (or is about to
+ * receive) to another decode worker (MIGRATE), which continues each at the next token
+ * (docs/scheduler.md "Live role changes"). The request's decode worker becomes the target
+ * at once, its reservation moves there, and w stays one of its workers (mw) until the
+ * target reports a token, so an ERROR, FINISH or TOKENS from w still counts. Requests no
+ * worker has room for finish on w. Returns the number of MIGRATE orders sent. */
+static int migrate_all(cluster_t *c, worker_t *w)
+{
+    int n = 0;
+    for (req_t *r = c->active.head; r && !w->dead; r = r->next) {
+        if (r->dw != w || r->pw == w || r->mw)
+            continue;
+        worker_t *d = migration_target(c, r, w);
+        if (!d)
+            continue;
+        proto_msg m;
+        proto_msg_init(&m, PROTO_MIGRATE);
+        m.rid = wire_rid(r);
+        snprintf(m.decode_worker, sizeof(m.decode_worker), "%s", d->id);
+        snprintf(m.decode_endpoint, sizeof(m.decode_endpoint), "%s", d->kvep);
+        if (send_to(c, w, &m) < 0)
+            break; /* w is flagged dead: its requests are re-run */
+        if (!r->d_started)
+            w->pending_blocks -= r->d_blocks;
+        w->n_decode--;
+        if (r->pw != w)
+            w->n_assigned--;
+        r->mw = w;
+        r->mw_started = r->d_started;
+        r->dw = d;
+        r->d_started = 0;
+        r->d_blocks = blocks_needed(r, d);
+        d->pending_blocks += r->d_blocks;
+        d->n_decode++;
+        d->n_assigned++;
+        if (r->timing)
+            snprintf(r->timing->decode_worker, sizeof(r->timing->decode_worker), "%s", d->id);
+        c->n_migrate_orders++;
+        n++;
+        log_rinfo(r->rid, "migrating from %s to %s (%d generated)", w->id, d->id, r->n_gen);
+    }
+    return n;
+}
+
 /* Send ROLE to w and take it out of routing until it registers again. Returns 0 or -1
  * (the send failed: w is flagged dead). */
 static int role_order(cluster_t *c, worker_t *w, int role, const char *why)
@@ -637,8 +713,9 @@ static int role_order(cluster_t *c, worker_t *w, int role, const char *why)
     w->change_us = proto_now_us();
     w->state = PROTO_STATE_CHANGING;
     c->n_role_orders++;
-    log_info("worker %s: role change %s -> %s ordered by %s", w->id, role_str(w->role),
-             role_str(role), why);
+    int n_moves = w->role == PROTO_ROLE_DECODE ? migrate_all(c, w) : 0;
+    log_info("worker %s: role change %s -> %s ordered by %s (%d sequences migrating)", w->id,
+             role_str(w->role), role_str(role), why, n_moves);
     char reason[96];
     snprintf(reason, sizeof(reason), "ordered by %s", why);
     notify_role(c, w, role, w->role, reason);
@@ -657,6 +734,8 @@ static void role_change_done(cluster_t *c, worker_t *w, int role)
     /* (a worker that registers again in its old role kept whatever it was doing) */
     for (req_t *r = role != w->role ? c->active.head : NULL; r; r = next) {
         next = r->next;
+        if (r->mw == w) /* moved: it went idle only once every move was over */
+            r->mw = NULL;
         if (r->pw == w && r->dw != w) {
             if (!r->p_started)
                 w->pending_qtok -= r->p_qtok;
@@ -849,6 +928,7 @@ static void handle_heartbeat(cluster_t *c, worker_t *w, const proto_msg *m, cons
     w->kvx_tx = m->kvx_tx;
     w->kvx_rx = m->kvx_rx;
     w->spec = m->spec;
+    w->mig = m->mig;
     w->running = m->running;
     w->queued = m->queued;
     w->qtok = m->queued_prompt_tokens;
@@ -865,7 +945,8 @@ static void handle_heartbeat(cluster_t *c, worker_t *w, const proto_msg *m, cons
 static req_t *attempt_of(cluster_t *c, uint64_t wire, worker_t *w)
 {
     req_t *r = req_find(c, wire >> WIRE_ATTEMPT_BITS);
-    if (!r || r->queued || !w || (r->pw != w && r->dw != w) || wire != wire_rid(r))
+    if (!r || r->queued || !w || (r->pw != w && r->dw != w && r->mw != w) ||
+        wire != wire_rid(r))
         return NULL;
     return r;
 }
@@ -902,12 +983,18 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
         r->d_started = 1;
         w->pending_blocks -= r->d_blocks;
     }
+    if (w == r->dw && r->mw) { /* the new decode worker has it: the move is over */
+        log_rdebug(r->rid, "migrated from %s to %s", r->mw->id, w->id);
+        r->mw = NULL;
+    }
     r->since_us = proto_now_us();
     note_timing(r, w, m);
     long start = (long)r->base + m->index;
-    if (start > r->n_gen) {
-        log_rwarn(r->rid, "TOKENS from %s start at %ld but only %d are known: ignored", w->id,
-                  start, r->n_gen);
+    if (start > r->n_gen) { /* tokens in between were lost: re-run from what is known */
+        char why[160];
+        snprintf(why, sizeof(why), "TOKENS from %s start at %ld but only %d are known", w->id,
+                 start, r->n_gen);
+        req_retry(c, r, 0, why);
         return;
     }
     int skip = (int)(r->n_gen - start);
@@ -951,7 +1038,9 @@ static void handle_error(cluster_t *c, worker_t *w, const proto_msg *m)
     snprintf(why, sizeof(why), "worker %s: %s%s%s", w->id, proto_err_str(m->code),
              m->message[0] ? ": " : "", m->message);
     if (m->retryable) {
-        if (m->code == PROTO_ERR_NOSPACE) { /* load, not failure: wait for room */
+        if (w == r->mw) { /* the move failed (its KV is gone): re-run from its tokens */
+            req_retry(c, r, 0, why);
+        } else if (m->code == PROTO_ERR_NOSPACE) { /* load, not failure: wait for room */
             r->dw->full = 1;
             req_retry(c, r, 0, why);
         } else {
@@ -1408,6 +1497,7 @@ void cluster_foreach_worker(const cluster_t *c,
             .changing = w->changing, .target_role = w->target_role, .emulated = w->emulated,
             .n_role_changes = w->n_role_changes,
             .role_change_ms = (double)w->role_change_us / 1000.0,
+            .mig = w->mig,
         };
         fn(&info, ud);
     }

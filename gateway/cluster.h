@@ -182,6 +182,7 @@ typedef struct {
     int emulated;                 /* 1: emulated accelerator (--emulate) */
     uint64_t n_role_changes;      /* from its heartbeat: role changes since it started */
     double role_change_ms;        /* from its heartbeat: its last change (0 = none) */
+    proto_mig_counters mig;       /* from its heartbeat: live migrations out and in */
 } cluster_worker_info;
 
 /* Call fn for every alive worker, in registration order. */

@@ -607,6 +607,15 @@ static void add_worker_json(const cluster_worker_info *w, void *ud)
         json_object_set_new(o, "role_changes", json_integer((json_int_t)w->n_role_changes));
         json_object_set_new(o, "last_role_change_ms", json_real(w->role_change_ms));
     }
+    if (o && (w->mig.n_out || w->mig.n_out_failed || w->mig.n_in)) {
+        json_object_set_new(o, "migrated_out", json_integer((json_int_t)w->mig.n_out));
+        json_object_set_new(o, "migrations_failed", json_integer((json_int_t)w->mig.n_out_failed));
+        json_object_set_new(o, "migrated_in", json_integer((json_int_t)w->mig.n_in));
+        json_object_set_new(o, "migration_ms_mean",
+                            json_real(w->mig.n_out ? (double)w->mig.out_us / 1000.0 /
+                                                         (double)w->mig.n_out
+                                                   : 0.0));
+    }
     if (o)
         json_array_append_new((json_t *)ud, o);
 }

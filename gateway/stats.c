@@ -657,8 +657,10 @@ static void write_kvx(FILE *f, const stats_t *s, const winfo_list *l)
         for (int i = 0; i < l->n; i++) {
             const winfo *w = &l->v[i];
             for (int side = 0; side < 2; side++) {
-                if (side == 0 && w->role == PROTO_ROLE_DECODE)
-                    continue; /* a decode worker only receives */
+                if (side == 0 && w->role == PROTO_ROLE_DECODE && !w->info.kvx_tx.n_ok &&
+                    !w->info.kvx_tx.n_rejected && !w->info.kvx_tx.n_timeouts &&
+                    !w->info.kvx_tx.n_aborted && !w->info.kvx_tx.n_cancelled)
+                    continue; /* a decode worker only receives, unless it migrated */
                 if (side == 1 && w->role == PROTO_ROLE_PREFILL)
                     continue; /* a prefill worker only sends */
                 const proto_kvx_counters *k = side == 0 ? &w->info.kvx_tx : &w->info.kvx_rx;
@@ -680,6 +682,43 @@ static void write_kvx(FILE *f, const stats_t *s, const winfo_list *l)
                     }
                 }
             }
+        }
+    }
+}
+
+/* Role changes (the gateway's count and latest latency) and live migrations per worker
+ * (docs/scheduler.md "Live role changes"). */
+static void write_roles(FILE *f, const stats_t *s, const cluster_t *c, const winfo_list *l)
+{
+    cluster_stats cs = {0};
+    if (c)
+        cluster_get_stats(c, &cs);
+    write_one(f, s, "role_changes_total", "counter",
+              "Worker role changes completed (ordered -> registered in the new role).",
+              (double)cs.n_role_changes);
+    write_one(f, s, "role_change_last_seconds", "gauge",
+              "Duration of the latest role change, ordered -> registered in the new role.",
+              cs.last_role_change_ms / 1000.0);
+    char full[128];
+    NAME(full, "worker_migrations_total");
+    metrics_write_header(f, full, "counter",
+                         "Running sequences moved between decode workers (live migration), by "
+                         "direction and result, as of the worker's last heartbeat.");
+    for (int i = 0; i < l->n; i++) {
+        const proto_mig_counters *m = &l->v[i].info.mig;
+        if (!decodes(l->v[i].role) && !m->n_out && !m->n_out_failed && !m->n_in)
+            continue;
+        const struct {
+            const char *dir, *result;
+            uint64_t n;
+        } v[3] = {{"out", "ok", m->n_out}, {"out", "failed", m->n_out_failed}, {"in", "ok", m->n_in}};
+        for (int k = 0; k < 3; k++) {
+            metrics_label lb[5] = {{"model_name", s->model},
+                                   {"worker", l->v[i].id},
+                                   {"role", stats_role_str(l->v[i].role)},
+                                   {"direction", v[k].dir},
+                                   {"result", v[k].result}};
+            metrics_write_sample(f, full, NULL, lb, 5, (double)v[k].n);
         }
     }
 }
@@ -761,7 +800,7 @@ void stats_write_metrics(const stats_t *s, const cluster_t *c, FILE *f)
     NAME(full, "workers");
     metrics_write_header(f, full, "gauge", "Alive workers by role and state.");
     for (int role = PROTO_ROLE_PREFILL; role <= PROTO_ROLE_MIXED; role++) {
-        for (int st = PROTO_STATE_READY; st <= PROTO_STATE_DRAINING; st++) {
+        for (int st = PROTO_STATE_READY; st <= PROTO_STATE_CHANGING; st++) {
             int n = 0;
             for (int i = 0; i < l.n; i++)
                 n += l.v[i].role == role && l.v[i].state == st;
@@ -806,5 +845,6 @@ void stats_write_metrics(const stats_t *s, const cluster_t *c, FILE *f)
         }
     }
     write_kvx(f, s, &l);
+    write_roles(f, s, c, &l);
     free(l.v);
 }

@@ -6,9 +6,11 @@
 #include "kvtransfer.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "kvx_internal.h"
 #include "log.h"
@@ -75,6 +77,44 @@ int kvx_send_msg(void *sock, const void *id, size_t id_len, const proto_msg *m, 
     }
     return proto_send(sock, id, id_len, m, frames, n_frames, ZMQ_DONTWAIT);
 }
+
+// --- padding
+
+uint64_t kvx_pad_bytes(uint64_t pad, int n_layer, int n_blocks, int layer, int blk0, int n)
+{
+    if (n_layer < 1 || n_blocks < 1 || n < 1)
+        return 0;
+    uint64_t n_all = (uint64_t)n_layer * (uint64_t)n_blocks;
+    uint64_t i0 = (uint64_t)layer * (uint64_t)n_blocks + (uint64_t)blk0, i1 = i0 + (uint64_t)n;
+    uint64_t base = pad / n_all, rem = pad % n_all;
+    return base * (i1 - i0) + (i1 < rem ? i1 : rem) - (i0 < rem ? i0 : rem);
+}
+
+static pthread_once_t zeros_once = PTHREAD_ONCE_INIT;
+static const void *zeros; /* KVX_ZEROS_BYTES of read-only zeros, or NULL; never unmapped */
+
+static void zeros_map(void)
+{
+    /* read-only private anonymous memory: every page is the kernel's zero page, so it
+     * needs no RAM and no commit charge; only page tables as senders read it */
+    void *p = mmap(NULL, KVX_ZEROS_BYTES, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    if (p == MAP_FAILED) {
+        log_warn("kvx: cannot map %zu bytes of zeros for padding frames (%s); padding is "
+                 "copied",
+                 KVX_ZEROS_BYTES, strerror(errno));
+        return;
+    }
+    zeros = p;
+}
+
+const void *kvx_zeros(size_t n)
+{
+    pthread_once(&zeros_once, zeros_map);
+    return zeros && n <= KVX_ZEROS_BYTES ? zeros : NULL;
+}
+
+// --- time
 
 int64_t kvx_deadline_after(int ms)
 {

@@ -28,6 +28,13 @@
  *     frees it (reject, NACK, abort, lease) or KVX_EV_ACCEPTED moves it to the caller, who
  *     then frees it with kvcache_seq_free() when decoding ends.
  *
+ * Padding (emulated workers, kvx_sender_params.pad_to_bytes_per_token): a sender may make a
+ * transfer weigh what the emulated model's KV would. KV_BEGIN then declares "pad" bytes in
+ * total and every KV_LAYER carries one extra frame, last, of zeros: the share of its blocks
+ * (docs/kvtransfer.md "Padding"), zero-copy from one read-only mapping shared by the
+ * process. The receiver checks each padding frame's size exactly, counts it in the
+ * transfer's bytes and drops it; the checksum covers the real KV only.
+ *
  * Events (done, failed, accepted) are queued and pulled with kvx_*_next_event(), so no
  * callback ever re-enters the caller. Each side counts its transfers (completed, bytes,
  * time, rejects, timeouts, aborts, cancels) for the worker's heartbeat:
@@ -73,7 +80,7 @@ typedef struct {
     int top_k;
     /* KVX_EV_DONE (sender) and KVX_EV_ACCEPTED (receiver): the transfer's duration on this
      * side's monotonic clock (sender: KV_BEGIN sent -> KV_RESULT ok; receiver: KV_BEGIN
-     * accepted -> KV_END verified) and its payload bytes */
+     * accepted -> KV_END verified) and its payload bytes (padding frames included) */
     int64_t xfer_us;
     uint64_t n_bytes;
     /* KVX_EV_ACCEPTED, MTP (docs/kvtransfer.md): mtp is KV_BEGIN's requested depth + 1
@@ -84,6 +91,10 @@ typedef struct {
     int mtp_ok;
     float *hidden;
     int n_hidden;
+    /* KVX_EV_ACCEPTED: KV_BEGIN's "gen": 0 for a prefill hand-off; for a live migration,
+     * the tokens the request's attempt generated before it moved, first_token included
+     * (first_token is then the token to feed next, already reported at index n_gen - 1) */
+    int n_gen;
 } kvx_event;
 
 // --- sender
@@ -94,9 +105,15 @@ typedef struct {
     int sndhwm;           /* messages queued per decode endpoint (ZMQ_SNDHWM) */
     int n_mtp;            /* the cache's last n_mtp layers are MTP module layers: a transfer
                            * that does not name its layers sends the others (default 0) */
+    uint64_t pad_to_bytes_per_token; /* 0 (default): send the real KV only. Else (emulated
+                           * workers: the emulated model's KV bytes per token, at most
+                           * 2^24) every transfer also sends zero padding, so that its
+                           * payload totals n_kv_tokens x this many bytes exactly (not
+                           * padded when the real KV is already that large); see
+                           * docs/kvtransfer.md "Padding" */
 } kvx_sender_params;
 
-/* Defaults: lease 5000 ms, sndhwm 65536. */
+/* Defaults: lease 5000 ms, sndhwm 65536, no padding. */
 kvx_sender_params kvx_sender_default_params(void);
 
 /* A sender over the zmq context zctx (borrowed) reading KV from kv (borrowed; must outlive
@@ -127,20 +144,26 @@ typedef struct {
     uint64_t mtp_fp;
     int n_hidden;
     int mtp;
+    /* live migration (optional, 0 = a prefill hand-off): the tokens the request's attempt
+     * generated so far, KV_END's first_token included; max_tokens then counts the tokens
+     * still to generate, first_token included (docs/kvtransfer.md "Migration") */
+    int n_gen;
 } kvx_begin_params;
 
 /* Start a transfer to the decode worker at endpoint: connect if needed and send KV_BEGIN.
  * On success returns the transfer id (!= 0) and the sequence now belongs to kvx (see the
  * top comment). Returns 0 when nothing was started (bad arguments: inactive sequence,
- * fewer blocks than n_kv_tokens needs, more than PROTO_MAX_FRAMES blocks; socket error;
- * send queue full): the caller still owns the sequence. */
+ * fewer blocks than n_kv_tokens needs, more than PROTO_MAX_FRAMES blocks, or more than
+ * PROTO_MAX_FRAMES - 1 when padded; socket error; send queue full): the caller still owns
+ * the sequence. */
 uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_params *p);
 
 /* Send blocks [blk0, blk0 + n_blocks) of the transfer's sequence in layer `layer` as one
  * KV_LAYER message whose n_blocks payload frames, each (2, block_size, kv_dim) float32,
- * point into the kvcache pool (no copy), and fold those bytes into the checksum. Within a
- * layer, ranges go in order (blk0 = the blocks of that layer sent so far) and together
- * cover the blocks_for(n_kv_tokens) blocks; layers may interleave in any order. Call once
+ * point into the kvcache pool (no copy), and fold those bytes into the checksum (a padded
+ * transfer adds its padding frame, not checksummed). Within a layer, ranges go in order
+ * (blk0 = the blocks of that layer sent so far) and together cover the
+ * blocks_for(n_kv_tokens) blocks; layers may interleave in any order. Call once
  * the forward pass has written those blocks of that layer completely: a block must not
  * change after it was handed over (a chunked prefill sends a block partly filled by one
  * chunk only when the next chunk completes it, or the prompt ends). Returns 0, or -1 when
@@ -197,11 +220,11 @@ int kvx_sender_next_event(kvx_sender_t *s, kvx_event *ev);
 int kvx_sender_n_active(const kvx_sender_t *s);
 
 /* Copy the sender's counters since it was created into *out: n_ok / n_bytes / total_us of
- * the transfers the receiver accepted; n_rejected (KV_BEGIN_ACK refused), n_timeouts
- * (lease expired), n_cancelled (kvx_send_abort by the caller, e.g. on a gateway CANCEL, or
- * a KV_ABORT with code PROTO_ERR_CANCELLED from the receiver), n_aborted (every other
- * failure). Each transfer that started counts exactly once, when it
- * ends. */
+ * the transfers the receiver accepted (n_bytes: payload, padding included); n_rejected
+ * (KV_BEGIN_ACK refused), n_timeouts (lease expired), n_cancelled (kvx_send_abort by the
+ * caller, e.g. on a gateway CANCEL, or a KV_ABORT with code PROTO_ERR_CANCELLED from the
+ * receiver), n_aborted (every other failure). Each transfer that started counts exactly
+ * once, when it ends. */
 void kvx_sender_get_stats(const kvx_sender_t *s, proto_kvx_counters *out);
 
 // --- receiver
@@ -263,11 +286,12 @@ int kvx_receiver_abort(kvx_receiver_t *r, uint64_t rid);
 int kvx_receiver_n_active(const kvx_receiver_t *r);
 
 /* Copy the receiver's counters since it was created into *out: n_ok / n_bytes / total_us
- * of the transfers handed over (KVX_EV_ACCEPTED); n_rejected (KV_BEGIN refused: layout,
- * capacity, not accepting, duplicate id); n_timeouts (lease expired); n_cancelled
- * (kvx_receiver_abort, an abort with code PROTO_ERR_CANCELLED from the sender, superseded
- * by a new transfer of the same request); n_aborted (every other drop: checksum or
- * protocol error, KV_RESULT not sent). */
+ * of the transfers handed over (KVX_EV_ACCEPTED; n_bytes: payload, padding included);
+ * n_rejected (KV_BEGIN refused: layout, capacity, not accepting, duplicate id); n_timeouts
+ * (lease expired); n_cancelled (kvx_receiver_abort, an abort with code PROTO_ERR_CANCELLED
+ * from the sender, superseded by a new transfer of the same request); n_aborted (every
+ * other drop: checksum or protocol error (a wrong padding frame too), KV_RESULT not
+ * sent). */
 void kvx_receiver_get_stats(const kvx_receiver_t *r, proto_kvx_counters *out);
 
 #endif

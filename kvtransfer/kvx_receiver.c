@@ -6,7 +6,8 @@
  * and nothing from another peer is ever written into its blocks. Every frame is checked
  * before the first byte is copied. A layer may arrive in several KV_LAYER messages, each a
  * contiguous block range (chunked prefill): a bitmap of (layer, block) pairs accepts each
- * block exactly once, and KV_END requires all of them.
+ * block exactly once, and KV_END requires all of them. A padded transfer's padding frames
+ * (emulated KV size) are size-checked, counted and dropped, never copied.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -31,13 +32,16 @@ typedef struct kvx_rx {
     int keep_mtp; /* store the module layers and the hand-off state (compatible modules) */
     int n_hidden; /* floats of the hand-off state KV_END carries (0 = none) */
     int mtp;      /* the request's MTP depth + 1 (0 = not set) */
+    int n_gen;    /* KV_BEGIN "gen" (0 = a prefill hand-off; > 0 = a migrated sequence) */
     int n_got;    /* blocks received, every layer counted (complete: n_layer * n_blocks) */
     uint8_t *got; /* bitmap (n_layer * n_blocks bits): bit l * n_blocks + b = block b of
                    * layer l arrived */
     XXH64_state_t *hash;
     int64_t deadline_us; /* lease: last message + lease_ms */
     int64_t t0_us;       /* KV_BEGIN accepted (stats) */
-    uint64_t n_bytes;    /* payload bytes received (stats) */
+    uint64_t n_bytes;    /* payload bytes received, padding included (stats) */
+    uint64_t pad;        /* KV_BEGIN "pad": padding bytes in all (0 = none: KV_LAYER has no
+                          * padding frame) */
     struct kvx_rx *next;
 } kvx_rx;
 
@@ -248,6 +252,10 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
         code = PROTO_ERR_PROTOCOL;
         snprintf(why, sizeof(why), "n_blocks %d does not match %d tokens", m->n_blocks,
                  m->n_kv_tokens);
+    } else if (m->pad_bytes > 0 && m->n_blocks > PROTO_MAX_FRAMES - 1) {
+        code = PROTO_ERR_PROTOCOL; /* a whole layer and its padding frame must fit */
+        snprintf(why, sizeof(why), "padded transfer of %d blocks: at most %d", m->n_blocks,
+                 PROTO_MAX_FRAMES - 1);
     }
     if (code) {
         log_rinfo(m->rid, "kvx: KV_BEGIN xfer=%llx rejected: %s", (unsigned long long)m->xfer, why);
@@ -294,10 +302,12 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
     x->seq = seq;
     x->n_kv_tokens = m->n_kv_tokens;
     x->n_blocks = m->n_blocks;
+    x->pad = (uint64_t)m->pad_bytes;
     x->n_layer = m->n_layer;
     x->n_main = m->n_layer - m->n_mtp;
     x->n_hidden = m->n_hidden;
     x->mtp = m->mtp_depth;
+    x->n_gen = m->n_gen;
     /* MTP module layers and the hand-off state are kept when they are what our modules
      * would compute; otherwise they are received (checksummed) and dropped, and the
      * sequence decodes without MTP */
@@ -324,8 +334,11 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
     x->next = r->xfers;
     r->xfers = x;
     r->n_xfers++;
-    log_rdebug(x->rid, "kvx: KV_BEGIN xfer=%llx accepted: %d tokens, seq %d reserved for %d",
-               (unsigned long long)x->xfer, x->n_kv_tokens, seq, n_tokens);
+    log_rdebug(x->rid,
+               "kvx: KV_BEGIN xfer=%llx accepted: %d tokens, seq %d reserved for %d, %llu "
+               "bytes of padding",
+               (unsigned long long)x->xfer, x->n_kv_tokens, seq, n_tokens,
+               (unsigned long long)x->pad);
 }
 
 static int rx_got(const kvx_rx *x, int layer, int blk)
@@ -340,22 +353,35 @@ static void rx_layer(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_env
     int n_frames = proto_envelope_n_frames(e);
     size_t bytes = kvcache_block_bytes(r->kv);
     int b0 = m->blk0, nb = m->n_blocks;
+    int n_pad = x->pad ? 1 : 0; /* a padded transfer: one padding frame after the blocks */
     why[0] = 0;
     if (m->layer < 0 || m->layer >= x->n_layer)
         snprintf(why, sizeof(why), "layer %d out of range", m->layer);
-    else if (nb < 1 || n_frames != nb)
-        snprintf(why, sizeof(why), "layer %d: n_blocks %d with %d frames", m->layer, nb, n_frames);
+    else if (nb < 1 || n_frames != nb + n_pad)
+        snprintf(why, sizeof(why), "layer %d: n_blocks %d with %d frames (%d padding)", m->layer,
+                 nb, n_frames, n_pad);
     else if (b0 < 0 || b0 > x->n_blocks - nb)
         snprintf(why, sizeof(why), "layer %d: blocks [%d, %d) out of range: the transfer has %d",
                  m->layer, b0, b0 + nb, x->n_blocks);
     for (int i = 0; i < nb && !why[0]; i++)
         if (rx_got(x, m->layer, b0 + i))
             snprintf(why, sizeof(why), "layer %d: block %d sent twice", m->layer, b0 + i);
-    for (int i = 0; i < n_frames && !why[0]; i++) {
+    for (int i = 0; i < nb && !why[0]; i++) {
         size_t n = zmq_msg_size(proto_envelope_frame(e, i));
         if (n != bytes)
             snprintf(why, sizeof(why), "layer %d frame %d: %zu bytes, want %zu", m->layer, i, n,
                      bytes);
+    }
+    /* the padding frame: exactly this range's share of KV_BEGIN's pad (docs/kvtransfer.md
+     * "Padding"); counted, never read */
+    uint64_t pad = 0;
+    if (n_pad && !why[0]) {
+        pad = kvx_pad_bytes(x->pad, x->n_layer, x->n_blocks, m->layer, b0, nb);
+        size_t n = zmq_msg_size(proto_envelope_frame(e, nb));
+        if ((uint64_t)n != pad)
+            snprintf(why, sizeof(why), "layer %d blocks [%d, %d): padding frame of %zu bytes, "
+                     "want %llu",
+                     m->layer, b0, b0 + nb, n, (unsigned long long)pad);
     }
     if (why[0]) {
         rx_drop(r, x, PROTO_KV_ABORT, PROTO_ERR_PROTOCOL, why, 1);
@@ -363,7 +389,7 @@ static void rx_layer(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_env
     }
     const int *blocks = kvcache_seq_blocks(r->kv, x->seq, NULL);
     int store = m->layer < x->n_main || x->keep_mtp; /* module layers: see rx_begin */
-    for (int i = 0; i < n_frames; i++) {
+    for (int i = 0; i < nb; i++) {
         const void *src = zmq_msg_data(proto_envelope_frame(e, i));
         XXH64_update(x->hash, src, bytes);
         if (store)
@@ -371,8 +397,8 @@ static void rx_layer(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_env
         size_t bit = (size_t)m->layer * (size_t)x->n_blocks + (size_t)(b0 + i);
         x->got[bit / 8] |= (uint8_t)(1u << (bit % 8));
     }
-    x->n_got += n_frames;
-    x->n_bytes += (uint64_t)n_frames * bytes;
+    x->n_got += nb;
+    x->n_bytes += (uint64_t)nb * bytes + pad;
     x->deadline_us = kvx_deadline_after(r->p.lease_ms);
 }
 
@@ -439,6 +465,7 @@ static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_envel
     ev.xfer_us = proto_now_us() - x->t0_us;
     ev.n_bytes = x->n_bytes;
     ev.mtp = x->mtp;
+    ev.n_gen = x->n_gen;
     if (x->keep_mtp && hsrc) {
         ev.hidden = malloc(hbytes);
         if (ev.hidden) { /* out of memory: the sequence just decodes without MTP */

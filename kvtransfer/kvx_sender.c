@@ -7,7 +7,8 @@
  * payload frame in flight holds one (released by ZeroMQ's free callback, on its I/O
  * thread); the last one to let go frees the record, so frames may outlive the transfer and
  * the sender without touching freed memory. The sequence is freed only when the transfer
- * is over and the count is back to 1 (no frame in flight).
+ * is over and the count is back to 1 (no frame in flight). Padding frames (emulated KV
+ * size) point into a process-wide read-only mapping of zeros and pin nothing.
  */
 #include <errno.h>
 #include <stdatomic.h>
@@ -85,7 +86,8 @@ typedef struct kvx_sx {
     int64_t deadline_us; /* lease (0 = none) */
     int64_t over_us;     /* when it entered SX_RELEASING */
     int64_t t0_us;       /* KV_BEGIN sent (stats) */
-    uint64_t n_bytes;    /* payload bytes handed to ZeroMQ (stats) */
+    uint64_t n_bytes;    /* payload bytes handed to ZeroMQ, padding included (stats) */
+    uint64_t pad;        /* padding bytes of the transfer (KV_BEGIN "pad"; 0 = none) */
     int rejected;        /* KV_BEGIN_ACK refused it (stats) */
     struct kvx_sx *next;
 } kvx_sx;
@@ -113,7 +115,7 @@ kvx_sender_params kvx_sender_default_params(void)
 kvx_sender_t *kvx_sender_new(void *zctx, kvcache_t *kv, const kvx_sender_params *p)
 {
     if (!zctx || !kv || !p || p->lease_ms <= 0 || p->sndhwm < 0 || p->n_mtp < 0 ||
-        p->n_mtp >= kvcache_get_params(kv)->n_layer)
+        p->n_mtp >= kvcache_get_params(kv)->n_layer || p->pad_to_bytes_per_token > (1u << 24))
         return NULL;
     kvx_sender_t *s = calloc(1, sizeof(*s));
     if (!s)
@@ -264,6 +266,20 @@ static void sx_fail(kvx_sender_t *s, kvx_sx *x, int code, const char *msg, int t
     sx_over(x);
 }
 
+/* Padding of a transfer (docs/kvtransfer.md "Padding"): what makes its payload (n_layer
+ * layers of n_blocks blocks, and the MTP hand-off state) total n_kv_tokens x
+ * pad_to_bytes_per_token bytes; 0 when not padding or the real payload is that large. */
+static uint64_t send_pad_bytes(const kvx_sender_t *s, int n_kv_tokens, int n_layer, int n_blocks,
+                               int n_hidden)
+{
+    if (!s->p.pad_to_bytes_per_token)
+        return 0;
+    uint64_t want = (uint64_t)n_kv_tokens * s->p.pad_to_bytes_per_token;
+    uint64_t real = (uint64_t)n_layer * (uint64_t)n_blocks * kvcache_block_bytes(s->kv) +
+                    (uint64_t)n_hidden * sizeof(float);
+    return want > real ? want - real : 0;
+}
+
 uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_params *bp)
 {
     const kvcache_params *kp = kvcache_get_params(s->kv);
@@ -280,8 +296,14 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
     int n_layer = bp->n_layer ? bp->n_layer : kp->n_layer - s->p.n_mtp;
     if (n_layer < 1 || n_layer > kp->n_layer || bp->n_mtp < 0 || bp->n_mtp >= n_layer ||
         bp->n_hidden < 0 || bp->n_hidden > (1 << 20) || bp->mtp < 0 ||
-        bp->mtp > PROTO_SPEC_MAX_POS + 1)
+        bp->mtp > PROTO_SPEC_MAX_POS + 1 || bp->n_gen < 0 || bp->n_gen > (1 << 24))
         return 0;
+    uint64_t pad = send_pad_bytes(s, bp->n_kv_tokens, n_layer, need, bp->n_hidden);
+    if (pad && (need > PROTO_MAX_FRAMES - 1 || pad > (uint64_t)PROTO_MAX_PAD)) {
+        log_rwarn(bp->rid, "kvx: cannot pad %d tokens: %d blocks (max %d), %llu bytes of padding",
+                  bp->n_kv_tokens, need, PROTO_MAX_FRAMES - 1, (unsigned long long)pad);
+        return 0;
+    }
     kvx_peer *pe = peer_get(s, endpoint);
     if (!pe)
         return 0;
@@ -304,6 +326,7 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
     x->peer = pe;
     x->n_kv_tokens = bp->n_kv_tokens;
     x->n_blocks = need;
+    x->pad = pad;
 
     proto_msg m;
     proto_msg_init(&m, PROTO_KV_BEGIN);
@@ -315,6 +338,7 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
     m.mtp_fp = bp->mtp_fp;
     m.n_hidden = bp->n_hidden;
     m.mtp_depth = bp->mtp;
+    m.n_gen = bp->n_gen;
     m.n_kv_head = kp->n_kv_head;
     m.head_dim = kp->head_dim;
     m.dtype = PROTO_DTYPE_F32;
@@ -326,6 +350,7 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
     m.top_p = bp->top_p;
     m.top_k = bp->top_k;
     m.lease_ms = s->p.lease_ms;
+    m.pad_bytes = (int64_t)pad;
     m.ts_us = proto_wall_us();
     if (kvx_send_msg(pe->sock, NULL, 0, &m, NULL, 0) < 0) {
         log_rwarn(x->rid, "kvx: KV_BEGIN to %s not sent: %s", endpoint, zmq_strerror(errno));
@@ -339,9 +364,27 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
     x->next = s->xfers;
     s->xfers = x;
     s->n_xfers++;
-    log_rdebug(x->rid, "kvx: KV_BEGIN xfer=%llx to %s: %d tokens, %d blocks/layer",
-               (unsigned long long)x->xfer, endpoint, x->n_kv_tokens, need);
+    log_rdebug(x->rid, "kvx: KV_BEGIN xfer=%llx to %s: %d tokens, %d blocks/layer, %llu bytes "
+               "of padding",
+               (unsigned long long)x->xfer, endpoint, x->n_kv_tokens, need,
+               (unsigned long long)pad);
     return x->xfer;
+}
+
+/* A padding frame of n zero bytes: zero-copy from kvx_zeros() (no free function: the
+ * zeros outlive every frame), or a copy when n is past the shared mapping. Returns 0, or
+ * -1 out of memory. */
+static int pad_frame(zmq_msg_t *f, size_t n)
+{
+    if (n == 0)
+        return zmq_msg_init(f);
+    const void *z = kvx_zeros(n);
+    if (z) /* ZeroMQ only reads the data of a frame it sends */
+        return zmq_msg_init_data(f, (void *)z, n, NULL, NULL);
+    if (zmq_msg_init_size(f, n) < 0)
+        return -1;
+    memset(zmq_msg_data(f), 0, n);
+    return 0;
 }
 
 int kvx_send_layer_blocks(kvx_sender_t *s, uint64_t xfer, int layer, int blk0, int n_blocks)
@@ -375,7 +418,12 @@ int kvx_send_layer_blocks(kvx_sender_t *s, uint64_t xfer, int layer, int blk0, i
             break;
         }
     }
-    if (n < n_blocks) {
+    /* padding: one more frame, its blocks' share, zero-copy from the shared zeros (no pin:
+     * they live as long as the process); not in the checksum */
+    uint64_t pad = x->pad ? kvx_pad_bytes(x->pad, x->n_layer, x->n_blocks, layer, blk0, n_blocks)
+                          : 0;
+    int n_frames = n_blocks + (x->pad ? 1 : 0);
+    if (n < n_blocks || (x->pad && pad_frame(&s->frames[n_blocks], (size_t)pad) < 0)) {
         for (int i = 0; i < n; i++)
             zmq_msg_close(&s->frames[i]); /* releases their pins */
         sx_fail(s, x, PROTO_ERR_INTERNAL, "out of memory", 1);
@@ -384,7 +432,7 @@ int kvx_send_layer_blocks(kvx_sender_t *s, uint64_t xfer, int layer, int blk0, i
     x->next_blk[layer] += n_blocks;
     if (x->next_blk[layer] == x->n_blocks)
         x->n_sent++;
-    x->n_bytes += (uint64_t)n_blocks * bytes;
+    x->n_bytes += (uint64_t)n_blocks * bytes + pad;
     proto_msg m;
     proto_msg_init(&m, PROTO_KV_LAYER);
     m.rid = x->rid;
@@ -392,7 +440,7 @@ int kvx_send_layer_blocks(kvx_sender_t *s, uint64_t xfer, int layer, int blk0, i
     m.layer = layer;
     m.blk0 = blk0;
     m.n_blocks = n_blocks;
-    if (kvx_send_msg(x->peer->sock, NULL, 0, &m, s->frames, n_blocks) < 0) {
+    if (kvx_send_msg(x->peer->sock, NULL, 0, &m, s->frames, n_frames) < 0) {
         char msg[PROTO_MESSAGE_LEN];
         snprintf(msg, sizeof(msg), "KV_LAYER not sent: %s", zmq_strerror(errno));
         sx_fail(s, x, PROTO_ERR_UNAVAILABLE, msg, 1);

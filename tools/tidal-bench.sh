@@ -3,7 +3,8 @@
 #
 # Every figure this prints is EMULATED: the workers run the small real model and pad each
 # prefill batch and decode step to the cost model's time for PRESET (--emulate, see
-# docs/scheduler.md "Emulated workers"); KV bytes are the small model's.
+# docs/scheduler.md "Emulated workers"); KV transfers are padded to the emulated model's
+# bytes, over the real (loopback) link.
 #
 # For each configuration it starts a gateway and 8 workers on free loopback ports, runs
 # tidepool-bench --workload phase-shift (docs/bench.md) against it, stops exactly the

@@ -6,7 +6,8 @@ would (docs/protocol.md). Standard library plus python3-zmq (msgpack is done by 
     tests/integration/fake_gateway.py [--build build] [--model PATH] [case ...]
 
 Cases: greedy_disagg, greedy_mixed, batch_disagg, max_tokens_1, cancel_running,
-cancel_queued, bad_prompt, decode_unreachable, drain, second_signal, reregister. Exit
+cancel_queued, bad_prompt, decode_unreachable, drain, second_signal, reregister,
+migrate, migrate_before_kv, migrate_refused, migrate_unreachable. Exit
 status 0 when every case passes. Each worker logs to a file in a temporary directory; the logs are scanned for
 sanitizer reports."""
 
@@ -118,6 +119,7 @@ def mp_unpack(b):
 # --- protocol constants (common/protocol.h)
 
 REGISTER, REGISTER_ACK, HEARTBEAT, PREFILL, CANCEL, TOKENS, FINISH, ERROR, BYE = range(1, 10)
+ROLE, MIGRATE = 10, 11
 NAMES = {1: "REGISTER", 2: "REGISTER_ACK", 3: "HEARTBEAT", 4: "PREFILL", 5: "CANCEL",
          6: "TOKENS", 7: "FINISH", 8: "ERROR", 9: "BYE"}
 
@@ -446,6 +448,105 @@ def case_reregister(g):
     rid = g.prefill("p0", PROMPT, 5, dw="d0", dep=dep)
     ids, _, err = g.wait_done(rid)
     eq(ids, CONTINUATION[:5], "after re-registering")
+
+
+def migration_cluster(g):
+    """p0 and two decode workers slowed to 20 ms a step, so a sequence is still running when
+    it is told to move. Returns (d0's kv endpoint, d1's)."""
+    g.start("p0", "prefill_worker")
+    for d in ("d0", "d1"):
+        g.start(d, "decode_worker", "--kv-bind", "tcp://127.0.0.1:*", "--debug-step-delay-ms",
+                "20")
+    g.wait_registered("p0", "d0", "d1")
+    return g.workers["d0"]["kvep"], g.workers["d1"]["kvep"]
+
+
+def tokens_from(g, rid, wid):
+    return [m for w, m in g.events if m.get("rid") == rid and w == wid and m["t"] == TOKENS]
+
+
+def mig(g, wid):
+    """(out, out_failed, out_us, in) from wid's last heartbeat."""
+    return tuple((g.heartbeats.get(wid, {}).get("mig") or [0, 0, 0, 0])[:4])
+
+
+def case_migrate(g):
+    """MIGRATE mid-decode: d0 sends the sequence's KV to d1, which goes on at the next index;
+    the assembled tokens are exactly the undisturbed greedy ones, no index is repeated with
+    another token, and both caches are free afterwards."""
+    dep0, dep1 = migration_cluster(g)
+    rid = g.prefill("p0", PROMPT, len(CONTINUATION), dw="d0", dep=dep0)
+    g.wait(lambda: any(m["index"] + len(m["tokens"]) >= 10 for m in tokens_from(g, rid, "d0")),
+           what="10 tokens decoded on d0")
+    g.send("d0", {"t": MIGRATE, "rid": rid, "dw": "d1", "dep": dep1})
+    ids, reason, err = g.wait_done(rid)
+    eq(err, None, "error")
+    eq(ids, CONTINUATION, "greedy tokens across the move")
+    eq(reason, 2, "finish reason")
+    moved = tokens_from(g, rid, "d1")
+    if not moved or moved[0]["index"] < 10:
+        raise AssertionError("d1 must continue after index 10, got %r" % moved[:1])
+    g.wait(lambda: mig(g, "d0")[0] == 1 and mig(g, "d1")[3] == 1, what="migration counters")
+    eq(mig(g, "d0")[1], 0, "failed moves")
+    for w in ("d0", "d1", "p0"):
+        kv_free_back(g, w)
+
+
+def case_migrate_before_kv(g):
+    """A MIGRATE that reaches d0 before the request's KV does (p0 frozen meanwhile) is kept
+    and carried out when the KV lands: d1 decodes the whole request, exactly."""
+    dep0, dep1 = migration_cluster(g)
+    p0 = g.procs["p0"][0]
+    p0.send_signal(signal.SIGSTOP)
+    try:
+        rid = g.prefill("p0", PROMPT, len(CONTINUATION), dw="d0", dep=dep0)
+        time.sleep(0.1)
+        g.send("d0", {"t": MIGRATE, "rid": rid, "dw": "d1", "dep": dep1})
+        time.sleep(0.1)
+    finally:
+        p0.send_signal(signal.SIGCONT)
+    ids, reason, err = g.wait_done(rid)
+    eq((ids, reason, err), (CONTINUATION, 2, None), "outcome")
+    eq(tokens_from(g, rid, "d0"), [], "d0 decoded nothing")
+    for w in ("d0", "d1"):
+        kv_free_back(g, w)
+
+
+def case_migrate_refused(g):
+    """MIGRATE orders a worker cannot carry out are logged and ignored: to a prefill worker,
+    to the worker itself, with an empty endpoint, for an unknown request; the request
+    finishes where it is."""
+    dep0, dep1 = migration_cluster(g)
+    rid = g.prefill("p0", PROMPT, 30, dw="d0", dep=dep0)
+    g.wait(lambda: tokens_from(g, rid, "d0"), what="decode started on d0")
+    g.send("p0", {"t": MIGRATE, "rid": rid, "dw": "d1", "dep": dep1})
+    g.send("d0", {"t": MIGRATE, "rid": rid, "dw": "d0", "dep": dep0})
+    g.send("d0", {"t": MIGRATE, "rid": rid, "dw": "d1", "dep": ""})
+    g.send("d0", {"t": MIGRATE, "rid": 424242, "dw": "d1", "dep": dep1})
+    g.send("d0", {"t": MIGRATE, "rid": rid, "dw": "d1"})  # no endpoint: malformed, dropped
+    ids, reason, err = g.wait_done(rid)
+    eq((ids, reason, err), (CONTINUATION[:30], 2, None), "outcome")
+    eq(tokens_from(g, rid, "d1"), [], "nothing moved to d1")
+    time.sleep(0.3)
+    g.pump()
+    eq(mig(g, "d0"), (0, 0, 0, 0), "no migration counted")
+    kv_free_back(g, "d0")
+
+
+def case_migrate_unreachable(g):
+    """A move to an endpoint nobody listens on fails after the lease (1 s): d0 reports a
+    retryable ERROR (the gateway re-runs the request from its tokens) and frees the KV."""
+    dep0, _ = migration_cluster(g)
+    rid = g.prefill("p0", PROMPT, len(CONTINUATION), dw="d0", dep=dep0)
+    g.wait(lambda: tokens_from(g, rid, "d0"), what="decode started on d0")
+    g.send("d0", {"t": MIGRATE, "rid": rid, "dw": "nobody", "dep": "tcp://127.0.0.1:1"})
+    ids, reason, err = g.wait_done(rid, timeout=10)
+    eq(reason, None, "no FINISH")
+    eq((err["code"], err["retry"]), (4, 1), "timeout error, retryable")
+    if "migration" not in err.get("msg", ""):
+        raise AssertionError("the error must name the migration: %r" % err)
+    g.wait(lambda: mig(g, "d0")[1] == 1, what="failed move counted")
+    kv_free_back(g, "d0")
 
 
 CASES = [n[5:] for n in sorted(globals()) if n.startswith("case_")]

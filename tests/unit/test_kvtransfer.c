@@ -1476,6 +1476,367 @@ static void test_mtp_hidden_mismatch(void **state)
     assert_all_free(f);
 }
 
+// --- padding (emulated KV size; docs/kvtransfer.md "Padding")
+
+#define BLK_BYTES ((uint64_t)2 * BS * NKH * HD * sizeof(float)) /* 256 */
+
+/* A sender that pads every transfer to bytes_per_token (f->s2, destroyed by teardown). */
+static kvx_sender_t *mk_pad_sender(fx_t *f, uint64_t bytes_per_token)
+{
+    kvx_sender_params p = kvx_sender_default_params();
+    p.fingerprint = FP;
+    p.lease_ms = 2000;
+    p.pad_to_bytes_per_token = bytes_per_token;
+    kvx_sender_destroy(&f->s2);
+    f->s2 = kvx_sender_new(f->zctx, f->kvs, &p);
+    assert_non_null(f->s2);
+    return f->s2;
+}
+
+/* The padding a KV_LAYER of blocks [blk0, blk0 + n) of `layer` must carry, computed block
+ * by block from the rule (pad / N each, one more for the first pad % N pairs). */
+static uint64_t want_pad(uint64_t pad, int n_blocks, int layer, int blk0, int n)
+{
+    uint64_t n_all = (uint64_t)NL * (uint64_t)n_blocks, sum = 0;
+    for (int b = blk0; b < blk0 + n; b++) {
+        uint64_t i = (uint64_t)layer * (uint64_t)n_blocks + (uint64_t)b;
+        sum += pad / n_all + (i < pad % n_all ? 1 : 0);
+    }
+    return sum;
+}
+
+/* Let the extra sender release its finished transfers, then check every block is free. */
+static void assert_all_free_s2(fx_t *f)
+{
+    for (int i = 0; i < 200 && f->s2 && kvx_sender_n_active(f->s2); i++) {
+        kvx_sender_process(f->s2);
+        pump(f);
+    }
+    if (f->s2)
+        assert_int_equal(kvx_sender_n_active(f->s2), 0);
+    assert_all_free(f);
+}
+
+/* Padded transfers through the real receiver: the bytes both sides count are
+ * n_kv_tokens x bytes_per_token exactly (real KV + padding), the KV arrives intact, and a
+ * transfer whose real KV is already that large is not padded. */
+static void test_pad_counted_bytes_exact(void **state)
+{
+    fx_t *f = *state;
+    static const struct {
+        int n_kv;
+        uint64_t per_tok, want;
+    } cases[] = {
+        {37, 1000, 37000},      /* 10 blocks: real 7680 + pad 29320 */
+        {5, 308, 1540},         /* 2 blocks: real 1536 + pad 4 (< 6 pairs: empty frames) */
+        {1, 131072, 131072},    /* a100-llama3-8b's bytes per token, one token */
+        {37, 1, NL * 10 * 256}, /* real KV larger than asked: not padded */
+    };
+    uint64_t total = 0;
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        kvx_sender_t *s = mk_pad_sender(f, cases[c].per_tok);
+        int n_kv = cases[c].n_kv, seed = (int)c + 3;
+        int seq = make_seq(f->kvs, n_kv, seed);
+        uint64_t x = begin(f, s, 50 + c, seq, n_kv, 3);
+        int nb = kvcache_blocks_for(f->kvs, n_kv);
+        for (int l = 0; l < NL; l++) { /* in two ranges when it can: as a chunked prefill */
+            if (nb > 1)
+                assert_int_equal(kvx_send_layer_blocks(s, x, l, 0, 1), 0);
+            assert_int_equal(kvx_send_layer(s, x, l), 0);
+        }
+        assert_int_equal(kvx_send_end(s, x, 5, 6), 0);
+        kvx_event ev, sev;
+        assert_true(receiver_event(f, &ev));
+        assert_int_equal(ev.type, KVX_EV_ACCEPTED);
+        assert_true(seq_holds(f->kvr, ev.seq, seed, nb));
+        assert_true(sender_event(f, s, &sev));
+        assert_int_equal(sev.type, KVX_EV_DONE);
+        assert_true(ev.n_bytes == cases[c].want);
+        assert_true(sev.n_bytes == cases[c].want);
+        total += cases[c].want;
+        proto_kvx_counters cs, cr;
+        kvx_sender_get_stats(s, &cs);
+        kvx_receiver_get_stats(f->r, &cr);
+        assert_true(cs.n_ok == 1 && cs.n_bytes == cases[c].want);
+        assert_true(cr.n_ok == c + 1 && cr.n_bytes == total && cr.n_aborted == 0);
+        kvcache_seq_free(f->kvr, ev.seq);
+        assert_all_free_s2(f);
+    }
+    /* more than 2^24 bytes per token is refused */
+    kvx_sender_params p = kvx_sender_default_params();
+    p.pad_to_bytes_per_token = (1u << 24) + 1;
+    assert_null(kvx_sender_new(f->zctx, f->kvs, &p));
+}
+
+/* One whole message read from a raw ROUTER. */
+typedef struct {
+    unsigned char id[256];
+    size_t id_len;
+    unsigned char hdr[4096];
+    size_t hdr_len;
+    proto_msg m;
+    int n_frames;
+    size_t sizes[16];
+    int last_zero; /* every byte of the last payload frame is 0 */
+} wire_msg;
+
+static int wire_more(void *sock)
+{
+    int more = 0;
+    size_t sz = sizeof(more);
+    zmq_getsockopt(sock, ZMQ_RCVMORE, &more, &sz);
+    return more;
+}
+
+/* Read the next message on a raw ROUTER (pumping kvx meanwhile). Returns 1, or 0 if none
+ * came within 2 s. */
+static int wire_recv(fx_t *f, void *router, wire_msg *w)
+{
+    memset(w, 0, sizeof(*w));
+    zmq_msg_t part;
+    int got = 0;
+    for (int i = 0; i < 2000 && !got; i++) {
+        pump_once(f);
+        if (f->s2)
+            kvx_sender_process(f->s2);
+        zmq_msg_init(&part);
+        got = zmq_msg_recv(&part, router, ZMQ_DONTWAIT) >= 0;
+        if (!got) {
+            zmq_msg_close(&part);
+            usleep(1000);
+        }
+    }
+    if (!got)
+        return 0;
+    w->id_len = zmq_msg_size(&part);
+    assert_true(w->id_len <= sizeof(w->id) && wire_more(router));
+    memcpy(w->id, zmq_msg_data(&part), w->id_len);
+    zmq_msg_close(&part);
+    zmq_msg_init(&part);
+    assert_true(zmq_msg_recv(&part, router, 0) >= 0);
+    w->hdr_len = zmq_msg_size(&part);
+    assert_true(w->hdr_len <= sizeof(w->hdr));
+    memcpy(w->hdr, zmq_msg_data(&part), w->hdr_len);
+    zmq_msg_close(&part);
+    char err[160];
+    assert_int_equal(proto_decode(w->hdr, w->hdr_len, &w->m, err, sizeof(err)), 0);
+    while (wire_more(router)) {
+        zmq_msg_init(&part);
+        assert_true(zmq_msg_recv(&part, router, 0) >= 0);
+        assert_true(w->n_frames < 16);
+        size_t n = zmq_msg_size(&part);
+        const unsigned char *d = zmq_msg_data(&part);
+        w->sizes[w->n_frames++] = n;
+        w->last_zero = 1;
+        for (size_t k = 0; k < n; k++)
+            if (d[k])
+                w->last_zero = 0;
+        zmq_msg_close(&part);
+    }
+    return 1;
+}
+
+/* 1 when the msgpack header has the key "pad" (fixstr of 3). */
+static int wire_has_pad_key(const wire_msg *w)
+{
+    return memmem(w->hdr, w->hdr_len, "\xa3pad", 4) != NULL;
+}
+
+/* Answer a raw-captured transfer as a receiver would: KV_BEGIN_ACK ok, KV_RESULT ok. */
+static void wire_reply(void *router, const wire_msg *w, proto_type_t type)
+{
+    proto_msg m;
+    proto_msg_init(&m, type);
+    m.rid = w->m.rid;
+    m.xfer = w->m.xfer;
+    m.ok = 1;
+    m.lease_ms = 1000;
+    assert_int_equal(proto_send(router, w->id, w->id_len, &m, NULL, 0, 0), 0);
+}
+
+/* Run one transfer of n_kv tokens from sender s to a raw ROUTER, each layer in the ranges
+ * cuts[0..n_cuts] (block indices), and check every message on the wire: KV_BEGIN's "pad"
+ * (absent when want_pad_total is 0), every KV_LAYER's frames (one padding frame of exactly
+ * its share, all zeros, when padded; none otherwise). Returns the payload bytes seen. */
+static uint64_t wire_transfer(fx_t *f, kvx_sender_t *s, int n_kv, const int *cuts, int n_cuts,
+                              uint64_t want_pad_total)
+{
+    char ep[64];
+    snprintf(ep, sizeof(ep), "inproc://kvx-wire-%d", ++endpoint_counter);
+    void *router = raw_socket(f, ZMQ_ROUTER, ep);
+    int seq = make_seq(f->kvs, n_kv, 2);
+    int nb = kvcache_blocks_for(f->kvs, n_kv);
+    kvx_begin_params bp = {.rid = 77, .seq = seq, .n_kv_tokens = n_kv, .max_tokens = 2};
+    uint64_t x = kvx_send_begin(s, ep, &bp);
+    assert_true(x != 0);
+    for (int c = 0; c < n_cuts; c++)
+        for (int l = 0; l < NL; l++)
+            assert_int_equal(kvx_send_layer_blocks(s, x, l, cuts[c], cuts[c + 1] - cuts[c]), 0);
+    assert_int_equal(kvx_send_end(s, x, 1, 2), 0);
+
+    wire_msg w;
+    assert_true(wire_recv(f, router, &w));
+    assert_int_equal(w.m.type, PROTO_KV_BEGIN);
+    assert_int_equal(w.n_frames, 0);
+    assert_true((uint64_t)w.m.pad_bytes == want_pad_total);
+    assert_int_equal(wire_has_pad_key(&w), want_pad_total > 0);
+    wire_reply(router, &w, PROTO_KV_BEGIN_ACK);
+    uint64_t seen = 0, pad_seen = 0;
+    for (int i = 0; i < n_cuts * NL; i++) {
+        assert_true(wire_recv(f, router, &w));
+        assert_int_equal(w.m.type, PROTO_KV_LAYER);
+        int n = w.m.n_blocks;
+        assert_int_equal(w.n_frames, n + (want_pad_total ? 1 : 0));
+        for (int k = 0; k < n; k++)
+            assert_true(w.sizes[k] == BLK_BYTES);
+        seen += (uint64_t)n * BLK_BYTES;
+        if (want_pad_total) {
+            uint64_t share = want_pad(want_pad_total, nb, w.m.layer, w.m.blk0, n);
+            assert_true(w.sizes[n] == share);
+            assert_true(w.last_zero);
+            seen += share;
+            pad_seen += share;
+        }
+        proto_msg_clear(&w.m);
+    }
+    assert_true(wire_recv(f, router, &w));
+    assert_int_equal(w.m.type, PROTO_KV_END);
+    assert_int_equal(w.n_frames, 0);
+    assert_true(pad_seen == want_pad_total);
+    wire_reply(router, &w, PROTO_KV_RESULT);
+    kvx_event sev;
+    assert_true(sender_event(f, s, &sev));
+    assert_int_equal(sev.type, KVX_EV_DONE);
+    assert_true(sev.n_bytes == seen);
+    raw_close(f, router);
+    assert_all_free_s2(f);
+    return seen;
+}
+
+/* The padded wire, message by message: KV_BEGIN declares the padding, each KV_LAYER (a
+ * chunked prefill's ranges 3, 1, 6 of 10 blocks) carries its share as one zero frame,
+ * and the shares add up to n_kv_tokens x bytes_per_token exactly. */
+static void test_pad_wire_exact(void **state)
+{
+    fx_t *f = *state;
+    kvx_sender_t *s = mk_pad_sender(f, 1000);
+    static const int cuts[] = {0, 3, 4, 10};
+    uint64_t real = (uint64_t)NL * 10 * BLK_BYTES; /* 37 tokens = 10 blocks */
+    assert_true(wire_transfer(f, s, 37, cuts, 3, 37 * 1000 - real) == 37 * 1000);
+    static const int whole[] = {0, 10};
+    assert_true(wire_transfer(f, s, 37, whole, 1, 37 * 1000 - real) == 37 * 1000);
+}
+
+/* Without padding the wire is exactly the old one: no "pad" key, n_blocks frames per
+ * KV_LAYER, the real KV's bytes; also from a padding sender whose real KV is already as
+ * large as asked. */
+static void test_pad_absent_wire_unchanged(void **state)
+{
+    fx_t *f = *state;
+    static const int cuts[] = {0, 3, 4, 10};
+    uint64_t real = (uint64_t)NL * 10 * BLK_BYTES;
+    assert_true(wire_transfer(f, f->s, 37, cuts, 3, 0) == real);
+    kvx_sender_t *s = mk_pad_sender(f, 1); /* 37 bytes asked, 7680 real */
+    assert_true(wire_transfer(f, s, 37, cuts, 3, 0) == real);
+}
+
+/* A raw padded KV_LAYER: blocks [blk0, blk0 + n) of `layer`, then n_pad frames of pad_size
+ * zero bytes. h (optional) hashes the blocks only, as the checksum covers the real KV. */
+static void raw_range_pad(fx_t *f, void *sock, uint64_t xfer, int seq, int layer, int blk0,
+                          int n, size_t pad_size, int n_pad, XXH64_state_t *h)
+{
+    zmq_msg_t frames[16];
+    int nb;
+    const int *blocks = kvcache_seq_blocks(f->kvs, seq, &nb);
+    for (int i = 0; i < n; i++) {
+        zmq_msg_init_size(&frames[i], BLK_BYTES);
+        memcpy(zmq_msg_data(&frames[i]), kvcache_block_data(f->kvs, layer, blocks[blk0 + i]),
+               BLK_BYTES);
+        if (h)
+            XXH64_update(h, zmq_msg_data(&frames[i]), BLK_BYTES);
+    }
+    for (int i = n; i < n + n_pad; i++) {
+        zmq_msg_init_size(&frames[i], pad_size);
+        memset(zmq_msg_data(&frames[i]), 0, pad_size);
+    }
+    proto_msg m;
+    proto_msg_init(&m, PROTO_KV_LAYER);
+    m.rid = 9;
+    m.xfer = xfer;
+    m.layer = layer;
+    m.blk0 = blk0;
+    m.n_blocks = n;
+    assert_int_equal(proto_send(sock, NULL, 0, &m, frames, n + n_pad, 0), 0);
+}
+
+static int raw_begin_pad(fx_t *f, void *sock, uint64_t xfer, int n_kv, int64_t pad)
+{
+    proto_msg m;
+    raw_begin_msg(&m, 9, xfer, n_kv, 4);
+    m.pad_bytes = pad;
+    assert_int_equal(proto_send(sock, NULL, 0, &m, NULL, 0, 0), 0);
+    assert_true(raw_recv(f, sock, 0, 2000));
+    proto_msg *a = proto_envelope_msg(f->env);
+    assert_int_equal(a->type, PROTO_KV_BEGIN_ACK);
+    return a->ok;
+}
+
+/* The receiver checks padding frames exactly: a transfer declaring pad = 1000 over 8
+ * tokens (2 blocks x 3 layers: shares 167, 167, 167, 167, 166, 166) is accepted with
+ * frames of exactly those sizes and a checksum over the KV only, and counts
+ * 1536 + 1000 bytes; a padding frame one byte off, missing or doubled aborts it
+ * (KV_ABORT PROTOCOL), frees its blocks and counts nothing. */
+static void test_pad_wrong_size_rejected(void **state)
+{
+    fx_t *f = *state;
+    int seq = make_seq(f->kvs, 8, 1);
+    void *d = raw_socket(f, ZMQ_DEALER, f->ep);
+    /* exact: accepted */
+    assert_true(raw_begin_pad(f, d, 300, 8, 1000));
+    XXH64_state_t *h = XXH64_createState();
+    XXH64_reset(h, 0);
+    for (int l = 0; l < NL; l++)
+        raw_range_pad(f, d, 300, seq, l, 0, 2, (size_t)want_pad(1000, 2, l, 0, 2), 1, h);
+    raw_end(d, 9, 300, XXH64_digest(h));
+    XXH64_freeState(h);
+    kvx_event ev;
+    assert_true(receiver_event(f, &ev));
+    assert_int_equal(ev.type, KVX_EV_ACCEPTED);
+    assert_true(ev.n_bytes == 3 * 2 * BLK_BYTES + 1000);
+    assert_true(seq_holds(f->kvr, ev.seq, 1, 2));
+    assert_true(raw_recv(f, d, 0, 2000)); /* KV_RESULT ok */
+    assert_int_equal(proto_envelope_msg(f->env)->type, PROTO_KV_RESULT);
+    assert_int_equal(proto_envelope_msg(f->env)->ok, 1);
+    kvcache_seq_free(f->kvr, ev.seq);
+
+    /* wrong: one byte more, one less, no padding frame, two padding frames, a padding
+     * frame on layer 1 after a good layer 0 */
+    static const struct {
+        int delta, n_pad, layer;
+    } bad[] = {{1, 1, 0}, {-1, 1, 0}, {0, 0, 0}, {0, 2, 0}, {1, 1, 1}};
+    for (int v = 0; v < 5; v++) {
+        uint64_t xfer = 301 + (uint64_t)v;
+        assert_true(raw_begin_pad(f, d, xfer, 8, 1000));
+        if (bad[v].layer == 1)
+            raw_range_pad(f, d, xfer, seq, 0, 0, 2, (size_t)want_pad(1000, 2, 0, 0, 2), 1, NULL);
+        size_t share = (size_t)want_pad(1000, 2, bad[v].layer, 0, 2);
+        raw_range_pad(f, d, xfer, seq, bad[v].layer, 0, 2, share + (size_t)bad[v].delta,
+                      bad[v].n_pad, NULL);
+        expect_raw_reply(f, d, PROTO_KV_ABORT, PROTO_ERR_PROTOCOL);
+        assert_int_equal(kvx_receiver_n_active(f->r), 0);
+    }
+    /* an unpadded transfer's KV_LAYER with a frame too many is refused as before */
+    assert_true(raw_begin(f, d, 9, 310, 8));
+    raw_range_pad(f, d, 310, seq, 0, 0, 2, 10, 1, NULL);
+    expect_raw_reply(f, d, PROTO_KV_ABORT, PROTO_ERR_PROTOCOL);
+    proto_kvx_counters cr;
+    kvx_receiver_get_stats(f->r, &cr);
+    assert_true(cr.n_ok == 1 && cr.n_bytes == 3 * 2 * BLK_BYTES + 1000 && cr.n_aborted == 6);
+    kvcache_seq_free(f->kvs, seq);
+    raw_close(f, d);
+    assert_all_free(f);
+}
+
 int main(int argc, char **argv)
 {
     log_init("test_kvtransfer", LOG_LEVEL_ERROR);
@@ -1524,6 +1885,10 @@ int main(int argc, char **argv)
         T(test_same_rid_supersedes),
         T(test_sender_misuse),
         T(test_stats_counters),
+        T(test_pad_counted_bytes_exact),
+        T(test_pad_wire_exact),
+        T(test_pad_absent_wire_unchanged),
+        T(test_pad_wrong_size_rejected),
 #undef T
     };
     if (argc > 1)

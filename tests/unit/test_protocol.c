@@ -64,6 +64,7 @@ static void fill(proto_msg *m, proto_type_t t)
     m->first_token = 432;
     m->checksum = 0x1234567890abcdefull;
     m->lease_ms = 5000;
+    m->pad_bytes = PROTO_MAX_PAD; /* emulated KV size (KV_BEGIN "pad") */
     m->ts_us = -5;
     m->kvx_tx = (proto_kvx_counters){1, 2, 3, 4, 5, 6, 7};
     m->kvx_rx = (proto_kvx_counters){7, 8, UINT64_MAX, 0, 0, 9, 10};
@@ -76,6 +77,8 @@ static void fill(proto_msg *m, proto_type_t t)
     m->emulated = 1;
     m->role_change_us = 250000;
     m->n_role_changes = 3;
+    m->mig = (proto_mig_counters){4, 1, 9000, 2};
+    m->n_gen = 12;
 }
 
 /* Every type encodes and decodes to the fields it carries, bit for bit. */
@@ -105,6 +108,8 @@ static void test_roundtrip_all_types(void **state)
             assert_true(out.checksum == in.checksum);
             assert_true(out.rng == UINT64_MAX);
         }
+        /* padding: optional, KV_BEGIN only */
+        assert_true(out.pad_bytes == (t == PROTO_KV_BEGIN ? PROTO_MAX_PAD : 0));
         /* blk0: optional, KV_LAYER only */
         assert_int_equal(out.blk0, t == PROTO_KV_LAYER ? 3 : 0);
         /* MTP: the request's depth on PREFILL and KV_BEGIN; the module layout on KV_BEGIN */
@@ -112,6 +117,16 @@ static void test_roundtrip_all_types(void **state)
         assert_int_equal(out.n_mtp, t == PROTO_KV_BEGIN ? 2 : 0);
         assert_true(out.mtp_fp == (t == PROTO_KV_BEGIN ? in.mtp_fp : 0));
         assert_int_equal(out.n_hidden, t == PROTO_KV_BEGIN ? 128 : 0);
+        /* live migration: KV_BEGIN "gen", HEARTBEAT "mig", MIGRATE's target */
+        assert_int_equal(out.n_gen, t == PROTO_KV_BEGIN ? 12 : 0);
+        assert_true(out.mig.n_out == (t == PROTO_HEARTBEAT ? 4u : 0u));
+        assert_true(out.mig.out_us == (t == PROTO_HEARTBEAT ? 9000u : 0u));
+        assert_true(out.mig.n_in == (t == PROTO_HEARTBEAT ? 2u : 0u));
+        if (t == PROTO_MIGRATE) {
+            assert_int_equal(out.rid, 42);
+            assert_string_equal(out.decode_worker, "decode-host-1");
+            assert_string_equal(out.decode_endpoint, "ipc:///tmp/kv");
+        }
         if (t == PROTO_HEARTBEAT) {
             assert_string_equal(out.worker_id, "decode-host-1");
             assert_true(out.tokens_in == 1ull << 40);
@@ -289,6 +304,15 @@ static void b_blk0_on_kv_end(msgpack_packer *pk)
     kv(pk, "rng"); msgpack_pack_int(pk, 0);
     kv(pk, "blk0"); msgpack_pack_int(pk, 1);
 }
+static void b_kv_begin_pad(msgpack_packer *pk, int64_t pad)
+{
+    msgpack_pack_map(pk, 3);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_KV_BEGIN);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "pad"); msgpack_pack_int64(pk, pad);
+}
+static void b_pad_negative(msgpack_packer *pk) { b_kv_begin_pad(pk, -1); }
+static void b_pad_too_large(msgpack_packer *pk) { b_kv_begin_pad(pk, PROTO_MAX_PAD + 1); }
 static void b_ok_cancel(msgpack_packer *pk)
 {
     msgpack_pack_map(pk, 4);
@@ -318,6 +342,8 @@ static void test_malformed_headers(void **state)
         {"mtp out of range", b_mtp_out_of_range, -1, "mtp"},
         {"mtp negative", b_mtp_negative, -1, "mtp"},
         {"mtp depth 0", b_mtp_ok, 0, ""},
+        {"pad negative", b_pad_negative, -1, "pad"},
+        {"pad too large", b_pad_too_large, -1, "pad"},
         {"valid with unknown key", b_ok_cancel, 0, ""},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
