@@ -325,6 +325,7 @@ static int open_receiver(worker_t *w)
         rp.n_mtp = w->n_mtp;
         rp.mtp_fp = mtp_fingerprint(w->mtp);
         rp.n_hidden = specdec_hand_floats(w->sd);
+        rp.n_hidden_mig = specdec_state_floats(w->sd);
     }
     w->receiver = kvx_receiver_new(w->zctx, w->kv, w->kv_bind, &rp);
     if (!w->receiver)

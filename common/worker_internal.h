@@ -65,7 +65,9 @@ typedef struct {
     int mtp_req;   /* the request's MTP depth + 1 (PREFILL / KV_BEGIN "mtp"); 0 = not set */
     int mtp_depth; /* drafts this sequence may make per step: 0 = no module work */
     float *hand;   /* (2, dim) hand-off state for its first decode step (owned; NULL when
-                    * mtp_depth is 0): filled by its prefill or taken from KV_END */
+                    * mtp_depth is 0): filled by its prefill or taken from KV_END; or, when
+                    * hand_state, a migrated sequence's whole module state */
+    int hand_state; /* hand is specdec_state_floats() of specdec_seq_export (migrated) */
     specdec_ctl ctl; /* decoding: its depth controller (acceptance EWMAs) */
 } wreq;
 

@@ -217,13 +217,27 @@ static int tombstoned(const worker_t *w, uint64_t rid)
  * batch), hand its sequence to kvx and send every main layer's blocks of its pos tokens,
  * then KV_END with the token to feed next and the sampler state. KV_BEGIN "gen" tells the
  * receiver how far the attempt got, so it continues at the next token index; max_tokens
- * counts what is left. The MTP modules' state stays behind: the receiver decodes the
- * sequence without drafting (greedy output is the same either way). Returns 0 when the
- * move started, -1 when it could not (r keeps decoding here). */
+ * counts what is left. A sequence drafting with MTP takes its modules' KV layers and their
+ * whole per-sequence state along (KV_END's frame, specdec_seq_export), so the receiver
+ * drafts on where this worker stopped; a receiver without the same modules drops them and
+ * decodes plainly (greedy output is the same either way). Returns 0 when the move started,
+ * -1 when it could not (r keeps decoding here). */
 static int migrate_start(worker_t *w, wreq *r, const char *dep)
 {
     if (worker_open_sender(w) < 0)
         return -1;
+    float *state = NULL;
+    int n_state = 0;
+    if (r->mtp_depth > 0 && w->mtp && specdec_seq_max_depth(w->sd, r->seq) > 0) {
+        n_state = specdec_state_floats(w->sd);
+        state = malloc((size_t)n_state * sizeof(float));
+        if (!state || specdec_seq_export(w->sd, r->seq, r->pos, state) < 0) {
+            free(state); /* the sequence moves without its module state */
+            state = NULL;
+            n_state = 0;
+        }
+    }
+    int n_layer = w->mc->n_layer + (state ? w->n_mtp : 0);
     kvx_begin_params bp = {.rid = r->rid,
                            .seq = r->seq,
                            .n_kv_tokens = r->pos,
@@ -231,22 +245,29 @@ static int migrate_start(worker_t *w, wreq *r, const char *dep)
                            .temperature = r->sp.temperature,
                            .top_p = r->sp.top_p,
                            .top_k = r->sp.top_k,
-                           .n_layer = w->mc->n_layer,
+                           .n_layer = n_layer,
+                           .n_mtp = state ? w->n_mtp : 0,
+                           .mtp_fp = state ? mtp_fingerprint(w->mtp) : 0,
+                           .n_hidden = n_state,
                            .mtp = r->mtp_req,
                            .n_gen = r->n_gen};
     uint64_t xfer = kvx_send_begin(w->sender, dep, &bp);
-    if (!xfer)
+    if (!xfer) {
+        free(state);
         return -1;
+    }
     r->xfer = xfer; /* kvx owns r->seq from here */
     r->state = WREQ_MIGRATING;
     r->t_mig_us = proto_now_us();
     snprintf(r->dep, sizeof(r->dep), "%s", dep);
-    for (int l = 0; l < w->mc->n_layer; l++)
-        if (kvx_send_layer(w->sender, xfer, l) < 0)
-            return 0; /* the transfer failed: reported as an event */
-    kvx_send_end(w->sender, xfer, r->last, r->rng); /* the outcome comes as an event */
-    log_rinfo(r->rid, "migrating to %s: %d tokens of KV, %d of %d generated", dep, r->pos,
-              r->n_gen, r->max_tokens);
+    int ok = 1;
+    for (int l = 0; l < n_layer && ok; l++)
+        ok = kvx_send_layer(w->sender, xfer, l) == 0; /* a failure comes as an event */
+    if (ok) /* the outcome comes as an event; the state is copied */
+        kvx_send_end_mtp(w->sender, xfer, r->last, r->rng, state, n_state);
+    free(state);
+    log_rinfo(r->rid, "migrating to %s: %d tokens of KV%s, %d of %d generated", dep, r->pos,
+              n_state ? " with the MTP state" : "", r->n_gen, r->max_tokens);
     return 0;
 }
 
@@ -305,7 +326,13 @@ static void start_decode(worker_t *w, wreq *r)
     r->t_ready_us = proto_now_us();
     /* the module state of the first MTP step (the sequence id may have served another
      * request before: always reset) */
-    specdec_seq_start(w->sd, r->seq, r->pos, r->first, r->hand, r->hand ? r->mtp_depth : 0);
+    if (r->hand_state) { /* migrated with its module state: drafting goes on */
+        if (specdec_seq_import(w->sd, r->seq, r->pos, r->hand, r->mtp_depth) < 0)
+            log_rwarn(r->rid, "the migrated MTP state does not fit the sequence: it decodes "
+                              "without drafts");
+    } else {
+        specdec_seq_start(w->sd, r->seq, r->pos, r->first, r->hand, r->hand ? r->mtp_depth : 0);
+    }
     specdec_ctl_init(&r->ctl, specdec_seq_max_depth(w->sd, r->seq), w->sd_prior);
     worker_timing t = {.xfer_us = r->xfer_us, .xfer_bytes = r->xfer_bytes};
     if (r->first == w->mc->eos_id) {
@@ -364,7 +391,8 @@ static void on_accepted(worker_t *w, const kvx_event *ev)
     r->rng = ev->rng;
     r->mtp_req = ev->mtp;
     r->hand = ev->hidden; /* taken: NULL when the transfer had no (usable) module state */
-    r->mtp_depth = ev->mtp_ok && ev->n_hidden == specdec_hand_floats(w->sd)
+    r->hand_state = ev->mtp_ok && ev->n_gen > 0 && ev->n_hidden == specdec_state_floats(w->sd);
+    r->mtp_depth = ev->mtp_ok && (ev->n_hidden == specdec_hand_floats(w->sd) || r->hand_state)
                        ? wmtp_req_depth(w, ev->mtp)
                        : 0;
     r->state = WREQ_RUNNING;

@@ -241,6 +241,9 @@ typedef struct {
     int n_mtp;
     uint64_t mtp_fp;
     int n_hidden;
+    /* a migrated sequence (KV_BEGIN gen > 0) may carry instead the whole module state of
+     * its decoding, n_hidden_mig floats (specdec_state_floats()); 0 = not accepted */
+    int n_hidden_mig;
 } kvx_receiver_params;
 
 /* Defaults: lease 5000 ms, rcvhwm 65536. */

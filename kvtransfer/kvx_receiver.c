@@ -311,8 +311,9 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
     /* MTP module layers and the hand-off state are kept when they are what our modules
      * would compute; otherwise they are received (checksummed) and dropped, and the
      * sequence decodes without MTP */
-    x->keep_mtp = m->n_mtp > 0 && m->n_mtp <= r->p.n_mtp && m->mtp_fp == r->p.mtp_fp &&
-                  m->n_hidden == r->p.n_hidden && r->p.n_hidden > 0;
+    int hid_ok = (m->n_hidden == r->p.n_hidden && r->p.n_hidden > 0) ||
+                 (m->n_gen > 0 && m->n_hidden == r->p.n_hidden_mig && r->p.n_hidden_mig > 0);
+    x->keep_mtp = m->n_mtp > 0 && m->n_mtp <= r->p.n_mtp && m->mtp_fp == r->p.mtp_fp && hid_ok;
     if (m->n_mtp > 0 && !x->keep_mtp)
         log_rinfo(m->rid, "kvx: KV_BEGIN xfer=%llx: its %d MTP module layers (fingerprint "
                   "%016llx, %d hand-off floats) do not match ours (%d, %016llx, %d): dropped",

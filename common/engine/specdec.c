@@ -279,6 +279,64 @@ void specdec_seq_start(specdec_t *sd, int seq, int n_prompt, int first, const fl
     memcpy(st->h1prev, hand + sd->dim, (size_t)sd->dim * sizeof(float));
 }
 
+int specdec_state_floats(const specdec_t *sd)
+{
+    return 2 + ROWS + (ROWS + 1) * sd->dim;
+}
+
+int specdec_seq_export(const specdec_t *sd, int seq, int pos, float *out)
+{
+    if (seq < 0 || seq >= sd->max_seqs)
+        return -1;
+    const sd_seq *st = &sd->seqs[seq];
+    if (!st->active || st->max_depth == 0 || st->n_rows < 1 || st->n_rows > ROWS ||
+        st->c1 + st->n_rows != pos)
+        return -1;
+    const size_t D = (size_t)sd->dim;
+    memset(out, 0, (size_t)specdec_state_floats(sd) * sizeof(float));
+    out[0] = (float)st->c1;
+    out[1] = (float)st->n_rows;
+    for (int i = 0; i < st->n_rows; i++)
+        out[2 + i] = (float)st->toks[i];
+    memcpy(out + 2 + ROWS, st->h1prev, D * sizeof(float));
+    memcpy(out + 2 + ROWS + D, st->h0, (size_t)st->n_rows * D * sizeof(float));
+    return 0;
+}
+
+int specdec_seq_import(specdec_t *sd, int seq, int pos, const float *state, int max_depth)
+{
+    if (seq < 0 || seq >= sd->max_seqs)
+        return -1;
+    sd_seq *st = &sd->seqs[seq];
+    st->active = 1;
+    st->max_depth = 0; /* plain until the state checks out */
+    int md = max_depth < sd->n_mod ? max_depth : sd->n_mod;
+    if (md <= 0)
+        return 0; /* asked to decode plainly */
+    if (!state)
+        return -1;
+    float c1f = state[0], nf = state[1];
+    if (!(c1f >= 0 && c1f < (float)(1 << 24) && nf >= 1 && nf <= ROWS) || c1f != (float)(int)c1f ||
+        nf != (float)(int)nf)
+        return -1;
+    int c1 = (int)c1f, n_rows = (int)nf;
+    if (c1 + n_rows != pos)
+        return -1;
+    for (int i = 0; i < n_rows; i++) {
+        float t = state[2 + i];
+        if (!(t >= 0 && t < (float)sd->vocab) || t != (float)(int)t)
+            return -1;
+        st->toks[i] = (int)t;
+    }
+    const size_t D = (size_t)sd->dim;
+    memcpy(st->h1prev, state + 2 + ROWS, D * sizeof(float));
+    memcpy(st->h0, state + 2 + ROWS + D, (size_t)n_rows * D * sizeof(float));
+    st->c1 = c1;
+    st->n_rows = n_rows;
+    st->max_depth = md;
+    return 0;
+}
+
 int specdec_seq_max_depth(const specdec_t *sd, int seq)
 {
     if (seq < 0 || seq >= sd->max_seqs || !sd->seqs[seq].active)

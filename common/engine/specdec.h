@@ -118,6 +118,21 @@ int specdec_prefill(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, const specde
  * at the modules loaded). With hand NULL the sequence decodes plainly. */
 void specdec_seq_start(specdec_t *sd, int seq, int n_prompt, int first, const float *hand,
                        int max_depth);
+/* Live migration (docs/mtp.md "Migration"): the whole per-sequence module state as
+ * specdec_state_floats() floats, so that another worker with the same modules continues
+ * drafting where this one stopped. Layout: c1, n_rows (exact small integers), the tokens
+ * t_{c1+1} .. t_n (n_rows used of SPECDEC_HIST + MAX_DEPTH + 1 slots), h_1[c1 - 1] (dim),
+ * then h_0[c1 .. n-1] (n_rows of the same number of rows, dim each); unused slots are 0.
+ * The modules' KV (cache layers n_layer ..) must travel with it, for every position < n. */
+int specdec_state_floats(const specdec_t *sd);
+/* Write seq's state (main cache length pos) into out (specdec_state_floats() floats).
+ * Returns 0, or -1 when seq has no module state (it decodes plainly) or is out of step
+ * with pos. */
+int specdec_seq_export(const specdec_t *sd, int seq, int pos, float *out);
+/* Start seq (main cache length pos, module KV already in the cache) from a state written by
+ * specdec_seq_export on another worker, drafting at most max_depth. Returns 0, or -1 when
+ * the state is not consistent with pos (then seq decodes plainly: never trusted). */
+int specdec_seq_import(specdec_t *sd, int seq, int pos, const float *state, int max_depth);
 /* The most drafts seq can make (0 when it decodes plainly). */
 int specdec_seq_max_depth(const specdec_t *sd, int seq);
 

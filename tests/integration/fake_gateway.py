@@ -155,6 +155,9 @@ class Gateway:
                "--lease-ms", "1000"] + list(args)
         self.procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log)
 
+    def logpath(self, name):
+        return os.path.join(self.logdir, name + ".log")
+
     def send(self, wid, msg):
         msg = dict(msg)
         msg.setdefault("v", 1)
@@ -456,7 +459,7 @@ def migration_cluster(g):
     g.start("p0", "prefill_worker")
     for d in ("d0", "d1"):
         g.start(d, "decode_worker", "--kv-bind", "tcp://127.0.0.1:*", "--debug-step-delay-ms",
-                "20")
+                "20", "--mtp-adaptive", "false")
     g.wait_registered("p0", "d0", "d1")
     return g.workers["d0"]["kvep"], g.workers["d1"]["kvep"]
 
@@ -488,6 +491,11 @@ def case_migrate(g):
         raise AssertionError("d1 must continue after index 10, got %r" % moved[:1])
     g.wait(lambda: mig(g, "d0")[0] == 1 and mig(g, "d1")[3] == 1, what="migration counters")
     eq(mig(g, "d0")[1], 0, "failed moves")
+    # the MTP modules' state moved too: d1 drafted for the one sequence it ever had
+    if "migrating to %s: " % dep1 not in open(g.logpath("d0")).read() or \
+            "with the MTP state" not in open(g.logpath("d0")).read():
+        raise AssertionError("d0 must send the MTP state with the sequence")
+    g.wait(lambda: (g.heartbeats["d1"].get("spec") or [0])[0] > 0, what="drafts on d1")
     for w in ("d0", "d1", "p0"):
         kv_free_back(g, w)
 

@@ -903,6 +903,100 @@ static void test_specdec_deferred_catchup(void **state)
     rig_free(&r2);
 }
 
+/* One step of seq at *pos on rig r at depth d: tokens emitted appended to out, drafts
+ * and acceptances recorded. */
+static void one_step(rig *r, int seq, int *pos, int *out, int *n_out, int d,
+                     const sampler_params *sp, uint64_t *rng, int *drafted, int *accepted)
+{
+    specdec_item it = {.seq = seq, .pos = *pos, .last = out[*n_out - 1], .depth = d, .sp = sp,
+                       .rng = rng};
+    assert_int_equal(specdec_step(r->sd, r->ctx, r->kv, &it, 1), 0);
+    *pos += it.n_tokens;
+    for (int j = 0; j < it.n_tokens; j++)
+        out[(*n_out)++] = it.tokens[j];
+    *drafted = it.n_drafted;
+    *accepted = it.n_accepted;
+}
+
+/* Live migration of the module state (specdec_seq_export / import): a sequence decoded for a
+ * while on rig A, its KV (main and module layers) copied block by block to rig B and its
+ * state exported and imported there, continues on B exactly as on A: the same tokens, the
+ * same drafts accepted at every step (sampled, so the drafts matter), bit for bit. A state
+ * that does not fit the sequence is refused and the sequence decodes plainly. */
+static void test_specdec_state_migration(void **state)
+{
+    const model_config *c = model_get_config(g_model);
+    const int V = c->vocab_size;
+    encode_prompts();
+    const int *pr = g_prompt_toks[1];
+    int np = g_prompt_n[1];
+    sampler_params sp = {.temperature = 0.8f, .top_p = 0.95f};
+    rig a, b;
+    rig_init(&a, g_mtp, 2, c->n_ctx);
+    rig_init(&b, g_mtp, 2, c->n_ctx);
+    enum { NG = 80, MOVE_AT = 9 };
+    int sa = kvcache_seq_new(a.kv), sb = kvcache_seq_new(b.kv);
+    assert_int_equal(kvcache_seq_reserve(a.kv, sa, np + NG + 4), KVCACHE_OK);
+    assert_int_equal(kvcache_seq_reserve(b.kv, sb, np + NG + 4), KVCACHE_OK);
+    float hand[2 * 64];
+    model_seq_batch pb = {.seq = sa, .n_tokens = np, .tokens = pr, .logits = a.logits,
+                          .hidden = a.h0, .hidden_all = 1};
+    assert_int_equal(model_forward(a.ctx, a.kv, &pb, 1, NULL, NULL), 0);
+    specdec_prefill_item pit = {.seq = sa, .n_tokens = np, .prompt = pr, .n_prompt = np,
+                                .h0 = a.h0, .depth = 2, .hand = hand};
+    assert_int_equal(specdec_prefill(a.sd, a.ctx, a.kv, &pit, 1), 0);
+    uint64_t rng = sampler_seed_state(7);
+    int out[NG + 8], n_out = 1, pos = np, dr, ac;
+    out[0] = sampler_sample(a.smp, &sp, &rng, a.logits);
+    specdec_seq_start(a.sd, sa, np, out[0], hand, 2);
+    for (int s = 0; s < MOVE_AT; s++)
+        one_step(&a, sa, &pos, out, &n_out, s % 3 == 2 ? 0 : 2, &sp, &rng, &dr, &ac);
+    /* move: every block of every layer (main and modules), then the state */
+    int nba, nbb;
+    const int *ba = kvcache_seq_blocks(a.kv, sa, &nba), *bb = kvcache_seq_blocks(b.kv, sb, &nbb);
+    int need = kvcache_blocks_for(a.kv, pos);
+    assert_true(nba >= need && nbb >= need);
+    for (int layer = 0; layer < c->n_layer + mtp_n_modules(g_mtp); layer++)
+        for (int k = 0; k < need; k++)
+            memcpy(kvcache_block_data(b.kv, layer, bb[k]), kvcache_block_data(a.kv, layer, ba[k]),
+                   kvcache_block_bytes(a.kv));
+    kvcache_seq_set_len(b.kv, sb, pos);
+    int nf = specdec_state_floats(a.sd);
+    float *st = malloc((size_t)nf * sizeof(float));
+    assert_non_null(st);
+    assert_int_equal(specdec_seq_export(a.sd, sa, pos + 1, st), -1); /* out of step */
+    assert_int_equal(specdec_seq_export(a.sd, sa, pos, st), 0);
+    /* a state that does not fit is refused: plain decoding */
+    assert_int_equal(specdec_seq_import(b.sd, sb, pos + 1, st, 2), -1);
+    assert_int_equal(specdec_seq_max_depth(b.sd, sb), 0);
+    st[1] += 100.0f;
+    assert_int_equal(specdec_seq_import(b.sd, sb, pos, st, 2), -1);
+    st[1] -= 100.0f;
+    assert_int_equal(specdec_seq_import(b.sd, sb, pos, st, 2), 0);
+    assert_int_equal(specdec_seq_max_depth(b.sd, sb), 2);
+    /* both go on from the same sampler state */
+    uint64_t rng_b = rng;
+    int out_b[NG + 8], n_b = n_out, pos_b = pos;
+    memcpy(out_b, out, (size_t)n_out * sizeof(int));
+    long acc_total = 0;
+    while (n_out < NG) {
+        int da, aa, db, abb;
+        one_step(&a, sa, &pos, out, &n_out, 2, &sp, &rng, &da, &aa);
+        one_step(&b, sb, &pos_b, out_b, &n_b, 2, &sp, &rng_b, &db, &abb);
+        assert_int_equal(da, db);
+        assert_int_equal(aa, abb);
+        acc_total += aa;
+        assert_int_equal(n_out, n_b);
+        assert_memory_equal(out, out_b, (size_t)n_out * sizeof(int));
+    }
+    assert_true(rng == rng_b);
+    assert_true(acc_total > 0); /* the drafts did something */
+    (void)V;
+    free(st);
+    rig_free(&a);
+    rig_free(&b);
+}
+
 /* Prefill in chunks gives the same module KV and hand-off state as one pass. */
 static void test_specdec_prefill_chunked(void **state)
 {
@@ -1228,6 +1322,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_specdec_greedy_equivalence),
         cmocka_unit_test(test_specdec_deferred_catchup),
         cmocka_unit_test(test_specdec_prefill_chunked),
+        cmocka_unit_test(test_specdec_state_migration),
         cmocka_unit_test(test_specdec_sampling_distribution),
         cmocka_unit_test(test_specdec_ctl),
         cmocka_unit_test(test_specdec_measure),
