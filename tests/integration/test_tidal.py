@@ -144,18 +144,24 @@ class RoleChange(unittest.TestCase):
 
     def test_decode_worker_migrates_long_streams(self):
         """A decode worker ordered to prefill while it runs long streams (160 tokens at 25 ms a
-        step: 4 s each) moves them to the other decode worker and switches within a second;
-        every stream goes on there and ends with exactly the undisturbed greedy text."""
+        step: 4 s each) moves them, with their MTP state, to the other decode worker and
+        switches within a second; every stream goes on there and ends with exactly the text of
+        an undisturbed run: greedy ones, and seeded sampled ones too (at a fixed MTP depth the
+        draft schedule, hence the random stream, does not depend on where a step runs)."""
         with Cluster(roles=("prefill", "decode", "decode"),
-                     worker_args=["--debug-step-delay-ms", "25"]) as c:
+                     worker_args=["--debug-step-delay-ms", "25", "--mtp-adaptive", "false"]) as c:
             wait_roles(c, {"prefill-0": "prefill", "decode-1": "decode", "decode-2": "decode"})
             prompts = list(REF)[:4]
-            want = {p: c.complete(p, max_tokens=160)[1]["choices"][0]["text"] for p in prompts}
+
+            def params(i):
+                return {"temperature": 0.9, "seed": 100 + i} if i % 2 else {}
+
+            want = {i: c.complete(prompts[i % len(prompts)], max_tokens=160, **params(i))[1]
+                    ["choices"][0]["text"] for i in range(8)}
             results = [None] * 8
 
             def run(i):
-                p = prompts[i % len(prompts)]
-                results[i] = (p, c.stream_text(p, max_tokens=160))
+                results[i] = (i, c.stream_text(prompts[i % len(prompts)], max_tokens=160, **params(i)))
 
             threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
             for t in threads:
@@ -181,9 +187,9 @@ class RoleChange(unittest.TestCase):
                 t.join(60)
             for i, r in enumerate(results):
                 self.assertIsNotNone(r, "stream %d did not finish" % i)
-                p, (status, text, events, done) = r
+                k, (status, text, events, done) = r
                 self.assertEqual((status, done), (200, True), events[-3:])
-                self.assertEqual(text, want[p], "stream %d" % i)
+                self.assertEqual(text, want[k], "stream %d %r" % (i, params(i)))
             deadline = time.time() + 3
             while time.time() < deadline and figs[busy].get("migrated_out") is None:
                 time.sleep(0.1)
@@ -192,6 +198,7 @@ class RoleChange(unittest.TestCase):
             self.assertEqual(figs[busy]["migrations_failed"], 0, figs[busy])
             self.assertEqual(figs[other]["migrated_in"], figs[busy]["migrated_out"])
             self.assertIn("migrated to", c.log(busy))
+            self.assertIn("with the MTP state", c.log(busy))
             # /metrics: the moves per worker and the role change (promtool runs in test_stats)
             conn = c.conn()
             conn.request("GET", "/metrics")
