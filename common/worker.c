@@ -387,8 +387,8 @@ static int setup_sockets(worker_t *w)
 // --- live role change (docs/scheduler.md "Live role changes")
 
 /* ROLE from the gateway: start draining towards role. Prefill -> decode: no new prompts
- * (sched_on_prefill refuses them; the gateway stopped sending them when it sent ROLE), the
- * batch and its transfers finish. Decode -> prefill: the running sequences, and those whose
+ * (sched_on_prefill refuses them; the gateway stopped sending them when it sent ROLE),
+ * prompts not started yet go back to the gateway, the batch and its transfers finish. Decode -> prefill: the running sequences, and those whose
  * KV is still arriving, move to other decode workers as the MIGRATE orders that follow say
  * (worker_sched.c); any without an order finish here. role_switch() runs once the worker
  * is idle. */
@@ -422,6 +422,11 @@ static void on_role(worker_t *w, int role)
     if (!w->role_target)
         w->role_order_us = proto_now_us();
     w->role_target = (proto_role_t)role;
+    if (w->role == PROTO_ROLE_PREFILL) { /* only the batch being computed holds the change */
+        int n = sched_hand_back_queued(w);
+        if (n)
+            log_info("role change: %d queued prompts handed back to the gateway", n);
+    }
     /* A decode worker keeps accepting the KV already on its way (the gateway routes nothing
      * new to it): the MIGRATE orders that follow ROLE move those sequences on as they land,
      * which is cheaper than refusing them (a refusal makes the gateway prefill again). */

@@ -217,6 +217,10 @@ void sched_on_prefill(worker_t *w, proto_msg *m);
  * cannot start leaves the request decoding here; one that fails after it started is
  * reported as a retryable ERROR (the gateway re-runs it from its tokens so far). */
 void sched_on_migrate(worker_t *w, const proto_msg *m);
+/* A prefill worker changing role: give back every prompt not started yet (retryable ERROR
+ * UNAVAILABLE: the gateway re-routes it at once, not counted as a failure) so that only
+ * the batch being computed delays the change. Returns how many were given back. */
+int sched_hand_back_queued(worker_t *w);
 /* Handle CANCEL: drop rid wherever it is; unknown ids are ignored. */
 void sched_on_cancel(worker_t *w, uint64_t rid);
 /* Drain kvx events (sender and receiver). */

@@ -185,6 +185,23 @@ void sched_on_prefill(worker_t *w, proto_msg *m)
                r->max_tokens, local ? "here" : r->dep);
 }
 
+int sched_hand_back_queued(worker_t *w)
+{
+    int n = 0;
+    for (int i = 0; i < w->n_reqs;) {
+        wreq *r = w->reqs[i];
+        if (r->state != WREQ_QUEUED) {
+            i++;
+            continue;
+        }
+        worker_send_error(w, r->rid, PROTO_ERR_UNAVAILABLE, 1,
+                          "worker is changing role: prompt handed back before it started");
+        req_remove(w, r); /* shifts the table: i stays */
+        n++;
+    }
+    return n;
+}
+
 void sched_on_cancel(worker_t *w, uint64_t rid)
 {
     int dropped = 0;

@@ -7,7 +7,8 @@ would (docs/protocol.md). Standard library plus python3-zmq (msgpack is done by 
 
 Cases: greedy_disagg, greedy_mixed, batch_disagg, max_tokens_1, cancel_running,
 cancel_queued, bad_prompt, decode_unreachable, drain, second_signal, reregister,
-migrate, migrate_before_kv, migrate_refused, migrate_unreachable. Exit
+migrate, migrate_before_kv, migrate_refused, migrate_unreachable, role_hands_back_queued.
+Exit
 status 0 when every case passes. Each worker logs to a file in a temporary directory; the logs are scanned for
 sanitizer reports."""
 
@@ -555,6 +556,30 @@ def case_migrate_unreachable(g):
         raise AssertionError("the error must name the migration: %r" % err)
     g.wait(lambda: mig(g, "d0")[1] == 1, what="failed move counted")
     kv_free_back(g, "d0")
+
+
+def case_role_hands_back_queued(g):
+    """ROLE prefill -> decode while prompts wait at a prefill worker: the one being computed
+    (in 7-token chunks) finishes and hands its KV over; those not started come back at once
+    as retryable UNAVAILABLE errors; then the worker registers again as decode."""
+    g.start("p0", "prefill_worker", "--prefill-chunk-tokens", "7", "--max-batch-tokens", "7",
+            "--debug-step-delay-ms", "30")
+    g.start("d0", "decode_worker", "--kv-bind", "tcp://127.0.0.1:*")
+    g.wait_registered("p0", "d0")
+    dep = g.workers["d0"]["kvep"]
+    long_prompt = PROMPT + CONTINUATION[:40]
+    rids = [g.prefill("p0", long_prompt, 4, dw="d0", dep=dep) for _ in range(3)]
+    time.sleep(0.15)  # the first prompt is a few chunks in
+    g.send("p0", {"t": ROLE, "role": 2})
+    ids, reason, err = g.wait_done(rids[0])
+    eq((err, reason, len(ids)), (None, 2, 4), "the prompt being computed")
+    for rid in rids[1:]:
+        _, reason, err = g.wait_done(rid)
+        eq((reason, err["code"], err["retry"]), (None, 9, 1), "a queued prompt handed back")
+        if "handed back" not in err.get("msg", ""):
+            raise AssertionError("the error must say why: %r" % err)
+    g.wait(lambda: g.workers["p0"]["role"] == 2 and g.workers["p0"]["kvep"],
+           what="p0 registered again as decode")
 
 
 CASES = [n[5:] for n in sorted(globals()) if n.startswith("case_")]
