@@ -567,9 +567,11 @@ def case_role_hands_back_queued(g):
     g.start("d0", "decode_worker", "--kv-bind", "tcp://127.0.0.1:*")
     g.wait_registered("p0", "d0")
     dep = g.workers["d0"]["kvep"]
-    long_prompt = PROMPT + CONTINUATION[:40]
+    long_prompt = PROMPT + CONTINUATION * 3  # 173 tokens: 25 chunks of 7, 30 ms apart
     rids = [g.prefill("p0", long_prompt, 4, dw="d0", dep=dep) for _ in range(3)]
-    time.sleep(0.15)  # the first prompt is a few chunks in
+    hb = g.heartbeats
+    g.wait(lambda: hb.get("p0", {}).get("running") == 1 and hb["p0"].get("queued") == 2,
+           what="the first prompt computing, two queued")
     g.send("p0", {"t": ROLE, "role": 2})
     ids, reason, err = g.wait_done(rids[0])
     eq((err, reason, len(ids)), (None, 2, 4), "the prompt being computed")

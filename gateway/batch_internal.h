@@ -1,0 +1,148 @@
+/*
+ * batch_internal: declarations shared by the files of the batch module (batch.h):
+ * batch.c (the module's life and the job runner: loading, validating, submitting and
+ * finalizing batches), batch_lines.c (the input lines: parsing and checking, running them
+ * on the cluster, recording their results) and batch_http.c (the /v1/files and
+ * /v1/batches handlers). Not a public interface.
+ */
+#ifndef TP_GW_BATCH_INTERNAL_H
+#define TP_GW_BATCH_INTERNAL_H
+
+#include <event2/event.h>
+#include <jansson.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "api.h"
+#include "batch.h"
+#include "cluster.h"
+#include "stats.h"
+#include "store.h"
+#include "stream.h"
+
+#define INVALID "invalid_request_error"
+
+typedef enum {
+    ST_VALIDATING = 0,
+    ST_FAILED,
+    ST_IN_PROGRESS,
+    ST_FINALIZING,
+    ST_COMPLETED,
+    ST_EXPIRED,
+    ST_CANCELLING,
+    ST_CANCELLED,
+} status_t;
+
+/* The OpenAI names of the statuses, indexed by status_t. */
+extern const char *const batch_status_names[];
+
+enum { LINE_PENDING = 0, LINE_RUNNING = 1, LINE_DONE = 2 };
+
+struct job;
+
+typedef struct line {
+    struct line *prev, *next; /* the job's running lines */
+    struct job *job;
+    batch_t *b;
+    int index;
+    char *custom_id;
+    uint64_t rid;
+    api_kind_t kind;
+    int offline_tier; /* the body asked for service_tier "flex" */
+    stream_t *stream;
+    int n_prompt, max_tokens;
+    char id[48];
+    int64_t created;
+    int64_t t_first_us, t_last_us;
+    cluster_req_timing timing;
+} line_t;
+
+typedef struct job {
+    json_t *obj; /* the batch object (owned) */
+    char id[64];
+    api_kind_t kind;
+    status_t status;
+    int dirty;
+    /* run state (while not final) */
+    int active;
+    char *content;
+    size_t content_len;
+    int n_lines;
+    size_t *off, *len;    /* (n_lines,) each line in content */
+    unsigned char *state; /* (n_lines,) LINE_* */
+    int next_line;        /* first line that may be pending */
+    int validated;        /* lines checked so far (validating) */
+    json_t *seen_ids;     /* validating: custom_ids seen (a set) */
+    int n_done, completed, failed;
+    int n_running;
+    line_t *running;
+} job_t;
+
+struct batch {
+    struct event_base *base;
+    batch_params p;
+    char *model;
+    int max_piece;
+    size_t max_body;
+    store_t *store;
+    cluster_t *cluster;
+    stats_t *stats;
+    job_t **jobs; /* creation order */
+    int n_jobs, cap_jobs;
+    int inflight;
+    struct event *kick_ev, *tick_ev;
+};
+
+// --- small helpers
+
+static inline int64_t now_s(void)
+{
+    return (int64_t)time(NULL);
+}
+
+/* Run the module's work (batch.c) from a deferred event, after the current callback. */
+static inline void kick(batch_t *b)
+{
+    event_active(b->kick_ev, EV_TIMEOUT, 0);
+}
+
+static inline int is_final(status_t s)
+{
+    return s == ST_COMPLETED || s == ST_FAILED || s == ST_EXPIRED || s == ST_CANCELLED;
+}
+
+// --- batch.c: jobs
+
+/* Write prefix followed by 24 random hex digits into out (cap bytes, NUL-terminated). */
+void batch_make_id(char *out, size_t cap, const char *prefix);
+/* Add j to b's jobs (b owns it from then on). 0, or -1 (out of memory: j is not added). */
+int batch_job_add(batch_t *b, job_t *j);
+/* Load j's run state: its input file and the results stored so far. 0, or -1 (the input
+ * file is gone: j is failed; or it cannot be read, or out of memory). */
+int batch_job_load(batch_t *b, job_t *j);
+/* Move j to status st, setting the timestamp ts_key (NULL: none) to now; logs, kicks. */
+void batch_job_status(batch_t *b, job_t *j, status_t st, const char *ts_key);
+
+// --- batch_lines.c: input lines
+
+/* Parse line i of j and check custom_id, method, url and body. Returns the parsed root
+ * (the caller's; NULL when the line is not a JSON object) with *custom_id borrowed from it
+ * (NULL when absent or invalid) and *body the request body, or *body NULL with code and msg
+ * (cap bytes) saying what is wrong. */
+json_t *batch_line_parse(const job_t *j, int i, const char **custom_id, json_t **body,
+                         const char **code, char *msg, size_t cap);
+/* Record line `line` of j (0-based) as not a valid request line (error file, response
+ * null); custom_id may be NULL. */
+void batch_line_error(batch_t *b, job_t *j, int line, const char *custom_id, const char *code,
+                      const char *msg);
+/* Start line i of j: validate its request and submit it, or record its error. Returns 0
+ * when the line was handled, 1 when the cluster is full (try again later). */
+int batch_line_start(batch_t *b, job_t *j, int i);
+/* Unlink running line l from its job and b's count and free it (the one place a line is
+ * freed). */
+void batch_line_free(line_t *l);
+/* Stop every running line of j (cancel on the cluster): they go back to pending. */
+void batch_job_stop_lines(batch_t *b, job_t *j);
+
+#endif

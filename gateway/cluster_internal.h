@@ -1,0 +1,289 @@
+/*
+ * cluster_internal: declarations shared by the files of the cluster module (cluster.h):
+ * cluster.c (requests' life, workers, routing, timers, the public calls), cluster_msgs.c
+ * (messages from workers on the ctl socket), cluster_roles.c (live role changes and live
+ * migration) and cluster_tidal.c (the offline tier: aging and the tidal policy). Not a
+ * public interface.
+ */
+#ifndef TP_GW_CLUSTER_INTERNAL_H
+#define TP_GW_CLUSTER_INTERNAL_H
+
+#include <event2/event.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cluster.h"
+#include "evzmq.h"
+#include "protocol.h"
+
+#define N_BUCKETS 4096
+
+typedef struct worker {
+    struct worker *next;
+    char id[PROTO_ID_LEN]; /* worker id == ZeroMQ routing id */
+    size_t id_len;
+    int role, state, pid;
+    char kvep[PROTO_ENDPOINT_LEN];
+    int n_ctx, block_size, max_seqs;
+    int kv_total, kv_free, running, queued, qtok; /* last heartbeat */
+    uint64_t tok_in, tok_out;                     /* last heartbeat: counters */
+    proto_kvx_counters kvx_tx, kvx_rx;
+    proto_spec_counters spec;
+    int64_t last_seen_us;
+    int64_t role_since_us; /* registered in its current role (the policy's role age) */
+    int dead;           /* flagged; reaped by the next sweep or dispatch */
+    char why[160];      /* why it was flagged dead */
+    int full;           /* a NOSPACE came back: no decode work until the next heartbeat */
+    int pending_qtok;   /* prompt tokens sent as PREFILL, no token reported yet */
+    int pending_blocks; /* KV blocks promised as decode worker, no token reported yet */
+    int n_decode;       /* requests assigned with this worker as decode worker */
+    int n_assigned;     /* requests assigned to it in any role */
+    /* live role change: ROLE sent, routing skips it until it registers in target_role */
+    int changing, target_role;
+    int64_t change_us;      /* when ROLE was sent */
+    int emulated;           /* REGISTER / HEARTBEAT "emu" */
+    uint64_t n_role_changes; /* last heartbeat */
+    int64_t role_change_us;  /* last heartbeat: its last change's duration */
+    proto_mig_counters mig;  /* last heartbeat: live migrations */
+} worker_t;
+
+typedef struct req {
+    struct req *hnext;
+    struct req *prev, *next; /* queue or active list */
+    uint64_t rid;
+    void *ud;
+    int *tokens; /* (n_prompt + max_tokens,) prompt then generated */
+    int n_prompt, n_gen, max_tokens;
+    float temperature, top_p;
+    int top_k;
+    uint64_t rng;
+    int mtp_depth; /* PREFILL "mtp": depth + 1, 0 = not set */
+    worker_t *pw, *dw; /* current attempt (NULL while queued) */
+    worker_t *mw;      /* live migration: the decode worker moving it to dw (MIGRATE sent),
+                        * until dw reports a token or mw changed role; NULL otherwise */
+    int mw_started;    /* mw had reported a token when the move was ordered (its KV had
+                        * landed there: the prefill worker's part was done) */
+    int base;          /* n_gen when the attempt started */
+    int p_started, d_started;
+    int p_qtok, d_blocks; /* what this attempt added to pw/dw pending counters */
+    int retries;
+    unsigned attempt; /* attempts started; its low 8 bits go into the wire rid */
+    int64_t since_us; /* queued since, or last progress while assigned */
+    int queued;       /* on the queue (else on the active list) */
+    cluster_req_timing *timing; /* the owner's, optional */
+    const cluster_callbacks *cb; /* the job's, or the cluster's */
+    int offline;                 /* offline tier */
+    int promoted;                /* offline, promoted by aging: queued and run as online */
+    int64_t enq_us;              /* admitted (offline aging) */
+} req_t;
+
+typedef struct {
+    req_t *head, *tail;
+    int n;
+} rlist_t;
+
+struct cluster {
+    struct event_base *base;
+    cluster_params p;
+    cluster_callbacks cb;
+    void *zctx, *sock;
+    evzmq_t *watch;
+    proto_envelope *env;
+    struct event *sweep_ev, *dispatch_ev;
+    worker_t *workers;
+    req_t *buckets[N_BUCKETS];
+    rlist_t queue, active;
+    rlist_t oqueue;     /* offline requests waiting (promoted ones move to queue) */
+    int n_off_running;  /* offline, not promoted, on the active list */
+    int n_promoted;     /* promoted by aging and not ended */
+    uint64_t next_rid;
+    /* the tidal policy (offline admission and preemption) */
+    policy_state pstate;
+    policy_worker *pworkers; /* scratch input, grown as workers come */
+    int pworkers_cap;
+    int64_t last_policy_us;
+    int64_t online_prompt_tokens; /* online prompt tokens ever admitted */
+    int offline_max_running;
+    uint64_t n_preempted;
+    int policy_failed; /* logged once */
+    uint64_t n_role_changes, n_role_orders;
+    double last_role_change_ms;
+    uint64_t n_migrate_orders; /* MIGRATE sent */
+    void (*lat_fn)(void *ud, int64_t now_us, double *ttft_p90_ms, double *tpot_p90_ms);
+    void *lat_ud;
+    void (*observer)(const cluster_event *ev, void *ud);
+    void *observer_ud;
+};
+
+// --- small helpers
+
+static inline const char *role_str(int role)
+{
+    return role == PROTO_ROLE_PREFILL  ? "prefill"
+           : role == PROTO_ROLE_DECODE ? "decode"
+           : role == PROTO_ROLE_MIXED  ? "mixed"
+                                       : "?";
+}
+
+static inline void list_push(rlist_t *l, req_t *r, int front)
+{
+    r->prev = r->next = NULL;
+    if (!l->head) {
+        l->head = l->tail = r;
+    } else if (front) {
+        r->next = l->head;
+        l->head->prev = r;
+        l->head = r;
+    } else {
+        r->prev = l->tail;
+        l->tail->next = r;
+        l->tail = r;
+    }
+    l->n++;
+}
+
+static inline void list_remove(rlist_t *l, req_t *r)
+{
+    if (r->prev)
+        r->prev->next = r->next;
+    else
+        l->head = r->next;
+    if (r->next)
+        r->next->prev = r->prev;
+    else
+        l->tail = r->prev;
+    r->prev = r->next = NULL;
+    l->n--;
+}
+
+/* The queue r waits in: online (and promoted offline) requests, or offline ones. */
+static inline rlist_t *qlist(cluster_t *c, const req_t *r)
+{
+    return r->offline && !r->promoted ? &c->oqueue : &c->queue;
+}
+
+/* Workers see one rid per attempt: the request's id shifted left by WIRE_ATTEMPT_BITS,
+ * plus the attempt number modulo 2^WIRE_ATTEMPT_BITS (request ids start at 1, so a wire
+ * rid is never 0). */
+#define WIRE_ATTEMPT_BITS 8
+static inline uint64_t wire_rid(const req_t *r)
+{
+    return (r->rid << WIRE_ATTEMPT_BITS) | (r->attempt & ((1u << WIRE_ATTEMPT_BITS) - 1));
+}
+
+static inline req_t **bucket(cluster_t *c, uint64_t rid)
+{
+    return &c->buckets[(rid * 0x9E3779B97F4A7C15ull) >> 52];
+}
+
+static inline req_t *req_find(cluster_t *c, uint64_t rid)
+{
+    for (req_t *r = *bucket(c, rid); r; r = r->hnext)
+        if (r->rid == rid)
+            return r;
+    return NULL;
+}
+
+static inline void req_free(req_t *r)
+{
+    free(r->tokens);
+    free(r);
+}
+
+static inline worker_t *worker_find(cluster_t *c, const void *id, size_t len)
+{
+    for (worker_t *w = c->workers; w; w = w->next)
+        if (w->id_len == len && memcmp(w->id, id, len) == 0)
+            return w;
+    return NULL;
+}
+
+static inline void notify(cluster_t *c, cluster_event_type_t type, const worker_t *w,
+                          uint64_t rid, const char *reason)
+{
+    if (!c->observer)
+        return;
+    cluster_event ev = {.type = type,
+                        .worker = w ? w->id : "",
+                        .role = w ? w->role : 0,
+                        .state = w ? w->state : 0,
+                        .rid = rid,
+                        .reason = reason ? reason : ""};
+    c->observer(&ev, c->observer_ud);
+}
+
+static inline void schedule_dispatch(cluster_t *c)
+{
+    event_active(c->dispatch_ev, EV_TIMEOUT, 0);
+}
+
+static inline int usable(const worker_t *w)
+{
+    return !w->dead && w->state == PROTO_STATE_READY;
+}
+
+/* KV blocks decode worker d reserves for r: the worst case, prompt + max_tokens - 1
+ * tokens capped at the context, exactly as the worker reserves it (kvtransfer). */
+static inline int blocks_needed(const req_t *r, const worker_t *d)
+{
+    int bs = d->block_size > 0 ? d->block_size : 16;
+    int tokens = r->n_prompt + r->max_tokens - 1;
+    if (d->n_ctx > 0 && tokens > d->n_ctx)
+        tokens = d->n_ctx;
+    return (tokens + bs - 1) / bs;
+}
+
+// --- cluster.c: requests' life and workers
+
+/* Send m to worker w; a failure flags w dead (and schedules a dispatch to reap it).
+ * Returns 0 or -1. */
+int cluster_send_to(cluster_t *c, worker_t *w, const proto_msg *m);
+/* Undo the attempt's bookkeeping on its workers; cancel: also CANCEL it there. */
+void cluster_req_detach(cluster_t *c, req_t *r, int cancel);
+/* Take r out of the hash and its list (the caller then reports and frees it). */
+void cluster_req_unlink(cluster_t *c, req_t *r);
+/* End r with on_error (HTTP status, OpenAI error type and code, message); frees r. */
+void cluster_req_end_error(cluster_t *c, req_t *r, int status, const char *type,
+                           const char *code, const char *msg);
+/* End r with on_finish(reason), cancelling it on its workers if cancel; frees r. */
+void cluster_req_end_finish(cluster_t *c, req_t *r, int reason, int cancel);
+/* The current attempt failed: re-queue r (at the head) to re-run from prompt + tokens so
+ * far, or end it (max_retries reached when counts, or nothing left to generate). */
+void cluster_req_retry(cluster_t *c, req_t *r, int counts, const char *why);
+/* Cancel offline request r on its workers and put it back at the head of the offline
+ * queue with its tokens so far. */
+void cluster_req_preempt(cluster_t *c, req_t *r);
+/* Re-run (or, where only its prefill part is gone, keep) every request w had. */
+void cluster_worker_fail_requests(cluster_t *c, worker_t *w, const char *why);
+/* Flag w dead, move its requests (cluster_worker_fail_requests), unlink and free it. */
+void cluster_worker_remove(cluster_t *c, worker_t *w, const char *why);
+
+// --- cluster_msgs.c: messages from workers
+
+/* The ctl socket's evzmq callback (ud: the cluster): receive and handle one message. */
+void cluster_on_ctl(void *sock, void *ud);
+
+// --- cluster_roles.c: live role changes and live migration
+
+/* Send ROLE to w (why: who ordered it, for the log) and take it out of routing until it
+ * registers again; a decode worker's sequences are moved away (MIGRATE). Returns 0 or -1
+ * (the send failed: w is flagged dead). */
+int cluster_role_order(cluster_t *c, worker_t *w, int role, const char *why);
+/* w registered again after ROLE (same process), in role `role`: settle its requests and
+ * count, log and report the change (done, or not made). Call before w->role is updated. */
+void cluster_role_change_done(cluster_t *c, worker_t *w, int role);
+/* Workers able to do role (ready ones, plus those changing to it; mixed counts for both),
+ * not counting skip. */
+int cluster_n_capable(const cluster_t *c, int role, const worker_t *skip);
+
+// --- cluster_tidal.c: the offline tier
+
+/* Aging: promote the offline requests that waited policy.offline_max_wait_ms to the
+ * online queue, within the aging cap. now: proto_now_us(). */
+void cluster_promote_aged(cluster_t *c, int64_t now);
+/* Call the tidal policy once and apply its offline admission, preemption and (--tidal)
+ * role changes. now: proto_now_us(). */
+void cluster_policy_tick(cluster_t *c, int64_t now);
+
+#endif

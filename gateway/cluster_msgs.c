@@ -1,0 +1,298 @@
+/* cluster_msgs: the messages workers send the cluster on the ctl socket (cluster.h):
+ * REGISTER, HEARTBEAT, TOKENS, FINISH, ERROR, BYE, one per call of cluster_on_ctl. A
+ * message about a request counts only if it names the request's current attempt and
+ * comes from one of its workers (attempt_of). */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zmq.h>
+
+#include "cluster_internal.h"
+#include "evzmq.h"
+#include "log.h"
+#include "protocol.h"
+
+// --- messages from workers
+
+static void handle_register(cluster_t *c, const proto_msg *m, const unsigned char *id,
+                            size_t id_len)
+{
+    if (strlen(m->worker_id) != id_len || memcmp(m->worker_id, id, id_len) != 0) {
+        log_warn("REGISTER from routing id '%.*s' names worker '%s': ignored (the routing "
+                 "id must be the worker id)",
+                 (int)id_len, (const char *)id, m->worker_id);
+        return;
+    }
+    if ((m->role == PROTO_ROLE_DECODE) && !m->kv_endpoint[0]) {
+        log_warn("worker %s: decode worker without a kv endpoint: ignored", m->worker_id);
+        return;
+    }
+    worker_t *w = worker_find(c, id, id_len);
+    int old_role = w ? w->role : 0, old_pid = w ? w->pid : 0;
+    int ordered = w && w->changing && w->pid == m->pid; /* the end of a role change */
+    if (ordered) {
+        cluster_role_change_done(c, w, m->role);
+    } else if (w && (w->pid != m->pid || w->role != m->role)) {
+        /* a new incarnation (restart or role change): what the old one had is lost */
+        cluster_worker_fail_requests(c, w, "worker re-registered");
+    }
+    int is_new = !w;
+    if (!w) {
+        w = calloc(1, sizeof(*w));
+        if (!w) {
+            log_error("out of memory registering worker %s", m->worker_id);
+            return;
+        }
+        memcpy(w->id, id, id_len);
+        w->id_len = id_len;
+        w->next = c->workers;
+        c->workers = w;
+    }
+    w->role = m->role;
+    w->state = PROTO_STATE_READY;
+    w->changing = 0;
+    w->target_role = 0;
+    w->emulated = m->emulated;
+    w->pid = m->pid;
+    snprintf(w->kvep, sizeof(w->kvep), "%s", m->kv_endpoint);
+    w->n_ctx = m->n_ctx;
+    w->block_size = m->block_size;
+    w->max_seqs = m->max_seqs;
+    w->kv_total = m->kv_blocks_total;
+    w->kv_free = m->kv_blocks_free;
+    w->last_seen_us = proto_now_us();
+    if (is_new || old_role != w->role)
+        w->role_since_us = w->last_seen_us;
+    w->dead = 0;
+    w->full = 0;
+    log_info("worker %s %s: role %s, pid %d, kv %s, n_ctx %d, kv blocks %d/%d of %d tokens, "
+             "max_seqs %d",
+             w->id, is_new ? "registered" : "re-registered", role_str(w->role), w->pid,
+             w->kvep[0] ? w->kvep : "-", w->n_ctx, w->kv_free, w->kv_total, w->block_size,
+             w->max_seqs);
+    if (is_new || (old_role == w->role && old_pid != w->pid)) {
+        notify(c, CLUSTER_EV_WORKER_UP, w, 0, is_new ? "registered" : "restarted");
+    } else if (old_role != w->role && c->observer) {
+        cluster_event ev = {.type = CLUSTER_EV_WORKER_ROLE, .worker = w->id, .role = w->role,
+                            .old_role = old_role, .state = w->state,
+                            .reason = ordered ? "role change" : "re-registered"};
+        c->observer(&ev, c->observer_ud);
+    }
+    proto_msg ack;
+    proto_msg_init(&ack, PROTO_REGISTER_ACK);
+    ack.heartbeat_ms = c->p.heartbeat_ms;
+    cluster_send_to(c, w, &ack);
+    schedule_dispatch(c);
+}
+
+static void send_bye(cluster_t *c, const unsigned char *id, size_t id_len, const char *wid)
+{
+    proto_msg m;
+    proto_msg_init(&m, PROTO_BYE);
+    snprintf(m.worker_id, sizeof(m.worker_id), "%s", wid);
+    if (proto_send(c->sock, id, id_len, &m, NULL, 0, ZMQ_DONTWAIT) < 0)
+        log_debug("BYE to %s: %s", wid, zmq_strerror(errno));
+    evzmq_after_send(c->watch);
+}
+
+static void handle_heartbeat(cluster_t *c, worker_t *w, const proto_msg *m, const unsigned char *id,
+                             size_t id_len)
+{
+    if (!w || w->dead) {
+        log_info("heartbeat from unknown worker %s: asking it to register", m->worker_id);
+        send_bye(c, id, id_len, m->worker_id);
+        return;
+    }
+    /* while a role change is on, a heartbeat sent before the worker saw ROLE (still ready)
+     * must not put it back into routing */
+    int st = w->changing && m->state == PROTO_STATE_READY ? PROTO_STATE_CHANGING : m->state;
+    int changed = w->state != st;
+    const char *st_name = st == PROTO_STATE_DRAINING   ? "draining"
+                          : st == PROTO_STATE_CHANGING ? "changing role"
+                                                       : "ready";
+    if (changed)
+        log_info("worker %s is now %s", w->id, st_name);
+    w->state = st;
+    if (changed)
+        notify(c, CLUSTER_EV_WORKER_STATE, w, 0, st_name);
+    w->emulated = m->emulated;
+    w->n_role_changes = m->n_role_changes;
+    w->role_change_us = m->role_change_us;
+    w->tok_in = m->tokens_in;
+    w->tok_out = m->tokens_out;
+    w->kvx_tx = m->kvx_tx;
+    w->kvx_rx = m->kvx_rx;
+    w->spec = m->spec;
+    w->mig = m->mig;
+    w->running = m->running;
+    w->queued = m->queued;
+    w->qtok = m->queued_prompt_tokens;
+    w->kv_total = m->kv_blocks_total;
+    w->kv_free = m->kv_blocks_free;
+    w->full = 0;
+    schedule_dispatch(c);
+}
+
+/* The request's current attempt, if the wire rid names it and the sender is one of its
+ * workers. A message of an earlier attempt (a worker that was slow to see its CANCEL)
+ * names another attempt and is ignored, so its tokens can never be taken for the new
+ * attempt's. */
+static req_t *attempt_of(cluster_t *c, uint64_t wire, worker_t *w)
+{
+    req_t *r = req_find(c, wire >> WIRE_ATTEMPT_BITS);
+    if (!r || r->queued || !w || (r->pw != w && r->dw != w && r->mw != w) ||
+        wire != wire_rid(r))
+        return NULL;
+    return r;
+}
+
+/* Keep the durations a worker of the current attempt reported (TOKENS, FINISH). */
+static void note_timing(req_t *r, const worker_t *w, const proto_msg *m)
+{
+    cluster_req_timing *t = r->timing;
+    if (!t)
+        return;
+    if (w == r->pw && (m->queue_us || m->prefill_us)) {
+        t->worker_queue_us = m->queue_us;
+        t->prefill_us = m->prefill_us;
+    }
+    if (w == r->dw && (m->xfer_us || m->xfer_bytes))
+        t->xfer_us = m->xfer_us, t->xfer_bytes = m->xfer_bytes;
+    if (w == r->dw && m->step_us)
+        t->step_us = m->step_us;
+}
+
+static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
+{
+    req_t *r = attempt_of(c, m->rid, w);
+    if (!r) {
+        log_rdebug(m->rid, "TOKENS from %s for no current attempt: ignored",
+                   w ? w->id : "unknown worker");
+        return;
+    }
+    if (w == r->pw && !r->p_started) {
+        r->p_started = 1;
+        w->pending_qtok -= r->p_qtok;
+    }
+    if (w == r->dw && !r->d_started) {
+        r->d_started = 1;
+        w->pending_blocks -= r->d_blocks;
+    }
+    if (w == r->dw && r->mw) { /* the new decode worker has it: the move is over */
+        log_rdebug(r->rid, "migrated from %s to %s", r->mw->id, w->id);
+        r->mw = NULL;
+    }
+    r->since_us = proto_now_us();
+    note_timing(r, w, m);
+    long start = (long)r->base + m->index;
+    if (start > r->n_gen) { /* tokens in between were lost: re-run from what is known */
+        char why[160];
+        snprintf(why, sizeof(why), "TOKENS from %s start at %ld but only %d are known", w->id,
+                 start, r->n_gen);
+        cluster_req_retry(c, r, 0, why);
+        return;
+    }
+    int skip = (int)(r->n_gen - start);
+    int n_new = m->n_tokens - skip;
+    if (n_new <= 0)
+        return;
+    if (n_new > r->max_tokens - r->n_gen)
+        n_new = r->max_tokens - r->n_gen;
+    if (n_new <= 0)
+        return;
+    int *dst = r->tokens + r->n_prompt + r->n_gen;
+    memcpy(dst, m->tokens + skip, (size_t)n_new * sizeof(int));
+    r->n_gen += n_new;
+    if (r->cb->on_tokens(r->ud, dst, n_new)) {
+        /* the owner completed it (stop string, EOS, max_tokens). At max_tokens the workers
+         * end it by themselves (they count too): a CANCEL would only turn their clean
+         * finish into a cancellation in their logs and transfer counters. */
+        cluster_req_detach(c, r, r->n_gen < r->max_tokens);
+        cluster_req_unlink(c, r);
+        req_free(r);
+    }
+}
+
+static void handle_finish(cluster_t *c, worker_t *w, const proto_msg *m)
+{
+    req_t *r = attempt_of(c, m->rid, w);
+    if (!r)
+        return;
+    note_timing(r, w, m);
+    /* A FINISH from the prefill worker (e.g. EOS as the first token) means the decode
+     * worker, if another one, must not go on. */
+    cluster_req_end_finish(c, r, m->reason, w != r->dw);
+}
+
+static void handle_error(cluster_t *c, worker_t *w, const proto_msg *m)
+{
+    req_t *r = attempt_of(c, m->rid, w);
+    if (!r)
+        return;
+    char why[PROTO_MESSAGE_LEN + 96];
+    snprintf(why, sizeof(why), "worker %s: %s%s%s", w->id, proto_err_str(m->code),
+             m->message[0] ? ": " : "", m->message);
+    if (m->retryable) {
+        if (w == r->mw) { /* the move failed (its KV is gone): re-run from its tokens */
+            cluster_req_retry(c, r, 0, why);
+        } else if (w->changing && w == r->pw && m->code == PROTO_ERR_UNAVAILABLE) {
+            cluster_req_retry(c, r, 0, why); /* a prompt handed back by a role change */
+        } else if (m->code == PROTO_ERR_NOSPACE) { /* load, not failure: wait for room */
+            r->dw->full = 1;
+            cluster_req_retry(c, r, 0, why);
+        } else {
+            cluster_req_retry(c, r, 1, why);
+        }
+    } else if (m->code == PROTO_ERR_BAD_REQUEST) {
+        cluster_req_end_error(c, r, 400, "invalid_request_error", "bad_request", why);
+    } else {
+        cluster_req_end_error(c, r, 500, "server_error", "worker_error", why);
+    }
+}
+
+void cluster_on_ctl(void *sock, void *ud)
+{
+    cluster_t *c = ud;
+    int rc = proto_recv(sock, 1, c->env, ZMQ_DONTWAIT);
+    if (rc <= 0) {
+        if (rc == -2 && errno != EAGAIN)
+            log_error("ctl receive: %s", zmq_strerror(errno));
+        return;
+    }
+    size_t id_len;
+    const unsigned char *id = proto_envelope_identity(c->env, &id_len);
+    const proto_msg *m = proto_envelope_msg(c->env);
+    worker_t *w = worker_find(c, id, id_len);
+    if (w && !w->dead)
+        w->last_seen_us = proto_now_us();
+    switch (m->type) {
+    case PROTO_REGISTER:
+        handle_register(c, m, id, id_len);
+        break;
+    case PROTO_HEARTBEAT:
+        handle_heartbeat(c, w, m, id, id_len);
+        break;
+    case PROTO_TOKENS:
+        handle_tokens(c, w, m);
+        break;
+    case PROTO_FINISH:
+        handle_finish(c, w, m);
+        break;
+    case PROTO_ERROR:
+        handle_error(c, w, m);
+        break;
+    case PROTO_BYE:
+        if (w) {
+            log_info("worker %s says BYE", w->id);
+            cluster_worker_remove(c, w, "left (BYE)");
+            schedule_dispatch(c);
+        }
+        break;
+    default:
+        log_warn("unexpected %s on the ctl socket from '%.*s': dropped", proto_type_str(m->type),
+                 (int)id_len, (const char *)id);
+        break;
+    }
+    proto_envelope_reset(c->env);
+}
