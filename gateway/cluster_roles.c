@@ -113,10 +113,11 @@ int cluster_role_order(cluster_t *c, worker_t *w, int role, const char *why)
 }
 
 /* w registered again after ROLE (same process), in role `role`: the change is done (or the
- * worker could not make it and stayed). It drained first, so what it still has here is
+ * worker could not make it and stayed). It went idle first, so what it still has here is
  * finished on its side: a request it prefilled is decoding elsewhere (its KV was accepted
- * before the worker went idle: the prefill worker is released from it); a request it was
- * to decode whose KV never came (refused while draining) is re-run. */
+ * before the worker went idle: the prefill worker is released from it); a request it moved
+ * away is the target's (mw cleared); a request still naming it as decode worker never got
+ * there (its KV never came) and is re-run. */
 void cluster_role_change_done(cluster_t *c, worker_t *w, int role)
 {
     double ms = (double)(proto_now_us() - w->change_us) / 1000.0;
