@@ -295,6 +295,7 @@ int batch_line_start(batch_t *b, job_t *j, int i)
     api_request r;
     memset(&r, 0, sizeof(r));
     int *tokens = NULL, n = 0;
+    int rc = 0; /* 0: handled (started or failed), 1: the cluster is full, try later */
     line_t *l = NULL;
     char *text = json_dumps(body, JSON_COMPACT);
     if (!text) {
@@ -362,14 +363,8 @@ int batch_line_start(batch_t *b, job_t *j, int i)
     };
     cluster_status_t st = cluster_submit(b->cluster, &job, l, &l->rid);
     if (st == CLUSTER_FULL) {
-        stream_destroy(&l->stream);
-        free(l->custom_id);
-        free(l);
-        free(tokens);
-        free(text);
-        api_request_free(&r);
-        json_decref(root);
-        return 1;
+        rc = 1;
+        goto out;
     }
     if (st != CLUSTER_OK) {
         api_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
@@ -386,13 +381,11 @@ int batch_line_start(batch_t *b, job_t *j, int i)
     j->state[i] = LINE_RUNNING;
     if (b->stats)
         stats_request_received(b->stats);
-    free(tokens);
-    free(text);
-    api_request_free(&r);
-    json_decref(root);
-    return 0;
+    l = NULL; /* the job's now */
+    goto out;
 bad:
     line_error_response(b, j, i, cid, NULL, &e);
+out:
     if (l) {
         stream_destroy(&l->stream);
         free(l->custom_id);
@@ -402,7 +395,7 @@ bad:
     free(text);
     api_request_free(&r);
     json_decref(root);
-    return 0;
+    return rc;
 }
 
 /* Stop every running line of j (cancel): they go back to pending. */
