@@ -164,19 +164,24 @@ static int split_lines(job_t *j)
     return j->state ? 0 : -1;
 }
 
-static int mark_done(int line, int ok, const char *json, size_t len, void *ud)
+void batch_job_line_done(job_t *j, int line, int ok)
 {
-    job_t *j = ud;
-    (void)json;
-    (void)len;
     if (line < 0 || line >= j->n_lines || j->state[line] == LINE_DONE)
-        return 0;
+        return;
     j->state[line] = LINE_DONE;
     j->n_done++;
     if (ok)
         j->completed++;
     else
         j->failed++;
+}
+
+/* store_results_foreach callback: a result stored before (a restart) marks its line done. */
+static int mark_done(int line, int ok, const char *json, size_t len, void *ud)
+{
+    (void)json;
+    (void)len;
+    batch_job_line_done(ud, line, ok);
     return 0;
 }
 

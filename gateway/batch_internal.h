@@ -118,6 +118,9 @@ static inline int is_final(status_t s)
 void batch_make_id(char *out, size_t cap, const char *prefix);
 /* Add j to b's jobs (b owns it from then on). 0, or -1 (out of memory: j is not added). */
 int batch_job_add(batch_t *b, job_t *j);
+/* Count line `line` (0-based) of j as done, ok (completed) or not (failed); a line out of
+ * range or already done is ignored, so a result is counted once. */
+void batch_job_line_done(job_t *j, int line, int ok);
 /* Load j's run state: its input file and the results stored so far. 0, or -1 (the input
  * file is gone: j is failed; or it cannot be read, or out of memory). */
 int batch_job_load(batch_t *b, job_t *j);

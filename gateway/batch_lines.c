@@ -24,14 +24,7 @@ static void result_put(batch_t *b, job_t *j, int line, int ok, json_t *res)
     if (!s || store_result_put(b->store, j->id, line, ok, s) < 0)
         log_error("batch %s: line %d: cannot record its result", j->id, line + 1);
     free(s);
-    if (j->state[line] != LINE_DONE) {
-        j->state[line] = LINE_DONE;
-        j->n_done++;
-        if (ok)
-            j->completed++;
-        else
-            j->failed++;
-    }
+    batch_job_line_done(j, line, ok);
     j->dirty = 1;
     kick(b);
 }
