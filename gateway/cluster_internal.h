@@ -37,7 +37,8 @@ typedef struct worker {
     int full;           /* a NOSPACE came back: no decode work until the next heartbeat */
     int pending_qtok;   /* prompt tokens sent as PREFILL, no token reported yet */
     int pending_blocks; /* KV blocks promised as decode worker, no token reported yet */
-    int n_decode;       /* requests assigned with this worker as decode worker */
+    int n_decode;
+    int moved_in;       /* MIGRATE orders naming it as target since its last heartbeat */       /* requests assigned with this worker as decode worker */
     int n_assigned;     /* requests assigned to it in any role */
     /* live role change: ROLE sent, routing skips it until it registers in target_role */
     int changing, target_role;

@@ -126,6 +126,7 @@ static void handle_heartbeat(cluster_t *c, worker_t *w, const proto_msg *m, cons
     w->spec = m->spec;
     w->mig = m->mig;
     w->running = m->running;
+    w->moved_in = 0; /* its running count includes what arrived */
     w->queued = m->queued;
     w->qtok = m->queued_prompt_tokens;
     w->kv_total = m->kv_blocks_total;

@@ -22,19 +22,25 @@ static void notify_role(cluster_t *c, const worker_t *w, int role, int old_role,
     c->observer(&ev, c->observer_ud);
 }
 
-/* The decode worker to move r to from w (live migration): a ready decode worker other than
- * w with a kv endpoint, room for r's worst case (as pick() counts it) and a sequence slot;
- * the most free blocks wins. NULL when none has room now (r then finishes on w). */
+/* The worker to move r to from w (live migration): a ready decode or mixed worker other than
+ * w with a kv endpoint, room for r's worst case (as pick() counts it) and a free sequence
+ * slot by its own running count; the most free blocks wins. NULL when none has room now (r then finishes on w). */
 static worker_t *migration_target(cluster_t *c, const req_t *r, const worker_t *w)
 {
     worker_t *best = NULL;
     long best_free = -1;
     for (worker_t *d = c->workers; d; d = d->next) {
-        if (d == w || !usable(d) || d->role != PROTO_ROLE_DECODE || !d->kvep[0] || d->full)
+        if (d == w || !usable(d) || !d->kvep[0] || d->full ||
+            (d->role != PROTO_ROLE_DECODE && d->role != PROTO_ROLE_MIXED))
             continue;
+        /* KV: what is free and not promised to requests on their way (as routing counts);
+         * sequence slots: the worker's own running count, not the gateway's assignments, so
+         * that a prompt burst that reserved every slot for sequences still prefilling does
+         * not hold a role change for seconds (one of those may then find no slot and be
+         * re-run: a running sequence goes first) */
         long free_blocks = (long)d->kv_free - d->pending_blocks;
         if (free_blocks < blocks_needed(r, d) ||
-            (d->max_seqs > 0 && d->n_decode >= d->max_seqs) ||
+            (d->max_seqs > 0 && d->running + d->moved_in >= d->max_seqs) ||
             (d->n_ctx > 0 && r->n_prompt + r->n_gen >= d->n_ctx))
             continue;
         if (free_blocks > best_free) {
@@ -78,6 +84,7 @@ static int migrate_all(cluster_t *c, worker_t *w)
         r->d_started = 0;
         r->d_blocks = blocks_needed(r, d);
         d->pending_blocks += r->d_blocks;
+        d->moved_in++;
         d->n_decode++;
         d->n_assigned++;
         if (r->timing)
