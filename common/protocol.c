@@ -64,7 +64,7 @@ static const field_t fields[] = {
     FLD("temp", F_FLOAT, temperature, 0, 100, T(PROTO_PREFILL) | T(PROTO_KV_BEGIN), 0),
     FLD("top_p", F_FLOAT, top_p, 0, 1, T(PROTO_PREFILL) | T(PROTO_KV_BEGIN), 0),
     FLD("top_k", F_INT, top_k, 0, 1 << 24, T(PROTO_PREFILL) | T(PROTO_KV_BEGIN), 0),
-    FLD("rng", F_U64, rng, 0, 0, T(PROTO_PREFILL) | T(PROTO_KV_END), 0),
+    FLD("rng", F_U64, rng, 0, 0, T(PROTO_PREFILL) | T(PROTO_KV_END), T(PROTO_TOKENS)),
     FLD("dw", F_STR, decode_worker, 0, 0, T(PROTO_PREFILL) | T(PROTO_MIGRATE), 0),
     FLD("dep", F_STR, decode_endpoint, 0, 0, T(PROTO_PREFILL) | T(PROTO_MIGRATE), 0),
     FLD("mtp", F_INT, mtp_depth, 0, PROTO_SPEC_MAX_POS + 1, 0,

@@ -87,22 +87,18 @@ static void set_timing(proto_msg *m, const worker_timing *t)
 }
 
 void worker_send_tokens_timed(worker_t *w, uint64_t rid, int index, const int *tokens, int n,
-                              const worker_timing *t)
+                              uint64_t rng, const worker_timing *t)
 {
     proto_msg m;
     proto_msg_init(&m, PROTO_TOKENS);
     m.rid = rid;
     m.index = index;
+    m.rng = rng;
     m.tokens = (int *)tokens; /* borrowed for sending */
     m.n_tokens = n;
     m.ts_us = proto_wall_us();
     set_timing(&m, t);
     ctl_send_logged(w, &m);
-}
-
-void worker_send_tokens(worker_t *w, uint64_t rid, int index, const int *tokens, int n)
-{
-    worker_send_tokens_timed(w, rid, index, tokens, n, NULL);
 }
 
 void worker_send_finish_timed(worker_t *w, uint64_t rid, int reason, const worker_timing *t)

@@ -166,11 +166,13 @@ typedef struct {
 } worker_t;
 
 // --- worker.c: messages to the gateway (each logs and drops on failure)
-void worker_send_tokens(worker_t *w, uint64_t rid, int index, const int *tokens, int n);
-void worker_send_finish(worker_t *w, uint64_t rid, int reason);
-/* The same, carrying the request's durations t (NULL: none). */
+/* TOKENS: generated tokens [index, index + n) of request rid (borrowed), the sampler state
+ * rng after the last of them (so that a re-run elsewhere continues the same random stream),
+ * and the request's durations t (NULL: none). */
 void worker_send_tokens_timed(worker_t *w, uint64_t rid, int index, const int *tokens, int n,
-                              const worker_timing *t);
+                              uint64_t rng, const worker_timing *t);
+void worker_send_finish(worker_t *w, uint64_t rid, int reason);
+/* FINISH carrying the request's durations t (NULL: none). */
 void worker_send_finish_timed(worker_t *w, uint64_t rid, int reason, const worker_timing *t);
 void worker_send_error(worker_t *w, uint64_t rid, int code, int retry, const char *msg);
 

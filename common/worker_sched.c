@@ -359,7 +359,7 @@ static void start_decode(worker_t *w, wreq *r)
     }
     if (r->n_gen >= r->max_tokens || r->pos >= w->mc->n_ctx) {
         if (r->n_sent == 0) {
-            worker_send_tokens_timed(w, r->rid, 0, &r->first, 1, &t);
+            worker_send_tokens_timed(w, r->rid, 0, &r->first, 1, r->rng, &t);
             r->n_sent = 1;
             worker_send_finish(w, r->rid, PROTO_FINISH_LENGTH);
         } else {
@@ -638,7 +638,7 @@ int sched_prefill_step(worker_t *w)
             req_remove(w, r);
             continue;
         }
-        worker_send_tokens_timed(w, r->rid, 0, &first, 1, &t);
+        worker_send_tokens_timed(w, r->rid, 0, &first, 1, r->rng, &t);
         r->n_sent = 1;
         w->tokens_out++;
         if (r->max_tokens <= 1) {
@@ -734,7 +734,7 @@ int sched_decode_step(worker_t *w)
                 reason = PROTO_FINISH_LENGTH;
         }
         if (k)
-            worker_send_tokens_timed(w, r->rid, r->n_sent, out, k, tp);
+            worker_send_tokens_timed(w, r->rid, r->n_sent, out, k, r->rng, tp);
         r->n_sent += k;
         if (reason) {
             worker_send_finish_timed(w, r->rid, reason, k ? NULL : tp);

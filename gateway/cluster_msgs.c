@@ -205,6 +205,10 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
     int *dst = r->tokens + r->n_prompt + r->n_gen;
     memcpy(dst, m->tokens + skip, (size_t)n_new * sizeof(int));
     r->n_gen += n_new;
+    /* the sampler state after these tokens: a re-run (retry, preemption) continues the same
+     * random stream from here (exact for plain decoding; docs/api.md "seed") */
+    if (m->rng && skip + n_new == m->n_tokens)
+        r->rng = m->rng;
     if (r->cb->on_tokens(r->ud, dst, n_new)) {
         /* the owner completed it (stop string, EOS, max_tokens). At max_tokens the workers
          * end it by themselves (they count too): a CANCEL would only turn their clean

@@ -309,6 +309,48 @@ class RoleChange(unittest.TestCase):
             self.assertIn("ordered by the tidal policy", c.log("gateway"))
 
 
+class Failover(unittest.TestCase):
+    def test_killed_decode_worker_seeded_stream_continues_exactly(self):
+        """A decode worker SIGKILLed mid-stream: the gateway re-runs its requests elsewhere
+        from their tokens so far and from the sampler state the workers reported with them
+        (TOKENS "rng"), so a seeded sampled stream (plain decoding) ends with exactly the
+        text of an undisturbed run, like a greedy one."""
+        with Cluster(roles=("prefill", "decode", "decode"),
+                     worker_args=["--debug-step-delay-ms", "25"]) as c:
+            wait_roles(c, {"prefill-0": "prefill", "decode-1": "decode", "decode-2": "decode"})
+            prompt = next(iter(REF))
+            kinds = [{"temperature": 0.9, "seed": 7, "mtp_depth": 0},
+                     {"temperature": 0.8, "seed": 11, "top_p": 0.9, "mtp_depth": 0}, {}]
+            want = [c.complete(prompt, max_tokens=120, **k)[1]["choices"][0]["text"]
+                    for k in kinds]
+            results = [None] * len(kinds)
+
+            def run(i):
+                results[i] = c.stream_text(prompt, max_tokens=120, **kinds[i])
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(kinds))]
+            for t in threads:
+                t.start()
+            victim = None
+            deadline = time.time() + 5
+            while victim is None and time.time() < deadline:
+                figs = worker_figures(c)
+                victim = next((k for k in ("decode-1", "decode-2") if figs[k]["running"] >= 1),
+                              None)
+                time.sleep(0.05)
+            self.assertIsNotNone(victim)
+            time.sleep(0.5)  # a few dozen tokens in
+            c.kill(victim)
+            for t in threads:
+                t.join(60)
+            for i, r in enumerate(results):
+                self.assertIsNotNone(r, "stream %d did not finish" % i)
+                status, text, events, done = r
+                self.assertEqual((status, done), (200, True), events[-3:])
+                self.assertEqual(text, want[i], "stream %d %r" % (i, kinds[i]))
+            self.assertIn("retrying", c.log("gateway"))
+
+
 class Emulated(unittest.TestCase):
     def test_emulated_workers_serve_with_model_timings(self):
         """4 emulated workers (a100-llama3-8b): real tokens, the cost model's step times."""
