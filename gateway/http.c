@@ -633,7 +633,16 @@ static void handle_worker_role(http_server_t *s, struct evhttp_request *req, con
         return;
     }
     const char *body = len ? (const char *)evbuffer_pullup(in, (ev_ssize_t)len) : "";
-    json_t *root = json_loadb(body, len, 0, NULL);
+    json_error_t jerr;
+    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
+    if (!root) { /* as api_parse: not JSON, bad UTF-8 or a key given twice */
+        char msg[300];
+        snprintf(msg, sizeof(msg),
+                 "We could not parse the JSON body of your request (%s at line %d, column %d).",
+                 jerr.text, jerr.line, jerr.column);
+        reply_error_msg(req, 400, "invalid_request_error", NULL, "invalid_json", msg);
+        return;
+    }
     json_t *jr = json_is_object(root) ? json_object_get(root, "role") : NULL;
     const char *rs = json_is_string(jr) ? json_string_value(jr) : NULL;
     int role = rs && strcmp(rs, "prefill") == 0  ? PROTO_ROLE_PREFILL

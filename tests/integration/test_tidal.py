@@ -74,6 +74,9 @@ class RoleChange(unittest.TestCase):
             self.assertEqual(status, 404, body)
             status, body = c.request("POST", "/workers/decode-1/role", {"role": "mixed"})
             self.assertEqual(status, 400, body)
+            for raw in (b'{"role": "decode", "role": "prefill"}', b"prefill", b'{"role": '):
+                status, body = c.request("POST", "/workers/decode-1/role", raw=raw)
+                self.assertEqual((status, body["error"]["code"]), (400, "invalid_json"), raw)
             status, body = set_role(c, "decode-1", "decode")
             self.assertEqual(status, 409, body)  # already decode
             status, body = c.request("GET", "/workers/decode-1/role")
