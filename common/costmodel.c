@@ -4,8 +4,10 @@
  */
 #include "costmodel.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Llama 3 8B (Meta model card and config.json): 8.03e9 parameters, 32 layers, d_model
@@ -19,6 +21,7 @@ static const costmodel presets[] = {
         /* NVIDIA A100 80GB SXM4 datasheet: 312 TFLOPS dense bf16, 2,039 GB/s HBM2e, 80 GB.
          * One 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100) = 25 GB/s for KV. */
         .name = "a100-llama3-8b",
+        .time_scale = 1,
         .peak_flops = 312e12,
         .hbm_bytes_per_s = 2.039e12,
         .hbm_bytes = 80e9,
@@ -39,6 +42,7 @@ static const costmodel presets[] = {
         /* NVIDIA H100 SXM5 datasheet: 989 TFLOPS dense bf16, 3.35 TB/s HBM3, 80 GB.
          * One 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100) = 50 GB/s for KV. */
         .name = "h100-llama3-8b",
+        .time_scale = 1,
         .peak_flops = 989e12,
         .hbm_bytes_per_s = 3.35e12,
         .hbm_bytes = 80e9,
@@ -59,13 +63,31 @@ static const costmodel presets[] = {
 
 static const char *const preset_names[] = {"a100-llama3-8b", "h100-llama3-8b", NULL};
 
+#define DILATE_SUFFIX ":dilate="
+
 int costmodel_preset(const char *name, costmodel *out)
 {
     if (!name)
         return -1;
+    /* "NAME" or "NAME:dilate=K" */
+    const char *suffix = strstr(name, DILATE_SUFFIX);
+    size_t base_len = suffix ? (size_t)(suffix - name) : strlen(name);
+    double scale = 1;
+    if (suffix) {
+        const char *num = suffix + strlen(DILATE_SUFFIX);
+        char *end;
+        errno = 0;
+        scale = strtod(num, &end);
+        if (errno || end == num || *end || !(scale >= 1 && scale <= 1000) ||
+            strlen(name) >= COSTMODEL_NAME_MAX)
+            return -1;
+    }
     for (size_t i = 0; i < sizeof(presets) / sizeof(presets[0]); i++) {
-        if (strcmp(presets[i].name, name) == 0) {
+        if (strlen(presets[i].name) == base_len && strncmp(presets[i].name, name, base_len) == 0) {
             *out = presets[i];
+            out->time_scale = scale;
+            if (suffix)
+                snprintf(out->name, sizeof(out->name), "%s", name);
             return 0;
         }
     }
@@ -86,6 +108,7 @@ int costmodel_check(const costmodel *cm, char *err, size_t err_len)
             return -1;                                                                             \
         }                                                                                          \
     } while (0)
+    CHECK(cm->time_scale > 0 && cm->time_scale <= 1000, "time_scale must be in (0, 1000]");
     CHECK(cm->peak_flops > 0, "peak_flops must be > 0");
     CHECK(cm->hbm_bytes_per_s > 0, "hbm_bytes_per_s must be > 0");
     CHECK(cm->hbm_bytes > 0, "hbm_bytes must be > 0");
@@ -148,7 +171,7 @@ double costmodel_prefill_ms(const costmodel *cm, double n_tokens, double attn_pa
     double flops = 2.0 * cm->n_params * n_tokens + attn_flops_per_pair(cm) * attn_pairs;
     double t_compute = flops / (cm->peak_flops * cm->mfu_prefill);
     double t_mem = costmodel_weight_bytes(cm) / (cm->hbm_bytes_per_s * cm->mbu);
-    return 1e3 * fmax(t_compute, t_mem) + cm->prefill_overhead_ms;
+    return (1e3 * fmax(t_compute, t_mem) + cm->prefill_overhead_ms) * cm->time_scale;
 }
 
 double costmodel_decode_step_ms(const costmodel *cm, double batch, double ctx_tokens)
@@ -161,15 +184,16 @@ double costmodel_decode_step_ms(const costmodel *cm, double batch, double ctx_to
     double t_mem = bytes / (cm->hbm_bytes_per_s * cm->mbu);
     double flops = 2.0 * cm->n_params * batch + attn_flops_per_pair(cm) * ctx_tokens;
     double t_compute = flops / (cm->peak_flops * cm->mfu_decode);
-    return 1e3 * fmax(t_mem, t_compute) + cm->step_overhead_ms;
+    return (1e3 * fmax(t_mem, t_compute) + cm->step_overhead_ms) * cm->time_scale;
 }
 
 double costmodel_transfer_ms(const costmodel *cm, double n_tokens)
 {
     if (n_tokens <= 0)
         return 0;
-    return cm->link_latency_ms +
-           1e3 * n_tokens * costmodel_kv_bytes_per_token(cm) / cm->link_bytes_per_s;
+    return (cm->link_latency_ms +
+            1e3 * n_tokens * costmodel_kv_bytes_per_token(cm) / cm->link_bytes_per_s) *
+           cm->time_scale;
 }
 
 double costmodel_prefill_tokens_per_s(const costmodel *cm, double prompt_len)

@@ -14,6 +14,8 @@
  *                    + step_overhead_ms
  * where attn_pairs counts (query token, key token) pairs the batch's attention visits
  * (costmodel_attn_pairs) and ctx_tokens is the total context of the running sequences.
+ * Every time (these two and the KV transfer) is then multiplied by time_scale, 1 unless the
+ * preset is dilated ("NAME:dilate=K", emulating the accelerator K times slower).
  * Every parameter of every preset, and its source, is in docs/scheduler.md.
  *
  * Pure functions of a read-only parameter struct: thread-safe, no allocation.
@@ -23,8 +25,17 @@
 
 #include <stddef.h>
 
+#define COSTMODEL_NAME_MAX 64
+
 typedef struct {
-    const char *name; /* preset name, e.g. "a100-llama3-8b" */
+    char name[COSTMODEL_NAME_MAX]; /* preset name, e.g. "a100-llama3-8b" or
+                                    * "a100-llama3-8b:dilate=10" */
+    /* time dilation: every time the model gives (prefill, decode step, transfer) is
+     * multiplied by this; 1 = the accelerator's own speed. Emulating K times slower keeps
+     * every ratio of the accelerator (prefill vs decode, compute vs memory vs link) while the
+     * real work under the emulation (the small model, sockets, the client) shrinks K times
+     * relative to it. Rates divide by K and latencies multiply by K. */
+    double time_scale;
     /* accelerator */
     double peak_flops;          /* dense bf16 FLOP/s */
     double hbm_bytes_per_s;     /* memory bandwidth, bytes/s */
@@ -52,7 +63,9 @@ typedef struct {
 } costmodel;
 
 /* Fill *out with the named preset. Returns 0, or -1 when the name is unknown.
- * Presets: "a100-llama3-8b", "h100-llama3-8b". */
+ * Presets: "a100-llama3-8b", "h100-llama3-8b". A preset name followed by
+ * ":dilate=K" (K a number in [1, 1000], e.g. "a100-llama3-8b:dilate=10") is that preset with
+ * time_scale K: the same accelerator running K times slower in every respect. */
 int costmodel_preset(const char *name, costmodel *out);
 
 /* The preset names, NULL-terminated (static storage). */

@@ -38,11 +38,11 @@ static long long opt_port, opt_max_body, opt_max_queue, opt_hb_ms, opt_dead_ms, 
 static char *opt_state_db;
 static long long opt_batch_max_file_bytes, opt_batch_max_lines, opt_batch_max_inflight;
 static double opt_offline_max_wait_s, opt_offline_target, opt_preempt_pressure, opt_smooth_s,
-    opt_ttft_slo_ms, opt_tpot_slo_ms;
+    opt_ttft_slo_ms, opt_tpot_slo_ms, opt_prefill_tok_s;
 /* tidal role changes */
 static int opt_tidal;
 static double opt_tidal_min_role_s;
-static long long opt_tidal_max_changes;
+static long long opt_tidal_max_changes, opt_tidal_min_per_role;
 
 static const config_entry_t settings[] = {
     {"host", CONFIG_STRING, &opt_host, "127.0.0.1", 0, 0, "address the HTTP server listens on"},
@@ -96,6 +96,9 @@ static const config_entry_t settings[] = {
      "tidal policy: time-to-first-token target"},
     {"tpot-slo-ms", CONFIG_DOUBLE, &opt_tpot_slo_ms, "50", 1, 1e7,
      "tidal policy: time-per-output-token target"},
+    {"prefill-tokens-per-s", CONFIG_DOUBLE, &opt_prefill_tok_s, "10000", 1, 1e9,
+     "tidal policy: prompt tokens one prefill worker computes per second, its prefill "
+     "capacity estimate (emulated workers: tidepool-sim prints the cost model's)"},
     {"tidal", CONFIG_BOOL, &opt_tidal, "false", 0, 0,
      "apply the tidal policy's role changes (workers move between prefill and decode by "
      "draining); off: roles change only by POST /workers/{id}/role"},
@@ -103,6 +106,8 @@ static const config_entry_t settings[] = {
      "tidal policy: a worker stays at least this long in a role"},
     {"tidal-max-changes", CONFIG_INT, &opt_tidal_max_changes, "2", 0, 1000000,
      "tidal policy: role changes allowed per 10 s window"},
+    {"tidal-min-per-role", CONFIG_INT, &opt_tidal_min_per_role, "1", 1, 1000000,
+     "tidal policy: workers that always stay prefill-capable and decode-capable"},
     {"log-level", CONFIG_STRING, &opt_log_level, "info", 0, 0, "debug, info, warn or error"},
     {NULL, 0, NULL, NULL, 0, 0, NULL},
 };
@@ -280,8 +285,10 @@ int main(int argc, char **argv)
     cp.policy.smooth_ms = (int64_t)(opt_smooth_s * 1000);
     cp.policy.ttft_slo_ms = opt_ttft_slo_ms;
     cp.policy.tpot_slo_ms = opt_tpot_slo_ms;
+    cp.policy.prefill_tokens_per_s = opt_prefill_tok_s;
     cp.policy.min_role_ms = (int64_t)(opt_tidal_min_role_s * 1000);
     cp.policy.max_changes = (int)opt_tidal_max_changes;
+    cp.policy.min_per_role = (int)opt_tidal_min_per_role;
     cp.tidal = opt_tidal;
     if (policy_params_check(&cp.policy, err, sizeof(err)) < 0) {
         log_error("%s", err);

@@ -1,42 +1,87 @@
 #!/usr/bin/env bash
-# tidal-bench: tidal scheduling on vs static prefill:decode splits, on 8 EMULATED workers.
+# tidal-bench: tidal scheduling vs static prefill:decode splits on 8 EMULATED workers, with
+# and without offline work, and tidepool-sim on the very same requests.
 #
-# Every figure this prints is EMULATED: the workers run the small real model and pad each
-# prefill batch and decode step to the cost model's time for PRESET (--emulate, see
-# docs/scheduler.md "Emulated workers"); KV transfers are padded to the emulated model's
-# bytes, over the real (loopback) link.
+# Every figure this prints is EMULATED: the workers run the small real model (stories260K)
+# and pad each prefill batch and decode step to the cost model's time for PRESET (--emulate;
+# docs/scheduler.md "Emulated workers"). The default preset is a100-llama3-8b slowed down
+# ten times (":dilate=10"): the real work under the emulation (8 small models, the gateway,
+# the client, on 2 shared CPUs) must stay small next to the emulated time, and an A100's
+# own prefill is about as fast as this host's CPU running the 260K-parameter model.
+# docs/scheduler.md "tools/tidal-bench.sh: tidal against static splits" explains the
+# workload, every default and the results.
 #
-# For each configuration it starts a gateway and 8 workers on free loopback ports, runs
-# tidepool-bench --workload phase-shift (docs/bench.md) against it, stops exactly the
-# processes it started, and prints the request goodput. Configurations: every static split
-# in SPLITS, then tidal (--tidal) starting from TIDAL_START.
+# Steps (each configuration gets a fresh gateway and 8 workers on free loopback ports; only
+# the processes started here are stopped):
+#   1. every static split in SPLITS (about 2.8 min each: an overloaded split drags its
+#      backlog up to the client's timeout past the last arrival);
+#   2. tidal (--tidal) from TIDAL_START (2.2 min);
+#   3. tidal plus a Batch API job of OFFLINE_LINES offline requests, the same online load
+#      (OFFLINE=0: skipped; 2.2 min plus the batch's end);
+#   4. tidepool-sim --compare-static on the trace of the run in step 1 (same requests, same
+#      engine settings, same policy knobs), its ranking next to the emulated one;
+#   5. (SIM1000=1) the wall time of tidepool-sim with 1000 workers (35 s).
+# About 13 minutes with the defaults; SPLITS="4:4 5:3" (the two best static splits) 10;
+# SPLITS="1:7 2:6 3:5 4:4 5:3 6:2 7:1" (every one) 24.
 #
 # Environment (all optional):
-#   BUILD=build  PRESET=a100-llama3-8b  SPLITS="2:6 4:4 6:2"  TIDAL_START=4:4
-#   PHASE_S=10 (seconds per phase)  PHASES=4  RATE=12 (requests/s)
-#   SLO="ttft:500,tpot:40"  MODEL=build/models/stories260K.gguf
-#   TIDAL_ARGS="--tidal-min-role-s 3 --smooth-s 2 --tidal-max-changes 2 --stats-window-s 5
-#               --ttft-slo-ms 500 --tpot-slo-ms 40" (the policy's latency targets = SLO)
+#   BUILD=build  PRESET=a100-llama3-8b:dilate=10  MAX_SEQS=48  MAX_BATCH_TOKENS=1024
+#   SPLITS="3:5 4:4 5:3"  TIDAL_START=4:4  SEED=1
+#   PHASE_S=30  PHASES=4  RATE=16 (prefill-heavy req/s)  DECODE_RATE=41 (decode-heavy req/s)
+#   PROMPT_WORDS=95:125 (prefill-heavy prompts)  OUTPUT_TOKENS=20:60 (decode-heavy answers)
+#   SHORT_LEN=8 (the short side of each phase)  SLO=ttft:5000,tpot:500
+#   TIDAL_ARGS="--tidal-min-role-s 3 --smooth-s 2 --tidal-max-changes 4 --tidal-min-per-role 2
+#               --stats-window-s 5"
+#   PREFILL_TOK_S= (the policy's prefill capacity; default: tidepool-sim's cost-model figure)
+#   OFFLINE=1  OFFLINE_LINES=400  OFFLINE_WORDS=8  OFFLINE_TOKENS=60  OFFLINE_WAIT_S=600 (aging)
+#   SIM1000=1  KEEP=0 (1: keep the run directories)  MODEL=build/models/stories260K.gguf
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 BIN=$BUILD/bin
-PRESET=${PRESET:-a100-llama3-8b}
-SPLITS=${SPLITS:-"2:6 4:4 6:2"}
+PRESET=${PRESET:-a100-llama3-8b:dilate=10}
+MAX_SEQS=${MAX_SEQS:-48}
+MAX_BATCH_TOKENS=${MAX_BATCH_TOKENS:-1024}
+SPLITS=${SPLITS:-"3:5 4:4 5:3"}
 TIDAL_START=${TIDAL_START:-4:4}
-PHASE_S=${PHASE_S:-10}
+SEED=${SEED:-1}
+PHASE_S=${PHASE_S:-30}
 PHASES=${PHASES:-4}
-RATE=${RATE:-12}
-SLO=${SLO:-ttft:500,tpot:40}
+RATE=${RATE:-16}
+DECODE_RATE=${DECODE_RATE:-41}
+PROMPT_WORDS=${PROMPT_WORDS:-95:125}
+OUTPUT_TOKENS=${OUTPUT_TOKENS:-20:60}
+SHORT_LEN=${SHORT_LEN:-8}
+SLO=${SLO:-ttft:5000,tpot:500}
+TIDAL_ARGS=${TIDAL_ARGS:-"--tidal-min-role-s 3 --smooth-s 2 --tidal-max-changes 4 --tidal-min-per-role 2 --stats-window-s 5"}
+PREFILL_TOK_S=${PREFILL_TOK_S:-}
+OFFLINE=${OFFLINE:-1}
+OFFLINE_LINES=${OFFLINE_LINES:-400}
+OFFLINE_WORDS=${OFFLINE_WORDS:-8}
+OFFLINE_TOKENS=${OFFLINE_TOKENS:-60}
+OFFLINE_WAIT_S=${OFFLINE_WAIT_S:-600}
+SIM1000=${SIM1000:-1}
+KEEP=${KEEP:-0}
 MODEL=${MODEL:-build/models/stories260K.gguf}
-TIDAL_ARGS=${TIDAL_ARGS:-"--tidal-min-role-s 3 --smooth-s 2 --tidal-max-changes 2 --stats-window-s 5 --ttft-slo-ms 500 --tpot-slo-ms 40"}
-N=$(python3 -c "print(int($RATE * $PHASE_S * $PHASES))")
 
-for b in gateway prefill_worker tidepool-bench; do
+for b in gateway prefill_worker tidepool-bench tidepool-sim; do
     [ -x "$BIN/$b" ] || { echo "tidal-bench: $BIN/$b missing: run make first" >&2; exit 2; }
 done
 [ -f "$MODEL" ] || { echo "tidal-bench: model $MODEL missing" >&2; exit 2; }
+TTFT_SLO=$(sed -n 's/.*ttft:\([0-9.]*\).*/\1/p' <<<"$SLO")
+TPOT_SLO=$(sed -n 's/.*tpot:\([0-9.]*\).*/\1/p' <<<"$SLO")
+[ -n "$TTFT_SLO" ] && [ -n "$TPOT_SLO" ] ||
+    { echo "tidal-bench: SLO must give ttft:MS and tpot:MS" >&2; exit 2; }
+DURATION=$(python3 -c "print($PHASE_S * $PHASES)")
+# A request still running this long after it was sent cannot meet the SLOs any more (TTFT
+# SLO + the longest answer at the TPOT SLO): the client gives up on it, which bounds the
+# backlog an overloaded configuration drags past the last arrival.
+TIMEOUT_S=$(python3 -c "print(($TTFT_SLO + max(${OUTPUT_TOKENS##*:}, $SHORT_LEN) * $TPOT_SLO) / 1e3 + 5)")
+# an upper bound of the arrivals (the bench stops them at DURATION)
+MAX_N=$(python3 -c "import math; print(int(2 * $PHASE_S * math.ceil($PHASES / 2) * ($RATE + $DECODE_RATE)) + 100)")
+OUT=$(mktemp -d /tmp/tidal-bench.XXXXXX)
+T_START=$SECONDS
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
@@ -47,26 +92,48 @@ stop_all() {
     for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
     PIDS=()
 }
-trap stop_all EXIT INT TERM
+cleanup() {
+    stop_all
+    if [ "$KEEP" = 1 ]; then echo "tidal-bench: runs kept in $OUT" >&2; else rm -rf "$OUT"; fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
 
-# run_one LABEL N_PREFILL N_DECODE [gateway args...]: prints "LABEL goodput"
+# CPU seconds (user + system) the processes in PIDS have used so far.
+cpu_s() {
+    local p t=0
+    for p in "${PIDS[@]}"; do
+        [ -r "/proc/$p/stat" ] && t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat")))
+    done
+    python3 -c "import os; print($t / os.sysconf('SC_CLK_TCK'))"
+}
+
+# run_one NAME N_PREFILL N_DECODE OFFLINE(0|1) [gateway args...]: one configuration; leaves
+# $OUT/NAME/{result.json,trace.csv,info.json,*.log}.
 run_one() {
-    local label=$1 np=$2 nd=$3
-    shift 3
-    local tmp port ctl i role
-    tmp=$(mktemp -d /tmp/tidal-bench.XXXXXX)
+    local name=$1 np=$2 nd=$3 offline=$4
+    shift 4
+    local dir=$OUT/$name port ctl i role db=""
+    mkdir -p "$dir"
     port=$(free_port)
     ctl="tcp://127.0.0.1:$(free_port)"
+    [ "$offline" = 1 ] && db="$dir/gateway.db"
+    # --dead-after-ms: an emulated worker sleeps through a prefill batch (2 s at the
+    # defaults) without heartbeats; --heartbeat-ms 200: the policy runs every 200 ms.
     "$BIN/gateway" --host 127.0.0.1 --port "$port" --ctl-bind "$ctl" --model "$MODEL" \
-        --stats-bind "" --state-db "" --heartbeat-ms 200 --log-level warn "$@" \
-        >"$tmp/gateway.log" 2>&1 &
+        --stats-bind "" --state-db "$db" --heartbeat-ms 200 --dead-after-ms 10000 \
+        --ttft-slo-ms "$TTFT_SLO" --tpot-slo-ms "$TPOT_SLO" --log-level warn "$@" \
+        >"$dir/gateway.log" 2>&1 &
     PIDS+=($!)
     for ((i = 0; i < np + nd; i++)); do
         role=prefill
         ((i >= np)) && role=decode
+        # --threads 1: 8 workers share 2 CPUs; --max-seqs, --max-batch-tokens: the engine
+        # settings the simulator is given too
         "$BIN/prefill_worker" --role "$role" --gateway "$ctl" --model "$MODEL" \
             --worker-id "w$i" --kv-bind "tcp://127.0.0.1:$(free_port)" --emulate "$PRESET" \
-            --heartbeat-ms 200 --log-level warn >"$tmp/w$i.log" 2>&1 &
+            --threads 1 --max-seqs "$MAX_SEQS" --max-batch-tokens "$MAX_BATCH_TOKENS" \
+            --heartbeat-ms 200 --log-level warn >"$dir/w$i.log" 2>&1 &
         PIDS+=($!)
     done
     local deadline=$((SECONDS + 60)) n=0
@@ -78,32 +145,275 @@ run_one() {
         sleep 0.2
     done
     if ((n != np + nd)); then
-        echo "tidal-bench: $label: only $n of $((np + nd)) workers registered (logs in $tmp)" >&2
-        stop_all
-        return 1
+        echo "tidal-bench: $name: only $n of $((np + nd)) workers registered (logs in $dir)" >&2
+        KEEP=1
+        exit 1
     fi
-    "$BIN/tidepool-bench" --url "http://127.0.0.1:$port" --workload phase-shift \
-        --phase-seconds "$PHASE_S" --phase-short-len 8 --input-len-range 60:120 \
-        --output-len-range 100:200 --request-rate "$RATE" --num-prompts "$N" --seed 1 \
-        --goodput "$SLO" --result-json "$tmp/result.json" --no-progress >"$tmp/bench.txt" 2>&1 ||
-        { echo "tidal-bench: $label: the bench failed (see $tmp/bench.txt)" >&2; stop_all; return 1; }
-    local changes
-    changes=$(curl -s "http://127.0.0.1:$port/workers" | python3 -c \
-        'import json,sys; print(sum(w.get("role_changes", 0) for w in json.load(sys.stdin)["workers"]))')
-    stop_all
-    python3 - "$tmp/result.json" "$label" "$changes" <<'EOF'
-import json, sys
-r = json.load(open(sys.argv[1]))
-print("%-14s goodput %6.2f req/s  throughput %6.2f req/s  role changes %s  (EMULATED)"
-      % (sys.argv[2], r.get("request_goodput") or 0.0, r.get("request_throughput") or 0.0,
-         sys.argv[3]))
+    local batch_id=""
+    if [ "$offline" = 1 ]; then
+        batch_id=$(python3 - "$port" "$OFFLINE_LINES" "$OFFLINE_WORDS" "$OFFLINE_TOKENS" <<'EOF'
+import json, random, sys, urllib.request
+port, n, words, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+base = "http://127.0.0.1:%s" % port
+vocab = "the cat ran to a big red ball in the park and saw a little dog".split()
+rnd = random.Random(7)
+lines = "".join(json.dumps({"custom_id": "offline-%d" % i, "method": "POST",
+                            "url": "/v1/completions",
+                            "body": {"model": "stories260K", "max_tokens": tokens,
+                                     "temperature": 0, "ignore_eos": True,
+                                     "prompt": " ".join(rnd.choice(vocab) for _ in range(words))}})
+                + "\n" for i in range(n))
+req = urllib.request.Request(base + "/v1/files?purpose=batch&filename=offline.jsonl",
+                             data=lines.encode(), method="POST")
+fid = json.load(urllib.request.urlopen(req))["id"]
+req = urllib.request.Request(base + "/v1/batches", method="POST",
+                             headers={"Content-Type": "application/json"},
+                             data=json.dumps({"input_file_id": fid, "endpoint": "/v1/completions",
+                                              "completion_window": "24h"}).encode())
+print(json.load(urllib.request.urlopen(req))["id"])
 EOF
+        )
+    fi
+    local cpu0 t0 rc=0
+    cpu0=$(cpu_s)
+    t0=$(date +%s.%N)
+    "$BIN/tidepool-bench" --url "http://127.0.0.1:$port" --workload phase-shift \
+        --phase-seconds "$PHASE_S" --request-rate "$RATE" --decode-rate "$DECODE_RATE" \
+        --duration-s "$DURATION" --num-prompts "$MAX_N" --input-len-range "$PROMPT_WORDS" \
+        --output-len-range "$OUTPUT_TOKENS" --phase-short-len "$SHORT_LEN" --ignore-eos \
+        --seed "$SEED" --goodput "$SLO" --timeout-s "$TIMEOUT_S" --result-json "$dir/result.json" \
+        --trace-out "$dir/trace.csv" --no-progress >"$dir/bench.txt" 2>&1 || rc=$?
+    if ((rc != 0)); then
+        echo "tidal-bench: $name: the bench failed (see $dir/bench.txt)" >&2
+        KEEP=1
+        exit 1
+    fi
+    local cpu1 t1
+    cpu1=$(cpu_s)
+    t1=$(date +%s.%N)
+    curl -s "http://127.0.0.1:$port/workers" >"$dir/workers.json"
+    curl -s "http://127.0.0.1:$port/metrics" >"$dir/metrics.txt"
+    python3 -c "import json; json.dump({'cpu_s': $cpu1 - $cpu0, 'wall_s': $t1 - $t0}, open('$dir/info.json', 'w'))"
+    if [ -n "$batch_id" ]; then
+        # the batch as the online run ended, then how long the rest takes with the cluster to
+        # itself (at most 120 s more)
+        curl -s "http://127.0.0.1:$port/v1/batches/$batch_id" >"$dir/batch.json"
+        local t_end=$((SECONDS + 120)) st=""
+        while ((SECONDS < t_end)); do
+            st=$(curl -s "http://127.0.0.1:$port/v1/batches/$batch_id" |
+                python3 -c 'import json,sys; print(json.load(sys.stdin)["status"])')
+            [ "$st" = completed ] && break
+            sleep 1
+        done
+        curl -s "http://127.0.0.1:$port/v1/batches/$batch_id" >"$dir/batch-end.json"
+        python3 -c "import json; d = json.load(open('$dir/info.json')); d['batch_after_s'] = $(date +%s.%N) - $t1; json.dump(d, open('$dir/info.json', 'w'))"
+    fi
+    stop_all
 }
 
-echo "tidal-bench: 8 EMULATED workers ($PRESET), phase-shift ${PHASES}x${PHASE_S}s at $RATE req/s," \
-    "SLO $SLO"
+label() { tr ':' '-' <<<"$1"; }
+
+echo "tidal-bench: EMULATED cluster of 8 workers ($PRESET, max-seqs $MAX_SEQS, max-batch-tokens" \
+    "$MAX_BATCH_TOKENS); phase-shift $PHASES x ${PHASE_S} s: prefill-heavy $RATE req/s" \
+    "($PROMPT_WORDS words, $SHORT_LEN tokens out), decode-heavy $DECODE_RATE req/s ($SHORT_LEN" \
+    "words, $OUTPUT_TOKENS tokens out); SLO $SLO; seed $SEED" >&2
+CONFIGS=()
 for s in $SPLITS; do
-    run_one "static $s" "${s%%:*}" "${s##*:}"
+    echo "tidal-bench: static $s ..." >&2
+    run_one "static-$(label "$s")" "${s%%:*}" "${s##*:}" 0
+    CONFIGS+=("static-$(label "$s")")
 done
+# The trace: every request's arrival and token counts, from the first run that has one.
+TRACE=""
+for c in "${CONFIGS[@]}"; do TRACE=$OUT/$c/trace.csv; break; done
+# The simulator gets the workers' engine settings, the gateway's behaviour (decode room
+# reserved at dispatch, a 200 ms policy tick, no switching cost) and the policy knobs of
+# TIDAL_ARGS.
+tidal_arg() { # tidal_arg FLAG DEFAULT: FLAG's value in TIDAL_ARGS
+    local v
+    v=$(sed -n "s/.*$1[ =]\([0-9.]*\).*/\1/p" <<<"$TIDAL_ARGS")
+    echo "${v:-$2}"
+}
+SIM_ARGS=(--workers 8 --preset "$PRESET" --max-seqs "$MAX_SEQS" --max-batch-tokens
+          "$MAX_BATCH_TOKENS" --decode-reserve dispatch --tick-ms 200 --switch-ms 0
+          --ttft-slo-ms "$TTFT_SLO" --tpot-slo-ms "$TPOT_SLO" --initial-prefill "${TIDAL_START%%:*}"
+          --min-role-s "$(tidal_arg --tidal-min-role-s 30)" --smooth-s "$(tidal_arg --smooth-s 5)"
+          --max-changes "$(tidal_arg --tidal-max-changes 2)"
+          --min-per-role "$(tidal_arg --tidal-min-per-role 1)")
+if [ -z "$PREFILL_TOK_S" ]; then
+    [ -n "$TRACE" ] || { echo "tidal-bench: set PREFILL_TOK_S when SPLITS is empty" >&2; exit 2; }
+    PREFILL_TOK_S=$("$BIN/tidepool-sim" "${SIM_ARGS[@]}" --trace "$TRACE" --policy static:2 2>/dev/null |
+        sed -n 's/.*capacity estimates per worker: prefill \([0-9]*\) tok\/s.*/\1/p')
+fi
 # shellcheck disable=SC2086  # TIDAL_ARGS is a list of flags
-run_one "tidal from $TIDAL_START" "${TIDAL_START%%:*}" "${TIDAL_START##*:}" --tidal $TIDAL_ARGS
+{
+    echo "tidal-bench: tidal from $TIDAL_START (policy prefill capacity $PREFILL_TOK_S tok/s per worker) ..." >&2
+    run_one tidal "${TIDAL_START%%:*}" "${TIDAL_START##*:}" 0 --tidal $TIDAL_ARGS \
+        --prefill-tokens-per-s "$PREFILL_TOK_S"
+    CONFIGS+=(tidal)
+    [ -n "$TRACE" ] || TRACE=$OUT/tidal/trace.csv
+    if [ "$OFFLINE" = 1 ]; then
+        echo "tidal-bench: tidal + a Batch API job of $OFFLINE_LINES offline requests ..." >&2
+        run_one tidal-offline "${TIDAL_START%%:*}" "${TIDAL_START##*:}" 1 --tidal $TIDAL_ARGS \
+            --prefill-tokens-per-s "$PREFILL_TOK_S" --offline-max-wait-s "$OFFLINE_WAIT_S"
+    fi
+}
+# How a decode worker left decode in the tidal run: migrated its sequences, or drained them
+# (before live migration): the simulator does the same.
+ROLE_CHANGE=$(python3 -c "import json; w = json.load(open('$OUT/tidal/workers.json'))['workers']
+print('migrate' if sum(x.get('migrated_out', 0) for x in w) > 0 else 'drain')")
+"$BIN/tidepool-sim" "${SIM_ARGS[@]}" --role-change "$ROLE_CHANGE" --trace "$TRACE" \
+    --compare-static >"$OUT/sim.txt" 2>&1
+if [ "$SIM1000" = 1 ]; then
+    echo "tidal-bench: tidepool-sim with 1000 workers ..." >&2
+    for mode in "" --compare-static; do
+        # shellcheck disable=SC2086
+        "$BIN/tidepool-sim" --workers 1000 --workload phase-shift $mode >"$OUT/sim1000$mode.txt" \
+            2>"$OUT/sim1000$mode.err"
+    done
+fi
+
+echo "tidal-bench: EMULATED cluster of 8 workers ($PRESET, max-seqs $MAX_SEQS, max-batch-tokens" \
+    "$MAX_BATCH_TOKENS); phase-shift $PHASES x ${PHASE_S} s: prefill-heavy $RATE req/s" \
+    "($PROMPT_WORDS words, $SHORT_LEN tokens out), decode-heavy $DECODE_RATE req/s ($SHORT_LEN" \
+    "words, $OUTPUT_TOKENS tokens out); SLO $SLO; seed $SEED; tidal: $TIDAL_ARGS" \
+    "--prefill-tokens-per-s $PREFILL_TOK_S"
+OFFLINE_WAIT_S=$OFFLINE_WAIT_S python3 - "$OUT" "$TTFT_SLO" "$TPOT_SLO" "$SIM1000" "$OFFLINE" \
+    "$((SECONDS - T_START))" \
+    "${CONFIGS[@]}" <<'EOF'
+import json, os, re, sys
+out, ttft_slo, tpot_slo = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+sim1000, offline, elapsed, configs = sys.argv[4] == "1", sys.argv[5] == "1", sys.argv[6], sys.argv[7:]
+
+def load(name):
+    d = os.path.join(out, name)
+    r = json.load(open(os.path.join(d, "result.json")))
+    info = json.load(open(os.path.join(d, "info.json")))
+    workers = json.load(open(os.path.join(d, "workers.json")))["workers"]
+    met = {"all": [0, 0], "prefill-heavy": [0, 0], "decode-heavy": [0, 0]}
+    for q in r["requests"]:
+        if q["state"] == "not_sent":
+            continue
+        ok = q["success"] and q["ttft_ms"] <= ttft_slo and (
+            q["output_tokens"] <= 1 or
+            (q["e2el_ms"] - q["ttft_ms"]) / (q["output_tokens"] - 1) <= tpot_slo)
+        for k in ("all", q["phase"]):
+            met[k][0] += ok
+            met[k][1] += 1
+    pct = {k: 100.0 * v[0] / v[1] if v[1] else 0.0 for k, v in met.items()}
+    return {"name": name, "r": r, "good": met["all"][0], "n": met["all"][1], "pct": pct,
+            "cpu": info["cpu_s"] / info["wall_s"], "changes": sum(w.get("role_changes", 0)
+                                                                for w in workers),
+            "split": "%d:%d" % (sum(w["role"] == "prefill" for w in workers),
+                                sum(w["role"] == "decode" for w in workers)),
+            "dir": d}
+
+runs = [load(c) for c in configs]
+label = lambda x: x["name"].replace("static-", "static ").replace("-", ":") if x["name"].startswith(
+    "static") else "tidal"
+print("EMULATED: one run each; goodput = requests meeting both SLOs / the bench's duration "
+      "(vLLM's definition); CPU = cores the gateway and workers used")
+print("%-14s %8s %8s %6s %8s %8s %9s %9s %9s %5s %6s %6s" % (
+    "EMULATED", "goodput", "good", "SLO", "P-phase", "D-phase", "TTFT p99", "TPOT mean",
+    "failed", "role", "final", "CPU"))
+print("%-14s %8s %8s %6s %8s %8s %9s %9s %9s %5s %6s %6s" % (
+    "", "req/s", "of all", "met %", "met %", "met %", "ms", "ms", "", "chg", "P:D", "cores"))
+for x in runs:
+    r = x["r"]
+    print("%-14s %8.2f %8s %6.1f %8.1f %8.1f %9.0f %9.1f %9d %5d %6s %6.2f" % (
+        label(x), r["request_goodput"] or 0, "%d/%d" % (x["good"], x["n"]), x["pct"]["all"],
+        x["pct"]["prefill-heavy"], x["pct"]["decode-heavy"], r["p99_ttft_ms"], r["mean_tpot_ms"],
+        r["failed"], x["changes"], x["split"], x["cpu"]))
+rank = sorted(runs, key=lambda x: (-x["good"], x["name"] != "tidal"))
+print("ranking (EMULATED, by requests meeting both SLOs): " + " > ".join(label(x) for x in rank))
+tidal = next((x for x in runs if x["name"] == "tidal"), None)
+statics = [x for x in runs if x["name"].startswith("static")]
+if tidal and statics:
+    best = max(statics, key=lambda x: x["r"]["request_goodput"] or 0)
+    g_t, g_b = tidal["r"]["request_goodput"] or 0, best["r"]["request_goodput"] or 0
+    print("tidal / best static (%s): %s goodput (%.2f vs %.2f req/s); %s requests meeting the SLOs "
+          "(%d vs %d)" % (label(best), "%.2fx" % (g_t / g_b) if g_b > 0 else "inf", g_t, g_b,
+                          "%.2fx" % (tidal["good"] / best["good"]) if best["good"] else "inf",
+                          tidal["good"], best["good"]))
+
+# the simulator on the same trace
+sim = open(os.path.join(out, "sim.txt")).read()
+rows = {}
+for line in sim.splitlines():
+    f = line.split()
+    if len(f) >= 7 and re.match(r"^(tidal|static:\d+)$", f[0]) and re.match(r"^[0-9.]+$", f[1]):
+        rows[f[0]] = (float(f[1]), float(f[2]), float(f[5]))  # goodput, SLO %, TPOT mean
+n_workers = 8
+def sim_key(x):
+    return "tidal" if x["name"] == "tidal" else "static:" + x["name"].split("-")[1]
+print()
+print("SIMULATED (tidepool-sim --trace: the same requests, engine settings and policy knobs; "
+      "%s)" % (re.search(r"engine: (.*)", sim).group(1) if re.search(r"engine: (.*)", sim) else ""))
+print("%-14s %10s %10s %12s %12s %10s %10s" % ("", "EMU SLO %", "SIM SLO %", "EMU goodput",
+                                               "SIM goodput", "EMU TPOT", "SIM TPOT"))
+for x in runs:
+    s = rows.get(sim_key(x))
+    print("%-14s %10.1f %10s %12.2f %12s %10.1f %10s" % (
+        label(x), x["pct"]["all"], "%.1f" % s[1] if s else "-", x["r"]["request_goodput"] or 0,
+        "%.2f" % s[0] if s else "-", x["r"]["mean_tpot_ms"], "%.1f" % s[2] if s else "-"))
+print("(SIM goodput divides by the arrival window, EMU goodput by the bench's duration; TPOT in "
+      "ms: the emulated one near the simulated one means the workers were not short of CPU)")
+sim_rank = sorted(rows.items(), key=lambda kv: (-kv[1][1], kv[0] != "tidal"))
+sim_label = lambda k: k if k == "tidal" else "static %s:%d" % (k[7:], n_workers - int(k[7:]))
+print("ranking (SIMULATED, every split): " + " > ".join(sim_label(k) for k, _ in sim_rank))
+if tidal:
+    agree = []
+    for x in statics:
+        s, t = rows.get(sim_key(x)), rows.get("tidal")
+        if s and t:
+            agree.append(((tidal["good"] > x["good"]) - (tidal["good"] < x["good"]),
+                          (t[1] > s[1]) - (t[1] < s[1])))
+    same = all(a == b for a, b in agree)
+    print("tidal vs each static split run here: %s in emulation and simulation" % (
+        "ranked the same" if same else "NOT ranked the same"))
+
+if offline and tidal:
+    x = load("tidal-offline")
+    b = json.load(open(os.path.join(x["dir"], "batch.json")))
+    metrics = open(os.path.join(x["dir"], "metrics.txt")).read()
+    def metric(name):
+        m = re.search(r"^tidepool:%s(?:\{[^}]*\})? ([0-9.e+]+)$" % name, metrics, re.M)
+        return float(m.group(1)) if m else 0.0
+    dur = x["r"]["duration"]
+    print()
+    print("OFFLINE (EMULATED, tidal, the same online workload; a Batch API job of %d lines "
+          "submitted at the start, aging after %s s)" % (b["request_counts"]["total"],
+                                                        os.environ.get("OFFLINE_WAIT_S", "?")))
+    print("%-16s %10s %8s %8s %10s %10s %10s %8s" % ("", "online SLO", "P-phase", "D-phase",
+                                                    "goodput", "offline", "offline", "preempt"))
+    print("%-16s %10s %8s %8s %10s %10s %10s %8s" % ("", "met %", "met %", "met %", "req/s",
+                                                    "done", "tok/s", ""))
+    for name, y, done, toks, pre in (
+            ("without offline", tidal, "-", "-", "-"),
+            ("with offline", x, "%d" % b["request_counts"]["completed"],
+             "%.1f" % (metric("offline_generation_tokens_total") / dur),
+             "%d" % metric("offline_preemptions_total"))):
+        print("%-16s %10.1f %8.1f %8.1f %10.2f %10s %10s %8s" % (
+            name, y["pct"]["all"], y["pct"]["prefill-heavy"], y["pct"]["decode-heavy"],
+            y["r"]["request_goodput"] or 0, done, toks, pre))
+    be = json.load(open(os.path.join(x["dir"], "batch-end.json")))
+    info = json.load(open(os.path.join(x["dir"], "info.json")))
+    print("(offline done: batch lines completed during the online run's %.0f s; offline tok/s over "
+          "it. Afterwards, with the cluster to itself, the batch was %s %.0f s later: %d of %d "
+          "lines done, %d failed)" % (dur, be["status"], info.get("batch_after_s", 0),
+                                      be["request_counts"]["completed"],
+                                      be["request_counts"]["total"],
+                                      be["request_counts"]["failed"]))
+
+if sim1000:
+    print()
+    for mode in ("", "--compare-static"):
+        err = open(os.path.join(out, "sim1000%s.err" % mode)).read()
+        txt = open(os.path.join(out, "sim1000%s.txt" % mode)).read()
+        m = re.search(r"(\d+) run\(s\) in ([0-9.]+) s wall", err)
+        last = [l for l in txt.splitlines() if l.startswith("tidal ranks")]
+        print("tidepool-sim --workers 1000 --workload phase-shift %s: %s run(s) in %s s wall%s" % (
+            mode, m.group(1) if m else "?", m.group(2) if m else "?",
+            ("; " + last[0]) if last else ""))
+print("tidal-bench: %s s in all" % elapsed)
+EOF

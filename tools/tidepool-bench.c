@@ -494,7 +494,7 @@ static void flight_start(bench *b, size_t idx)
         /* Scheduled arrivals keep the phase of each request reproducible; without a
          * schedule the send time decides. */
         double at = isfinite(b->a.request_rate) ? r->arrival_s : r->start_s;
-        r->phase = (int8_t)((long long)floor(at / b->a.phase_s) % 2);
+        r->phase = (int8_t)bench_phase_at(b, at);
     }
     b->n_sent++;
     b->in_flight++;
@@ -782,6 +782,11 @@ static int bench_check_args(bench *b)
         e = "--plot: the file name must not contain a single quote";
     else if (a->model && !*a->model)
         e = "--model: empty name";
+    else if (a->decode_rate > 0 &&
+             (strcmp(a->workload, "phase-shift") != 0 || !isfinite(a->request_rate)))
+        e = "--decode-rate needs --workload phase-shift and a finite --request-rate";
+    else if (a->duration_s > 0 && !isfinite(a->request_rate))
+        e = "--duration-s needs a finite --request-rate";
     if (e) {
         fprintf(stderr, "tidepool-bench: %s\n", e);
         return -1;
@@ -857,14 +862,18 @@ int main(int argc, char **argv)
         goto out;
     raise_fd_limit(b);
 
-    /* The arrival schedule, from its own random stream. */
+    /* The arrival schedule, from its own random stream; --duration-s cuts it. */
     rng_t ar = rng_stream((uint64_t)b->a.seed, RNG_STREAM_ARRIVALS, 0);
     double t = 0;
     for (size_t i = 0; i < b->n; i++) {
         b->recs[i].phase = PHASE_NONE;
         b->recs[i].max_tokens = -1;
         if (i > 0 && isfinite(b->a.request_rate))
-            t += -log(1.0 - rng_unit(&ar)) / b->a.request_rate;
+            t = workload_next_arrival(&b->a, t, -log(1.0 - rng_unit(&ar)));
+        if (b->a.duration_s > 0 && t >= b->a.duration_s) {
+            b->n = i; /* request 0 arrives at 0 < duration_s: n >= 1 */
+            break;
+        }
         b->recs[i].arrival_s = t;
     }
     b->arrival_ev = evtimer_new(b->base, arrival_cb, b);
@@ -912,6 +921,8 @@ int main(int argc, char **argv)
     if (b->a.result_json && report_json(b, &m, phased ? ph : NULL, argc, argv) < 0)
         exit_code = 1;
     if (b->a.plot && report_plot(b) < 0)
+        exit_code = 1;
+    if (b->a.trace_out && report_trace(b) < 0)
         exit_code = 1;
 out:
     bench_free(b);

@@ -45,8 +45,10 @@
 
 // --- settings ------------------------------------------------------------------------------
 
-static long long opt_workers, opt_seed, opt_initial_prefill, opt_max_changes;
-static char *opt_trace, *opt_workload, *opt_policy, *opt_preset;
+static long long opt_workers, opt_seed, opt_initial_prefill, opt_max_changes, opt_max_seqs,
+    opt_max_batch_tokens, opt_min_per_role;
+static char *opt_trace, *opt_workload, *opt_policy, *opt_preset, *opt_role_change,
+    *opt_decode_reserve;
 static double opt_duration_s, opt_phase_s, opt_rate, opt_load, opt_offline_frac;
 static double opt_ttft_slo_ms, opt_tpot_slo_ms, opt_tick_ms, opt_switch_ms;
 static double opt_min_role_s, opt_window_s, opt_max_change_frac, opt_act_pressure, opt_band;
@@ -81,7 +83,19 @@ static const config_entry_t settings[] = {
     {"initial-prefill", CONFIG_INT, &opt_initial_prefill, "0", 0, 100000,
      "tidal: prefill workers at the start (0 = half)"},
     {"preset", CONFIG_STRING, &opt_preset, "a100-llama3-8b", 0, 0,
-     "cost model preset: a100-llama3-8b | h100-llama3-8b"},
+     "cost model preset: a100-llama3-8b | h100-llama3-8b, optionally with :dilate=K (K "
+     "times slower, 1 <= K <= 1000)"},
+    {"max-seqs", CONFIG_INT, &opt_max_seqs, "0", 0, 1000000,
+     "sequences per decode worker (the engine's --max-seqs; 0 = the preset's)"},
+    {"max-batch-tokens", CONFIG_INT, &opt_max_batch_tokens, "0", 0, 100000000,
+     "prompt tokens per prefill batch (the engine's --max-batch-tokens; 0 = the preset's)"},
+    {"role-change", CONFIG_STRING, &opt_role_change, "migrate", 0, 0,
+     "a decode worker leaving decode: migrate (its sequences move to other decode workers) "
+     "| drain (it takes no new sequence and finishes its own)"},
+    {"decode-reserve", CONFIG_STRING, &opt_decode_reserve, "prefill", 0, 0,
+     "when a request's decode worker is chosen and its KV reserved: prefill (when its "
+     "prefill ends) | dispatch (before its prefill, as tidepool's gateway does: requests wait "
+     "at the gateway, before their first token, while no decode worker has room)"},
     {"tick-ms", CONFIG_DOUBLE, &opt_tick_ms, "1000", 10, 1e6, "policy decision interval"},
     {"switch-ms", CONFIG_DOUBLE, &opt_switch_ms, "500", 0, 1e7,
      "role change cost after draining (reconfiguration)"},
@@ -91,6 +105,8 @@ static const config_entry_t settings[] = {
     {"max-change-frac", CONFIG_DOUBLE, &opt_max_change_frac, "0.25", 0, 1,
      "policy: role changes per window as a share of the workers"},
     {"window-s", CONFIG_DOUBLE, &opt_window_s, "10", 0.001, 1e6, "policy: rate-cap window"},
+    {"min-per-role", CONFIG_INT, &opt_min_per_role, "1", 1, 100000,
+     "policy: workers that always stay prefill and decode"},
     {"act-pressure", CONFIG_DOUBLE, &opt_act_pressure, "0.8", 0.01, 100,
      "policy: pressure a role needs before it gains a worker"},
     {"band", CONFIG_DOUBLE, &opt_band, "1.25", 1, 100,
@@ -162,6 +178,8 @@ typedef struct {
     const costmodel *cm;
     policy_params pp;
     int n_workers, tidal;
+    int drain;            /* --role-change drain */
+    int reserve_dispatch; /* --decode-reserve dispatch */
     double tick_ms, switch_ms, ttft_slo_ms, tpot_slo_ms, kv_cap, hard_end_ms;
     /* clock and events */
     double now;
@@ -173,9 +191,11 @@ typedef struct {
     workload wl;
     sim_arrival next;
     int arrivals_done;
-    /* workers and queues */
+    /* workers and queues. q_on is the prefill queue. With reserve_dispatch, q_gw holds the
+     * online requests waiting at the gateway for decode room, q_off the offline ones, and
+     * q_on both kinds once dispatched (their decode room reserved). */
     sworker *w;
-    ideque q_on, q_off, pend_on, pend_off;
+    ideque q_on, q_off, q_gw, pend_on, pend_off;
     int64_t q_on_tokens;
     ivec idle_prefill;
     int *dec_list, n_dec;
@@ -198,6 +218,8 @@ typedef struct {
     size_t n_win, cap_win;
     int64_t n_online, n_good, n_offline, n_offline_done, offline_tokens, preemptions, changes;
 } sim;
+
+static void dispatch(sim *s);
 
 // --- requests ------------------------------------------------------------------------------
 
@@ -316,12 +338,19 @@ static int choose_decode(sim *s, int need, int scan)
     return best;
 }
 
-static void reserve(sim *s, int id, int w, double arrive_ms)
+/* Reserve room for request id on decode worker w: KV for prompt + output, one slot. */
+static void hold(sim *s, int id, int w)
 {
     sreq *r = &s->reqs[id];
     s->w[w].kv_reserved += r->need;
     s->w[w].assigned++;
     r->worker = w;
+}
+
+static void reserve(sim *s, int id, int w, double arrive_ms)
+{
+    sreq *r = &s->reqs[id];
+    hold(s, id, w);
     r->state = RQ_XFER;
     evheap_push(&s->ev, arrive_ms, EV_XFER_DONE, id, r->epoch);
 }
@@ -494,14 +523,20 @@ static void on_step_done(sim *s, int w)
         finish_req(s, e.req);
         freed = 1;
     }
-    if (x->changing) {
+    if (x->changing && !s->drain) {
         migrate_all(s, w);
         return;
     }
-    start_step(s, w);
+    if (x->changing && x->running == 0 && x->incoming.n == 0) { /* drained */
+        x->stepping = 0;
+        switch_start(s, w, 0);
+    } else {
+        start_step(s, w);
+    }
     if (freed) {
         s->free_epoch++;
         drain_pending(s, w);
+        dispatch(s);
     }
 }
 
@@ -532,7 +567,8 @@ static int prefill_ready(const sim *s, int w)
 
 static int have_prefill_work(const sim *s)
 {
-    return s->q_on.n > 0 || (s->q_off.n > 0 && s->offline_running < s->offline_limit);
+    return s->q_on.n > 0 ||
+           (!s->reserve_dispatch && s->q_off.n > 0 && s->offline_running < s->offline_limit);
 }
 
 static void start_prefill(sim *s, int w)
@@ -548,13 +584,14 @@ static void start_prefill(sim *s, int w)
             break;
         int id = ideque_pop_front(&s->q_on);
         s->q_on_tokens -= r->prompt;
-        s->online_running++;
+        if (!s->reserve_dispatch) /* else counted when dispatched */
+            s->online_running++;
         r->state = RQ_PREFILL;
         ivec_push(&x->batch, id);
         tokens += pt;
         pairs += costmodel_attn_pairs(pt, 0);
     }
-    while (s->q_off.n > 0 && s->offline_running < s->offline_limit) {
+    while (!s->reserve_dispatch && s->q_off.n > 0 && s->offline_running < s->offline_limit) {
         sreq *r = &s->reqs[ideque_front(&s->q_off)];
         int pt = r->prompt + r->gen;
         if (x->batch.n > 0 && tokens + pt > budget)
@@ -588,9 +625,47 @@ static void wake_prefill(sim *s)
     }
 }
 
+/* --decode-reserve dispatch: move requests waiting at the gateway to the prefill queue while
+ * a decode worker has room for them, reserving it now, as tidepool's gateway does: online
+ * first (FIFO, after the prefilled sequences waiting for room), offline only when no online
+ * request waits and within the policy's offline limit. */
+static void dispatch(sim *s)
+{
+    if (!s->reserve_dispatch)
+        return;
+    int moved = 0;
+    for (;;) {
+        ideque *q = NULL;
+        if (s->q_gw.n > 0)
+            q = s->pend_on.n == 0 ? &s->q_gw : NULL;
+        else if (s->q_off.n > 0 && s->offline_running < s->offline_limit && s->pend_on.n == 0 &&
+                 s->pend_off.n == 0)
+            q = &s->q_off;
+        if (!q)
+            break;
+        int id = ideque_front(q);
+        sreq *r = &s->reqs[id];
+        int w = choose_decode(s, r->need, 1);
+        if (w < 0)
+            break;
+        ideque_pop_front(q);
+        hold(s, id, w);
+        if (r->offline)
+            s->offline_running++;
+        else
+            s->online_running++;
+        s->q_on_tokens += r->prompt;
+        ideque_push_back(&s->q_on, id);
+        moved = 1;
+    }
+    if (moved)
+        wake_prefill(s);
+}
+
 static void on_prefill_done(sim *s, int w)
 {
     sworker *x = &s->w[w];
+    int freed = 0;
     for (int i = 0; i < x->batch.n; i++) {
         int id = x->batch.v[i];
         sreq *r = &s->reqs[id];
@@ -602,6 +677,10 @@ static void on_prefill_done(sim *s, int w)
         if (r->gen < 1)
             r->gen = 1;
         if (r->gen >= r->out) {
+            if (r->worker >= 0) { /* its room, reserved at dispatch */
+                unreserve(s, id);
+                freed = 1;
+            }
             finish_req(s, id);
             continue;
         }
@@ -609,6 +688,15 @@ static void on_prefill_done(sim *s, int w)
             s->online_decoding++;
         double xfer = kv_transfer_ms(s, r);
         double arrive = fmax(s->now + xfer / s->cm->n_layer, x->batch_start_ms + xfer);
+        if (r->worker >= 0 && accepts(s, r->worker)) { /* reserved at dispatch */
+            r->state = RQ_XFER;
+            evheap_push(&s->ev, arrive, EV_XFER_DONE, id, r->epoch);
+            continue;
+        }
+        if (r->worker >= 0) { /* its worker left decode meanwhile */
+            unreserve(s, id);
+            freed = 1;
+        }
         place_decode(s, id, arrive, 0);
     }
     x->batch.n = 0;
@@ -617,6 +705,10 @@ static void on_prefill_done(sim *s, int w)
         switch_start(s, w, 0);
     else
         start_prefill(s, w);
+    if (freed) {
+        drain_pending(s, -1);
+        dispatch(s);
+    }
 }
 
 // --- role changes, preemption, the policy tick ---------------------------------------------
@@ -630,7 +722,7 @@ static void begin_change(sim *s, int w, int to)
     s->changes++;
     if (x->role == POLICY_ROLE_DECODE) {
         dec_list_remove(s, w);
-        if (!x->stepping)
+        if (!x->stepping) /* idle: nothing to migrate or drain */
             migrate_all(s, w);
     } else if (!x->busy) {
         switch_start(s, w, 0);
@@ -647,6 +739,7 @@ static void on_switch_done(sim *s, int w)
         x->step = 0;
         dec_list_add(s, w);
         drain_pending(s, w);
+        dispatch(s);
     } else {
         start_prefill(s, w);
     }
@@ -778,11 +871,18 @@ static void on_tick(sim *s)
     policy_input in = {.now_ms = (int64_t)s->now, .workers = s->pin, .n_workers = n};
     policy_cluster *c = &in.cluster;
     c->queued_prompt_tokens = s->q_on_tokens;
-    c->oldest_wait_ms =
-        s->q_on.n ? (int64_t)(s->now - s->reqs[ideque_front(&s->q_on)].arrival_ms) : 0;
-    c->online_queued = (int)s->q_on.n;
+    if (s->reserve_dispatch) {
+        /* What tidepool's gateway reports: prompts are queued at the prefill workers (their
+         * tokens come with heartbeats, not their wait), and requests waiting at the gateway
+         * wait for decode room, so they count as decoding. */
+        c->online_decoding = s->online_decoding + (int)s->q_gw.n;
+    } else {
+        c->oldest_wait_ms =
+            s->q_on.n ? (int64_t)(s->now - s->reqs[ideque_front(&s->q_on)].arrival_ms) : 0;
+        c->online_queued = (int)s->q_on.n;
+        c->online_decoding = s->online_decoding;
+    }
     c->online_running = s->online_running;
-    c->online_decoding = s->online_decoding;
     c->prompt_tokens_arrived = s->prompt_tokens_arrived;
     c->offline_queued = (int)s->q_off.n;
     c->offline_running = s->offline_running;
@@ -810,9 +910,10 @@ static void on_tick(sim *s)
     s->offline_limit = out.offline_max_running;
     if (out.offline_preempt > 0)
         preempt(s, out.offline_preempt);
+    dispatch(s);
     wake_prefill(s);
 
-    if (s->arrivals_done && s->q_on.n == 0 && s->online_running == 0)
+    if (s->arrivals_done && s->q_on.n == 0 && s->q_gw.n == 0 && s->online_running == 0)
         s->stop = 1;
     else if (s->now >= s->hard_end_ms)
         s->stop = 1;
@@ -850,10 +951,15 @@ static void on_arrival(sim *s)
         ideque_push_back(&s->q_off, id);
     } else {
         s->n_online++;
-        s->q_on_tokens += r->prompt;
         s->prompt_tokens_arrived += r->prompt;
-        ideque_push_back(&s->q_on, id);
+        if (s->reserve_dispatch) {
+            ideque_push_back(&s->q_gw, id);
+        } else {
+            s->q_on_tokens += r->prompt;
+            ideque_push_back(&s->q_on, id);
+        }
     }
+    dispatch(s);
     wake_prefill(s);
     schedule_next_arrival(s);
 }
@@ -880,6 +986,8 @@ static void sim_run(const costmodel *cm, const policy_params *pp, const workload
     }
     s.n_workers = n_workers;
     s.tidal = tidal;
+    s.drain = strcmp(opt_role_change, "drain") == 0;
+    s.reserve_dispatch = strcmp(opt_decode_reserve, "dispatch") == 0;
     s.tick_ms = opt_tick_ms;
     s.switch_ms = opt_switch_ms;
     s.ttft_slo_ms = opt_ttft_slo_ms;
@@ -944,7 +1052,7 @@ static void sim_run(const costmodel *cm, const policy_params *pp, const workload
         ASSERT(s.w[i].kv_reserved >= 0 && s.w[i].assigned >= 0 && s.w[i].running >= 0 &&
                s.w[i].ctx_sum >= 0);
     if (s.now < s.hard_end_ms) {
-        ASSERT(s.online_running == 0 && s.online_decoding == 0 && s.q_on.n == 0);
+        ASSERT(s.online_running == 0 && s.online_decoding == 0 && s.q_on.n == 0 && s.q_gw.n == 0);
         ASSERT((int64_t)s.n_fin == s.n_online);
     }
 
@@ -983,6 +1091,7 @@ static void sim_run(const costmodel *cm, const policy_params *pp, const workload
     free(s.ev.v);
     free(s.q_on.v);
     free(s.q_off.v);
+    free(s.q_gw.v);
     free(s.pend_on.v);
     free(s.pend_off.v);
     free(s.idle_prefill.v);
@@ -1063,8 +1172,22 @@ int main(int argc, char **argv)
     if (costmodel_preset(opt_preset, &cm) < 0) {
         fprintf(stderr,
                 "tidepool-sim: --preset: unknown preset '%s' (want a100-llama3-8b or "
-                "h100-llama3-8b)\n",
+                "h100-llama3-8b, optionally with :dilate=K, 1 <= K <= 1000)\n",
                 opt_preset);
+        goto out;
+    }
+    if (opt_max_seqs > 0)
+        cm.max_seqs = (int)opt_max_seqs;
+    if (opt_max_batch_tokens > 0)
+        cm.prefill_token_budget = (int)opt_max_batch_tokens;
+    if (strcmp(opt_role_change, "migrate") != 0 && strcmp(opt_role_change, "drain") != 0) {
+        fprintf(stderr, "tidepool-sim: --role-change: want migrate or drain, not '%s'\n",
+                opt_role_change);
+        goto out;
+    }
+    if (strcmp(opt_decode_reserve, "prefill") != 0 && strcmp(opt_decode_reserve, "dispatch") != 0) {
+        fprintf(stderr, "tidepool-sim: --decode-reserve: want prefill or dispatch, not '%s'\n",
+                opt_decode_reserve);
         goto out;
     }
     if (costmodel_check(&cm, err, sizeof(err)) < 0) {
@@ -1124,6 +1247,7 @@ int main(int argc, char **argv)
     pp.min_role_ms = (int64_t)(opt_min_role_s * 1e3);
     pp.max_changes = (int)opt_max_changes;
     pp.max_change_frac = opt_max_change_frac;
+    pp.min_per_role = (int)opt_min_per_role;
     pp.window_ms = (int64_t)(opt_window_s * 1e3);
     if (pp.window_ms < 1)
         pp.window_ms = 1;
@@ -1148,6 +1272,9 @@ int main(int argc, char **argv)
            "%.0f tok/s, decode %.0f seqs; KV %.0f tokens/worker\n",
            opt_ttft_slo_ms, opt_tpot_slo_ms, pp.prefill_tokens_per_s, pp.decode_seqs_per_worker,
            costmodel_kv_capacity_tokens(&cm));
+    printf("engine: max-seqs %d, max-batch-tokens %d; a decode worker leaving decode: %s; decode "
+           "room reserved at %s; policy tick %.0f ms\n",
+           cm.max_seqs, cm.prefill_token_budget, opt_role_change, opt_decode_reserve, opt_tick_ms);
 
     int tidal_p = opt_initial_prefill > 0 ? (int)opt_initial_prefill : n / 2;
     int n_runs = 0;

@@ -277,7 +277,8 @@ class BenchTest(unittest.TestCase):
                      "--request-rate", "--seed", "--input-len", "--output-len",
                      "--input-len-range", "--output-len-range", "--dataset", "--workload",
                      "--phase-seconds", "--temperature", "--ignore-eos", "--goodput",
-                     "--result-json", "--plot", "--timeout-s", "--no-progress"):
+                     "--result-json", "--plot", "--timeout-s", "--no-progress",
+                     "--decode-rate", "--duration-s", "--trace-out"):
             self.assertIn(flag, p.stdout)
 
     def test_bad_flags_exit_2(self):
@@ -608,6 +609,57 @@ class BenchTest(unittest.TestCase):
         self.assertGreater(ph["decode-heavy"]["completed"], 0)
         self.assertIn("Prefill-heavy successful requests:", out)
         self.assertEqual(s["Prefill-heavy successful requests"], ph["prefill-heavy"]["completed"])
+
+    def test_phase_rates_duration_and_trace(self):
+        trace = os.path.join(self.tmp, "trace.csv")
+        with FakeServer(ttft_s=0.01, itl_s=0.002) as srv:
+            rc, out, err, s, res = self.run_bench(
+                "--url", srv.url, "--model", "x", "--workload", "phase-shift",
+                "--phase-seconds", 0.5, "--request-rate", 10, "--decode-rate", 80,
+                "--duration-s", 2, "--num-prompts", 1000, "--input-len", 20, "--output-len", 6,
+                "--phase-short-len", 2, "--seed", 3, "--trace-out", trace)
+        self.assertEqual(rc, 0, err)
+        reqs = res["requests"]
+        self.assertEqual(len(reqs), len(srv.requests))
+        self.assertTrue(all(r["arrival_s"] < 2 for r in reqs))
+        self.assertGreater(reqs[-1]["arrival_s"], 1.5)     # up to the end of the 4th phase
+        n_dec = sum(r["phase"] == "decode-heavy" for r in reqs)
+        n_pre = len(reqs) - n_dec
+        # expected 10 prefill-heavy (10/s x 1 s) and 80 decode-heavy (80/s x 1 s)
+        self.assertGreater(n_dec, 3 * max(n_pre, 1), (n_pre, n_dec))
+        self.assertGreater(n_pre, 0)
+        for r in reqs:
+            want = ["prefill-heavy", "decode-heavy"][int(r["arrival_s"] / 0.5) % 2]
+            self.assertEqual(r["phase"], want)
+        self.assertEqual(res["decode_rate"], 80)
+        self.assertEqual(res["duration_s"], 2)
+        with open(trace) as f:
+            lines = f.read().splitlines()
+        self.assertTrue(lines[0].startswith("# tidepool-bench trace"))
+        self.assertEqual(lines[1], "arrival_s,prompt_tokens,output_tokens,class")
+        self.assertEqual(len(lines), 2 + len(reqs))
+        for r, line in zip(reqs, lines[2:]):
+            arrival, prompt, output, cls = line.split(",")
+            self.assertAlmostEqual(float(arrival), r["arrival_s"], places=5)
+            self.assertEqual(int(prompt), r["prompt_tokens"])   # the server's usage
+            self.assertEqual(int(output), r["max_tokens"])
+            self.assertEqual(cls, "online")
+        # the same seed and flags give the same schedule
+        with FakeServer(ttft_s=0.01, itl_s=0.002) as srv:
+            rc, out, err, s, res2 = self.run_bench(
+                "--url", srv.url, "--model", "x", "--workload", "phase-shift",
+                "--phase-seconds", 0.5, "--request-rate", 10, "--decode-rate", 80,
+                "--duration-s", 2, "--num-prompts", 1000, "--input-len", 20, "--output-len", 6,
+                "--phase-short-len", 2, "--seed", 3)
+        self.assertEqual([r["arrival_s"] for r in res2["requests"]],
+                         [r["arrival_s"] for r in reqs])
+        # the flags need a finite rate (and --decode-rate the phase-shift workload)
+        for args in (["--decode-rate", "5"], ["--workload", "phase-shift", "--decode-rate", "5"],
+                     ["--duration-s", "3"]):
+            p = subprocess.run([BENCH, "--model", "x"] + args, capture_output=True, text=True,
+                               timeout=10)
+            self.assertEqual(p.returncode, 2, args)
+            self.assertIn("finite --request-rate", p.stderr)
 
     def test_plot(self):
         png = os.path.join(self.tmp, "lat.png")

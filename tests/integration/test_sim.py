@@ -126,9 +126,70 @@ class SimTest(unittest.TestCase):
             self.assertEqual(rc, 2)
             self.assertIn("missing", err)
 
+    def test_dilation_scales_every_time(self):
+        # requests far apart: TTFT is one prefill, TPOT one decode step; both 10x dilated
+        with tempfile.TemporaryDirectory() as d:
+            csv = os.path.join(d, "t.csv")
+            with open(csv, "w") as f:
+                for i in range(5):
+                    f.write(f"{i * 100},{200 + 10 * i},20\n")
+            fig = {}
+            for preset in ("a100-llama3-8b", "a100-llama3-8b:dilate=10"):
+                rc, out, err, _ = run_sim("--workers", "2", "--trace", csv, "--preset", preset,
+                                          "--policy", "static:1", "--ttft-slo-ms", "1e6",
+                                          "--tpot-slo-ms", "1e6")
+                self.assertEqual(rc, 0, err)
+                self.assertIn("cost model " + preset, out)
+                line = next(l for l in out.splitlines() if l.startswith("static:1"))
+                fig[preset] = [float(x) for x in line.split()[3:7]]  # TTFT mean, p99, TPOT
+            for slow, fast in zip(fig["a100-llama3-8b:dilate=10"], fig["a100-llama3-8b"]):
+                self.assertAlmostEqual(slow / fast, 10, delta=0.05)
+
+    def test_tidepool_gateway_model(self):
+        """--decode-reserve dispatch: a request waits at the gateway for decode room before its
+        prefill (TTFT grows, TPOT stays one step); prefill: it waits after its first token
+        (TPOT grows). --max-seqs caps a decode worker's batch; --role-change drain lets the
+        tidal split move on a phase-shifting trace and end with every request served."""
+        with tempfile.TemporaryDirectory() as d:
+            csv = os.path.join(d, "burst.csv")
+            with open(csv, "w") as f:
+                for i in range(8):  # 8 at once, 2 decode slots: 4 rounds of 100 tokens
+                    f.write(f"0,50,101\n")
+            base = ["--workers", "2", "--trace", csv, "--policy", "static:1", "--max-seqs", "2",
+                    "--ttft-slo-ms", "1e6", "--tpot-slo-ms", "1e6"]
+            step = {}
+            for mode in ("dispatch", "prefill"):
+                rc, out, err, _ = run_sim(*base, "--decode-reserve", mode)
+                self.assertEqual(rc, 0, err)
+                self.assertIn("engine: max-seqs 2", out)
+                self.assertIn("decode room reserved at " + mode, out)
+                line = next(l for l in out.splitlines() if l.startswith("static:1"))
+                step[mode] = [float(x) for x in line.split()[3:7]]
+            ttft_d, ttft_p99_d, tpot_d, tpot_p99_d = step["dispatch"]
+            ttft_p, _, tpot_p, tpot_p99_p = step["prefill"]
+            # dispatch: the last pair waits 3 rounds of 100 steps before its first token
+            self.assertGreater(ttft_p99_d, 250 * tpot_d)
+            self.assertLess(tpot_p99_d, 1.5 * tpot_d)
+            # prefill: every first token comes early; the wait shows in TPOT instead
+            self.assertLess(ttft_p, ttft_d / 10)
+            self.assertGreater(tpot_p99_p, 2.5 * tpot_d)
+
+            # the tidal split on a phase-shifting trace with drains and dispatch reservation
+            rc, out, err, _ = run_sim(*self.SMALL, "--role-change", "drain", "--decode-reserve",
+                                      "dispatch", "--max-seqs", "64", "--max-batch-tokens",
+                                      "2048", "--compare-static")
+            self.assertEqual(rc, 0, err)
+            r = rows(out)
+            self.assertIn("tidal", r)
+            changes = int(next(l for l in out.splitlines() if l.startswith("tidal")).split()[7])
+            self.assertGreater(changes, 0)
+            self.assertIn("a decode worker leaving decode: drain", out)
+
     def test_bad_flags(self):
         for args in (["--policy", "static:8"], ["--policy", "static:0"], ["--policy", "best"],
-                     ["--preset", "tpu"], ["--workers", "1"], ["--workload", "zigzag"]):
+                     ["--preset", "tpu"], ["--workers", "1"], ["--workload", "zigzag"],
+                     ["--preset", "a100-llama3-8b:dilate=0.5"], ["--preset", "a100-llama3-8b:x"],
+                     ["--role-change", "teleport"], ["--decode-reserve", "never"]):
             rc, _, err, _ = run_sim("--workers", "8", *args)
             self.assertEqual(rc, 2, args)
             self.assertTrue(err.strip(), args)

@@ -154,6 +154,50 @@ static void test_presets_and_checks(void **state)
     assert_non_null(strstr(err, "KV"));
 }
 
+/* "PRESET:dilate=K": the same accelerator K times slower. Every time (prefill, decode step,
+ * transfer) is K times the preset's, the throughputs 1/K, the sizes unchanged. */
+static void test_dilation(void **state)
+{
+    (void)state;
+    costmodel a = a100(), d;
+    assert_int_equal(costmodel_preset("a100-llama3-8b:dilate=10", &d), 0);
+    assert_string_equal(d.name, "a100-llama3-8b:dilate=10");
+    assert_close(d.time_scale, 10, 1e-12);
+    assert_close(a.time_scale, 1, 1e-12);
+    char err[128];
+    assert_int_equal(costmodel_check(&d, err, sizeof(err)), 0);
+    assert_close(costmodel_prefill_ms(&d, 1000, costmodel_attn_pairs(1000, 0)),
+                 10 * costmodel_prefill_ms(&a, 1000, costmodel_attn_pairs(1000, 0)), 1e-12);
+    assert_close(costmodel_decode_step_ms(&d, 48, 48 * 300.0),
+                 10 * costmodel_decode_step_ms(&a, 48, 48 * 300.0), 1e-12);
+    assert_close(costmodel_transfer_ms(&d, 512), 10 * costmodel_transfer_ms(&a, 512), 1e-12);
+    assert_close(costmodel_prefill_tokens_per_s(&d, 300),
+                 costmodel_prefill_tokens_per_s(&a, 300) / 10, 1e-12);
+    assert_close(costmodel_kv_capacity_tokens(&d), costmodel_kv_capacity_tokens(&a), 1e-12);
+    /* the largest batch within a step budget: the same at 10x the budget */
+    assert_int_equal(costmodel_decode_batch_within(&d, 10 * 20.0, 500),
+                     costmodel_decode_batch_within(&a, 20.0, 500));
+    assert_int_equal(costmodel_preset("h100-llama3-8b:dilate=2.5", &d), 0);
+    assert_close(d.time_scale, 2.5, 1e-12);
+    assert_string_equal(d.name, "h100-llama3-8b:dilate=2.5");
+    /* bad factors and names are refused */
+    const char *bad[] = {"a100-llama3-8b:dilate=",
+                         "a100-llama3-8b:dilate=0.5",
+                         "a100-llama3-8b:dilate=1001",
+                         "a100-llama3-8b:dilate=3x",
+                         "a100-llama3-8b:dilate=nan",
+                         "a100:dilate=2",
+                         ":dilate=2",
+                         "a100-llama3-8b:dilate=2:dilate=3",
+                         "a100-llama3-8b-x"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        assert_int_equal(costmodel_preset(bad[i], &d), -1);
+    d = a;
+    d.time_scale = 0;
+    assert_int_equal(costmodel_check(&d, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "time_scale"));
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -162,6 +206,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_prefill),
         cmocka_unit_test(test_transfer_and_batch_limit),
         cmocka_unit_test(test_presets_and_checks),
+        cmocka_unit_test(test_dilation),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);

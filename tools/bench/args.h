@@ -45,6 +45,9 @@ typedef struct {
     const char *workload;    /* "synthetic" | "phase-shift" */
     double phase_s;
     long long phase_short_len;
+    double decode_rate;      /* phase-shift: requests/s of decode-heavy phases; 0 = request_rate */
+    double duration_s;       /* arrivals stop this long after the start; 0 = no limit */
+    const char *trace_out;   /* write every request's arrival and shape as a CSV trace */
     double temperature;
     int ignore_eos;
     double slo_ms[3];        /* ttft, tpot, e2el; < 0 = unset */
@@ -104,6 +107,15 @@ static const arg_entry arg_table[] = {
      "phase-shift: length of each phase"},
     {"phase-short-len", ARG_INT, ARG_OFF(phase_short_len), "16", 1, 10000000, "N",
      "phase-shift: the short side (output of prefill-heavy, prompt of decode-heavy)"},
+    {"decode-rate", ARG_DOUBLE, ARG_OFF(decode_rate), "0", 0, 1e9, "R",
+     "phase-shift: Poisson arrivals at R requests/s during the decode-heavy phases (0 = "
+     "--request-rate); needs a finite --request-rate"},
+    {"duration-s", ARG_DOUBLE, ARG_OFF(duration_s), "0", 0, 1e9, "S",
+     "no arrival at or after S seconds (0 = no limit; needs a finite --request-rate); "
+     "--num-prompts is then an upper bound"},
+    {"trace-out", ARG_STRING, ARG_OFF(trace_out), NULL, 0, 0, "FILE",
+     "after the run, write every request as a CSV line arrival_s,prompt_tokens,"
+     "output_tokens,class (the trace format of tidepool-sim --trace)"},
     {"temperature", ARG_DOUBLE, ARG_OFF(temperature), "0", 0, 2, "T",
      "sampling temperature sent with every request"},
     {"ignore-eos", ARG_BOOL, ARG_OFF(ignore_eos), NULL, 0, 0, NULL,

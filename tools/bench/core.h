@@ -12,6 +12,7 @@
 #define TP_BENCH_CORE_H
 
 #include <event2/event.h>
+#include <math.h>
 #include <stdint.h>
 #include <time.h>
 
@@ -118,6 +119,12 @@ static int64_t now_ns(void)
 static int bench_phase_shift(const bench *b)
 {
     return strcmp(b->a.workload, "phase-shift") == 0;
+}
+
+/* Phase-shift: the phase (PHASE_PREFILL = 0, PHASE_DECODE = 1) of time t_s. */
+static int bench_phase_at(const bench *b, double t_s)
+{
+    return (int)((long long)floor(t_s / b->a.phase_s) % 2);
 }
 
 #endif

@@ -351,7 +351,10 @@ static int report_json(const bench *b, const metrics_t *m, const metrics_t *phas
         }
         json_put(root, "phases", ph ? ph : json_null());
         json_put(root, "phase_seconds", json_real(a->phase_s));
+        json_put(root, "decode_rate",
+                 json_real(a->decode_rate > 0 ? a->decode_rate : a->request_rate));
     }
+    json_put(root, "duration_s", a->duration_s > 0 ? json_real(a->duration_s) : json_null());
     json_put(root, "requests", reqs);
     reqs = NULL;
 
@@ -397,6 +400,71 @@ static int find_in_path(const char *prog)
         path += n;
         if (*path == ':')
             path++;
+    }
+    return 0;
+}
+
+// --- trace
+
+/* --trace-out: every request (sent or not) as a tidepool-sim trace line
+ * arrival_s,prompt_tokens,output_tokens,class, so the simulator can replay exactly this
+ * load. prompt_tokens is the server's usage count; a request without one (it failed or was
+ * not sent) gets its words times the run's tokens per word (over requests with usage; 1
+ * when none had usage), which a comment line reports. output_tokens is max_tokens as sent
+ * (what --ignore-eos generates), else the tokens received, at least 1. Written atomically.
+ * Returns 0, or -1 with a message. */
+static int report_trace(const bench *b)
+{
+    const char *path = b->a.trace_out;
+    double words = 0, tokens = 0;
+    size_t n_est = 0;
+    for (size_t i = 0; i < b->n; i++) {
+        const rec_t *r = &b->recs[i];
+        if (r->state == REC_OK && r->prompt_from_usage && r->prompt_words > 0) {
+            words += (double)r->prompt_words;
+            tokens += (double)r->prompt_tokens;
+        }
+    }
+    double per_word = words > 0 ? tokens / words : 1;
+    char tmp[4096];
+    if (snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid()) >= (int)sizeof(tmp)) {
+        fprintf(stderr, "tidepool-bench: %s: path too long\n", path);
+        return -1;
+    }
+    FILE *f = fopen(tmp, "w");
+    if (!f) {
+        fprintf(stderr, "tidepool-bench: %s: cannot write the trace: %s\n", path,
+                strerror(errno));
+        return -1;
+    }
+    for (size_t i = 0; i < b->n; i++) {
+        const rec_t *r = &b->recs[i];
+        n_est += !(r->state == REC_OK && r->prompt_from_usage);
+    }
+    fprintf(f, "# tidepool-bench trace (tidepool-sim --trace): %zu requests, seed %lld, "
+               "workload %s; %zu prompt lengths estimated at %.3f tokens per word\n",
+            b->n, b->a.seed, b->a.dataset ? "dataset" : b->a.workload, n_est, per_word);
+    fprintf(f, "arrival_s,prompt_tokens,output_tokens,class\n");
+    for (size_t i = 0; i < b->n; i++) {
+        const rec_t *r = &b->recs[i];
+        req_shape shape = {r->prompt_words, r->max_tokens};
+        if (r->state == REC_NOT_SENT) { /* its shape, as it would have been sent */
+            int phase = bench_phase_shift(b) ? bench_phase_at(b, r->arrival_s) : PHASE_NONE;
+            free(workload_body(&b->a, &b->ds, b->model, b->chat, i, phase, &shape));
+        }
+        long long prompt = r->state == REC_OK && r->prompt_from_usage
+                               ? r->prompt_tokens
+                               : (long long)llround((double)shape.prompt_words * per_word);
+        long long out = shape.max_tokens > 0 ? shape.max_tokens : r->output_tokens;
+        fprintf(f, "%.6f,%lld,%lld,online\n", r->arrival_s, prompt > 1 ? prompt : 1,
+                out > 1 ? out : 1);
+    }
+    int bad = ferror(f);
+    if (fclose(f) != 0 || bad || rename(tmp, path) != 0) {
+        fprintf(stderr, "tidepool-bench: %s: cannot write the trace: %s\n", path,
+                strerror(errno));
+        unlink(tmp);
+        return -1;
     }
     return 0;
 }

@@ -16,6 +16,7 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -226,6 +227,29 @@ out:
     if (rc < 0)
         dataset_free(ds);
     return rc;
+}
+
+// --- arrivals
+
+/* The arrival after time t_s (finite --request-rate), given e, a draw of the exponential
+ * distribution of mean 1. A Poisson process; with phase-shift and --decode-rate its rate
+ * changes at every phase boundary, and e is spent across phases at each phase's rate (the
+ * inversion method for a piecewise-constant rate), so the process stays Poisson within
+ * every phase. */
+static double workload_next_arrival(const bench_args *a, double t_s, double e)
+{
+    if (a->decode_rate <= 0 || strcmp(a->workload, "phase-shift") != 0)
+        return t_s + e / a->request_rate;
+    long long k = (long long)floor(t_s / a->phase_s);
+    for (;;) { /* k counts phases; boundaries come from k, never from t_s / phase_s again */
+        double rate = k % 2 ? a->decode_rate : a->request_rate;
+        double end = (double)(k + 1) * a->phase_s;
+        if (t_s + e / rate <= end)
+            return t_s + e / rate;
+        e -= (end - t_s) * rate;
+        t_s = end;
+        k++;
+    }
 }
 
 // --- request bodies

@@ -1,0 +1,78 @@
+"""tools/tidal-bench.sh and what it relies on: dilated emulation (a worker emulating
+"a100-llama3-8b:dilate=10" takes ten times the cost model's time and still produces the
+real model's tokens), the gateway's tidal policy flags, and a short end-to-end run of the
+script (the EMULATED table, both rankings, the offline comparison).
+Run: python3 -m unittest -v tests/integration/test_tidal_bench.py (TIDEPOOL_BUILD picks the
+build directory, default build/)."""
+
+import os
+import subprocess
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import BIN, BUILD, MODEL, ROOT, Cluster  # noqa: E402
+from test_e2e import REF, worker_figures  # noqa: E402
+
+
+class Dilation(unittest.TestCase):
+    def test_dilated_worker_is_ten_times_slower_same_tokens(self):
+        preset = "a100-llama3-8b:dilate=10"
+        with Cluster(roles=("prefill", "decode"), worker_args=["--emulate", preset]) as c:
+            figs = worker_figures(c)
+            self.assertTrue(all(w.get("emulated") for w in figs.values()), figs)
+            for name in c.worker_names():
+                self.assertIn("EMULATED accelerator '%s'" % preset, c.log(name))
+            t0 = time.time()
+            status, body = c.complete("Once upon a time", max_tokens=48)
+            elapsed = time.time() - t0
+            self.assertEqual(status, 200, body)
+            self.assertEqual(body["choices"][0]["text"], REF["Once upon a time"])
+            # 47 decode steps, each at least the A100's 7.8 ms weight read (16 GB at full
+            # bandwidth) times 10; undilated the same request takes well under a second
+            self.assertGreater(elapsed, 10 * 47 * 0.0078, elapsed)
+            self.assertLess(elapsed, 30, elapsed)
+
+
+class GatewayFlags(unittest.TestCase):
+    def test_policy_capacity_and_min_per_role(self):
+        p = subprocess.run([os.path.join(BIN, "gateway"), "--help"], capture_output=True,
+                           text=True, timeout=10)
+        self.assertEqual(p.returncode, 0)
+        for flag in ("--prefill-tokens-per-s", "--tidal-min-per-role"):
+            self.assertIn(flag, p.stdout)
+        for bad in (["--tidal-min-per-role", "0"], ["--prefill-tokens-per-s", "0"]):
+            p = subprocess.run([os.path.join(BIN, "gateway"), "--model", MODEL] + bad,
+                               capture_output=True, text=True, timeout=10)
+            self.assertEqual(p.returncode, 2, bad)
+        with Cluster(gateway_args=["--tidal", "--prefill-tokens-per-s", "945",
+                                   "--tidal-min-per-role", "2"]) as c:
+            log = c.log("gateway")
+            self.assertIn("prefill-tokens-per-s = 945", log)
+            self.assertIn("tidal-min-per-role = 2", log)
+            # one worker of each role: min_per_role 2 only means the policy moves nothing
+            self.assertEqual(c.complete("Once upon a time", max_tokens=48)[0], 200)
+
+
+class Script(unittest.TestCase):
+    def test_short_run_prints_every_part(self):
+        env = dict(os.environ, BUILD=BUILD, MODEL=MODEL, PHASE_S="4", PHASES="2",
+                   SPLITS="4:4", RATE="6", DECODE_RATE="12", OFFLINE_LINES="20", SIM1000="0")
+        p = subprocess.run(["bash", os.path.join(ROOT, "tools", "tidal-bench.sh")],
+                           capture_output=True, text=True, timeout=500, env=env)
+        self.assertEqual(p.returncode, 0, p.stderr[-3000:])
+        out = p.stdout
+        for want in ("EMULATED cluster of 8 workers (a100-llama3-8b:dilate=10",
+                     "static 4:4", "ranking (EMULATED", "tidal / best static (static 4:4)",
+                     "SIMULATED (tidepool-sim --trace", "ranking (SIMULATED, every split)",
+                     "in emulation and simulation", "OFFLINE (EMULATED", "without offline",
+                     "with offline"):
+            self.assertIn(want, out)
+        row = next(l for l in out.splitlines() if l.startswith("tidal "))
+        self.assertRegex(row, r"^tidal\s+[\d.]+\s+\d+/\d+\s")
+        self.assertNotIn("tidal-bench: runs kept", p.stderr)  # KEEP=0: cleaned up
+
+
+if __name__ == "__main__":
+    unittest.main()
