@@ -661,9 +661,10 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
         {"lease-ms", CONFIG_INT, &w.lease_ms, "5000", 10, 3600000,
          "KV transfer lease: silence after which a transfer is aborted"},
         {"emulate", CONFIG_STRING, &w.emulate, "", 0, 0,
-         "emulated accelerator: a cost-model preset (a100-llama3-8b, h100-llama3-8b) whose "
-         "prefill/decode times each step is padded to; tokens come from the real model; "
-         "MTP off (docs/scheduler.md); \"\" = real compute"},
+         "emulated accelerator: a cost-model preset (a100-llama3-8b, h100-llama3-8b; "
+         "PRESET:dilate=K runs it K times slower): each prefill/decode step is padded to "
+         "its time and each KV transfer to its bytes; tokens come from the real model; MTP "
+         "off (docs/scheduler.md); \"\" = real compute"},
         {"debug-step-delay-ms", CONFIG_INT, &w.debug_step_delay_ms, "0", 0, 10000,
          "testing only: sleep this long after every compute step"},
         {"log-level", CONFIG_STRING, &w.log_level, "info", 0, 0, "debug | info | warn | error"},

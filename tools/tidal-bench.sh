@@ -325,7 +325,9 @@ for x in runs:
         x["pct"]["prefill-heavy"], x["pct"]["decode-heavy"], r["p99_ttft_ms"], r["mean_tpot_ms"],
         r["failed"], x["changes"], x["split"], x["cpu"]))
 rank = sorted(runs, key=lambda x: (-x["good"], x["name"] != "tidal"))
-print("ranking (EMULATED, by requests meeting both SLOs): " + " > ".join(label(x) for x in rank))
+print("ranking (EMULATED, by requests meeting both SLOs): " + "".join(
+    ("" if i == 0 else " = " if x["good"] == rank[i - 1]["good"] else " > ") + label(x)
+    for i, x in enumerate(rank)))
 tidal = next((x for x in runs if x["name"] == "tidal"), None)
 statics = [x for x in runs if x["name"].startswith("static")]
 if tidal and statics:
@@ -360,7 +362,9 @@ print("(SIM goodput divides by the arrival window, EMU goodput by the bench's du
       "ms: the emulated one near the simulated one means the workers were not short of CPU)")
 sim_rank = sorted(rows.items(), key=lambda kv: (-kv[1][1], kv[0] != "tidal"))
 sim_label = lambda k: k if k == "tidal" else "static %s:%d" % (k[7:], n_workers - int(k[7:]))
-print("ranking (SIMULATED, every split): " + " > ".join(sim_label(k) for k, _ in sim_rank))
+print("ranking (SIMULATED, every split): " + "".join(
+    ("" if i == 0 else " = " if kv[1][1] == sim_rank[i - 1][1][1] else " > ") + sim_label(kv[0])
+    for i, kv in enumerate(sim_rank)))
 if tidal:
     agree = []
     for x in statics:
