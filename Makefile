@@ -10,13 +10,14 @@ else
 BUILD ?= build/san-$(subst $(comma),-,$(SANITIZER))
 endif
 comma := ,
+space := $(empty) $(empty)
 
 CC      ?= cc
 PKGS    := libzmq msgpack libevent jansson libxxhash inih sqlite3
 OPT     ?= -O2
 CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -g $(OPT) -Wall -Wextra -Werror -Wshadow \
-               -Wno-unused-parameter -fno-strict-aliasing -pthread -I. -Icommon -Icommon/engine \
-               -Ikvtransfer $(shell pkg-config --cflags $(PKGS))
+               -Wno-unused-parameter -fno-strict-aliasing -pthread \
+               $(shell pkg-config --cflags $(PKGS))
 LDLIBS_BASE := $(shell pkg-config --libs $(PKGS)) -lm -pthread
 ifneq ($(SANITIZER),)
 CFLAGS_BASE += -fsanitize=$(SANITIZER) -fno-omit-frame-pointer -fno-sanitize-recover=all
@@ -25,24 +26,79 @@ endif
 ALL_CFLAGS  := $(CFLAGS_BASE) $(CFLAGS)
 ALL_LDFLAGS := $(LDFLAGS_BASE) $(LDFLAGS)
 
-LIB_SRC  := $(wildcard common/*.c common/engine/*.c kvtransfer/*.c)
-LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
-LIB      := $(BUILD)/libtidepool.a
+# --- Layering (docs/architecture.md). Each folder compiles with the include paths of the
+# folders it may use, and nothing else; tools/check-layers.py (run by make test) reads the
+# same table and fails on any include that crosses it (relative paths, system headers that
+# belong to another layer). A folder's own directory is always searchable.
+#   folder          may include
+LAYER_common         := common common/engine
+LAYER_transport      := $(LAYER_common) transport
+LAYER_kvtransfer     := $(LAYER_transport) kvtransfer
+LAYER_worker         := $(LAYER_kvtransfer) worker
+LAYER_prefill_worker := $(LAYER_worker) prefill_worker
+LAYER_decode_worker  := $(LAYER_worker) decode_worker
+LAYER_gateway        := $(LAYER_transport) gateway
+LAYER_bench          := $(LAYER_common) tools/bench
+LAYER_sim            := $(LAYER_common) gateway tools/sim
+LAYER_tools          := $(LAYER_worker) tools tools/bench tools/sim prefill_worker decode_worker gateway
+LAYER_tests          := $(LAYER_worker) prefill_worker decode_worker gateway tools tools/bench tools/sim
+# folder -> layer (the longest matching folder wins: common/engine is common's)
+LAYERS := common:common common/engine:common transport:transport kvtransfer:kvtransfer \
+          worker:worker prefill_worker:prefill_worker decode_worker:decode_worker \
+          gateway:gateway tools/bench:bench tools/sim:sim tools:tools tests:tests
+# "layer=dir,dir ..." for the checker
+LAYER_SPEC := $(foreach l,common transport kvtransfer worker prefill_worker decode_worker \
+                gateway bench sim tools tests,$(l)=$(subst $(space),$(comma),$(strip $(LAYER_$(l)))))
+inc = $(addprefix -I,$(LAYER_$(1)))
+$(BUILD)/obj/common/%.o:         INC = $(call inc,common)
+$(BUILD)/obj/transport/%.o:      INC = $(call inc,transport)
+$(BUILD)/obj/kvtransfer/%.o:     INC = $(call inc,kvtransfer)
+$(BUILD)/obj/worker/%.o:         INC = $(call inc,worker)
+$(BUILD)/obj/prefill_worker/%.o: INC = $(call inc,prefill_worker)
+$(BUILD)/obj/decode_worker/%.o:  INC = $(call inc,decode_worker)
+$(BUILD)/obj/gateway/%.o:        INC = $(call inc,gateway)
+$(BUILD)/obj/tools/bench/%.o:    INC = $(call inc,bench)
+$(BUILD)/obj/tools/sim/%.o:      INC = $(call inc,sim)
+$(BUILD)/obj/tools/%.o:          INC = $(call inc,tools)
+$(BUILD)/obj/tests/%.o:          INC = $(call inc,tests)
 
-PROGS    := gateway prefill_worker decode_worker
-# each program folder: main.c plus its own modules (archived so tests can link them)
-define prog_rules
-$(1)_SRC := $$(filter-out $(1)/main.c,$$(wildcard $(1)/*.c))
-$(1)_OBJ := $$($(1)_SRC:%.c=$(BUILD)/obj/%.o)
-$(BUILD)/lib$(1).a: $$($(1)_OBJ)
+# --- Archives, one per folder (main.c files excluded: they are the programs)
+# name:sources
+arch_src = $(filter-out %/main.c,$(wildcard $(1)/*.c))
+A_common         := $(wildcard common/*.c common/engine/*.c)
+A_transport      := $(call arch_src,transport)
+A_kvtransfer     := $(call arch_src,kvtransfer)
+A_worker         := $(call arch_src,worker)
+A_prefill_worker := $(call arch_src,prefill_worker)
+A_decode_worker  := $(call arch_src,decode_worker)
+A_gateway        := $(call arch_src,gateway)
+A_bench          := $(call arch_src,tools/bench)
+A_sim            := $(call arch_src,tools/sim)
+ARCHIVES := common transport kvtransfer worker prefill_worker decode_worker gateway bench sim
+lib = $(BUILD)/lib$(1).a
+define archive_rule
+$(call lib,$(1)): $$(A_$(1):%.c=$(BUILD)/obj/%.o)
 	@mkdir -p $$(@D)
 	rm -f $$@ && ar rcs $$@ $$^
-$(BUILD)/bin/$(1): $(BUILD)/obj/$(1)/main.o $(BUILD)/lib$(1).a $(LIB)
-	@mkdir -p $$(@D)
-	$$(CC) $$(ALL_LDFLAGS) -o $$@ $$^ $$(LDLIBS_BASE)
 endef
-$(foreach p,$(PROGS),$(eval $(call prog_rules,$(p))))
-PROG_LIBS := $(foreach p,$(PROGS),$(BUILD)/lib$(p).a)
+$(foreach a,$(ARCHIVES),$(eval $(call archive_rule,$(a))))
+
+# What each program links (in dependency order; the worker runtime and its two roles
+# refer to each other, so they are one link group).
+WORKER_LIBS  := -Wl,--start-group $(call lib,prefill_worker) $(call lib,decode_worker) \
+                $(call lib,worker) -Wl,--end-group $(call lib,kvtransfer)
+WORKER_DEPS  := $(foreach a,prefill_worker decode_worker worker kvtransfer transport common,$(call lib,$(a)))
+GATEWAY_DEPS := $(foreach a,gateway transport common,$(call lib,$(a)))
+ALL_DEPS     := $(foreach a,$(ARCHIVES),$(call lib,$(a)))
+ALL_LIBS     := -Wl,--start-group $(ALL_DEPS) -Wl,--end-group
+
+PROGS := gateway prefill_worker decode_worker
+$(BUILD)/bin/gateway: $(BUILD)/obj/gateway/main.o $(GATEWAY_DEPS)
+	@mkdir -p $(@D)
+	$(CC) $(ALL_LDFLAGS) -o $@ $^ $(LDLIBS_BASE)
+$(BUILD)/bin/prefill_worker $(BUILD)/bin/decode_worker: $(BUILD)/bin/%: $(BUILD)/obj/%/main.o $(WORKER_DEPS)
+	@mkdir -p $(@D)
+	$(CC) $(ALL_LDFLAGS) -o $@ $< $(WORKER_LIBS) $(call lib,transport) $(call lib,common) $(LDLIBS_BASE)
 
 TOOL_SRC := $(wildcard tools/tidepool-*.c)
 TOOLS    := $(TOOL_SRC:tools/%.c=$(BUILD)/bin/%)
@@ -54,7 +110,7 @@ BENCHES  := $(BENCH_SRC:tests/bench/%.c=$(BUILD)/tests/%)
 
 BINS := $(PROGS:%=$(BUILD)/bin/%) $(TOOLS)
 
-.PHONY: all test unit integration bench clean model
+.PHONY: all test unit integration bench clean model check-layers print-layers
 # keep object files of pattern-rule chains (tools, tests)
 .SECONDARY:
 all: $(BINS) $(TESTS) model
@@ -67,24 +123,31 @@ FORCE:
 
 $(BUILD)/obj/%.o: %.c $(BUILD)/.flags
 	@mkdir -p $(@D)
-	$(CC) $(ALL_CFLAGS) -MMD -MP -c -o $@ $<
+	$(CC) $(ALL_CFLAGS) $(INC) -MMD -MP -c -o $@ $<
 
-$(LIB): $(LIB_OBJ)
+# Tools and tests may use every archive (tidepool-sim runs the gateway's own policy code).
+$(BUILD)/bin/tidepool-%: $(BUILD)/obj/tools/tidepool-%.o $(ALL_DEPS)
 	@mkdir -p $(@D)
-	rm -f $@ && ar rcs $@ $^
+	$(CC) $(ALL_LDFLAGS) -o $@ $< $(ALL_LIBS) $(LDLIBS_BASE) $(if $(filter %-top,$@),-lncursesw)
 
-# Tools link the program archives too (tidepool-sim runs the gateway's own policy code).
-$(BUILD)/bin/tidepool-%: $(BUILD)/obj/tools/tidepool-%.o $(PROG_LIBS) $(LIB)
+$(BUILD)/tests/test_%: $(BUILD)/obj/tests/unit/test_%.o $(ALL_DEPS)
 	@mkdir -p $(@D)
-	$(CC) $(ALL_LDFLAGS) -o $@ $^ $(LDLIBS_BASE) $(if $(filter %-top,$@),-lncursesw)
+	$(CC) $(ALL_LDFLAGS) -o $@ $< $(ALL_LIBS) $(LDLIBS_BASE) -lcmocka
 
-$(BUILD)/tests/test_%: $(BUILD)/obj/tests/unit/test_%.o $(PROG_LIBS) $(LIB)
+$(BUILD)/tests/bench_%: $(BUILD)/obj/tests/bench/bench_%.o $(ALL_DEPS)
 	@mkdir -p $(@D)
-	$(CC) $(ALL_LDFLAGS) -o $@ $< $(PROG_LIBS) $(LIB) $(LDLIBS_BASE) -lcmocka
+	$(CC) $(ALL_LDFLAGS) -o $@ $< $(ALL_LIBS) $(LDLIBS_BASE)
 
-$(BUILD)/tests/bench_%: $(BUILD)/obj/tests/bench/bench_%.o $(PROG_LIBS) $(LIB)
-	@mkdir -p $(@D)
-	$(CC) $(ALL_LDFLAGS) -o $@ $< $(PROG_LIBS) $(LIB) $(LDLIBS_BASE)
+# The include-layering check alone (make test runs it too).
+CHECK_LAYERS_ARGS = $(LAYERS:%=--folder %) $(LAYER_SPEC:%=--layer %)
+check-layers:
+	/usr/bin/python3 tools/check-layers.py $(CHECK_LAYERS_ARGS)
+# The checker's arguments (tests/integration/test_layers.py runs it on planted trees).
+print-layers:
+	@echo $(CHECK_LAYERS_ARGS)
+# The include flags of one layer (print-inc-common, print-inc-gateway, ...).
+print-inc-%:
+	@echo $(call inc,$*)
 
 # The default model, converted from llama2.c format at set-up (never committed).
 MODEL_DIR ?= ../shared/models/stories260K

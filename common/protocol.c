@@ -148,6 +148,31 @@ const char *proto_err_str(int code)
     return names[code];
 }
 
+const char *proto_role_str(int role)
+{
+    switch (role) {
+    case PROTO_ROLE_PREFILL:
+        return "prefill";
+    case PROTO_ROLE_DECODE:
+        return "decode";
+    case PROTO_ROLE_MIXED:
+        return "mixed";
+    }
+    return "unknown";
+}
+
+int proto_role_parse(const char *s, proto_role_t *out)
+{
+    static const proto_role_t roles[] = {PROTO_ROLE_PREFILL, PROTO_ROLE_DECODE, PROTO_ROLE_MIXED};
+    for (size_t i = 0; s && i < sizeof(roles) / sizeof(roles[0]); i++) {
+        if (strcmp(s, proto_role_str(roles[i])) == 0) {
+            *out = roles[i];
+            return 0;
+        }
+    }
+    return -1;
+}
+
 void proto_msg_init(proto_msg *m, proto_type_t type)
 {
     memset(m, 0, sizeof(*m));
@@ -273,8 +298,8 @@ int proto_encode(const proto_msg *m, unsigned char **out, size_t *len)
     return 0;
 }
 
-/* proto_send's header buffer: on the caller's stack, so that sending a usual header
- * (every TOKENS of a decode step) allocates nothing here; a larger one (a long PREFILL)
+/* proto_encode_buf's header buffer: the caller's (on its stack), so that encoding a usual
+ * header (every TOKENS of a decode step) allocates nothing; a larger one (a long PREFILL)
  * moves to the heap. */
 typedef struct {
     char *data;
@@ -297,6 +322,25 @@ static int hdr_buf_write(void *ud, const char *buf, size_t len)
     }
     memcpy(b->data + b->size, buf, len);
     b->size += len;
+    return 0;
+}
+
+int proto_encode_buf(const proto_msg *m, void *buf, size_t cap, const void **out, size_t *len,
+                     void **heap)
+{
+    hdr_buf hb = {buf, 0, cap, NULL};
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &hb, hdr_buf_write);
+    *heap = NULL;
+    if (encode_header(m, &pk) < 0) {
+        free(hb.heap);
+        *out = NULL;
+        *len = 0;
+        return -1;
+    }
+    *out = hb.data;
+    *len = hb.size;
+    *heap = hb.heap;
     return 0;
 }
 
@@ -579,175 +623,6 @@ done:
         memset(m, 0, sizeof(*m));
     }
     return rc;
-}
-
-// --- transport
-
-int proto_send(void *sock, const void *identity, size_t identity_len, const proto_msg *m,
-               zmq_msg_t *frames, int n_frames, int flags)
-{
-    char stack[1024];
-    hdr_buf hb = {stack, 0, sizeof(stack), NULL};
-    msgpack_packer pk;
-    msgpack_packer_init(&pk, &hb, hdr_buf_write);
-    int i = 0;
-    if (encode_header(m, &pk) < 0) {
-        free(hb.heap);
-        errno = EINVAL;
-        goto fail;
-    }
-    const char *hdr = hb.data;
-    size_t hlen = hb.size;
-    if (identity && zmq_send(sock, identity, identity_len, flags | ZMQ_SNDMORE) < 0) {
-        free(hb.heap);
-        goto fail;
-    }
-    /* After the first frame of a multipart message ZeroMQ delivers all or nothing, so
-     * later frames never see EAGAIN from the HWM; the first frame keeps the caller's
-     * ZMQ_DONTWAIT (it is the header when there is no identity frame). */
-    int hflags = identity ? (flags & ~ZMQ_DONTWAIT) : flags;
-    int rc = zmq_send(sock, hdr, hlen, hflags | (n_frames ? ZMQ_SNDMORE : 0));
-    free(hb.heap);
-    if (rc < 0)
-        goto fail;
-    for (; i < n_frames; i++) {
-        if (zmq_msg_send(&frames[i], sock, i + 1 < n_frames ? ZMQ_SNDMORE : 0) < 0)
-            goto fail;
-    }
-    return 0;
-fail: {
-    int e = errno;
-    for (; i < n_frames; i++)
-        zmq_msg_close(&frames[i]);
-    errno = e;
-    return -1;
-}
-}
-
-struct proto_envelope {
-    unsigned char identity[256];
-    size_t identity_len;
-    proto_msg msg;
-    int n_frames;
-    zmq_msg_t frames[PROTO_MAX_FRAMES];
-};
-
-proto_envelope *proto_envelope_new(void)
-{
-    return calloc(1, sizeof(proto_envelope));
-}
-
-void proto_envelope_reset(proto_envelope *e)
-{
-    for (int i = 0; i < e->n_frames; i++)
-        zmq_msg_close(&e->frames[i]);
-    e->n_frames = 0;
-    e->identity_len = 0;
-    proto_msg_clear(&e->msg);
-}
-
-void proto_envelope_destroy(proto_envelope **pe)
-{
-    if (!pe || !*pe)
-        return;
-    proto_envelope_reset(*pe);
-    free(*pe);
-    *pe = NULL;
-}
-
-proto_msg *proto_envelope_msg(proto_envelope *e)
-{
-    return &e->msg;
-}
-
-const unsigned char *proto_envelope_identity(const proto_envelope *e, size_t *len)
-{
-    *len = e->identity_len;
-    return e->identity;
-}
-
-int proto_envelope_n_frames(const proto_envelope *e)
-{
-    return e->n_frames;
-}
-
-zmq_msg_t *proto_envelope_frame(proto_envelope *e, int i)
-{
-    return (i >= 0 && i < e->n_frames) ? &e->frames[i] : NULL;
-}
-
-static int has_more(void *sock)
-{
-    int more = 0;
-    size_t sz = sizeof(more);
-    zmq_getsockopt(sock, ZMQ_RCVMORE, &more, &sz);
-    return more;
-}
-
-static void drain_rest(void *sock)
-{
-    while (has_more(sock)) {
-        zmq_msg_t part;
-        zmq_msg_init(&part);
-        zmq_msg_recv(&part, sock, 0);
-        zmq_msg_close(&part);
-    }
-}
-
-int proto_recv(void *sock, int router, proto_envelope *e, int flags)
-{
-    proto_envelope_reset(e);
-    zmq_msg_t part;
-    zmq_msg_init(&part);
-    if (zmq_msg_recv(&part, sock, flags) < 0) {
-        zmq_msg_close(&part);
-        return errno == EAGAIN ? 0 : -2;
-    }
-    if (router) {
-        size_t n = zmq_msg_size(&part);
-        if (n > sizeof(e->identity) || !has_more(sock)) {
-            zmq_msg_close(&part);
-            drain_rest(sock);
-            log_warn("dropped message: bad identity frame");
-            return -1;
-        }
-        memcpy(e->identity, zmq_msg_data(&part), n);
-        e->identity_len = n;
-        zmq_msg_close(&part);
-        zmq_msg_init(&part);
-        if (zmq_msg_recv(&part, sock, 0) < 0) { /* rest of a multipart is already here */
-            zmq_msg_close(&part);
-            return -2;
-        }
-    }
-    char err[160];
-    int more = has_more(sock);
-    int rc = proto_decode(zmq_msg_data(&part), zmq_msg_size(&part), &e->msg, err, sizeof(err));
-    zmq_msg_close(&part);
-    if (rc < 0) {
-        drain_rest(sock);
-        log_warn("dropped malformed message: %s", err);
-        return -1;
-    }
-    while (more) {
-        if (e->n_frames == PROTO_MAX_FRAMES) {
-            drain_rest(sock);
-            log_warn("dropped %s rid=%llu: more than %d payload frames",
-                     proto_type_str(e->msg.type), (unsigned long long)e->msg.rid, PROTO_MAX_FRAMES);
-            proto_envelope_reset(e);
-            return -1;
-        }
-        zmq_msg_t *f = &e->frames[e->n_frames];
-        zmq_msg_init(f);
-        if (zmq_msg_recv(f, sock, 0) < 0) {
-            zmq_msg_close(f);
-            proto_envelope_reset(e);
-            return -2;
-        }
-        e->n_frames++;
-        more = has_more(sock);
-    }
-    return 1;
 }
 
 int64_t proto_now_us(void)

@@ -9,7 +9,8 @@
  * To keep the wire format in one place, all message types share one flat C struct
  * (proto_msg); a field table says which keys each type requires and which it may carry.
  * The decoder checks types, ranges and lengths of every field and rejects anything else: a
- * malformed or truncated message is logged and dropped by proto_recv, never trusted.
+ * malformed or truncated message is rejected by proto_decode (and logged and dropped by
+ * wire_recv, transport/wire.h), never trusted.
  * Unknown keys are ignored (forward compatibility within a version).
  *
  * Sockets (see DESIGN.md):
@@ -23,7 +24,6 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include <zmq.h>
 
 #define PROTO_VERSION 1
 #define PROTO_MAX_TOKENS 65536     /* token ids in one message */
@@ -126,7 +126,7 @@ typedef struct {
 } proto_mig_counters;
 
 /* One message. Which fields are meaningful depends on type; see the table in protocol.c
- * (and docs/protocol.md). tokens is owned by the struct after proto_decode/proto_recv
+ * (and docs/protocol.md). tokens is owned by the struct after proto_decode/wire_recv
  * (free with proto_msg_clear); for sending it is borrowed. */
 typedef struct {
     proto_type_t type;
@@ -218,6 +218,12 @@ void proto_msg_init(proto_msg *m, proto_type_t type);
 /* Free owned arrays (tokens) and zero the struct. */
 void proto_msg_clear(proto_msg *m);
 const char *proto_type_str(int type);
+/* The name of a role ("prefill", "decode", "mixed"; "unknown" otherwise): the one spelling
+ * used in flags, logs, the HTTP API and the metrics. */
+const char *proto_role_str(int role);
+/* Parse a role name as proto_role_str prints it into *out. Returns 0, or -1 (NULL or
+ * another name; *out untouched). */
+int proto_role_parse(const char *s, proto_role_t *out);
 const char *proto_err_str(int code);
 
 /* Encode the header of m into a malloc'd buffer (*out, *len; caller frees).
@@ -229,33 +235,13 @@ int proto_encode(const proto_msg *m, unsigned char **out, size_t *len);
  * into err (errlen bytes). */
 int proto_decode(const void *buf, size_t len, proto_msg *m, char *err, size_t errlen);
 
-/* Send m as one multipart message on sock: [identity] header [payload frames].
- * identity may be NULL (DEALER/PUB). payload frames are consumed (zmq_msg_send semantics;
- * on failure they are closed). flags: 0 or ZMQ_DONTWAIT.
- * Returns 0, or -1 with errno (EAGAIN when the HWM is reached under ZMQ_DONTWAIT). */
-int proto_send(void *sock, const void *identity, size_t identity_len, const proto_msg *m,
-               zmq_msg_t *frames, int n_frames, int flags);
-
-/* A received message: decoded header, identity (ROUTER sockets) and payload frames. */
-typedef struct proto_envelope proto_envelope;
-/* An envelope able to hold PROTO_MAX_FRAMES payload frames. NULL on out of memory. */
-proto_envelope *proto_envelope_new(void);
-void proto_envelope_destroy(proto_envelope **e);
-/* Release the frames and header of the last received message (done by the next recv). */
-void proto_envelope_reset(proto_envelope *e);
-proto_msg *proto_envelope_msg(proto_envelope *e);
-const unsigned char *proto_envelope_identity(const proto_envelope *e, size_t *len);
-int proto_envelope_n_frames(const proto_envelope *e);
-/* Payload frame i (borrowed; valid until the next recv/reset). */
-zmq_msg_t *proto_envelope_frame(proto_envelope *e, int i);
-
-/* Receive one whole multipart message into e (previous contents released).
- * router: 1 if sock is a ROUTER (first frame is the peer identity). flags: 0 or
- * ZMQ_DONTWAIT. Returns 1 for a valid message, 0 when nothing is pending (EAGAIN),
- * -1 when a message was received but malformed (it is logged with the reason and fully
- * consumed; the caller just continues), -2 on socket error (errno set; ETERM on
- * shutdown). */
-int proto_recv(void *sock, int router, proto_envelope *e, int flags);
+/* Encode the header of m into buf (cap bytes, the caller's: usually on its stack) and
+ * return it in *out, *len; when it does not fit, it goes to a malloc'd buffer returned in
+ * *heap as well (the caller frees *heap, which is NULL when buf sufficed). Encoding a usual
+ * header this way allocates nothing. Returns 0, or -1 if a required field is missing or
+ * invalid for the type (nothing to free). */
+int proto_encode_buf(const proto_msg *m, void *buf, size_t cap, const void **out, size_t *len,
+                     void **heap);
 
 /* Current time, microseconds: monotonic (for timeouts) and wall clock (for reports). */
 int64_t proto_now_us(void);

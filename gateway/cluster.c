@@ -78,7 +78,7 @@ static void hash_remove(cluster_t *c, req_t *r)
  * that does not read its orders is not serving). Returns 0 or -1. */
 int cluster_send_to(cluster_t *c, worker_t *w, const proto_msg *m)
 {
-    int rc = proto_send(c->sock, w->id, w->id_len, m, NULL, 0, ZMQ_DONTWAIT);
+    int rc = wire_send(c->sock, w->id, w->id_len, m, NULL, 0, ZMQ_DONTWAIT);
     evzmq_after_send(c->watch);
     if (rc < 0) {
         if (!w->dead)
@@ -477,7 +477,7 @@ cluster_t *cluster_new(struct event_base *base, const cluster_params *p,
     }
     policy_state_init(&c->pstate);
     c->zctx = zmq_ctx_new();
-    c->env = proto_envelope_new();
+    c->env = wire_envelope_new();
     if (!c->zctx || !c->env) {
         snprintf(err, errlen, "out of memory");
         goto fail;
@@ -545,7 +545,7 @@ void cluster_destroy(cluster_t **pc)
         zmq_close(c->sock);
     if (c->zctx)
         zmq_ctx_term(c->zctx);
-    proto_envelope_destroy(&c->env);
+    wire_envelope_destroy(&c->env);
     free(c->pworkers);
     free(c);
     *pc = NULL;

@@ -16,6 +16,7 @@
 #include "cluster.h"
 #include "evzmq.h"
 #include "protocol.h"
+#include "wire.h"
 
 #define N_BUCKETS 4096
 
@@ -90,7 +91,7 @@ struct cluster {
     cluster_callbacks cb;
     void *zctx, *sock;
     evzmq_t *watch;
-    proto_envelope *env;
+    wire_envelope *env;
     struct event *sweep_ev, *dispatch_ev;
     worker_t *workers;
     req_t *buckets[N_BUCKETS];

@@ -91,7 +91,7 @@ static void send_bye(cluster_t *c, const unsigned char *id, size_t id_len, const
     proto_msg m;
     proto_msg_init(&m, PROTO_BYE);
     snprintf(m.worker_id, sizeof(m.worker_id), "%s", wid);
-    if (proto_send(c->sock, id, id_len, &m, NULL, 0, ZMQ_DONTWAIT) < 0)
+    if (wire_send(c->sock, id, id_len, &m, NULL, 0, ZMQ_DONTWAIT) < 0)
         log_debug("BYE to %s: %s", wid, zmq_strerror(errno));
     evzmq_after_send(c->watch);
 }
@@ -259,15 +259,15 @@ static void handle_error(cluster_t *c, worker_t *w, const proto_msg *m)
 void cluster_on_ctl(void *sock, void *ud)
 {
     cluster_t *c = ud;
-    int rc = proto_recv(sock, 1, c->env, ZMQ_DONTWAIT);
+    int rc = wire_recv(sock, 1, c->env, ZMQ_DONTWAIT);
     if (rc <= 0) {
         if (rc == -2 && errno != EAGAIN)
             log_error("ctl receive: %s", zmq_strerror(errno));
         return;
     }
     size_t id_len;
-    const unsigned char *id = proto_envelope_identity(c->env, &id_len);
-    const proto_msg *m = proto_envelope_msg(c->env);
+    const unsigned char *id = wire_envelope_identity(c->env, &id_len);
+    const proto_msg *m = wire_envelope_msg(c->env);
     worker_t *w = worker_find(c, id, id_len);
     if (w && !w->dead)
         w->last_seen_us = proto_now_us();
@@ -299,5 +299,5 @@ void cluster_on_ctl(void *sock, void *ud)
                  (int)id_len, (const char *)id);
         break;
     }
-    proto_envelope_reset(c->env);
+    wire_envelope_reset(c->env);
 }

@@ -75,7 +75,7 @@ int kvx_send_msg(void *sock, const void *id, size_t id_len, const proto_msg *m, 
             return -1;
         }
     }
-    return proto_send(sock, id, id_len, m, frames, n_frames, ZMQ_DONTWAIT);
+    return wire_send(sock, id, id_len, m, frames, n_frames, ZMQ_DONTWAIT);
 }
 
 // --- padding

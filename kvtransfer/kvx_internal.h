@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "kvtransfer.h"
+#include "wire.h"
 
 #define KVX_MAX_MSGS_PER_CALL 4096 /* messages handled per socket per process() call */
 #define KVX_PIN_POLL_MS 5          /* how often to look at pins of finished transfers */
@@ -26,8 +27,8 @@ int kvx_evq_pop(kvx_evq *q, kvx_event *ev);
 void kvx_ev_init(kvx_event *ev, kvx_event_type_t type, uint64_t rid, uint64_t xfer, int code,
                  const char *msg);
 
-/* proto_send() with ZMQ_DONTWAIT that never blocks: on a socket without an identity frame
- * (DEALER) it first checks ZMQ_POLLOUT, because proto_send() sends such a socket's first
+/* wire_send() with ZMQ_DONTWAIT that never blocks: on a socket without an identity frame
+ * (DEALER) it first checks ZMQ_POLLOUT, because wire_send() sends such a socket's first
  * frame without ZMQ_DONTWAIT. frames are consumed in every case. Returns 0, or -1 with
  * errno (EAGAIN: queue full or no peer; EHOSTUNREACH: unknown ROUTER peer). */
 int kvx_send_msg(void *sock, const void *id, size_t id_len, const proto_msg *m, zmq_msg_t *frames,

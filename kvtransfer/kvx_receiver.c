@@ -54,7 +54,7 @@ struct kvx_receiver {
     kvx_rx *xfers;
     int n_xfers;
     kvx_evq events;
-    proto_envelope *env;
+    wire_envelope *env;
     proto_kvx_counters st;
 };
 
@@ -75,7 +75,7 @@ kvx_receiver_t *kvx_receiver_new(void *zctx, kvcache_t *kv, const char *endpoint
     r->kv = kv;
     r->p = *p;
     r->accepting = 1;
-    r->env = proto_envelope_new();
+    r->env = wire_envelope_new();
     r->sock = zmq_socket(zctx, ZMQ_ROUTER);
     if (!r->env || !r->sock)
         goto fail;
@@ -122,7 +122,7 @@ void kvx_receiver_destroy(kvx_receiver_t **rp)
     kvx_event ev;
     while (kvx_evq_pop(&r->events, &ev)) /* events nobody popped: their hand-off states */
         free(ev.hidden);
-    proto_envelope_destroy(&r->env);
+    wire_envelope_destroy(&r->env);
     free(r->events.v);
     free(r);
     *rp = NULL;
@@ -348,10 +348,10 @@ static int rx_got(const kvx_rx *x, int layer, int blk)
     return (x->got[bit / 8] >> (bit % 8)) & 1;
 }
 
-static void rx_layer(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_envelope *e)
+static void rx_layer(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, wire_envelope *e)
 {
     char why[PROTO_MESSAGE_LEN];
-    int n_frames = proto_envelope_n_frames(e);
+    int n_frames = wire_envelope_n_frames(e);
     size_t bytes = kvcache_block_bytes(r->kv);
     int b0 = m->blk0, nb = m->n_blocks;
     int n_pad = x->pad ? 1 : 0; /* a padded transfer: one padding frame after the blocks */
@@ -368,7 +368,7 @@ static void rx_layer(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_env
         if (rx_got(x, m->layer, b0 + i))
             snprintf(why, sizeof(why), "layer %d: block %d sent twice", m->layer, b0 + i);
     for (int i = 0; i < nb && !why[0]; i++) {
-        size_t n = zmq_msg_size(proto_envelope_frame(e, i));
+        size_t n = zmq_msg_size(wire_envelope_frame(e, i));
         if (n != bytes)
             snprintf(why, sizeof(why), "layer %d frame %d: %zu bytes, want %zu", m->layer, i, n,
                      bytes);
@@ -378,7 +378,7 @@ static void rx_layer(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_env
     uint64_t pad = 0;
     if (n_pad && !why[0]) {
         pad = kvx_pad_bytes(x->pad, x->n_layer, x->n_blocks, m->layer, b0, nb);
-        size_t n = zmq_msg_size(proto_envelope_frame(e, nb));
+        size_t n = zmq_msg_size(wire_envelope_frame(e, nb));
         if ((uint64_t)n != pad)
             snprintf(why, sizeof(why), "layer %d blocks [%d, %d): padding frame of %zu bytes, "
                      "want %llu",
@@ -391,7 +391,7 @@ static void rx_layer(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_env
     const int *blocks = kvcache_seq_blocks(r->kv, x->seq, NULL);
     int store = m->layer < x->n_main || x->keep_mtp; /* module layers: see rx_begin */
     for (int i = 0; i < nb; i++) {
-        const void *src = zmq_msg_data(proto_envelope_frame(e, i));
+        const void *src = zmq_msg_data(wire_envelope_frame(e, i));
         XXH64_update(x->hash, src, bytes);
         if (store)
             memcpy(kvcache_block_data(r->kv, m->layer, blocks[b0 + i]), src, bytes);
@@ -403,7 +403,7 @@ static void rx_layer(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_env
     x->deadline_us = kvx_deadline_after(r->p.lease_ms);
 }
 
-static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_envelope *e)
+static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, wire_envelope *e)
 {
     char why[PROTO_MESSAGE_LEN];
     if (x->n_got != x->n_layer * x->n_blocks) {
@@ -423,19 +423,19 @@ static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_envel
         return;
     }
     /* the MTP hand-off state: exactly one frame of n_hidden floats when announced */
-    int n_frames = proto_envelope_n_frames(e);
+    int n_frames = wire_envelope_n_frames(e);
     size_t hbytes = (size_t)x->n_hidden * sizeof(float);
     const void *hsrc = NULL;
     if (n_frames != (x->n_hidden ? 1 : 0) ||
-        (n_frames && zmq_msg_size(proto_envelope_frame(e, 0)) != hbytes)) {
+        (n_frames && zmq_msg_size(wire_envelope_frame(e, 0)) != hbytes)) {
         snprintf(why, sizeof(why), "KV_END with %d payload frames (%zu bytes), want %d (%zu)",
-                 n_frames, n_frames ? zmq_msg_size(proto_envelope_frame(e, 0)) : 0,
+                 n_frames, n_frames ? zmq_msg_size(wire_envelope_frame(e, 0)) : 0,
                  x->n_hidden ? 1 : 0, hbytes);
         rx_drop(r, x, PROTO_KV_RESULT, PROTO_ERR_PROTOCOL, why, 1);
         return;
     }
     if (n_frames) {
-        hsrc = zmq_msg_data(proto_envelope_frame(e, 0));
+        hsrc = zmq_msg_data(wire_envelope_frame(e, 0));
         XXH64_update(x->hash, hsrc, hbytes);
         x->n_bytes += hbytes; /* payload bytes, as the sender counts them */
     }
@@ -490,13 +490,13 @@ static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, proto_envel
     rx_free(r, x, 0); /* the sequence now belongs to the caller */
 }
 
-static void receiver_handle(kvx_receiver_t *r, proto_envelope *e)
+static void receiver_handle(kvx_receiver_t *r, wire_envelope *e)
 {
-    const proto_msg *m = proto_envelope_msg(e);
+    const proto_msg *m = wire_envelope_msg(e);
     size_t id_len;
-    const unsigned char *id = proto_envelope_identity(e, &id_len);
+    const unsigned char *id = wire_envelope_identity(e, &id_len);
     if (m->type == PROTO_KV_BEGIN) {
-        if (proto_envelope_n_frames(e) != 0) {
+        if (wire_envelope_n_frames(e) != 0) {
             log_rwarn(m->rid, "kvx: dropped KV_BEGIN with payload frames");
             return;
         }
@@ -540,7 +540,7 @@ int kvx_receiver_process(kvx_receiver_t *r)
 {
     int before = r->events.n;
     for (int i = 0; i < KVX_MAX_MSGS_PER_CALL; i++) {
-        int rc = proto_recv(r->sock, 1, r->env, ZMQ_DONTWAIT);
+        int rc = wire_recv(r->sock, 1, r->env, ZMQ_DONTWAIT);
         if (rc == 0)
             break;
         if (rc == -2) {
@@ -549,7 +549,7 @@ int kvx_receiver_process(kvx_receiver_t *r)
         }
         if (rc == 1)
             receiver_handle(r, r->env);
-        proto_envelope_reset(r->env); /* release the frames (zero-copy pins on inproc) */
+        wire_envelope_reset(r->env); /* release the frames (zero-copy pins on inproc) */
     }
     int64_t now = proto_now_us();
     for (kvx_rx *x = r->xfers, *n; x; x = n) {

@@ -101,7 +101,7 @@ struct kvx_sender {
     kvx_sx *xfers;
     int n_xfers;
     kvx_evq events;
-    proto_envelope *env;
+    wire_envelope *env;
     zmq_msg_t *frames; /* (PROTO_MAX_FRAMES,) scratch for one KV_LAYER */
     proto_kvx_counters st;
 };
@@ -129,7 +129,7 @@ kvx_sender_t *kvx_sender_new(void *zctx, kvcache_t *kv, const kvx_sender_params 
     uint64_t seed = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 20) ^
                     ((uint64_t)getpid() << 40) ^ (uint64_t)(uintptr_t)s;
     s->next_xfer = (XXH64(&seed, sizeof(seed), 0) & ~0xffffffffull) | 1;
-    s->env = proto_envelope_new();
+    s->env = wire_envelope_new();
     s->frames = calloc(PROTO_MAX_FRAMES, sizeof(zmq_msg_t));
     if (!s->env || !s->frames) {
         kvx_sender_destroy(&s);
@@ -173,7 +173,7 @@ void kvx_sender_destroy(kvx_sender_t **sp)
         n = x->next;
         sx_free(s, x, 1);
     }
-    proto_envelope_destroy(&s->env);
+    wire_envelope_destroy(&s->env);
     free(s->frames);
     free(s->events.v);
     free(s);
@@ -625,7 +625,7 @@ int kvx_sender_process(kvx_sender_t *s)
     int before = s->events.n;
     for (kvx_peer *pe = s->peers; pe; pe = pe->next) {
         for (int i = 0; i < KVX_MAX_MSGS_PER_CALL; i++) {
-            int rc = proto_recv(pe->sock, 0, s->env, ZMQ_DONTWAIT);
+            int rc = wire_recv(pe->sock, 0, s->env, ZMQ_DONTWAIT);
             if (rc == 0)
                 break;
             if (rc == -2) {
@@ -633,9 +633,9 @@ int kvx_sender_process(kvx_sender_t *s)
                 break;
             }
             if (rc == 1)
-                sender_handle(s, pe, proto_envelope_msg(s->env), proto_envelope_n_frames(s->env));
+                sender_handle(s, pe, wire_envelope_msg(s->env), wire_envelope_n_frames(s->env));
         }
-        proto_envelope_reset(s->env);
+        wire_envelope_reset(s->env);
     }
     int64_t now = proto_now_us();
     for (kvx_sx *x = s->xfers; x; x = x->next) {

@@ -39,9 +39,9 @@
 #include "log.h"
 /* The gateway's own policy (linked from libgateway.a): the simulator runs exactly the
  * code the gateway runs. */
-#include "gateway/policy.h"
-#include "tools/sim/heap.h"
-#include "tools/sim/workload.h"
+#include "policy.h"
+#include "sim/heap.h"
+#include "sim/workload.h"
 
 // --- settings ------------------------------------------------------------------------------
 

@@ -21,8 +21,8 @@
 
 #include <cmocka.h>
 
-#include "gateway/multipart.h"
-#include "gateway/store.h"
+#include "multipart.h"
+#include "store.h"
 
 #define CT "multipart/form-data; boundary=XyZ"
 

@@ -20,9 +20,9 @@
 #include <cmocka.h>
 #include <jansson.h>
 
-#include "gateway/api.h"
+#include "api.h"
 #include "gguf.h"
-#include "gateway/stream.h"
+#include "stream.h"
 #include "tokenizer.h"
 
 // --- validation table

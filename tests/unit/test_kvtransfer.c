@@ -24,6 +24,7 @@
 #include "kvtransfer.h"
 #include "log.h"
 #include "protocol.h"
+#include "wire.h"
 
 #define NL 3    /* layers */
 #define NKH 2   /* kv heads */
@@ -43,7 +44,7 @@ typedef struct {
     kvx_receiver_t *r;
     char ep[64];
     int free_s0, free_r0;
-    proto_envelope *env;
+    wire_envelope *env;
     kvx_sender_t *s2; /* a second sender (own layout or lease), destroyed by teardown */
     kvcache_t *kv2;
     void *raw[8]; /* raw peer sockets, closed by teardown (a failed assert skips the test's
@@ -97,7 +98,7 @@ static int setup(void **state)
     mk_receiver(f, FP, 2000);
     f->free_s0 = kvcache_n_free_blocks(f->kvs);
     f->free_r0 = kvcache_n_free_blocks(f->kvr);
-    f->env = proto_envelope_new();
+    f->env = wire_envelope_new();
     *state = f;
     return 0;
 }
@@ -108,7 +109,7 @@ static int teardown(void **state)
     kvx_sender_destroy(&f->s);
     kvx_sender_destroy(&f->s2);
     kvx_receiver_destroy(&f->r);
-    proto_envelope_destroy(&f->env);
+    wire_envelope_destroy(&f->env);
     for (int i = 0; i < 8; i++)
         if (f->raw[i])
             zmq_close(f->raw[i]);
@@ -287,7 +288,7 @@ static int raw_recv(fx_t *f, void *sock, int router, int timeout_ms)
 {
     for (int i = 0; i < timeout_ms; i++) {
         pump_once(f);
-        int rc = proto_recv(sock, router, f->env, ZMQ_DONTWAIT);
+        int rc = wire_recv(sock, router, f->env, ZMQ_DONTWAIT);
         if (rc == 1)
             return 1;
         usleep(1000);
@@ -318,9 +319,9 @@ static int raw_begin(fx_t *f, void *sock, uint64_t rid, uint64_t xfer, int n_kv)
 {
     proto_msg m;
     raw_begin_msg(&m, rid, xfer, n_kv, 4);
-    assert_int_equal(proto_send(sock, NULL, 0, &m, NULL, 0, 0), 0);
+    assert_int_equal(wire_send(sock, NULL, 0, &m, NULL, 0, 0), 0);
     assert_true(raw_recv(f, sock, 0, 2000));
-    proto_msg *a = proto_envelope_msg(f->env);
+    proto_msg *a = wire_envelope_msg(f->env);
     assert_int_equal(a->type, PROTO_KV_BEGIN_ACK);
     return a->ok;
 }
@@ -353,7 +354,7 @@ static void raw_layer(fx_t *f, void *sock, uint64_t rid, uint64_t xfer, int seq,
     m.xfer = xfer;
     m.layer = layer;
     m.n_blocks = n_hdr;
-    assert_int_equal(proto_send(sock, NULL, 0, &m, frames, n_frames, 0), 0);
+    assert_int_equal(wire_send(sock, NULL, 0, &m, frames, n_frames, 0), 0);
 }
 
 /* Blocks [blk0, blk0 + n) of layer `layer` of a sender sequence as one KV_LAYER (the
@@ -379,7 +380,7 @@ static void raw_range(fx_t *f, void *sock, uint64_t rid, uint64_t xfer, int seq,
     m.layer = layer;
     m.blk0 = blk0;
     m.n_blocks = n;
-    assert_int_equal(proto_send(sock, NULL, 0, &m, frames, n, 0), 0);
+    assert_int_equal(wire_send(sock, NULL, 0, &m, frames, n, 0), 0);
 }
 
 static void raw_end(void *sock, uint64_t rid, uint64_t xfer, uint64_t cksum)
@@ -390,14 +391,14 @@ static void raw_end(void *sock, uint64_t rid, uint64_t xfer, uint64_t cksum)
     m.xfer = xfer;
     m.first_token = 7;
     m.checksum = cksum;
-    assert_int_equal(proto_send(sock, NULL, 0, &m, NULL, 0, 0), 0);
+    assert_int_equal(wire_send(sock, NULL, 0, &m, NULL, 0, 0), 0);
 }
 
 /* The receiver answered the raw DEALER with `type` and `code`, and kept nothing. */
 static void expect_raw_reply(fx_t *f, void *sock, proto_type_t type, int code)
 {
     assert_true(raw_recv(f, sock, 0, 2000));
-    proto_msg *a = proto_envelope_msg(f->env);
+    proto_msg *a = wire_envelope_msg(f->env);
     assert_int_equal(a->type, type);
     assert_int_equal(a->ok, 0);
     assert_int_equal(a->code, code);
@@ -600,21 +601,21 @@ static void test_reject_layout_dtype(void **state)
     proto_msg m;
     raw_begin_msg(&m, 5, 55, 8, 2);
     m.dtype = PROTO_DTYPE_F16;
-    assert_int_equal(proto_send(d, NULL, 0, &m, NULL, 0, 0), 0);
+    assert_int_equal(wire_send(d, NULL, 0, &m, NULL, 0, 0), 0);
     assert_true(raw_recv(f, d, 0, 2000));
-    assert_int_equal(proto_envelope_msg(f->env)->ok, 0);
-    assert_int_equal(proto_envelope_msg(f->env)->code, PROTO_ERR_LAYOUT);
+    assert_int_equal(wire_envelope_msg(f->env)->ok, 0);
+    assert_int_equal(wire_envelope_msg(f->env)->code, PROTO_ERR_LAYOUT);
     /* n_blocks that does not match n_kv_tokens */
     raw_begin_msg(&m, 6, 56, 8, 2);
     m.n_blocks = 3;
-    assert_int_equal(proto_send(d, NULL, 0, &m, NULL, 0, 0), 0);
+    assert_int_equal(wire_send(d, NULL, 0, &m, NULL, 0, 0), 0);
     assert_true(raw_recv(f, d, 0, 2000));
-    assert_int_equal(proto_envelope_msg(f->env)->code, PROTO_ERR_PROTOCOL);
+    assert_int_equal(wire_envelope_msg(f->env)->code, PROTO_ERR_PROTOCOL);
     /* longer than the context */
     raw_begin_msg(&m, 7, 57, MAXLEN + 1, 2);
-    assert_int_equal(proto_send(d, NULL, 0, &m, NULL, 0, 0), 0);
+    assert_int_equal(wire_send(d, NULL, 0, &m, NULL, 0, 0), 0);
     assert_true(raw_recv(f, d, 0, 2000));
-    assert_int_equal(proto_envelope_msg(f->env)->code, PROTO_ERR_BAD_REQUEST);
+    assert_int_equal(wire_envelope_msg(f->env)->code, PROTO_ERR_BAD_REQUEST);
     raw_close(f, d);
     assert_all_free(f);
 }
@@ -651,7 +652,7 @@ static void test_checksum_mismatch(void **state)
     m.xfer = 90;
     m.layer = 2;
     m.n_blocks = 2;
-    assert_int_equal(proto_send(d, NULL, 0, &m, frames, 2, 0), 0);
+    assert_int_equal(wire_send(d, NULL, 0, &m, frames, 2, 0), 0);
     raw_end(d, 9, 90, XXH64_digest(h));
     XXH64_freeState(h);
     expect_raw_reply(f, d, PROTO_KV_RESULT, PROTO_ERR_CHECKSUM);
@@ -794,9 +795,9 @@ static void test_range_any_order_on_the_wire(void **state)
     assert_int_equal(ev.type, KVX_EV_ACCEPTED);
     assert_true(seq_holds(f->kvr, ev.seq, 7, 3));
     assert_true(raw_recv(f, d, 0, 2000)); /* KV_RESULT ok */
-    assert_int_equal(proto_envelope_msg(f->env)->type, PROTO_KV_RESULT);
-    assert_int_equal(proto_envelope_msg(f->env)->ok, 1);
-    proto_envelope_reset(f->env);
+    assert_int_equal(wire_envelope_msg(f->env)->type, PROTO_KV_RESULT);
+    assert_int_equal(wire_envelope_msg(f->env)->ok, 1);
+    wire_envelope_reset(f->env);
     kvcache_seq_free(f->kvr, ev.seq);
     kvcache_seq_free(f->kvs, seq);
     raw_close(f, d);
@@ -908,10 +909,10 @@ static void test_malformed_header(void **state)
     zmq_msg_t fr;
     zmq_msg_init_size(&fr, kvcache_block_bytes(f->kvr));
     memset(zmq_msg_data(&fr), 0xff, kvcache_block_bytes(f->kvr));
-    assert_int_equal(proto_send(d, NULL, 0, &m, &fr, 1, 0), 0);
+    assert_int_equal(wire_send(d, NULL, 0, &m, &fr, 1, 0), 0);
     proto_msg_init(&m, PROTO_TOKENS); /* a valid message of the wrong kind */
     m.rid = 3;
-    assert_int_equal(proto_send(d, NULL, 0, &m, NULL, 0, 0), 0);
+    assert_int_equal(wire_send(d, NULL, 0, &m, NULL, 0, 0), 0);
     pump(f);
     kvx_event ev;
     assert_false(kvx_receiver_next_event(f->r, &ev));
@@ -963,11 +964,11 @@ static void test_lease_sender(void **state)
     int n = 0, aborted = 0;
     while (raw_recv(f, silent, 1, 50)) {
         n++;
-        proto_msg *m = proto_envelope_msg(f->env);
+        proto_msg *m = wire_envelope_msg(f->env);
         if (m->type == PROTO_KV_ABORT)
             aborted = m->code == PROTO_ERR_TIMEOUT;
     }
-    proto_envelope_reset(f->env);
+    wire_envelope_reset(f->env);
     assert_int_equal(n, 1 + NL + 1);
     assert_true(aborted);
     for (int i = 0; i < 100 && kvx_sender_n_active(s); i++)
@@ -980,14 +981,14 @@ static void test_lease_sender(void **state)
     assert_true(raw_recv(f, silent, 1, 1000));
     size_t id_len;
     unsigned char id[256];
-    memcpy(id, proto_envelope_identity(f->env, &id_len), 256);
+    memcpy(id, wire_envelope_identity(f->env, &id_len), 256);
     proto_msg a;
     proto_msg_init(&a, PROTO_KV_BEGIN_ACK);
     a.rid = 5;
     a.xfer = x;
     a.ok = 1;
     a.lease_ms = 1000;
-    assert_int_equal(proto_send(silent, id, id_len, &a, NULL, 0, 0), 0);
+    assert_int_equal(wire_send(silent, id, id_len, &a, NULL, 0, 0), 0);
     for (int i = 0; i < 20; i++)
         kvx_sender_process(s), usleep(1000);
     assert_int_equal(kvx_sender_next_timeout_ms(s), -1); /* acked: no lease while computing */
@@ -997,7 +998,7 @@ static void test_lease_sender(void **state)
     expect_failed(f, s, x, PROTO_ERR_TIMEOUT);
     while (raw_recv(f, silent, 1, 50))
         ;
-    proto_envelope_reset(f->env);
+    wire_envelope_reset(f->env);
     for (int i = 0; i < 100 && kvx_sender_n_active(s); i++)
         pump(f), kvx_sender_process(s);
     assert_int_equal(kvx_sender_n_active(s), 0);
@@ -1021,8 +1022,8 @@ static void test_sender_result_nack(void **state)
         size_t id_len = 0;
         unsigned char id[256];
         while (raw_recv(f, rr, 1, 50)) {
-            got_end |= proto_envelope_msg(f->env)->type == PROTO_KV_END;
-            memcpy(id, proto_envelope_identity(f->env, &id_len), 256);
+            got_end |= wire_envelope_msg(f->env)->type == PROTO_KV_END;
+            memcpy(id, wire_envelope_identity(f->env, &id_len), 256);
         }
         assert_int_equal(got_end, variant == 0);
         assert_true(id_len > 0);
@@ -1032,11 +1033,11 @@ static void test_sender_result_nack(void **state)
         m.xfer = x;
         m.ok = variant == 0 ? 0 : 1;
         m.code = variant == 0 ? PROTO_ERR_CHECKSUM : 0;
-        assert_int_equal(proto_send(rr, id, id_len, &m, NULL, 0, 0), 0);
+        assert_int_equal(wire_send(rr, id, id_len, &m, NULL, 0, 0), 0);
         expect_failed(f, f->s, x, variant == 0 ? PROTO_ERR_CHECKSUM : PROTO_ERR_PROTOCOL);
         while (raw_recv(f, rr, 1, 20))
             ; /* the KV_ABORT of variant 1 */
-        proto_envelope_reset(f->env);
+        wire_envelope_reset(f->env);
     }
     raw_close(f, rr);
     assert_all_free(f);
@@ -1195,7 +1196,7 @@ static void test_foreign_peer_frames_dropped(void **state)
     proto_msg_init(&m, PROTO_KV_ABORT);
     m.rid = 3;
     m.xfer = x;
-    assert_int_equal(proto_send(d, NULL, 0, &m, NULL, 0, 0), 0);
+    assert_int_equal(wire_send(d, NULL, 0, &m, NULL, 0, 0), 0);
     pump(f);
     assert_int_equal(kvx_receiver_n_active(f->r), 1);
     send_all(f->s, x);
@@ -1460,9 +1461,9 @@ static void test_mtp_hidden_mismatch(void **state)
     m.n_mtp = NMTP;
     m.mtp_fp = MFP;
     m.n_hidden = NHID;
-    assert_int_equal(proto_send(d, NULL, 0, &m, NULL, 0, 0), 0);
+    assert_int_equal(wire_send(d, NULL, 0, &m, NULL, 0, 0), 0);
     assert_true(raw_recv(f, d, 0, 2000));
-    assert_int_equal(proto_envelope_msg(f->env)->ok, 1);
+    assert_int_equal(wire_envelope_msg(f->env)->ok, 1);
     XXH64_state_t *h = XXH64_createState();
     XXH64_reset(h, 0);
     int rseq = make_seq(f->kvs, 4, 2);
@@ -1590,7 +1591,7 @@ static int wire_more(void *sock)
 
 /* Read the next message on a raw ROUTER (pumping kvx meanwhile). Returns 1, or 0 if none
  * came within 2 s. */
-static int wire_recv(fx_t *f, void *router, wire_msg *w)
+static int fx_wire_recv(fx_t *f, void *router, wire_msg *w)
 {
     memset(w, 0, sizeof(*w));
     zmq_msg_t part;
@@ -1651,7 +1652,7 @@ static void wire_reply(void *router, const wire_msg *w, proto_type_t type)
     m.xfer = w->m.xfer;
     m.ok = 1;
     m.lease_ms = 1000;
-    assert_int_equal(proto_send(router, w->id, w->id_len, &m, NULL, 0, 0), 0);
+    assert_int_equal(wire_send(router, w->id, w->id_len, &m, NULL, 0, 0), 0);
 }
 
 /* Run one transfer of n_kv tokens from sender s to a raw ROUTER, each layer in the ranges
@@ -1675,7 +1676,7 @@ static uint64_t wire_transfer(fx_t *f, kvx_sender_t *s, int n_kv, const int *cut
     assert_int_equal(kvx_send_end(s, x, 1, 2), 0);
 
     wire_msg w;
-    assert_true(wire_recv(f, router, &w));
+    assert_true(fx_wire_recv(f, router, &w));
     assert_int_equal(w.m.type, PROTO_KV_BEGIN);
     assert_int_equal(w.n_frames, 0);
     assert_true((uint64_t)w.m.pad_bytes == want_pad_total);
@@ -1683,7 +1684,7 @@ static uint64_t wire_transfer(fx_t *f, kvx_sender_t *s, int n_kv, const int *cut
     wire_reply(router, &w, PROTO_KV_BEGIN_ACK);
     uint64_t seen = 0, pad_seen = 0;
     for (int i = 0; i < n_cuts * NL; i++) {
-        assert_true(wire_recv(f, router, &w));
+        assert_true(fx_wire_recv(f, router, &w));
         assert_int_equal(w.m.type, PROTO_KV_LAYER);
         int n = w.m.n_blocks;
         assert_int_equal(w.n_frames, n + (want_pad_total ? 1 : 0));
@@ -1699,7 +1700,7 @@ static uint64_t wire_transfer(fx_t *f, kvx_sender_t *s, int n_kv, const int *cut
         }
         proto_msg_clear(&w.m);
     }
-    assert_true(wire_recv(f, router, &w));
+    assert_true(fx_wire_recv(f, router, &w));
     assert_int_equal(w.m.type, PROTO_KV_END);
     assert_int_equal(w.n_frames, 0);
     assert_true(pad_seen == want_pad_total);
@@ -1766,7 +1767,7 @@ static void raw_range_pad(fx_t *f, void *sock, uint64_t xfer, int seq, int layer
     m.layer = layer;
     m.blk0 = blk0;
     m.n_blocks = n;
-    assert_int_equal(proto_send(sock, NULL, 0, &m, frames, n + n_pad, 0), 0);
+    assert_int_equal(wire_send(sock, NULL, 0, &m, frames, n + n_pad, 0), 0);
 }
 
 static int raw_begin_pad(fx_t *f, void *sock, uint64_t xfer, int n_kv, int64_t pad)
@@ -1774,9 +1775,9 @@ static int raw_begin_pad(fx_t *f, void *sock, uint64_t xfer, int n_kv, int64_t p
     proto_msg m;
     raw_begin_msg(&m, 9, xfer, n_kv, 4);
     m.pad_bytes = pad;
-    assert_int_equal(proto_send(sock, NULL, 0, &m, NULL, 0, 0), 0);
+    assert_int_equal(wire_send(sock, NULL, 0, &m, NULL, 0, 0), 0);
     assert_true(raw_recv(f, sock, 0, 2000));
-    proto_msg *a = proto_envelope_msg(f->env);
+    proto_msg *a = wire_envelope_msg(f->env);
     assert_int_equal(a->type, PROTO_KV_BEGIN_ACK);
     return a->ok;
 }
@@ -1805,8 +1806,8 @@ static void test_pad_wrong_size_rejected(void **state)
     assert_true(ev.n_bytes == 3 * 2 * BLK_BYTES + 1000);
     assert_true(seq_holds(f->kvr, ev.seq, 1, 2));
     assert_true(raw_recv(f, d, 0, 2000)); /* KV_RESULT ok */
-    assert_int_equal(proto_envelope_msg(f->env)->type, PROTO_KV_RESULT);
-    assert_int_equal(proto_envelope_msg(f->env)->ok, 1);
+    assert_int_equal(wire_envelope_msg(f->env)->type, PROTO_KV_RESULT);
+    assert_int_equal(wire_envelope_msg(f->env)->ok, 1);
     kvcache_seq_free(f->kvr, ev.seq);
 
     /* wrong: one byte more, one less, no padding frame, two padding frames, a padding

@@ -10,8 +10,8 @@
 #include <string.h>
 #include <cmocka.h>
 
-#include "gateway/metrics.h"
-#include "gateway/stats.h"
+#include "metrics.h"
+#include "stats.h"
 
 /* Run fn(f, ud) into a string (caller frees). */
 static char *capture(void (*fn)(FILE *f, void *ud), void *ud)

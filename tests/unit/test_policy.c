@@ -15,7 +15,7 @@
 #include <string.h>
 #include <cmocka.h>
 
-#include "gateway/policy.h"
+#include "policy.h"
 
 #define MAXW 128
 #define MAXCH 4096

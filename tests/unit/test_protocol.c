@@ -10,6 +10,7 @@
 #include <msgpack.h>
 
 #include "protocol.h"
+#include "wire.h"
 
 static void fill(proto_msg *m, proto_type_t t)
 {
@@ -435,7 +436,7 @@ static void test_send_dontwait_no_peer(void **state)
     void *dealer = zmq_socket(ctx, ZMQ_DEALER);
     proto_msg m;
     fill(&m, PROTO_CANCEL);
-    assert_int_equal(proto_send(dealer, NULL, 0, &m, NULL, 0, ZMQ_DONTWAIT), -1);
+    assert_int_equal(wire_send(dealer, NULL, 0, &m, NULL, 0, ZMQ_DONTWAIT), -1);
     assert_int_equal(errno, EAGAIN);
     int linger = 0;
     zmq_setsockopt(dealer, ZMQ_LINGER, &linger, sizeof(linger));
@@ -462,46 +463,46 @@ static void test_send_recv_frames(void **state)
     memcpy(zmq_msg_data(&frames[0]), a, sizeof(a));
     zmq_msg_init_size(&frames[1], sizeof(b));
     memcpy(zmq_msg_data(&frames[1]), b, sizeof(b));
-    assert_int_equal(proto_send(dealer, NULL, 0, &m, frames, 2, 0), 0);
+    assert_int_equal(wire_send(dealer, NULL, 0, &m, frames, 2, 0), 0);
 
-    proto_envelope *e = proto_envelope_new();
-    assert_int_equal(proto_recv(router, 1, e, 0), 1);
+    wire_envelope *e = wire_envelope_new();
+    assert_int_equal(wire_recv(router, 1, e, 0), 1);
     size_t idlen;
-    const unsigned char *id = proto_envelope_identity(e, &idlen);
+    const unsigned char *id = wire_envelope_identity(e, &idlen);
     assert_int_equal(idlen, 2);
     assert_memory_equal(id, "w1", 2);
-    assert_int_equal(proto_envelope_msg(e)->type, PROTO_KV_LAYER);
-    assert_int_equal(proto_envelope_msg(e)->layer, 4);
-    assert_int_equal(proto_envelope_n_frames(e), 2);
-    assert_int_equal(zmq_msg_size(proto_envelope_frame(e, 1)), sizeof(b));
-    assert_memory_equal(zmq_msg_data(proto_envelope_frame(e, 1)), b, sizeof(b));
+    assert_int_equal(wire_envelope_msg(e)->type, PROTO_KV_LAYER);
+    assert_int_equal(wire_envelope_msg(e)->layer, 4);
+    assert_int_equal(wire_envelope_n_frames(e), 2);
+    assert_int_equal(zmq_msg_size(wire_envelope_frame(e, 1)), sizeof(b));
+    assert_memory_equal(zmq_msg_data(wire_envelope_frame(e, 1)), b, sizeof(b));
 
     /* reply through the identity */
     proto_msg r;
     fill(&r, PROTO_KV_RESULT);
-    assert_int_equal(proto_send(router, id, idlen, &r, NULL, 0, 0), 0);
-    assert_int_equal(proto_recv(dealer, 0, e, 0), 1);
-    assert_int_equal(proto_envelope_msg(e)->type, PROTO_KV_RESULT);
+    assert_int_equal(wire_send(router, id, idlen, &r, NULL, 0, 0), 0);
+    assert_int_equal(wire_recv(dealer, 0, e, 0), 1);
+    assert_int_equal(wire_envelope_msg(e)->type, PROTO_KV_RESULT);
 
     /* a malformed header is dropped with its payload, then the next message is fine */
     zmq_send(dealer, "junk", 4, ZMQ_SNDMORE);
     zmq_send(dealer, "payload", 7, 0);
     proto_msg c;
     fill(&c, PROTO_CANCEL);
-    assert_int_equal(proto_send(dealer, NULL, 0, &c, NULL, 0, 0), 0);
-    assert_int_equal(proto_recv(router, 1, e, 0), -1);
-    assert_int_equal(proto_recv(router, 1, e, 0), 1);
-    assert_int_equal(proto_envelope_msg(e)->type, PROTO_CANCEL);
-    assert_int_equal(proto_recv(router, 1, e, ZMQ_DONTWAIT), 0);
+    assert_int_equal(wire_send(dealer, NULL, 0, &c, NULL, 0, 0), 0);
+    assert_int_equal(wire_recv(router, 1, e, 0), -1);
+    assert_int_equal(wire_recv(router, 1, e, 0), 1);
+    assert_int_equal(wire_envelope_msg(e)->type, PROTO_CANCEL);
+    assert_int_equal(wire_recv(router, 1, e, ZMQ_DONTWAIT), 0);
 
-    proto_envelope_destroy(&e);
+    wire_envelope_destroy(&e);
     assert_null(e);
     zmq_close(dealer);
     zmq_close(router);
     zmq_ctx_term(ctx);
 }
 
-/* proto_send encodes headers on its stack and moves to the heap past 1 KiB: a PREFILL of
+/* wire_send encodes headers on its stack and moves to the heap past 1 KiB: a PREFILL of
  * the largest prompt, and one on each side of the switch, arrive intact; an invalid
  * message is refused with EINVAL. */
 static void test_send_header_sizes(void **state)
@@ -515,16 +516,16 @@ static void test_send_header_sizes(void **state)
     int *toks = malloc(PROTO_MAX_TOKENS * sizeof(int));
     for (int i = 0; i < PROTO_MAX_TOKENS; i++)
         toks[i] = (i * 7919) % 100000;
-    proto_envelope *e = proto_envelope_new();
+    wire_envelope *e = wire_envelope_new();
     static const int sizes[] = {1, 150, 200, 300, PROTO_MAX_TOKENS};
     for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); k++) {
         proto_msg m;
         fill(&m, PROTO_PREFILL);
         m.tokens = toks;
         m.n_tokens = sizes[k];
-        assert_int_equal(proto_send(dealer, NULL, 0, &m, NULL, 0, 0), 0);
-        assert_int_equal(proto_recv(router, 1, e, 0), 1);
-        proto_msg *out = proto_envelope_msg(e);
+        assert_int_equal(wire_send(dealer, NULL, 0, &m, NULL, 0, 0), 0);
+        assert_int_equal(wire_recv(router, 1, e, 0), 1);
+        proto_msg *out = wire_envelope_msg(e);
         assert_int_equal(out->n_tokens, sizes[k]);
         assert_memory_equal(out->tokens, toks, (size_t)sizes[k] * sizeof(int));
         assert_string_equal(out->decode_endpoint, "ipc:///tmp/kv");
@@ -532,10 +533,10 @@ static void test_send_header_sizes(void **state)
     proto_msg bad;
     fill(&bad, PROTO_TOKENS);
     bad.tokens = NULL; /* n_tokens 5 without tokens */
-    assert_int_equal(proto_send(dealer, NULL, 0, &bad, NULL, 0, 0), -1);
+    assert_int_equal(wire_send(dealer, NULL, 0, &bad, NULL, 0, 0), -1);
     assert_int_equal(errno, EINVAL);
     free(toks);
-    proto_envelope_destroy(&e);
+    wire_envelope_destroy(&e);
     zmq_close(dealer);
     zmq_close(router);
     zmq_ctx_term(ctx);

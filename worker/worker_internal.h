@@ -13,6 +13,7 @@
 #include "kvtransfer.h"
 #include "model.h"
 #include "protocol.h"
+#include "wire.h"
 #include "mtp.h"
 #include "sampler.h"
 #include "specdec.h"
@@ -97,7 +98,7 @@ typedef struct {
     void *zctx;
     void *ctl; /* DEALER to the gateway, routing id = wid */
     int sigfd;
-    proto_envelope *env;
+    wire_envelope *env;
 
     model_t *model;
     const model_config *mc;

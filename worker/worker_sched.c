@@ -22,7 +22,7 @@
  * (max_items, vocab) and the forward pass's scratch (model_ctx, max(max_batch_tokens,
  * max_items) tokens) are sized at start-up, a chunk's bookkeeping lives in its request
  * (n_done, n_chunk, blk_sent, blk_upto), and message headers are encoded on the stack
- * (proto_send), so the prefill and decode steps allocate nothing themselves. What still
+ * (wire_send), so the prefill and decode steps allocate nothing themselves. What still
  * allocates is per request, not per step (the prompt array, a transfer's record in kvx),
  * and inside ZeroMQ: its copy of each message over 33 bytes (TOKENS, FINISH) and one
  * record per zero-copy KV frame (checked with valgrind --tool=dhat on a mixed worker).

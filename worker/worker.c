@@ -28,34 +28,9 @@
 #define REGISTER_RETRY_MS 50 /* REGISTER not even sent (no connection yet) */
 #define MAX_POLL_ITEMS 256
 
-static const char *role_str(proto_role_t r)
-{
-    switch (r) {
-    case PROTO_ROLE_PREFILL:
-        return "prefill";
-    case PROTO_ROLE_DECODE:
-        return "decode";
-    case PROTO_ROLE_MIXED:
-        return "mixed";
-    }
-    return "unknown";
-}
-
-static int role_parse(const char *s, proto_role_t *out)
-{
-    static const proto_role_t roles[] = {PROTO_ROLE_PREFILL, PROTO_ROLE_DECODE, PROTO_ROLE_MIXED};
-    for (int i = 0; i < 3; i++) {
-        if (strcmp(s, role_str(roles[i])) == 0) {
-            *out = roles[i];
-            return 0;
-        }
-    }
-    return -1;
-}
-
 // --- messages to the gateway
 
-/* Send on the ctl DEALER without ever blocking: proto_send() sends a DEALER's first frame
+/* Send on the ctl DEALER without ever blocking: wire_send() sends a DEALER's first frame
  * without ZMQ_DONTWAIT, so check ZMQ_POLLOUT (a connected pipe with room) first. */
 static int ctl_send(worker_t *w, const proto_msg *m)
 {
@@ -65,7 +40,7 @@ static int ctl_send(worker_t *w, const proto_msg *m)
         errno = EAGAIN;
         return -1;
     }
-    return proto_send(w->ctl, NULL, 0, m, NULL, 0, ZMQ_DONTWAIT);
+    return wire_send(w->ctl, NULL, 0, m, NULL, 0, ZMQ_DONTWAIT);
 }
 
 static void ctl_send_logged(worker_t *w, const proto_msg *m)
@@ -360,7 +335,7 @@ int worker_open_sender(worker_t *w)
 static int setup_sockets(worker_t *w)
 {
     w->zctx = zmq_ctx_new();
-    w->env = proto_envelope_new();
+    w->env = wire_envelope_new();
     if (!w->zctx || !w->env)
         return -1;
     w->ctl = zmq_socket(w->zctx, ZMQ_DEALER);
@@ -392,21 +367,21 @@ static void on_role(worker_t *w, int role)
 {
     if (role != PROTO_ROLE_PREFILL && role != PROTO_ROLE_DECODE) {
         log_warn("ROLE %s ignored: only prefill <-> decode changes are supported",
-                 role_str((proto_role_t)role));
+                 proto_role_str(role));
         return;
     }
     if (w->draining) {
-        log_warn("ROLE %s ignored: this worker is leaving", role_str((proto_role_t)role));
+        log_warn("ROLE %s ignored: this worker is leaving", proto_role_str(role));
         return;
     }
     if (w->role == PROTO_ROLE_MIXED) {
-        log_warn("ROLE %s ignored: a mixed worker keeps its role", role_str((proto_role_t)role));
+        log_warn("ROLE %s ignored: a mixed worker keeps its role", proto_role_str(role));
         w->registered = 0; /* the gateway learns it did not change */
         heartbeat_tick(w, 1);
         return;
     }
     if (role == (int)w->role) { /* already there, or an order taken back while draining */
-        log_info("ROLE %s: already %s%s", role_str((proto_role_t)role), role_str(w->role),
+        log_info("ROLE %s: already %s%s", proto_role_str(role), proto_role_str(w->role),
                  w->role_target ? " (change called off)" : "");
         w->role_target = 0;
         if (w->receiver)
@@ -426,8 +401,8 @@ static void on_role(worker_t *w, int role)
     /* A decode worker keeps accepting the KV already on its way (the gateway routes nothing
      * new to it): the MIGRATE orders that follow ROLE move those sequences on as they land,
      * which is cheaper than refusing them (a refusal makes the gateway prefill again). */
-    log_info("role change %s -> %s ordered: draining (%s)", role_str(w->role),
-             role_str(w->role_target),
+    log_info("role change %s -> %s ordered: draining (%s)", proto_role_str(w->role),
+             proto_role_str(w->role_target),
              w->role == PROTO_ROLE_PREFILL
                  ? "finishing the batch and its transfers"
                  : "no new KV; running sequences move where the gateway orders (MIGRATE), "
@@ -456,18 +431,18 @@ static void role_switch(worker_t *w)
         }
     }
     if (!ok) {
-        log_error("role change %s -> %s failed (see above): staying %s", role_str(from),
-                  role_str(to), role_str(from));
+        log_error("role change %s -> %s failed (see above): staying %s", proto_role_str(from),
+                  proto_role_str(to), proto_role_str(from));
         if (w->receiver)
             kvx_receiver_set_accepting(w->receiver, 1);
     } else {
         w->role = to;
         char tag[32]; /* log lines name the new role (the pool's threads do not log) */
-        snprintf(tag, sizeof(tag), "%s_worker", role_str(to));
+        snprintf(tag, sizeof(tag), "%s_worker", proto_role_str(to));
         log_init(tag, log_min_level);
         w->role_change_us = proto_now_us() - w->role_order_us;
         w->n_role_changes++;
-        log_info("role changed %s -> %s in %.1f ms%s%s", role_str(from), role_str(to),
+        log_info("role changed %s -> %s in %.1f ms%s%s", proto_role_str(from), proto_role_str(to),
                  (double)w->role_change_us / 1000.0, w->kv_endpoint[0] ? ": kv at " : "",
                  w->kv_endpoint);
     }
@@ -488,7 +463,7 @@ static void teardown(worker_t *w, int fast)
         }
         zmq_close(w->ctl);
     }
-    proto_envelope_destroy(&w->env);
+    wire_envelope_destroy(&w->env);
     if (w->zctx)
         zmq_ctx_term(w->zctx); /* drops queued zero-copy frames: before the KV cache goes */
     if (w->sigfd > 0)
@@ -577,7 +552,7 @@ static int run(worker_t *w)
         if (on_signals(w))
             return 1;
         for (int i = 0; i < CTL_MAX_MSGS_PER_ITER; i++) {
-            int rc = proto_recv(w->ctl, 0, w->env, ZMQ_DONTWAIT);
+            int rc = wire_recv(w->ctl, 0, w->env, ZMQ_DONTWAIT);
             if (rc == 0)
                 break;
             if (rc == -2) {
@@ -585,9 +560,9 @@ static int run(worker_t *w)
                 break;
             }
             if (rc == 1)
-                on_ctl(w, proto_envelope_msg(w->env), proto_envelope_n_frames(w->env));
+                on_ctl(w, wire_envelope_msg(w->env), wire_envelope_n_frames(w->env));
         }
-        proto_envelope_reset(w->env);
+        wire_envelope_reset(w->env);
         if (w->receiver)
             kvx_receiver_process(w->receiver);
         if (w->sender)
@@ -679,7 +654,7 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
     rc = 2;
     w.role = default_role;
     log_level_t level;
-    if (w.role_name && *w.role_name && role_parse(w.role_name, &w.role) < 0) {
+    if (w.role_name && *w.role_name && proto_role_parse(w.role_name, &w.role) < 0) {
         fprintf(stderr, "%s: invalid --role '%s': want prefill, decode or mixed\n", program,
                 w.role_name);
         goto out;
@@ -695,7 +670,7 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
         goto out;
     }
     char log_role[32];
-    snprintf(log_role, sizeof(log_role), "%s_worker", role_str(w.role));
+    snprintf(log_role, sizeof(log_role), "%s_worker", proto_role_str(w.role));
     log_init(log_role, level);
     if (w.worker_id && *w.worker_id) {
         if (strlen(w.worker_id) >= PROTO_ID_LEN) {
@@ -706,7 +681,7 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
     } else {
         char host[256] = "localhost";
         gethostname(host, sizeof(host) - 1);
-        snprintf(w.wid, sizeof(w.wid), "%s-%.40s-%d", role_str(w.role), host, (int)getpid());
+        snprintf(w.wid, sizeof(w.wid), "%s-%.40s-%d", proto_role_str(w.role), host, (int)getpid());
     }
     w.hb_ms = (int)w.heartbeat_ms;
     config_log(table);
@@ -734,7 +709,7 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
         teardown(&w, 1);
         goto out;
     }
-    log_info("worker %s (%s) up: gateway %s, pid %d", w.wid, role_str(w.role), w.gateway,
+    log_info("worker %s (%s) up: gateway %s, pid %d", w.wid, proto_role_str(w.role), w.gateway,
              (int)getpid());
     rc = run(&w);
     teardown(&w, rc != 0);
