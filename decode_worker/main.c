@@ -1,4 +1,4 @@
-/* decode_worker: the worker runtime (common/worker.h) in role decode unless --role says
+/* decode_worker: the worker runtime (worker/worker.h) in role decode unless --role says
  * otherwise. */
 #include "worker.h"
 

@@ -1,4 +1,4 @@
-/* prefill_worker: the worker runtime (common/worker.h) in role prefill unless --role says
+/* prefill_worker: the worker runtime (worker/worker.h) in role prefill unless --role says
  * otherwise. */
 #include "worker.h"
 

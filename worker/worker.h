@@ -1,12 +1,15 @@
 /*
- * worker: the runtime of the worker programs (prefill_worker, decode_worker), one process
- * running the model in one of three roles:
+ * worker: the entry of the worker programs (prefill_worker, decode_worker). One process
+ * runs the model in one of three roles:
  *   prefill: batches prompts, runs them through the model, streams each layer's KV to the
- *            decode worker named by the gateway (kvtransfer), samples the first token;
- *   decode:  receives KV hand-offs and runs continuous batching, one token per running
- *            sequence per step;
+ *            decode worker named by the gateway (kvtransfer), samples the first token
+ *            (prefill_worker/prefill.c);
+ *   decode:  receives KV hand-offs and runs continuous batching with MTP2 draft-and-verify,
+ *            and migrates running sequences when it changes role (decode_worker/decode.c);
  *   mixed:   both in one process; a PREFILL with an empty decode endpoint is decoded
  *            locally without a transfer.
+ * The runtime (worker/runtime.h) drives the roles; the two programs differ only in their
+ * default role, and either can be moved to the other role live (ROLE).
  *
  * One thread owns every socket, the model and the KV cache: a zmq_poll loop over the ctl
  * DEALER (to the gateway), the kv ROUTER (decode/mixed), the kv DEALERs (one per decode

@@ -1,0 +1,80 @@
+/*
+ * prefill_internal: declarations shared by the prefill role's files: prefill.c (the role:
+ * its requests, PREFILL orders, cancel, transfer outcomes, handing prompts back) and
+ * prefill_batch.c (the batch step: chunked prefill, the MTP module pass, the KV sender
+ * fed layer by layer, the first token). Not a public interface: the runtime sees the role
+ * through prefill_role_ops (worker/runtime.h).
+ */
+#ifndef TP_PREFILL_INTERNAL_H
+#define TP_PREFILL_INTERNAL_H
+
+#include <stdint.h>
+
+#include "runtime.h"
+
+#define PREFILL_MAX_QUEUE 4096 /* PREFILL orders waiting; more are refused (retryable) */
+
+typedef enum {
+    PREQ_QUEUED = 1, /* PREFILL received, waiting for a batch; owns only its prompt */
+    PREQ_PREFILLING, /* admitted (sequence reserved, KV_BEGIN sent); its prompt is computed
+                      * one chunk per loop iteration, n_done tokens so far */
+    PREQ_SENDING,    /* prefill done, KV in the hands of kvx; waiting for the outcome */
+} preq_state_t;
+
+/* One prompt. Memory: the prompt is owned until the prefill ran; the KV sequence from
+ * admission until it leaves, unless a transfer started (xfer != 0): then kvx owns it and
+ * frees it after the transfer, and the request only names it for the forward pass that
+ * fills it. A prompt decoded here leaves with its sequence for the decode role
+ * (runtime_handoff_local). */
+typedef struct {
+    uint64_t rid;
+    preq_state_t state;
+    int *prompt; /* (n_prompt,) token ids; NULL after the prefill */
+    int n_prompt;
+    int n_done;     /* PREQ_PREFILLING: prompt tokens whose KV is computed */
+    int n_chunk;    /* prompt tokens in the batch being computed */
+    int blk_sent;   /* transfer: blocks of every layer handed to kvx so far */
+    int blk_upto;   /* transfer: blocks of every layer complete after the batch being computed */
+    int max_tokens; /* generated tokens in total, first included */
+    sampler_params sp;
+    uint64_t rng;                 /* sampler state */
+    char dep[PROTO_ENDPOINT_LEN]; /* decode endpoint; "" = decode here */
+    uint64_t xfer;                /* kvx transfer id once KV_BEGIN went out, else 0 */
+    int seq;                      /* kvcache sequence (-1 = none); lent to kvx when xfer != 0 */
+    int64_t t_recv_us;            /* PREFILL received (proto_now_us) */
+    int64_t t_start_us;           /* its first prefill chunk started */
+    int mtp_req;                  /* the request's MTP depth + 1 (0 = not set) */
+    int mtp_depth;                /* drafts it may make per step: 0 = no module work */
+    float *hand; /* (2, dim) MTP hand-off state, filled by the module pass (owned; NULL when
+                  * mtp_depth is 0) */
+} preq;
+
+typedef struct {
+    runtime_t *rt;
+    preq **reqs; /* every prompt here, in arrival order (FIFO) */
+    int n_reqs, cap_reqs;
+    /* the last batch could not admit the queue's head: no admission is tried again until
+     * a prompt leaves or the KV cache's free blocks change (blocked_free = the count then) */
+    int blocked, blocked_free;
+    /* the batch, sized at attach: (max_items,) items, (max_items, vocab) logits */
+    model_seq_batch *batch;
+    preq **batch_reqs;
+    float *logits;
+    int n_batch;
+    /* MTP: (max_tokens, dim) hidden states h_0 of the batch's prompts, module pass items */
+    float *hid;
+    specdec_prefill_item *pitems;
+} prefill_role;
+
+/* Remove r from the table and free it with whatever it owns (the one place a prompt's
+ * memory is freed). A transfer in progress is aborted (kvx then frees its sequence). */
+void prefill_req_remove(prefill_role *p, preq *r);
+/* Whether admission waits (see blocked). */
+int prefill_blocked(const prefill_role *p);
+
+/* Run one prefill batch: the next chunk of every prompt being computed, and queued prompts
+ * admitted while they fit (max_batch_tokens, KV blocks, sequence slots). Returns 1 if it
+ * did work. (prefill_batch.c) */
+int prefill_step(void *st);
+
+#endif

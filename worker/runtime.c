@@ -1,0 +1,555 @@
+/*
+ * runtime: see runtime.h. This file is the role-independent part of a worker: the ctl
+ * socket (messages to and from the gateway), registration and heartbeats, the role-change
+ * protocol, the KV sender, and the loop that drives the attached roles. The settings,
+ * signals and start-up are in worker.c.
+ *
+ * The loop: poll the ctl socket, the signalfd, the KV sender's sockets and the roles' own
+ * (timeout 0 while a role has work, else until the next heartbeat or timer), handle
+ * everything that arrived, then run one step of each attached role (prefill first). A
+ * step never waits on the network: sends use ZMQ_DONTWAIT and a full or disconnected
+ * socket drops the message with a log line.
+ */
+#include "runtime.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "wire.h"
+
+#define CTL_MAX_MSGS_PER_ITER 256 /* ctl messages handled per loop iteration */
+#define CTL_SNDHWM 100000
+#define CTL_LINGER_MS 1000   /* time to flush BYE at exit */
+#define REGISTER_RETRY_MS 50 /* REGISTER not even sent (no connection yet) */
+#define MAX_POLL_ITEMS 256
+
+/* rt->roles from rt->prefill and rt->decode (prefill first): after every attach/detach. */
+static void roles_update(runtime_t *rt)
+{
+    rt->n_roles = 0;
+    if (rt->prefill)
+        rt->roles[rt->n_roles++] = (runtime_role){&prefill_role_ops, rt->prefill};
+    if (rt->decode)
+        rt->roles[rt->n_roles++] = (runtime_role){&decode_role_ops, rt->decode};
+}
+
+// --- messages to the gateway
+
+/* Send on the ctl DEALER without ever blocking: wire_send() sends a DEALER's first frame
+ * without ZMQ_DONTWAIT, so check ZMQ_POLLOUT (a connected pipe with room) first. */
+static int ctl_send(runtime_t *rt, const proto_msg *m)
+{
+    int ev = 0;
+    size_t sz = sizeof(ev);
+    if (zmq_getsockopt(rt->ctl, ZMQ_EVENTS, &ev, &sz) < 0 || !(ev & ZMQ_POLLOUT)) {
+        errno = EAGAIN;
+        return -1;
+    }
+    return wire_send(rt->ctl, NULL, 0, m, NULL, 0, ZMQ_DONTWAIT);
+}
+
+static void ctl_send_logged(runtime_t *rt, const proto_msg *m)
+{
+    if (ctl_send(rt, m) < 0)
+        log_rwarn(m->rid, "%s to the gateway dropped: %s", proto_type_str(m->type),
+                  zmq_strerror(errno));
+}
+
+static void set_timing(proto_msg *m, const runtime_timing *t)
+{
+    if (!t)
+        return;
+    m->queue_us = t->queue_us > 0 ? t->queue_us : 0;
+    m->prefill_us = t->prefill_us > 0 ? t->prefill_us : 0;
+    m->xfer_us = t->xfer_us > 0 ? t->xfer_us : 0;
+    m->xfer_bytes = t->xfer_bytes;
+    m->step_us = t->step_us > 0 ? t->step_us : 0;
+}
+
+void runtime_send_tokens(runtime_t *rt, uint64_t rid, int index, const int *tokens, int n,
+                         uint64_t rng, const runtime_timing *t)
+{
+    proto_msg m;
+    proto_msg_init(&m, PROTO_TOKENS);
+    m.rid = rid;
+    m.index = index;
+    m.rng = rng;
+    m.tokens = (int *)tokens; /* borrowed for sending */
+    m.n_tokens = n;
+    m.ts_us = proto_wall_us();
+    set_timing(&m, t);
+    ctl_send_logged(rt, &m);
+}
+
+void runtime_send_finish(runtime_t *rt, uint64_t rid, int reason, const runtime_timing *t)
+{
+    proto_msg m;
+    proto_msg_init(&m, PROTO_FINISH);
+    m.rid = rid;
+    m.reason = reason;
+    m.ts_us = proto_wall_us();
+    set_timing(&m, t);
+    ctl_send_logged(rt, &m);
+    log_rdebug(rid, "finished (%s)", reason == PROTO_FINISH_STOP ? "stop" : "length");
+}
+
+void runtime_send_error(runtime_t *rt, uint64_t rid, int code, int retry, const char *msg)
+{
+    proto_msg m;
+    proto_msg_init(&m, PROTO_ERROR);
+    m.rid = rid;
+    m.code = code;
+    m.retryable = retry;
+    snprintf(m.message, sizeof(m.message), "%s", msg);
+    m.ts_us = proto_wall_us();
+    log_rinfo(rid, "error reported: %s (%s)%s", proto_err_str(code), msg,
+              retry ? ", retryable" : "");
+    ctl_send_logged(rt, &m);
+}
+
+static int send_register(runtime_t *rt)
+{
+    const worker_compute *cp = &rt->cp;
+    proto_msg m;
+    proto_msg_init(&m, PROTO_REGISTER);
+    snprintf(m.worker_id, sizeof(m.worker_id), "%s", rt->wid);
+    m.role = rt->role;
+    snprintf(m.kv_endpoint, sizeof(m.kv_endpoint), "%s", rt->kv_endpoint);
+    m.fingerprint = cp->mc->fingerprint;
+    m.pid = (int)getpid();
+    m.n_ctx = cp->mc->n_ctx;
+    m.block_size = cp->block_size;
+    m.max_seqs = cp->max_items;
+    m.kv_blocks_total = kvcache_n_blocks(cp->kv);
+    m.kv_blocks_free = kvcache_n_free_blocks(cp->kv);
+    m.emulated = cp->emu_on;
+    m.ts_us = proto_wall_us();
+    int rc = ctl_send(rt, &m);
+    if (rc < 0)
+        log_debug("REGISTER not sent yet: %s", zmq_strerror(errno));
+    return rc;
+}
+
+static void send_heartbeat(runtime_t *rt)
+{
+    proto_msg m;
+    proto_msg_init(&m, PROTO_HEARTBEAT);
+    snprintf(m.worker_id, sizeof(m.worker_id), "%s", rt->wid);
+    m.role = rt->role;
+    m.state = rt->draining      ? PROTO_STATE_DRAINING
+              : rt->role_target ? PROTO_STATE_CHANGING
+                                : PROTO_STATE_READY;
+    m.role_change_us = rt->role_change_us;
+    m.n_role_changes = rt->n_role_changes;
+    for (runtime_role *r = rt->roles; r < rt->roles + rt->n_roles; r++)
+        r->ops->load(r->st, &m); /* running, queued, kvx_rx */
+    m.kv_blocks_total = kvcache_n_blocks(rt->cp.kv);
+    m.kv_blocks_free = kvcache_n_free_blocks(rt->cp.kv);
+    m.tokens_in = rt->tokens_in;
+    m.tokens_out = rt->tokens_out;
+    m.spec = rt->spec;
+    m.mig = rt->mig;
+    if (rt->sender)
+        kvx_sender_get_stats(rt->sender, &m.kvx_tx);
+    m.emulated = rt->cp.emu_on;
+    m.ts_us = proto_wall_us();
+    if (ctl_send(rt, &m) < 0)
+        log_debug("HEARTBEAT not sent: %s", zmq_strerror(errno));
+}
+
+/* REGISTER until acknowledged, then HEARTBEAT, every hb_ms. */
+static void heartbeat_tick(runtime_t *rt, int force)
+{
+    int64_t now = proto_now_us();
+    if (!force && now < rt->next_hb_us)
+        return;
+    int delay_ms = rt->hb_ms;
+    if (!rt->registered) {
+        if (send_register(rt) < 0 && delay_ms > REGISTER_RETRY_MS)
+            delay_ms = REGISTER_RETRY_MS;
+        if (!rt->unacked_since_us)
+            rt->unacked_since_us = now;
+        else if (now - rt->unacked_since_us > 5000000) {
+            log_warn("no REGISTER_ACK from the gateway at %s for 5 s: is it running, and is "
+                     "worker id '%s' unique? (ZeroMQ refuses a second connection with an id "
+                     "in use)", rt->set.gateway, rt->wid);
+            rt->unacked_since_us = now;
+        }
+    } else {
+        send_heartbeat(rt);
+    }
+    rt->next_hb_us = now + (int64_t)delay_ms * 1000;
+}
+
+static void send_bye(runtime_t *rt)
+{
+    proto_msg m;
+    proto_msg_init(&m, PROTO_BYE);
+    snprintf(m.worker_id, sizeof(m.worker_id), "%s", rt->wid);
+    snprintf(m.message, sizeof(m.message), "drained");
+    m.ts_us = proto_wall_us();
+    /* EAGAIN: the gateway is already gone (the launcher stops it first): nothing to tell */
+    if (ctl_send(rt, &m) < 0)
+        LOG_AT(errno == EAGAIN ? LOG_LEVEL_INFO : LOG_LEVEL_WARN, 0, "BYE not sent: %s",
+               errno == EAGAIN ? "the gateway is not connected" : zmq_strerror(errno));
+}
+
+// --- services for the roles
+
+int runtime_open_sender(runtime_t *rt)
+{
+    if (rt->sender)
+        return 0;
+    kvx_sender_params sp = kvx_sender_default_params();
+    sp.fingerprint = rt->cp.mc->fingerprint;
+    sp.lease_ms = (int)rt->set.lease_ms;
+    sp.n_mtp = rt->cp.n_mtp;
+    sp.pad_to_bytes_per_token = compute_kv_pad_bytes_per_token(&rt->cp); /* --emulate */
+    rt->sender = kvx_sender_new(rt->zctx, rt->cp.kv, &sp);
+    if (!rt->sender) {
+        log_error("cannot create the KV sender");
+        return -1;
+    }
+    return 0;
+}
+
+int runtime_decodes_locally(const runtime_t *rt)
+{
+    return rt->decode != NULL;
+}
+
+void runtime_handoff_local(runtime_t *rt, runtime_handoff *h)
+{
+    if (rt->decode) {
+        decode_role_ops.adopt(rt->decode, h);
+        return;
+    }
+    runtime_send_error(rt, h->rid, PROTO_ERR_UNAVAILABLE, 1, "this worker does not decode");
+    kvcache_seq_free(rt->cp.kv, h->seq);
+    free(h->hand);
+    memset(h, 0, sizeof(*h));
+}
+
+// --- live role change (docs/scheduler.md "Live role changes")
+
+static void role_resume(runtime_t *rt)
+{
+    for (runtime_role *r = rt->roles; r < rt->roles + rt->n_roles; r++)
+        if (r->ops->resume)
+            r->ops->resume(r->st);
+}
+
+/* ROLE from the gateway: start draining towards role. Prefill -> decode: the prefill role
+ * takes no new prompts (the gateway stopped sending them when it sent ROLE) and gives back
+ * those not started yet; the batch and its transfers finish. Decode -> prefill: the running
+ * sequences, and those whose KV is still arriving, move to other decode workers as the
+ * MIGRATE orders that follow say (decode_worker/migrate.c); any without an order finish
+ * here. role_switch() runs once the worker is idle. */
+static void on_role(runtime_t *rt, int role)
+{
+    if (role != PROTO_ROLE_PREFILL && role != PROTO_ROLE_DECODE) {
+        log_warn("ROLE %s ignored: only prefill <-> decode changes are supported",
+                 proto_role_str(role));
+        return;
+    }
+    if (rt->draining) {
+        log_warn("ROLE %s ignored: this worker is leaving", proto_role_str(role));
+        return;
+    }
+    if (rt->role == PROTO_ROLE_MIXED) {
+        log_warn("ROLE %s ignored: a mixed worker keeps its role", proto_role_str(role));
+        rt->registered = 0; /* the gateway learns it did not change */
+        heartbeat_tick(rt, 1);
+        return;
+    }
+    if (role == (int)rt->role) { /* already there, or an order taken back while draining */
+        log_info("ROLE %s: already %s%s", proto_role_str(role), proto_role_str(rt->role),
+                 rt->role_target ? " (change called off)" : "");
+        rt->role_target = 0;
+        role_resume(rt);
+        rt->registered = 0; /* REGISTER again: the gateway routes to it again */
+        heartbeat_tick(rt, 1);
+        return;
+    }
+    if (!rt->role_target)
+        rt->role_order_us = proto_now_us();
+    rt->role_target = (proto_role_t)role;
+    for (runtime_role *r = rt->roles; r < rt->roles + rt->n_roles; r++) /* only the batch being computed holds the change */
+        if (r->ops->begin_change)
+            r->ops->begin_change(r->st);
+    log_info("role change %s -> %s ordered: draining (%s)", proto_role_str(rt->role),
+             proto_role_str(rt->role_target),
+             rt->role == PROTO_ROLE_PREFILL
+                 ? "finishing the batch and its transfers"
+                 : "no new KV; running sequences move where the gateway orders (MIGRATE), "
+                   "the others finish here");
+    heartbeat_tick(rt, 1); /* state CHANGING right away */
+}
+
+/* The drain is complete: attach the role being moved to, detach the old one (and the KV
+ * sender a decode worker does not need), and REGISTER again. When the new role cannot be
+ * attached the worker stays in its role and registers again as it was. */
+static void role_switch(runtime_t *rt)
+{
+    proto_role_t from = rt->role, to = rt->role_target;
+    rt->role_target = 0;
+    int ok;
+    if (to == PROTO_ROLE_DECODE) {
+        ok = (rt->decode = decode_role_ops.attach(rt)) != NULL;
+        if (ok) {
+            prefill_role_ops.detach(&rt->prefill);
+            kvx_sender_destroy(&rt->sender); /* idle: no transfer holds a sequence */
+        }
+    } else {
+        /* the sender may exist already: migrations */
+        ok = runtime_open_sender(rt) == 0 && (rt->prefill = prefill_role_ops.attach(rt)) != NULL;
+        if (ok)
+            decode_role_ops.detach(&rt->decode);
+    }
+    roles_update(rt);
+    if (!ok) {
+        log_error("role change %s -> %s failed (see above): staying %s", proto_role_str(from),
+                  proto_role_str(to), proto_role_str(from));
+        role_resume(rt);
+    } else {
+        rt->role = to;
+        char tag[32]; /* log lines name the new role (the pool's threads do not log) */
+        snprintf(tag, sizeof(tag), "%s_worker", proto_role_str(to));
+        log_init(tag, log_min_level);
+        rt->role_change_us = proto_now_us() - rt->role_order_us;
+        rt->n_role_changes++;
+        log_info("role changed %s -> %s in %.1f ms%s%s", proto_role_str(from),
+                 proto_role_str(to), (double)rt->role_change_us / 1000.0,
+                 rt->kv_endpoint[0] ? ": kv at " : "", rt->kv_endpoint);
+    }
+    rt->registered = 0; /* REGISTER with the new role (and kv endpoint) */
+    heartbeat_tick(rt, 1);
+}
+
+// --- messages from the gateway
+
+static void on_ctl(runtime_t *rt, proto_msg *m, int n_frames)
+{
+    if (n_frames) {
+        log_rwarn(m->rid, "dropped %s with %d unexpected payload frames", proto_type_str(m->type),
+                  n_frames);
+        return;
+    }
+    switch (m->type) {
+    case PROTO_REGISTER_ACK:
+        if (!rt->registered)
+            log_info("registered with the gateway as %s (heartbeat %d ms)", rt->wid,
+                     m->heartbeat_ms);
+        rt->registered = 1;
+        rt->unacked_since_us = 0;
+        rt->hb_ms = m->heartbeat_ms;
+        rt->next_hb_us = proto_now_us() + (int64_t)rt->hb_ms * 1000;
+        return;
+    case PROTO_BYE: /* the gateway does not know us (it restarted, or declared us dead) */
+        log_info("gateway does not know this worker; registering again");
+        rt->registered = 0;
+        heartbeat_tick(rt, 1);
+        return;
+    case PROTO_ROLE:
+        on_role(rt, m->role);
+        return;
+    case PROTO_CANCEL: {
+        /* a request is in one role at a time: the decode role remembers a rid it did not
+         * hold (its KV may still be on the way) */
+        for (runtime_role *r = rt->roles; r < rt->roles + rt->n_roles; r++)
+            if (r->ops->on_cancel(r->st, m->rid))
+                break;
+        return;
+    }
+    case PROTO_PREFILL:
+    case PROTO_MIGRATE:
+        break;
+    default:
+        log_rwarn(m->rid, "dropped unexpected %s from the gateway", proto_type_str(m->type));
+        return;
+    }
+    for (runtime_role *r = rt->roles; r < rt->roles + rt->n_roles; r++)
+        if (r->ops->on_msg(r->st, m))
+            return;
+    if (m->type == PROTO_PREFILL)
+        runtime_send_error(rt, m->rid, PROTO_ERR_UNAVAILABLE, 1, "this is a decode worker");
+    else
+        log_rwarn(m->rid, "MIGRATE ignored: only a decode worker migrates its sequences");
+}
+
+// --- the loop
+
+int runtime_open(runtime_t *rt)
+{
+    rt->zctx = zmq_ctx_new();
+    rt->env = wire_envelope_new();
+    if (!rt->zctx || !rt->env)
+        return -1;
+    rt->ctl = zmq_socket(rt->zctx, ZMQ_DEALER);
+    int one = 1, linger = CTL_LINGER_MS, hwm = CTL_SNDHWM;
+    if (!rt->ctl || zmq_setsockopt(rt->ctl, ZMQ_ROUTING_ID, rt->wid, strlen(rt->wid)) < 0 ||
+        zmq_setsockopt(rt->ctl, ZMQ_IMMEDIATE, &one, sizeof(one)) < 0 ||
+        zmq_setsockopt(rt->ctl, ZMQ_LINGER, &linger, sizeof(linger)) < 0 ||
+        zmq_setsockopt(rt->ctl, ZMQ_SNDHWM, &hwm, sizeof(hwm)) < 0 ||
+        zmq_connect(rt->ctl, rt->set.gateway) < 0) {
+        log_error("cannot connect the ctl socket to %s: %s", rt->set.gateway,
+                  zmq_strerror(zmq_errno()));
+        return -1;
+    }
+    if (rt->role != PROTO_ROLE_PREFILL)
+        rt->decode = decode_role_ops.attach(rt);
+    if (rt->role != PROTO_ROLE_DECODE && runtime_open_sender(rt) == 0)
+        rt->prefill = prefill_role_ops.attach(rt);
+    roles_update(rt);
+    if ((rt->role != PROTO_ROLE_PREFILL && !rt->decode) ||
+        (rt->role != PROTO_ROLE_DECODE && !rt->prefill))
+        return -1; /* logged */
+    return 0;
+}
+
+void runtime_close(runtime_t *rt, int fast)
+{
+    prefill_role_ops.detach(&rt->prefill); /* before the sender: it aborts its transfers */
+    decode_role_ops.detach(&rt->decode);
+    roles_update(rt);
+    kvx_sender_destroy(&rt->sender);
+    if (rt->ctl) {
+        if (fast) {
+            int linger = 0;
+            zmq_setsockopt(rt->ctl, ZMQ_LINGER, &linger, sizeof(linger));
+        }
+        zmq_close(rt->ctl);
+        rt->ctl = NULL;
+    }
+    wire_envelope_destroy(&rt->env);
+    if (rt->zctx)
+        zmq_ctx_term(rt->zctx); /* drops queued zero-copy frames: before the KV cache goes */
+    rt->zctx = NULL;
+}
+
+/* Handle pending signals. Returns 1 when the worker must stop now (second signal). */
+static int on_signals(runtime_t *rt)
+{
+    struct signalfd_siginfo si;
+    int stop = 0;
+    while (read(rt->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
+        if (rt->draining) {
+            log_warn("signal %u again: exiting without draining", si.ssi_signo);
+            stop = 1;
+            continue;
+        }
+        log_info("signal %u: draining (finishing queued and running work), then leaving",
+                 si.ssi_signo);
+        rt->draining = 1;
+        heartbeat_tick(rt, 1); /* tell the gateway right away */
+    }
+    return stop;
+}
+
+static int min_timeout(int a, int b)
+{
+    if (a < 0)
+        return b;
+    if (b < 0)
+        return a;
+    return a < b ? a : b;
+}
+
+/* No request, transfer or pinned sequence left in any role or in the sender. */
+static int idle(runtime_t *rt)
+{
+    for (runtime_role *r = rt->roles; r < rt->roles + rt->n_roles; r++)
+        if (!r->ops->idle(r->st))
+            return 0;
+    return !rt->sender || kvx_sender_n_active(rt->sender) == 0;
+}
+
+static int has_work(runtime_t *rt)
+{
+    for (runtime_role *r = rt->roles; r < rt->roles + rt->n_roles; r++)
+        if (r->ops->has_work(r->st))
+            return 1;
+    return 0;
+}
+
+/* KV sender events go to the role whose transfer it was (none: cancelled meanwhile). */
+static void on_sender_events(runtime_t *rt)
+{
+    kvx_event ev;
+    while (rt->sender && kvx_sender_next_event(rt->sender, &ev)) {
+        for (runtime_role *r = rt->roles; r < rt->roles + rt->n_roles; r++)
+            if (r->ops->on_send_event(r->st, &ev))
+                break;
+    }
+}
+
+int runtime_run(runtime_t *rt)
+{
+    zmq_pollitem_t items[MAX_POLL_ITEMS];
+    heartbeat_tick(rt, 1);
+    for (;;) {
+        int n = 0;
+        items[n++] = (zmq_pollitem_t){.socket = rt->ctl, .events = ZMQ_POLLIN};
+        items[n++] = (zmq_pollitem_t){.socket = NULL, .fd = rt->sigfd, .events = ZMQ_POLLIN};
+        int timeout = has_work(rt) ? 0 : -1;
+        if (timeout < 0) {
+            int64_t until_hb = (rt->next_hb_us - proto_now_us() + 999) / 1000;
+            timeout = until_hb < 0 ? 0 : (int)until_hb;
+        }
+        for (runtime_role *r = rt->roles; r < rt->roles + rt->n_roles; r++) {
+            if (r->ops->pollitems)
+                n += r->ops->pollitems(r->st, items + n, MAX_POLL_ITEMS - n);
+            if (timeout > 0 && r->ops->next_timeout_ms)
+                timeout = min_timeout(timeout, r->ops->next_timeout_ms(r->st));
+        }
+        if (rt->sender) {
+            n += kvx_sender_pollitems(rt->sender, items + n, MAX_POLL_ITEMS - n);
+            if (timeout > 0)
+                timeout = min_timeout(timeout, kvx_sender_next_timeout_ms(rt->sender));
+        }
+        if (zmq_poll(items, n, timeout) < 0) {
+            if (zmq_errno() == EINTR)
+                continue;
+            log_error("zmq_poll: %s", zmq_strerror(zmq_errno()));
+            return 1;
+        }
+        if (on_signals(rt))
+            return 1;
+        for (int i = 0; i < CTL_MAX_MSGS_PER_ITER; i++) {
+            int rc = wire_recv(rt->ctl, 0, rt->env, ZMQ_DONTWAIT);
+            if (rc == 0)
+                break;
+            if (rc == -2) {
+                log_error("ctl recv: %s", zmq_strerror(errno));
+                break;
+            }
+            if (rc == 1)
+                on_ctl(rt, wire_envelope_msg(rt->env), wire_envelope_n_frames(rt->env));
+        }
+        wire_envelope_reset(rt->env);
+        for (runtime_role *r = rt->roles; r < rt->roles + rt->n_roles; r++)
+            if (r->ops->process)
+                r->ops->process(r->st); /* the decode role's kv socket and its events */
+        if (rt->sender)
+            kvx_sender_process(rt->sender);
+        on_sender_events(rt);
+        if (rt->role_target && !rt->draining && idle(rt))
+            role_switch(rt);
+        heartbeat_tick(rt, 0);
+        if (rt->draining && idle(rt)) {
+            log_info("drained: leaving");
+            send_bye(rt);
+            return 0;
+        }
+        int worked = 0;
+        for (runtime_role *r = rt->roles; r < rt->roles + rt->n_roles; r++)
+            worked |= r->ops->step(r->st);
+        if (worked && rt->set.debug_step_delay_ms > 0) /* tests: make requests last */
+            usleep((useconds_t)rt->set.debug_step_delay_ms * 1000);
+    }
+}

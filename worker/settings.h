@@ -1,0 +1,21 @@
+/*
+ * settings: a worker's settings, one field per entry of the config table in worker.c
+ * (flag --name, TIDEPOOL_NAME, config key name). Validated at start-up, never changed.
+ */
+#ifndef TP_SETTINGS_H
+#define TP_SETTINGS_H
+
+typedef struct {
+    char *gateway, *model_path, *worker_id, *role_name, *kv_bind, *kv_advertise, *log_level;
+    long long kv_blocks, block_size, max_seqs, max_batch_tokens, heartbeat_ms, lease_ms;
+    long long debug_step_delay_ms;
+    long long prefill_chunk_tokens; /* prompt tokens per sequence per forward pass */
+    long long threads;              /* compute threads (0 = CPUs available) */
+    char *emulate;                  /* --emulate: cost-model preset ("" = real compute) */
+    char *mtp_setting;              /* --mtp: "auto" | "none" | a side file */
+    long long mtp_depth_set;        /* --mtp-depth: -1 = 2 when modules are loaded */
+    int mtp_adaptive;               /* --mtp-adaptive */
+    char *mtp_sampling;             /* --mtp-sampling: rejection | onehot */
+} worker_settings;
+
+#endif
