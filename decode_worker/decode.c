@@ -178,12 +178,12 @@ static void on_accepted(decode_role *d, const kvx_event *ev)
         decode_req_remove(d, r);
         return;
     }
-    log_rdebug(r->rid, "KV received: %d tokens in seq %d, %d generated, decoding", r->pos,
-               r->seq, r->n_gen);
+    log_rdebug(r->rid, "KV received: %d tokens in seq %d, %d generated, decoding", r->pos, r->seq,
+               r->n_gen);
     uint64_t rid = r->rid;
     start_decode(d, r); /* may end r */
     if (migrated && (r = decode_req_find(d, rid)) != NULL)
-        r->t_ready_us = 0; /* its first step reports no hand-off timing */
+        r->t_ready_us = 0;          /* its first step reports no hand-off timing */
     decode_migrate_pending(d, rid); /* ordered to move on while its KV was on the way */
 }
 
@@ -300,7 +300,8 @@ static void emit(decode_role *d, dreq *r, const specdec_item *x)
     /* the first decode step reports the transfer and its own latency */
     runtime_timing tm = {0}, *tp = NULL;
     if (r->t_ready_us) {
-        tm = (runtime_timing){.xfer_us = r->xfer_us, .xfer_bytes = r->xfer_bytes,
+        tm = (runtime_timing){.xfer_us = r->xfer_us,
+                              .xfer_bytes = r->xfer_bytes,
                               .step_us = proto_now_us() - r->t_ready_us};
         tp = &tm;
         r->t_ready_us = 0;
@@ -349,8 +350,8 @@ static int step(void *st)
         dreq *r = d->reqs[i];
         if (r->state != DREQ_RUNNING)
             continue;
-        int depth = cp->mtp_adaptive ? specdec_ctl_depth(&r->ctl, &cp->sd_costs, b)
-                                     : r->ctl.max_depth;
+        int depth =
+            cp->mtp_adaptive ? specdec_ctl_depth(&r->ctl, &cp->sd_costs, b) : r->ctl.max_depth;
         if (depth > r->max_tokens - r->n_gen - 1)
             depth = r->max_tokens - r->n_gen - 1;
         d->batch_reqs[n] = r;

@@ -116,8 +116,8 @@ static int mtp_pass(prefill_role *p, int m)
         if (!r->xfer || r->mtp_depth <= 0 || r->blk_upto <= r->blk_sent)
             continue;
         for (int k = 0; k < cp->n_mtp; k++)
-            kvx_send_layer_blocks(p->rt->sender, r->xfer, mtp_kv_layer(cp->mtp, k + 1),
-                                  r->blk_sent, r->blk_upto - r->blk_sent);
+            kvx_send_layer_blocks(p->rt->sender, r->xfer, mtp_kv_layer(cp->mtp, k + 1), r->blk_sent,
+                                  r->blk_upto - r->blk_sent);
     }
     return 0;
 }

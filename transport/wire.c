@@ -8,7 +8,7 @@
 #include "log.h"
 
 int wire_send(void *sock, const void *identity, size_t identity_len, const proto_msg *m,
-               zmq_msg_t *frames, int n_frames, int flags)
+              zmq_msg_t *frames, int n_frames, int flags)
 {
     char stack[1024];
     const void *hdr;
@@ -36,7 +36,7 @@ int wire_send(void *sock, const void *identity, size_t identity_len, const proto
             goto fail;
     }
     return 0;
-fail: {
+fail : {
     int e = errno;
     for (; i < n_frames; i++)
         zmq_msg_close(&frames[i]);

@@ -22,7 +22,7 @@
  * on failure they are closed). flags: 0 or ZMQ_DONTWAIT.
  * Returns 0, or -1 with errno (EAGAIN when the HWM is reached under ZMQ_DONTWAIT). */
 int wire_send(void *sock, const void *identity, size_t identity_len, const proto_msg *m,
-               zmq_msg_t *frames, int n_frames, int flags);
+              zmq_msg_t *frames, int n_frames, int flags);
 
 /* A received message: decoded header, identity (ROUTER sockets) and payload frames. */
 typedef struct wire_envelope wire_envelope;

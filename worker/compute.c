@@ -9,8 +9,8 @@
 #include "log.h"
 #include "protocol.h"
 
-#define COST_MAX_STEP_MS 250.0 /* start-up measurement: batch sizes whose plain step is
-                                * slower are not measured */
+/* start-up measurement: batch sizes whose plain step is slower are not measured */
+#define COST_MAX_STEP_MS 250.0
 
 // --- emulated accelerator
 
@@ -60,8 +60,7 @@ static void pad_until(int64_t t0_us, double ms)
     }
 }
 
-void compute_pad_prefill(const worker_compute *cp, const model_seq_batch *b, int m,
-                         int64_t t0_us)
+void compute_pad_prefill(const worker_compute *cp, const model_seq_batch *b, int m, int64_t t0_us)
 {
     if (!cp->emu_on || m <= 0)
         return;
@@ -73,8 +72,7 @@ void compute_pad_prefill(const worker_compute *cp, const model_seq_batch *b, int
     pad_until(t0_us, costmodel_prefill_ms(&cp->emu, tokens, pairs));
 }
 
-void compute_pad_decode(const worker_compute *cp, const specdec_item *items, int n,
-                        int64_t t0_us)
+void compute_pad_decode(const worker_compute *cp, const specdec_item *items, int n, int64_t t0_us)
 {
     if (!cp->emu_on || n <= 0)
         return;

@@ -69,11 +69,9 @@ int compute_req_depth(const worker_compute *cp, int mtp_req);
 
 /* --emulate: after the prefill batch b[0..m) that started at t0_us (proto_now_us), sleep
  * until the cost model's prefill time for it has passed. No-op unless emulated. */
-void compute_pad_prefill(const worker_compute *cp, const model_seq_batch *b, int m,
-                         int64_t t0_us);
+void compute_pad_prefill(const worker_compute *cp, const model_seq_batch *b, int m, int64_t t0_us);
 /* --emulate: the same after the decode step over items[0..n). */
-void compute_pad_decode(const worker_compute *cp, const specdec_item *items, int n,
-                        int64_t t0_us);
+void compute_pad_decode(const worker_compute *cp, const specdec_item *items, int n, int64_t t0_us);
 /* The KV bytes per token of the emulated model (costmodel_kv_bytes_per_token), to which
  * the KV sender pads every transfer (kvx_sender_params.pad_to_bytes_per_token); 0 when not
  * emulated (no padding). */

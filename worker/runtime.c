@@ -177,7 +177,8 @@ static void heartbeat_tick(runtime_t *rt, int force)
         else if (now - rt->unacked_since_us > 5000000) {
             log_warn("no REGISTER_ACK from the gateway at %s for 5 s: is it running, and is "
                      "worker id '%s' unique? (ZeroMQ refuses a second connection with an id "
-                     "in use)", rt->set.gateway, rt->wid);
+                     "in use)",
+                     rt->set.gateway, rt->wid);
             rt->unacked_since_us = now;
         }
     } else {
@@ -279,7 +280,8 @@ static void on_role(runtime_t *rt, int role)
     if (!rt->role_target)
         rt->role_order_us = proto_now_us();
     rt->role_target = (proto_role_t)role;
-    for (runtime_role *r = rt->roles; r < rt->roles + rt->n_roles; r++) /* only the batch being computed holds the change */
+    /* the prefill role gives back its queue: only the batch being computed holds the change */
+    for (runtime_role *r = rt->roles; r < rt->roles + rt->n_roles; r++)
         if (r->ops->begin_change)
             r->ops->begin_change(r->st);
     log_info("role change %s -> %s ordered: draining (%s)", proto_role_str(rt->role),
@@ -323,9 +325,9 @@ static void role_switch(runtime_t *rt)
         log_init(tag, log_min_level);
         rt->role_change_us = proto_now_us() - rt->role_order_us;
         rt->n_role_changes++;
-        log_info("role changed %s -> %s in %.1f ms%s%s", proto_role_str(from),
-                 proto_role_str(to), (double)rt->role_change_us / 1000.0,
-                 rt->kv_endpoint[0] ? ": kv at " : "", rt->kv_endpoint);
+        log_info("role changed %s -> %s in %.1f ms%s%s", proto_role_str(from), proto_role_str(to),
+                 (double)rt->role_change_us / 1000.0, rt->kv_endpoint[0] ? ": kv at " : "",
+                 rt->kv_endpoint);
     }
     rt->registered = 0; /* REGISTER with the new role (and kv endpoint) */
     heartbeat_tick(rt, 1);

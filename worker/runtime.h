@@ -40,10 +40,10 @@ typedef struct {
     int first;      /* the first generated token (already reported, TOKENS index 0) */
     int max_tokens; /* generated tokens in total, first included */
     sampler_params sp;
-    uint64_t rng;   /* sampler state after the first token */
-    int mtp_req;    /* the request's MTP depth + 1 (0 = not set) */
-    int mtp_depth;  /* drafts it may make per step (0 = no module work) */
-    float *hand;    /* (2, dim) MTP hand-off state (owned from here; NULL without MTP) */
+    uint64_t rng;  /* sampler state after the first token */
+    int mtp_req;   /* the request's MTP depth + 1 (0 = not set) */
+    int mtp_depth; /* drafts it may make per step (0 = no module work) */
+    float *hand;   /* (2, dim) MTP hand-off state (owned from here; NULL without MTP) */
 } runtime_handoff;
 
 /* A role's operations. Every one runs on the loop thread and gets the state its attach
@@ -145,7 +145,7 @@ typedef struct {
  * rng after the last of them (so that a re-run elsewhere continues the same random stream),
  * and the request's durations t (NULL: none). */
 void runtime_send_tokens(runtime_t *rt, uint64_t rid, int index, const int *tokens, int n,
-                        uint64_t rng, const runtime_timing *t);
+                         uint64_t rng, const runtime_timing *t);
 /* FINISH with reason PROTO_FINISH_STOP or _LENGTH and durations t (NULL: none). */
 void runtime_send_finish(runtime_t *rt, uint64_t rid, int reason, const runtime_timing *t);
 /* ERROR: code PROTO_ERR_*, retry 1 when the gateway may re-run the request elsewhere; msg

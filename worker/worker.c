@@ -19,10 +19,10 @@
 
 int worker_main(proto_role_t default_role, int argc, char **argv)
 {
-    runtime_t w;
-    memset(&w, 0, sizeof(w));
-    w.sigfd = -1;
-    worker_settings *set = &w.set;
+    runtime_t rt;
+    memset(&rt, 0, sizeof(rt));
+    rt.sigfd = -1;
+    worker_settings *set = &rt.set;
     const config_entry_t table[] = {
         {"gateway", CONFIG_STRING, &set->gateway, "tcp://127.0.0.1:5557", 0, 0,
          "gateway ctl endpoint to connect to"},
@@ -82,9 +82,9 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
         return rc == 1 ? 0 : 2;
     }
     rc = 2;
-    w.role = default_role;
+    rt.role = default_role;
     log_level_t level;
-    if (set->role_name && *set->role_name && proto_role_parse(set->role_name, &w.role) < 0) {
+    if (set->role_name && *set->role_name && proto_role_parse(set->role_name, &rt.role) < 0) {
         fprintf(stderr, "%s: invalid --role '%s': want prefill, decode or mixed\n", program,
                 set->role_name);
         goto out;
@@ -100,20 +100,21 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
         goto out;
     }
     char log_role[32];
-    snprintf(log_role, sizeof(log_role), "%s_worker", proto_role_str(w.role));
+    snprintf(log_role, sizeof(log_role), "%s_worker", proto_role_str(rt.role));
     log_init(log_role, level);
     if (set->worker_id && *set->worker_id) {
         if (strlen(set->worker_id) >= PROTO_ID_LEN) {
             log_error("--worker-id is longer than %d bytes", PROTO_ID_LEN - 1);
             goto out;
         }
-        snprintf(w.wid, sizeof(w.wid), "%s", set->worker_id);
+        snprintf(rt.wid, sizeof(rt.wid), "%s", set->worker_id);
     } else {
         char host[256] = "localhost";
         gethostname(host, sizeof(host) - 1);
-        snprintf(w.wid, sizeof(w.wid), "%s-%.40s-%d", proto_role_str(w.role), host, (int)getpid());
+        snprintf(rt.wid, sizeof(rt.wid), "%s-%.40s-%d", proto_role_str(rt.role), host,
+                 (int)getpid());
     }
-    w.hb_ms = (int)set->heartbeat_ms;
+    rt.hb_ms = (int)set->heartbeat_ms;
     config_log(table);
 
     /* Signals go to the signalfd only: block them before any thread (zmq's) exists. */
@@ -123,27 +124,27 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
     sigaddset(&mask, SIGINT);
     signal(SIGPIPE, SIG_IGN);
     if (sigprocmask(SIG_BLOCK, &mask, NULL) < 0 ||
-        (w.sigfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC)) < 0) {
+        (rt.sigfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC)) < 0) {
         log_error("signalfd: %s", strerror(errno));
         rc = 1;
         goto out;
     }
-    int crc = compute_setup(&w.cp, set);
-    if (crc < 0 || runtime_open(&w) < 0) {
+    int crc = compute_setup(&rt.cp, set);
+    if (crc < 0 || runtime_open(&rt) < 0) {
         rc = crc == -2 ? 2 : 1;
-        runtime_close(&w, 1);
-        compute_teardown(&w.cp);
+        runtime_close(&rt, 1);
+        compute_teardown(&rt.cp);
         goto out;
     }
-    log_info("worker %s (%s) up: gateway %s, pid %d", w.wid, proto_role_str(w.role), set->gateway,
+    log_info("worker %s (%s) up: gateway %s, pid %d", rt.wid, proto_role_str(rt.role), set->gateway,
              (int)getpid());
-    rc = runtime_run(&w);
-    runtime_close(&w, rc != 0);
-    compute_teardown(&w.cp); /* after the zmq context: queued frames point into the KV cache */
+    rc = runtime_run(&rt);
+    runtime_close(&rt, rc != 0);
+    compute_teardown(&rt.cp); /* after the zmq context: queued frames point into the KV cache */
     log_info("exit %d", rc);
 out:
-    if (w.sigfd >= 0)
-        close(w.sigfd);
+    if (rt.sigfd >= 0)
+        close(rt.sigfd);
     config_free(table);
     return rc;
 }
