@@ -415,6 +415,20 @@ def case_decode_unreachable(g):
     kv_free_back(g, "p0")
 
 
+def case_local_prefill_refused(g):
+    """A PREFILL without a decode endpoint to a worker that does not decode (no decode role
+    attached) is refused, retryable, and the worker keeps serving."""
+    dep = disagg(g)
+    rid = g.prefill("p0", PROMPT, 5)
+    ids, reason, err = g.wait_done(rid)
+    eq(ids, [], "no tokens")
+    eq((err["code"], err["retry"]), (9, 1), "unavailable, retryable")
+    rid = g.prefill("p0", PROMPT, len(CONTINUATION), dw="d0", dep=dep)
+    ids, reason, err = g.wait_done(rid)
+    eq(ids, CONTINUATION, "next request decodes as before")
+    kv_free_back(g, "p0")
+
+
 def case_drain(g):
     dep = disagg(g)
     rid = g.prefill("p0", PROMPT, 50, dw="d0", dep=dep)
