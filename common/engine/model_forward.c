@@ -1,0 +1,537 @@
+/*
+ * model_forward: the forward pass of a batch of sequences (model_forward) and of one MTP
+ * module (model_forward_nextn); see model.h, and model.c's top comment for the numerics
+ * (run.c's order with the EXACT kernels, batch invariance) and the threading.
+ */
+#include <math.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvcache.h"
+#include "model_internal.h"
+
+/* ------------------------------------------------------------------------------------- */
+/* element-wise steps (each token's row independently, in a fixed order) */
+
+static void rmsnorm(float *o, const float *x, const float *weight, int size, float eps)
+{
+    float ss = 0.0f;
+    for (int j = 0; j < size; j++)
+        ss += x[j] * x[j];
+    ss /= size;
+    ss += eps;
+    ss = 1.0f / sqrtf(ss);
+    for (int j = 0; j < size; j++)
+        o[j] = weight[j] * (ss * x[j]);
+}
+
+static void softmax(float *x, int size)
+{
+    float max_val = x[0];
+    for (int i = 1; i < size; i++)
+        if (x[i] > max_val)
+            max_val = x[i];
+    float sum = 0.0f;
+    for (int i = 0; i < size; i++) {
+        x[i] = expf(x[i] - max_val);
+        sum += x[i];
+    }
+    for (int i = 0; i < size; i++)
+        x[i] /= sum;
+}
+
+/* RoPE on rows [a, b) (a even) of one token's q or k row v, as run.c. */
+static void rope_rows(float *v, const float *rp, int hs, int a, int b)
+{
+    for (int i = a; i < b; i += 2) {
+        float fcr = rp[i % hs], fci = rp[i % hs + 1];
+        float v0 = v[i], v1 = v[i + 1];
+        v[i] = v0 * fcr - v1 * fci;
+        v[i + 1] = v0 * fci + v1 * fcr;
+    }
+}
+
+/* ------------------------------------------------------------------------------------- */
+/* parallel jobs */
+
+/* Below this many multiply-adds a step runs on the calling thread. */
+#define PAR_MIN_WORK (1 << 20)
+/* Chunks per thread a step is cut into (load balance on a shared machine). */
+#define CHUNKS_PER_THREAD 8
+#define CHUNK_ROW_ALIGN 16 /* rows; even (RoPE pairs) and a multiple of kernel tiles */
+
+typedef enum { POST_NONE, POST_ROPE, POST_RESID, POST_SWIGLU } post_op;
+
+/* One matrix product split into chunks of rows (or two, for gate/up + SwiGLU). */
+typedef struct {
+    const wmat *w, *w_up; /* w_up: POST_SWIGLU's second matrix (same shape) */
+    float *const *out;    /* (T,) output row pointers */
+    float *const *out_up; /* POST_SWIGLU: up-projection rows; the result goes to out */
+    post_op post;
+    float *resid; /* POST_RESID: x (T, rows) += out */
+    int rows, chunk, first_chunk;
+} seg_t;
+
+typedef struct {
+    model_ctx_t *ctx;
+    const kern_act *act;
+    seg_t seg[3];
+    int n_seg, n_chunks;
+    atomic_int next;
+} mm_job;
+
+static int chunk_rows(const model_ctx_t *ctx, int rows)
+{
+    int want = ctx->n_threads * CHUNKS_PER_THREAD;
+    int c = (rows + want - 1) / want;
+    c = (c + CHUNK_ROW_ALIGN - 1) / CHUNK_ROW_ALIGN * CHUNK_ROW_ALIGN;
+    return c;
+}
+
+static void mm_add(mm_job *j, const wmat *w, float *const *out, post_op post)
+{
+    seg_t *s = &j->seg[j->n_seg++];
+    memset(s, 0, sizeof(*s));
+    s->w = w;
+    s->out = out;
+    s->post = post;
+    s->rows = w->rows;
+    s->chunk = chunk_rows(j->ctx, w->rows);
+    s->first_chunk = j->n_chunks;
+    j->n_chunks += (s->rows + s->chunk - 1) / s->chunk;
+}
+
+static void mm_chunk(mm_job *j, int c, int ti)
+{
+    model_ctx_t *ctx = j->ctx;
+    const kern_act *a = j->act;
+    int si = 0;
+    while (si + 1 < j->n_seg && c >= j->seg[si + 1].first_chunk)
+        si++;
+    const seg_t *s = &j->seg[si];
+    int r0 = (c - s->first_chunk) * s->chunk;
+    int r1 = r0 + s->chunk < s->rows ? r0 + s->chunk : s->rows;
+    float *scratch = ctx->scratch + (size_t)ti * ctx->scratch_len;
+    kern_matmul(ctx->isa, ctx->order, s->w, a, r0, r1, s->out, scratch);
+    switch (s->post) {
+    case POST_NONE:
+        break;
+    case POST_ROPE: {
+        int hs = ctx->m->cfg.head_dim;
+        for (int t = 0; t < a->T; t++)
+            rope_rows(s->out[t], ctx->rope + (size_t)t * hs, hs, r0, r1);
+        break;
+    }
+    case POST_RESID:
+        for (int t = 0; t < a->T; t++) {
+            float *x = s->resid + (size_t)t * s->rows;
+            const float *o = s->out[t];
+            for (int i = r0; i < r1; i++)
+                x[i] += o[i];
+        }
+        break;
+    case POST_SWIGLU:
+        kern_matmul(ctx->isa, ctx->order, s->w_up, a, r0, r1, s->out_up, scratch);
+        for (int t = 0; t < a->T; t++) {
+            float *h = s->out[t];
+            const float *h2 = s->out_up[t];
+            for (int i = r0; i < r1; i++) {
+                float val = h[i];
+                val *= (1.0f / (1.0f + expf(-val)));
+                val *= h2[i];
+                h[i] = val;
+            }
+        }
+        break;
+    }
+}
+
+static void mm_worker(void *arg, int ti, int nth)
+{
+    mm_job *j = arg;
+    for (;;) {
+        int c = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (c >= j->n_chunks)
+            break;
+        mm_chunk(j, c, ti);
+    }
+}
+
+static void mm_run(mm_job *j)
+{
+    long work = 0;
+    for (int i = 0; i < j->n_seg; i++)
+        work += (long)j->seg[i].rows * j->act->n * j->act->T * (j->seg[i].w_up ? 2 : 1);
+    atomic_init(&j->next, 0);
+    if (j->ctx->n_threads == 1 || work < PAR_MIN_WORK)
+        mm_worker(j, 0, 1);
+    else
+        threadpool_run(j->ctx->pool, mm_worker, j);
+}
+
+/* Preparation of a matmul input, parallel over token pairs: optional rmsnorm (src ->
+ * dst), the Q8 form of dst when a consuming matrix is Q8_0, and the AVX-512 pair packing
+ * (done once here rather than by every thread in the kernels). */
+typedef struct {
+    model_ctx_t *ctx;
+    const kern_act *act;
+    const float *src; /* (T, n), or NULL: dst is ready */
+    const float *norm_w;
+    float *dst; /* (T, n) */
+    int quant;
+    atomic_int next;
+} prep_job;
+
+static void prep_worker(void *arg, int ti, int nth)
+{
+    prep_job *j = arg;
+    const model_config *c = &j->ctx->m->cfg;
+    const kern_act *a = j->act;
+    const int n = a->n, nb = n / KERN_Q8_BLOCK;
+    for (;;) {
+        int p = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        int t0 = 2 * p, t1 = t0 + 2 < a->T ? t0 + 2 : a->T;
+        if (t0 >= a->T)
+            break;
+        for (int t = t0; t < t1; t++) {
+            float *d = j->dst + (size_t)t * n;
+            if (j->src)
+                rmsnorm(d, j->src + (size_t)t * n, j->norm_w, n, c->rms_eps);
+            if (j->quant)
+                kern_quantize_act(j->ctx->isa, d, 1, n, j->ctx->q_d + (size_t)t * nb,
+                                  j->ctx->q_s + (size_t)t * n);
+        }
+        kern_pack_act(j->ctx->isa, a, t0, t1);
+    }
+}
+
+/* Prepare and describe the input of the matrices ws[0..nw) that read n columns. */
+static void prep(model_ctx_t *ctx, kern_act *a, const float *src, const float *norm_w, float *dst,
+                 int T, int n, const wmat *const *ws, int nw)
+{
+    int quant = 0, f32 = 0;
+    for (int i = 0; i < nw; i++) {
+        if (ws[i]->type == GGUF_TENSOR_Q8_0)
+            quant = 1;
+        else if (ctx->order == KERN_ORDER_FAST)
+            f32 = 1;
+    }
+    *a = (kern_act){.x = dst, .T = T, .n = n};
+    a->q_d = quant ? ctx->q_d : NULL;
+    a->q_s = quant ? ctx->q_s : NULL;
+    kern_pack_bind(ctx->isa, a, f32, quant, ctx->pack);
+    if (!src && !quant && !a->xp)
+        return;
+    prep_job j = {.ctx = ctx, .act = a, .src = src, .norm_w = norm_w, .dst = dst, .quant = quant};
+    atomic_init(&j.next, 0);
+    if (ctx->n_threads == 1 || (long)T * n < PAR_MIN_WORK / 8)
+        prep_worker(&j, 0, 1);
+    else
+        threadpool_run(ctx->pool, prep_worker, &j);
+}
+
+/* Attention of every (token, KV head) pair over the token's own sequence: the kv_mul
+ * query heads that share a KV head are done together, block by block, so each K and V
+ * row is read once for all of them. Per query head the arithmetic is run.c's: scores
+ * q . k_s (in the kernel order), / sqrt(head_dim), softmax, then the values summed in
+ * position order (kernels.h). */
+typedef struct {
+    model_ctx_t *ctx;
+    kvcache_t *kv;
+    const model_seq_batch *batch;
+    int layer, T, per_chunk, n_chunks;
+    atomic_int next;
+} att_job;
+
+static void att_group(att_job *j, int t, int g, float *att)
+{
+    model_ctx_t *ctx = j->ctx;
+    const model_config *c = &ctx->m->cfg;
+    const int dim = c->dim, hs = c->head_dim, kv_dim = c->n_kv_head * hs;
+    const int kv_mul = c->n_head / c->n_kv_head;
+    const int bs = kvcache_get_params(j->kv)->block_size;
+    const int seq = j->batch[ctx->tok_item[t]].seq;
+    const int n_pos = ctx->tok_pos[t] + 1;
+    const int *blocks = kvcache_seq_blocks(j->kv, seq, NULL);
+    const size_t koff = (size_t)g * hs, att_len = (size_t)c->n_ctx;
+    const float *q = ctx->q + (size_t)t * dim + (size_t)g * kv_mul * hs;
+    float *xb = ctx->xb + (size_t)t * dim + (size_t)g * kv_mul * hs;
+    for (int s0 = 0; s0 < n_pos; s0 += bs) {
+        int rows = n_pos - s0 < bs ? n_pos - s0 : bs;
+        const float *kb = kvcache_block_data(j->kv, j->layer, blocks[s0 / bs]) + koff;
+        for (int h = 0; h < kv_mul; h++)
+            kern_dot_rows(ctx->isa, ctx->order, q + (size_t)h * hs, kb, (size_t)kv_dim, rows, hs,
+                          att + h * att_len + s0);
+    }
+    for (int h = 0; h < kv_mul; h++) {
+        float *a = att + h * att_len;
+        for (int s = 0; s < n_pos; s++)
+            a[s] /= sqrtf(hs);
+        softmax(a, n_pos);
+    }
+    memset(xb, 0, (size_t)kv_mul * hs * sizeof(float));
+    for (int s0 = 0; s0 < n_pos; s0 += bs) {
+        int rows = n_pos - s0 < bs ? n_pos - s0 : bs;
+        const float *vb =
+            kvcache_block_data(j->kv, j->layer, blocks[s0 / bs]) + (size_t)bs * kv_dim + koff;
+        for (int h = 0; h < kv_mul; h++)
+            kern_axpy_rows(ctx->isa, xb + (size_t)h * hs, att + h * att_len + s0, vb,
+                           (size_t)kv_dim, rows, hs);
+    }
+}
+
+static void att_worker(void *arg, int ti, int nth)
+{
+    att_job *j = arg;
+    const model_config *c = &j->ctx->m->cfg;
+    const int n_kv = c->n_kv_head;
+    float *att = j->ctx->att + (size_t)ti * j->ctx->att_len;
+    for (;;) {
+        int ch = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (ch >= j->n_chunks)
+            break;
+        int p0 = ch * j->per_chunk, p1 = p0 + j->per_chunk;
+        if (p1 > j->T * n_kv)
+            p1 = j->T * n_kv;
+        for (int p = p0; p < p1; p++)
+            att_group(j, p / n_kv, p % n_kv, att);
+    }
+}
+
+static void attention(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch, int layer,
+                      int T)
+{
+    const model_config *c = &ctx->m->cfg;
+    att_job j = {.ctx = ctx, .kv = kv, .batch = batch, .layer = layer, .T = T};
+    long work = 0;
+    for (int t = 0; t < T; t++)
+        work += (long)(ctx->tok_pos[t] + 1) * c->dim * 2;
+    int groups = T * c->n_kv_head;
+    int want = ctx->n_threads * CHUNKS_PER_THREAD;
+    j.per_chunk = (groups + want - 1) / want;
+    j.n_chunks = (groups + j.per_chunk - 1) / j.per_chunk;
+    atomic_init(&j.next, 0);
+    if (ctx->n_threads == 1 || work < PAR_MIN_WORK)
+        att_worker(&j, 0, 1);
+    else
+        threadpool_run(ctx->pool, att_worker, &j);
+}
+
+/* ------------------------------------------------------------------------------------- */
+/* forward */
+
+/* nextn: 1 for model_forward_nextn (logits optional, hidden_in required, layer checked by
+ * the caller). */
+static int check_batch(const model_ctx_t *ctx, const kvcache_t *kv, const model_seq_batch *b, int n,
+                       int nextn, int *total)
+{
+    const model_config *c = &ctx->m->cfg;
+    const kvcache_params *kp = kvcache_get_params(kv);
+    if (!b || n < 1)
+        return -1;
+    if (kp->n_layer < c->n_layer || kp->n_kv_head != c->n_kv_head || kp->head_dim != c->head_dim)
+        return -1;
+    long sum = 0;
+    for (int i = 0; i < n; i++) {
+        const model_seq_batch *s = &b[i];
+        if (!s->tokens || (!nextn && !s->logits) || (nextn && !s->hidden_in) ||
+            s->n_tokens < 1 || s->pos < 0)
+            return -1;
+        if (!kvcache_seq_active(kv, s->seq))
+            return -1;
+        if (s->pos > kvcache_seq_len(kv, s->seq))
+            return -1;
+        if ((long)s->pos + s->n_tokens > c->n_ctx ||
+            (long)s->pos + s->n_tokens > kvcache_seq_capacity(kv, s->seq))
+            return -1;
+        for (int j = 0; j < s->n_tokens; j++)
+            if (s->tokens[j] < 0 || s->tokens[j] >= c->vocab_size)
+                return -1;
+        for (int j = 0; j < i; j++)
+            if (b[j].seq == s->seq)
+                return -1;
+        sum += s->n_tokens;
+        if (sum > ctx->max_tokens)
+            return -1;
+    }
+    *total = (int)sum;
+    return 0;
+}
+
+/* Token table and RoPE factors of the batch (as run.c computes them per position); with
+ * embd, each token's embedding row into embd (T, dim). */
+static void setup_tokens(model_ctx_t *ctx, const model_seq_batch *batch, int n, float *embd)
+{
+    const model_t *m = ctx->m;
+    const model_config *c = &m->cfg;
+    const int dim = c->dim, hs = c->head_dim;
+    int t = 0;
+    for (int b = 0; b < n; b++) {
+        for (int j = 0; j < batch[b].n_tokens; j++, t++) {
+            int pos = batch[b].pos + j;
+            ctx->tok_item[t] = b;
+            ctx->tok_pos[t] = pos;
+            if (embd)
+                kern_dequant_row(&m->tok_embd, batch[b].tokens[j], embd + (size_t)t * dim);
+            float *rp = ctx->rope + (size_t)t * hs;
+            for (int i = 0; i < hs; i += 2) {
+                float freq = 1.0f / powf(c->rope_theta, i / (float)hs);
+                float val = pos * freq;
+                rp[i] = cosf(val);
+                rp[i + 1] = sinf(val);
+            }
+        }
+    }
+}
+
+/* One transformer block over the T tokens of the batch: x (T, dim) is updated in place;
+ * K/V go to cache layer kv_layer. */
+static void run_block(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch,
+                      const layer_weights *lw, int kv_layer, int T)
+{
+    const model_config *c = &ctx->m->cfg;
+    const int dim = c->dim, hid = c->hidden_dim;
+    kern_act act;
+
+    /* Q, K, V with RoPE; K and V rows are written straight into the paged cache */
+    for (int t = 0; t < T; t++) {
+        int seq = batch[ctx->tok_item[t]].seq;
+        ctx->p_k[t] = kvcache_k(kv, kv_layer, seq, ctx->tok_pos[t]);
+        ctx->p_v[t] = kvcache_v(kv, kv_layer, seq, ctx->tok_pos[t]);
+    }
+    const wmat *qkv[3] = {&lw->wq, &lw->wk, &lw->wv};
+    prep(ctx, &act, ctx->x, lw->attn_norm, ctx->xb, T, dim, qkv, 3);
+    mm_job j = {.ctx = ctx, .act = &act};
+    mm_add(&j, &lw->wq, ctx->p_q, POST_ROPE);
+    mm_add(&j, &lw->wk, ctx->p_k, POST_ROPE);
+    mm_add(&j, &lw->wv, ctx->p_v, POST_NONE);
+    mm_run(&j);
+
+    attention(ctx, kv, batch, kv_layer, T);
+
+    /* x += Wo @ attention */
+    const wmat *wo = &lw->wo;
+    prep(ctx, &act, NULL, NULL, ctx->xb, T, dim, &wo, 1);
+    j = (mm_job){.ctx = ctx, .act = &act};
+    mm_add(&j, &lw->wo, ctx->p_xb2, POST_RESID);
+    j.seg[0].resid = ctx->x;
+    mm_run(&j);
+
+    /* hb = silu(W1 @ xb) * (W3 @ xb) */
+    const wmat *w13[2] = {&lw->w1, &lw->w3};
+    prep(ctx, &act, ctx->x, lw->ffn_norm, ctx->xb, T, dim, w13, 2);
+    j = (mm_job){.ctx = ctx, .act = &act};
+    mm_add(&j, &lw->w1, ctx->p_hb, POST_SWIGLU);
+    j.seg[0].w_up = &lw->w3;
+    j.seg[0].out_up = ctx->p_hb2;
+    mm_run(&j);
+
+    /* x += W2 @ hb */
+    const wmat *w2 = &lw->w2;
+    prep(ctx, &act, NULL, NULL, ctx->hb, T, hid, &w2, 1);
+    j = (mm_job){.ctx = ctx, .act = &act};
+    mm_add(&j, &lw->w2, ctx->p_xb, POST_RESID);
+    j.seg[0].resid = ctx->x;
+    mm_run(&j);
+}
+
+/* The outputs of the final residual x (T, dim): each item's hidden rows, then the final
+ * norm and classifier for the tokens whose logits are wanted (items with logits). */
+static void run_head(model_ctx_t *ctx, const model_seq_batch *batch, int n)
+{
+    const model_t *m = ctx->m;
+    const model_config *c = &m->cfg;
+    const int dim = c->dim;
+    int t = 0;
+    for (int b = 0; b < n; b++) {
+        const model_seq_batch *s = &batch[b];
+        if (s->hidden) {
+            int all = s->hidden_all || s->logits_all;
+            int j0 = all ? 0 : s->n_tokens - 1;
+            memcpy(s->hidden, ctx->x + (size_t)(t + j0) * dim,
+                   (size_t)(s->n_tokens - j0) * dim * sizeof(float));
+        }
+        t += s->n_tokens;
+    }
+    /* final norm and classifier, only for the tokens whose logits are wanted */
+    int R = 0;
+    t = 0;
+    for (int b = 0; b < n; b++) {
+        for (int j = 0; j < batch[b].n_tokens; j++, t++) {
+            int want = batch[b].logits && (batch[b].logits_all || j == batch[b].n_tokens - 1);
+            if (!want)
+                continue;
+            if (R != t)
+                memcpy(ctx->x + (size_t)R * dim, ctx->x + (size_t)t * dim,
+                       (size_t)dim * sizeof(float));
+            ctx->out_dst[R] =
+                batch[b].logits + (batch[b].logits_all ? (size_t)j * c->vocab_size : 0);
+            R++;
+        }
+    }
+    if (R == 0)
+        return;
+    kern_act act;
+    const wmat *wout = &m->output;
+    prep(ctx, &act, ctx->x, m->out_norm, ctx->xb, R, dim, &wout, 1);
+    mm_job j = {.ctx = ctx, .act = &act};
+    mm_add(&j, &m->output, ctx->out_dst, POST_NONE);
+    mm_run(&j);
+}
+
+int model_forward(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch, int n,
+                  model_layer_cb cb, void *ud)
+{
+    const model_t *m = ctx->m;
+    const model_config *c = &m->cfg;
+    int T;
+    if (check_batch(ctx, kv, batch, n, 0, &T) != 0)
+        return -1;
+    setup_tokens(ctx, batch, n, ctx->x);
+    for (int l = 0; l < c->n_layer; l++) {
+        run_block(ctx, kv, batch, &m->layers[l], l, T);
+        if (cb)
+            cb(l, ud);
+    }
+    run_head(ctx, batch, n);
+    for (int b = 0; b < n; b++)
+        kvcache_seq_set_len(kv, batch[b].seq, batch[b].pos + batch[b].n_tokens);
+    return 0;
+}
+
+// --- MTP modules ("nextn")
+
+int model_forward_nextn(model_ctx_t *ctx, kvcache_t *kv, const model_nextn_t *mod, int kv_layer,
+                        const model_seq_batch *batch, int n)
+{
+    const model_t *m = ctx->m;
+    const model_config *c = &m->cfg;
+    int T;
+    if (!mod || kv_layer < c->n_layer || kv_layer >= kvcache_get_params(kv)->n_layer ||
+        check_batch(ctx, kv, batch, n, 1, &T) != 0)
+        return -1;
+    const int dim = c->dim;
+    /* embeddings into xb, then cat = [rmsnorm(h, hnorm) ; rmsnorm(e, enorm)] per token */
+    setup_tokens(ctx, batch, n, ctx->xb);
+    int t = 0;
+    for (int b = 0; b < n; b++) {
+        for (int j = 0; j < batch[b].n_tokens; j++, t++) {
+            float *row = ctx->cat + (size_t)t * 2 * dim;
+            rmsnorm(row, batch[b].hidden_in + (size_t)j * dim, mod->hnorm, dim, c->rms_eps);
+            rmsnorm(row + dim, ctx->xb + (size_t)t * dim, mod->enorm, dim, c->rms_eps);
+        }
+    }
+    /* x = eh_proj @ cat */
+    kern_act act;
+    const wmat *eh = &mod->eh_proj;
+    prep(ctx, &act, NULL, NULL, ctx->cat, T, 2 * dim, &eh, 1);
+    mm_job j = {.ctx = ctx, .act = &act};
+    mm_add(&j, &mod->eh_proj, ctx->p_x, POST_NONE);
+    mm_run(&j);
+
+    run_block(ctx, kv, batch, &mod->blk, kv_layer, T);
+    run_head(ctx, batch, n);
+    return 0;
+}

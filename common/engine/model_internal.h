@@ -1,0 +1,72 @@
+/*
+ * model_internal: the model's and the context's structures, shared by model.c (loading,
+ * configuration, the context and its buffers) and model_forward.c (the forward pass). Not
+ * a public interface (model.h is).
+ */
+#ifndef TP_MODEL_INTERNAL_H
+#define TP_MODEL_INTERNAL_H
+
+#include <stdint.h>
+
+#include "gguf.h"
+#include "kernels.h"
+#include "model.h"
+#include "threadpool.h"
+
+typedef kern_mat wmat;
+
+typedef struct {
+    const float *attn_norm; /* (dim,) */
+    const float *ffn_norm;  /* (dim,) */
+    wmat wq;                /* (dim, dim) */
+    wmat wk, wv;            /* (kv_dim, dim) */
+    wmat wo;                /* (dim, dim) */
+    wmat w1, w3;            /* (hidden_dim, dim): ffn_gate, ffn_up */
+    wmat w2;                /* (dim, hidden_dim): ffn_down */
+} layer_weights;
+
+struct model_nextn {
+    const float *hnorm, *enorm; /* (dim,) */
+    wmat eh_proj;               /* (dim, 2 * dim): [hidden half | embedding half] */
+    layer_weights blk;
+    uint64_t matmul_bytes;
+};
+
+struct model {
+    model_config cfg;
+    gguf_t *g;
+    wmat tok_embd; /* (vocab, dim) */
+    layer_weights *layers;
+    const float *out_norm; /* (dim,) */
+    wmat output;           /* (vocab, dim); the embedding when tied */
+    int all_f32;           /* every matrix is F32 (AUTO picks the EXACT kernels) */
+    uint64_t matmul_bytes; /* see model_matmul_bytes() */
+};
+
+struct model_ctx {
+    const model_t *m;
+    int max_tokens;
+    int n_threads;
+    threadpool_t *pool;
+    kern_isa isa;
+    kern_order order;
+    char kernel_name[32];
+    float *x, *xb, *xb2, *q; /* (max_tokens, dim) */
+    float *cat;              /* (max_tokens, 2 * dim): MTP module input [hnorm(h) ; enorm(e)] */
+    float *hb, *hb2;         /* (max_tokens, hidden_dim) */
+    float *q_d;              /* (max_tokens, max(dim, hidden_dim) / 32) Q8 activation scales */
+    int8_t *q_s;             /* (max_tokens, max(dim, hidden_dim)) Q8 activation values */
+    float *att;              /* (n_threads, att_len) attention scores of one thread */
+    size_t att_len;          /* kv_mul * n_ctx: scores of the query heads of one KV head */
+    float *scratch;          /* (n_threads, scratch_len) kernel scratch */
+    size_t scratch_len;
+    float *rope;     /* (max_tokens, head_dim): cos, sin per pair */
+    void *pack;      /* kern_pack_bytes(max_tokens, max(dim, hidden_dim)), AVX-512 */
+    int *tok_item;   /* (max_tokens,) batch item of each token */
+    int *tok_pos;    /* (max_tokens,) position of each token */
+    float **out_dst; /* (max_tokens,) logits destination of each output row */
+    float **p_q, **p_k, **p_v, **p_xb, **p_xb2, **p_hb, **p_hb2; /* (max_tokens,) row ptrs */
+    float **p_x;                                                 /* (max_tokens,) rows of x */
+};
+
+#endif
