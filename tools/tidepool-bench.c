@@ -15,9 +15,10 @@
  * from a deferred event, never inside a libevent callback of its own connection. Every
  * request has a deadline (--timeout-s), so the run always ends.
  *
- * Modules (tools/bench/, one translation unit): args.h flags, workload.h prompts and
- * randomness, sse.h the event-stream parser, stats.h percentiles, core.h the shared
- * state, report.h the summary, JSON and plot.
+ * Modules (tools/bench/, built into libbench.a): bench_args flags, bench_workload prompts,
+ * arrivals and randomness, bench_dataset --dataset files, bench_sse the event-stream
+ * parser, bench_stats percentiles, bench the state of a run shared with bench_report, the
+ * summary, JSON, plot and trace.
  */
 #include <errno.h>
 #include <event2/buffer.h>
@@ -39,12 +40,16 @@
 
 #include "log.h"
 
-#include "bench/args.h"
-#include "bench/workload.h"
-#include "bench/sse.h"
-#include "bench/stats.h"
-#include "bench/core.h"
-#include "bench/report.h"
+#include "bench.h"
+#include "bench_args.h"
+#include "bench_dataset.h"
+#include "bench_report.h"
+#include "bench_sse.h"
+#include "bench_workload.h"
+
+#define FLIGHT_SSE_MAX_BYTES (1u << 20)       /* one SSE event, bytes */
+#define FLIGHT_ERRBODY_MAX 2048               /* kept of a non-200 body, bytes */
+#define FLIGHT_ITL_MAX (1u << 20)             /* ITL samples kept per request */
 
 // --- one request in flight
 
@@ -64,14 +69,14 @@ typedef struct flight {
     enum evhttp_request_error http_err;
     int http_errno;
     int got_body;                  /* any body byte received */
-    sse_parser sse;
+    bench_sse_t *sse;
     size_t n_events;
     uint32_t n_chunks;             /* non-empty content chunks */
     float *itl;                    /* ms, n_itl of cap_itl */
     uint32_t n_itl, cap_itl;
     long long usage_prompt, usage_completion; /* -1 until seen */
     int done_seen, finish_seen;
-    char errbody[BENCH_ERRBODY_MAX + 1];
+    char errbody[FLIGHT_ERRBODY_MAX + 1];
     size_t n_errbody;
 } flight;
 
@@ -123,7 +128,7 @@ static void bench_note_error(bench *b, size_t idx, int kind, int status, const c
         b->n_ungrouped++;
         return;
     }
-    err_group_t *g = &b->groups[b->n_groups++];
+    bench_err_group *g = &b->groups[b->n_groups++];
     g->kind = kind;
     g->status = status;
     g->count = 1;
@@ -132,16 +137,16 @@ static void bench_note_error(bench *b, size_t idx, int kind, int status, const c
 
 /* End a flight, once: fill its record, count it, schedule the teardown. ok = 1 for a
  * success (kind and fmt ignored). */
-static void flight_end(flight *fl, int ok, fail_kind_t kind, const char *fmt, ...)
+static void flight_end(flight *fl, int ok, bench_fail_t kind, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
-static void flight_end(flight *fl, int ok, fail_kind_t kind, const char *fmt, ...)
+static void flight_end(flight *fl, int ok, bench_fail_t kind, const char *fmt, ...)
 {
     if (fl->finished)
         return;
     fl->finished = 1;
     bench *b = fl->b;
-    rec_t *r = &b->recs[fl->idx];
-    int64_t t = now_ns();
+    bench_rec *r = &b->recs[fl->idx];
+    int64_t t = bench_now_ns();
     r->e2el_ms = (double)(t - fl->t_send_ns) / 1e6;
     r->ttft_ms = fl->n_chunks ? (double)(fl->t_first_ns - fl->t_send_ns) / 1e6 : -1;
     r->http_status = fl->status;
@@ -171,7 +176,7 @@ static void flight_end(flight *fl, int ok, fail_kind_t kind, const char *fmt, ..
     if (r->n_itl != fl->n_itl)
         b->n_itl_dropped += fl->n_itl;
     if (ok) {
-        r->state = REC_OK;
+        r->state = BENCH_REC_OK;
         b->n_ok++;
     } else {
         char msg[BENCH_ERROR_MSG_MAX];
@@ -179,11 +184,11 @@ static void flight_end(flight *fl, int ok, fail_kind_t kind, const char *fmt, ..
         va_start(ap, fmt);
         vsnprintf(msg, sizeof(msg), fmt, ap);
         va_end(ap);
-        r->state = REC_FAILED;
+        r->state = BENCH_REC_FAILED;
         r->fail_kind = (uint8_t)kind;
         r->error = strdup(msg);
         b->n_failed++;
-        bench_note_error(b, fl->idx, kind, kind == FAIL_HTTP ? fl->status : 0, msg);
+        bench_note_error(b, fl->idx, kind, kind == BENCH_FAIL_HTTP ? fl->status : 0, msg);
     }
     b->n_done++;
     b->in_flight--;
@@ -209,7 +214,7 @@ static void flight_reap_cb(evutil_socket_t fd, short what, void *arg)
         evhttp_connection_free(fl->conn);
     event_free(fl->timer);
     event_free(fl->reap);
-    sse_free(&fl->sse);
+    bench_sse_destroy(&fl->sse);
     free(fl->itl);
     free(fl);
     b->n_live--;
@@ -220,7 +225,7 @@ static void flight_timeout_cb(evutil_socket_t fd, short what, void *arg)
 {
     flight *fl = arg;
     (void)fd, (void)what;
-    flight_end(fl, 0, FAIL_TIMEOUT, "no complete response within %g s (--timeout-s)%s",
+    flight_end(fl, 0, BENCH_FAIL_TIMEOUT, "no complete response within %g s (--timeout-s)%s",
                fl->b->a.timeout_s, fl->n_chunks ? " (stream started)" : "");
 }
 
@@ -253,7 +258,7 @@ static int flight_on_event(void *ctx, const char *event, const char *data, size_
     fl->n_events++;
     if (strcmp(event, "error") == 0) {
         printable(shown, sizeof(shown), data, n);
-        flight_end(fl, 0, FAIL_STREAM_ERROR, "error event in the stream: %s", shown);
+        flight_end(fl, 0, BENCH_FAIL_STREAM_ERROR, "error event in the stream: %s", shown);
         return 1;
     }
     if (n == 6 && memcmp(data, "[DONE]", 6) == 0) {
@@ -264,14 +269,15 @@ static int flight_on_event(void *ctx, const char *event, const char *data, size_
     json_t *j = json_loadb(data, n, 0, &je);
     if (!j || !json_is_object(j)) {
         printable(shown, sizeof(shown), data, n < 80 ? n : 80);
-        flight_end(fl, 0, FAIL_PROTOCOL, "invalid JSON in the stream: '%s'", shown);
+        flight_end(fl, 0, BENCH_FAIL_PROTOCOL, "invalid JSON in the stream: '%s'", shown);
         json_decref(j);
         return 1;
     }
     const json_t *err = json_object_get(j, "error");
     if (err && !json_is_null(err)) {
         const char *m = error_value_message(err);
-        flight_end(fl, 0, FAIL_STREAM_ERROR, "error in the stream: %s", m ? m : "(no message)");
+        flight_end(fl, 0, BENCH_FAIL_STREAM_ERROR, "error in the stream: %s",
+                   m ? m : "(no message)");
         json_decref(j);
         return 1;
     }
@@ -287,12 +293,12 @@ static int flight_on_event(void *ctx, const char *event, const char *data, size_
         if (json_is_string(text) && json_string_length(text) > 0) {
             if (fl->n_chunks == 0) {
                 fl->t_first_ns = fl->t_chunk_ns;
-            } else if (fl->n_itl < BENCH_ITL_PER_REQUEST_MAX) {
+            } else if (fl->n_itl < FLIGHT_ITL_MAX) {
                 if (fl->n_itl == fl->cap_itl) {
                     uint32_t c = fl->cap_itl ? fl->cap_itl * 2 : 64;
                     float *ni = realloc(fl->itl, c * sizeof(float));
                     if (!ni) {
-                        flight_end(fl, 0, FAIL_LOCAL, "out of memory");
+                        flight_end(fl, 0, BENCH_FAIL_LOCAL, "out of memory");
                         json_decref(j);
                         return 1;
                     }
@@ -335,19 +341,19 @@ static void flight_consume(flight *fl, struct evbuffer *in)
         /* the first bytes of the body: the error text of a non-200, a clue for a 200
          * that is not an event stream */
         size_t k = (size_t)n;
-        if (k > BENCH_ERRBODY_MAX - fl->n_errbody)
-            k = BENCH_ERRBODY_MAX - fl->n_errbody;
+        if (k > FLIGHT_ERRBODY_MAX - fl->n_errbody)
+            k = FLIGHT_ERRBODY_MAX - fl->n_errbody;
         memcpy(fl->errbody + fl->n_errbody, tmp, k);
         fl->n_errbody += k;
         fl->errbody[fl->n_errbody] = 0;
         if (fl->status != 200)
             continue;
-        int rc = sse_feed(&fl->sse, tmp, (size_t)n, flight_on_event, fl);
-        if (rc == SSE_ERR_TOO_LARGE)
-            flight_end(fl, 0, FAIL_PROTOCOL, "SSE event larger than %u bytes",
-                       BENCH_SSE_MAX_BYTES);
-        else if (rc == SSE_ERR_NOMEM)
-            flight_end(fl, 0, FAIL_LOCAL, "out of memory");
+        int rc = bench_sse_feed(fl->sse, tmp, (size_t)n, flight_on_event, fl);
+        if (rc == BENCH_SSE_ERR_TOO_LARGE)
+            flight_end(fl, 0, BENCH_FAIL_PROTOCOL, "SSE event larger than %u bytes",
+                       FLIGHT_SSE_MAX_BYTES);
+        else if (rc == BENCH_SSE_ERR_NOMEM)
+            flight_end(fl, 0, BENCH_FAIL_LOCAL, "out of memory");
     }
 }
 
@@ -356,7 +362,7 @@ static void flight_chunk_cb(struct evhttp_request *req, void *arg)
     flight *fl = arg;
     if (fl->finished)
         return;
-    fl->t_chunk_ns = now_ns();
+    fl->t_chunk_ns = bench_now_ns();
     if (!fl->status)
         fl->status = evhttp_request_get_response_code(req);
     flight_consume(fl, evhttp_request_get_input_buffer(req));
@@ -377,40 +383,40 @@ static void flight_done_cb(struct evhttp_request *req, void *arg)
     flight *fl = arg;
     if (fl->finished)
         return;
-    fl->t_chunk_ns = now_ns();
+    fl->t_chunk_ns = bench_now_ns();
     if (!req || evhttp_request_get_response_code(req) == 0) {
         const char *why = "connection failed";
         if (fl->has_http_err) {
             switch (fl->http_err) {
             case EVREQ_HTTP_TIMEOUT:
-                flight_end(fl, 0, FAIL_TIMEOUT, "no data from the server for %g s",
+                flight_end(fl, 0, BENCH_FAIL_TIMEOUT, "no data from the server for %g s",
                            fl->b->a.timeout_s);
                 return;
             case EVREQ_HTTP_EOF:
                 why = "connection closed";
                 break;
             case EVREQ_HTTP_INVALID_HEADER:
-                flight_end(fl, 0, FAIL_PROTOCOL, "invalid HTTP response");
+                flight_end(fl, 0, BENCH_FAIL_PROTOCOL, "invalid HTTP response");
                 return;
             case EVREQ_HTTP_DATA_TOO_LONG:
-                flight_end(fl, 0, FAIL_PROTOCOL, "HTTP response too large");
+                flight_end(fl, 0, BENCH_FAIL_PROTOCOL, "HTTP response too large");
                 return;
             default:
                 break;
             }
         }
         if (fl->status == 200 || fl->got_body)
-            flight_end(fl, 0, FAIL_CLOSED,
+            flight_end(fl, 0, BENCH_FAIL_CLOSED,
                        "server closed the connection mid-stream (after %zu events)",
                        fl->n_events);
         else if (!fl->has_http_err) /* libevent 2.1's connect-failure path: no error cb */
-            flight_end(fl, 0, FAIL_CONNECT, "cannot connect to %s port %u (refused, "
+            flight_end(fl, 0, BENCH_FAIL_CONNECT, "cannot connect to %s port %u (refused, "
                        "unreachable or timed out)", fl->b->host_addr, fl->b->port);
         else if (fl->http_errno)
-            flight_end(fl, 0, FAIL_CONNECT, "connection error before a response: %s",
+            flight_end(fl, 0, BENCH_FAIL_CONNECT, "connection error before a response: %s",
                        evutil_socket_error_to_string(fl->http_errno));
         else
-            flight_end(fl, 0, FAIL_CONNECT, "%s before a response", why);
+            flight_end(fl, 0, BENCH_FAIL_CONNECT, "%s before a response", why);
         return;
     }
     fl->status = evhttp_request_get_response_code(req);
@@ -425,24 +431,24 @@ static void flight_done_cb(struct evhttp_request *req, void *arg)
         if (!m && j)
             m = error_value_message(j);
         printable(shown, sizeof(shown), m ? m : fl->errbody, m ? strlen(m) : fl->n_errbody);
-        flight_end(fl, 0, FAIL_HTTP, "HTTP %d: %s", fl->status,
+        flight_end(fl, 0, BENCH_FAIL_HTTP, "HTTP %d: %s", fl->status,
                    shown[0] ? shown : "(empty body)");
         json_decref(j);
         return;
     }
-    int rc = sse_finish(&fl->sse, flight_on_event, fl);
+    int rc = bench_sse_finish(fl->sse, flight_on_event, fl);
     if (fl->finished)
         return;
-    if (rc == SSE_ERR_NOMEM)
-        flight_end(fl, 0, FAIL_LOCAL, "out of memory");
+    if (rc == BENCH_SSE_ERR_NOMEM)
+        flight_end(fl, 0, BENCH_FAIL_LOCAL, "out of memory");
     else if (fl->n_events == 0)
-        flight_end(fl, 0, FAIL_PROTOCOL, "no SSE event in the 200 response (does the server "
+        flight_end(fl, 0, BENCH_FAIL_PROTOCOL, "no SSE event in the 200 response (does the server "
                                          "stream? body starts '%.60s')", fl->errbody);
     else if (!fl->done_seen && !fl->finish_seen)
-        flight_end(fl, 0, FAIL_CLOSED, "stream ended without [DONE] or a finish_reason "
+        flight_end(fl, 0, BENCH_FAIL_CLOSED, "stream ended without [DONE] or a finish_reason "
                                        "(after %zu events)", fl->n_events);
     else if (fl->n_chunks == 0)
-        flight_end(fl, 0, FAIL_NO_CONTENT, "no content in the stream (empty completion)");
+        flight_end(fl, 0, BENCH_FAIL_NO_CONTENT, "no content in the stream (empty completion)");
     else
         flight_end(fl, 1, 0, "ok");
 }
@@ -486,36 +492,39 @@ static int flight_send(flight *fl, const char *body, const char **why)
 /* Send request idx now. */
 static void flight_start(bench *b, size_t idx)
 {
-    rec_t *r = &b->recs[idx];
-    int64_t t = now_ns();
+    bench_rec *r = &b->recs[idx];
+    int64_t t = bench_now_ns();
     r->start_s = (double)(t - b->t0_ns) / 1e9;
-    r->phase = PHASE_NONE;
-    if (bench_phase_shift(b)) {
+    r->phase = BENCH_WORKLOAD_PHASE_NONE;
+    if (bench_workload_phase_shift(&b->a)) {
         /* Scheduled arrivals keep the phase of each request reproducible; without a
          * schedule the send time decides. */
         double at = isfinite(b->a.request_rate) ? r->arrival_s : r->start_s;
-        r->phase = (int8_t)bench_phase_at(b, at);
+        r->phase = (int8_t)bench_workload_phase_at(&b->a, at);
     }
     b->n_sent++;
     b->in_flight++;
     if (b->in_flight > b->peak_in_flight)
         b->peak_in_flight = b->in_flight;
-    r->state = REC_RUNNING;
+    r->state = BENCH_REC_RUNNING;
     flight *fl = calloc(1, sizeof(*fl));
     struct event *reap = fl ? event_new(b->base, -1, 0, flight_reap_cb, fl) : NULL;
     struct event *timer = reap ? evtimer_new(b->base, flight_timeout_cb, fl) : NULL;
-    if (!timer) { /* nothing of libevent's holds fl: record the failure here */
+    bench_sse_t *sse = timer ? bench_sse_new(FLIGHT_SSE_MAX_BYTES) : NULL;
+    if (!sse) { /* nothing of libevent's holds fl: record the failure here */
+        if (timer)
+            event_free(timer);
         if (reap)
             event_free(reap);
         free(fl);
-        r->state = REC_FAILED;
-        r->fail_kind = FAIL_LOCAL;
+        r->state = BENCH_REC_FAILED;
+        r->fail_kind = BENCH_FAIL_LOCAL;
         r->error = strdup("out of memory (flight)");
         b->n_failed++;
         b->n_done++;
         b->in_flight--;
-        b->t_end_ns = now_ns();
-        bench_note_error(b, idx, FAIL_LOCAL, 0, "out of memory (flight)");
+        b->t_end_ns = bench_now_ns();
+        bench_note_error(b, idx, BENCH_FAIL_LOCAL, 0, "out of memory (flight)");
         return;
     }
     b->n_live++;
@@ -525,18 +534,18 @@ static void flight_start(bench *b, size_t idx)
     fl->timer = timer;
     fl->t_send_ns = t;
     fl->usage_prompt = fl->usage_completion = -1;
-    sse_init(&fl->sse, BENCH_SSE_MAX_BYTES);
+    fl->sse = sse;
     fl->next = b->active;
     if (b->active)
         b->active->prev = fl;
     b->active = fl;
 
-    req_shape shape = {0, -1};
-    char *body = workload_body(&b->a, &b->ds, b->model, b->chat, idx, r->phase, &shape);
+    bench_workload_shape shape = {0, -1};
+    char *body = bench_workload_body(&b->a, b->ds, b->model, b->chat, idx, r->phase, &shape);
     r->prompt_words = shape.prompt_words;
     r->max_tokens = shape.max_tokens;
     if (!body) {
-        flight_end(fl, 0, FAIL_LOCAL, "out of memory building the request body");
+        flight_end(fl, 0, BENCH_FAIL_LOCAL, "out of memory building the request body");
         return;
     }
     const char *why;
@@ -545,12 +554,12 @@ static void flight_start(bench *b, size_t idx)
     if (fl->finished)
         return;
     if (rc < 0) {
-        flight_end(fl, 0, FAIL_LOCAL, "%s", why);
+        flight_end(fl, 0, BENCH_FAIL_LOCAL, "%s", why);
         return;
     }
     struct timeval tv = tv_from_s(b->a.timeout_s);
     if (evtimer_add(fl->timer, &tv) < 0)
-        flight_end(fl, 0, FAIL_LOCAL, "cannot arm the request timer");
+        flight_end(fl, 0, BENCH_FAIL_LOCAL, "cannot arm the request timer");
 }
 
 // --- dispatch
@@ -572,7 +581,7 @@ static void arrival_cb(evutil_socket_t fd, short what, void *arg)
     (void)fd, (void)what;
     if (b->stopping)
         return;
-    double t = (double)(now_ns() - b->t0_ns) / 1e9;
+    double t = (double)(bench_now_ns() - b->t0_ns) / 1e9;
     while (b->n_arrived < b->n && b->recs[b->n_arrived].arrival_s <= t)
         b->n_arrived++;
     if (b->n_arrived < b->n) {
@@ -594,7 +603,7 @@ static void progress_draw(bench *b, int final)
     bar[w] = 0;
     fprintf(stderr, "\r[%s] %zu/%zu  ok %zu  failed %zu  running %zu  %.1f s%s", bar,
             b->n_done, b->n, b->n_ok, b->n_failed, b->in_flight,
-            (double)(now_ns() - b->t0_ns) / 1e9, final ? "\n" : "\033[K");
+            (double)(bench_now_ns() - b->t0_ns) / 1e9, final ? "\n" : "\033[K");
     b->progress_drawn = !final;
 }
 
@@ -618,7 +627,7 @@ static void signal_cb(evutil_socket_t sig, short what, void *arg)
     if (b->arrival_ev)
         evtimer_del(b->arrival_ev);
     while (b->active)
-        flight_end(b->active, 0, FAIL_INTERRUPTED, "interrupted (%s)", strsignal((int)sig));
+        flight_end(b->active, 0, BENCH_FAIL_INTERRUPTED, "interrupted (%s)", strsignal((int)sig));
     bench_pump(b);
 }
 
@@ -821,7 +830,7 @@ static void bench_free(bench *b)
     free(b->recs);
     free(b->itl_pool);
     free(b->model);
-    dataset_free(&b->ds);
+    bench_dataset_destroy(&b->ds);
     if (b->arrival_ev)
         event_free(b->arrival_ev);
     if (b->progress_ev)
@@ -838,7 +847,7 @@ int main(int argc, char **argv)
 {
     static bench bs;
     bench *b = &bs;
-    int rc = args_parse(&b->a, argc, argv);
+    int rc = bench_args_parse(&b->a, argc, argv);
     if (rc != 0)
         return rc > 0 ? 0 : 2;
     log_init("tidepool-bench", LOG_LEVEL_INFO);
@@ -850,32 +859,37 @@ int main(int argc, char **argv)
     b->n = (size_t)b->a.num_prompts;
     int exit_code = 1;
     b->base = event_base_new();
-    b->recs = calloc(b->n, sizeof(rec_t));
+    b->recs = calloc(b->n, sizeof(bench_rec));
     if (!b->base || !b->recs) {
         fprintf(stderr, "tidepool-bench: out of memory (%zu records)\n", b->n);
         goto out;
     }
-    if (b->a.dataset && dataset_load(b->a.dataset, b->n, b->chat, &b->ds) < 0)
-        goto out;
+    if (b->a.dataset) {
+        char err[4096 + 256]; /* a path and a reason */
+        b->ds = bench_dataset_load(b->a.dataset, b->n, b->chat, err, sizeof(err));
+        if (!b->ds) {
+            fprintf(stderr, "tidepool-bench: %s\n", err);
+            goto out;
+        }
+    }
     b->model = b->a.model ? strdup(b->a.model) : bench_fetch_model(b);
     if (!b->model)
         goto out;
     raise_fd_limit(b);
 
     /* The arrival schedule, from its own random stream; --duration-s cuts it. */
-    rng_t ar = rng_stream((uint64_t)b->a.seed, RNG_STREAM_ARRIVALS, 0);
-    double t = 0;
-    for (size_t i = 0; i < b->n; i++) {
-        b->recs[i].phase = PHASE_NONE;
-        b->recs[i].max_tokens = -1;
-        if (i > 0 && isfinite(b->a.request_rate))
-            t = workload_next_arrival(&b->a, t, -log(1.0 - rng_unit(&ar)));
-        if (b->a.duration_s > 0 && t >= b->a.duration_s) {
-            b->n = i; /* request 0 arrives at 0 < duration_s: n >= 1 */
-            break;
-        }
-        b->recs[i].arrival_s = t;
+    double *arrivals = malloc(b->n * sizeof(double));
+    if (!arrivals) {
+        fprintf(stderr, "tidepool-bench: out of memory (%zu records)\n", b->n);
+        goto out;
     }
+    b->n = bench_workload_arrivals(&b->a, arrivals, b->n);
+    for (size_t i = 0; i < b->n; i++) {
+        b->recs[i].phase = BENCH_WORKLOAD_PHASE_NONE;
+        b->recs[i].max_tokens = -1;
+        b->recs[i].arrival_s = arrivals[i];
+    }
+    free(arrivals);
     b->arrival_ev = evtimer_new(b->base, arrival_cb, b);
     b->sigint_ev = evsignal_new(b->base, SIGINT, signal_cb, b);
     b->sigterm_ev = evsignal_new(b->base, SIGTERM, signal_cb, b);
@@ -897,7 +911,7 @@ int main(int argc, char **argv)
     log_info("%zu requests to http://%s%s, model %s, request rate %s, concurrency %s, "
              "workload %s, seed %lld", b->n, b->host_header, b->path, b->model, rate, conc,
              b->a.dataset ? b->a.dataset : b->a.workload, b->a.seed);
-    b->t0_ns = now_ns();
+    b->t0_ns = bench_now_ns();
     if (event_base_dispatch(b->base) < 0) {
         fprintf(stderr, "tidepool-bench: event loop failed\n");
         goto out;
@@ -908,21 +922,21 @@ int main(int argc, char **argv)
     if (b->progress)
         progress_draw(b, 1);
 
-    metrics_t m, ph[2];
-    int phased = bench_phase_shift(b);
-    if (metrics_compute(b, -2, &m) < 0 ||
-        (phased && (metrics_compute(b, PHASE_PREFILL, &ph[0]) < 0 ||
-                    metrics_compute(b, PHASE_DECODE, &ph[1]) < 0))) {
+    bench_report_metrics m, ph[2];
+    int phased = bench_workload_phase_shift(&b->a);
+    if (bench_report_compute(b, BENCH_REPORT_ALL_PHASES, &m) < 0 ||
+        (phased && (bench_report_compute(b, BENCH_WORKLOAD_PHASE_PREFILL, &ph[0]) < 0 ||
+                    bench_report_compute(b, BENCH_WORKLOAD_PHASE_DECODE, &ph[1]) < 0))) {
         fprintf(stderr, "tidepool-bench: out of memory computing the figures\n");
         goto out;
     }
-    report_print(b, &m, phased ? ph : NULL, stdout);
+    bench_report_print(b, &m, phased ? ph : NULL, stdout);
     exit_code = m.completed > 0 ? 0 : 1;
-    if (b->a.result_json && report_json(b, &m, phased ? ph : NULL, argc, argv) < 0)
+    if (b->a.result_json && bench_report_json(b, &m, phased ? ph : NULL, argc, argv) < 0)
         exit_code = 1;
-    if (b->a.plot && report_plot(b) < 0)
+    if (b->a.plot && bench_report_plot(b) < 0)
         exit_code = 1;
-    if (b->a.trace_out && report_trace(b) < 0)
+    if (b->a.trace_out && bench_report_trace(b) < 0)
         exit_code = 1;
 out:
     bench_free(b);

@@ -40,8 +40,13 @@
 /* The gateway's own policy (linked from libgateway.a): the simulator runs exactly the
  * code the gateway runs. */
 #include "policy.h"
-#include "sim/heap.h"
-#include "sim/workload.h"
+#include "sim_heap.h"
+#include "sim_ideque.h"
+#include "sim_ivec.h"
+#include "sim_mem.h"
+#include "sim_rng.h"
+#include "sim_stats.h"
+#include "sim_workload.h"
 
 // --- settings ------------------------------------------------------------------------------
 
@@ -151,15 +156,15 @@ typedef struct {
     double role_since_ms;
     /* prefill */
     int busy, idle_listed;
-    ivec batch;
+    sim_ivec batch;
     double batch_start_ms;
     /* decode */
     int stepping, dec_pos;
     int64_t step, ctx_sum; /* completed steps; context tokens of the running sequences */
     int running, assigned; /* in the batch; reserved here (running + incoming + in flight) */
     int64_t kv_reserved;   /* tokens */
-    fin_heap fin;
-    ivec incoming;
+    sim_heap_fin fin;
+    sim_ivec incoming;
     double last_step_ms;
 } sworker;
 
@@ -183,23 +188,23 @@ typedef struct {
     double tick_ms, switch_ms, ttft_slo_ms, tpot_slo_ms, kv_cap, hard_end_ms;
     /* clock and events */
     double now;
-    event_heap ev;
+    sim_heap ev;
     int stop;
     /* requests */
     sreq *reqs;
     int n_reqs, free_head;
-    workload wl;
-    sim_arrival next;
+    sim_workload wl;
+    sim_workload_arrival next;
     int arrivals_done;
     /* workers and queues. q_on is the prefill queue. With reserve_dispatch, q_gw holds the
      * online requests waiting at the gateway for decode room, q_off the offline ones, and
      * q_on both kinds once dispatched (their decode room reserved). */
     sworker *w;
-    ideque q_on, q_off, q_gw, pend_on, pend_off;
+    sim_ideque q_on, q_off, q_gw, pend_on, pend_off;
     int64_t q_on_tokens;
-    ivec idle_prefill;
+    sim_ivec idle_prefill;
     int *dec_list, n_dec;
-    ivec off_dec, off_dec_epoch; /* offline sequences that joined a decode batch (lazy) */
+    sim_ivec off_dec, off_dec_epoch; /* offline sequences that joined a decode batch (lazy) */
     uint64_t free_epoch, scan_fail_epoch;
     int scan_failed;
     sim_rng prng;
@@ -227,7 +232,7 @@ static int req_alloc(sim *s)
 {
     if (s->free_head < 0) {
         int ncap = s->n_reqs ? 2 * s->n_reqs : 4096;
-        s->reqs = sim_xrealloc(s->reqs, (size_t)ncap * sizeof(sreq));
+        s->reqs = sim_mem_realloc(s->reqs, (size_t)ncap * sizeof(sreq));
         for (int i = ncap - 1; i >= s->n_reqs; i--) {
             memset(&s->reqs[i], 0, sizeof(sreq));
             s->reqs[i].next_free = s->free_head;
@@ -253,7 +258,7 @@ static void dpush(double **v, size_t *n, size_t *cap, double x)
 {
     if (*n == *cap) {
         *cap = *cap ? 2 * *cap : 4096;
-        *v = sim_xrealloc(*v, *cap * sizeof(double));
+        *v = sim_mem_realloc(*v, *cap * sizeof(double));
     }
     (*v)[(*n)++] = x;
 }
@@ -270,8 +275,8 @@ static void finish_req(sim *s, int id)
         double tpot = r->out > 1 ? (s->now - r->first_ms) / (r->out - 1) : 0;
         if (s->n_fin == s->cap_fin) {
             s->cap_fin = s->cap_fin ? 2 * s->cap_fin : 4096;
-            s->ttft = sim_xrealloc(s->ttft, s->cap_fin * sizeof(double));
-            s->tpot = sim_xrealloc(s->tpot, s->cap_fin * sizeof(double));
+            s->ttft = sim_mem_realloc(s->ttft, s->cap_fin * sizeof(double));
+            s->tpot = sim_mem_realloc(s->tpot, s->cap_fin * sizeof(double));
         }
         s->ttft[s->n_fin] = ttft;
         s->tpot[s->n_fin] = tpot;
@@ -316,7 +321,7 @@ static int choose_decode(sim *s, int need, int scan)
         return best;
     }
     for (int k = 0; k < 2; k++) {
-        int w = s->dec_list[rng_next(&s->prng) % (uint64_t)s->n_dec];
+        int w = s->dec_list[sim_rng_next(&s->prng) % (uint64_t)s->n_dec];
         int64_t f = (int64_t)s->kv_cap - s->w[w].kv_reserved;
         if (fits(s, w, need) && f > best_free)
             best = w, best_free = f;
@@ -352,7 +357,7 @@ static void reserve(sim *s, int id, int w, double arrive_ms)
     sreq *r = &s->reqs[id];
     hold(s, id, w);
     r->state = RQ_XFER;
-    evheap_push(&s->ev, arrive_ms, EV_XFER_DONE, id, r->epoch);
+    sim_heap_push(&s->ev, arrive_ms, EV_XFER_DONE, id, r->epoch);
 }
 
 static void unreserve(sim *s, int id)
@@ -384,27 +389,27 @@ static void place_decode(sim *s, int id, double arrive_ms, int front)
     }
     r->state = RQ_PENDING;
     r->worker = -1;
-    ideque *q = r->offline ? &s->pend_off : &s->pend_on;
+    sim_ideque *q = r->offline ? &s->pend_off : &s->pend_on;
     if (front)
-        ideque_push_front(q, id);
+        sim_ideque_push_front(q, id);
     else
-        ideque_push_back(q, id);
+        sim_ideque_push_back(q, id);
 }
 
 /* Room appeared (hint: the worker that freed it, or -1): admit waiting sequences. */
 static void drain_pending(sim *s, int hint)
 {
     for (;;) {
-        ideque *q = s->pend_on.n ? &s->pend_on : (s->pend_off.n ? &s->pend_off : NULL);
+        sim_ideque *q = s->pend_on.n ? &s->pend_on : (s->pend_off.n ? &s->pend_off : NULL);
         if (!q)
             return;
-        int id = ideque_front(q);
+        int id = sim_ideque_front(q);
         int need = s->reqs[id].need;
         int w = (hint >= 0 && accepts(s, hint) && fits(s, hint, need)) ? hint
                                                                        : choose_decode(s, need, 0);
         if (w < 0)
             return;
-        ideque_pop_front(q);
+        sim_ideque_pop_front(q);
         reserve(s, id, w, s->now + kv_transfer_ms(s, &s->reqs[id]));
     }
 }
@@ -437,18 +442,18 @@ static void start_step(sim *s, int w)
         sreq *r = &s->reqs[id];
         r->state = RQ_RUNNING;
         r->s0 = x->step;
-        finheap_push(&x->fin, (fin_entry){x->step + (r->out - r->gen), id, r->epoch});
+        sim_heap_fin_push(&x->fin, (sim_heap_fin_entry){x->step + (r->out - r->gen), id, r->epoch});
         x->ctx_sum += r->prompt + r->gen;
         x->running++;
         if (r->offline) {
-            ivec_push(&s->off_dec, id);
-            ivec_push(&s->off_dec_epoch, (int)r->epoch);
+            sim_ivec_push(&s->off_dec, id);
+            sim_ivec_push(&s->off_dec_epoch, (int)r->epoch);
         }
     }
     x->incoming.n = 0;
     if (x->running > 0) {
         x->last_step_ms = costmodel_decode_step_ms(s->cm, x->running, (double)x->ctx_sum);
-        evheap_push(&s->ev, s->now + x->last_step_ms, EV_STEP_DONE, w, 0);
+        sim_heap_push(&s->ev, s->now + x->last_step_ms, EV_STEP_DONE, w, 0);
         x->stepping = 1;
     } else {
         x->stepping = 0;
@@ -458,7 +463,7 @@ static void start_step(sim *s, int w)
 static void switch_start(sim *s, int w, double extra_ms)
 {
     s->w[w].changing = 2;
-    evheap_push(&s->ev, s->now + extra_ms + s->switch_ms, EV_SWITCH_DONE, w, 0);
+    sim_heap_push(&s->ev, s->now + extra_ms + s->switch_ms, EV_SWITCH_DONE, w, 0);
 }
 
 /* Take a running sequence out of its worker at a step boundary; its progress is kept. */
@@ -482,7 +487,7 @@ static void migrate_all(sim *s, int w)
     sworker *x = &s->w[w];
     double t_acc = 0;
     for (int i = 0; i < x->fin.n; i++) {
-        fin_entry e = x->fin.v[i];
+        sim_heap_fin_entry e = x->fin.v[i];
         sreq *r = &s->reqs[e.req];
         if (r->epoch != e.epoch || r->state != RQ_RUNNING || r->worker != w)
             continue;
@@ -511,7 +516,7 @@ static void on_step_done(sim *s, int w)
     x->ctx_sum += x->running;
     int freed = 0;
     while (x->fin.n > 0 && x->fin.v[0].step <= x->step) {
-        fin_entry e = finheap_pop(&x->fin);
+        sim_heap_fin_entry e = sim_heap_fin_pop(&x->fin);
         sreq *r = &s->reqs[e.req];
         if (r->epoch != e.epoch || r->state != RQ_RUNNING || r->worker != w)
             continue;
@@ -552,7 +557,7 @@ static void on_xfer_done(sim *s, int id, uint32_t epoch)
         return;
     }
     r->state = RQ_INCOMING;
-    ivec_push(&s->w[w].incoming, id);
+    sim_ivec_push(&s->w[w].incoming, id);
     if (!s->w[w].stepping)
         start_step(s, w);
 }
@@ -578,41 +583,42 @@ static void start_prefill(sim *s, int w)
     int budget = s->cm->prefill_token_budget;
     x->batch.n = 0;
     while (s->q_on.n > 0) {
-        sreq *r = &s->reqs[ideque_front(&s->q_on)];
+        sreq *r = &s->reqs[sim_ideque_front(&s->q_on)];
         int pt = r->prompt + r->gen;
         if (x->batch.n > 0 && tokens + pt > budget)
             break;
-        int id = ideque_pop_front(&s->q_on);
+        int id = sim_ideque_pop_front(&s->q_on);
         s->q_on_tokens -= r->prompt;
         if (!s->reserve_dispatch) /* else counted when dispatched */
             s->online_running++;
         r->state = RQ_PREFILL;
-        ivec_push(&x->batch, id);
+        sim_ivec_push(&x->batch, id);
         tokens += pt;
         pairs += costmodel_attn_pairs(pt, 0);
     }
     while (!s->reserve_dispatch && s->q_off.n > 0 && s->offline_running < s->offline_limit) {
-        sreq *r = &s->reqs[ideque_front(&s->q_off)];
+        sreq *r = &s->reqs[sim_ideque_front(&s->q_off)];
         int pt = r->prompt + r->gen;
         if (x->batch.n > 0 && tokens + pt > budget)
             break;
-        int id = ideque_pop_front(&s->q_off);
+        int id = sim_ideque_pop_front(&s->q_off);
         s->offline_running++;
         r->state = RQ_PREFILL;
-        ivec_push(&x->batch, id);
+        sim_ivec_push(&x->batch, id);
         tokens += pt;
         pairs += costmodel_attn_pairs(pt, 0);
     }
     if (x->batch.n == 0) {
         if (!x->idle_listed) {
             x->idle_listed = 1;
-            ivec_push(&s->idle_prefill, w);
+            sim_ivec_push(&s->idle_prefill, w);
         }
         return;
     }
     x->busy = 1;
     x->batch_start_ms = s->now;
-    evheap_push(&s->ev, s->now + costmodel_prefill_ms(s->cm, tokens, pairs), EV_PREFILL_DONE, w, 0);
+    sim_heap_push(&s->ev, s->now + costmodel_prefill_ms(s->cm, tokens, pairs), EV_PREFILL_DONE, w,
+                  0);
 }
 
 static void wake_prefill(sim *s)
@@ -635,7 +641,7 @@ static void dispatch(sim *s)
         return;
     int moved = 0;
     for (;;) {
-        ideque *q = NULL;
+        sim_ideque *q = NULL;
         if (s->q_gw.n > 0)
             q = s->pend_on.n == 0 ? &s->q_gw : NULL;
         else if (s->q_off.n > 0 && s->offline_running < s->offline_limit && s->pend_on.n == 0 &&
@@ -643,19 +649,19 @@ static void dispatch(sim *s)
             q = &s->q_off;
         if (!q)
             break;
-        int id = ideque_front(q);
+        int id = sim_ideque_front(q);
         sreq *r = &s->reqs[id];
         int w = choose_decode(s, r->need, 1);
         if (w < 0)
             break;
-        ideque_pop_front(q);
+        sim_ideque_pop_front(q);
         hold(s, id, w);
         if (r->offline)
             s->offline_running++;
         else
             s->online_running++;
         s->q_on_tokens += r->prompt;
-        ideque_push_back(&s->q_on, id);
+        sim_ideque_push_back(&s->q_on, id);
         moved = 1;
     }
     if (moved)
@@ -690,7 +696,7 @@ static void on_prefill_done(sim *s, int w)
         double arrive = fmax(s->now + xfer / s->cm->n_layer, x->batch_start_ms + xfer);
         if (r->worker >= 0 && accepts(s, r->worker)) { /* reserved at dispatch */
             r->state = RQ_XFER;
-            evheap_push(&s->ev, arrive, EV_XFER_DONE, id, r->epoch);
+            sim_heap_push(&s->ev, arrive, EV_XFER_DONE, id, r->epoch);
             continue;
         }
         if (r->worker >= 0) { /* its worker left decode meanwhile */
@@ -758,64 +764,12 @@ static void preempt(sim *s, int k)
         int w = r->worker;
         take_out(s, id);
         r->state = RQ_QUEUED;
-        ideque_push_front(&s->q_off, id);
+        sim_ideque_push_front(&s->q_off, id);
         s->offline_running--;
         s->preemptions++;
         k--;
         drain_pending(s, w);
     }
-}
-
-/* The k-th smallest of v[0..n) (0-based), reordering v: quickselect, O(n) expected and
- * deterministic (middle pivot). */
-static double kth_smallest(double *v, size_t n, size_t k)
-{
-    size_t lo = 0, hi = n - 1;
-    while (lo < hi) {
-        double pivot = v[lo + (hi - lo) / 2];
-        size_t i = lo, j = hi;
-        while (i <= j) {
-            while (v[i] < pivot)
-                i++;
-            while (v[j] > pivot)
-                j--;
-            if (i <= j) {
-                double t = v[i];
-                v[i] = v[j];
-                v[j] = t;
-                i++;
-                if (j == 0)
-                    break;
-                j--;
-            }
-        }
-        if (k <= j)
-            hi = j;
-        else if (k >= i)
-            lo = i;
-        else
-            return v[k];
-    }
-    return v[k];
-}
-
-/* Percentile p of v[0..n) with linear interpolation between closest ranks (numpy's
- * default, as tidepool-bench reports); reorders v. */
-static double percentile(double *v, size_t n, double p)
-{
-    if (n == 0)
-        return 0;
-    double pos = p / 100.0 * (double)(n - 1);
-    size_t lo = (size_t)pos;
-    double a = kth_smallest(v, n, lo);
-    if (lo + 1 >= n)
-        return a;
-    /* after the select, everything above lo is >= a: the next rank is their minimum */
-    double b = v[lo + 1];
-    for (size_t i = lo + 2; i < n; i++)
-        if (v[i] < b)
-            b = v[i];
-    return a + (b - a) * (pos - (double)lo);
 }
 
 static int cmp_pair(const void *a, const void *b)
@@ -878,7 +832,7 @@ static void on_tick(sim *s)
         c->online_decoding = s->online_decoding + (int)s->q_gw.n;
     } else {
         c->oldest_wait_ms =
-            s->q_on.n ? (int64_t)(s->now - s->reqs[ideque_front(&s->q_on)].arrival_ms) : 0;
+            s->q_on.n ? (int64_t)(s->now - s->reqs[sim_ideque_front(&s->q_on)].arrival_ms) : 0;
         c->online_queued = (int)s->q_on.n;
         c->online_decoding = s->online_decoding;
     }
@@ -887,8 +841,8 @@ static void on_tick(sim *s)
     c->offline_queued = (int)s->q_off.n;
     c->offline_running = s->offline_running;
     c->offline_oldest_wait_ms =
-        s->q_off.n ? (int64_t)(s->now - s->reqs[ideque_front(&s->q_off)].arrival_ms) : 0;
-    c->ttft_p90_ms = percentile(s->win_ttft, s->n_win, 90);
+        s->q_off.n ? (int64_t)(s->now - s->reqs[sim_ideque_front(&s->q_off)].arrival_ms) : 0;
+    c->ttft_p90_ms = sim_stats_percentile(s->win_ttft, s->n_win, 90);
     c->tpot_p90_ms = tpot_p90;
     s->n_win = 0;
 
@@ -918,15 +872,15 @@ static void on_tick(sim *s)
     else if (s->now >= s->hard_end_ms)
         s->stop = 1;
     else
-        evheap_push(&s->ev, s->now + s->tick_ms, EV_TICK, 0, 0);
+        sim_heap_push(&s->ev, s->now + s->tick_ms, EV_TICK, 0, 0);
 }
 
 // --- arrivals and the run --------------------------------------------------------------------
 
 static void schedule_next_arrival(sim *s)
 {
-    if (workload_next(&s->wl, &s->next))
-        evheap_push(&s->ev, s->next.arrival_s * 1e3, EV_ARRIVAL, 0, 0);
+    if (sim_workload_next(&s->wl, &s->next))
+        sim_heap_push(&s->ev, s->next.arrival_s * 1e3, EV_ARRIVAL, 0, 0);
     else
         s->arrivals_done = 1;
 }
@@ -948,15 +902,15 @@ static void on_arrival(sim *s)
     r->state = RQ_QUEUED;
     if (r->offline) {
         s->n_offline++;
-        ideque_push_back(&s->q_off, id);
+        sim_ideque_push_back(&s->q_off, id);
     } else {
         s->n_online++;
         s->prompt_tokens_arrived += r->prompt;
         if (s->reserve_dispatch) {
-            ideque_push_back(&s->q_gw, id);
+            sim_ideque_push_back(&s->q_gw, id);
         } else {
             s->q_on_tokens += r->prompt;
-            ideque_push_back(&s->q_on, id);
+            sim_ideque_push_back(&s->q_on, id);
         }
     }
     dispatch(s);
@@ -964,17 +918,9 @@ static void on_arrival(sim *s)
     schedule_next_arrival(s);
 }
 
-static double mean_of(const double *v, size_t n)
-{
-    double t = 0;
-    for (size_t i = 0; i < n; i++)
-        t += v[i];
-    return n ? t / (double)n : 0;
-}
-
 /* One simulation. n_prefill: initial prefill workers; tidal: whether roles may change. */
-static void sim_run(const costmodel *cm, const policy_params *pp, const workload *wl, int n_workers,
-                    int n_prefill, int tidal, const char *name, sim_result *res)
+static void sim_run(const costmodel *cm, const policy_params *pp, const sim_workload *wl,
+                    int n_workers, int n_prefill, int tidal, const char *name, sim_result *res)
 {
     sim s;
     memset(&s, 0, sizeof(s));
@@ -995,16 +941,16 @@ static void sim_run(const costmodel *cm, const policy_params *pp, const workload
     s.kv_cap = costmodel_kv_capacity_tokens(cm);
     s.wl = *wl;
     s.wl.pos = 0;
-    double span_s = workload_span_s(wl);
+    double span_s = sim_workload_span_s(wl);
     s.hard_end_ms = (1.5 * span_s + 300) * 1e3; /* then unfinished requests count as missed */
     s.free_head = -1;
-    rng_seed(&s.prng, (uint64_t)opt_seed ^ 0x5eed5eed5eedull);
+    sim_rng_seed(&s.prng, (uint64_t)opt_seed ^ 0x5eed5eed5eedull);
     policy_state_init(&s.pst);
-    s.w = sim_xrealloc(NULL, (size_t)n_workers * sizeof(sworker));
+    s.w = sim_mem_realloc(NULL, (size_t)n_workers * sizeof(sworker));
     memset(s.w, 0, (size_t)n_workers * sizeof(sworker));
-    s.dec_list = sim_xrealloc(NULL, (size_t)n_workers * sizeof(int));
-    s.pin = sim_xrealloc(NULL, (size_t)n_workers * sizeof(policy_worker));
-    s.step_ms_buf = sim_xrealloc(NULL, (size_t)n_workers * 2 * sizeof(double));
+    s.dec_list = sim_mem_realloc(NULL, (size_t)n_workers * sizeof(int));
+    s.pin = sim_mem_realloc(NULL, (size_t)n_workers * sizeof(policy_worker));
+    s.step_ms_buf = sim_mem_realloc(NULL, (size_t)n_workers * 2 * sizeof(double));
     for (int i = 0; i < n_workers; i++) {
         sworker *x = &s.w[i];
         x->role = i < n_prefill ? POLICY_ROLE_PREFILL : POLICY_ROLE_DECODE;
@@ -1016,10 +962,10 @@ static void sim_run(const costmodel *cm, const policy_params *pp, const workload
             start_prefill(&s, i); /* nothing queued yet: lists it as idle */
     }
     schedule_next_arrival(&s);
-    evheap_push(&s.ev, 0, EV_TICK, 0, 0);
+    sim_heap_push(&s.ev, 0, EV_TICK, 0, 0);
 
-    sim_event e;
-    while (!s.stop && evheap_pop(&s.ev, &e) == 0) {
+    sim_heap_event e;
+    while (!s.stop && sim_heap_pop(&s.ev, &e) == 0) {
         s.now = e.t_ms;
         switch (e.type) {
         case EV_ARRIVAL:
@@ -1067,10 +1013,10 @@ static void sim_run(const costmodel *cm, const policy_params *pp, const workload
     res->end_s = s.now / 1e3;
     res->goodput = (double)s.n_good / span_s;
     res->attain_pct = s.n_online ? 100.0 * (double)s.n_good / (double)s.n_online : 100;
-    res->ttft_mean = mean_of(s.ttft, s.n_fin);
-    res->ttft_p99 = percentile(s.ttft, s.n_fin, 99);
-    res->tpot_mean = mean_of(s.tpot, s.n_fin);
-    res->tpot_p99 = percentile(s.tpot, s.n_fin, 99);
+    res->ttft_mean = sim_stats_mean(s.ttft, s.n_fin);
+    res->ttft_p99 = sim_stats_percentile(s.ttft, s.n_fin, 99);
+    res->tpot_mean = sim_stats_mean(s.tpot, s.n_fin);
+    res->tpot_p99 = sim_stats_percentile(s.tpot, s.n_fin, 99);
     res->offline_rps = res->end_s > 0 ? (double)s.n_offline_done / res->end_s : 0;
     res->offline_tok_s = res->end_s > 0 ? (double)s.offline_tokens / res->end_s : 0;
     res->changes = s.changes;
@@ -1079,24 +1025,24 @@ static void sim_run(const costmodel *cm, const policy_params *pp, const workload
         res->final_prefill += s.w[i].role == POLICY_ROLE_PREFILL;
 
     for (int i = 0; i < n_workers; i++) {
-        free(s.w[i].batch.v);
-        free(s.w[i].incoming.v);
-        free(s.w[i].fin.v);
+        sim_ivec_free(&s.w[i].batch);
+        sim_ivec_free(&s.w[i].incoming);
+        sim_heap_fin_free(&s.w[i].fin);
     }
     free(s.w);
     free(s.dec_list);
     free(s.pin);
     free(s.step_ms_buf);
     free(s.reqs);
-    free(s.ev.v);
-    free(s.q_on.v);
-    free(s.q_off.v);
-    free(s.q_gw.v);
-    free(s.pend_on.v);
-    free(s.pend_off.v);
-    free(s.idle_prefill.v);
-    free(s.off_dec.v);
-    free(s.off_dec_epoch.v);
+    sim_heap_free(&s.ev);
+    sim_ideque_free(&s.q_on);
+    sim_ideque_free(&s.q_off);
+    sim_ideque_free(&s.q_gw);
+    sim_ideque_free(&s.pend_on);
+    sim_ideque_free(&s.pend_off);
+    sim_ivec_free(&s.idle_prefill);
+    sim_ivec_free(&s.off_dec);
+    sim_ivec_free(&s.off_dec_epoch);
     free(s.ttft);
     free(s.tpot);
     free(s.win_ttft);
@@ -1106,7 +1052,7 @@ static void sim_run(const costmodel *cm, const policy_params *pp, const workload
 
 /* Worker-seconds one online request of this shape costs (prefill + decode share), from the
  * cost model: the basis of the automatic rate. */
-static double shape_worker_s(const costmodel *cm, const wl_shape *sh, double tpot_slo_ms)
+static double shape_worker_s(const costmodel *cm, const sim_workload_shape *sh, double tpot_slo_ms)
 {
     double p = (sh->prompt_lo + sh->prompt_hi) / 2.0, o = (sh->out_lo + sh->out_hi) / 2.0;
     double ws_p = p / costmodel_prefill_tokens_per_s(cm, p);
@@ -1162,7 +1108,7 @@ int main(int argc, char **argv)
         return rc == 1 ? 0 : 2;
     }
     int status = 2;
-    workload wl;
+    sim_workload wl;
     memset(&wl, 0, sizeof(wl));
     sim_result *results = NULL;
     costmodel cm;
@@ -1215,7 +1161,7 @@ int main(int argc, char **argv)
     double rate = opt_rate;
     const char *wl_name;
     if (opt_trace && *opt_trace) {
-        if (workload_load_trace(&wl, opt_trace, costmodel_kv_capacity_tokens(&cm), err,
+        if (sim_workload_load_trace(&wl, opt_trace, costmodel_kv_capacity_tokens(&cm), err,
                                 sizeof(err)) < 0) {
             fprintf(stderr, "tidepool-sim: --trace: %s\n", err);
             goto out;
@@ -1223,13 +1169,14 @@ int main(int argc, char **argv)
         wl_name = opt_trace;
     } else if (strcmp(opt_workload, "phase-shift") == 0) {
         if (rate <= 0) {
-            double wa = shape_worker_s(&cm, &wl_shapes[WL_SHAPE_PREFILL_HEAVY], opt_tpot_slo_ms);
-            double wb = shape_worker_s(&cm, &wl_shapes[WL_SHAPE_DECODE_HEAVY], opt_tpot_slo_ms);
+            const sim_workload_shape *sh = sim_workload_shapes;
+            double wa = shape_worker_s(&cm, &sh[SIM_WORKLOAD_SHAPE_PREFILL_HEAVY], opt_tpot_slo_ms);
+            double wb = shape_worker_s(&cm, &sh[SIM_WORKLOAD_SHAPE_DECODE_HEAVY], opt_tpot_slo_ms);
             rate = opt_load * n / fmax(wa, wb);
             if (opt_offline_frac < 1)
                 rate /= 1 - opt_offline_frac;
         }
-        workload_phase_shift(&wl, rate, opt_duration_s, opt_phase_s, opt_offline_frac,
+        sim_workload_phase_shift(&wl, rate, opt_duration_s, opt_phase_s, opt_offline_frac,
                              (uint64_t)opt_seed);
         wl_name = "phase-shift";
     } else {
@@ -1238,7 +1185,7 @@ int main(int argc, char **argv)
     }
 
     double mean_prompt, mean_ctx;
-    workload_shape_stats(&wl, &mean_prompt, &mean_ctx);
+    sim_workload_shape_stats(&wl, &mean_prompt, &mean_ctx);
     policy_params pp = policy_default_params();
     pp.ttft_slo_ms = opt_ttft_slo_ms;
     pp.tpot_slo_ms = opt_tpot_slo_ms;
@@ -1263,7 +1210,7 @@ int main(int argc, char **argv)
     printf("tidepool-sim: EMULATED results (cost model %s; no accelerator was used)\n", cm.name);
     if (wl.is_trace)
         printf("workload: trace %s, %zu requests over %.0f s, %d workers\n", wl_name, wl.n_recs,
-               workload_span_s(&wl), n);
+               sim_workload_span_s(&wl), n);
     else
         printf("workload: phase-shift, %d workers, %.2f req/s (%.0f%% offline), %.0f s, "
                "phases of %.0f s, seed %lld\n",
@@ -1278,7 +1225,7 @@ int main(int argc, char **argv)
 
     int tidal_p = opt_initial_prefill > 0 ? (int)opt_initial_prefill : n / 2;
     int n_runs = 0;
-    results = sim_xrealloc(NULL, (size_t)(n + 2) * sizeof(sim_result));
+    results = sim_mem_realloc(NULL, (size_t)(n + 2) * sizeof(sim_result));
     double t0 = wall_s();
     if (opt_compare_static) {
         sim_run(&cm, &pp, &wl, n, tidal_p, 1, "tidal", &results[n_runs++]);
@@ -1341,7 +1288,7 @@ int main(int argc, char **argv)
     status = 0;
 out:
     free(results);
-    workload_free(&wl);
+    sim_workload_free(&wl);
     config_free(settings);
     return status;
 }

@@ -1,23 +1,8 @@
 /*
- * sim/workload: the arrivals tidepool-sim replays, either read from a trace file or
- * generated (seeded, so the same seed gives the same arrivals).
- *
- * Trace: one request per line, sorted by arrival on load (stable).
- *   CSV:   arrival_s,prompt_tokens,output_tokens[,class]   (a header line is allowed)
- *   JSONL: {"arrival_s": 0.5, "prompt_tokens": 900, "output_tokens": 40, "class": "online"}
- * class is "online" (default) or "offline"; "flex"/"batch" (and service_tier "flex", JSON
- * "offline": true, CSV 1) also mean offline. Blank lines and lines starting with # are
- * skipped. A bad line fails the load with the file name, line number and reason.
- *
- * phase-shift: Poisson arrivals at `rate` req/s for `duration_s`, alternating every
- * `phase_s` between a prefill-heavy shape (long prompts, short answers) and a
- * decode-heavy one (short prompts, long answers); a share `offline_frac` of arrivals is
- * offline work of a medium shape. Lengths are uniform in the ranges of wl_shapes below.
- * Part of tidepool-sim (included once; all static).
+ * sim_workload: trace files and the phase-shift generator of tidepool-sim
+ * (sim_workload.h). A trace is read whole, checked line by line and sorted once; the
+ * generator draws each arrival when the simulator asks for it.
  */
-#ifndef TP_SIM_WORKLOAD_H
-#define TP_SIM_WORKLOAD_H
-
 #include <ctype.h>
 #include <errno.h>
 #include <jansson.h>
@@ -27,110 +12,34 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/types.h>
 
-#include "heap.h"
+#include "sim_mem.h"
+#include "sim_workload.h"
 
-// --- random numbers: xoshiro256** seeded by splitmix64 -------------------------------------
-
-typedef struct {
-    uint64_t s[4];
-} sim_rng;
-
-static uint64_t splitmix64(uint64_t *x)
-{
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static void rng_seed(sim_rng *r, uint64_t seed)
-{
-    for (int i = 0; i < 4; i++)
-        r->s[i] = splitmix64(&seed);
-}
-
-static uint64_t rng_rotl(uint64_t x, int k)
-{
-    return (x << k) | (x >> (64 - k));
-}
-
-static uint64_t rng_next(sim_rng *r)
-{
-    uint64_t *s = r->s;
-    uint64_t out = rng_rotl(s[1] * 5, 7) * 9;
-    uint64_t t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rng_rotl(s[3], 45);
-    return out;
-}
-
-/* Uniform in [0, 1). */
-static double rng_uniform(sim_rng *r)
-{
-    return (double)(rng_next(r) >> 11) * 0x1.0p-53;
-}
-
-/* Uniform integer in [lo, hi]. */
-static int rng_range(sim_rng *r, int lo, int hi)
-{
-    return lo + (int)(rng_next(r) % (uint64_t)(hi - lo + 1));
-}
-
-// --- workloads -------------------------------------------------------------------------------
-
-typedef struct {
-    double arrival_s;
-    int prompt;  /* prompt tokens */
-    int out;     /* output tokens, >= 1 (the first comes from prefill) */
-    int offline; /* 1 = offline (flex / batch) */
-} sim_arrival;
-
-typedef struct {
-    int prompt_lo, prompt_hi, out_lo, out_hi;
-} wl_shape;
-
-enum { WL_SHAPE_PREFILL_HEAVY, WL_SHAPE_DECODE_HEAVY, WL_SHAPE_OFFLINE };
-static const wl_shape wl_shapes[] = {
-    [WL_SHAPE_PREFILL_HEAVY] = {512, 1536, 16, 64},
-    [WL_SHAPE_DECODE_HEAVY] = {64, 192, 512, 1536},
-    [WL_SHAPE_OFFLINE] = {256, 768, 128, 384},
+const sim_workload_shape sim_workload_shapes[SIM_WORKLOAD_N_SHAPES] = {
+    [SIM_WORKLOAD_SHAPE_PREFILL_HEAVY] = {512, 1536, 16, 64},
+    [SIM_WORKLOAD_SHAPE_DECODE_HEAVY] = {64, 192, 512, 1536},
+    [SIM_WORKLOAD_SHAPE_OFFLINE] = {256, 768, 128, 384},
 };
 
-typedef struct {
-    int is_trace;
-    /* trace */
-    sim_arrival *recs;
-    size_t n_recs, pos;
-    /* phase-shift generator */
-    sim_rng rng;
-    double rate, offline_frac, phase_s, duration_s;
-    double t_s; /* last arrival */
-} workload;
-
-static void workload_phase_shift(workload *w, double rate, double duration_s, double phase_s,
-                                 double offline_frac, uint64_t seed)
+void sim_workload_phase_shift(sim_workload *w, double rate, double duration_s, double phase_s,
+                              double offline_frac, uint64_t seed)
 {
     memset(w, 0, sizeof(*w));
-    rng_seed(&w->rng, seed);
+    sim_rng_seed(&w->rng, seed);
     w->rate = rate;
     w->duration_s = duration_s;
     w->phase_s = phase_s;
     w->offline_frac = offline_frac;
 }
 
-/* Phase of time t: 0 = prefill-heavy, 1 = decode-heavy. */
-static int workload_phase(const workload *w, double t_s)
+int sim_workload_phase(const sim_workload *w, double t_s)
 {
     return (int)fmod(floor(t_s / w->phase_s), 2.0);
 }
 
-/* The next arrival into *a; returns 1, or 0 when the workload has ended. */
-static int workload_next(workload *w, sim_arrival *a)
+int sim_workload_next(sim_workload *w, sim_workload_arrival *a)
 {
     if (w->is_trace) {
         if (w->pos >= w->n_recs)
@@ -138,22 +47,21 @@ static int workload_next(workload *w, sim_arrival *a)
         *a = w->recs[w->pos++];
         return 1;
     }
-    w->t_s += -log(1.0 - rng_uniform(&w->rng)) / w->rate;
+    w->t_s += -log(1.0 - sim_rng_uniform(&w->rng)) / w->rate;
     if (w->t_s >= w->duration_s)
         return 0;
     a->arrival_s = w->t_s;
-    a->offline = rng_uniform(&w->rng) < w->offline_frac;
-    const wl_shape *s =
-        &wl_shapes[a->offline ? WL_SHAPE_OFFLINE
-                              : (workload_phase(w, w->t_s) == 0 ? WL_SHAPE_PREFILL_HEAVY
-                                                                : WL_SHAPE_DECODE_HEAVY)];
-    a->prompt = rng_range(&w->rng, s->prompt_lo, s->prompt_hi);
-    a->out = rng_range(&w->rng, s->out_lo, s->out_hi);
+    a->offline = sim_rng_uniform(&w->rng) < w->offline_frac;
+    int kind = a->offline                              ? SIM_WORKLOAD_SHAPE_OFFLINE
+               : sim_workload_phase(w, w->t_s) == 0 ? SIM_WORKLOAD_SHAPE_PREFILL_HEAVY
+                                                    : SIM_WORKLOAD_SHAPE_DECODE_HEAVY;
+    const sim_workload_shape *s = &sim_workload_shapes[kind];
+    a->prompt = sim_rng_range(&w->rng, s->prompt_lo, s->prompt_hi);
+    a->out = sim_rng_range(&w->rng, s->out_lo, s->out_hi);
     return 1;
 }
 
-/* Length of the arrival window in seconds (the goodput denominator). */
-static double workload_span_s(const workload *w)
+double sim_workload_span_s(const sim_workload *w)
 {
     if (!w->is_trace)
         return w->duration_s;
@@ -201,7 +109,7 @@ static int parse_double_field(const char *s, double *out)
 }
 
 /* One CSV line (modified in place). Returns 0, 1 for a header line, -1 with why. */
-static int parse_csv_line(char *line, sim_arrival *a, const char **why)
+static int parse_csv_line(char *line, sim_workload_arrival *a, const char **why)
 {
     char *f[5];
     int n = 0;
@@ -238,7 +146,7 @@ static int parse_csv_line(char *line, sim_arrival *a, const char **why)
     return 0;
 }
 
-static int parse_json_line(const char *line, sim_arrival *a, const char **why)
+static int parse_json_line(const char *line, sim_workload_arrival *a, const char **why)
 {
     json_error_t jerr;
     json_t *o = json_loads(line, 0, &jerr);
@@ -283,7 +191,7 @@ out:
 
 /* Sorted by (arrival, line): a stable order whatever qsort does with ties. */
 typedef struct {
-    sim_arrival a;
+    sim_workload_arrival a;
     size_t line;
 } arrival_line;
 
@@ -295,10 +203,8 @@ static int arrival_line_cmp(const void *x, const void *y)
     return (a->line > b->line) - (a->line < b->line);
 }
 
-/* Load a trace. Returns 0, or -1 with a message naming the file (and line) in err.
- * max_tokens bounds prompt + output (the emulated worker's KV capacity). */
-static int workload_load_trace(workload *w, const char *path, double max_tokens, char *err,
-                               size_t err_len)
+int sim_workload_load_trace(sim_workload *w, const char *path, double max_tokens, char *err,
+                            size_t err_len)
 {
     memset(w, 0, sizeof(*w));
     w->is_trace = 1;
@@ -322,7 +228,7 @@ static int workload_load_trace(workload *w, const char *path, double max_tokens,
             s++;
         if (!*s || *s == '#')
             continue;
-        sim_arrival a;
+        sim_workload_arrival a;
         const char *why = NULL;
         int r = *s == '{' ? parse_json_line(s, &a, &why) : parse_csv_line(s, &a, &why);
         if (r == 1 && data_lines == 0) { /* CSV header */
@@ -351,7 +257,7 @@ static int workload_load_trace(workload *w, const char *path, double max_tokens,
         }
         if (n == cap) {
             cap = cap ? 2 * cap : 1024;
-            v = sim_xrealloc(v, cap * sizeof(*v));
+            v = sim_mem_realloc(v, cap * sizeof(*v));
         }
         v[n].a = a;
         v[n].line = lineno;
@@ -362,7 +268,7 @@ static int workload_load_trace(workload *w, const char *path, double max_tokens,
         goto out;
     }
     qsort(v, n, sizeof(*v), arrival_line_cmp);
-    w->recs = sim_xrealloc(NULL, n * sizeof(*w->recs));
+    w->recs = sim_mem_realloc(NULL, n * sizeof(*w->recs));
     for (size_t i = 0; i < n; i++)
         w->recs[i] = v[i].a;
     w->n_recs = n;
@@ -374,23 +280,19 @@ out:
     return rc;
 }
 
-static void workload_free(workload *w)
+void sim_workload_free(sim_workload *w)
 {
     free(w->recs);
     w->recs = NULL;
 }
 
-/* Shape statistics of the online requests, for the capacity estimates: the token-weighted
- * mean prompt (what a prefill batch sees) and the output-weighted mean context of a decoding
- * sequence (prompt + half its output, weighted by how long it decodes). A generator is
- * sampled on a copy (the original is untouched). */
-static void workload_shape_stats(const workload *w, double *mean_prompt, double *mean_ctx)
+void sim_workload_shape_stats(const sim_workload *w, double *mean_prompt, double *mean_ctx)
 {
-    workload c = *w;
+    sim_workload c = *w;
     c.pos = 0;
     double sp = 0, sp2 = 0, so = 0, soc = 0;
-    sim_arrival a;
-    for (int i = 0; i < 200000 && workload_next(&c, &a); i++) {
+    sim_workload_arrival a;
+    for (int i = 0; i < 200000 && sim_workload_next(&c, &a); i++) {
         if (a.offline)
             continue;
         sp += a.prompt;
@@ -401,5 +303,3 @@ static void workload_shape_stats(const workload *w, double *mean_prompt, double 
     *mean_prompt = sp > 0 ? sp2 / sp : 512;
     *mean_ctx = so > 0 ? soc / so : 512;
 }
-
-#endif

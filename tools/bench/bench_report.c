@@ -1,34 +1,26 @@
 /*
- * bench/report: figures of a finished tidepool-bench run: the summary block (vLLM
- * `bench serve` layout and definitions), the result JSON and the gnuplot plot. Part of
- * tidepool-bench (included once; everything is static). Runs after the event loop, so it
- * may block (file writes, gnuplot).
- *
- * Definitions (docs/bench.md has the long form), over successful requests only:
- *   TTFT  request sent -> first non-empty content chunk
- *   ITL   gap between consecutive content chunks (all requests' gaps pooled)
- *   TPOT  (E2EL - TTFT) / (output_tokens - 1), requests with output_tokens > 1
- *   E2EL  request sent -> response complete
- *   duration = first request sent -> last request ended; throughputs divide by it.
+ * bench_report: the summary, result JSON, plot and trace of a tidepool-bench run
+ * (bench_report.h). Figures are computed from the records once, after the run; the
+ * summary keeps vLLM's layout (50-column rules, 40-column keys) so outputs can be
+ * compared line by line.
  */
-#ifndef TP_BENCH_REPORT_H
-#define TP_BENCH_REPORT_H
-
+#include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <math.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
-typedef struct {
-    size_t completed, failed, good;
-    long long total_input, total_output;
-    size_t n_prompt_estimated, n_output_estimated;
-    dist_t ttft, tpot, itl, e2el; /* ms */
-} metrics_t;
+#include "bench_report.h"
+#include "bench_workload.h"
 
 /* TPOT of a successful record in ms; 0 when it has at most one output token. */
-static double rec_tpot_ms(const rec_t *r)
+static double rec_tpot_ms(const bench_rec *r)
 {
     if (r->output_tokens <= 1)
         return 0;
@@ -36,32 +28,30 @@ static double rec_tpot_ms(const rec_t *r)
 }
 
 /* Does a successful record meet every SLO that is set? */
-static int rec_good(const bench *b, const rec_t *r)
+static int rec_good(const bench *b, const bench_rec *r)
 {
     const double *slo = b->a.slo_ms;
-    return !(slo[SLO_TTFT] > 0 && r->ttft_ms > slo[SLO_TTFT]) &&
-           !(slo[SLO_TPOT] > 0 && rec_tpot_ms(r) > slo[SLO_TPOT]) &&
-           !(slo[SLO_E2EL] > 0 && r->e2el_ms > slo[SLO_E2EL]);
+    return !(slo[BENCH_ARGS_SLO_TTFT] > 0 && r->ttft_ms > slo[BENCH_ARGS_SLO_TTFT]) &&
+           !(slo[BENCH_ARGS_SLO_TPOT] > 0 && rec_tpot_ms(r) > slo[BENCH_ARGS_SLO_TPOT]) &&
+           !(slo[BENCH_ARGS_SLO_E2EL] > 0 && r->e2el_ms > slo[BENCH_ARGS_SLO_E2EL]);
 }
 
-static int bench_has_slo(const bench *b)
+static int has_slo(const bench *b)
 {
     return b->a.slo_ms[0] > 0 || b->a.slo_ms[1] > 0 || b->a.slo_ms[2] > 0;
 }
 
-/* Metrics over the records of one phase (phase = PHASE_* or -2 for all). 0, or -1 on
- * OOM. */
-static int metrics_compute(const bench *b, int phase, metrics_t *m)
+int bench_report_compute(const bench *b, int phase, bench_report_metrics *m)
 {
     memset(m, 0, sizeof(*m));
     size_t n_ok = 0, n_itl = 0;
     for (size_t i = 0; i < b->n; i++) {
-        const rec_t *r = &b->recs[i];
-        if (phase != -2 && r->phase != phase)
+        const bench_rec *r = &b->recs[i];
+        if (phase != BENCH_REPORT_ALL_PHASES && r->phase != phase)
             continue;
-        if (r->state == REC_FAILED)
+        if (r->state == BENCH_REC_FAILED)
             m->failed++;
-        if (r->state != REC_OK)
+        if (r->state != BENCH_REC_OK)
             continue;
         n_ok++;
         n_itl += r->n_itl;
@@ -76,8 +66,8 @@ static int metrics_compute(const bench *b, int phase, metrics_t *m)
     }
     size_t n_tpot = 0, k_itl = 0;
     for (size_t i = 0; i < b->n; i++) {
-        const rec_t *r = &b->recs[i];
-        if (r->state != REC_OK || (phase != -2 && r->phase != phase))
+        const bench_rec *r = &b->recs[i];
+        if (r->state != BENCH_REC_OK || (phase != BENCH_REPORT_ALL_PHASES && r->phase != phase))
             continue;
         ttft[m->completed] = r->ttft_ms;
         e2el[m->completed] = r->e2el_ms;
@@ -92,17 +82,17 @@ static int metrics_compute(const bench *b, int phase, metrics_t *m)
         m->n_output_estimated += !r->output_from_usage;
         m->good += rec_good(b, r);
     }
-    stats_dist(ttft, m->completed, &m->ttft);
-    stats_dist(tpot, n_tpot, &m->tpot);
-    stats_dist(e2el, m->completed, &m->e2el);
-    stats_dist(itl, k_itl, &m->itl);
+    bench_stats_compute(ttft, m->completed, &m->ttft);
+    bench_stats_compute(tpot, n_tpot, &m->tpot);
+    bench_stats_compute(e2el, m->completed, &m->e2el);
+    bench_stats_compute(itl, k_itl, &m->itl);
     free(ttft), free(tpot), free(e2el), free(itl);
     return 0;
 }
 
-static double bench_duration_s(const bench *b)
+static double run_duration_s(const bench *b)
 {
-    int64_t end = b->t_end_ns > b->t0_ns ? b->t_end_ns : now_ns();
+    int64_t end = b->t_end_ns > b->t0_ns ? b->t_end_ns : bench_now_ns();
     double d = (double)(end - b->t0_ns) / 1e9;
     return d > 1e-9 ? d : 1e-9;
 }
@@ -133,7 +123,7 @@ static void print_f(FILE *f, const char *k, double v)
     fprintf(f, "%-40s %-10.2f\n", k, v);
 }
 
-static void print_dist(FILE *f, const char *title, const char *name, const dist_t *d)
+static void print_dist(FILE *f, const char *title, const char *name, const bench_stats *d)
 {
     char k[64];
     print_title(f, title, '-');
@@ -145,9 +135,10 @@ static void print_dist(FILE *f, const char *title, const char *name, const dist_
     print_f(f, k, d->p99);
 }
 
-static void report_print(const bench *b, const metrics_t *m, const metrics_t *phases, FILE *f)
+void bench_report_print(const bench *b, const bench_report_metrics *m,
+                        const bench_report_metrics *phases, FILE *f)
 {
-    double dur = bench_duration_s(b);
+    double dur = run_duration_s(b);
     print_title(f, " Serving Benchmark Result ", '=');
     print_int(f, "Successful requests:", (long long)m->completed);
     print_int(f, "Failed requests:", (long long)m->failed);
@@ -157,7 +148,7 @@ static void report_print(const bench *b, const metrics_t *m, const metrics_t *ph
     print_int(f, "Total input tokens:", m->total_input);
     print_int(f, "Total generated tokens:", m->total_output);
     print_f(f, "Request throughput (req/s):", (double)m->completed / dur);
-    if (bench_has_slo(b))
+    if (has_slo(b))
         print_f(f, "Request goodput (req/s):", (double)m->good / dur);
     print_f(f, "Output token throughput (tok/s):", (double)m->total_output / dur);
     print_f(f, "Total Token throughput (tok/s):",
@@ -211,7 +202,7 @@ static int json_put(json_t *o, const char *k, json_t *v)
     return json_object_set_new(o, k, v);
 }
 
-static void json_put_dist(json_t *o, const char *name, const dist_t *d)
+static void json_put_dist(json_t *o, const char *name, const bench_stats *d)
 {
     static const char *const stat[] = {"mean", "median", "std", "p90", "p95", "p99"};
     double v[] = {d->mean, d->median, d->std, d->p90, d->p95, d->p99};
@@ -222,9 +213,9 @@ static void json_put_dist(json_t *o, const char *name, const dist_t *d)
     }
 }
 
-static json_t *json_metrics(const bench *b, const metrics_t *m)
+static json_t *json_metrics(const bench *b, const bench_report_metrics *m)
 {
-    double dur = bench_duration_s(b);
+    double dur = run_duration_s(b);
     json_t *o = json_object();
     if (!o)
         return NULL;
@@ -234,7 +225,7 @@ static json_t *json_metrics(const bench *b, const metrics_t *m)
     json_put(o, "total_output_tokens", json_integer(m->total_output));
     json_put(o, "request_throughput", json_real((double)m->completed / dur));
     json_put(o, "request_goodput",
-             bench_has_slo(b) ? json_real((double)m->good / dur) : json_null());
+             has_slo(b) ? json_real((double)m->good / dur) : json_null());
     json_put(o, "output_throughput", json_real((double)m->total_output / dur));
     json_put(o, "total_token_throughput",
              json_real((double)(m->total_input + m->total_output) / dur));
@@ -255,8 +246,8 @@ static json_t *json_record(const bench *b, size_t i)
 {
     static const char *const states[] = {"not_sent", "running", "ok", "failed"};
     static const char *const phases[] = {"prefill-heavy", "decode-heavy"};
-    const rec_t *r = &b->recs[i];
-    int sent = r->state != REC_NOT_SENT, ok = r->state == REC_OK;
+    const bench_rec *r = &b->recs[i];
+    int sent = r->state != BENCH_REC_NOT_SENT, ok = r->state == BENCH_REC_OK;
     json_t *itl = json_array();
     for (uint32_t k = 0; itl && k < r->n_itl; k++)
         json_array_append_new(itl, json_real(round3(b->itl_pool[r->itl_off + k])));
@@ -278,16 +269,14 @@ static json_t *json_record(const bench *b, size_t i)
         "output_tokens", sent ? json_integer(r->output_tokens) : json_null(),
         "prompt_tokens_source", r->prompt_from_usage ? "usage" : "words",
         "output_tokens_source", r->output_from_usage ? "usage" : "chunks",
-        "error_kind", r->state == REC_FAILED ? json_string(fail_kind_names[r->fail_kind])
+        "error_kind", r->state == BENCH_REC_FAILED ? json_string(bench_fail_str(r->fail_kind))
                                              : json_null(),
-        "error", r->state == REC_FAILED ? json_string(r->error ? r->error : "?")
+        "error", r->state == BENCH_REC_FAILED ? json_string(r->error ? r->error : "?")
                                         : json_null());
 }
 
-/* Write the result file (atomically: a temporary file, then rename). 0, or -1 with a
- * message naming the file. */
-static int report_json(const bench *b, const metrics_t *m, const metrics_t *phases,
-                       int argc, char **argv)
+int bench_report_json(const bench *b, const bench_report_metrics *m,
+                      const bench_report_metrics *phases, int argc, char **argv)
 {
     const bench_args *a = &b->a;
     json_t *root = json_metrics(b, m);
@@ -300,12 +289,12 @@ static int report_json(const bench *b, const metrics_t *m, const metrics_t *phas
     for (int k = 0; k < 3; k++)
         if (a->slo_ms[k] > 0) {
             char key[16];
-            snprintf(key, sizeof(key), "%s_ms", slo_names[k]);
+            snprintf(key, sizeof(key), "%s_ms", bench_args_slo_name(k));
             json_put(slo, key, json_real(a->slo_ms[k]));
         }
     for (size_t i = 0; i < b->n_groups; i++)
         json_array_append_new(errs, json_pack("{s:s, s:I, s:s}", "kind",
-                                              fail_kind_names[b->groups[i].kind], "count",
+                                              bench_fail_str(b->groups[i].kind), "count",
                                               (json_int_t)b->groups[i].count,
                                               "first_message", b->groups[i].msg));
     for (size_t i = 0; i < b->n; i++) {
@@ -336,7 +325,7 @@ static int report_json(const bench *b, const metrics_t *m, const metrics_t *phas
     json_put(root, "dataset", a->dataset ? json_string(a->dataset) : json_null());
     json_put(root, "temperature", json_real(a->temperature));
     json_put(root, "ignore_eos", json_boolean(a->ignore_eos));
-    json_put(root, "duration", json_real(bench_duration_s(b)));
+    json_put(root, "duration", json_real(run_duration_s(b)));
     json_put(root, "goodput_slo_ms", slo);
     json_put(root, "itl_samples_dropped", json_integer((json_int_t)b->n_itl_dropped));
     json_put(root, "errors", errs);
@@ -406,21 +395,14 @@ static int find_in_path(const char *prog)
 
 // --- trace
 
-/* --trace-out: every request (sent or not) as a tidepool-sim trace line
- * arrival_s,prompt_tokens,output_tokens,class, so the simulator can replay exactly this
- * load. prompt_tokens is the server's usage count; a request without one (it failed or was
- * not sent) gets its words times the run's tokens per word (over requests with usage; 1
- * when none had usage), which a comment line reports. output_tokens is max_tokens as sent
- * (what --ignore-eos generates), else the tokens received, at least 1. Written atomically.
- * Returns 0, or -1 with a message. */
-static int report_trace(const bench *b)
+int bench_report_trace(const bench *b)
 {
     const char *path = b->a.trace_out;
     double words = 0, tokens = 0;
     size_t n_est = 0;
     for (size_t i = 0; i < b->n; i++) {
-        const rec_t *r = &b->recs[i];
-        if (r->state == REC_OK && r->prompt_from_usage && r->prompt_words > 0) {
+        const bench_rec *r = &b->recs[i];
+        if (r->state == BENCH_REC_OK && r->prompt_from_usage && r->prompt_words > 0) {
             words += (double)r->prompt_words;
             tokens += (double)r->prompt_tokens;
         }
@@ -438,21 +420,23 @@ static int report_trace(const bench *b)
         return -1;
     }
     for (size_t i = 0; i < b->n; i++) {
-        const rec_t *r = &b->recs[i];
-        n_est += !(r->state == REC_OK && r->prompt_from_usage);
+        const bench_rec *r = &b->recs[i];
+        n_est += !(r->state == BENCH_REC_OK && r->prompt_from_usage);
     }
     fprintf(f, "# tidepool-bench trace (tidepool-sim --trace): %zu requests, seed %lld, "
                "workload %s; %zu prompt lengths estimated at %.3f tokens per word\n",
             b->n, b->a.seed, b->a.dataset ? "dataset" : b->a.workload, n_est, per_word);
     fprintf(f, "arrival_s,prompt_tokens,output_tokens,class\n");
     for (size_t i = 0; i < b->n; i++) {
-        const rec_t *r = &b->recs[i];
-        req_shape shape = {r->prompt_words, r->max_tokens};
-        if (r->state == REC_NOT_SENT) { /* its shape, as it would have been sent */
-            int phase = bench_phase_shift(b) ? bench_phase_at(b, r->arrival_s) : PHASE_NONE;
-            free(workload_body(&b->a, &b->ds, b->model, b->chat, i, phase, &shape));
+        const bench_rec *r = &b->recs[i];
+        bench_workload_shape shape = {r->prompt_words, r->max_tokens};
+        if (r->state == BENCH_REC_NOT_SENT) { /* its shape, as it would have been sent */
+            int phase = bench_workload_phase_shift(&b->a)
+                            ? bench_workload_phase_at(&b->a, r->arrival_s)
+                            : BENCH_WORKLOAD_PHASE_NONE;
+            free(bench_workload_body(&b->a, b->ds, b->model, b->chat, i, phase, &shape));
         }
-        long long prompt = r->state == REC_OK && r->prompt_from_usage
+        long long prompt = r->state == BENCH_REC_OK && r->prompt_from_usage
                                ? r->prompt_tokens
                                : (long long)llround((double)shape.prompt_words * per_word);
         long long out = shape.max_tokens > 0 ? shape.max_tokens : r->output_tokens;
@@ -471,9 +455,8 @@ static int report_trace(const bench *b)
 
 /* Latency over time: TTFT and E2EL (top), TPOT (bottom) of each successful request
  * against its start time, failed requests as red crosses at 0, decode-heavy phases
- * shaded in phase-shift mode. Returns 0 when the
- * PNG was written or gnuplot is missing (a message says so), -1 on failure. */
-static int report_plot(const bench *b)
+ * shaded in phase-shift mode. */
+int bench_report_plot(const bench *b)
 {
     const char *out = b->a.plot;
     if (!find_in_path("gnuplot")) {
@@ -495,10 +478,10 @@ static int report_plot(const bench *b)
     size_t n_rows = 0;
     fprintf(fd, "# start_s ttft_ms tpot_ms e2el_ms phase ok\n");
     for (size_t i = 0; i < b->n; i++) {
-        const rec_t *r = &b->recs[i];
-        if (r->state != REC_OK && r->state != REC_FAILED)
+        const bench_rec *r = &b->recs[i];
+        if (r->state != BENCH_REC_OK && r->state != BENCH_REC_FAILED)
             continue;
-        int ok = r->state == REC_OK;
+        int ok = r->state == BENCH_REC_OK;
         n_rows++;
         fprintf(fd, "%.6f %.3f %.3f %.3f %d %d\n", r->start_s, ok ? r->ttft_ms : 0,
                 ok ? rec_tpot_ms(r) : 0, r->e2el_ms, r->phase, ok);
@@ -517,8 +500,8 @@ static int report_plot(const bench *b)
             "set multiplot layout 2,1 title 'tidepool-bench: %zu ok / %zu failed, %s'\n"
             "set grid\nset key top left\nset xlabel 'request start (s)'\n",
             out, b->n_ok, b->n_failed, b->chat ? "chat" : "completions");
-    if (bench_phase_shift(b)) {
-        double dur = bench_duration_s(b);
+    if (bench_workload_phase_shift(&b->a)) {
+        double dur = run_duration_s(b);
         int k = 1;
         for (double t = b->a.phase_s; t < dur; t += 2 * b->a.phase_s, k++)
             fprintf(fs, "set object %d rect from %.6f, graph 0 to %.6f, graph 1 behind "
@@ -575,5 +558,3 @@ out:
         unlink(script);
     return rc;
 }
-
-#endif

@@ -1,22 +1,16 @@
 /*
- * bench/args: the flags of tidepool-bench, one table (name, kind, default, bounds, help)
- * that both the parser and --help read. Part of tidepool-bench (included once; static).
- *
- * Unlike the servers, the bench takes flags only (no TIDEPOOL_* environment, no config
- * file): a benchmark must be reproducible from its command line, which the result JSON
- * records, and names such as TIDEPOOL_MODEL (a model path for the launcher) mean something
- * else here. `--name value` and `--name=value` are accepted; boolean flags take no value.
- * Usage errors exit with status 2 and a message naming the flag.
+ * bench_args: the flag table of tidepool-bench and its parser (bench_args.h). Each entry
+ * names the field it fills by offset, so the parser, the defaults and --help are one
+ * table.
  */
-#ifndef TP_BENCH_ARGS_H
-#define TP_BENCH_ARGS_H
-
 #include <errno.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bench_args.h"
 
 typedef enum {
     ARG_STRING, /* const char * (points into argv or the default literal) */
@@ -29,37 +23,12 @@ typedef enum {
                    ',' or ' '); double[3] in ms, < 0 = unset */
 } arg_kind_t;
 
-typedef struct {
-    const char *url;
-    const char *endpoint;
-    const char *model;       /* NULL: first id of GET /v1/models */
-    long long num_prompts;
-    long long concurrency;   /* 0 = unlimited */
-    double request_rate;     /* requests/s; INFINITY = all at once */
-    long long seed;
-    long long input_len;     /* words */
-    long long output_len;    /* max_tokens */
-    long long input_range[2];  /* [0] < 0: unset */
-    long long output_range[2];
-    const char *dataset;
-    const char *workload;    /* "synthetic" | "phase-shift" */
-    double phase_s;
-    long long phase_short_len;
-    double decode_rate;      /* phase-shift: requests/s of decode-heavy phases; 0 = request_rate */
-    double duration_s;       /* arrivals stop this long after the start; 0 = no limit */
-    const char *trace_out;   /* write every request's arrival and shape as a CSV trace */
-    double temperature;
-    int ignore_eos;
-    double slo_ms[3];        /* ttft, tpot, e2el; < 0 = unset */
-    const char *result_json;
-    const char *plot;
-    double timeout_s;
-    int no_progress;
-    int set_input_len, set_output_len; /* given explicitly (conflict checks) */
-} bench_args;
+static const char *const slo_names[BENCH_ARGS_N_SLO] = {"ttft", "tpot", "e2el"};
 
-enum { SLO_TTFT = 0, SLO_TPOT = 1, SLO_E2EL = 2 };
-static const char *const slo_names[3] = {"ttft", "tpot", "e2el"};
+const char *bench_args_slo_name(int k)
+{
+    return k >= 0 && k < BENCH_ARGS_N_SLO ? slo_names[k] : "?";
+}
 
 typedef struct {
     const char *name;
@@ -207,7 +176,7 @@ static int args_slo(const arg_entry *e, double *slo, const char *val)
             return args_fail(e->name, val, "want ttft:MS, tpot:MS or e2el:MS");
         *colon = 0;
         int k = -1;
-        for (int i = 0; i < 3; i++)
+        for (int i = 0; i < BENCH_ARGS_N_SLO; i++)
             if (strcmp(tok, slo_names[i]) == 0)
                 k = i;
         char *end;
@@ -291,13 +260,11 @@ static int args_set(const arg_entry *e, bench_args *a, const char *val)
     return -1;
 }
 
-/* Parse argv into *a (defaults first). Returns 0, 1 when --help was printed, -1 on a
- * usage error (message on stderr). */
-static int args_parse(bench_args *a, int argc, char **argv)
+int bench_args_parse(bench_args *a, int argc, char **argv)
 {
     memset(a, 0, sizeof(*a));
     a->input_range[0] = a->output_range[0] = -1;
-    for (int k = 0; k < 3; k++)
+    for (int k = 0; k < BENCH_ARGS_N_SLO; k++)
         a->slo_ms[k] = -1;
     for (const arg_entry *e = arg_table; e->name; e++)
         if (e->def && args_set(e, a, e->def) < 0)
@@ -352,5 +319,3 @@ static int args_parse(bench_args *a, int argc, char **argv)
     }
     return 0;
 }
-
-#endif

@@ -1,0 +1,21 @@
+/*
+ * sim_ivec: a growable array of ints (tidepool-sim's batches, arrival lists and stacks).
+ * A plain struct: zero-initialized is empty; v[0..n) are the elements, which callers read,
+ * write and truncate (n = 0 empties it, v[--n] pops the last). Growth doubles; allocation
+ * failure ends the simulator (sim_mem.h). Not thread-safe.
+ */
+#ifndef TP_SIM_IVEC_H
+#define TP_SIM_IVEC_H
+
+typedef struct {
+    int *v;
+    int n, cap;
+} sim_ivec;
+
+/* Append x. */
+void sim_ivec_push(sim_ivec *a, int x);
+
+/* Free the array; a is empty (and reusable) afterwards. */
+void sim_ivec_free(sim_ivec *a);
+
+#endif

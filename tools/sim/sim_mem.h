@@ -1,0 +1,15 @@
+/*
+ * sim_mem: allocation for tidepool-sim. The simulator is a tool, not a server: running out
+ * of memory ends it with a message rather than threading an error through every push.
+ */
+#ifndef TP_SIM_MEM_H
+#define TP_SIM_MEM_H
+
+#include <stddef.h>
+
+/* realloc(p, n) (n = 0 is treated as 1, so the result is never NULL). On failure prints
+ * "tidepool-sim: out of memory (N bytes)" on stderr and exits with status 1. The result
+ * is the caller's (free()). */
+void *sim_mem_realloc(void *p, size_t n);
+
+#endif

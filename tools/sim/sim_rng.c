@@ -1,0 +1,47 @@
+/*
+ * sim_rng: xoshiro256** and splitmix64 (sim_rng.h), as published by Blackman and Vigna.
+ */
+#include "sim_rng.h"
+
+static uint64_t splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+void sim_rng_seed(sim_rng *r, uint64_t seed)
+{
+    for (int i = 0; i < 4; i++)
+        r->s[i] = splitmix64(&seed);
+}
+
+static uint64_t rotl(uint64_t x, int k)
+{
+    return (x << k) | (x >> (64 - k));
+}
+
+uint64_t sim_rng_next(sim_rng *r)
+{
+    uint64_t *s = r->s;
+    uint64_t out = rotl(s[1] * 5, 7) * 9;
+    uint64_t t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return out;
+}
+
+double sim_rng_uniform(sim_rng *r)
+{
+    return (double)(sim_rng_next(r) >> 11) * 0x1.0p-53;
+}
+
+int sim_rng_range(sim_rng *r, int lo, int hi)
+{
+    return lo + (int)(sim_rng_next(r) % (uint64_t)(hi - lo + 1));
+}
