@@ -586,9 +586,8 @@ static void handle_health(http_server_t *s, struct evhttp_request *req)
 
 static void add_worker_json(const cluster_worker_info *w, void *ud)
 {
-    static const char *roles[] = {"?", "prefill", "decode", "mixed"};
     json_t *o = json_pack("{s:s, s:s, s:s, s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:I}", "id",
-                          w->id, "role", roles[w->role >= 1 && w->role <= 3 ? w->role : 0],
+                          w->id, "role", proto_role_str(w->role),
                           "state", w->state == PROTO_STATE_READY ? "ready" : "draining",
                           "kv_endpoint", w->kv_endpoint, "pid", w->pid, "kv_blocks_total",
                           w->kv_blocks_total, "kv_blocks_free", w->kv_blocks_free, "running",
@@ -598,9 +597,7 @@ static void add_worker_json(const cluster_worker_info *w, void *ud)
     if (o && w->state == PROTO_STATE_CHANGING)
         json_object_set_new(o, "state", json_string("changing"));
     if (o && w->changing)
-        json_object_set_new(
-            o, "target_role",
-            json_string(roles[w->target_role >= 1 && w->target_role <= 3 ? w->target_role : 0]));
+        json_object_set_new(o, "target_role", json_string(proto_role_str(w->target_role)));
     if (o && w->emulated)
         json_object_set_new(o, "emulated", json_true());
     if (o && w->n_role_changes) {
@@ -645,11 +642,10 @@ static void handle_worker_role(http_server_t *s, struct evhttp_request *req, con
     }
     json_t *jr = json_is_object(root) ? json_object_get(root, "role") : NULL;
     const char *rs = json_is_string(jr) ? json_string_value(jr) : NULL;
-    int role = rs && strcmp(rs, "prefill") == 0  ? PROTO_ROLE_PREFILL
-               : rs && strcmp(rs, "decode") == 0 ? PROTO_ROLE_DECODE
-                                                 : 0;
+    proto_role_t role;
+    int bad = proto_role_parse(rs, &role) < 0 || role == PROTO_ROLE_MIXED; /* takes NULL */
     json_decref(root); /* rs is gone with it */
-    if (!role) {
+    if (bad) {
         reply_error_msg(req, 400, "invalid_request_error", "role", "invalid_role",
                         "The body must be {\"role\": \"prefill\"} or {\"role\": \"decode\"}.");
         return;
@@ -666,9 +662,8 @@ static void handle_worker_role(http_server_t *s, struct evhttp_request *req, con
     } else if (rc < 0) {
         reply_error_msg(req, 400, "invalid_request_error", "role", "invalid_role", err);
     } else {
-        json_t *o = json_pack("{s:s, s:s, s:s}", "id", id, "role",
-                              role == PROTO_ROLE_PREFILL ? "prefill" : "decode", "status",
-                              "changing");
+        json_t *o = json_pack("{s:s, s:s, s:s}", "id", id, "role", proto_role_str(role),
+                              "status", "changing");
         char *out = o ? json_dumps(o, JSON_COMPACT) : NULL;
         json_decref(o);
         reply_json(req, 202, out ? out : "{\"status\":\"changing\"}");

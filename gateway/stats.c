@@ -104,14 +104,6 @@ stats_params stats_default_params(void)
     return p;
 }
 
-const char *stats_role_str(int role)
-{
-    return role == PROTO_ROLE_PREFILL  ? "prefill"
-           : role == PROTO_ROLE_DECODE ? "decode"
-           : role == PROTO_ROLE_MIXED  ? "mixed"
-                                       : "?";
-}
-
 const char *stats_state_str(int state)
 {
     return state == PROTO_STATE_READY      ? "ready"
@@ -635,7 +627,7 @@ static void write_per_worker(FILE *f, const stats_t *s, const winfo_list *l, con
         if (spec && !decodes(w->role))
             continue;
         metrics_label lb[3] = {
-            {"model_name", s->model}, {"worker", w->id}, {"role", stats_role_str(w->role)}};
+            {"model_name", s->model}, {"worker", w->id}, {"role", proto_role_str(w->role)}};
         metrics_write_sample(f, full, NULL, lb, 3, wvalue(&w->info, field));
     }
 }
@@ -666,7 +658,7 @@ static void write_kvx(FILE *f, const stats_t *s, const winfo_list *l)
                 const proto_kvx_counters *k = side == 0 ? &w->info.kvx_tx : &w->info.kvx_rx;
                 metrics_label lb[5] = {{"model_name", s->model},
                                        {"worker", w->id},
-                                       {"role", stats_role_str(w->role)},
+                                       {"role", proto_role_str(w->role)},
                                        {"side", side == 0 ? "send" : "recv"},
                                        {"result", NULL}};
                 if (fam == 1) {
@@ -715,7 +707,7 @@ static void write_roles(FILE *f, const stats_t *s, const cluster_t *c, const win
         for (int k = 0; k < 3; k++) {
             metrics_label lb[5] = {{"model_name", s->model},
                                    {"worker", l->v[i].id},
-                                   {"role", stats_role_str(l->v[i].role)},
+                                   {"role", proto_role_str(l->v[i].role)},
                                    {"direction", v[k].dir},
                                    {"result", v[k].result}};
             metrics_write_sample(f, full, NULL, lb, 5, (double)v[k].n);
@@ -805,7 +797,7 @@ void stats_write_metrics(const stats_t *s, const cluster_t *c, FILE *f)
             for (int i = 0; i < l.n; i++)
                 n += l.v[i].role == role && l.v[i].state == st;
             metrics_label lb[3] = {
-                ml, {"role", stats_role_str(role)}, {"state", stats_state_str(st)}};
+                ml, {"role", proto_role_str(role)}, {"state", stats_state_str(st)}};
             metrics_write_sample(f, full, NULL, lb, 3, n);
         }
     }
@@ -839,7 +831,7 @@ void stats_write_metrics(const stats_t *s, const cluster_t *c, FILE *f)
             char p[8];
             snprintf(p, sizeof(p), "%d", pos);
             metrics_label lb[4] = {
-                ml, {"worker", l.v[i].id}, {"role", stats_role_str(l.v[i].role)}, {"position", p}};
+                ml, {"worker", l.v[i].id}, {"role", proto_role_str(l.v[i].role)}, {"position", p}};
             metrics_write_sample(f, full, NULL, lb, 4,
                                  (double)l.v[i].info.spec.accepted_per_pos[pos]);
         }

@@ -180,8 +180,8 @@ void stats_get_cluster(const stats_t *s, int64_t now_us, stats_worker_figures *o
  * series). The names and labels are listed in docs/stats.md. */
 void stats_write_metrics(const stats_t *s, const cluster_t *c, FILE *f);
 
-/* Role and state names ("prefill", "decode", "mixed", "?"; "ready", "draining", "?"). */
-const char *stats_role_str(int role);
+/* The name of a worker state ("ready", "draining", "changing"; "?" otherwise). Role names
+ * are proto_role_str's (protocol.h). Static storage. */
 const char *stats_state_str(int state);
 
 #endif
