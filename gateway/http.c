@@ -26,6 +26,7 @@
 #include "batch.h"
 #include "log.h"
 #include "metrics.h"
+#include "prometheus.h"
 #include "protocol.h"
 #include "sampler.h"
 #include "stream.h"
@@ -698,7 +699,7 @@ static void handle_metrics(http_server_t *s, struct evhttp_request *req)
         reply_error_msg(req, 500, "server_error", NULL, NULL, "out of memory");
         return;
     }
-    stats_write_metrics(s->stats, s->cluster, f);
+    prometheus_write(s->stats, s->cluster, f);
     int bad = ferror(f);
     fclose(f);
     struct evbuffer *b = evbuffer_new();
