@@ -1,10 +1,11 @@
 /* http: see http.h.
  *
- * Each admitted completion request has one gw_req, owned here and freed in exactly one
- * place (req_free) when the request ends: finished, failed, or abandoned by its client.
- * A client that goes away is noticed through the connection's close callback; libevent
- * then has detached (or is about to free) the evhttp_request, so from that moment the
- * gw_req no longer touches it, and the request is cancelled in the cluster. */
+ * Each admitted completion request has one gw_req, the sink of its completion
+ * (completion.h), which owns it and frees it in exactly one place (req_free, the sink's
+ * release) when the request ends: finished, failed, or abandoned by its client. A client
+ * that goes away is noticed through the connection's close callback; libevent then has
+ * detached (or is about to free) the evhttp_request, so from that moment the gw_req no
+ * longer touches it, and the request is cancelled (completion_cancel). */
 #include "http.h"
 
 #include <errno.h>
@@ -24,34 +25,20 @@
 
 #include "api.h"
 #include "batch.h"
+#include "completion.h"
 #include "log.h"
 #include "metrics.h"
 #include "prometheus.h"
 #include "protocol.h"
-#include "sampler.h"
-#include "stream.h"
 
 #define SLOW_CLIENT_BYTES (8u << 20) /* unsent SSE bytes before a client is dropped */
 
 typedef struct gw_req {
-    struct gw_req *prev, *next;
     http_server_t *srv;
-    struct evhttp_request *req; /* NULL once the client is gone */
+    struct evhttp_request *req; /* NULL once answered or the client is gone */
     struct evhttp_connection *conn;
     struct event *close_ev; /* non-streaming: watches the socket for EOF */
-    uint64_t rid;
-    api_kind_t kind;
-    int streaming, include_usage;
-    stream_t *stream;
-    char *text; /* non-streaming: the answer so far */
-    size_t text_len, text_cap;
-    int n_prompt, max_tokens;
-    int offline; /* service_tier "flex" */
-    char id[48];
-    int64_t created;
-    int64_t t_start_us, t_first_us;
-    int64_t t_last_us;          /* latest tokens at the gateway */
-    cluster_req_timing timing; /* filled by the cluster */
+    completion_t *c;        /* the request; it owns this gw_req (completion_sink.release) */
 } gw_req;
 
 struct http_server {
@@ -59,18 +46,11 @@ struct http_server {
     struct evhttp *http;
     struct evhttp_bound_socket *bound;
     char *host;
-    char *model;
+    char *model; /* cx.model is this */
     int port;
-    int n_ctx;
-    size_t max_body;
-    const tokenizer_t *tok;
-    int max_piece; /* bytes of the longest token piece */
-    cluster_t *cluster;
-    stats_t *stats; /* NULL: no figures */
-    batch_t *batch; /* NULL: the Files and Batch API answer 503 */
-    uint64_t id_nonce;
-    gw_req *active;
-    int n_active;
+    completion_env cx;      /* tokenizer, limits, cluster (NULL: 503), stats (NULL: no figures) */
+    batch_t *batch;         /* NULL: the Files and Batch API answer 503 */
+    completion_list active; /* the completion requests in flight (ud: gw_req) */
     int64_t started;
 };
 
@@ -108,89 +88,17 @@ static int64_t now_s(void)
     return (int64_t)time(NULL);
 }
 
-// --- per-request state
+// --- per-request state: the completion's sink
 
-static void req_free(gw_req *g)
+/* The completion is gone (completion_sink.release): the one place a gw_req is freed. */
+static void req_free(void *ud)
 {
-    http_server_t *s = g->srv;
+    gw_req *g = ud;
     if (g->conn && g->req)
         evhttp_connection_set_closecb(g->conn, NULL, NULL);
-    if (g->prev)
-        g->prev->next = g->next;
-    else
-        s->active = g->next;
-    if (g->next)
-        g->next->prev = g->prev;
-    s->n_active--;
     if (g->close_ev)
         event_free(g->close_ev);
-    stream_destroy(&g->stream);
-    free(g->text);
     free(g);
-}
-
-static const char *ms_str(char *buf, size_t cap, double ms)
-{
-    if (ms < 0)
-        snprintf(buf, cap, "-");
-    else
-        snprintf(buf, cap, "%.2f", ms);
-    return buf;
-}
-
-/* The request ends: count it in the stats and log its one summary line (INFO) with the
- * phases of its time to first token (docs/stats.md). how: the finish reason (FINISHED) or
- * the error message. */
-static void log_end(const gw_req *g, int status, stats_end_t end, const char *how)
-{
-    int64_t now = proto_now_us();
-    int n_out = g->stream ? stream_n_tokens(g->stream) : 0;
-    stats_request sr = {.rid = g->rid,
-                        .how = end,
-                        .finish_reason = end == STATS_END_FINISHED ? how : NULL,
-                        .status = status,
-                        .error = end == STATS_END_FAILED ? how : NULL,
-                        .n_prompt = g->n_prompt,
-                        .n_output = n_out,
-                        .t_first_us = g->t_first_us,
-                        .t_last_us = g->t_last_us,
-                        .t_end_us = now,
-                        .timing = &g->timing,
-                        .offline = g->offline};
-    stats_breakdown b;
-    if (g->srv->stats)
-        stats_request_end(g->srv->stats, &sr, &b);
-    else
-        stats_breakdown_of(&sr, &b);
-    char q[24], p[24], x[24], d[24], t[24], e[24];
-    log_rinfo(g->rid,
-              "request end: %s %s status=%d finish=%s prompt_tokens=%d output_tokens=%d "
-              "queue_ms=%s prefill_ms=%s transfer_ms=%s first_decode_ms=%s ttft_ms=%s "
-              "e2e_ms=%s prefill=%s decode=%s attempts=%d%s%s%s",
-              g->kind == API_CHAT ? "/v1/chat/completions" : "/v1/completions",
-              g->streaming ? "stream" : "json", status,
-              end == STATS_END_FINISHED ? how : end == STATS_END_CANCELLED ? "abort" : "error",
-              g->n_prompt, n_out, ms_str(q, sizeof(q), b.queue_ms),
-              ms_str(p, sizeof(p), b.prefill_ms), ms_str(x, sizeof(x), b.transfer_ms),
-              ms_str(d, sizeof(d), b.first_decode_ms), ms_str(t, sizeof(t), b.ttft_ms),
-              ms_str(e, sizeof(e), b.e2e_ms),
-              g->timing.prefill_worker[0] ? g->timing.prefill_worker : "-",
-              g->timing.decode_worker[0] ? g->timing.decode_worker : "-", g->timing.attempts,
-              end == STATS_END_FINISHED ? "" : " reason=\"", end == STATS_END_FINISHED ? "" : how,
-              end == STATS_END_FINISHED ? "" : "\"");
-}
-
-static api_response_info info_of(const gw_req *g)
-{
-    api_response_info info = {
-        .kind = g->kind,
-        .id = g->id,
-        .created = g->created,
-        .model = g->srv->model,
-        .include_usage = g->include_usage,
-        .service_tier = g->offline ? "flex" : "default",
-    };
-    return info;
 }
 
 static void sse_send(gw_req *g, const char *payload)
@@ -203,56 +111,49 @@ static void sse_send(gw_req *g, const char *payload)
     evbuffer_free(b);
 }
 
-static int text_add(gw_req *g, const char *p, size_t n)
+/* Streaming: one chunk of text. */
+static void sink_text(void *ud, const completion_t *c, const char *text, size_t len)
 {
-    if (g->text_len + n + 1 > g->text_cap) {
-        size_t cap = g->text_cap ? g->text_cap * 2 : 256;
-        while (cap < g->text_len + n + 1)
-            cap *= 2;
-        char *t = realloc(g->text, cap);
-        if (!t)
-            return -1;
-        g->text = t;
-        g->text_cap = cap;
-    }
-    memcpy(g->text + g->text_len, p, n);
-    g->text_len += n;
-    g->text[g->text_len] = 0;
-    return 0;
+    api_response_info info = completion_info(c);
+    char *chunk = api_format_chunk(&info, text, len, NULL, 0);
+    if (chunk)
+        sse_send(ud, chunk);
+    free(chunk);
 }
 
-/* Move the text the stream released to the client (SSE) or to the answer (JSON). */
-static void flush_text(gw_req *g)
+/* Streaming: a client that reads slower than we generate has its answer ended here rather
+ * than buffered without bound. */
+static int sink_check(void *ud, const completion_t *c, api_error *e)
 {
-    size_t len;
-    const char *out = stream_out(g->stream, &len);
-    if (len == 0)
-        return;
-    if (g->streaming) {
-        api_response_info info = info_of(g);
-        char *chunk = api_format_chunk(&info, out, len, NULL, 0);
+    gw_req *g = ud;
+    if (!completion_streaming(c))
+        return 0;
+    struct bufferevent *bev = evhttp_connection_get_bufferevent(g->conn);
+    if (!bev || evbuffer_get_length(bufferevent_get_output(bev)) <= SLOW_CLIENT_BYTES)
+        return 0;
+    log_rwarn(completion_rid(c), "client too slow (%u bytes unsent): request ended",
+              SLOW_CLIENT_BYTES);
+    api_error_set(e, 503, "server_error", NULL, "slow_client", "the client reads too slowly");
+    return -1;
+}
+
+/* The end of the answer: the last chunks and [DONE], or the whole JSON body. Always 0: a
+ * body that cannot be formatted is answered 500 but counted as finished, as it was. */
+static int sink_done(void *ud, const completion_t *c, const char *finish_reason, api_error *e)
+{
+    gw_req *g = ud;
+    (void)e;
+    api_response_info info = completion_info(c);
+    if (completion_streaming(c)) {
+        char *chunk =
+            api_format_chunk(&info, info.kind == API_CHAT ? NULL : "", 0, finish_reason, 0);
         if (chunk)
             sse_send(g, chunk);
         free(chunk);
-    } else if (text_add(g, out, len) < 0) {
-        log_rerror(g->rid, "out of memory buffering the answer");
-    }
-    stream_out_clear(g->stream);
-}
-
-/* The request is complete: send what is left and the end of the answer, then free. */
-static void complete(gw_req *g, const char *finish_reason)
-{
-    flush_text(g);
-    int n_completion = stream_n_tokens(g->stream);
-    api_response_info info = info_of(g);
-    if (g->streaming) {
-        char *chunk = api_format_chunk(&info, g->kind == API_CHAT ? NULL : "", 0, finish_reason, 0);
-        if (chunk)
-            sse_send(g, chunk);
-        free(chunk);
-        if (g->include_usage) {
-            chunk = api_format_usage_chunk(&info, g->n_prompt, n_completion);
+        if (info.include_usage) {
+            int n_prompt, n_completion;
+            completion_usage(c, &n_prompt, &n_completion);
+            chunk = api_format_usage_chunk(&info, n_prompt, n_completion);
             if (chunk)
                 sse_send(g, chunk);
             free(chunk);
@@ -261,8 +162,7 @@ static void complete(gw_req *g, const char *finish_reason)
         evhttp_connection_set_closecb(g->conn, NULL, NULL);
         evhttp_send_reply_end(g->req);
     } else {
-        char *body = api_format_response(&info, g->text ? g->text : "", g->text_len, finish_reason,
-                                         g->n_prompt, n_completion);
+        char *body = completion_format_response(c, finish_reason);
         evhttp_connection_set_closecb(g->conn, NULL, NULL);
         if (body)
             reply_json(g->req, 200, body);
@@ -271,111 +171,43 @@ static void complete(gw_req *g, const char *finish_reason)
                             "could not format the response");
         free(body);
     }
-    log_end(g, 200, STATS_END_FINISHED, finish_reason);
     g->req = NULL;
-    req_free(g);
+    return 0;
 }
 
-static void fail(gw_req *g, int status, const char *type, const char *code, const char *msg)
+static stats_end_t sink_fail(void *ud, const completion_t *c, const api_error *e)
 {
-    api_error e;
-    api_error_set(&e, status, type, NULL, code, "%s", msg);
+    gw_req *g = ud;
     evhttp_connection_set_closecb(g->conn, NULL, NULL);
-    if (g->streaming) {
+    if (completion_streaming(c)) {
         /* headers are out: report in the stream, then end it as usual */
-        char *body = api_error_json(&e);
+        char *body = api_error_json(e);
         if (body)
             sse_send(g, body);
         free(body);
         sse_send(g, "[DONE]");
         evhttp_send_reply_end(g->req);
     } else {
-        reply_error(g->req, &e);
+        reply_error(g->req, e);
     }
-    log_end(g, status, STATS_END_FAILED, msg);
     g->req = NULL;
-    req_free(g);
+    return STATS_END_FAILED;
 }
 
-// --- cluster callbacks
-
-static int on_tokens(void *ud, const int *tokens, int n)
-{
-    gw_req *g = ud;
-    int64_t now = proto_now_us();
-    if (!g->t_first_us) {
-        g->t_first_us = now;
-        if (g->srv->stats && !g->offline) /* offline waits stay out of the online figures */
-            stats_first_token(g->srv->stats, &g->timing, now);
-    } else if (g->srv->stats && !g->offline) {
-        stats_tokens(g->srv->stats, &g->timing, (double)(now - g->t_last_us) / 1e6, now);
-    }
-    g->t_last_us = now;
-    for (int i = 0; i < n; i++) {
-        stream_status_t st = stream_push(g->stream, tokens[i]);
-        if (st == STREAM_STOP) {
-            complete(g, API_FINISH_STOP);
-            return 1;
-        }
-        if (st == STREAM_ERR) {
-            fail(g, 500, "server_error", NULL, "out of memory");
-            return 1;
-        }
-    }
-    if (stream_n_tokens(g->stream) >= g->max_tokens) {
-        stream_status_t st = stream_finish(g->stream);
-        complete(g, st == STREAM_STOP ? API_FINISH_STOP : API_FINISH_LENGTH);
-        return 1;
-    }
-    flush_text(g);
-    if (g->streaming) {
-        struct bufferevent *bev = evhttp_connection_get_bufferevent(g->conn);
-        if (bev && evbuffer_get_length(bufferevent_get_output(bev)) > SLOW_CLIENT_BYTES) {
-            /* The client reads slower than we generate: end its answer here rather than
-             * buffer without bound. */
-            log_rwarn(g->rid, "client too slow (%u bytes unsent): request ended",
-                      SLOW_CLIENT_BYTES);
-            fail(g, 503, "server_error", "slow_client", "the client reads too slowly");
-            return 1;
-        }
-    }
-    return 0;
-}
-
-static void on_finish(void *ud, int reason)
-{
-    gw_req *g = ud;
-    stream_status_t st = stream_finish(g->stream);
-    complete(g, st == STREAM_STOP || reason == PROTO_FINISH_STOP ? API_FINISH_STOP
-                                                                 : API_FINISH_LENGTH);
-}
-
-static void on_error(void *ud, int status, const char *type, const char *code, const char *msg)
-{
-    fail(ud, status, type, code, msg);
-}
-
-static const cluster_callbacks callbacks = {on_tokens, on_finish, on_error};
-
-const cluster_callbacks *http_server_callbacks(void)
-{
-    return &callbacks;
-}
+static const completion_sink sink = {sink_text, sink_check, sink_done, sink_fail, req_free};
 
 /* The client went away: cancel wherever the request is and forget it. */
 static void on_close(struct evhttp_connection *conn, void *arg)
 {
     gw_req *g = arg;
     (void)conn;
-    log_rinfo(g->rid, "client disconnected: cancelling");
-    cluster_cancel(g->srv->cluster, g->rid);
+    log_rinfo(completion_rid(g->c), "client disconnected: cancelling");
     /* libevent detached the request (evcon == NULL) and leaves it to us, or it is still
      * attached and libevent frees it right after this callback. */
     if (g->req && evhttp_request_get_connection(g->req) == NULL)
         evhttp_request_free(g->req);
-    log_end(g, 499, STATS_END_CANCELLED, "client disconnected");
     g->req = NULL;
-    req_free(g);
+    completion_cancel(&g->c, 499, "client disconnected");
 }
 
 /* Non-streaming requests: libevent 2.1 does not read from a connection while its request
@@ -410,167 +242,60 @@ static void watch_close(gw_req *g)
 
 // --- handlers
 
-static void count_rejected(http_server_t *s)
-{
-    if (s->stats)
-        stats_request_rejected(s->stats);
-}
-
 static void handle_completion(http_server_t *s, struct evhttp_request *req, api_kind_t kind)
 {
     struct evbuffer *in = evhttp_request_get_input_buffer(req);
     size_t len = evbuffer_get_length(in);
     api_error e;
-    if (s->stats)
-        stats_request_received(s->stats);
-    if (len > s->max_body) {
-        api_error_set(&e, 413, "invalid_request_error", NULL, "request_too_large",
-                      "The request body is %zu bytes; the limit is %zu bytes.", len, s->max_body);
-        count_rejected(s);
-        reply_error(req, &e);
+    gw_req *g = calloc(1, sizeof(*g));
+    if (!g) {
+        reply_error_msg(req, 500, "server_error", NULL, NULL, "out of memory");
         return;
     }
-    const char *body = len ? (const char *)evbuffer_pullup(in, (ev_ssize_t)len) : "";
-    api_request r;
-    if (api_parse(kind, body, len, &r, &e) < 0 || api_check_model(&r, s->model, &e) < 0) {
-        log_debug("400: %s", e.message);
-        api_request_free(&r);
-        count_rejected(s);
-        reply_error(req, &e);
-        return;
-    }
-    int *tokens = NULL;
-    gw_req *g = NULL;
-    /* A token spells at least one byte and at most max_piece bytes, so a prompt this long
-     * cannot fit; refuse it before spending time on tokenizing it. */
-    if (r.prompt_len / (size_t)s->max_piece >= (size_t)s->n_ctx) {
-        api_error_set(&e, 400, "invalid_request_error", kind == API_CHAT ? "messages" : "prompt",
-                      "context_length_exceeded",
-                      "This model's maximum context length is %d tokens, but the prompt is at "
-                      "least %zu tokens.",
-                      s->n_ctx, r.prompt_len / (size_t)s->max_piece + 1);
-        goto bad;
-    }
-    int cap = (int)r.prompt_len + 8, needed = 0;
-    tokens = malloc((size_t)cap * sizeof(int));
-    if (!tokens)
-        goto oom;
-    int n = tokenizer_encode(s->tok, r.prompt, r.prompt_len, 1, tokens, cap, &needed);
-    if (n < 0 && needed > cap) {
-        int *t = realloc(tokens, (size_t)needed * sizeof(int));
-        if (!t)
-            goto oom;
-        tokens = t;
-        cap = needed;
-        n = tokenizer_encode(s->tok, r.prompt, r.prompt_len, 1, tokens, cap, &needed);
-    }
-    if (n < 0) {
-        api_error_set(&e, 500, "server_error", NULL, NULL, "tokenization failed");
-        goto bad;
-    }
-    if (api_check_length(&r, n, s->n_ctx, &e) < 0)
-        goto bad;
-    if (!s->cluster) {
-        api_error_set(&e, 503, "server_error", NULL, "not_ready", "the server is starting");
-        goto bad;
-    }
-
-    g = calloc(1, sizeof(*g));
-    if (!g)
-        goto oom;
     g->srv = s;
     g->req = req;
     g->conn = evhttp_request_get_connection(req);
-    g->kind = kind;
-    g->streaming = r.stream;
-    g->include_usage = r.stream && r.include_usage;
-    g->n_prompt = n;
-    g->max_tokens = r.max_tokens;
-    g->offline = r.offline;
-    g->created = now_s();
-    g->t_start_us = proto_now_us();
-    g->stream = stream_new(s->tok, tokens[n - 1], tokenizer_eos(s->tok),
-                           (const char *const *)r.stop, r.n_stop);
-    g->next = s->active;
-    if (s->active)
-        s->active->prev = g;
-    s->active = g;
-    s->n_active++;
-    if (!g->stream)
-        goto oom;
-
-    uint64_t seed = r.seed;
-    if (!r.has_seed && getrandom(&seed, sizeof(seed), 0) != (ssize_t)sizeof(seed))
-        seed = (uint64_t)proto_now_us() ^ ((uint64_t)(uintptr_t)g << 17);
-    cluster_job job = {
-        .tokens = tokens,
-        .n_tokens = n,
-        .max_tokens = r.max_tokens,
-        .temperature = (float)r.temperature,
-        .top_p = (float)r.top_p,
-        .top_k = r.top_k,
-        .rng = sampler_seed_state(seed),
-        .mtp_depth = r.mtp_depth >= 0 ? r.mtp_depth + 1 : 0,
-        .timing = &g->timing,
-        .offline = r.offline,
-    };
-    cluster_status_t st = cluster_submit(s->cluster, &job, g, &g->rid);
-    if (st == CLUSTER_FULL) {
-        char ra[16];
-        snprintf(ra, sizeof(ra), "%d", cluster_retry_after_s(s->cluster));
-        evhttp_add_header(evhttp_request_get_output_headers(req), "Retry-After", ra);
-        api_error_set(&e, 429, "rate_limit_error", NULL, "rate_limit_exceeded",
-                      "The server is at capacity (the queue is full); retry later.");
-        log_warn("429: queue full");
-        goto bad;
-    }
-    if (st != CLUSTER_OK)
-        goto oom;
-    snprintf(g->id, sizeof(g->id), "%s-%016llx%llx", kind == API_CHAT ? "chatcmpl" : "cmpl",
-             (unsigned long long)s->id_nonce, (unsigned long long)g->rid);
-    log_rdebug(g->rid, "admitted: %d prompt tokens, max_tokens %d, temperature %.3g, %s%s", n,
-               r.max_tokens, r.temperature, r.stream ? "stream" : "json",
-               r.offline ? ", offline (flex)" : "");
-    evhttp_connection_set_closecb(g->conn, on_close, g);
-    if (!g->streaming)
-        watch_close(g);
-    if (g->streaming) {
-        struct evkeyvalq *h = evhttp_request_get_output_headers(req);
-        evhttp_add_header(h, "Content-Type", "text/event-stream");
-        evhttp_add_header(h, "Cache-Control", "no-cache");
-        evhttp_send_reply_start(req, 200, "OK");
-        if (kind == API_CHAT) {
-            api_response_info info = info_of(g);
-            char *chunk = api_format_chunk(&info, NULL, 0, NULL, 1);
-            if (chunk)
-                sse_send(g, chunk);
-            free(chunk);
+    /* completion_start does not read a body over the limit */
+    const char *body =
+        len && len <= s->cx.max_body ? (const char *)evbuffer_pullup(in, (ev_ssize_t)len) : "";
+    completion_status_t st =
+        completion_start(&s->cx, kind, body, len, &sink, g, &s->active, &g->c, &e);
+    if (st != COMPLETION_OK) {
+        if (st == COMPLETION_FULL) {
+            char ra[16];
+            snprintf(ra, sizeof(ra), "%d", cluster_retry_after_s(s->cx.cluster));
+            evhttp_add_header(evhttp_request_get_output_headers(req), "Retry-After", ra);
+            log_warn("429: queue full");
         }
+        free(g);
+        reply_error(req, &e);
+        return;
     }
-    free(tokens);
-    api_request_free(&r);
-    return;
-
-oom:
-    api_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
-bad:
-    if (g) {
-        g->req = NULL;
-        req_free(g);
+    evhttp_connection_set_closecb(g->conn, on_close, g);
+    if (!completion_streaming(g->c)) {
+        watch_close(g);
+        return;
     }
-    free(tokens);
-    api_request_free(&r);
-    count_rejected(s);
-    reply_error(req, &e);
+    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
+    evhttp_add_header(h, "Content-Type", "text/event-stream");
+    evhttp_add_header(h, "Cache-Control", "no-cache");
+    evhttp_send_reply_start(req, 200, "OK");
+    if (kind == API_CHAT) {
+        api_response_info info = completion_info(g->c);
+        char *chunk = api_format_chunk(&info, NULL, 0, NULL, 1);
+        if (chunk)
+            sse_send(g, chunk);
+        free(chunk);
+    }
 }
 
 static void handle_health(http_server_t *s, struct evhttp_request *req)
 {
     char reason[160] = "";
-    int ok = s->cluster && cluster_ready(s->cluster, reason, sizeof(reason));
+    int ok = s->cx.cluster && cluster_ready(s->cx.cluster, reason, sizeof(reason));
     cluster_stats st = {0};
-    if (s->cluster)
-        cluster_get_stats(s->cluster, &st);
+    if (s->cx.cluster)
+        cluster_get_stats(s->cx.cluster, &st);
     else
         snprintf(reason, sizeof(reason), "starting");
     json_t *root = json_pack("{s:s, s:s, s:{s:i, s:i, s:i, s:i}, s:i, s:i}", "status",
@@ -625,7 +350,7 @@ static void handle_worker_role(http_server_t *s, struct evhttp_request *req, con
 {
     struct evbuffer *in = evhttp_request_get_input_buffer(req);
     size_t len = evbuffer_get_length(in);
-    if (len > s->max_body) {
+    if (len > s->cx.max_body) {
         reply_error_msg(req, 413, "invalid_request_error", NULL, "request_too_large",
                         "request body too large");
         return;
@@ -652,9 +377,10 @@ static void handle_worker_role(http_server_t *s, struct evhttp_request *req, con
         return;
     }
     char err[256];
-    int rc = s->cluster ? cluster_set_role(s->cluster, id, role, "the operator", err, sizeof(err))
-                        : -1;
-    if (!s->cluster)
+    int rc = s->cx.cluster
+                 ? cluster_set_role(s->cx.cluster, id, role, "the operator", err, sizeof(err))
+                 : -1;
+    if (!s->cx.cluster)
         snprintf(err, sizeof(err), "no worker '%.100s'", id);
     if (rc == -1) {
         reply_error_msg(req, 404, "invalid_request_error", NULL, "worker_not_found", err);
@@ -676,8 +402,8 @@ static void handle_worker_role(http_server_t *s, struct evhttp_request *req, con
 static void handle_workers(http_server_t *s, struct evhttp_request *req)
 {
     json_t *arr = json_array();
-    if (arr && s->cluster)
-        cluster_foreach_worker(s->cluster, add_worker_json, arr);
+    if (arr && s->cx.cluster)
+        cluster_foreach_worker(s->cx.cluster, add_worker_json, arr);
     json_t *root = arr ? json_pack("{s:o}", "workers", arr) : NULL;
     char *body = root ? json_dumps(root, JSON_COMPACT) : NULL;
     json_decref(root);
@@ -688,7 +414,7 @@ static void handle_workers(http_server_t *s, struct evhttp_request *req)
 /* GET /metrics: the stats in the Prometheus text format. */
 static void handle_metrics(http_server_t *s, struct evhttp_request *req)
 {
-    if (!s->stats) {
+    if (!s->cx.stats) {
         reply_error_msg(req, 503, "server_error", NULL, "not_ready", "metrics are not enabled");
         return;
     }
@@ -699,7 +425,7 @@ static void handle_metrics(http_server_t *s, struct evhttp_request *req)
         reply_error_msg(req, 500, "server_error", NULL, NULL, "out of memory");
         return;
     }
-    prometheus_write(s->stats, s->cluster, f);
+    prometheus_write(s->cx.stats, s->cx.cluster, f);
     int bad = ferror(f);
     fclose(f);
     struct evbuffer *b = evbuffer_new();
@@ -727,14 +453,14 @@ static void handle_models(http_server_t *s, struct evhttp_request *req, const ch
         }
         json_t *m =
             json_pack("{s:s, s:s, s:I, s:s, s:i}", "id", s->model, "object", "model", "created",
-                      (json_int_t)s->started, "owned_by", "tidepool", "max_model_len", s->n_ctx);
+                      (json_int_t)s->started, "owned_by", "tidepool", "max_model_len", s->cx.n_ctx);
         char *body = m ? json_dumps(m, JSON_COMPACT) : NULL;
         json_decref(m);
         reply_json(req, 200, body);
         free(body);
         return;
     }
-    char *body = api_format_models(s->model, s->started, s->n_ctx);
+    char *body = api_format_models(s->model, s->started, s->cx.n_ctx);
     reply_json(req, 200, body);
     free(body);
 }
@@ -768,8 +494,8 @@ static const char *method_str(enum evhttp_cmd_type m)
 static void on_reply_done(struct evhttp_request *req, void *arg)
 {
     http_server_t *s = arg;
-    if (s->stats)
-        stats_http_response(s->stats, evhttp_request_get_response_code(req));
+    if (s->cx.stats)
+        stats_http_response(s->cx.stats, evhttp_request_get_response_code(req));
 }
 
 static int batch_route(const char *path, char *id, size_t cap, const char **allow);
@@ -905,19 +631,16 @@ http_server_t *http_server_new(struct event_base *base, const http_params *p, ch
     s->base = base;
     s->host = strdup(p->host);
     s->model = strdup(p->model_name);
-    s->n_ctx = p->n_ctx;
-    s->max_body = p->max_body_bytes;
-    s->tok = p->tok;
     s->started = now_s();
-    if (getrandom(&s->id_nonce, sizeof(s->id_nonce), 0) != (ssize_t)sizeof(s->id_nonce))
-        s->id_nonce = (uint64_t)proto_wall_us();
-    s->max_piece = 1;
-    for (int id = 0; id < tokenizer_vocab_size(p->tok); id++) {
-        size_t len = 0;
-        tokenizer_piece(p->tok, -1, id, &len);
-        if ((int)len > s->max_piece)
-            s->max_piece = (int)len;
-    }
+    s->cx = (completion_env){
+        .tok = p->tok,
+        .n_ctx = p->n_ctx,
+        .max_piece = completion_max_piece(p->tok),
+        .max_body = p->max_body_bytes,
+        .model = s->model,
+    };
+    if (getrandom(&s->cx.id_nonce, sizeof(s->cx.id_nonce), 0) != (ssize_t)sizeof(s->cx.id_nonce))
+        s->cx.id_nonce = (uint64_t)proto_wall_us();
     s->http = evhttp_new(base);
     if (!s->host || !s->model || !s->http) {
         snprintf(err, errlen, "out of memory");
@@ -959,12 +682,12 @@ fail:
 
 void http_server_set_cluster(http_server_t *s, cluster_t *c)
 {
-    s->cluster = c;
+    s->cx.cluster = c;
 }
 
 void http_server_set_stats(http_server_t *s, stats_t *stats)
 {
-    s->stats = stats;
+    s->cx.stats = stats;
 }
 
 void http_server_set_batch(http_server_t *s, batch_t *b)
@@ -1024,7 +747,7 @@ void http_server_stop_accepting(http_server_t *s)
 
 int http_server_n_active(const http_server_t *s)
 {
-    return s->n_active;
+    return s->active.n;
 }
 
 void http_server_destroy(http_server_t **ps)
@@ -1032,13 +755,11 @@ void http_server_destroy(http_server_t **ps)
     if (!ps || !*ps)
         return;
     http_server_t *s = *ps;
-    while (s->active) { /* only if the cluster was not destroyed first */
-        gw_req *g = s->active;
-        if (s->cluster)
-            cluster_cancel(s->cluster, g->rid);
+    while (s->active.head) { /* only if the cluster was not destroyed first */
+        gw_req *g = completion_ud(s->active.head);
         evhttp_connection_set_closecb(g->conn, NULL, NULL);
         g->req = NULL; /* evhttp_free below frees the requests */
-        req_free(g);
+        completion_destroy(&g->c); /* cancels it in the cluster; frees g */
     }
     if (s->http)
         evhttp_free(s->http);
