@@ -5,9 +5,9 @@
  * Every batch is a job_t holding its OpenAI batch object (json_t, the persisted form) and,
  * while it is not in a final state, its run state: the input file in memory, each line's
  * offset, length and state (pending, running, done) and the lines running now (line_t,
- * one per cluster request, freed in exactly one place: batch_line_free). A done line has
- * its result queued in the store; the batch object (status, counts) is re-queued whenever
- * it changed, and one store_flush per tick writes both in a transaction.
+ * the sink of one completion, freed in exactly one place: its release in batch_lines.c). A
+ * done line has its result queued in the store; the batch object (status, counts) is
+ * re-queued whenever it changed, and one store_flush per tick writes both in a transaction.
  *
  * Work happens on one deferred event ("kick", after callbacks) and a 100 ms timer: validate
  * a slice of lines, submit pending lines up to max_inflight, finalize batches whose lines
@@ -333,11 +333,11 @@ static void work(batch_t *b)
             continue;
         if (j->status == ST_VALIDATING)
             validate_slice(b, j);
-        else if (j->status == ST_CANCELLING && j->n_running == 0)
+        else if (j->status == ST_CANCELLING && j->running.n == 0)
             finalize(b, j, ST_CANCELLED);
     }
     /* submit: oldest batch first, up to max_inflight lines in the cluster */
-    int full = !b->cluster;
+    int full = !b->cx.cluster;
     for (int k = 0; k < b->n_jobs && !full; k++) {
         job_t *j = b->jobs[k];
         if (!j->active || j->status != ST_IN_PROGRESS)
@@ -360,7 +360,7 @@ static void work(batch_t *b)
     for (int k = 0; k < b->n_jobs; k++) {
         job_t *j = b->jobs[k];
         if (j->active && j->status == ST_IN_PROGRESS && j->n_done == j->n_lines &&
-            j->n_running == 0) {
+            j->running.n == 0) {
             job_counts(j);
             batch_job_status(b, j, ST_FINALIZING, "finalizing_at");
         }
@@ -440,15 +440,15 @@ batch_t *batch_new(struct event_base *base, const batch_params *p, char *err, si
     }
     b->base = base;
     b->p = *p;
-    b->max_body = p->max_body_bytes;
     b->model = strdup(p->model_name);
-    b->max_piece = 1;
-    for (int id = 0; id < tokenizer_vocab_size(p->tok); id++) {
-        size_t len = 0;
-        tokenizer_piece(p->tok, -1, id, &len);
-        if ((int)len > b->max_piece)
-            b->max_piece = (int)len;
-    }
+    b->cx = (completion_env){
+        .tok = p->tok,
+        .n_ctx = p->n_ctx,
+        .max_piece = completion_max_piece(p->tok),
+        .max_body = p->max_body_bytes,
+        .model = b->model,
+        .batch_line = 1,
+    };
     b->kick_ev = event_new(base, -1, 0, on_kick, b);
     b->tick_ev = event_new(base, -1, EV_PERSIST, on_kick, b);
     struct timeval tv = {0, TICK_MS * 1000};
@@ -474,13 +474,13 @@ fail:
 
 void batch_set_cluster(batch_t *b, cluster_t *c)
 {
-    b->cluster = c;
+    b->cx.cluster = c;
     kick(b);
 }
 
 void batch_set_stats(batch_t *b, stats_t *stats)
 {
-    b->stats = stats;
+    b->cx.stats = stats;
 }
 
 void batch_destroy(batch_t **pb)
@@ -490,11 +490,9 @@ void batch_destroy(batch_t **pb)
     batch_t *b = *pb;
     for (int i = 0; i < b->n_jobs; i++) {
         job_t *j = b->jobs[i];
-        while (j->running) { /* only if the cluster was not destroyed first */
-            line_t *l = j->running;
-            if (b->cluster)
-                cluster_cancel(b->cluster, l->rid);
-            batch_line_free(l);
+        while (j->running.head) { /* only if the cluster was not destroyed first */
+            line_t *l = completion_ud(j->running.head);
+            completion_destroy(&l->c); /* cancels it in the cluster; frees l */
         }
         if (j->dirty && b->store) {
             char *s = json_dumps(j->obj, JSON_COMPACT);

@@ -229,9 +229,9 @@ static void handle_create(batch_t *b, struct evhttp_request *req)
 {
     struct evbuffer *in = evhttp_request_get_input_buffer(req);
     size_t len = evbuffer_get_length(in);
-    if (len > b->max_body) {
+    if (len > b->cx.max_body) {
         reply_err(req, 413, NULL, "request_too_large",
-                  "The request body is %zu bytes; the limit is %zu bytes.", len, b->max_body);
+                  "The request body is %zu bytes; the limit is %zu bytes.", len, b->cx.max_body);
         return;
     }
     const char *body = len ? (const char *)evbuffer_pullup(in, (ev_ssize_t)len) : "";

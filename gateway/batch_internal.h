@@ -2,7 +2,7 @@
  * batch_internal: declarations shared by the files of the batch module (batch.h):
  * batch.c (the module's life and the job runner: loading, validating, submitting and
  * finalizing batches), batch_lines.c (the input lines: parsing and checking, running them
- * on the cluster, recording their results) and batch_http.c (the /v1/files and
+ * as completions (completion.h), recording their results) and batch_http.c (the /v1/files and
  * /v1/batches handlers). Not a public interface.
  */
 #ifndef TP_GW_BATCH_INTERNAL_H
@@ -17,9 +17,9 @@
 #include "api.h"
 #include "batch.h"
 #include "cluster.h"
+#include "completion.h"
 #include "stats.h"
 #include "store.h"
-#include "stream.h"
 
 #define INVALID "invalid_request_error"
 
@@ -41,21 +41,14 @@ enum { LINE_PENDING = 0, LINE_RUNNING = 1, LINE_DONE = 2 };
 
 struct job;
 
+/* A line running on the cluster: the sink of its completion (completion.h), which owns it
+ * and frees it through its release (batch_lines.c). */
 typedef struct line {
-    struct line *prev, *next; /* the job's running lines */
     struct job *job;
     batch_t *b;
     int index;
     char *custom_id;
-    uint64_t rid;
-    api_kind_t kind;
-    int offline_tier; /* the body asked for service_tier "flex" */
-    stream_t *stream;
-    int n_prompt, max_tokens;
-    char id[48];
-    int64_t created;
-    int64_t t_first_us, t_last_us;
-    cluster_req_timing timing;
+    completion_t *c;
 } line_t;
 
 typedef struct job {
@@ -75,19 +68,16 @@ typedef struct job {
     int validated;        /* lines checked so far (validating) */
     json_t *seen_ids;     /* validating: custom_ids seen (a set) */
     int n_done, completed, failed;
-    int n_running;
-    line_t *running;
+    completion_list running; /* the lines running now (ud: line_t) */
 } job_t;
 
 struct batch {
     struct event_base *base;
     batch_params p;
-    char *model;
-    int max_piece;
-    size_t max_body;
+    char *model;       /* cx.model is this */
+    completion_env cx; /* what the lines' completions share: tokenizer, limits, cluster
+                        * (NULL: nothing is submitted), stats (NULL: no figures) */
     store_t *store;
-    cluster_t *cluster;
-    stats_t *stats;
     job_t **jobs; /* creation order */
     int n_jobs, cap_jobs;
     int inflight;
@@ -142,9 +132,6 @@ void batch_line_error(batch_t *b, job_t *j, int line, const char *custom_id, con
 /* Start line i of j: validate its request and submit it, or record its error. Returns 0
  * when the line was handled, 1 when the cluster is full (try again later). */
 int batch_line_start(batch_t *b, job_t *j, int i);
-/* Unlink running line l from its job and b's count and free it (the one place a line is
- * freed). */
-void batch_line_free(line_t *l);
 /* Stop every running line of j (cancel on the cluster): they go back to pending. */
 void batch_job_stop_lines(batch_t *b, job_t *j);
 

@@ -1,19 +1,17 @@
 /* batch_lines: the input lines of a batch (batch.h). Each line is parsed and checked
- * ({"custom_id", "method": "POST", "url", "body"}), its body validated like a normal
- * request, then run as an offline cluster request (line_t, one per request in flight); the
- * result of every line, a response or an error, goes to the store. */
+ * ({"custom_id", "method": "POST", "url", "body"}), then its body goes down the same
+ * completion path as a normal request (completion.h: validated, tokenized, run as an
+ * offline cluster request); line_t is that completion's sink. The result of every line, a
+ * response or an error, goes to the store. */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 
 #include "api.h"
 #include "batch_internal.h"
 #include "log.h"
-#include "sampler.h"
 #include "store.h"
-#include "stream.h"
 
 // --- line results
 
@@ -61,133 +59,55 @@ static void line_error_response(batch_t *b, job_t *j, int line, const char *cust
     result_put(b, j, line, 0, res);
 }
 
-// --- running lines
+// --- running lines: the completions' sink
 
-void batch_line_free(line_t *l)
+/* The line's completion is gone (completion_sink.release; it has left the job's running
+ * list): the one place a running line is freed. */
+static void line_release(void *ud)
 {
-    job_t *j = l->job;
-    if (l->prev)
-        l->prev->next = l->next;
-    else
-        j->running = l->next;
-    if (l->next)
-        l->next->prev = l->prev;
-    j->n_running--;
+    line_t *l = ud;
     l->b->inflight--;
-    stream_destroy(&l->stream);
     free(l->custom_id);
     free(l);
 }
 
-static void line_stats(line_t *l, stats_end_t how, const char *finish, int status,
-                       const char *error)
+/* Finished: the output line, whose body is exactly the non-streaming response. */
+static int line_done(void *ud, const completion_t *c, const char *finish_reason, api_error *e)
 {
-    if (!l->b->stats)
-        return;
-    stats_request sr = {.rid = l->rid,
-                        .how = how,
-                        .finish_reason = finish,
-                        .status = status,
-                        .error = error,
-                        .n_prompt = l->n_prompt,
-                        .n_output = l->stream ? stream_n_tokens(l->stream) : 0,
-                        .t_first_us = l->t_first_us,
-                        .t_last_us = l->t_last_us,
-                        .t_end_us = proto_now_us(),
-                        .timing = &l->timing,
-                        .offline = 1};
-    stats_request_end(l->b->stats, &sr, NULL);
-}
-
-static void line_complete(line_t *l, const char *finish_reason)
-{
-    batch_t *b = l->b;
-    job_t *j = l->job;
-    size_t len;
-    const char *text = stream_out(l->stream, &len);
-    api_response_info info = {.kind = l->kind,
-                              .id = l->id,
-                              .created = l->created,
-                              .model = b->model,
-                              .service_tier = l->offline_tier ? "flex" : "default"};
-    char *body = api_format_response(&info, text, len, finish_reason, l->n_prompt,
-                                     stream_n_tokens(l->stream));
+    line_t *l = ud;
+    char *body = completion_format_response(c, finish_reason);
     json_t *jb = body ? json_loads(body, 0, NULL) : NULL;
     free(body);
     if (!jb) {
-        api_error e;
-        api_error_set(&e, 500, "server_error", NULL, NULL, "could not format the response");
-        line_error_response(b, j, l->index, l->custom_id, l->id, &e);
-        line_stats(l, STATS_END_FAILED, NULL, 500, e.message);
-    } else {
-        json_t *res = json_pack("{s:o, s:s, s:{s:i, s:s, s:o}, s:n}", "id", req_id_json(),
-                                "custom_id", l->custom_id, "response", "status_code", 200,
-                                "request_id", l->id, "body", jb, "error");
-        result_put(b, j, l->index, 1, res);
-        line_stats(l, STATS_END_FINISHED, finish_reason, 200, NULL);
+        api_error_set(e, 500, "server_error", NULL, NULL, "could not format the response");
+        line_error_response(l->b, l->job, l->index, l->custom_id, completion_id(c), e);
+        return -1;
     }
-    batch_line_free(l);
-}
-
-static int on_line_tokens(void *ud, const int *tokens, int n)
-{
-    line_t *l = ud;
-    int64_t now = proto_now_us();
-    if (!l->t_first_us)
-        l->t_first_us = now;
-    l->t_last_us = now;
-    for (int i = 0; i < n; i++) {
-        stream_status_t st = stream_push(l->stream, tokens[i]);
-        if (st == STREAM_STOP) {
-            line_complete(l, API_FINISH_STOP);
-            return 1;
-        }
-        if (st == STREAM_ERR) {
-            api_error e;
-            api_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
-            line_error_response(l->b, l->job, l->index, l->custom_id, l->id, &e);
-            line_stats(l, STATS_END_FAILED, NULL, 500, e.message);
-            batch_line_free(l);
-            return 1;
-        }
-    }
-    if (stream_n_tokens(l->stream) >= l->max_tokens) {
-        stream_status_t st = stream_finish(l->stream);
-        line_complete(l, st == STREAM_STOP ? API_FINISH_STOP : API_FINISH_LENGTH);
-        return 1;
-    }
+    json_t *res = json_pack("{s:o, s:s, s:{s:i, s:s, s:o}, s:n}", "id", req_id_json(), "custom_id",
+                            l->custom_id, "response", "status_code", 200, "request_id",
+                            completion_id(c), "body", jb, "error");
+    result_put(l->b, l->job, l->index, 1, res);
     return 0;
 }
 
-static void on_line_finish(void *ud, int reason)
-{
-    line_t *l = ud;
-    stream_status_t st = stream_finish(l->stream);
-    line_complete(l, st == STREAM_STOP || reason == PROTO_FINISH_STOP ? API_FINISH_STOP
-                                                                      : API_FINISH_LENGTH);
-}
-
-static void on_line_error(void *ud, int status, const char *type, const char *code, const char *msg)
+/* Failed: an error line, unless the gateway is shutting down, which is not the line's
+ * fault: it stays unfinished and runs again after a restart. */
+static stats_end_t line_fail(void *ud, const completion_t *c, const api_error *e)
 {
     line_t *l = ud;
     job_t *j = l->job;
-    if (code && strcmp(code, "shutting_down") == 0) {
-        /* not the line's fault: it stays unfinished and runs again after a restart */
+    if (e->code && strcmp(e->code, "shutting_down") == 0) {
         j->state[l->index] = LINE_PENDING;
         if (l->index < j->next_line)
             j->next_line = l->index;
-        line_stats(l, STATS_END_CANCELLED, NULL, 0, NULL);
-        batch_line_free(l);
-        return;
+        return STATS_END_CANCELLED;
     }
-    api_error e;
-    api_error_set(&e, status, type, NULL, code, "%s", msg);
-    line_error_response(l->b, j, l->index, l->custom_id, l->id, &e);
-    line_stats(l, STATS_END_FAILED, NULL, status, msg);
-    batch_line_free(l);
+    line_error_response(l->b, j, l->index, l->custom_id, completion_id(c), e);
+    return STATS_END_FAILED;
 }
 
-static const cluster_callbacks line_callbacks = {on_line_tokens, on_line_finish, on_line_error};
+/* Lines never stream (completion_env.batch_line): no text callback is ever made. */
+static const completion_sink line_sink = {NULL, NULL, line_done, line_fail, line_release};
 
 /* Parse line i and check custom_id, method, url and body. Returns the parsed root (the
  * caller's; NULL when the line is not a JSON object) with *custom_id borrowed from it
@@ -241,36 +161,6 @@ json_t *batch_line_parse(const job_t *j, int i, const char **custom_id, json_t *
     return root;
 }
 
-/* Tokenize the prompt (BOS + text). malloc'd ids and their count, or NULL (out of memory,
- * tokenizer failure) with e set. */
-static int *tokenize(batch_t *b, const api_request *r, int *n_out, api_error *e)
-{
-    int cap = (int)r->prompt_len + 8, needed = 0;
-    int *tokens = malloc((size_t)cap * sizeof(int));
-    if (!tokens) {
-        api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
-        return NULL;
-    }
-    int n = tokenizer_encode(b->p.tok, r->prompt, r->prompt_len, 1, tokens, cap, &needed);
-    if (n < 0 && needed > cap) {
-        int *t = realloc(tokens, (size_t)needed * sizeof(int));
-        if (!t) {
-            free(tokens);
-            api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
-            return NULL;
-        }
-        tokens = t;
-        n = tokenizer_encode(b->p.tok, r->prompt, r->prompt_len, 1, tokens, needed, &needed);
-    }
-    if (n < 0) {
-        free(tokens);
-        api_error_set(e, 500, "server_error", NULL, NULL, "tokenization failed");
-        return NULL;
-    }
-    *n_out = n;
-    return tokens;
-}
-
 /* Start line i of j: validate its request and submit it, or record its error. Returns 0
  * when the line was handled, 1 when the cluster is full (try again later). */
 int batch_line_start(batch_t *b, job_t *j, int i)
@@ -285,108 +175,33 @@ int batch_line_start(batch_t *b, job_t *j, int i)
         return 0;
     }
     api_error e;
-    api_request r;
-    memset(&r, 0, sizeof(r));
-    int *tokens = NULL, n = 0;
     int rc = 0; /* 0: handled (started or failed), 1: the cluster is full, try later */
-    line_t *l = NULL;
     char *text = json_dumps(body, JSON_COMPACT);
-    if (!text) {
+    line_t *l = calloc(1, sizeof(*l));
+    completion_status_t st = COMPLETION_ERR;
+    if (!text || !l || !(l->custom_id = strdup(cid))) {
         api_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
-        goto bad;
+    } else {
+        l->b = b;
+        l->job = j;
+        l->index = i;
+        st = completion_start(&b->cx, j->kind, text, strlen(text), &line_sink, l, &j->running,
+                              &l->c, &e);
     }
-    if (strlen(text) > b->max_body) {
-        api_error_set(&e, 413, INVALID, NULL, "request_too_large",
-                      "The request body is %zu bytes; the limit is %zu bytes.", strlen(text),
-                      b->max_body);
-        goto bad;
-    }
-    if (api_parse(j->kind, text, strlen(text), &r, &e) < 0 || api_check_model(&r, b->model, &e) < 0)
-        goto bad;
-    if (r.stream) {
-        api_error_set(&e, 400, INVALID, "stream", "invalid_value",
-                      "'stream' is not supported in a batch.");
-        goto bad;
-    }
-    if (r.prompt_len / (size_t)b->max_piece >= (size_t)b->p.n_ctx) {
-        api_error_set(&e, 400, INVALID, j->kind == API_CHAT ? "messages" : "prompt",
-                      "context_length_exceeded",
-                      "This model's maximum context length is %d tokens, but the prompt is at "
-                      "least %zu tokens.",
-                      b->p.n_ctx, r.prompt_len / (size_t)b->max_piece + 1);
-        goto bad;
-    }
-    tokens = tokenize(b, &r, &n, &e);
-    if (!tokens || api_check_length(&r, n, b->p.n_ctx, &e) < 0)
-        goto bad;
-    l = calloc(1, sizeof(*l));
-    if (!l || !(l->custom_id = strdup(cid))) {
-        api_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
-        goto bad;
-    }
-    l->b = b;
-    l->job = j;
-    l->index = i;
-    l->kind = j->kind;
-    l->offline_tier = r.offline;
-    l->n_prompt = n;
-    l->max_tokens = r.max_tokens;
-    l->created = now_s();
-    l->stream = stream_new(b->p.tok, tokens[n - 1], tokenizer_eos(b->p.tok),
-                           (const char *const *)r.stop, r.n_stop);
-    if (!l->stream) {
-        api_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
-        goto bad;
-    }
-    uint64_t seed = r.seed;
-    if (!r.has_seed && getrandom(&seed, sizeof(seed), 0) != (ssize_t)sizeof(seed))
-        seed = (uint64_t)proto_now_us() ^ ((uint64_t)(uintptr_t)l << 17);
-    cluster_job job = {
-        .tokens = tokens,
-        .n_tokens = n,
-        .max_tokens = r.max_tokens,
-        .temperature = (float)r.temperature,
-        .top_p = (float)r.top_p,
-        .top_k = r.top_k,
-        .rng = sampler_seed_state(seed),
-        .mtp_depth = r.mtp_depth >= 0 ? r.mtp_depth + 1 : 0, /* as http.c */
-        .timing = &l->timing,
-        .offline = 1,
-        .cb = &line_callbacks,
-    };
-    cluster_status_t st = cluster_submit(b->cluster, &job, l, &l->rid);
-    if (st == CLUSTER_FULL) {
+    if (st == COMPLETION_OK) {
+        b->inflight++;
+        j->state[i] = LINE_RUNNING;
+        l = NULL; /* the completion's now */
+    } else if (st == COMPLETION_FULL) {
         rc = 1;
-        goto out;
+    } else {
+        line_error_response(b, j, i, cid, NULL, &e);
     }
-    if (st != CLUSTER_OK) {
-        api_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
-        goto bad;
-    }
-    snprintf(l->id, sizeof(l->id), "%s-%016llx", j->kind == API_CHAT ? "chatcmpl" : "cmpl",
-             (unsigned long long)l->rid);
-    l->next = j->running;
-    if (j->running)
-        j->running->prev = l;
-    j->running = l;
-    j->n_running++;
-    b->inflight++;
-    j->state[i] = LINE_RUNNING;
-    if (b->stats)
-        stats_request_received(b->stats);
-    l = NULL; /* the job's now */
-    goto out;
-bad:
-    line_error_response(b, j, i, cid, NULL, &e);
-out:
     if (l) {
-        stream_destroy(&l->stream);
         free(l->custom_id);
         free(l);
     }
-    free(tokens);
     free(text);
-    api_request_free(&r);
     json_decref(root);
     return rc;
 }
@@ -394,11 +209,9 @@ out:
 /* Stop every running line of j (cancel): they go back to pending. */
 void batch_job_stop_lines(batch_t *b, job_t *j)
 {
-    while (j->running) {
-        line_t *l = j->running;
-        if (b->cluster)
-            cluster_cancel(b->cluster, l->rid);
+    while (j->running.head) {
+        line_t *l = completion_ud(j->running.head);
         j->state[l->index] = LINE_PENDING;
-        batch_line_free(l);
+        completion_destroy(&l->c); /* cancels it in the cluster; frees l */
     }
 }

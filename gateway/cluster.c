@@ -228,7 +228,7 @@ void cluster_worker_remove(cluster_t *c, worker_t *w, const char *why)
     char reason[160];
     snprintf(reason, sizeof(reason), "%s", why); /* why may point into w */
     LOG_AT(w->dead ? LOG_LEVEL_WARN : LOG_LEVEL_INFO, 0, "worker %s (%s, pid %d) removed: %s",
-           w->id, role_str(w->role), w->pid, reason);
+           w->id, proto_role_str(w->role), w->pid, reason);
     w->dead = 1; /* out of routing while its requests move */
     notify(c, CLUSTER_EV_WORKER_DOWN, w, 0, reason);
     cluster_worker_fail_requests(c, w, reason);

@@ -120,14 +120,6 @@ struct cluster {
 
 // --- small helpers
 
-static inline const char *role_str(int role)
-{
-    return role == PROTO_ROLE_PREFILL  ? "prefill"
-           : role == PROTO_ROLE_DECODE ? "decode"
-           : role == PROTO_ROLE_MIXED  ? "mixed"
-                                       : "?";
-}
-
 static inline void list_push(rlist_t *l, req_t *r, int front)
 {
     r->prev = r->next = NULL;

@@ -68,7 +68,7 @@ static void handle_register(cluster_t *c, const proto_msg *m, const unsigned cha
     w->full = 0;
     log_info("worker %s %s: role %s, pid %d, kv %s, n_ctx %d, kv blocks %d/%d of %d tokens, "
              "max_seqs %d",
-             w->id, is_new ? "registered" : "re-registered", role_str(w->role), w->pid,
+             w->id, is_new ? "registered" : "re-registered", proto_role_str(w->role), w->pid,
              w->kvep[0] ? w->kvep : "-", w->n_ctx, w->kv_free, w->kv_total, w->block_size,
              w->max_seqs);
     if (is_new || (old_role == w->role && old_pid != w->pid)) {

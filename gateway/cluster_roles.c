@@ -112,7 +112,7 @@ int cluster_role_order(cluster_t *c, worker_t *w, int role, const char *why)
     c->n_role_orders++;
     int n_moves = w->role == PROTO_ROLE_DECODE ? migrate_all(c, w) : 0;
     log_info("worker %s: role change %s -> %s ordered by %s (%d sequences migrating)", w->id,
-             role_str(w->role), role_str(role), why, n_moves);
+             proto_role_str(w->role), proto_role_str(role), why, n_moves);
     char reason[96];
     snprintf(reason, sizeof(reason), "ordered by %s", why);
     notify_role(c, w, role, w->role, reason);
@@ -148,12 +148,12 @@ void cluster_role_change_done(cluster_t *c, worker_t *w, int role)
         c->n_role_changes++;
         c->last_role_change_ms = ms;
         snprintf(reason, sizeof(reason), "done in %.1f ms", ms);
-        log_info("worker %s: role change %s -> %s done in %.1f ms", w->id, role_str(w->role),
-                 role_str(role), ms);
+        log_info("worker %s: role change %s -> %s done in %.1f ms", w->id, proto_role_str(w->role),
+                 proto_role_str(role), ms);
     } else {
-        snprintf(reason, sizeof(reason), "not made: still %s", role_str(role));
+        snprintf(reason, sizeof(reason), "not made: still %s", proto_role_str(role));
         log_warn("worker %s: role change to %s not made: it registered again as %s", w->id,
-                 role_str(w->target_role), role_str(role));
+                 proto_role_str(w->target_role), proto_role_str(role));
     }
     notify_role(c, w, role, w->role, reason);
 }
@@ -192,11 +192,11 @@ int cluster_set_role(cluster_t *c, const char *id, int role, const char *why, ch
     }
     if (w->changing) {
         snprintf(err, errlen, "worker '%s' is already changing to %s", id,
-                 role_str(w->target_role));
+                 proto_role_str(w->target_role));
         return -2;
     }
     if (w->role == role) {
-        snprintf(err, errlen, "worker '%s' is already %s", id, role_str(role));
+        snprintf(err, errlen, "worker '%s' is already %s", id, proto_role_str(role));
         return -2;
     }
     if (w->state != PROTO_STATE_READY) {
@@ -205,7 +205,7 @@ int cluster_set_role(cluster_t *c, const char *id, int role, const char *why, ch
     }
     if (cluster_n_capable(c, w->role, w) < 1) {
         snprintf(err, errlen, "worker '%s' is the last %s worker: the cluster keeps at least "
-                 "one per role", id, role_str(w->role));
+                 "one per role", id, proto_role_str(w->role));
         return -2;
     }
     if (cluster_role_order(c, w, role, why) < 0) {

@@ -2,14 +2,15 @@
  * http: the gateway's HTTP server (libevent evhttp): routes, request admission and the
  * replies, plain JSON or Server-Sent Events.
  *
- * POST /v1/completions and /v1/chat/completions are validated (api.h), tokenized (BOS +
- * text), admitted into the cluster (cluster.h) and answered from the cluster's callbacks:
- * text goes through a stream_t (stream.h) so that only whole UTF-8 characters are sent and
- * stop strings are honoured. A client that disconnects cancels its request. GET
- * /v1/models and GET /health report the model and the cluster; GET /metrics exposes the
- * stats (stats.h) in the Prometheus text format. /v1/files and /v1/batches are routed to
- * the Batch API (batch.h). Anything else gets an OpenAI-style JSON
- * error (404 unknown path, 405 wrong method). Loop thread only.
+ * POST /v1/completions and /v1/chat/completions go down the completion path
+ * (completion.h: validated, tokenized, admitted into the cluster, text through a stream_t
+ * so that only whole UTF-8 characters are sent and stop strings are honoured); the server
+ * is its sink, answering with Server-Sent Events or one JSON body. A client that
+ * disconnects cancels its request. GET /v1/models and GET /health report the model and the
+ * cluster; GET /metrics exposes the stats (stats.h) in the Prometheus text format
+ * (prometheus.h). /v1/files and /v1/batches are routed to the Batch API (batch.h).
+ * Anything else gets an OpenAI-style JSON error (404 unknown path, 405 wrong method). Loop
+ * thread only.
  */
 #ifndef TP_GW_HTTP_H
 #define TP_GW_HTTP_H
@@ -44,10 +45,6 @@ typedef struct {
  * use, bad host, out of memory). */
 http_server_t *http_server_new(struct event_base *base, const http_params *p, char *err,
                                size_t errlen);
-
-/* The callbacks to give cluster_new(): they route the cluster's reports to the HTTP
- * requests (the cluster's ud is the server's per-request state). Static storage. */
-const cluster_callbacks *http_server_callbacks(void);
 
 /* Attach the cluster requests are admitted into (borrowed; must outlive the server's use
  * of it, i.e. destroy the cluster before the server). */

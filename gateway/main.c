@@ -21,6 +21,7 @@
 
 #include "batch.h"
 #include "cluster.h"
+#include "completion.h"
 #include "config.h"
 #include "gguf.h"
 #include "http.h"
@@ -294,7 +295,7 @@ int main(int argc, char **argv)
         log_error("%s", err);
         goto out;
     }
-    cluster = cluster_new(app.base, &cp, http_server_callbacks(), err, sizeof(err));
+    cluster = cluster_new(app.base, &cp, completion_callbacks(), err, sizeof(err));
     if (!cluster) {
         log_error("%s", err);
         goto out;

@@ -88,20 +88,6 @@ void policy_state_init(policy_state *st)
     memset(st, 0, sizeof(*st));
 }
 
-const char *policy_role_str(int role)
-{
-    switch (role) {
-    case POLICY_ROLE_PREFILL:
-        return "prefill";
-    case POLICY_ROLE_DECODE:
-        return "decode";
-    case POLICY_ROLE_MIXED:
-        return "mixed";
-    default:
-        return "?";
-    }
-}
-
 // --- pressures ---------------------------------------------------------------------------
 
 /* One set of signals, and the capacities they were seen with (cap0). */

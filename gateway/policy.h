@@ -189,7 +189,4 @@ void policy_state_init(policy_state *st);
 int policy_decide(const policy_params *p, policy_state *st, const policy_input *in,
                   policy_output *out);
 
-/* "prefill" | "decode" | "mixed" | "?" */
-const char *policy_role_str(int role);
-
 #endif

@@ -78,7 +78,7 @@ static void pk_role(msgpack_packer *pk, const char *k, int role)
 {
     pk_key(pk, k);
     if (role) {
-        const char *r = stats_role_str(role);
+        const char *r = proto_role_str(role);
         msgpack_pack_str(pk, strlen(r));
         msgpack_pack_str_body(pk, r, strlen(r));
     } else {
@@ -296,9 +296,8 @@ static void pk_cluster(msgpack_packer *pk, const stats_t *stats, const wlist *l,
     msgpack_pack_map(pk, 14);
     pk_key(pk, "workers");
     msgpack_pack_map(pk, 4);
-    pk_i64(pk, "prefill", by_role[PROTO_ROLE_PREFILL]);
-    pk_i64(pk, "decode", by_role[PROTO_ROLE_DECODE]);
-    pk_i64(pk, "mixed", by_role[PROTO_ROLE_MIXED]);
+    for (int r = PROTO_ROLE_PREFILL; r <= PROTO_ROLE_MIXED; r++)
+        pk_i64(pk, proto_role_str(r), by_role[r]);
     pk_i64(pk, "draining", draining);
     pk_i64(pk, "running", running);
     pk_i64(pk, "queued", queued);

@@ -1,6 +1,6 @@
 /*
- * stats: the gateway's figures for operators: what GET /metrics exposes (Prometheus text,
- * vLLM's metric names under the tidepool: prefix) and what the stats socket publishes
+ * stats: the gateway's figures for operators: what GET /metrics exposes (prometheus.h
+ * writes them in the Prometheus text format) and what the stats socket publishes
  * (statpub.h).
  *
  * The gateway sees every request from admission to its end, so request-level figures are
@@ -24,13 +24,12 @@
 #define TP_GW_STATS_H
 
 #include <stdint.h>
-#include <stdio.h>
 
 #include "cluster.h"
+#include "metrics.h"
 #include "protocol.h"
 
-#define STATS_PREFIX "tidepool:" /* prefix of every metric name */
-#define STATS_MAX_EVENTS 32      /* events kept for late subscribers */
+#define STATS_MAX_EVENTS 32 /* events kept for late subscribers */
 
 typedef struct stats stats_t;
 
@@ -176,12 +175,22 @@ void stats_get_worker(const stats_t *s, const char *id, int64_t now_us, stats_wo
 /* The same over every request (rates: the sum over the workers sampled last). */
 void stats_get_cluster(const stats_t *s, int64_t now_us, stats_worker_figures *out);
 
-/* Write every metric in the Prometheus text format to f (c may be NULL: no worker
- * series). The names and labels are listed in docs/stats.md. */
-void stats_write_metrics(const stats_t *s, const cluster_t *c, FILE *f);
+// --- for the exposition (prometheus.h)
 
-/* Role and state names ("prefill", "decode", "mixed", "?"; "ready", "draining", "?"). */
-const char *stats_role_str(int role);
+/* The value of the model_name label (borrowed, valid while s lives). */
+const char *stats_model_name(const stats_t *s);
+
+/* HTTP responses sent with this status code (0 outside 100..599). */
+uint64_t stats_http_responses(const stats_t *s, int status);
+
+/* The i-th request-level histogram (i = 0, 1, ... until NULL), borrowed from s, with its
+ * metric name (without the prefix) and help text in *name and *help (static strings).
+ * NULL, *name and *help untouched, once i is past the last. */
+const metrics_histogram *stats_histogram(const stats_t *s, int i, const char **name,
+                                         const char **help);
+
+/* The name of a worker state ("ready", "draining", "changing"; "?" otherwise). Role names
+ * are proto_role_str's (protocol.h). Static storage. */
 const char *stats_state_str(int state);
 
 #endif

@@ -34,6 +34,7 @@ typedef enum {
  * strings are ignored). eos: the EOS id (-1 = none). NULL on out of memory. */
 stream_t *stream_new(const tokenizer_t *tok, int prev_token, int eos, const char *const *stops,
                      int n_stops);
+/* Free; takes NULL and NULLs *s. */
 void stream_destroy(stream_t **s);
 
 /* Feed one generated token. Returns STREAM_CONTINUE, STREAM_STOP (the stream is now
@@ -47,6 +48,7 @@ stream_status_t stream_finish(stream_t *s);
 /* Text released so far and not yet cleared: borrowed, *len bytes of valid UTF-8,
  * NUL-terminated. Valid until the next call on s. */
 const char *stream_out(const stream_t *s, size_t *len);
+/* Forget the text released so far (the caller has sent it); what is held back stays. */
 void stream_out_clear(stream_t *s);
 
 /* Tokens pushed that counted: up to and including the one that completed a stop string;

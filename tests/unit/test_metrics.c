@@ -11,6 +11,7 @@
 #include <cmocka.h>
 
 #include "metrics.h"
+#include "prometheus.h"
 #include "stats.h"
 
 /* Run fn(f, ud) into a string (caller frees). */
@@ -187,7 +188,7 @@ static void test_window_quantiles(void **state)
 
 static void write_stats(FILE *f, void *ud)
 {
-    stats_write_metrics(ud, NULL, f);
+    prometheus_write(ud, NULL, f);
 }
 
 /* The value of the sample line that starts with prefix (name and labels), or NaN. */

@@ -1,0 +1,148 @@
+/*
+ * completion: the one path of a completion request, whoever asked for it: the HTTP API
+ * (POST /v1/completions and /v1/chat/completions, http.h) and the lines of a Batch API job
+ * (batch.h) alike.
+ *
+ *   validate (size, api_parse, model) -> tokenize (BOS + text) -> check the context ->
+ *   admit into the cluster -> stream or collect the text -> finish
+ *
+ * Generated text goes through a stream_t (stream.h): only whole UTF-8 characters come out
+ * and stop strings are honoured. A streaming request hands its text to the sink as it is
+ * released; any other collects it, and the sink formats the whole answer at the end
+ * (completion_format_response). What differs between transports, an SSE stream or a JSON
+ * reply or a batch output line, is a completion_sink: a few callbacks for text, the end,
+ * an error and the release of the transport's own state. The end of every admitted request
+ * is counted in the stats (stats_request_end) here, once.
+ *
+ * One completion_t per admitted request; it is the cluster's ud (completion_callbacks()),
+ * and it is freed in exactly one place when the request ends: finished, failed, cancelled
+ * by its owner or destroyed. Loop thread only.
+ */
+#ifndef TP_GW_COMPLETION_H
+#define TP_GW_COMPLETION_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "api.h"
+#include "cluster.h"
+#include "stats.h"
+#include "tokenizer.h"
+
+typedef struct completion completion_t;
+
+/* What the completions of one transport share. Owned by the transport (the HTTP server,
+ * the batch module), borrowed by every completion it starts: it must outlive them. The
+ * cluster and the stats may change between requests (set later, cleared at shutdown). */
+typedef struct {
+    const tokenizer_t *tok; /* the served tokenizer */
+    int n_ctx;              /* context length in tokens */
+    int max_piece;          /* bytes of the longest token piece: completion_max_piece(tok) */
+    size_t max_body;        /* larger bodies are refused with 413 */
+    const char *model;      /* the served model name */
+    cluster_t *cluster;     /* where requests run; NULL: refused with 503 not_ready */
+    stats_t *stats;         /* NULL: no figures */
+    uint64_t id_nonce;      /* HTTP: response ids are <prefix>-<nonce, 16 hex><rid, hex> */
+    int batch_line;         /* 1: Batch API lines: "stream" is refused, every request runs
+                             * offline (its service_tier is only reported back), ids are
+                             * <prefix>-<rid, 16 hex>, no INFO line per request end, and a
+                             * request refused before admission is not counted in the stats
+                             * (its line result is the record; a full cluster means "later") */
+} completion_env;
+
+/* How a completion reaches its transport. Every callback gets the sink's ud and the
+ * completion (borrowed for the call: read it with the accessors below). */
+typedef struct {
+    /* Streaming requests only: len >= 1 bytes of text the stream released (whole UTF-8
+     * characters). */
+    void (*text)(void *ud, const completion_t *c, const char *text, size_t len);
+    /* Optional (NULL: none). After each message of tokens that leaves the request running:
+     * return 0, or -1 to end it with the error *e (the sink fills it; e.g. a client that
+     * reads too slowly). */
+    int (*check)(void *ud, const completion_t *c, api_error *e);
+    /* The request finished with finish_reason (API_FINISH_STOP / _LENGTH): deliver the
+     * end of the stream, or the whole answer (completion_format_response). Return 0, or -1
+     * with *e set when the answer could not be delivered (then counted as failed with e). */
+    int (*done)(void *ud, const completion_t *c, const char *finish_reason, api_error *e);
+    /* The request failed after admission with e (cluster errors, out of memory, check()):
+     * report it. Return STATS_END_FAILED, or STATS_END_CANCELLED when the failure is not
+     * the request's (a batch line left for the next start): counted as cancelled. */
+    stats_end_t (*fail)(void *ud, const completion_t *c, const api_error *e);
+    /* The completion is gone: free ud. Called exactly once per admitted request, last
+     * (after done or fail, or from completion_cancel / completion_destroy). */
+    void (*release)(void *ud);
+} completion_sink;
+
+/* The requests in flight of one owner (the HTTP server, a batch job): a completion joins
+ * its owner's list when admitted and leaves it when freed. Zero-initialize; it must
+ * outlive the completions in it. */
+typedef struct {
+    completion_t *head; /* the latest admitted first; next: completion_next() */
+    int n;
+} completion_list;
+
+typedef enum {
+    COMPLETION_OK = 0,   /* admitted: *out is the request; the sink hears of its end */
+    COMPLETION_FULL = 1, /* the cluster's queue is full: *e is the 429 to answer, or try
+                          * again later */
+    COMPLETION_ERR = -1, /* refused: *e is the error to answer (4xx, 5xx) */
+} completion_status_t;
+
+/* Bytes of the longest piece of tok (>= 1), for completion_env.max_piece: a token spells
+ * at most this many bytes, so a prompt of n bytes is at least n / max_piece tokens. */
+int completion_max_piece(const tokenizer_t *tok);
+
+/* The callbacks that route the cluster's reports to completions (the cluster's ud is the
+ * completion_t). Every job completion_start submits names them; give them to cluster_new()
+ * as well. Static storage. */
+const cluster_callbacks *completion_callbacks(void);
+
+/* Validate body (len bytes, need not be NUL-terminated; not read when len exceeds
+ * env->max_body) for endpoint kind, tokenize it, and admit it into env->cluster. env,
+ * sink and list are borrowed for the request's life. On COMPLETION_OK *out is the request,
+ * at the head of list, and it owns ud from then on (sink->release frees it); otherwise
+ * *out is NULL, ud stays the caller's and *e says why (see completion_status_t). No sink
+ * callback runs inside this call. */
+completion_status_t completion_start(const completion_env *env, api_kind_t kind, const char *body,
+                                     size_t len, const completion_sink *sink, void *ud,
+                                     completion_list *list, completion_t **out, api_error *e);
+
+/* The owner gives up on the request (its client went away): it is cancelled in the
+ * cluster, counted as cancelled ("abort") with status (logged: 499) and why, and freed
+ * (sink->release, no other callback). Takes NULL; sets *c to NULL before the release. */
+void completion_cancel(completion_t **c, int status, const char *why);
+
+/* Forget the request without an answer or a count (shutdown; a batch cancelled or taken
+ * back): cancelled in the cluster when there is one, then freed (sink->release). Takes
+ * NULL; sets *c to NULL before the release. */
+void completion_destroy(completion_t **c);
+
+// --- accessors (c borrowed; strings valid while c lives)
+
+/* The sink's state given to completion_start. */
+void *completion_ud(const completion_t *c);
+
+/* The next request in c's list (NULL after the last). */
+completion_t *completion_next(const completion_t *c);
+
+/* The cluster's request id (logs, cancel). */
+uint64_t completion_rid(const completion_t *c);
+
+/* The response id ("cmpl-..." / "chatcmpl-..."). */
+const char *completion_id(const completion_t *c);
+
+/* 1 when the request asked for a stream ("stream": true): text goes to sink->text. */
+int completion_streaming(const completion_t *c);
+
+/* What every response body and chunk of the request shares (strings borrowed from c and
+ * its env). */
+api_response_info completion_info(const completion_t *c);
+
+/* The usage figures: prompt tokens (BOS included) and completion tokens so far. */
+void completion_usage(const completion_t *c, int *n_prompt, int *n_completion);
+
+/* The non-streaming response body with the text collected so far and finish_reason
+ * (api_format_response). malloc'd (the caller frees); NULL on out of memory. */
+char *completion_format_response(const completion_t *c, const char *finish_reason);
+
+#endif

@@ -1,0 +1,244 @@
+/* http_completion: POST /v1/completions and /v1/chat/completions (http.h).
+ *
+ * Each admitted request has one gw_req, the sink of its completion (completion.h), which
+ * owns it and frees it in exactly one place (req_free, the sink's release) when the
+ * request ends: finished, failed, or abandoned by its client. Streaming requests get
+ * Server-Sent Events (a chunk per message of tokens, then the finish chunk, the usage
+ * chunk when asked, and [DONE]); others one JSON body. A client that goes away is noticed
+ * through the connection's close callback (and, while a non-streaming request waits, a
+ * watch on its socket); libevent then has detached (or is about to free) the
+ * evhttp_request, so from that moment the gw_req no longer touches it, and the request is
+ * cancelled (completion_cancel). */
+#include <errno.h>
+#include <event2/buffer.h>
+#include <event2/bufferevent.h>
+#include <event2/event.h>
+#include <event2/http.h>
+#include <event2/keyvalq_struct.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+
+#include "http_internal.h"
+#include "log.h"
+
+#define SLOW_CLIENT_BYTES (8u << 20) /* unsent SSE bytes before a client is dropped */
+
+typedef struct gw_req {
+    http_server_t *srv;
+    struct evhttp_request *req; /* NULL once answered or the client is gone */
+    struct evhttp_connection *conn;
+    struct event *close_ev; /* non-streaming: watches the socket for EOF */
+    completion_t *c;        /* the request; it owns this gw_req (completion_sink.release) */
+} gw_req;
+
+// --- the completion's sink
+
+/* The completion is gone (completion_sink.release): the one place a gw_req is freed. */
+static void req_free(void *ud)
+{
+    gw_req *g = ud;
+    if (g->conn && g->req)
+        evhttp_connection_set_closecb(g->conn, NULL, NULL);
+    if (g->close_ev)
+        event_free(g->close_ev);
+    free(g);
+}
+
+static void sse_send(gw_req *g, const char *payload)
+{
+    struct evbuffer *b = evbuffer_new();
+    if (!b)
+        return;
+    evbuffer_add_printf(b, "data: %s\n\n", payload);
+    evhttp_send_reply_chunk(g->req, b);
+    evbuffer_free(b);
+}
+
+/* Streaming: one chunk of text. */
+static void sink_text(void *ud, const completion_t *c, const char *text, size_t len)
+{
+    api_response_info info = completion_info(c);
+    char *chunk = api_format_chunk(&info, text, len, NULL, 0);
+    if (chunk)
+        sse_send(ud, chunk);
+    free(chunk);
+}
+
+/* Streaming: a client that reads slower than we generate has its answer ended here rather
+ * than buffered without bound. */
+static int sink_check(void *ud, const completion_t *c, api_error *e)
+{
+    gw_req *g = ud;
+    if (!completion_streaming(c))
+        return 0;
+    struct bufferevent *bev = evhttp_connection_get_bufferevent(g->conn);
+    if (!bev || evbuffer_get_length(bufferevent_get_output(bev)) <= SLOW_CLIENT_BYTES)
+        return 0;
+    log_rwarn(completion_rid(c), "client too slow (%u bytes unsent): request ended",
+              SLOW_CLIENT_BYTES);
+    api_error_set(e, 503, "server_error", NULL, "slow_client", "the client reads too slowly");
+    return -1;
+}
+
+/* The end of the answer: the last chunks and [DONE], or the whole JSON body. Always 0: a
+ * body that cannot be formatted is answered 500 but counted as finished, as it was. */
+static int sink_done(void *ud, const completion_t *c, const char *finish_reason, api_error *e)
+{
+    gw_req *g = ud;
+    (void)e;
+    api_response_info info = completion_info(c);
+    if (completion_streaming(c)) {
+        char *chunk =
+            api_format_chunk(&info, info.kind == API_CHAT ? NULL : "", 0, finish_reason, 0);
+        if (chunk)
+            sse_send(g, chunk);
+        free(chunk);
+        if (info.include_usage) {
+            int n_prompt, n_completion;
+            completion_usage(c, &n_prompt, &n_completion);
+            chunk = api_format_usage_chunk(&info, n_prompt, n_completion);
+            if (chunk)
+                sse_send(g, chunk);
+            free(chunk);
+        }
+        sse_send(g, "[DONE]");
+        evhttp_connection_set_closecb(g->conn, NULL, NULL);
+        evhttp_send_reply_end(g->req);
+    } else {
+        char *body = completion_format_response(c, finish_reason);
+        evhttp_connection_set_closecb(g->conn, NULL, NULL);
+        if (body)
+            http_reply_json(g->req, 200, body);
+        else
+            http_reply_error_msg(g->req, 500, "server_error", NULL, NULL,
+                                 "could not format the response");
+        free(body);
+    }
+    g->req = NULL;
+    return 0;
+}
+
+static stats_end_t sink_fail(void *ud, const completion_t *c, const api_error *e)
+{
+    gw_req *g = ud;
+    evhttp_connection_set_closecb(g->conn, NULL, NULL);
+    if (completion_streaming(c)) {
+        /* headers are out: report in the stream, then end it as usual */
+        char *body = api_error_json(e);
+        if (body)
+            sse_send(g, body);
+        free(body);
+        sse_send(g, "[DONE]");
+        evhttp_send_reply_end(g->req);
+    } else {
+        http_reply_error(g->req, e);
+    }
+    g->req = NULL;
+    return STATS_END_FAILED;
+}
+
+static const completion_sink sink = {sink_text, sink_check, sink_done, sink_fail, req_free};
+
+/* The client went away: cancel wherever the request is and forget it. */
+static void on_close(struct evhttp_connection *conn, void *arg)
+{
+    gw_req *g = arg;
+    (void)conn;
+    log_rinfo(completion_rid(g->c), "client disconnected: cancelling");
+    /* libevent detached the request (evcon == NULL) and leaves it to us, or it is still
+     * attached and libevent frees it right after this callback. */
+    if (g->req && evhttp_request_get_connection(g->req) == NULL)
+        evhttp_request_free(g->req);
+    g->req = NULL;
+    completion_cancel(&g->c, 499, "client disconnected");
+}
+
+/* Non-streaming requests: libevent 2.1 does not read from a connection while its request
+ * awaits the reply, so it would not notice the client leaving. We watch the socket
+ * ourselves: readable with nothing to read (EOF) or an error means the client is gone;
+ * data (a pipelined request) means it is not, and we stop watching. */
+static void on_readable(evutil_socket_t fd, short what, void *arg)
+{
+    gw_req *g = arg;
+    (void)what;
+    char c;
+    ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n > 0 || (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))) {
+        if (n < 0)
+            event_add(g->close_ev, NULL);
+        return;
+    }
+    /* Closing the connection runs on_close, which cancels and frees g. */
+    evhttp_connection_free(g->conn);
+}
+
+static void watch_close(gw_req *g)
+{
+    struct bufferevent *bev = evhttp_connection_get_bufferevent(g->conn);
+    evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1;
+    if (fd < 0)
+        return;
+    g->close_ev = event_new(g->srv->base, fd, EV_READ, on_readable, g);
+    if (g->close_ev)
+        event_add(g->close_ev, NULL);
+}
+
+// --- the handler
+
+void http_completion_handle(http_server_t *s, struct evhttp_request *req, api_kind_t kind)
+{
+    struct evbuffer *in = evhttp_request_get_input_buffer(req);
+    size_t len = evbuffer_get_length(in);
+    api_error e;
+    gw_req *g = calloc(1, sizeof(*g));
+    if (!g) {
+        http_reply_error_msg(req, 500, "server_error", NULL, NULL, "out of memory");
+        return;
+    }
+    g->srv = s;
+    g->req = req;
+    g->conn = evhttp_request_get_connection(req);
+    /* completion_start does not read a body over the limit */
+    const char *body =
+        len && len <= s->cx.max_body ? (const char *)evbuffer_pullup(in, (ev_ssize_t)len) : "";
+    completion_status_t st =
+        completion_start(&s->cx, kind, body, len, &sink, g, &s->active, &g->c, &e);
+    if (st != COMPLETION_OK) {
+        if (st == COMPLETION_FULL) {
+            char ra[16];
+            snprintf(ra, sizeof(ra), "%d", cluster_retry_after_s(s->cx.cluster));
+            evhttp_add_header(evhttp_request_get_output_headers(req), "Retry-After", ra);
+            log_warn("429: queue full");
+        }
+        free(g);
+        http_reply_error(req, &e);
+        return;
+    }
+    evhttp_connection_set_closecb(g->conn, on_close, g);
+    if (!completion_streaming(g->c)) {
+        watch_close(g);
+        return;
+    }
+    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
+    evhttp_add_header(h, "Content-Type", "text/event-stream");
+    evhttp_add_header(h, "Cache-Control", "no-cache");
+    evhttp_send_reply_start(req, 200, "OK");
+    if (kind == API_CHAT) {
+        api_response_info info = completion_info(g->c);
+        char *chunk = api_format_chunk(&info, NULL, 0, NULL, 1);
+        if (chunk)
+            sse_send(g, chunk);
+        free(chunk);
+    }
+}
+
+void http_completion_abandon_all(http_server_t *s)
+{
+    while (s->active.head) {
+        gw_req *g = completion_ud(s->active.head);
+        evhttp_connection_set_closecb(g->conn, NULL, NULL);
+        g->req = NULL;             /* evhttp_free frees the requests */
+        completion_destroy(&g->c); /* cancels it in the cluster; frees g */
+    }
+}

@@ -1,0 +1,66 @@
+/*
+ * http_internal: what the files of the HTTP server (http.h) share: http.c (the listener,
+ * routing, limits, error replies and the server's life), http_completion.c (the completion
+ * endpoints: the completion's sink, SSE, client disconnects) and http_admin.c (/health,
+ * /workers, POST /workers/{id}/role, /metrics, /v1/models). Not a public interface.
+ */
+#ifndef TP_GW_HTTP_INTERNAL_H
+#define TP_GW_HTTP_INTERNAL_H
+
+#include <stdint.h>
+
+#include "api.h"
+#include "batch.h"
+#include "completion.h"
+#include "http.h"
+
+struct evhttp;
+struct evhttp_bound_socket;
+struct evhttp_request;
+
+struct http_server {
+    struct event_base *base;
+    struct evhttp *http;
+    struct evhttp_bound_socket *bound;
+    char *host;
+    char *model; /* cx.model is this */
+    int port;
+    completion_env cx;      /* tokenizer, limits, cluster (NULL: 503), stats (NULL: no figures) */
+    batch_t *batch;         /* NULL: the Files and Batch API answer 503 */
+    completion_list active; /* the completion requests in flight (http_completion.c) */
+    int64_t started;
+};
+
+// --- http.c: replies
+
+/* Answer req with status and a JSON body (NULL: empty), Content-Type application/json. */
+void http_reply_json(struct evhttp_request *req, int status, const char *body);
+/* Answer req with e's status and its OpenAI error body. */
+void http_reply_error(struct evhttp_request *req, const api_error *e);
+/* The same from the fields (param, code may be NULL; msg is copied, truncated to fit). */
+void http_reply_error_msg(struct evhttp_request *req, int status, const char *type,
+                          const char *param, const char *code, const char *msg);
+
+// --- http_completion.c: POST /v1/completions, /v1/chat/completions
+
+/* Answer a completion request of kind (the method was checked): admit it and answer from
+ * its completion (SSE or JSON), or answer its error (429 with Retry-After when full). */
+void http_completion_handle(http_server_t *s, struct evhttp_request *req, api_kind_t kind);
+/* Forget every request still in flight without an answer (the server is freed before the
+ * cluster: each is cancelled there); evhttp_free frees their evhttp requests. */
+void http_completion_abandon_all(http_server_t *s);
+
+// --- http_admin.c: operators' and models' endpoints (GET unless said; always answer)
+
+/* GET /health: 200 when the cluster can serve, else 503 with the reason. */
+void http_admin_health(http_server_t *s, struct evhttp_request *req);
+/* GET /workers: every alive worker with its last reported load figures. */
+void http_admin_workers(http_server_t *s, struct evhttp_request *req);
+/* POST /workers/{id}/role: order a live role change of worker id. */
+void http_admin_worker_role(http_server_t *s, struct evhttp_request *req, const char *id);
+/* GET /metrics: the stats in the Prometheus text format (503 without stats). */
+void http_admin_metrics(http_server_t *s, struct evhttp_request *req);
+/* GET /v1/models (which NULL) or GET /v1/models/{which}. */
+void http_admin_models(http_server_t *s, struct evhttp_request *req, const char *which);
+
+#endif
