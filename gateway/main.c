@@ -357,6 +357,8 @@ out:
         cluster_set_observer(cluster, NULL, NULL);
     if (batch) /* its lines in flight stay unfinished (resumed at the next start) */
         batch_set_cluster(batch, NULL);
+    if (app.http) /* requests during the flush below get 503, not the freed cluster */
+        http_server_set_cluster(app.http, NULL);
     cluster_destroy(&cluster);
     if (app.base && app.http) {
         struct timeval flush = {0, 200 * 1000}; /* let those answers go out */
