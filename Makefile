@@ -31,26 +31,28 @@ ALL_LDFLAGS := $(LDFLAGS_BASE) $(LDFLAGS)
 # same table and fails on any include that crosses it (relative paths, system headers that
 # belong to another layer). A folder's own directory is always searchable.
 #   folder          may include
-LAYER_common         := common common/engine
-LAYER_transport      := $(LAYER_common) transport
-LAYER_kvtransfer     := $(LAYER_transport) kvtransfer
+LAYER_common         := common
+LAYER_engine         := common common/engine
+LAYER_transport      := common transport
+LAYER_kvtransfer     := $(LAYER_engine) transport kvtransfer
 LAYER_worker         := $(LAYER_kvtransfer) worker
 LAYER_prefill_worker := $(LAYER_worker) prefill_worker
 LAYER_decode_worker  := $(LAYER_worker) decode_worker
-LAYER_gateway        := $(LAYER_transport) gateway
-LAYER_bench          := $(LAYER_common) tools/bench
-LAYER_sim            := $(LAYER_common) gateway tools/sim
+LAYER_gateway        := $(LAYER_engine) transport gateway
+LAYER_bench          := common tools/bench
+LAYER_sim            := $(LAYER_engine) gateway tools/sim
 LAYER_tools          := $(LAYER_worker) tools tools/bench tools/sim prefill_worker decode_worker gateway
 LAYER_tests          := $(LAYER_worker) prefill_worker decode_worker gateway tools tools/bench tools/sim
-# folder -> layer (the longest matching folder wins: common/engine is common's)
-LAYERS := common:common common/engine:common transport:transport kvtransfer:kvtransfer \
+# folder -> layer (the longest matching folder wins: common/engine is the engine layer)
+LAYERS := common:common common/engine:engine transport:transport kvtransfer:kvtransfer \
           worker:worker prefill_worker:prefill_worker decode_worker:decode_worker \
           gateway:gateway tools/bench:bench tools/sim:sim tools:tools tests:tests
 # "layer=dir,dir ..." for the checker
-LAYER_SPEC := $(foreach l,common transport kvtransfer worker prefill_worker decode_worker \
+LAYER_SPEC := $(foreach l,common engine transport kvtransfer worker prefill_worker decode_worker \
                 gateway bench sim tools tests,$(l)=$(subst $(space),$(comma),$(strip $(LAYER_$(l)))))
 inc = $(addprefix -I,$(LAYER_$(1)))
 $(BUILD)/obj/common/%.o:         INC = $(call inc,common)
+$(BUILD)/obj/common/engine/%.o:  INC = $(call inc,engine)
 $(BUILD)/obj/transport/%.o:      INC = $(call inc,transport)
 $(BUILD)/obj/kvtransfer/%.o:     INC = $(call inc,kvtransfer)
 $(BUILD)/obj/worker/%.o:         INC = $(call inc,worker)
@@ -115,10 +117,11 @@ BINS := $(PROGS:%=$(BUILD)/bin/%) $(TOOLS)
 .SECONDARY:
 all: $(BINS) $(TESTS) model
 
-# Rebuild everything when the flags change.
+# Rebuild everything when the flags (or the layering table, which sets include paths) change.
 $(BUILD)/.flags: FORCE
 	@mkdir -p $(@D)
-	@echo '$(CC) $(ALL_CFLAGS) $(ALL_LDFLAGS)' | cmp -s - $@ || echo '$(CC) $(ALL_CFLAGS) $(ALL_LDFLAGS)' > $@
+	@echo '$(CC) $(ALL_CFLAGS) $(ALL_LDFLAGS) $(LAYER_SPEC)' | cmp -s - $@ || \
+	    echo '$(CC) $(ALL_CFLAGS) $(ALL_LDFLAGS) $(LAYER_SPEC)' > $@
 FORCE:
 
 $(BUILD)/obj/%.o: %.c $(BUILD)/.flags

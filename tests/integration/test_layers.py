@@ -58,6 +58,10 @@ class LayersTest(unittest.TestCase):
         self.assert_refused("common/protocol.c", '#include "kvtransfer.h"',
                             "is kvtransfer/kvtransfer.h, outside what layer common")
 
+    def test_common_may_not_include_the_engine(self):
+        self.assert_refused("common/protocol.c", '#include "kvcache.h"',
+                            "is common/engine/kvcache.h, outside what layer common")
+
     def test_common_may_not_include_zmq(self):
         self.assert_refused("common/log.c", "#include <zmq.h>",
                             "<zmq.h> belongs to")
