@@ -68,7 +68,7 @@ class LayersTest(unittest.TestCase):
 
     def test_relative_path_is_caught(self):
         self.assert_refused("common/engine/model.c", '#include "../../gateway/http.h"',
-                            "outside what layer common")
+                            "is gateway/http.h, outside what layer engine")
 
     def test_roles_may_not_include_each_other(self):
         decode_h = sorted(f for f in os.listdir(os.path.join(ROOT, "decode_worker"))
