@@ -4,7 +4,10 @@
  * with every feature, split at every pair of positions, the flag parser, the seeded
  * workload (golden values from an independent Python model of the generator, exact counts,
  * bounds, the phase-shift rate switching at phase boundaries), the dataset loader and the
- * per-record figures of the report (TPOT, goodput, phase filter).
+ * per-record figures of the report (TPOT, goodput, phase filter); and requests in flight
+ * against a scripted HTTP server in the same event loop (the record each kind of response
+ * leaves: token counts from usage or chunks, ITL samples, every failure's kind and message,
+ * the error groups, interrupt and timeout, every flight freed once).
  */
 #include <math.h>
 #include <setjmp.h>
@@ -17,11 +20,19 @@
 #include <unistd.h>
 #include <cmocka.h>
 
+#include <arpa/inet.h>
+#include <event2/buffer.h>
+#include <event2/event.h>
+#include <event2/http.h>
+#include <event2/keyvalq_struct.h>
 #include <jansson.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include "bench.h"
 #include "bench_args.h"
 #include "bench_dataset.h"
+#include "bench_flight.h"
 #include "bench_report.h"
 #include "bench_sse.h"
 #include "bench_stats.h"
@@ -843,6 +854,261 @@ static void test_report_compute(void **state)
     assert_true(t0 > 0 && bench_now_ns() >= t0);
 }
 
+// --- requests in flight
+
+/* A scripted OpenAI-style server on the test's own event loop: the k-th request gets the
+ * response of modes[k] (SSE bodies are sent in one chunked piece). */
+typedef struct {
+    const char *const *modes;
+    int n_modes;
+    int n_req;    /* requests received */
+    int break_at; /* leave the loop when this many have been received (0: never) */
+    struct event_base *base;
+} flight_server;
+
+static const char *const FLIGHT_SSE_USAGE =
+    "data: {\"choices\": [{\"text\": \" a\"}]}\n\n"
+    "data: {\"choices\": [{\"text\": \" b\"}]}\n\n"
+    "data: {\"choices\": [{\"text\": \" c\", \"finish_reason\": \"length\"}]}\n\n"
+    "data: {\"choices\": [], \"usage\": {\"prompt_tokens\": 11, \"completion_tokens\": 7}}\n\n"
+    "data: [DONE]\n\n";
+
+static void flight_serve_cb(struct evhttp_request *req, void *arg)
+{
+    flight_server *fs = arg;
+    const char *mode = fs->n_req < fs->n_modes ? fs->modes[fs->n_req] : "hang";
+    fs->n_req++;
+    if (fs->break_at && fs->n_req == fs->break_at)
+        event_base_loopbreak(fs->base);
+    if (strcmp(mode, "hang") == 0)
+        return; /* never answered; freed with its connection */
+    struct evbuffer *out = evbuffer_new();
+    assert_non_null(out);
+    int status = 200, sse = 1;
+    if (strcmp(mode, "usage") == 0) {
+        evbuffer_add_printf(out, "%s", FLIGHT_SSE_USAGE);
+    } else if (strcmp(mode, "chunks") == 0) {
+        for (int i = 0; i < 3; i++)
+            evbuffer_add_printf(out, "data: {\"choices\": [{\"text\": \" w%d\"}]}\n\n", i);
+        evbuffer_add_printf(out, "data: [DONE]\n\n");
+    } else if (strncmp(mode, "http500:", 8) == 0) {
+        status = 500, sse = 0;
+        evbuffer_add_printf(out, "{\"error\": {\"message\": \"%s\", \"type\": \"x\"}}", mode + 8);
+    } else if (strcmp(mode, "errevent") == 0) {
+        evbuffer_add_printf(out, "data: {\"choices\": [{\"text\": \" a\"}]}\n\n"
+                                 "event: error\ndata: worker died\n\n");
+    } else if (strcmp(mode, "nodone") == 0) {
+        evbuffer_add_printf(out, "data: {\"choices\": [{\"text\": \" a\"}]}\n\n");
+    } else if (strcmp(mode, "empty") == 0) {
+        evbuffer_add_printf(out, "data: [DONE]\n\n");
+    } else {
+        assert_string_equal(mode, "notsse");
+        sse = 0;
+        evbuffer_add_printf(out, "{\"x\": 1}");
+    }
+    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
+    evhttp_add_header(h, "Content-Type", sse ? "text/event-stream" : "application/json");
+    if (sse) {
+        evhttp_send_reply_start(req, status, "OK");
+        evhttp_send_reply_chunk(req, out);
+        evhttp_send_reply_end(req);
+    } else {
+        evhttp_send_reply(req, status, status == 200 ? "OK" : "Error", out);
+    }
+    evbuffer_free(out);
+}
+
+static int flight_freed;       /* flights freed (on_freed calls) */
+static size_t flight_next_idx; /* sequential dispatch: the next record to send ... */
+static size_t flight_end_idx;  /* ... up to this one (excluded) */
+
+/* The dispatcher's part: send the next record, one at a time; leave when all are freed. */
+static void flight_on_freed(bench *b)
+{
+    flight_freed++;
+    if (flight_next_idx < flight_end_idx)
+        bench_flight_start(b, flight_next_idx++, flight_on_freed);
+    else if (b->n_live == 0)
+        event_base_loopbreak(b->base);
+}
+
+static void flight_guard_cb(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd, (void)what;
+    *(int *)arg = 1;
+}
+
+/* Run b's loop until it breaks; fails if that takes more than 10 s. */
+static void flight_loop(bench *b)
+{
+    int expired = 0;
+    struct event *guard = evtimer_new(b->base, flight_guard_cb, &expired);
+    struct timeval tv = {10, 0};
+    assert_non_null(guard);
+    assert_int_equal(evtimer_add(guard, &tv), 0);
+    while (!expired && event_base_loop(b->base, EVLOOP_ONCE) == 0 && !event_base_got_break(b->base))
+        ;
+    event_free(guard);
+    assert_false(expired);
+}
+
+static void assert_failed(const bench_rec *r, int kind, const char *msg)
+{
+    assert_int_equal(r->state, BENCH_REC_FAILED);
+    assert_int_equal(r->fail_kind, kind);
+    assert_non_null(r->error);
+    assert_string_equal(r->error, msg);
+}
+
+static void test_flight_records(void **state)
+{
+    (void)state;
+    static const char *const modes[] = {
+        "usage",
+        "chunks",
+        "http500:boom after 12 tries",
+        "http500:boom after 7 tries",
+        "errevent",
+        "nodone",
+        "empty",
+        "notsse",
+        "hang",
+        "hang",
+        "hang",
+    };
+    enum { N_SEQ = 8, N = 11 }; /* 8 sequential, 2 interrupted, 1 timed out */
+    static bench b;
+    memset(&b, 0, sizeof(b));
+    b.a = default_args();
+    b.a.input_len = 4;
+    b.a.output_len = 3;
+    b.a.model = "m";
+    b.base = event_base_new();
+    assert_non_null(b.base);
+    flight_server fs = {.modes = modes, .n_modes = N, .base = b.base};
+    struct evhttp *http = evhttp_new(b.base);
+    assert_non_null(http);
+    evhttp_set_gencb(http, flight_serve_cb, &fs);
+    struct evhttp_bound_socket *sock = evhttp_bind_socket_with_handle(http, "127.0.0.1", 0);
+    assert_non_null(sock);
+    struct sockaddr_in sa;
+    socklen_t sl = sizeof(sa);
+    assert_int_equal(getsockname(evhttp_bound_socket_get_fd(sock), (struct sockaddr *)&sa, &sl), 0);
+    snprintf(b.host_addr, sizeof(b.host_addr), "127.0.0.1");
+    b.port = ntohs(sa.sin_port);
+    snprintf(b.host_header, sizeof(b.host_header), "127.0.0.1:%u", b.port);
+    snprintf(b.path, sizeof(b.path), "/v1/completions");
+    b.model = strdup("m");
+    b.n = N;
+    b.recs = calloc(N, sizeof(bench_rec));
+    assert_non_null(b.recs);
+    for (size_t i = 0; i < N; i++) {
+        b.recs[i].phase = BENCH_WORKLOAD_PHASE_NONE;
+        b.recs[i].max_tokens = -1;
+    }
+    b.t0_ns = bench_now_ns();
+
+    /* one after another, each response once */
+    flight_freed = 0;
+    flight_next_idx = 1, flight_end_idx = N_SEQ;
+    bench_flight_start(&b, 0, flight_on_freed);
+    assert_int_equal(b.n_sent, 1);
+    assert_int_equal(b.in_flight, 1);
+    assert_int_equal(b.n_live, 1);
+    assert_non_null(b.active);
+    flight_loop(&b);
+    assert_int_equal(fs.n_req, N_SEQ);
+    assert_int_equal(flight_freed, N_SEQ);
+    assert_true(b.n_sent == N_SEQ && b.n_done == N_SEQ && b.in_flight == 0 && b.n_live == 0);
+    assert_true(b.n_ok == 2 && b.n_failed == N_SEQ - 2 && b.peak_in_flight == 1);
+    assert_null(b.active);
+
+    const bench_rec *r = &b.recs[0]; /* usage: counts from usage, 3 chunks -> 2 ITL */
+    assert_int_equal(r->state, BENCH_REC_OK);
+    assert_int_equal(r->http_status, 200);
+    assert_true(r->output_from_usage && r->output_tokens == 7);
+    assert_true(r->prompt_from_usage && r->prompt_tokens == 11);
+    assert_int_equal(r->prompt_words, 4);
+    assert_int_equal(r->max_tokens, 3);
+    assert_true(r->ttft_ms >= 0 && r->e2el_ms >= r->ttft_ms);
+    assert_true(r->itl_off == 0 && r->n_itl == 2);
+    assert_null(r->error);
+    r = &b.recs[1]; /* no usage: chunks and prompt words */
+    assert_int_equal(r->state, BENCH_REC_OK);
+    assert_true(!r->output_from_usage && r->output_tokens == 3);
+    assert_true(!r->prompt_from_usage && r->prompt_tokens == 4);
+    assert_true(r->itl_off == 2 && r->n_itl == 2);
+    assert_int_equal(b.n_itl_pool, 4);
+    assert_int_equal(b.n_itl_dropped, 0);
+    for (size_t i = 0; i < b.n_itl_pool; i++)
+        assert_true(b.itl_pool[i] >= 0);
+    assert_failed(&b.recs[2], BENCH_FAIL_HTTP, "HTTP 500: boom after 12 tries");
+    assert_int_equal(b.recs[2].http_status, 500);
+    assert_true(b.recs[2].ttft_ms < 0);
+    assert_failed(&b.recs[3], BENCH_FAIL_HTTP, "HTTP 500: boom after 7 tries");
+    assert_failed(&b.recs[4], BENCH_FAIL_STREAM_ERROR, "error event in the stream: worker died");
+    assert_true(b.recs[4].ttft_ms >= 0 && b.recs[4].output_tokens == 1);
+    assert_failed(&b.recs[5], BENCH_FAIL_CLOSED,
+                  "stream ended without [DONE] or a finish_reason (after 1 events)");
+    assert_failed(&b.recs[6], BENCH_FAIL_NO_CONTENT, "no content in the stream (empty completion)");
+    assert_failed(&b.recs[7], BENCH_FAIL_PROTOCOL,
+                  "no SSE event in the 200 response (does the server stream? body starts "
+                  "'{\"x\": 1}')");
+    /* the two HTTP 500s differ only in digits: one group, with the first message */
+    assert_int_equal(b.n_groups, 5);
+    assert_int_equal(b.n_ungrouped, 0);
+    assert_true(b.groups[0].kind == BENCH_FAIL_HTTP && b.groups[0].status == 500 &&
+                b.groups[0].count == 2);
+    assert_string_equal(b.groups[0].msg, "HTTP 500: boom after 12 tries");
+    const int kinds[] = {BENCH_FAIL_STREAM_ERROR, BENCH_FAIL_CLOSED, BENCH_FAIL_NO_CONTENT,
+                         BENCH_FAIL_PROTOCOL};
+    for (int i = 0; i < 4; i++)
+        assert_true(b.groups[1 + i].kind == kinds[i] && b.groups[1 + i].status == 0 &&
+                    b.groups[1 + i].count == 1);
+    assert_int_equal(b.first_error_logged, 1);
+
+    /* two in flight at once, interrupted once the server has both */
+    flight_freed = 0;
+    flight_next_idx = flight_end_idx = 0;
+    fs.break_at = N_SEQ + 2;
+    bench_flight_start(&b, N_SEQ, flight_on_freed);
+    bench_flight_start(&b, N_SEQ + 1, flight_on_freed);
+    assert_int_equal(b.in_flight, 2);
+    assert_int_equal(b.peak_in_flight, 2);
+    flight_loop(&b);
+    assert_int_equal(fs.n_req, N_SEQ + 2);
+    assert_int_equal(flight_freed, 0);
+    bench_flight_interrupt_all(&b, "test");
+    assert_null(b.active);
+    assert_int_equal(b.in_flight, 0);
+    assert_int_equal(b.n_live, 2); /* freed from the loop, later */
+    flight_loop(&b);
+    assert_int_equal(flight_freed, 2);
+    assert_int_equal(b.n_live, 0);
+    for (int i = 0; i < 2; i++)
+        assert_failed(&b.recs[N_SEQ + i], BENCH_FAIL_INTERRUPTED, "interrupted (test)");
+
+    /* the deadline */
+    fs.break_at = 0;
+    b.a.timeout_s = 0.2;
+    bench_flight_start(&b, N_SEQ + 2, flight_on_freed);
+    flight_loop(&b);
+    assert_int_equal(flight_freed, 3);
+    assert_failed(&b.recs[N_SEQ + 2], BENCH_FAIL_TIMEOUT,
+                  "no complete response within 0.2 s (--timeout-s)");
+    assert_true(b.recs[N_SEQ + 2].e2el_ms > 150); /* libevent's cached clock: a bit early */
+    assert_true(b.n_done == N && b.n_ok == 2 && b.n_failed == N - 2 && b.n_live == 0);
+    assert_int_equal(b.n_groups, 7);
+
+    for (size_t i = 0; i < N; i++)
+        free(b.recs[i].error);
+    free(b.recs);
+    free(b.itl_pool);
+    free(b.model);
+    evhttp_free(http);
+    event_base_free(b.base);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -859,6 +1125,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_workload_bodies),
         cmocka_unit_test(test_dataset),
         cmocka_unit_test(test_report_compute),
+        cmocka_unit_test(test_flight_records),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);

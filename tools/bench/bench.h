@@ -1,11 +1,11 @@
 /*
- * bench: the state of one tidepool-bench run, shared by the request engine
- * (tools/tidepool-bench.c, which fills it) and the report (bench_report.h, which reads it
- * once the run is over). Loop thread only.
+ * bench: the state of one tidepool-bench run, shared by the request engine (the dispatch
+ * in tools/tidepool-bench.c and the requests in flight, bench_flight.h, which fill it) and
+ * the report (bench_report.h, which reads it once the run is over). Loop thread only.
  *
  * One record per request is allocated up front (bench_rec, ~100 bytes); everything a
  * request needs only while it runs (connection, SSE parser, ITL list being built) lives in
- * its flight (tidepool-bench.c) and is freed in one place when it ends. Inter-token
+ * its flight (bench_flight.h) and is freed in one place when it ends. Inter-token
  * latencies of finished requests go to one shared pool of floats, capped at
  * BENCH_ITL_POOL_MAX samples.
  */
@@ -14,6 +14,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/time.h>
 
 #include "bench_args.h"
 #include "bench_dataset.h"
@@ -73,7 +74,7 @@ typedef struct {
 
 struct event_base;
 struct event;
-struct flight;
+struct bench_flight;
 
 typedef struct bench {
     bench_args a;
@@ -99,7 +100,7 @@ typedef struct bench {
     struct event *arrival_ev, *progress_ev, *sigint_ev, *sigterm_ev;
     int stopping;             /* interrupted: send nothing more */
     int64_t t0_ns, t_end_ns;  /* start; last request end (bench_now_ns) */
-    struct flight *active;    /* doubly linked list of running flights */
+    struct bench_flight *active; /* doubly linked list of running flights */
     bench_err_group groups[BENCH_ERR_GROUPS_MAX];
     size_t n_groups, n_ungrouped;
     int progress;             /* draw the progress bar */
@@ -109,6 +110,9 @@ typedef struct bench {
 
 /* The monotonic clock in ns (CLOCK_MONOTONIC). */
 int64_t bench_now_ns(void);
+
+/* s seconds as a timeval for libevent timers (negative: 0; microseconds truncated). */
+struct timeval bench_timeval(double s);
 
 /* The name of a bench_fail_t in result files ("http", "connect", ..., "interrupted");
  * "?" for any other value. A static string. */

@@ -1,0 +1,660 @@
+/*
+ * sim_cluster: the simulated cluster (sim_cluster.h): requests, the gateway's queues and
+ * dispatch, prefill batches, role changes, preemption, the policy tick, and the event loop
+ * that runs them. Decode placement and decode steps are in sim_cluster_decode.c; both share
+ * sim_cluster_internal.h.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "costmodel.h"
+#include "log.h"
+#include "policy.h"
+#include "sim_cluster.h"
+#include "sim_cluster_internal.h"
+#include "sim_heap.h"
+#include "sim_ideque.h"
+#include "sim_ivec.h"
+#include "sim_mem.h"
+#include "sim_rng.h"
+#include "sim_stats.h"
+#include "sim_workload.h"
+
+// --- requests ------------------------------------------------------------------------------
+
+static int req_alloc(sim_cluster *s)
+{
+    if (s->free_head < 0) {
+        int ncap = s->n_reqs ? 2 * s->n_reqs : 4096;
+        s->reqs = sim_mem_realloc(s->reqs, (size_t)ncap * sizeof(sreq));
+        for (int i = ncap - 1; i >= s->n_reqs; i--) {
+            memset(&s->reqs[i], 0, sizeof(sreq));
+            s->reqs[i].next_free = s->free_head;
+            s->free_head = i;
+        }
+        s->n_reqs = ncap;
+    }
+    int id = s->free_head;
+    s->free_head = s->reqs[id].next_free;
+    return id;
+}
+
+static void req_release(sim_cluster *s, int id)
+{
+    sreq *r = &s->reqs[id];
+    r->state = SIM_CLUSTER_RQ_FREE;
+    r->epoch++;
+    r->next_free = s->free_head;
+    s->free_head = id;
+}
+
+static void dpush(double **v, size_t *n, size_t *cap, double x)
+{
+    if (*n == *cap) {
+        *cap = *cap ? 2 * *cap : 4096;
+        *v = sim_mem_realloc(*v, *cap * sizeof(double));
+    }
+    (*v)[(*n)++] = x;
+}
+
+void sim_cluster_finish_req(sim_cluster *s, int id)
+{
+    sreq *r = &s->reqs[id];
+    if (r->offline) {
+        s->n_offline_done++;
+        s->offline_tokens += r->out;
+        s->offline_running--;
+    } else {
+        double ttft = r->first_ms - r->arrival_ms;
+        double tpot = r->out > 1 ? (s->now - r->first_ms) / (r->out - 1) : 0;
+        if (s->n_fin == s->cap_fin) {
+            s->cap_fin = s->cap_fin ? 2 * s->cap_fin : 4096;
+            s->ttft = sim_mem_realloc(s->ttft, s->cap_fin * sizeof(double));
+            s->tpot = sim_mem_realloc(s->tpot, s->cap_fin * sizeof(double));
+        }
+        s->ttft[s->n_fin] = ttft;
+        s->tpot[s->n_fin] = tpot;
+        s->n_fin++;
+        if (ttft <= s->ttft_slo_ms && tpot <= s->tpot_slo_ms)
+            s->n_good++;
+        s->online_running--;
+        if (r->out > 1) /* it went through decode (counted when prefill ended) */
+            s->online_decoding--;
+    }
+    req_release(s, id);
+}
+
+// --- prefill and dispatch ------------------------------------------------------------------
+
+static int prefill_ready(const sim_cluster *s, int w)
+{
+    const sworker *x = &s->w[w];
+    return x->role == POLICY_ROLE_PREFILL && !x->changing && !x->busy;
+}
+
+static int have_prefill_work(const sim_cluster *s)
+{
+    return s->q_on.n > 0 ||
+           (!s->reserve_dispatch && s->q_off.n > 0 && s->offline_running < s->offline_limit);
+}
+
+static void start_prefill(sim_cluster *s, int w)
+{
+    sworker *x = &s->w[w];
+    double tokens = 0, pairs = 0;
+    int budget = s->cm->prefill_token_budget;
+    x->batch.n = 0;
+    while (s->q_on.n > 0) {
+        sreq *r = &s->reqs[sim_ideque_front(&s->q_on)];
+        int pt = r->prompt + r->gen;
+        if (x->batch.n > 0 && tokens + pt > budget)
+            break;
+        int id = sim_ideque_pop_front(&s->q_on);
+        s->q_on_tokens -= r->prompt;
+        if (!s->reserve_dispatch) /* else counted when dispatched */
+            s->online_running++;
+        r->state = SIM_CLUSTER_RQ_PREFILL;
+        sim_ivec_push(&x->batch, id);
+        tokens += pt;
+        pairs += costmodel_attn_pairs(pt, 0);
+    }
+    while (!s->reserve_dispatch && s->q_off.n > 0 && s->offline_running < s->offline_limit) {
+        sreq *r = &s->reqs[sim_ideque_front(&s->q_off)];
+        int pt = r->prompt + r->gen;
+        if (x->batch.n > 0 && tokens + pt > budget)
+            break;
+        int id = sim_ideque_pop_front(&s->q_off);
+        s->offline_running++;
+        r->state = SIM_CLUSTER_RQ_PREFILL;
+        sim_ivec_push(&x->batch, id);
+        tokens += pt;
+        pairs += costmodel_attn_pairs(pt, 0);
+    }
+    if (x->batch.n == 0) {
+        if (!x->idle_listed) {
+            x->idle_listed = 1;
+            sim_ivec_push(&s->idle_prefill, w);
+        }
+        return;
+    }
+    x->busy = 1;
+    x->batch_start_ms = s->now;
+    sim_heap_push(&s->ev, s->now + costmodel_prefill_ms(s->cm, tokens, pairs),
+                  SIM_CLUSTER_EV_PREFILL_DONE, w, 0);
+}
+
+static void wake_prefill(sim_cluster *s)
+{
+    while (s->idle_prefill.n > 0 && have_prefill_work(s)) {
+        int w = s->idle_prefill.v[--s->idle_prefill.n];
+        s->w[w].idle_listed = 0;
+        if (prefill_ready(s, w))
+            start_prefill(s, w);
+    }
+}
+
+/* --decode-reserve dispatch: move requests waiting at the gateway to the prefill queue while
+ * a decode worker has room for them, reserving it now, as tidepool's gateway does: online
+ * first (FIFO, after the prefilled sequences waiting for room), offline only when no online
+ * request waits and within the policy's offline limit. */
+void sim_cluster_dispatch(sim_cluster *s)
+{
+    if (!s->reserve_dispatch)
+        return;
+    int moved = 0;
+    for (;;) {
+        sim_ideque *q = NULL;
+        if (s->q_gw.n > 0)
+            q = s->pend_on.n == 0 ? &s->q_gw : NULL;
+        else if (s->q_off.n > 0 && s->offline_running < s->offline_limit && s->pend_on.n == 0 &&
+                 s->pend_off.n == 0)
+            q = &s->q_off;
+        if (!q)
+            break;
+        int id = sim_ideque_front(q);
+        sreq *r = &s->reqs[id];
+        int w = sim_cluster_choose_decode(s, r->need, 1);
+        if (w < 0)
+            break;
+        sim_ideque_pop_front(q);
+        sim_cluster_hold(s, id, w);
+        if (r->offline)
+            s->offline_running++;
+        else
+            s->online_running++;
+        s->q_on_tokens += r->prompt;
+        sim_ideque_push_back(&s->q_on, id);
+        moved = 1;
+    }
+    if (moved)
+        wake_prefill(s);
+}
+
+static void on_prefill_done(sim_cluster *s, int w)
+{
+    sworker *x = &s->w[w];
+    int freed = 0;
+    for (int i = 0; i < x->batch.n; i++) {
+        int id = x->batch.v[i];
+        sreq *r = &s->reqs[id];
+        if (r->first_ms < 0) {
+            r->first_ms = s->now;
+            if (!r->offline)
+                dpush(&s->win_ttft, &s->n_win, &s->cap_win, r->first_ms - r->arrival_ms);
+        }
+        if (r->gen < 1)
+            r->gen = 1;
+        if (r->gen >= r->out) {
+            if (r->worker >= 0) { /* its room, reserved at dispatch */
+                sim_cluster_unreserve(s, id);
+                freed = 1;
+            }
+            sim_cluster_finish_req(s, id);
+            continue;
+        }
+        if (!r->offline)
+            s->online_decoding++;
+        double xfer = sim_cluster_kv_transfer_ms(s, r);
+        double arrive = fmax(s->now + xfer / s->cm->n_layer, x->batch_start_ms + xfer);
+        if (r->worker >= 0 && sim_cluster_accepts(s, r->worker)) { /* reserved at dispatch */
+            r->state = SIM_CLUSTER_RQ_XFER;
+            sim_heap_push(&s->ev, arrive, SIM_CLUSTER_EV_XFER_DONE, id, r->epoch);
+            continue;
+        }
+        if (r->worker >= 0) { /* its worker left decode meanwhile */
+            sim_cluster_unreserve(s, id);
+            freed = 1;
+        }
+        sim_cluster_place_decode(s, id, arrive, 0);
+    }
+    x->batch.n = 0;
+    x->busy = 0;
+    if (x->changing)
+        sim_cluster_switch_start(s, w, 0);
+    else
+        start_prefill(s, w);
+    if (freed) {
+        sim_cluster_drain_pending(s, -1);
+        sim_cluster_dispatch(s);
+    }
+}
+
+// --- role changes, preemption, the policy tick ---------------------------------------------
+
+void sim_cluster_switch_start(sim_cluster *s, int w, double extra_ms)
+{
+    s->w[w].changing = 2;
+    sim_heap_push(&s->ev, s->now + extra_ms + s->switch_ms, SIM_CLUSTER_EV_SWITCH_DONE, w, 0);
+}
+
+static void begin_change(sim_cluster *s, int w, int to)
+{
+    sworker *x = &s->w[w];
+    ASSERT(x->role != to && !x->changing);
+    x->changing = 1;
+    x->target = to;
+    s->changes++;
+    if (x->role == POLICY_ROLE_DECODE) {
+        sim_cluster_dec_list_remove(s, w);
+        if (!x->stepping) /* idle: nothing to migrate or drain */
+            sim_cluster_migrate_all(s, w);
+    } else if (!x->busy) {
+        sim_cluster_switch_start(s, w, 0);
+    }
+}
+
+static void on_switch_done(sim_cluster *s, int w)
+{
+    sworker *x = &s->w[w];
+    x->role = x->target;
+    x->changing = 0;
+    x->role_since_ms = s->now;
+    if (x->role == POLICY_ROLE_DECODE) {
+        x->step = 0;
+        sim_cluster_dec_list_add(s, w);
+        sim_cluster_drain_pending(s, w);
+        sim_cluster_dispatch(s);
+    } else {
+        start_prefill(s, w);
+    }
+}
+
+/* Preempt up to k offline sequences, latest joined first (least progress lost); they
+ * restart later from prompt + tokens so far. */
+static void preempt(sim_cluster *s, int k)
+{
+    while (k > 0 && s->off_dec.n > 0) {
+        int id = s->off_dec.v[--s->off_dec.n];
+        uint32_t epoch = (uint32_t)s->off_dec_epoch.v[--s->off_dec_epoch.n];
+        sreq *r = &s->reqs[id];
+        if (r->epoch != epoch || r->state != SIM_CLUSTER_RQ_RUNNING || !r->offline)
+            continue;
+        int w = r->worker;
+        sim_cluster_take_out(s, id);
+        r->state = SIM_CLUSTER_RQ_QUEUED;
+        sim_ideque_push_front(&s->q_off, id);
+        s->offline_running--;
+        s->preemptions++;
+        k--;
+        sim_cluster_drain_pending(s, w);
+    }
+}
+
+static int cmp_pair(const void *a, const void *b)
+{
+    const double *x = a, *y = b;
+    return (x[0] > y[0]) - (x[0] < y[0]);
+}
+
+static void on_tick(sim_cluster *s)
+{
+    int n = s->n_workers, np = 0;
+    for (int i = 0; i < n; i++) {
+        sworker *x = &s->w[i];
+        policy_worker *p = &s->pin[i];
+        memset(p, 0, sizeof(*p));
+        p->index = i;
+        p->role = x->role;
+        p->state = x->changing ? POLICY_WORKER_DRAINING : POLICY_WORKER_READY;
+        p->changing = x->changing != 0;
+        p->target_role = x->changing ? x->target : 0;
+        p->role_age_ms = (int64_t)(s->now - x->role_since_ms);
+        if (x->role == POLICY_ROLE_DECODE) {
+            p->running = x->running + x->incoming.n;
+            p->kv_blocks_used = (int)(x->kv_reserved / 16);
+            p->kv_blocks_total = (int)(s->kv_cap / 16);
+            p->decode_batch = x->running;
+            if (x->running > 0) {
+                p->tpot_p90_ms = x->last_step_ms;
+                s->step_ms_buf[2 * np] = x->last_step_ms;
+                s->step_ms_buf[2 * np + 1] = x->running;
+                np++;
+            }
+        } else {
+            p->running = x->batch.n;
+        }
+    }
+    /* TPOT p90 over the sequences being decoded: each decode worker's step time, weighted
+     * by its batch. */
+    double tpot_p90 = 0;
+    if (np > 0) {
+        qsort(s->step_ms_buf, (size_t)np, 2 * sizeof(double), cmp_pair);
+        double total = 0, acc = 0;
+        for (int i = 0; i < np; i++)
+            total += s->step_ms_buf[2 * i + 1];
+        for (int i = 0; i < np; i++) {
+            acc += s->step_ms_buf[2 * i + 1];
+            if (acc >= 0.9 * total) {
+                tpot_p90 = s->step_ms_buf[2 * i];
+                break;
+            }
+        }
+    }
+    policy_input in = {.now_ms = (int64_t)s->now, .workers = s->pin, .n_workers = n};
+    policy_cluster *c = &in.cluster;
+    c->queued_prompt_tokens = s->q_on_tokens;
+    if (s->reserve_dispatch) {
+        /* What tidepool's gateway reports: prompts are queued at the prefill workers (their
+         * tokens come with heartbeats, not their wait), and requests waiting at the gateway
+         * wait for decode room, so they count as decoding. */
+        c->online_decoding = s->online_decoding + (int)s->q_gw.n;
+    } else {
+        c->oldest_wait_ms =
+            s->q_on.n ? (int64_t)(s->now - s->reqs[sim_ideque_front(&s->q_on)].arrival_ms) : 0;
+        c->online_queued = (int)s->q_on.n;
+        c->online_decoding = s->online_decoding;
+    }
+    c->online_running = s->online_running;
+    c->prompt_tokens_arrived = s->prompt_tokens_arrived;
+    c->offline_queued = (int)s->q_off.n;
+    c->offline_running = s->offline_running;
+    c->offline_oldest_wait_ms =
+        s->q_off.n ? (int64_t)(s->now - s->reqs[sim_ideque_front(&s->q_off)].arrival_ms) : 0;
+    c->ttft_p90_ms = sim_stats_percentile(s->win_ttft, s->n_win, 90);
+    c->tpot_p90_ms = tpot_p90;
+    s->n_win = 0;
+
+    policy_output out;
+    int rc = policy_decide(&s->pp, &s->pst, &in, &out);
+    ASSERT(rc == 0);
+    if (s->on_tick) {
+        sim_cluster_tick t = {
+            .now_ms = s->now,
+            .out = &out,
+            .queued_prompt_tokens = s->q_on_tokens,
+            .online_decoding = s->online_decoding,
+            .pending_online = s->pend_on.n,
+            .offline_running = s->offline_running,
+        };
+        s->on_tick(s->tick_ctx, &t);
+    }
+    for (int i = 0; i < out.n_actions; i++)
+        begin_change(s, out.actions[i].worker, out.actions[i].role);
+    s->offline_limit = out.offline_max_running;
+    if (out.offline_preempt > 0)
+        preempt(s, out.offline_preempt);
+    sim_cluster_dispatch(s);
+    wake_prefill(s);
+
+    if (s->arrivals_done && s->q_on.n == 0 && s->q_gw.n == 0 && s->online_running == 0)
+        s->stop = 1;
+    else if (s->now >= s->hard_end_ms)
+        s->stop = 1;
+    else
+        sim_heap_push(&s->ev, s->now + s->tick_ms, SIM_CLUSTER_EV_TICK, 0, 0);
+}
+
+// --- arrivals and the run --------------------------------------------------------------------
+
+/* The submitted request arrives now. */
+static void on_arrival(sim_cluster *s)
+{
+    int id = req_alloc(s);
+    sreq *r = &s->reqs[id];
+    uint32_t epoch = r->epoch;
+    memset(r, 0, sizeof(*r));
+    r->epoch = epoch;
+    r->arrival_ms = s->now;
+    r->first_ms = -1;
+    r->prompt = s->next.prompt;
+    r->out = s->next.out;
+    r->need = r->prompt + r->out;
+    r->offline = (uint8_t)s->next.offline;
+    r->worker = -1;
+    r->state = SIM_CLUSTER_RQ_QUEUED;
+    if (r->offline) {
+        s->n_offline++;
+        sim_ideque_push_back(&s->q_off, id);
+    } else {
+        s->n_online++;
+        s->prompt_tokens_arrived += r->prompt;
+        if (s->reserve_dispatch) {
+            sim_ideque_push_back(&s->q_gw, id);
+        } else {
+            s->q_on_tokens += r->prompt;
+            sim_ideque_push_back(&s->q_on, id);
+        }
+    }
+    sim_cluster_dispatch(s);
+    wake_prefill(s);
+}
+
+void sim_cluster_submit(sim_cluster *s, const sim_workload_arrival *a)
+{
+    ASSERT(!s->next_pending && !s->arrivals_done && !s->over);
+    ASSERT(a->prompt >= 1 && a->out >= 1);
+    s->next = *a;
+    s->next_pending = 1;
+    sim_heap_push(&s->ev, a->arrival_s * 1e3, SIM_CLUSTER_EV_ARRIVAL, 0, 0);
+}
+
+void sim_cluster_arrivals_done(sim_cluster *s)
+{
+    ASSERT(!s->next_pending);
+    s->arrivals_done = 1;
+}
+
+/* The run is over: check the book-keeping and take the figures. */
+static void finish_run(sim_cluster *s)
+{
+    /* Book-keeping invariants: counters never go negative; a run that ended because every
+     * online request finished has none left anywhere. */
+    ASSERT(s->online_running >= 0 && s->online_decoding >= 0 && s->offline_running >= 0);
+    for (int i = 0; i < s->n_workers; i++)
+        ASSERT(s->w[i].kv_reserved >= 0 && s->w[i].assigned >= 0 && s->w[i].running >= 0 &&
+               s->w[i].ctx_sum >= 0);
+    if (s->now < s->hard_end_ms) {
+        ASSERT(s->online_running == 0 && s->online_decoding == 0 && s->q_on.n == 0 &&
+               s->q_gw.n == 0);
+        ASSERT((int64_t)s->n_fin == s->n_online);
+    }
+
+    sim_cluster_figures *f = &s->fig;
+    memset(f, 0, sizeof(*f));
+    f->n_online = s->n_online;
+    f->n_offline = s->n_offline;
+    f->n_finished = (int64_t)s->n_fin;
+    f->n_good = s->n_good;
+    f->n_offline_done = s->n_offline_done;
+    f->offline_tokens = s->offline_tokens;
+    f->changes = s->changes;
+    f->preemptions = s->preemptions;
+    f->end_ms = s->now;
+    /* each mean before its percentile, which reorders the samples */
+    f->ttft_mean_ms = sim_stats_mean(s->ttft, s->n_fin);
+    f->ttft_p99_ms = sim_stats_percentile(s->ttft, s->n_fin, 99);
+    f->tpot_mean_ms = sim_stats_mean(s->tpot, s->n_fin);
+    f->tpot_p99_ms = sim_stats_percentile(s->tpot, s->n_fin, 99);
+    for (int i = 0; i < s->n_workers; i++)
+        f->final_prefill += s->w[i].role == POLICY_ROLE_PREFILL;
+    s->over = 1;
+}
+
+int sim_cluster_run(sim_cluster *s)
+{
+    if (s->over)
+        return 0;
+    ASSERT(s->next_pending || s->arrivals_done);
+    if (!s->started) {
+        s->started = 1;
+        sim_heap_push(&s->ev, 0, SIM_CLUSTER_EV_TICK, 0, 0);
+    }
+    sim_heap_event e;
+    while (!s->stop && sim_heap_pop(&s->ev, &e) == 0) {
+        s->now = e.t_ms;
+        switch (e.type) {
+        case SIM_CLUSTER_EV_ARRIVAL:
+            s->next_pending = 0;
+            on_arrival(s);
+            return 1;
+        case SIM_CLUSTER_EV_PREFILL_DONE:
+            on_prefill_done(s, e.id);
+            break;
+        case SIM_CLUSTER_EV_XFER_DONE:
+            sim_cluster_on_xfer_done(s, e.id, e.epoch);
+            break;
+        case SIM_CLUSTER_EV_STEP_DONE:
+            sim_cluster_on_step_done(s, e.id);
+            break;
+        case SIM_CLUSTER_EV_SWITCH_DONE:
+            on_switch_done(s, e.id);
+            break;
+        case SIM_CLUSTER_EV_TICK:
+            on_tick(s);
+            break;
+        default:
+            ASSERT(0);
+        }
+    }
+    finish_run(s);
+    return 0;
+}
+
+void sim_cluster_figures_get(const sim_cluster *s, sim_cluster_figures *out)
+{
+    ASSERT(s->over);
+    *out = s->fig;
+}
+
+double sim_cluster_now_ms(const sim_cluster *s)
+{
+    return s->now;
+}
+
+int sim_cluster_worker_get(const sim_cluster *s, int w, sim_cluster_worker_info *out)
+{
+    if (w < 0 || w >= s->n_workers)
+        return -1;
+    const sworker *x = &s->w[w];
+    memset(out, 0, sizeof(*out));
+    out->role = x->role;
+    out->changing = x->changing;
+    out->busy = x->busy;
+    out->batch = x->busy ? x->batch.n : 0;
+    out->running = x->running;
+    out->assigned = x->assigned;
+    out->kv_reserved = x->kv_reserved;
+    out->steps = x->step;
+    return 0;
+}
+
+// --- life cycle ----------------------------------------------------------------------------
+
+sim_cluster_params sim_cluster_default_params(void)
+{
+    return (sim_cluster_params){
+        .policy = policy_default_params(),
+        .n_workers = 8,
+        .n_prefill = 4,
+        .tidal = 1,
+        .drain = 0,
+        .reserve_dispatch = 0,
+        .tick_ms = 1000,
+        .switch_ms = 500,
+        .ttft_slo_ms = 2000,
+        .tpot_slo_ms = 50,
+        .hard_end_ms = INFINITY,
+        .seed = 1,
+        .on_tick = NULL,
+        .tick_ctx = NULL,
+    };
+}
+
+sim_cluster *sim_cluster_new(const costmodel *cm, const sim_cluster_params *p)
+{
+    ASSERT(cm && p);
+    ASSERT(p->n_workers >= 2 && p->n_prefill >= 0 && p->n_prefill <= p->n_workers);
+    ASSERT(p->tick_ms > 0 && p->switch_ms >= 0);
+    sim_cluster *s = sim_mem_realloc(NULL, sizeof(*s));
+    memset(s, 0, sizeof(*s));
+    s->cm = cm;
+    s->pp = p->policy;
+    if (!p->tidal) {
+        s->pp.max_changes = 0;
+        s->pp.max_change_frac = 0;
+    }
+    int n_workers = p->n_workers;
+    s->n_workers = n_workers;
+    s->drain = p->drain;
+    s->reserve_dispatch = p->reserve_dispatch;
+    s->tick_ms = p->tick_ms;
+    s->switch_ms = p->switch_ms;
+    s->ttft_slo_ms = p->ttft_slo_ms;
+    s->tpot_slo_ms = p->tpot_slo_ms;
+    s->kv_cap = costmodel_kv_capacity_tokens(cm);
+    s->hard_end_ms = p->hard_end_ms;
+    s->on_tick = p->on_tick;
+    s->tick_ctx = p->tick_ctx;
+    s->free_head = -1;
+    sim_rng_seed(&s->prng, p->seed ^ 0x5eed5eed5eedull);
+    policy_state_init(&s->pst);
+    s->w = sim_mem_realloc(NULL, (size_t)n_workers * sizeof(sworker));
+    memset(s->w, 0, (size_t)n_workers * sizeof(sworker));
+    s->dec_list = sim_mem_realloc(NULL, (size_t)n_workers * sizeof(int));
+    s->pin = sim_mem_realloc(NULL, (size_t)n_workers * sizeof(policy_worker));
+    s->step_ms_buf = sim_mem_realloc(NULL, (size_t)n_workers * 2 * sizeof(double));
+    for (int i = 0; i < n_workers; i++) {
+        sworker *x = &s->w[i];
+        x->role = i < p->n_prefill ? POLICY_ROLE_PREFILL : POLICY_ROLE_DECODE;
+        x->role_since_ms = -1e12; /* settled: the policy may move it at once */
+        x->dec_pos = -1;
+        if (x->role == POLICY_ROLE_DECODE)
+            sim_cluster_dec_list_add(s, i);
+        else
+            start_prefill(s, i); /* nothing queued yet: lists it as idle */
+    }
+    return s;
+}
+
+void sim_cluster_destroy(sim_cluster **c)
+{
+    sim_cluster *s = *c;
+    if (!s)
+        return;
+    for (int i = 0; i < s->n_workers; i++) {
+        sim_ivec_free(&s->w[i].batch);
+        sim_ivec_free(&s->w[i].incoming);
+        sim_heap_fin_free(&s->w[i].fin);
+    }
+    free(s->w);
+    free(s->dec_list);
+    free(s->pin);
+    free(s->step_ms_buf);
+    free(s->reqs);
+    sim_heap_free(&s->ev);
+    sim_ideque_free(&s->q_on);
+    sim_ideque_free(&s->q_off);
+    sim_ideque_free(&s->q_gw);
+    sim_ideque_free(&s->pend_on);
+    sim_ideque_free(&s->pend_off);
+    sim_ivec_free(&s->idle_prefill);
+    sim_ivec_free(&s->off_dec);
+    sim_ivec_free(&s->off_dec_epoch);
+    free(s->ttft);
+    free(s->tpot);
+    free(s->win_ttft);
+    free(s);
+    *c = NULL;
+}

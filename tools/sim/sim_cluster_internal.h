@@ -1,0 +1,197 @@
+/*
+ * sim_cluster_internal: the simulated cluster's state, shared by the files of the
+ * sim_cluster module (sim_cluster.h): sim_cluster.c (the public calls, requests, prefill
+ * and dispatch, role changes, preemption, the policy tick) and sim_cluster_decode.c
+ * (decode placement and decode steps). Not a public interface.
+ *
+ * Requests live in one array reused through a free list; every place that refers to a
+ * request (an event, a finish-heap entry, the list of offline sequences) carries the
+ * request's epoch from then, and the request bumps its epoch whenever it leaves a place, so
+ * stale references are recognized and skipped instead of searched for and removed.
+ */
+#ifndef TP_SIM_CLUSTER_INTERNAL_H
+#define TP_SIM_CLUSTER_INTERNAL_H
+
+#include <stdint.h>
+
+#include "costmodel.h"
+#include "policy.h"
+#include "sim_cluster.h"
+#include "sim_heap.h"
+#include "sim_ideque.h"
+#include "sim_ivec.h"
+#include "sim_rng.h"
+#include "sim_workload.h"
+
+/* Event types (sim_heap_event.type). id is a worker, except for SIM_CLUSTER_EV_XFER_DONE
+ * (a request, with its epoch) and the two that carry none (arrival, tick). */
+enum {
+    SIM_CLUSTER_EV_ARRIVAL = 1,
+    SIM_CLUSTER_EV_PREFILL_DONE,
+    SIM_CLUSTER_EV_XFER_DONE,
+    SIM_CLUSTER_EV_STEP_DONE,
+    SIM_CLUSTER_EV_SWITCH_DONE,
+    SIM_CLUSTER_EV_TICK,
+};
+
+/* Where a request is (sreq.state). */
+enum {
+    SIM_CLUSTER_RQ_FREE = 0,
+    SIM_CLUSTER_RQ_QUEUED,   /* at the gateway */
+    SIM_CLUSTER_RQ_PREFILL,  /* in a prefill batch */
+    SIM_CLUSTER_RQ_XFER,     /* KV on its way to a decode worker (reserved there) */
+    SIM_CLUSTER_RQ_PENDING,  /* prefilled, waiting for room on a decode worker */
+    SIM_CLUSTER_RQ_INCOMING, /* on its decode worker, joins at the next step boundary */
+    SIM_CLUSTER_RQ_RUNNING,  /* in its decode worker's batch */
+};
+
+typedef struct {
+    double arrival_ms, first_ms; /* first_ms < 0: no token yet */
+    int prompt, out;             /* tokens */
+    int gen;                     /* tokens generated so far (the first included) */
+    int worker;                  /* decode worker holding its reservation, -1 none */
+    int64_t s0;                  /* worker step when it joined the batch */
+    int need;                    /* KV tokens reserved: prompt + out */
+    uint32_t epoch;              /* bumped whenever it leaves a place (stale entries) */
+    uint8_t offline, state;
+    int next_free;
+} sreq;
+
+typedef struct {
+    int role;     /* POLICY_ROLE_PREFILL | POLICY_ROLE_DECODE */
+    int target;   /* role it is changing to */
+    int changing; /* 0, 1 = draining, 2 = switching */
+    double role_since_ms;
+    /* prefill */
+    int busy, idle_listed;
+    sim_ivec batch;
+    double batch_start_ms;
+    /* decode */
+    int stepping, dec_pos;
+    int64_t step, ctx_sum; /* completed steps; context tokens of the running sequences */
+    int running, assigned; /* in the batch; reserved here (running + incoming + in flight) */
+    int64_t kv_reserved;   /* tokens */
+    sim_heap_fin fin;
+    sim_ivec incoming;
+    double last_step_ms;
+} sworker;
+
+struct sim_cluster {
+    /* configuration */
+    const costmodel *cm;
+    policy_params pp;
+    int n_workers;
+    int drain;            /* --role-change drain */
+    int reserve_dispatch; /* --decode-reserve dispatch */
+    double tick_ms, switch_ms, ttft_slo_ms, tpot_slo_ms, kv_cap, hard_end_ms;
+    sim_cluster_tick_fn on_tick;
+    void *tick_ctx;
+    /* clock and events */
+    double now;
+    sim_heap ev;
+    int started, stop, over;
+    /* requests */
+    sreq *reqs;
+    int n_reqs, free_head;
+    sim_workload_arrival next; /* the submitted arrival */
+    int next_pending;          /* next is submitted and has not arrived */
+    int arrivals_done;
+    /* workers and queues. q_on is the prefill queue. With reserve_dispatch, q_gw holds the
+     * online requests waiting at the gateway for decode room, q_off the offline ones, and
+     * q_on both kinds once dispatched (their decode room reserved). */
+    sworker *w;
+    sim_ideque q_on, q_off, q_gw, pend_on, pend_off;
+    int64_t q_on_tokens;
+    sim_ivec idle_prefill;
+    int *dec_list, n_dec;
+    sim_ivec off_dec, off_dec_epoch; /* offline sequences that joined a decode batch (lazy) */
+    uint64_t free_epoch, scan_fail_epoch;
+    int scan_failed;
+    sim_rng prng;
+    /* policy */
+    policy_state pst;
+    policy_worker *pin;
+    double *step_ms_buf; /* (n_workers, 2): step ms, batch */
+    int offline_limit;
+    /* counters */
+    int online_running, online_decoding, offline_running;
+    int64_t prompt_tokens_arrived;
+    /* metrics */
+    double *ttft, *tpot;
+    size_t n_fin, cap_fin;
+    double *win_ttft;
+    size_t n_win, cap_win;
+    int64_t n_online, n_good, n_offline, n_offline_done, offline_tokens, preemptions, changes;
+    sim_cluster_figures fig; /* when over */
+};
+
+/* Worker w takes new sequences: a decode worker not changing role. */
+static inline int sim_cluster_accepts(const sim_cluster *s, int w)
+{
+    return s->w[w].role == POLICY_ROLE_DECODE && !s->w[w].changing;
+}
+
+/* Worker w has room for a sequence of need KV tokens (and a slot). */
+static inline int sim_cluster_fits(const sim_cluster *s, int w, int need)
+{
+    const sworker *x = &s->w[w];
+    return x->kv_reserved + need <= s->kv_cap && x->assigned < s->cm->max_seqs;
+}
+
+/* Time (ms) to move request r's KV (prompt + tokens so far) over the link. */
+static inline double sim_cluster_kv_transfer_ms(const sim_cluster *s, const sreq *r)
+{
+    return costmodel_transfer_ms(s->cm, (double)r->prompt + r->gen);
+}
+
+// --- sim_cluster.c
+
+/* Request id has all its tokens: count it in the figures and free it. */
+void sim_cluster_finish_req(sim_cluster *s, int id);
+
+/* With reserve_dispatch: move requests waiting at the gateway to the prefill queue while a
+ * decode worker has room for them (else nothing). */
+void sim_cluster_dispatch(sim_cluster *s);
+
+/* Worker w starts switching roles: done (SIM_CLUSTER_EV_SWITCH_DONE) after extra_ms (its
+ * migrations) + switch_ms. */
+void sim_cluster_switch_start(sim_cluster *s, int w, double extra_ms);
+
+// --- sim_cluster_decode.c
+
+/* A decode worker with room for need tokens, or -1: the one with more free KV of two
+ * random ones (all of them when there are at most 16), else, when scan is set and at most
+ * once per KV-freeing event, the best of all. */
+int sim_cluster_choose_decode(sim_cluster *s, int need, int scan);
+
+/* Reserve room for request id on decode worker w (KV for prompt + output, one slot). */
+void sim_cluster_hold(sim_cluster *s, int id, int w);
+
+/* Give back request id's room on its worker; it leaves its place (epoch bumped). */
+void sim_cluster_unreserve(sim_cluster *s, int id);
+
+/* A prefilled (or migrating) sequence needs a decode worker; its KV can be there at
+ * arrive_ms if one is found now, else it waits (at the front of its queue if front is
+ * set), online first. */
+void sim_cluster_place_decode(sim_cluster *s, int id, double arrive_ms, int front);
+
+/* Room appeared (hint: the worker that freed it, or -1): admit waiting sequences. */
+void sim_cluster_drain_pending(sim_cluster *s, int hint);
+
+/* Worker w joins / leaves the list of decode workers that take new sequences. */
+void sim_cluster_dec_list_add(sim_cluster *s, int w);
+void sim_cluster_dec_list_remove(sim_cluster *s, int w);
+
+/* Take a running (or joining) sequence out of its worker at a step boundary; its progress
+ * is kept and its room given back. */
+void sim_cluster_take_out(sim_cluster *s, int id);
+
+/* Decode worker w, draining, hands its sequences to others (KV over the link, one after
+ * another), then switches. */
+void sim_cluster_migrate_all(sim_cluster *s, int w);
+
+/* Events: decode worker w finished a step; request id's KV (from its epoch) arrived. */
+void sim_cluster_on_step_done(sim_cluster *s, int w);
+void sim_cluster_on_xfer_done(sim_cluster *s, int id, uint32_t epoch);
+
+#endif
