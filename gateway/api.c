@@ -23,43 +23,69 @@ int api_error_set(api_error *e, int status, const char *type, const char *param,
     va_start(ap, fmt);
     vsnprintf(e->message, sizeof(e->message), fmt, ap);
     va_end(ap);
+    api_utf8_trim(e->message); /* a quoted input cut at a byte count may end mid-character */
     return -1;
+}
+
+/* Length of the well-formed UTF-8 sequence at s[0..n) (no overlongs, no surrogates,
+ * <= U+10FFFF): 1..4, 0 when it is malformed, -1 when it is cut short by the end. */
+static int utf8_seq(const unsigned char *s, size_t n)
+{
+    unsigned c = s[0];
+    if (c < 0x80)
+        return 1;
+    int len;
+    unsigned min;
+    if (c >= 0xC2 && c <= 0xDF) {
+        len = 2, min = 0x80;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+        len = 3, min = 0x800;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+        len = 4, min = 0x10000;
+    } else {
+        return 0;
+    }
+    unsigned cp = c & (0x7F >> len);
+    for (int k = 1; k < len; k++) {
+        if ((size_t)k >= n)
+            return -1;
+        if ((s[k] & 0xC0) != 0x80)
+            return 0;
+        cp = (cp << 6) | (s[k] & 0x3F);
+    }
+    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+        return 0;
+    return len;
 }
 
 int api_utf8_valid(const char *str, size_t n)
 {
     const unsigned char *s = (const unsigned char *)str;
-    size_t i = 0;
-    while (i < n) {
-        unsigned c = s[i];
-        if (c < 0x80) {
-            i++;
-            continue;
-        }
-        int len;
-        unsigned min;
-        if (c >= 0xC2 && c <= 0xDF) {
-            len = 2, min = 0x80;
-        } else if (c >= 0xE0 && c <= 0xEF) {
-            len = 3, min = 0x800;
-        } else if (c >= 0xF0 && c <= 0xF4) {
-            len = 4, min = 0x10000;
-        } else {
+    for (size_t i = 0; i < n;) {
+        int k = utf8_seq(s + i, n - i);
+        if (k <= 0)
             return 0;
-        }
-        if (i + (size_t)len > n)
-            return 0;
-        unsigned cp = c & (0x7F >> len);
-        for (int k = 1; k < len; k++) {
-            if ((s[i + k] & 0xC0) != 0x80)
-                return 0;
-            cp = (cp << 6) | (s[i + k] & 0x3F);
-        }
-        if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
-            return 0;
-        i += (size_t)len;
+        i += (size_t)k;
     }
     return 1;
+}
+
+void api_utf8_trim(char *str)
+{
+    unsigned char *s = (unsigned char *)str;
+    size_t n = strlen(str);
+    for (size_t i = 0; i < n;) {
+        int k = utf8_seq(s + i, n - i);
+        if (k < 0) { /* a character cut by the end: drop its start */
+            s[i] = 0;
+            return;
+        }
+        if (k == 0) {
+            s[i++] = '?';
+            continue;
+        }
+        i += (size_t)k;
+    }
 }
 
 void api_request_free(api_request *r)

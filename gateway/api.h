@@ -53,7 +53,8 @@ typedef struct {
     char message[512];
 } api_error;
 
-/* Fill e (message printf-style, truncated to fit). Returns -1 so callers can
+/* Fill e (message printf-style, truncated to fit, then made valid UTF-8 with
+ * api_utf8_trim, so that the error object can always be built). Returns -1 so callers can
  * `return api_error_set(...)`. */
 int api_error_set(api_error *e, int status, const char *type, const char *param, const char *code,
                   const char *fmt, ...) __attribute__((format(printf, 6, 7)));
@@ -61,6 +62,11 @@ int api_error_set(api_error *e, int status, const char *type, const char *param,
 /* 1 if the n bytes at s are well-formed UTF-8 (no overlongs, no surrogates, <= U+10FFFF),
  * else 0. */
 int api_utf8_valid(const char *s, size_t n);
+
+/* Make the NUL-terminated s valid UTF-8 in place: a character cut short at the end (text
+ * truncated at a byte count, e.g. by "%.200s") is dropped, and every byte that starts no
+ * well-formed sequence becomes '?'. Valid text is left unchanged. */
+void api_utf8_trim(char *s);
 
 /* Parse and validate a body of len bytes (need not be NUL-terminated) for endpoint kind.
  * On success returns 0 and fills *out (free with api_request_free). On bad input returns

@@ -54,6 +54,7 @@ static void reply_err(struct evhttp_request *req, int status, const char *param,
     va_start(ap, fmt);
     vsnprintf(e.message, sizeof(e.message), fmt, ap);
     va_end(ap);
+    api_utf8_trim(e.message); /* it quotes client input, cut at a byte count */
     char *s = api_error_json(&e);
     reply_body(req, status, "application/json", s ? s : "{}", s ? strlen(s) : 2);
     free(s);

@@ -38,6 +38,10 @@ static json_t *req_id_json(void)
 void batch_line_error(batch_t *b, job_t *j, int line, const char *custom_id, const char *code,
                       const char *msg)
 {
+    char text[sizeof(((api_error *)0)->message)];
+    snprintf(text, sizeof(text), "%s", msg);
+    api_utf8_trim(text); /* it may quote the line, cut at a byte count */
+    msg = text;
     json_t *res = json_pack("{s:o, s:o, s:n, s:{s:s, s:s, s:i}}", "id", req_id_json(), "custom_id",
                             custom_id ? json_string(custom_id) : json_null(), "response", "error",
                             "code", code, "message", msg, "line", line + 1);

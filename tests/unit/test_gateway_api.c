@@ -289,6 +289,67 @@ static void test_chat_template(void **state)
     api_request_free(&r);
 }
 
+/* Messages that quote client input cut at a byte count must stay valid UTF-8, or the
+ * error object cannot be built (the client got {"error":{"message":"out of memory"}}). */
+static void test_utf8_trim(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *in, *out;
+    } trims[] = {
+        {"", ""},
+        {"plain", "plain"},
+        {"caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80", "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"},
+        {"abc\xc3", "abc"},             /* a 2-byte character cut after its first byte */
+        {"a\xe2\x82", "a"},             /* a 3-byte one after two */
+        {"\xf0\x9f\x98", ""},          /* a 4-byte one after three */
+        {"a\xff" "b", "a?b"},              /* never valid */
+        {"a\xc0\xaf" "b", "a??b"},         /* overlong '/' */
+        {"a\xed\xa0\x80" "b", "a???b"},    /* a surrogate */
+        {"a\x80" "b\xc3", "a?b"},          /* a stray continuation byte, then a cut */
+    };
+    for (size_t i = 0; i < sizeof(trims) / sizeof(trims[0]); i++) {
+        char buf[64];
+        snprintf(buf, sizeof(buf), "%s", trims[i].in);
+        api_utf8_trim(buf);
+        assert_string_equal(buf, trims[i].out);
+        assert_true(api_utf8_valid(buf, strlen(buf)));
+    }
+}
+
+/* The model name and service_tier are quoted in their errors with %.200s / %.64s: a
+ * multi-byte character across the cut must not break the error body. */
+static void test_error_quotes_cut_at_a_character(void **state)
+{
+    (void)state;
+    char model[300], body[600];
+    memset(model, 'a', 199);
+    snprintf(model + 199, sizeof(model) - 199, "\xc3\xa9" "xyz"); /* the cut at 200 splits the \xc3\xa9 */
+    snprintf(body, sizeof(body), "{\"prompt\": \"hi\", \"model\": \"%s\"}", model);
+    api_request r;
+    api_error e;
+    assert_int_equal(api_parse(API_COMPLETIONS, body, strlen(body), &r, &e), 0);
+    assert_int_equal(api_check_model(&r, "stories260K", &e), -1);
+    api_request_free(&r);
+    char *js = api_error_json(&e);
+    assert_non_null(js);
+    assert_non_null(strstr(js, "model_not_found"));
+    assert_true(api_utf8_valid(e.message, strlen(e.message)));
+    free(js);
+
+    char tier[100];
+    memset(tier, 'b', 63);
+    snprintf(tier + 63, sizeof(tier) - 63, "\xe2\x82\xac"); /* %.64s keeps one byte of the euro */
+    snprintf(body, sizeof(body), "{\"prompt\": \"hi\", \"service_tier\": \"%s\"}", tier);
+    assert_int_equal(api_parse(API_COMPLETIONS, body, strlen(body), &r, &e), -1);
+    assert_string_equal(e.code, "invalid_value");
+    assert_string_equal(e.param, "service_tier");
+    js = api_error_json(&e);
+    assert_non_null(js);
+    assert_non_null(strstr(js, "invalid_value"));
+    free(js);
+}
+
 static void test_model_check(void **state)
 {
     (void)state;
@@ -620,6 +681,8 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_validation_table),
         cmocka_unit_test(test_invalid_utf8),
+        cmocka_unit_test(test_utf8_trim),
+        cmocka_unit_test(test_error_quotes_cut_at_a_character),
         cmocka_unit_test(test_parsed_values),
         cmocka_unit_test(test_chat_template),
         cmocka_unit_test(test_model_check),
