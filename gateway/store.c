@@ -6,11 +6,14 @@
 #include "store.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <sqlite3.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "log.h"
 
@@ -26,6 +29,7 @@ typedef struct {
 struct store {
     sqlite3 *db;
     char *path;
+    int lock_fd; /* <path>.lock, flock'ed for as long as the store is open (-1 = none) */
     sqlite3_stmt *put_batch, *put_result;
     store_op *ops;
     int n_ops, cap_ops;
@@ -73,6 +77,44 @@ static int make_parent(const char *path, char *err, size_t errlen)
     return 0;
 }
 
+/* One database, one owner: take an exclusive lock on <path>.lock (released when the
+ * process exits, however it exits) and write our pid into it. Two gateways started from
+ * one checkout share the default --state-db; the second would resume the first one's
+ * running batches and compute every line again. Returns 0, or -1 with err set. */
+static int lock_owner(store_t *s, char *err, size_t errlen)
+{
+    char lpath[4096];
+    if (snprintf(lpath, sizeof(lpath), "%s.lock", s->path) >= (int)sizeof(lpath)) {
+        snprintf(err, errlen, "%.200s: path too long", s->path);
+        return -1;
+    }
+    s->lock_fd = open(lpath, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (s->lock_fd < 0) {
+        snprintf(err, errlen, "%.200s: cannot open the lock file: %s", lpath, strerror(errno));
+        return -1;
+    }
+    if (flock(s->lock_fd, LOCK_EX | LOCK_NB) < 0) {
+        int e = errno;
+        char pid[32] = "";
+        ssize_t n = pread(s->lock_fd, pid, sizeof(pid) - 1, 0);
+        pid[n > 0 ? n : 0] = 0;
+        pid[strcspn(pid, "\n")] = 0;
+        if (e == EWOULDBLOCK)
+            snprintf(err, errlen,
+                     "%.200s: the state database is in use by another gateway (pid %s): give "
+                     "each gateway its own --state-db",
+                     s->path, pid[0] ? pid : "unknown");
+        else
+            snprintf(err, errlen, "%.200s: cannot lock it: %s", lpath, strerror(e));
+        return -1;
+    }
+    char pid[32];
+    int n = snprintf(pid, sizeof(pid), "%ld\n", (long)getpid());
+    if (ftruncate(s->lock_fd, 0) < 0 || pwrite(s->lock_fd, pid, (size_t)n, 0) != n)
+        log_warn("%s: cannot write the owner's pid: %s", lpath, strerror(errno));
+    return 0;
+}
+
 store_t *store_open(const char *path, char *err, size_t errlen)
 {
     if (make_parent(path, err, errlen) < 0)
@@ -83,8 +125,11 @@ store_t *store_open(const char *path, char *err, size_t errlen)
         snprintf(err, errlen, "out of memory");
         return NULL;
     }
+    s->lock_fd = -1;
     char *msg = NULL;
     sqlite3_stmt *st = NULL;
+    if (lock_owner(s, err, errlen) < 0)
+        goto fail;
     if (sqlite3_open_v2(path, &s->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, NULL) !=
         SQLITE_OK) {
         snprintf(err, errlen, "%s: cannot open the state database: %s", path,
@@ -152,6 +197,8 @@ void store_close(store_t **ps)
     sqlite3_finalize(s->put_result);
     if (s->db)
         sqlite3_close(s->db);
+    if (s->lock_fd >= 0)
+        close(s->lock_fd); /* releases the lock: after the database is closed */
     free(s->path);
     free(s);
     *ps = NULL;

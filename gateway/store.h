@@ -25,7 +25,10 @@
 typedef struct store store_t;
 
 /* Open or create the database at path (its directory is created when missing), switch to
- * WAL and create the tables. NULL with a message naming the file in err. */
+ * WAL and create the tables. The opener owns the database until store_close: an exclusive
+ * lock on <path>.lock (holding the owner's pid) refuses a second owner, in this process or
+ * another. NULL with a message naming the file in err (for a second owner: "in use by
+ * another gateway (pid N)"). */
 store_t *store_open(const char *path, char *err, size_t errlen);
 
 /* Flush pending writes, close and free. Takes NULL; NULLs *s. */

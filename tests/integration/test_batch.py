@@ -465,5 +465,42 @@ class Tiers(unittest.TestCase):
             self.assertIn("preempted", c.log("gateway"))
 
 
+class OneOwner(unittest.TestCase):
+    """Two gateways started on one Batch API database: the second is refused at start with
+    a message naming the owner, instead of resuming the first one's batches (it computed
+    every line again); once the owner has gone the database can be opened."""
+
+    def test_second_gateway_on_the_same_database_is_refused(self):
+        with Cluster(roles=("mixed",)) as a:
+            b = Cluster(roles=())
+            b.state_db = a.state_db
+            try:
+                p = b.start_gateway()
+                rc = p.wait(timeout=20)
+                self.assertNotEqual(rc, 0)
+                log = b.log("gateway")
+                self.assertIn("in use by another gateway (pid %d)" % a.procs["gateway"].pid, log)
+                self.assertIn(a.state_db, log)
+                status, _ = a.request("GET", "/v1/batches")
+                self.assertEqual(status, 200)  # the owner serves on
+            finally:
+                b.stop()
+        c = Cluster(roles=())
+        c.state_db = a.state_db
+        try:
+            c.start_gateway()
+            deadline = time.time() + 20
+            status = None
+            while time.time() < deadline and status != 200:
+                try:
+                    status, _ = c.request("GET", "/v1/batches", timeout=2)
+                except OSError:
+                    time.sleep(0.1)
+            self.assertEqual(status, 200, c.log("gateway"))
+        finally:
+            c.stop()
+        for cl in (a, b, c):
+            self.assertEqual(cl.sanitizer_reports(), [])
+
 if __name__ == "__main__":
     unittest.main()

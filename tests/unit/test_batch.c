@@ -14,6 +14,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sqlite3.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -259,6 +260,23 @@ static void test_store_files(void **state)
     store_close(&s); /* NULL is fine */
 }
 
+/* Rows of batch_id in results, read with a connection of our own. */
+static int count_rows(const char *path, const char *batch_id)
+{
+    sqlite3 *db = NULL;
+    sqlite3_stmt *st = NULL;
+    int n = -1;
+    if (sqlite3_open_v2(path, &db, SQLITE_OPEN_READONLY, NULL) == SQLITE_OK &&
+        sqlite3_prepare_v2(db, "SELECT count(*) FROM results WHERE batch_id = ?1", -1, &st,
+                           NULL) == SQLITE_OK &&
+        sqlite3_bind_text(st, 1, batch_id, -1, SQLITE_STATIC) == SQLITE_OK &&
+        sqlite3_step(st) == SQLITE_ROW)
+        n = sqlite3_column_int(st, 0);
+    sqlite3_finalize(st);
+    sqlite3_close(db);
+    return n;
+}
+
 static void test_store_queue_and_reopen(void **state)
 {
     (void)state;
@@ -270,17 +288,17 @@ static void test_store_queue_and_reopen(void **state)
     assert_int_equal(store_result_put(s, "batch_a", 0, 0, "{\"line\":1}"), 0);
     assert_int_equal(store_result_put(s, "batch_b", 0, 1, "{\"other\":1}"), 0);
     assert_int_equal(store_n_pending(s), 4);
-    /* a second connection sees nothing before the flush (nothing is written yet) */
-    store_t *peek = store_open(dbpath, err, sizeof(err));
-    assert_non_null(peek);
-    results r = {0};
-    assert_int_equal(store_results_foreach(peek, "batch_a", -1, collect, &r), 0);
-    assert_int_equal(r.n, 0);
+    /* one owner: a second store on the database is refused, naming this process */
+    char want[64];
+    snprintf(want, sizeof(want), "in use by another gateway (pid %ld)", (long)getpid());
+    assert_null(store_open(dbpath, err, sizeof(err)));
+    assert_non_null(strstr(err, want));
+    /* a reader (plain SQLite) sees nothing before the flush (nothing is written yet) */
+    assert_int_equal(count_rows(dbpath, "batch_a"), 0);
     assert_int_equal(store_flush(s), 0);
     assert_int_equal(store_n_pending(s), 0);
-    assert_int_equal(store_results_foreach(peek, "batch_a", -1, collect, &r), 0);
-    assert_int_equal(r.n, 2);
-    store_close(&peek);
+    assert_int_equal(count_rows(dbpath, "batch_a"), 2);
+    results r = {0};
     /* a later put of the same batch replaces the object, keeps its place */
     assert_int_equal(store_batch_put(s, "batch_z", "{}"), 0);
     assert_int_equal(store_batch_put(s, "batch_a", "{\"status\":\"completed\"}"), 0);
