@@ -84,7 +84,12 @@ static int check_str(const gguf_t *g, const char *key, const char *want, char *e
     char v[64];
     if (gguf_find_key(g, key) < 0)
         return 0;
-    if (gguf_get_str_copy(g, key, v, sizeof(v)) != 0 || strcmp(v, want) != 0) {
+    if (gguf_get_str_copy(g, key, v, sizeof(v)) != 0) {
+        set_err(err, errlen, gguf_path(g), "%s is not a string; this engine implements \"%s\"",
+                key, want);
+        return -1;
+    }
+    if (strcmp(v, want) != 0) {
         set_err(err, errlen, gguf_path(g), "%s is \"%s\"; this engine implements \"%s\"", key, v,
                 want);
         return -1;

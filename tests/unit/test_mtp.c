@@ -343,6 +343,7 @@ static void test_mtp_load(void **state)
 typedef struct {
     int dim;             /* llama.embedding_length written (0: the real one) */
     const char *head;    /* tidepool.mtp.head (NULL: "shared") */
+    int head_u32;        /* write tidepool.mtp.head as a number instead (wrong type) */
     int no_nextn;        /* leave out llama.nextn_predict_layers */
     const char *skip;    /* tensor left out */
     const char *reshape; /* tensor written with a wrong shape */
@@ -369,7 +370,10 @@ static void write_variant(const char *path, const variant *v)
     rc |= gguf_writer_add_u32(w, "llama.attention.head_count", c->n_head);
     rc |= gguf_writer_add_u32(w, "llama.attention.head_count_kv", c->n_kv_head);
     rc |= gguf_writer_add_str(w, "tidepool.rope.pairing", "adjacent");
-    rc |= gguf_writer_add_str(w, "tidepool.mtp.head", v->head ? v->head : "shared");
+    if (v->head_u32)
+        rc |= gguf_writer_add_u32(w, "tidepool.mtp.head", 7);
+    else
+        rc |= gguf_writer_add_str(w, "tidepool.mtp.head", v->head ? v->head : "shared");
     assert_int_equal(rc, 0);
     uint64_t bad_ne[2] = {7, 3};
     static float bad_data[21];
@@ -419,6 +423,9 @@ static void test_mtp_load_errors(void **state)
 
     expect_load_error(&(variant){.dim = 32}, "llama.embedding_length");
     expect_load_error(&(variant){.head = "own"}, "tidepool.mtp.head");
+    /* a semantics key of the wrong type: the message says so (it printed a buffer that
+     * was never written) */
+    expect_load_error(&(variant){.head_u32 = 1}, "tidepool.mtp.head is not a string");
     expect_load_error(&(variant){.no_nextn = 1}, "no MTP modules");
     expect_load_error(&(variant){.skip = "blk.6.ffn_up.weight"}, "blk.6.ffn_up.weight");
     expect_load_error(&(variant){.reshape = "blk.5.nextn.eh_proj.weight"},
