@@ -44,6 +44,7 @@ if [ -n "$MODEL" ]; then
     name=$(basename "${MODEL%/}" .gguf)
     stage=build/container/model
     rm -rf "$stage" && mkdir -p "$stage/$name"
+    trap 'rm -rf "$stage"' EXIT # a copy for the build context only
     if [ -d "$MODEL" ]; then
         cp "$MODEL"/*.bin "$stage/$name/"
     else
