@@ -5,10 +5,24 @@
 # python3-msgpack: the stats-socket tests. prometheus: only for
 # promtool, which checks GET /metrics in the tests (~23 MB download; on a host with systemd
 # its server service starts too: `systemctl disable --now prometheus` if unwanted).
+#
+#   tools/install-deps.sh            the packages above
+#   tools/install-deps.sh --deploy   also those of the container image and its tests
+#                                    (tests/deploy/run.sh): podman (rootful, runc), its pod
+#                                    pause binary (catatonit: podman kube play), podman-compose,
+#                                    debootstrap and the Debian archive keyring for the local
+#                                    base image (deploy/container/base.sh). kubectl is not a
+#                                    Debian package: tests/deploy/test_kube.py needs one on PATH.
 set -eu
 PKGS=(build-essential pkg-config libzmq3-dev libmsgpack-dev libevent-dev libjansson-dev
       libxxhash-dev libcmocka-dev libinih-dev libcurl4-openssl-dev curl iproute2 python3 python3-zmq
       tmux libncurses-dev python3-msgpack prometheus libsqlite3-dev)
+DEPLOY_PKGS=(podman runc catatonit podman-compose debootstrap debian-archive-keyring)
+case "${1:-}" in
+--deploy) PKGS+=("${DEPLOY_PKGS[@]}") ;;
+'') ;;
+*) echo "usage: tools/install-deps.sh [--deploy]" >&2; exit 2 ;;
+esac
 missing=()
 for p in "${PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -13,6 +13,7 @@
 #include "runtime.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +28,7 @@
 #define CTL_LINGER_MS 1000   /* time to flush BYE at exit */
 #define REGISTER_RETRY_MS 50 /* REGISTER not even sent (no connection yet) */
 #define MAX_POLL_ITEMS 256
+#define HEALTH_MIN_INTERVAL_US 250000 /* health file rewrites at most this often, unchanged */
 
 /* rt->roles from rt->prefill and rt->decode (prefill first): after every attach/detach. */
 static void roles_update(runtime_t *rt)
@@ -132,6 +134,7 @@ static int send_register(runtime_t *rt)
     int rc = ctl_send(rt, &m);
     if (rc < 0)
         log_debug("REGISTER not sent yet: %s", zmq_strerror(errno));
+    rt->ctl_ok = rc == 0;
     return rc;
 }
 
@@ -158,8 +161,59 @@ static void send_heartbeat(runtime_t *rt)
         kvx_sender_get_stats(rt->sender, &m.kvx_tx);
     m.emulated = rt->cp.emu_on;
     m.ts_us = proto_wall_us();
-    if (ctl_send(rt, &m) < 0)
+    rt->ctl_ok = ctl_send(rt, &m) == 0;
+    if (!rt->ctl_ok)
         log_debug("HEARTBEAT not sent: %s", zmq_strerror(errno));
+}
+
+// --- the health file (--health-file)
+
+/* Rewrite the health file, if one is set: a few "key=value" lines a container health
+ * check reads (deploy/container/tidepool-health). time_ms (wall clock) shows the loop is
+ * alive; registered=1 means the gateway acknowledged this worker's REGISTER and the last
+ * REGISTER/HEARTBEAT went out on a connected ctl socket (0 while unregistered, after a BYE,
+ * or while the gateway is unreachable); state is ready, changing (role change) or draining.
+ * Written to PATH.tmp then renamed over PATH, so a reader sees a whole file. Called at every
+ * heartbeat tick and when registration changes; an unchanged state is rewritten at most every
+ * HEALTH_MIN_INTERVAL_US. A failure is logged once and never stops the worker. */
+static void health_write(runtime_t *rt)
+{
+    const char *path = rt->set.health_file;
+    if (!path || !*path)
+        return;
+    int64_t now = proto_now_us();
+    char line[sizeof(rt->health_last)];
+    const char *state = rt->draining ? "draining" : rt->role_target ? "changing" : "ready";
+    snprintf(line, sizeof(line), "registered=%d\nstate=%s\nrole=%s\n", rt->registered && rt->ctl_ok,
+             state, proto_role_str(rt->role));
+    if (rt->health_us && now - rt->health_us < HEALTH_MIN_INTERVAL_US &&
+        strcmp(line, rt->health_last) == 0)
+        return;
+    char tmp[4096];
+    if (snprintf(tmp, sizeof(tmp), "%s.tmp", path) >= (int)sizeof(tmp)) {
+        if (!rt->health_err++)
+            log_warn("--health-file %s: path too long", path);
+        return;
+    }
+    char buf[1024];
+    int n = snprintf(buf, sizeof(buf), "time_ms=%lld\n%sworker_id=%s\npid=%d\nheartbeat_ms=%d\n",
+                     (long long)(proto_wall_us() / 1000), line, rt->wid, (int)getpid(), rt->hb_ms);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    int ok = fd >= 0 && write(fd, buf, (size_t)n) == n;
+    int err = errno;
+    if (fd >= 0 && close(fd) < 0 && ok)
+        ok = 0, err = errno;
+    if (ok && rename(tmp, path) < 0)
+        ok = 0, err = errno;
+    if (!ok) {
+        if (!rt->health_err++)
+            log_warn("--health-file %s: cannot write it: %s (not logged again)", path,
+                     strerror(err));
+        unlink(tmp);
+        return;
+    }
+    rt->health_us = now;
+    snprintf(rt->health_last, sizeof(rt->health_last), "%s", line);
 }
 
 /* REGISTER until acknowledged, then HEARTBEAT, every hb_ms. */
@@ -185,6 +239,7 @@ static void heartbeat_tick(runtime_t *rt, int force)
         send_heartbeat(rt);
     }
     rt->next_hb_us = now + (int64_t)delay_ms * 1000;
+    health_write(rt);
 }
 
 static void send_bye(runtime_t *rt)
@@ -351,6 +406,7 @@ static void on_ctl(runtime_t *rt, proto_msg *m, int n_frames)
         rt->unacked_since_us = 0;
         rt->hb_ms = m->heartbeat_ms;
         rt->next_hb_us = proto_now_us() + (int64_t)rt->hb_ms * 1000;
+        health_write(rt); /* registered now */
         return;
     case PROTO_BYE: /* the gateway does not know us (it restarted, or declared us dead) */
         log_info("gateway does not know this worker; registering again");
@@ -416,6 +472,8 @@ int runtime_open(runtime_t *rt)
 
 void runtime_close(runtime_t *rt, int fast)
 {
+    if (rt->set.health_file && *rt->set.health_file)
+        unlink(rt->set.health_file);       /* a worker that is gone is not healthy */
     prefill_role_ops.detach(&rt->prefill); /* before the sender: it aborts its transfers */
     decode_role_ops.detach(&rt->decode);
     roles_update(rt);

@@ -129,6 +129,10 @@ struct runtime {
     int64_t role_order_us;  /* when the change in progress was ordered */
     int64_t role_change_us; /* the last change's duration: ROLE received -> switched */
     uint64_t n_role_changes;
+    int ctl_ok;           /* the last REGISTER/HEARTBEAT went out (the gateway is connected) */
+    int64_t health_us;    /* last write of the health file (--health-file; 0 = none yet) */
+    char health_last[64]; /* its state line then (rewritten early when it changes) */
+    int health_err;       /* a write failed (logged once) */
 };
 
 /* Durations a worker reports with a request's TOKENS or FINISH (proto_msg queue_us,

@@ -16,6 +16,7 @@ typedef struct {
     long long mtp_depth_set;        /* --mtp-depth: -1 = 2 when modules are loaded */
     int mtp_adaptive;               /* --mtp-adaptive */
     char *mtp_sampling;             /* --mtp-sampling: rejection | onehot */
+    char *health_file;              /* --health-file: state file for health checks ("" = none) */
 } worker_settings;
 
 #endif

@@ -70,6 +70,10 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
          "PRESET:dilate=K runs it K times slower): each prefill/decode step is padded to "
          "its time and each KV transfer to its bytes; tokens come from the real model; MTP "
          "off (docs/scheduler.md); \"\" = real compute"},
+        {"health-file", CONFIG_STRING, &set->health_file, "", 0, 0,
+         "file rewritten at every heartbeat with the worker's state (time_ms, registered, "
+         "state, ...) for container health checks (deploy/container/tidepool-health); "
+         "removed at exit; \"\" = none"},
         {"debug-step-delay-ms", CONFIG_INT, &set->debug_step_delay_ms, "0", 0, 10000,
          "testing only: sleep this long after every compute step"},
         {"log-level", CONFIG_STRING, &set->log_level, "info", 0, 0, "debug | info | warn | error"},

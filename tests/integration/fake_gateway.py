@@ -7,7 +7,7 @@ would (docs/protocol.md). Standard library plus python3-zmq (msgpack is done by 
 
 Cases: greedy_disagg, greedy_mixed, batch_disagg, max_tokens_1, cancel_running,
 cancel_queued, bad_prompt, decode_unreachable, drain, second_signal, reregister,
-migrate, migrate_before_kv, migrate_refused, migrate_unreachable, role_hands_back_queued.
+health_file, migrate, migrate_before_kv, migrate_refused, migrate_unreachable, role_hands_back_queued.
 Exit
 status 0 when every case passes. Each worker logs to a file in a temporary directory; the logs are scanned for
 sanitizer reports."""
@@ -457,6 +457,48 @@ def case_second_signal(g):
     p.send_signal(signal.SIGTERM)
     eq(p.wait(timeout=5), 1, "exit status after a second signal")
     g.procs.pop("p0")[1].close()  # its non-zero status is the point here
+
+
+def read_health(path):
+    """The worker's --health-file as a dict (None while it does not exist)."""
+    try:
+        with open(path) as f:
+            return dict(line.rstrip("\n").split("=", 1) for line in f if "=" in line)
+    except FileNotFoundError:
+        return None
+
+
+def case_health_file(g):
+    """--health-file: registered=0 until REGISTER_ACK, 1 after, 0 after a BYE and while the
+    gateway is gone; time_ms keeps moving; state draining on SIGTERM; removed at exit."""
+    path = os.path.join(g.logdir, "d0.health")
+    g.ack = False
+    g.start("d0", "decode_worker", "--kv-bind", "tcp://127.0.0.1:*", "--health-file", path)
+    g.wait(lambda: "d0" in g.workers and (read_health(path) or {}).get("registered") == "0",
+           what="health file before REGISTER_ACK")
+    h = read_health(path)
+    eq((h["worker_id"], h["role"], h["state"]), ("d0", "decode", "ready"), "health fields")
+    g.ack = True
+    g.wait(lambda: (read_health(path) or {}).get("registered") == "1", what="registered=1")
+    t0 = int(read_health(path)["time_ms"])
+    if abs(t0 / 1000.0 - time.time()) > 5:
+        raise AssertionError("time_ms %d is not the wall clock" % t0)
+    g.wait(lambda: int(read_health(path)["time_ms"]) > t0, what="time_ms to advance")
+    g.ack = False
+    del g.workers["d0"]  # the gateway forgets d0: its next HEARTBEAT gets BYE
+    g.wait(lambda: read_health(path)["registered"] == "0", what="registered=0 after BYE")
+    g.ack = True
+    g.wait(lambda: read_health(path)["registered"] == "1", what="registered=1 again")
+    g.sock.close()  # the gateway goes away: heartbeats cannot go out
+    deadline = time.time() + 10
+    while read_health(path)["registered"] != "0":
+        if time.time() > deadline:
+            raise AssertionError("registered still 1 with the gateway gone")
+        time.sleep(0.05)
+    p = g.procs["d0"][0]
+    p.send_signal(signal.SIGTERM)
+    eq(p.wait(timeout=10), 0, "exit status")
+    eq(read_health(path), None, "health file after exit")
 
 
 def case_reregister(g):

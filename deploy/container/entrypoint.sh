@@ -1,0 +1,124 @@
+#!/bin/bash
+# tidepool-entrypoint: the image's entrypoint. The first word of the command picks the role:
+#
+#   gateway [flag ...]     the gateway (HTTP 8000, ctl 5557, stats 5558)
+#   prefill [flag ...]     a prefill worker          (prefill_worker --role prefill)
+#   decode  [flag ...]     a decode worker           (decode_worker --role decode)
+#   mixed   [flag ...]     prefill and decode in one (prefill_worker --role mixed)
+#   convert [flag ...]     tidepool-convert (llama2.c -> GGUF)
+#   health  [flag ...]     tidepool-health (the HEALTHCHECK)
+#   help                   this text
+#   anything else          run as a command (e.g. bash)
+#
+# Settings come from TIDEPOOL_* environment variables (each program's --help lists its own:
+# `podman run IMAGE gateway --help`) or flags after the role; a flag wins over the
+# environment. The program is exec'ed: it is PID 1 and gets SIGTERM itself, which makes it
+# drain (it blocks SIGTERM and reads it from a signalfd / libevent, so the kernel's PID 1
+# rule that drops signals without a handler does not apply).
+#
+# Before the program starts:
+#   - the model: TIDEPOOL_MODEL (or --model) names a GGUF file, used as is, or a llama2.c
+#     directory (a checkpoint *.bin and tok*.bin), converted once into TIDEPOOL_MODEL_CACHE
+#     (default /tmp/tidepool-models, must be writable). Unset: the model baked into the image
+#     (/opt/tidepool/models/*.gguf), else /models/stories260K (a mounted volume).
+#   - workers: TIDEPOOL_WORKER_ID defaults to the host name (a StatefulSet pod's name: stable
+#     across restarts); TIDEPOOL_KV_ADVERTISE, when unset and the kv socket binds every
+#     interface, to tcp://<this host's address>:<kv port>; TIDEPOOL_THREADS, when unset, to
+#     the container's CPU limit (cgroup quota), so a 2-CPU container does not run a thread
+#     per host CPU.
+set -euo pipefail
+BIN=/opt/tidepool/bin
+log() { echo "tidepool-entrypoint: $*" >&2; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+
+role=${1:-help}
+[ $# -gt 0 ] && shift
+case "$role" in
+gateway) prog=gateway; pre=() ;;
+prefill) prog=prefill_worker; pre=(--role prefill) ;;
+decode) prog=decode_worker; pre=(--role decode) ;;
+mixed) prog=prefill_worker; pre=(--role mixed) ;;
+convert) exec "$BIN/tidepool-convert" "$@" ;;
+health) exec "$BIN/tidepool-health" "$@" ;;
+help | -h | --help) usage; exit 0 ;;
+*) exec "$role" "$@" ;;
+esac
+
+args=("$@")
+for a in "${args[@]}"; do
+    case "$a" in --help | -h) exec "$BIN/$prog" "${pre[@]}" "${args[@]}" ;; esac
+done
+
+# --- the model
+model=${TIDEPOOL_MODEL:-}
+model_at=-1 # index of the --model value in args (a flag wins over the environment)
+norm=()
+for a in "${args[@]}"; do
+    case "$a" in --model=*) norm+=(--model "${a#--model=}") ;; *) norm+=("$a") ;; esac
+done
+args=("${norm[@]}")
+for ((i = 0; i + 1 < ${#args[@]}; i++)); do
+    if [ "${args[i]}" = --model ]; then model=${args[i + 1]}; model_at=$((i + 1)); fi
+done
+if [ -z "$model" ]; then
+    model=$(ls /opt/tidepool/models/*.gguf 2>/dev/null | head -n 1 || true)
+    [ -n "$model" ] || model=/models/stories260K
+fi
+if [ -d "$model" ]; then
+    name=$(basename "${model%/}")
+    cache=${TIDEPOOL_MODEL_CACHE:-/tmp/tidepool-models}
+    gguf=$cache/$name.gguf
+    ckpt=$(ls "$model"/*.bin 2>/dev/null | grep -v '/tok[^/]*\.bin$' | head -n 1 || true)
+    tok=$(ls "$model"/tok*.bin 2>/dev/null | head -n 1 || true)
+    if [ -z "$ckpt" ] || [ -z "$tok" ]; then
+        log "$model: not a llama2.c model directory (no checkpoint *.bin and tok*.bin)"
+        exit 2
+    fi
+    if [ ! -s "$gguf" ] || [ "$ckpt" -nt "$gguf" ]; then
+        mkdir -p "$cache" || { log "cannot create $cache (TIDEPOOL_MODEL_CACHE): read-only?"; exit 2; }
+        # a private temporary name, then rename: containers sharing the cache never see half
+        "$BIN/tidepool-convert" --checkpoint "$ckpt" --tokenizer "$tok" --name "$name" \
+            --out "$gguf.tmp.$$" >&2 || { rm -f "$gguf.tmp.$$"; log "converting $model failed"; exit 2; }
+        mv -f "$gguf.tmp.$$" "$gguf"
+        log "converted $model to $gguf"
+    fi
+    model=$gguf
+elif [ ! -f "$model" ]; then
+    log "model $model not found: mount the models at /models (-v DIR:/models:ro) and set" \
+        "TIDEPOOL_MODEL to a GGUF file or a llama2.c directory in it"
+    exit 2
+fi
+if [ $model_at -ge 0 ]; then args[model_at]=$model; fi
+export TIDEPOOL_MODEL=$model
+
+# --- workers
+if [ "$prog" != gateway ]; then
+    export TIDEPOOL_WORKER_ID=${TIDEPOOL_WORKER_ID:-${HOSTNAME:-$(hostname)}}
+    kv_bind=${TIDEPOOL_KV_BIND:-tcp://127.0.0.1:5560}
+    if [ -z "${TIDEPOOL_KV_ADVERTISE:-}" ]; then
+        case "$kv_bind" in
+        tcp://0.0.0.0:* | tcp://\*:*)
+            addr=$(getent ahostsv4 "$(hostname)" 2>/dev/null | awk '$1 !~ /^127\./ { print $1; exit }')
+            if [ -n "$addr" ]; then
+                export TIDEPOOL_KV_ADVERTISE=tcp://$addr:${kv_bind##*:}
+            else
+                log "no address for $(hostname): set TIDEPOOL_KV_ADVERTISE to an endpoint the other workers reach"
+            fi
+            ;;
+        esac
+    fi
+    if [ -z "${TIDEPOOL_THREADS:-}" ]; then
+        quota= period=
+        if [ -r /sys/fs/cgroup/cpu.max ]; then
+            read -r quota period </sys/fs/cgroup/cpu.max || true
+        elif [ -r /sys/fs/cgroup/cpu/cpu.cfs_quota_us ]; then
+            quota=$(cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us)
+            period=$(cat /sys/fs/cgroup/cpu/cpu.cfs_period_us)
+        fi
+        case "$quota" in '' | max | -*) ;; *)
+            export TIDEPOOL_THREADS=$(((quota + period - 1) / period)) ;;
+        esac
+    fi
+fi
+
+exec "$BIN/$prog" "${pre[@]}" "${args[@]}"
