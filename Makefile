@@ -112,7 +112,7 @@ BENCHES  := $(BENCH_SRC:tests/bench/%.c=$(BUILD)/tests/%)
 
 BINS := $(PROGS:%=$(BUILD)/bin/%) $(TOOLS)
 
-.PHONY: all test unit integration bench clean model check-layers print-layers
+.PHONY: all test unit integration bench clean model check-layers print-layers deploy-test netns-test
 # keep object files of pattern-rule chains (tools, tests)
 .SECONDARY:
 all: $(BINS) $(TESTS) model
@@ -163,6 +163,11 @@ $(MODEL_GGUF): $(BUILD)/bin/tidepool-convert
 
 test: all
 	BUILD=$(BUILD) tests/run_tests.sh
+
+# Container image, compose and Kubernetes manifests (podman as root; tools/install-deps.sh
+# --deploy installs what they need): tests/deploy/run.sh. Not part of `make test`.
+deploy-test: all
+	tests/deploy/run.sh
 
 bench: all $(BENCHES)
 	BUILD=$(BUILD) tests/run_bench.sh

@@ -11,15 +11,19 @@
 #                                    (tests/deploy/run.sh): podman (rootful, runc), its pod
 #                                    pause binary (catatonit: podman kube play), podman-compose,
 #                                    debootstrap and the Debian archive keyring for the local
-#                                    base image (deploy/container/base.sh). kubectl is not a
-#                                    Debian package: tests/deploy/test_kube.py needs one on PATH.
+#                                    base image (deploy/container/base.sh), and Debian's
+#                                    kubectl (kubernetes-client) when none is on PATH
+#                                    (tests/deploy/test_kube.py renders with kubectl kustomize).
 set -eu
 PKGS=(build-essential pkg-config libzmq3-dev libmsgpack-dev libevent-dev libjansson-dev
       libxxhash-dev libcmocka-dev libinih-dev libcurl4-openssl-dev curl iproute2 python3 python3-zmq
       tmux libncurses-dev python3-msgpack prometheus libsqlite3-dev)
 DEPLOY_PKGS=(podman runc catatonit podman-compose debootstrap debian-archive-keyring)
 case "${1:-}" in
---deploy) PKGS+=("${DEPLOY_PKGS[@]}") ;;
+--deploy)
+    PKGS+=("${DEPLOY_PKGS[@]}")
+    command -v kubectl >/dev/null 2>&1 || PKGS+=(kubernetes-client)
+    ;;
 '') ;;
 *) echo "usage: tools/install-deps.sh [--deploy]" >&2; exit 2 ;;
 esac
