@@ -3,6 +3,7 @@ request that was running when it died ends cleanly (an error or a correct comple
 a hang); the gateway stays up and the next request is served correctly."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -128,6 +129,41 @@ class Launcher(unittest.TestCase):
             self.assertFalse(os.path.exists("/proc/%s" % pid) and
                              open("/proc/%s/stat" % pid).read().split()[2] != "Z",
                              "process %s still running" % pid)
+
+    def wait_new_pid(self, name, old, timeout=15):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            pids = [p for p in self.worker_pids(name) if p not in old]
+            if pids:
+                return pids
+            time.sleep(0.05)
+        self.fail("%s was not restarted" % name)
+
+    def test_restart_backoff_is_capped_and_resets(self):
+        """A worker that keeps dying is restarted after 1, 2, 4, then at most 5 s; once it has
+        run 10 s it restarts after 1 s again (it stayed down 30 s: found by a fresh-user
+        trial, requests waited 25 s)."""
+        log_path = self.log.name
+        pids = self.worker_pids("decode-0")
+        for want in (1, 2, 4, 5, 5):
+            for p in pids:
+                os.kill(p, signal.SIGKILL)
+            pids = self.wait_new_pid("decode-0", pids, timeout=want + 10)
+        time.sleep(10.5)  # healthy for longer than the reset time
+        for p in pids:
+            os.kill(p, signal.SIGKILL)
+        self.wait_new_pid("decode-0", pids)
+        self.log.flush()
+        with open(log_path, errors="replace") as f:
+            got = [int(m) for m in re.findall(r"decode-0 exited \(status \d+\); restarting in "
+                                              r"(\d+) s", f.read())]
+        self.assertEqual(got, [1, 2, 4, 5, 5, 1])
+        status, body = self.c.request("GET", "/health")
+        deadline = time.time() + 10
+        while status != 200 and time.time() < deadline:
+            time.sleep(0.2)
+            status, body = self.c.request("GET", "/health")
+        self.assertEqual(status, 200, body)
 
     def test_kill_decode_worker(self):
         self.kill_during_request("decode-0")
