@@ -526,6 +526,49 @@ class FakeWorkerTest(unittest.TestCase):
         a.heartbeat()
         self.assertIsNotNone(a.recv(2, want=(BYE,)))
 
+    def test_cut_off_worker_told_to_drop_rerun_attempts(self):
+        """A worker cut off long enough to be declared dead still holds its attempt (a decode
+        worker would decode it to max_tokens, holding its KV) while the gateway re-runs it
+        elsewhere. When that process registers again, the gateway CANCELs the attempt there;
+        a new process with that worker id (a restart) is sent nothing."""
+        def rerun_on(w):
+            deadline = time.time() + 5
+            while time.time() < deadline:  # the other worker is silent: cut off
+                w.heartbeat()
+                m = w.recv(0.1, want=(PREFILL,))
+                if m:
+                    return m
+            self.fail("the request was not re-run on " + w.wid)
+
+        a = self.worker("w-a")
+        res = self.start({"prompt": "hi", "max_tokens": 4, "stream": True})
+        rid = self.prefill(a)["rid"]
+        a.send(TOKENS, rid=rid, index=0, tokens=ids_of("ab"))
+        b = self.worker("w-b")
+        m2 = rerun_on(b)
+        # the network heals: a's heartbeat gets BYE, it registers again (same process)
+        a.heartbeat()
+        self.assertIsNotNone(a.recv(2, want=(BYE,)))
+        a.register()
+        m = a.recv(2, want=(CANCEL,))
+        self.assertIsNotNone(m, "no CANCEL for the attempt re-run elsewhere")
+        self.assertEqual(m["rid"], rid)
+        # b runs the re-run, then is cut off in turn; a takes the request again
+        b.send(TOKENS, rid=m2["rid"], index=0, tokens=ids_of("c"))
+        m3 = rerun_on(a)
+        self.assertEqual(m3["max_tokens"], 1)
+        # b comes back as another process (restarted): it never had the attempt
+        b.send(REGISTER, wid="w-b", role=3, kvep="", fp=1, pid=os.getpid() + 1, n_ctx=N_CTX,
+               bs=16, max_seqs=8, kv_total=1000, kv_free=1000)
+        self.assertIsNone(b.recv(0.5, want=(CANCEL,)), "CANCEL sent to another process")
+        a.send(TOKENS, rid=m3["rid"], index=0, tokens=ids_of("d"))
+        a.send(FINISH, rid=m3["rid"], reason=2)
+        st, _, data = res()
+        events = [e[6:] for e in data.decode().split("\n\n") if e]
+        self.assertEqual(events[-1], "[DONE]")
+        self.assertEqual("".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]),
+                         "abcd")
+
     def test_retries_exhausted(self):
         a = self.worker("w-a")
         for stream in (False, True):
