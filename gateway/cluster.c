@@ -307,13 +307,14 @@ static int pick(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw, int 
     long best_load = -1, best_free = -1;
     int total = r->n_prompt + r->n_gen;
     int n_decoders = 0, n_could_fit = 0;
+    int64_t now = proto_now_us();
     for (worker_t *d = c->workers; d; d = d->next) {
         if (!usable(d) || (d->role != PROTO_ROLE_DECODE && d->role != PROTO_ROLE_MIXED))
             continue;
         n_decoders++;
         if (d->kv_total >= blocks_needed(r, d))
             n_could_fit++;
-        if (d->full)
+        if (d->full || !routable(c, d, now))
             continue;
         if (d->n_ctx > 0 && total >= d->n_ctx)
             continue;
@@ -323,7 +324,7 @@ static int pick(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw, int 
         if (d->max_seqs > 0 && d->n_decode >= d->max_seqs)
             continue;
         for (worker_t *p = c->workers; p; p = p->next) {
-            if (!usable(p))
+            if (!routable(c, p, now))
                 continue;
             if (p != d && (p->role != PROTO_ROLE_PREFILL || !d->kvep[0]))
                 continue;

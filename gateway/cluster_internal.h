@@ -230,6 +230,20 @@ static inline int usable(const worker_t *w)
     return !w->dead && w->state == PROTO_STATE_READY;
 }
 
+/* Whether w may be given new work at now_us: usable and heard from within half of
+ * dead_after_ms (at least two heartbeat intervals). A worker silent that long is probably
+ * cut off like the one just declared dead (a partition takes several at once, found dead
+ * one sweep after another): a re-run sent there would fail again a moment later, each time
+ * costing the request one of its max_retries, until a partition of N workers lost it
+ * (found by tests/netns/test_multihost.py). It gets work again with its next message. */
+static inline int routable(const cluster_t *c, const worker_t *w, int64_t now_us)
+{
+    int64_t quiet_ms = c->p.dead_after_ms / 2;
+    if (quiet_ms < 2 * (int64_t)c->p.heartbeat_ms)
+        quiet_ms = 2 * (int64_t)c->p.heartbeat_ms;
+    return usable(w) && now_us - w->last_seen_us <= quiet_ms * 1000;
+}
+
 /* KV blocks decode worker d reserves for r: the worst case, prompt + max_tokens - 1
  * tokens capped at the context, exactly as the worker reserves it (kvtransfer). */
 static inline int blocks_needed(const req_t *r, const worker_t *d)
