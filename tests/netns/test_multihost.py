@@ -16,12 +16,16 @@ and the test's HTTP client runs inside the gateway namespace (a helper process s
 The run: greedy references from a one-host cluster (every process in the gateway namespace,
 on its loopback), checked against test_e2e's REF; then the multi-host cluster must give the
 same texts, and again under streaming load through three faults:
-  a. the link between prefill host p0 and the bridge goes down mid-transfer for 3 s;
+  a. the link between prefill host p0 and the bridge goes down for 3 s while a long prompt's
+     KV streams from it to a decode host (checked: a transfer ended there unfinished);
   b. decode host d1 dies (SIGKILL of the process running there), and is started again;
-  c. the gateway host is partitioned from every worker for 5 s (its bridge port down).
+  c. the gateway host is partitioned from every worker for 5 s (its bridge port down), with
+     streams that outlast the partition.
 Each fault: every admitted request completes with exactly the reference text (nothing lost,
-duplicated or altered), every live worker's KV blocks are all free again within 5 s after the
-load ends, and the workers cut off are registered and ready again after the heal.
+duplicated or altered), at most one re-run per request (each counts against --max-retries),
+every live worker's KV blocks are all free again within 5 s after the load ends, and the
+workers cut off are registered, ready and heard from again after the heal; after (c) the
+decode workers run no attempt the gateway re-ran elsewhere (running <= assigned).
 
 Needs root and `ip netns` (skipped with a message otherwise). Not part of `make test`:
     /usr/bin/python3 -m unittest -v tests/netns/test_multihost.py
@@ -46,6 +50,7 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "integration"))
 from cluster import BIN, MODEL, ROOT, SANITIZER_MARKERS  # noqa: E402
+from test_chunked import LONG as LONG_PROMPT  # noqa: E402  (~300 tokens)
 from test_e2e import REF  # noqa: E402
 
 PY = "/usr/bin/python3"
@@ -60,8 +65,12 @@ MAX_TOKENS = 150
 # fault c: streams that outlast the partition, so the decode workers still run the attempts
 # the gateway gave up on when the partition heals: plain decoding (one token a step; with MTP
 # a step may emit three) and a longer max_tokens
-LONG = (400, 0)  # (max_tokens, mtp_depth)
+OUTLAST = (400, 0)  # (max_tokens, mtp_depth)
 SHORT = (MAX_TOKENS, None)  # None: the workers' default depth (MTP on: the model has modules)
+# fault a: prompts computed over ~150 loop iterations of the prefill worker (chunks of 2
+# tokens), their KV streaming to a decode host block by block meanwhile: one is mid-transfer
+# on each prefill host when p0's link goes down
+CHUNKED = (40, None)
 N_STREAMS = 12       # concurrent streamed greedy completions per fault
 STAGGER_S = 0.1      # between their starts, so prompts are in every stage when a fault hits
 PROMPTS = list(REF) + ["The little dog", "Lily and Ben were"]
@@ -465,7 +474,8 @@ class MultiHost(unittest.TestCase):
         try:
             wait_for(lambda: client_get_ok(client, "/health"), 30, "one-host cluster healthy")
             ids = {(p,) + kind: client.stream(p, *kind) for p in PROMPTS
-                   for kind in (SHORT, LONG)}
+                   for kind in (SHORT, OUTLAST)}
+            ids[(LONG_PROMPT,) + CHUNKED] = client.stream(LONG_PROMPT, *CHUNKED)
             refs = {}
             for key, i in ids.items():
                 r = client.wait(i, 60)
@@ -609,12 +619,17 @@ class MultiHost(unittest.TestCase):
         retried = sum(1 for a in attempts if a > 1)
         n_retry_lines = len(re.findall(r"retrying \(attempt", log))
         ok = sum(1 for _, r in results if r and r.get("status") == 200 and r.get("done"))
-        line = ("%-32s sent %2d, completed %2d, retried %2d (%d re-runs, attempts at most %d), "
-                "%s" % (what, len(results), ok, retried, n_retry_lines, max(attempts or [0]),
-                        extra))
+        m1 = self.metrics()
+        gw = {k: m1.get(k, 0) - self.m0.get(k, 0) for k in m1}
+        line = ("%-32s sent %2d, completed %2d, retried %2d (%d re-runs, attempts at most %d); "
+                "gateway /metrics: received %d, succeeded %d, failed %d; %s" %
+                (what, len(results), ok, retried, n_retry_lines, max(attempts or [0]),
+                 gw["received"], gw["success"], gw["failure"], extra))
         self.report.append(line)
         print("\n" + line, file=sys.stderr)
         self.assertEqual(len(attempts), len(results), "a request end line per stream")
+        self.assertEqual((gw["received"], gw["success"], gw["failure"]),
+                         (len(results), len(results), 0), "the gateway's own counts")
         self.assertLessEqual(max(attempts or [0]), max_attempts,
                              "%s: a request ran more than %d attempts for one fault:\n%s" %
                              (what, max_attempts, "\n".join(
@@ -632,10 +647,22 @@ class MultiHost(unittest.TestCase):
                     int(m.group(4))
         return out
 
+    def metrics(self):
+        """The gateway's request counters from /metrics: received, success, failure."""
+        status, text = self.client.get("/metrics")
+        out = {"received": 0, "success": 0, "failure": 0}
+        names = {"requests_received_total": "received", "request_success_total": "success",
+                 "request_failure_total": "failure"}
+        for m in re.finditer(r"^tidepool:(\w+)\{[^}]*\} (\S+)$", text, re.M):
+            if m.group(1) in names:
+                out[names[m.group(1)]] += int(float(m.group(2)))
+        return out
+
     def assert_baseline(self):
-        """Start of a case: every worker ready and idle."""
+        """Start of a case: every worker ready and idle; the gateway's counters noted."""
         wait_for(lambda: len(self.ready_workers()) == 4, 20, "4 workers ready")
         self.wait_kv_free(time.time(), "baseline", within=10)
+        self.m0 = self.metrics()
 
     # -- the cases
 
@@ -650,8 +677,14 @@ class MultiHost(unittest.TestCase):
     def test_1_prefill_link_down_mid_transfer(self):
         self.assert_baseline()
         mark = self.gateway_log_mark()
+        before = self.kvx_counters()
         started, t = self.start_load()
         time.sleep(STAGGER_S * N_STREAMS / 2)
+        # two long prompts: routing gives one to each prefill host (the least queued prompt
+        # tokens); each takes seconds to compute, its transfer open all that time
+        started += [((LONG_PROMPT,) + CHUNKED, self.client.stream(LONG_PROMPT, *CHUNKED))
+                    for _ in range(2)]
+        time.sleep(0.5)
         t_cut = time.time()
         self.topo.link("p0", False)
         try:
@@ -662,9 +695,16 @@ class MultiHost(unittest.TestCase):
         back = self.wait_ready(["p0"], t_heal, "prefill link down")
         results, t_end = self.finish_load(started, t, "prefill link down")
         took = self.wait_kv_free(t_end, "prefill link down")
+        after = self.kvx_counters()
+        # a transfer that was open on a decode host when the link went down ended there
+        # without completing (cancelled by the gateway's re-run, or its lease ran out)
+        cut = {d: sum(after.get(d, {}).get("recv_" + k, 0) - before.get(d, {}).get("recv_" + k, 0)
+                      for k in ("cancelled", "timeout", "aborted")) for d in DECODE}
         self.counts("a. p0 link down %.1f s" % (t_heal - t_cut), mark, results,
-                    "KV free after %.1f s, p0 ready %.1f s after the heal; kv transfers %r" %
-                    (took, back, self.kvx_counters()))
+                    "transfers cut mid-way %r, KV free after %.1f s, p0 ready %.1f s after the "
+                    "heal" % (cut, took, back))
+        self.assertGreaterEqual(sum(cut.values()), 1, "no transfer was cut mid-way: %r -> %r" %
+                                (before, after))
 
     def test_2_decode_host_killed(self):
         self.assert_baseline()
@@ -687,7 +727,7 @@ class MultiHost(unittest.TestCase):
     def test_3_gateway_partitioned(self):
         self.assert_baseline()
         mark = self.gateway_log_mark()
-        started, t = self.start_load(kind=LONG)
+        started, t = self.start_load(kind=OUTLAST)
         time.sleep(STAGGER_S * N_STREAMS / 2 + 0.5)
         t_cut = time.time()
         self.topo.link("gw", False)
@@ -708,7 +748,9 @@ class MultiHost(unittest.TestCase):
         """After a heal, every decode worker runs no more sequences than the gateway has
         assigned to it: the attempts it gave up on while the worker was cut off (and re-ran
         once it was back) are gone there, their KV freed. Returns when that holds, in seconds
-        since `since`, and fails after `within` s past the workers' return."""
+        since `since`, and fails after `within` s past the workers' return. ("running" comes
+        with heartbeats only: a worker just registered again lists 0 until its first one.)"""
+        time.sleep(3 * HB_MS / 1000)
         deadline = time.time() + within
         while True:
             ws = self.workers()
