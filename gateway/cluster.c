@@ -94,14 +94,58 @@ int cluster_send_to(cluster_t *c, worker_t *w, const proto_msg *m)
     return 0;
 }
 
+/* A worker declared dead may only be cut off: it then goes on with the attempts it holds
+ * (a decode worker decodes them to max_tokens, holding their KV blocks) while they are
+ * re-run elsewhere, and registers again once the network heals. Its CANCELs are kept for
+ * then (found by tests/netns/test_multihost.py: after a 5 s partition of the gateway both
+ * decode workers still ran every attempt the gateway had re-run). */
+static void owe_cancel(cluster_t *c, const worker_t *w, uint64_t rid)
+{
+    owed_cancel *o = &c->owed[c->next_owed];
+    c->next_owed = (c->next_owed + 1) % OWED_CANCELS;
+    memcpy(o->id, w->id, w->id_len);
+    o->id_len = w->id_len;
+    o->pid = w->pid;
+    o->rid = rid;
+}
+
 static void send_cancel(cluster_t *c, worker_t *w, uint64_t rid)
 {
-    if (!w || w->dead)
+    if (!w)
         return;
+    if (w->dead) {
+        owe_cancel(c, w, rid);
+        return;
+    }
     proto_msg m;
     proto_msg_init(&m, PROTO_CANCEL);
     m.rid = rid;
-    cluster_send_to(c, w, &m);
+    if (cluster_send_to(c, w, &m) < 0) /* just lost (flagged dead now) */
+        owe_cancel(c, w, rid);
+}
+
+void cluster_send_owed_cancels(cluster_t *c, worker_t *w, int pid)
+{
+    int n = 0;
+    for (owed_cancel *o = c->owed; o < c->owed + OWED_CANCELS && !w->dead; o++) {
+        if (!o->id_len || o->id_len != w->id_len || memcmp(o->id, w->id, w->id_len) != 0)
+            continue;
+        if (o->pid != pid) { /* another process with this id never had the attempt */
+            o->id_len = 0;
+            continue;
+        }
+        proto_msg m;
+        proto_msg_init(&m, PROTO_CANCEL);
+        m.rid = o->rid;
+        if (cluster_send_to(c, w, &m) < 0)
+            break; /* gone again (flagged dead): the rest stay owed, this one too */
+        o->id_len = 0;
+        n++;
+    }
+    if (n)
+        log_info("worker %s: %d CANCELs sent that were owed since it was declared dead (its "
+                 "attempts then were re-run elsewhere)",
+                 w->id, n);
 }
 
 // --- request life
@@ -263,13 +307,14 @@ static int pick(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw, int 
     long best_load = -1, best_free = -1;
     int total = r->n_prompt + r->n_gen;
     int n_decoders = 0, n_could_fit = 0;
+    int64_t now = proto_now_us();
     for (worker_t *d = c->workers; d; d = d->next) {
         if (!usable(d) || (d->role != PROTO_ROLE_DECODE && d->role != PROTO_ROLE_MIXED))
             continue;
         n_decoders++;
         if (d->kv_total >= blocks_needed(r, d))
             n_could_fit++;
-        if (d->full)
+        if (d->full || !routable(c, d, now))
             continue;
         if (d->n_ctx > 0 && total >= d->n_ctx)
             continue;
@@ -279,7 +324,7 @@ static int pick(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw, int 
         if (d->max_seqs > 0 && d->n_decode >= d->max_seqs)
             continue;
         for (worker_t *p = c->workers; p; p = p->next) {
-            if (!usable(p))
+            if (!routable(c, p, now))
                 continue;
             if (p != d && (p->role != PROTO_ROLE_PREFILL || !d->kvep[0]))
                 continue;

@@ -85,6 +85,17 @@ typedef struct {
     int n;
 } rlist_t;
 
+/* A CANCEL the gateway could not send: the attempt's worker was declared dead (cut off, or
+ * silent) while it may still hold the attempt, which was re-run elsewhere. Kept until that
+ * worker registers again (then sent) or the slot is reused. */
+#define OWED_CANCELS 4096
+typedef struct {
+    char id[PROTO_ID_LEN];
+    size_t id_len; /* 0: free slot */
+    int pid;       /* the worker process that held the attempt */
+    uint64_t rid;  /* wire rid of the attempt */
+} owed_cancel;
+
 struct cluster {
     struct event_base *base;
     cluster_params p;
@@ -116,6 +127,8 @@ struct cluster {
     void *lat_ud;
     void (*observer)(const cluster_event *ev, void *ud);
     void *observer_ud;
+    owed_cancel owed[OWED_CANCELS]; /* a ring: the oldest is dropped when full */
+    int next_owed;
 };
 
 // --- small helpers
@@ -217,6 +230,20 @@ static inline int usable(const worker_t *w)
     return !w->dead && w->state == PROTO_STATE_READY;
 }
 
+/* Whether w may be given new work at now_us: usable and heard from within half of
+ * dead_after_ms (at least two heartbeat intervals). A worker silent that long is probably
+ * cut off like the one just declared dead (a partition takes several at once, found dead
+ * one sweep after another): a re-run sent there would fail again a moment later, each time
+ * costing the request one of its max_retries, until a partition of N workers lost it
+ * (found by tests/netns/test_multihost.py). It gets work again with its next message. */
+static inline int routable(const cluster_t *c, const worker_t *w, int64_t now_us)
+{
+    int64_t quiet_ms = c->p.dead_after_ms / 2;
+    if (quiet_ms < 2 * (int64_t)c->p.heartbeat_ms)
+        quiet_ms = 2 * (int64_t)c->p.heartbeat_ms;
+    return usable(w) && now_us - w->last_seen_us <= quiet_ms * 1000;
+}
+
 /* KV blocks decode worker d reserves for r: the worst case, prompt + max_tokens - 1
  * tokens capped at the context, exactly as the worker reserves it (kvtransfer). */
 static inline int blocks_needed(const req_t *r, const worker_t *d)
@@ -233,8 +260,13 @@ static inline int blocks_needed(const req_t *r, const worker_t *d)
 /* Send m to worker w; a failure flags w dead (and schedules a dispatch to reap it).
  * Returns 0 or -1. */
 int cluster_send_to(cluster_t *c, worker_t *w, const proto_msg *m);
-/* Undo the attempt's bookkeeping on its workers; cancel: also CANCEL it there. */
+/* Undo the attempt's bookkeeping on its workers; cancel: also CANCEL it there (a worker
+ * flagged dead is owed the CANCEL until it registers again: cluster_send_owed_cancels). */
 void cluster_req_detach(cluster_t *c, req_t *r, int cancel);
+/* w registered again as process pid: send it the CANCELs owed to that process (attempts it
+ * held when it was declared dead, re-run elsewhere since) and forget those owed to an
+ * earlier process with its id. */
+void cluster_send_owed_cancels(cluster_t *c, worker_t *w, int pid);
 /* Take r out of the hash and its list (the caller then reports and frees it). */
 void cluster_req_unlink(cluster_t *c, req_t *r);
 /* End r with on_error (HTTP status, OpenAI error type and code, message); frees r. */

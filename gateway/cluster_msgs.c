@@ -83,6 +83,9 @@ static void handle_register(cluster_t *c, const proto_msg *m, const unsigned cha
     proto_msg_init(&ack, PROTO_REGISTER_ACK);
     ack.heartbeat_ms = c->p.heartbeat_ms;
     cluster_send_to(c, w, &ack);
+    /* back after it was declared dead (cut off, or silent): drop what it held (before any
+     * new attempt is routed to it: dispatch is deferred) */
+    cluster_send_owed_cancels(c, w, w->pid);
     schedule_dispatch(c);
 }
 

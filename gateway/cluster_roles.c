@@ -29,8 +29,9 @@ static worker_t *migration_target(cluster_t *c, const req_t *r, const worker_t *
 {
     worker_t *best = NULL;
     long best_free = -1;
+    int64_t now = proto_now_us();
     for (worker_t *d = c->workers; d; d = d->next) {
-        if (d == w || !usable(d) || !d->kvep[0] || d->full ||
+        if (d == w || !routable(c, d, now) || !d->kvep[0] || d->full ||
             (d->role != PROTO_ROLE_DECODE && d->role != PROTO_ROLE_MIXED))
             continue;
         /* KV: what is free and not promised to requests on their way (as routing counts);

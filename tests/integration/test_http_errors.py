@@ -526,6 +526,93 @@ class FakeWorkerTest(unittest.TestCase):
         a.heartbeat()
         self.assertIsNotNone(a.recv(2, want=(BYE,)))
 
+    def test_cut_off_worker_told_to_drop_rerun_attempts(self):
+        """A worker cut off long enough to be declared dead still holds its attempt (a decode
+        worker would decode it to max_tokens, holding its KV) while the gateway re-runs it
+        elsewhere. When that process registers again, the gateway CANCELs the attempt there;
+        a new process with that worker id (a restart) is sent nothing."""
+        def rerun_on(w):
+            deadline = time.time() + 5
+            while time.time() < deadline:  # the other worker is silent: cut off
+                w.heartbeat()
+                m = w.recv(0.1, want=(PREFILL,))
+                if m:
+                    return m
+            self.fail("the request was not re-run on " + w.wid)
+
+        a = self.worker("w-a")
+        res = self.start({"prompt": "hi", "max_tokens": 4, "stream": True})
+        rid = self.prefill(a)["rid"]
+        a.send(TOKENS, rid=rid, index=0, tokens=ids_of("ab"))
+        b = self.worker("w-b")
+        m2 = rerun_on(b)
+        # the network heals: a's heartbeat gets BYE, it registers again (same process)
+        a.heartbeat()
+        self.assertIsNotNone(a.recv(2, want=(BYE,)))
+        a.register()
+        m = a.recv(2, want=(CANCEL,))
+        self.assertIsNotNone(m, "no CANCEL for the attempt re-run elsewhere")
+        self.assertEqual(m["rid"], rid)
+        # b runs the re-run, then is cut off in turn; a takes the request again
+        b.send(TOKENS, rid=m2["rid"], index=0, tokens=ids_of("c"))
+        m3 = rerun_on(a)
+        self.assertEqual(m3["max_tokens"], 1)
+        # b comes back as another process (restarted): it never had the attempt
+        b.send(REGISTER, wid="w-b", role=3, kvep="", fp=1, pid=os.getpid() + 1, n_ctx=N_CTX,
+               bs=16, max_seqs=8, kv_total=1000, kv_free=1000)
+        self.assertIsNone(b.recv(0.5, want=(CANCEL,)), "CANCEL sent to another process")
+        a.send(TOKENS, rid=m3["rid"], index=0, tokens=ids_of("d"))
+        a.send(FINISH, rid=m3["rid"], reason=2)
+        st, _, data = res()
+        events = [e[6:] for e in data.decode().split("\n\n") if e]
+        self.assertEqual(events[-1], "[DONE]")
+        self.assertEqual("".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]),
+                         "abcd")
+
+    def test_partition_costs_one_retry(self):
+        """Every worker is cut off at once (a partition of the gateway); the gateway finds them
+        dead one sweep after another. A re-run must not go to a worker that is silent too
+        (it would fail again a moment later): one partition costs the request one of its
+        --max-retries (2 here), not one per worker, and it completes on the first worker
+        heard from again."""
+        def heartbeat(w, kv_free):
+            w.send(HEARTBEAT, wid=w.wid, role=3, state=1, running=0, queued=0, qtok=0,
+                   kv_total=1000, kv_free=kv_free, tok_in=0, tok_out=0)
+
+        w1 = self.worker("w-1")
+        res = self.start({"prompt": "hi", "max_tokens": 4, "stream": True})
+        rid = self.prefill(w1)["rid"]
+        w1.send(TOKENS, rid=rid, index=0, tokens=ids_of("ab"))
+        t0 = time.time()  # w1 silent from here
+        w2, w3 = self.worker("w-2"), self.worker("w-3")
+        # w3 (the most free KV: a re-run's first choice) falls silent 100 ms after w1, w2
+        # 200 ms after: each is found dead in a later sweep (every 100 ms) than the one before
+        while time.time() < t0 + 0.2:
+            heartbeat(w2, 900)
+            if time.time() < t0 + 0.1:
+                heartbeat(w3, 1000)
+            time.sleep(0.02)
+        time.sleep(1.0)  # all three declared dead (--dead-after-ms 600)
+        for w in (w2, w3):
+            m = w.recv(0.1, want=(PREFILL,))
+            self.assertIsNone(m, "a re-run was sent to %s, silent for 400 ms and more" % w.wid)
+        w4 = self.worker("w-4")  # the first worker back
+        m = None
+        deadline = time.time() + 5
+        while m is None and time.time() < deadline:
+            heartbeat(w4, 1000)
+            m = w4.recv(0.1, want=(PREFILL,))
+        self.assertIsNotNone(m, "the request was not re-run on w-4")
+        self.assertEqual(m["rid"], rid + 1, "one re-run")
+        w4.send(TOKENS, rid=m["rid"], index=0, tokens=ids_of("cd"))
+        w4.send(FINISH, rid=m["rid"], reason=2)
+        st, _, data = res()
+        events = [e[6:] for e in data.decode().split("\n\n") if e]
+        self.assertEqual(events[-1], "[DONE]")
+        self.assertEqual("".join(json.loads(e)["choices"][0].get("text", "")
+                                 for e in events[:-1] if "choices" in json.loads(e)), "abcd",
+                         events)
+
     def test_retries_exhausted(self):
         a = self.worker("w-a")
         for stream in (False, True):
