@@ -169,6 +169,11 @@ test: all
 deploy-test: all
 	tests/deploy/run.sh
 
+# A multi-host cluster in network namespaces (root; faults: a link down, a host killed, the
+# gateway partitioned): tests/netns/. Not part of `make test`.
+netns-test: all
+	BUILD=$(BUILD) tests/run_tests.sh --suite netns
+
 bench: all $(BENCHES)
 	BUILD=$(BUILD) tests/run_bench.sh
 

@@ -2,6 +2,8 @@
 # Runs every unit test binary and every integration test, and ends with one line
 # "N passed, N failed". BUILD selects the build directory (build/ or build/san-*).
 # A single test: tests/run_tests.sh [unit-binary-or-py-file-substring]
+# Another suite of Python tests (tests/netns: the multi-host cluster, as root):
+#   tests/run_tests.sh --suite netns [substring]
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -11,6 +13,11 @@ export TIDEPOOL_TEST_MODEL=${TIDEPOOL_TEST_MODEL:-build/models/stories260K.gguf}
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:halt_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 PY=/usr/bin/python3
+suite=
+if [ "${1:-}" = --suite ]; then
+    suite=${2:?--suite needs a folder name under tests/}
+    shift 2
+fi
 filter=${1:-}
 passed=0
 failed=0
@@ -61,15 +68,15 @@ run_one() { # name, command...
     fi
 }
 
-for t in "$BUILD"/tests/test_*; do
+for t in $([ -z "$suite" ] && echo "$BUILD"/tests/test_*); do
     [ -x "$t" ] || continue
     case "$t" in *"$filter"*) ;; *) continue ;; esac
     run_one "unit/$(basename "$t")" "$t"
 done
-for t in tests/integration/test_*.py; do
+for t in tests/${suite:-integration}/test_*.py; do
     [ -f "$t" ] || continue
     case "$t" in *"$filter"*) ;; *) continue ;; esac
-    run_one "integration/$(basename "$t" .py)" "$PY" -m unittest -v "$t"
+    run_one "${suite:-integration}/$(basename "$t" .py)" "$PY" -m unittest -v "$t"
 done
 
 if [ ${#failures[@]} -gt 0 ]; then
