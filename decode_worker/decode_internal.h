@@ -74,6 +74,7 @@ typedef struct {
 } decode_role;
 
 // --- decode.c
+/* The sequence of request rid here (borrowed), or NULL. */
 dreq *decode_req_find(const decode_role *d, uint64_t rid);
 /* Remove r from the table and free it with whatever it owns (the one place a sequence's
  * memory is freed). A migration in progress is aborted (kvx then frees its sequence). */
