@@ -483,7 +483,6 @@ static void *attach(runtime_t *rt)
 }
 
 const runtime_role_ops decode_role_ops = {
-    .name = "decode",
     .attach = attach,
     .detach = detach,
     .on_msg = on_msg,

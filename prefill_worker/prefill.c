@@ -299,7 +299,6 @@ static void *attach(runtime_t *rt)
 }
 
 const runtime_role_ops prefill_role_ops = {
-    .name = "prefill",
     .attach = attach,
     .detach = detach,
     .on_msg = on_msg,

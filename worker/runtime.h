@@ -49,7 +49,6 @@ typedef struct {
 /* A role's operations. Every one runs on the loop thread and gets the state its attach
  * returned. Optional ones may be NULL. */
 typedef struct {
-    const char *name;
     /* Create the role's state on rt (sockets it owns included). NULL on failure (logged). */
     void *(*attach)(runtime_t *rt);
     /* Free the state and everything it still holds (requests, their KV, its sockets); NULL
