@@ -13,7 +13,9 @@
 
 #include "log.h"
 
-typedef enum { F_U64, F_I64, F_INT, F_FLOAT, F_STR, F_TOKENS, F_U64S } field_kind_t;
+/* F_KEY: a CURVE public key, exactly 40 characters of Z85 (RFC 32) decoding to 32 bytes,
+ * in a char[PROTO_KEY_LEN] */
+typedef enum { F_U64, F_I64, F_INT, F_FLOAT, F_STR, F_TOKENS, F_U64S, F_KEY } field_kind_t;
 
 #define MAX_U64S 64 /* F_U64S: longest array accepted; elements past the known ones are ignored */
 
@@ -45,6 +47,7 @@ static const field_t fields[] = {
     FLD("role", F_INT, role, 1, 3, CTL_W | T(PROTO_ROLE), 0),
     FLD("state", F_INT, state, 1, 3, T(PROTO_HEARTBEAT), 0),
     FLD("kvep", F_STR, kv_endpoint, 0, 0, T(PROTO_REGISTER), 0),
+    FLD("kvpk", F_KEY, kv_pubkey, 0, 0, 0, T(PROTO_REGISTER)),
     FLD("fp", F_U64, fingerprint, 0, 0, T(PROTO_REGISTER) | T(PROTO_KV_BEGIN), 0),
     FLD("pid", F_INT, pid, 0, INT32_MAX, T(PROTO_REGISTER), 0),
     FLD("n_ctx", F_INT, n_ctx, 1, 1 << 24, T(PROTO_REGISTER), 0),
@@ -67,6 +70,7 @@ static const field_t fields[] = {
     FLD("rng", F_U64, rng, 0, 0, T(PROTO_PREFILL) | T(PROTO_KV_END), T(PROTO_TOKENS)),
     FLD("dw", F_STR, decode_worker, 0, 0, T(PROTO_PREFILL) | T(PROTO_MIGRATE), 0),
     FLD("dep", F_STR, decode_endpoint, 0, 0, T(PROTO_PREFILL) | T(PROTO_MIGRATE), 0),
+    FLD("dpk", F_KEY, decode_pubkey, 0, 0, 0, T(PROTO_PREFILL) | T(PROTO_MIGRATE)),
     FLD("mtp", F_INT, mtp_depth, 0, PROTO_SPEC_MAX_POS + 1, 0,
         T(PROTO_PREFILL) | T(PROTO_KV_BEGIN)),
     FLD("reason", F_INT, reason, 1, 2, T(PROTO_FINISH), 0),
@@ -109,7 +113,6 @@ static const field_t fields[] = {
     FLD("mig", F_U64S, mig, 0, 0, 0, T(PROTO_HEARTBEAT)),
 };
 #define N_FIELDS (sizeof(fields) / sizeof(fields[0]))
-_Static_assert(sizeof(fields) / sizeof(fields[0]) <= 64, "field bitmask is 64 bits");
 _Static_assert(sizeof(proto_kvx_counters) == 7 * sizeof(uint64_t), "counters are a u64 array");
 _Static_assert(sizeof(proto_mig_counters) == 4 * sizeof(uint64_t), "counters are a u64 array");
 _Static_assert(sizeof(proto_spec_counters) == (3 + PROTO_SPEC_MAX_POS) * sizeof(uint64_t),
@@ -185,6 +188,28 @@ void proto_msg_clear(proto_msg *m)
     memset(m, 0, sizeof(*m));
 }
 
+// --- CURVE keys (Z85 text, RFC 32; common/ cannot use libzmq's decoder)
+
+static int key_valid(const char *s, size_t n)
+{
+    static const char z85[] = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                              ".-:+=^!/*?&<>()[]{}@%$#";
+    if (n != PROTO_KEY_LEN - 1)
+        return 0;
+    for (size_t g = 0; g < n; g += 5) {
+        uint64_t v = 0;
+        for (size_t i = g; i < g + 5; i++) {
+            const char *d = s[i] ? strchr(z85, s[i]) : NULL;
+            if (!d)
+                return 0;
+            v = v * 85 + (uint64_t)(d - z85);
+        }
+        if (v > 0xffffffffull) /* five digits above 2^32 - 1 are no 4 bytes */
+            return 0;
+    }
+    return 1;
+}
+
 // --- encoding
 
 static int pack_str(msgpack_packer *pk, const char *s)
@@ -213,6 +238,7 @@ static int field_encoded(const field_t *f, const proto_msg *m, uint64_t bit)
     case F_FLOAT:
         return *(const float *)p != 0.0f;
     case F_STR:
+    case F_KEY:
         return p[0] != 0;
     case F_TOKENS:
         return m->n_tokens > 0;
@@ -262,6 +288,12 @@ static int encode_header(const proto_msg *m, msgpack_packer *pk)
             break;
         case F_STR:
             if (memchr(p, 0, f->size) == NULL)
+                rc = -1;
+            else
+                rc |= pack_str(pk, p);
+            break;
+        case F_KEY:
+            if (memchr(p, 0, f->size) == NULL || !key_valid(p, strlen(p)))
                 rc = -1;
             else
                 rc |= pack_str(pk, p);
@@ -417,6 +449,14 @@ static int decode_field(const field_t *f, const msgpack_object *o, proto_msg *m,
             return fail(err, errlen, "field '%s': want a string", f->key);
         if (o->via.str.size >= f->size || memchr(o->via.str.ptr, 0, o->via.str.size))
             return fail(err, errlen, "field '%s': string too long or has NUL", f->key);
+        memcpy(p, o->via.str.ptr, o->via.str.size);
+        p[o->via.str.size] = 0;
+        return 0;
+    case F_KEY:
+        if (o->type != MSGPACK_OBJECT_STR)
+            return fail(err, errlen, "field '%s': want a string", f->key);
+        if (!key_valid(o->via.str.ptr, o->via.str.size))
+            return fail(err, errlen, "field '%s': not a CURVE key (40 Z85 characters)", f->key);
         memcpy(p, o->via.str.ptr, o->via.str.size);
         p[o->via.str.size] = 0;
         return 0;
@@ -585,7 +625,8 @@ int proto_decode(const void *buf, size_t len, proto_msg *m, char *err, size_t er
         goto done;
     }
     m->type = (proto_type_t)type;
-    uint64_t bit = T(m->type), seen = 0;
+    uint64_t bit = T(m->type);
+    unsigned char seen[N_FIELDS] = {0}; /* fields decoded (a duplicate key is refused) */
     for (uint32_t i = 0; i < map->size; i++) {
         const msgpack_object *k = &map->ptr[i].key;
         if (k->type != MSGPACK_OBJECT_STR) {
@@ -599,18 +640,18 @@ int proto_decode(const void *buf, size_t len, proto_msg *m, char *err, size_t er
                 continue;
             if (!(f->allowed & bit))
                 break; /* a key this type does not use: ignore */
-            if (seen & (1ull << fi)) {
+            if (seen[fi]) {
                 fail(err, errlen, "%s: duplicate field '%s'", proto_type_str(m->type), f->key);
                 goto done;
             }
             if (decode_field(f, &map->ptr[i].val, m, err, errlen) < 0)
                 goto done;
-            seen |= 1ull << fi;
+            seen[fi] = 1;
             break;
         }
     }
     for (size_t fi = 0; fi < N_FIELDS; fi++) {
-        if ((fields[fi].required & bit) && !(seen & (1ull << fi))) {
+        if ((fields[fi].required & bit) && !seen[fi]) {
             fail(err, errlen, "%s: missing field '%s'", proto_type_str(m->type), fields[fi].key);
             goto done;
         }

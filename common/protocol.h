@@ -33,6 +33,7 @@
 #define PROTO_ENDPOINT_LEN 256     /* ZeroMQ endpoints, NUL included */
 #define PROTO_MESSAGE_LEN 256      /* error text, NUL included */
 #define PROTO_MAX_PAD (1ll << 48)  /* KV_BEGIN "pad": padding bytes of one transfer */
+#define PROTO_KEY_LEN 41           /* a CURVE public key in Z85 text (40), NUL included */
 
 typedef enum {
     PROTO_REGISTER = 1,  /* worker -> gateway: I exist (id, role, capacity, kv endpoint) */
@@ -137,6 +138,8 @@ typedef struct {
     int role;                            /* proto_role_t */
     int state;                           /* proto_state_t */
     char kv_endpoint[PROTO_ENDPOINT_LEN];/* decode/mixed: where its kv ROUTER listens */
+    char kv_pubkey[PROTO_KEY_LEN];       /* REGISTER, optional: the CURVE public key of its
+                                          * kv ROUTER (Z85; "" = not CURVE) */
     uint64_t fingerprint;                /* model fingerprint */
     int pid;
     int n_ctx;                           /* tokens */
@@ -168,6 +171,9 @@ typedef struct {
                                           * depth + 1 (1..3 = depth 0..2); 0 = not set (the
                                           * worker's --mtp-depth) */
     char decode_endpoint[PROTO_ENDPOINT_LEN];
+    char decode_pubkey[PROTO_KEY_LEN];   /* PREFILL, MIGRATE, optional: the CURVE public key
+                                          * of the kv ROUTER at decode_endpoint (Z85; "" =
+                                          * it advertised none) */
 
     /* results (FINISH, ERROR, KV_BEGIN_ACK, KV_RESULT, KV_ABORT) */
     int reason;                          /* proto_finish_t */

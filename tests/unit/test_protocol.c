@@ -80,6 +80,10 @@ static void fill(proto_msg *m, proto_type_t t)
     m->n_role_changes = 3;
     m->mig = (proto_mig_counters){4, 1, 9000, 2};
     m->n_gen = 12;
+    /* CURVE public keys (Z85): REGISTER "kvpk", PREFILL/MIGRATE "dpk" */
+    snprintf(m->kv_pubkey, sizeof(m->kv_pubkey), "%s", "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7");
+    snprintf(m->decode_pubkey, sizeof(m->decode_pubkey), "%s",
+             "Yne@$w-vo<fVvi]a<NY6T1ed:M$fCG*[IaLV{hID");
 }
 
 /* Every type encodes and decodes to the fields it carries, bit for bit. */
@@ -153,6 +157,10 @@ static void test_roundtrip_all_types(void **state)
         } else {
             assert_true(out.queue_us == 0 && out.xfer_bytes == 0);
         }
+        /* CURVE keys: optional, REGISTER (its kv key) and PREFILL / MIGRATE (the target's) */
+        assert_string_equal(out.kv_pubkey, t == PROTO_REGISTER ? in.kv_pubkey : "");
+        assert_string_equal(out.decode_pubkey,
+                            t == PROTO_PREFILL || t == PROTO_MIGRATE ? in.decode_pubkey : "");
         if (t == PROTO_ROLE || t == PROTO_REGISTER || t == PROTO_HEARTBEAT)
             assert_int_equal(out.role, PROTO_ROLE_DECODE);
         assert_int_equal(out.emulated, t == PROTO_REGISTER || t == PROTO_HEARTBEAT);
@@ -314,6 +322,38 @@ static void b_kv_begin_pad(msgpack_packer *pk, int64_t pad)
 }
 static void b_pad_negative(msgpack_packer *pk) { b_kv_begin_pad(pk, -1); }
 static void b_pad_too_large(msgpack_packer *pk) { b_kv_begin_pad(pk, PROTO_MAX_PAD + 1); }
+static void b_register_key(msgpack_packer *pk, const char *key)
+{
+    msgpack_pack_map(pk, 13);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_REGISTER);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "wid"); kv(pk, "d0");
+    kv(pk, "role"); msgpack_pack_int(pk, PROTO_ROLE_DECODE);
+    kv(pk, "kvep"); kv(pk, "tcp://127.0.0.1:5560");
+    kv(pk, "fp"); msgpack_pack_int(pk, 1);
+    kv(pk, "pid"); msgpack_pack_int(pk, 1);
+    kv(pk, "n_ctx"); msgpack_pack_int(pk, 512);
+    kv(pk, "bs"); msgpack_pack_int(pk, 16);
+    kv(pk, "max_seqs"); msgpack_pack_int(pk, 8);
+    kv(pk, "kv_total"); msgpack_pack_int(pk, 8);
+    kv(pk, "kv_free"); msgpack_pack_int(pk, 8);
+    kv(pk, "kvpk");
+    if (key)
+        kv(pk, key);
+    else
+        msgpack_pack_int(pk, 7);
+}
+/* 40 Z85 characters */
+static void b_key_ok(msgpack_packer *pk) { b_register_key(pk, "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"); }
+/* 39 characters */
+static void b_key_short(msgpack_packer *pk) { b_register_key(pk, "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf"); }
+/* 41 characters */
+static void b_key_long(msgpack_packer *pk) { b_register_key(pk, "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7A"); }
+/* a character outside the alphabet ('"' and ' ') */
+static void b_key_charset(msgpack_packer *pk) { b_register_key(pk, "rq:rM>}U?@Lns47E1%kR.o@n%Fcmm L/@{H8]yf\""); }
+/* "#####" is 85^5 - 1 > 2^32 - 1: no 4 bytes */
+static void b_key_overflow(msgpack_packer *pk) { b_register_key(pk, "#####>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"); }
+static void b_key_not_string(msgpack_packer *pk) { b_register_key(pk, NULL); }
 static void b_ok_cancel(msgpack_packer *pk)
 {
     msgpack_pack_map(pk, 4);
@@ -346,6 +386,12 @@ static void test_malformed_headers(void **state)
         {"pad negative", b_pad_negative, -1, "pad"},
         {"pad too large", b_pad_too_large, -1, "pad"},
         {"valid with unknown key", b_ok_cancel, 0, ""},
+        {"curve key ok", b_key_ok, 0, ""},
+        {"curve key short", b_key_short, -1, "kvpk"},
+        {"curve key long", b_key_long, -1, "kvpk"},
+        {"curve key charset", b_key_charset, -1, "kvpk"},
+        {"curve key overflow", b_key_overflow, -1, "kvpk"},
+        {"curve key not a string", b_key_not_string, -1, "kvpk"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         char err[160] = "";
@@ -402,6 +448,14 @@ static void test_encode_rejects(void **state)
     proto_msg_init(&m, PROTO_TOKENS);
     m.rid = 1;
     m.n_tokens = 3; /* tokens NULL */
+    assert_int_equal(proto_encode(&m, &buf, &len), -1);
+    /* a malformed CURVE key is never sent */
+    fill(&m, PROTO_REGISTER);
+    snprintf(m.kv_pubkey, sizeof(m.kv_pubkey), "%s", "not a key");
+    assert_int_equal(proto_encode(&m, &buf, &len), -1);
+    fill(&m, PROTO_PREFILL);
+    snprintf(m.decode_pubkey, sizeof(m.decode_pubkey), "%s",
+             "#####>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7");
     assert_int_equal(proto_encode(&m, &buf, &len), -1);
 }
 
