@@ -121,6 +121,7 @@ static line_kind_t classify(const char *p, size_t n, int *section, char *key, co
         p++;
         n--;
     }
+    /* '#' is a Z85 digit too, but 84 x 85^4 > 2^32: no key begins with it */
     if (n == 0 || *p == '#')
         return LN_SKIP;
     if (!indented && n == 8 && memcmp(p, "metadata", 8) == 0) {
@@ -131,14 +132,14 @@ static line_kind_t classify(const char *p, size_t n, int *section, char *key, co
         *section = 2;
         return LN_SKIP;
     }
-    if (n == CURVE_Z85_LEN && !indented) { /* a bare key (Z85 has '=' in its alphabet) */
+    if (n == CURVE_Z85_LEN && !indented) { /* 40 Z85 characters, but no key */
         size_t i = 0;
         while (i < n && z85_digit(p[i]) >= 0)
             i++;
         if (i == n) {
             memcpy(key, p, n);
             key[n] = 0;
-            return LN_BARE;
+            return LN_BARE; /* refused by the callers' check */
         }
     }
     const char *eq = memchr(p, '=', n);

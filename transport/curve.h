@@ -18,8 +18,9 @@
  * (mode 0600), and its public key must be the one the secret key derives.
  *
  * An authorized-keys list is a file or a directory. A file holds any number of public
- * keys, one per line, either bare (40 Z85 characters) or as `public-key = "..."` lines of
- * concatenated .pub files (comments and section lines as above). A directory: every
+ * keys, one per line, either bare (40 Z85 characters at the start of the line; no key
+ * begins with '#') or as `public-key = "..."` lines of concatenated .pub files (comments
+ * and section lines as above). A directory: every
  * regular file in it whose name ends in ".pub" (other files, such as NAME.key, are
  * skipped), each read as such a file. A list with a secret-key line, or with no key at
  * all, is refused.
