@@ -449,6 +449,7 @@ static int open_receiver(decode_role *d)
         rp.n_hidden = specdec_hand_floats(cp->sd);
         rp.n_hidden_mig = specdec_state_floats(cp->sd);
     }
+    rp.curve = rt->curve_on ? &rt->curve : NULL; /* senders admitted by rt's ZAP handler */
     d->receiver = kvx_receiver_new(rt->zctx, cp->kv, rt->set.kv_bind, &rp);
     if (!d->receiver)
         return -1; /* logged */

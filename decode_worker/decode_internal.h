@@ -69,6 +69,7 @@ typedef struct {
     struct {
         uint64_t rid;
         char dep[PROTO_ENDPOINT_LEN];
+        char dpk[PROTO_KEY_LEN]; /* its CURVE public key ("" = none) */
     } mig_pending[DECODE_MIG_PENDING];
     int next_mig_pending;
 } decode_role;

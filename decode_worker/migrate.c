@@ -18,7 +18,7 @@
 
 /* Move running request r to the decode worker at dep. Returns 0 when the move started, -1
  * when it could not (r keeps decoding here). */
-static int migrate_start(decode_role *d, dreq *r, const char *dep)
+static int migrate_start(decode_role *d, dreq *r, const char *dep, const char *dpk)
 {
     runtime_t *rt = d->rt;
     const worker_compute *cp = &rt->cp;
@@ -48,7 +48,8 @@ static int migrate_start(decode_role *d, dreq *r, const char *dep)
                            .mtp_fp = state ? mtp_fingerprint(cp->mtp) : 0,
                            .n_hidden = n_state,
                            .mtp = r->mtp_req,
-                           .n_gen = r->n_gen};
+                           .n_gen = r->n_gen,
+                           .server_key = dpk};
     uint64_t xfer = kvx_send_begin(rt->sender, dep, &bp);
     if (!xfer) {
         free(state);
@@ -70,9 +71,9 @@ static int migrate_start(decode_role *d, dreq *r, const char *dep)
 }
 
 /* Carry out a MIGRATE order for r, or log why it stays. */
-static void migrate(decode_role *d, dreq *r, const char *dep)
+static void migrate(decode_role *d, dreq *r, const char *dep, const char *dpk)
 {
-    if (migrate_start(d, r, dep) < 0) {
+    if (migrate_start(d, r, dep, dpk) < 0) {
         d->rt->mig.n_out_failed++;
         log_rwarn(r->rid, "cannot start migrating to %s: it keeps decoding here", dep);
     }
@@ -91,13 +92,15 @@ void decode_on_migrate(decode_role *d, const proto_msg *m)
     }
     dreq *r = decode_req_find(d, m->rid);
     if (r && r->state == DREQ_RUNNING) {
-        migrate(d, r, m->decode_endpoint);
+        migrate(d, r, m->decode_endpoint, m->decode_pubkey);
     } else if (r) {
         log_rinfo(m->rid, "MIGRATE ignored: already migrating");
     } else { /* its KV may still be on the way here: carry the order out when it lands */
         d->mig_pending[d->next_mig_pending].rid = m->rid;
         snprintf(d->mig_pending[d->next_mig_pending].dep, PROTO_ENDPOINT_LEN, "%s",
                  m->decode_endpoint);
+        snprintf(d->mig_pending[d->next_mig_pending].dpk, PROTO_KEY_LEN, "%s",
+                 m->decode_pubkey);
         d->next_mig_pending = (d->next_mig_pending + 1) % DECODE_MIG_PENDING;
     }
 }
@@ -110,7 +113,7 @@ void decode_migrate_pending(decode_role *d, uint64_t rid)
         d->mig_pending[i].rid = 0; /* the slot is free again */
         dreq *r = decode_req_find(d, rid);
         if (r && r->state == DREQ_RUNNING)
-            migrate(d, r, d->mig_pending[i].dep);
+            migrate(d, r, d->mig_pending[i].dep, d->mig_pending[i].dpk);
         return;
     }
 }

@@ -370,6 +370,7 @@ static int try_assign(cluster_t *c, req_t *r)
     m.mtp_depth = r->mtp_depth;
     snprintf(m.decode_worker, sizeof(m.decode_worker), "%s", dw->id);
     snprintf(m.decode_endpoint, sizeof(m.decode_endpoint), "%s", pw == dw ? "" : dw->kvep);
+    snprintf(m.decode_pubkey, sizeof(m.decode_pubkey), "%s", pw == dw ? "" : dw->kvpk);
     m.ts_us = proto_wall_us();
     if (cluster_send_to(c, pw, &m) < 0)
         return -1;
@@ -514,9 +515,15 @@ cluster_t *cluster_new(struct event_base *base, const cluster_params *p,
     }
     c->base = base;
     c->p = *p;
+    c->p.curve = NULL; /* borrowed; the list is the ZAP handler's below */
+    c->p.curve_auth = NULL;
+    curve_authlist_t *auth = p->curve_auth;
     c->cb = *cb;
     c->next_rid = ((uint64_t)time(NULL) << 20) | 1; /* distinct across gateway restarts */
-    if (policy_params_check(&p->policy, err, errlen) < 0) {
+    if (policy_params_check(&p->policy, err, errlen) < 0 || (!p->curve != !auth)) {
+        if (!p->curve != !auth)
+            snprintf(err, errlen, "CURVE needs both a key pair and authorized keys");
+        curve_authlist_destroy(&auth);
         free(c);
         return NULL;
     }
@@ -526,6 +533,11 @@ cluster_t *cluster_new(struct event_base *base, const cluster_params *p,
     if (!c->zctx || !c->env) {
         snprintf(err, errlen, "out of memory");
         goto fail;
+    }
+    if (p->curve) { /* the handler first: the ROUTER asks it from its first connection */
+        c->zap = curve_zap_start(c->zctx, &auth, err, errlen);
+        if (!c->zap)
+            goto fail;
     }
     c->sock = zmq_socket(c->zctx, ZMQ_ROUTER);
     if (!c->sock) {
@@ -543,6 +555,11 @@ cluster_t *cluster_new(struct event_base *base, const cluster_params *p,
     zmq_setsockopt(c->sock, ZMQ_LINGER, &zero, sizeof(zero));
     zmq_setsockopt(c->sock, ZMQ_SNDHWM, &hwm, sizeof(hwm));
     zmq_setsockopt(c->sock, ZMQ_RCVHWM, &hwm, sizeof(hwm));
+    if (p->curve && curve_setup_server(c->sock, p->curve, CURVE_ZAP_DOMAIN_CTL) < 0) {
+        snprintf(err, errlen, "cannot make the ctl socket a CURVE server: %s",
+                 zmq_strerror(errno));
+        goto fail;
+    }
     if (zmq_bind(c->sock, p->ctl_bind) < 0) {
         snprintf(err, errlen, "cannot bind the ctl socket to %s: %s", p->ctl_bind,
                  zmq_strerror(errno));
@@ -558,6 +575,7 @@ cluster_t *cluster_new(struct event_base *base, const cluster_params *p,
     }
     return c;
 fail:
+    curve_authlist_destroy(&auth); /* not handed to a handler */
     cluster_destroy(&c);
     return NULL;
 }
@@ -588,6 +606,7 @@ void cluster_destroy(cluster_t **pc)
         event_free(c->dispatch_ev);
     if (c->sock)
         zmq_close(c->sock);
+    curve_zap_stop(&c->zap); /* before the context, whose termination waits for it */
     if (c->zctx)
         zmq_ctx_term(c->zctx);
     wire_envelope_destroy(&c->env);

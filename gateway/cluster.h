@@ -43,6 +43,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "curve.h"
 #include "policy.h"
 #include "protocol.h"
 
@@ -62,6 +63,12 @@ typedef struct {
                              * aging); decode_seqs_per_worker is replaced every tick by the
                              * decode-capable workers' mean max_seqs when there are any */
     int tidal;              /* 1: apply the policy's role changes (ROLE to the worker) */
+    /* CURVE (docs/security.md): when curve is set (borrowed; copied by cluster_new) the
+     * ctl ROUTER is a CURVE server with this key pair, and curve_auth (consumed by
+     * cluster_new, also when it fails: the caller forgets its pointer) lists the worker
+     * public keys admitted; the cluster's ZAP handler refuses every other. Both or none. */
+    const curve_keypair *curve;
+    curve_authlist_t *curve_auth;
 } cluster_params;
 
 /* Defaults matching the gateway's flags. */

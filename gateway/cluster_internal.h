@@ -26,6 +26,7 @@ typedef struct worker {
     size_t id_len;
     int role, state, pid;
     char kvep[PROTO_ENDPOINT_LEN];
+    char kvpk[PROTO_KEY_LEN]; /* its kv ROUTER's CURVE public key (REGISTER; "" = none) */
     int n_ctx, block_size, max_seqs;
     int kv_total, kv_free, running, queued, qtok; /* last heartbeat */
     uint64_t tok_in, tok_out;                     /* last heartbeat: counters */
@@ -101,6 +102,7 @@ struct cluster {
     cluster_params p;
     cluster_callbacks cb;
     void *zctx, *sock;
+    curve_zap_t *zap; /* CURVE: the ZAP handler admitting the workers' keys (NULL = plain) */
     evzmq_t *watch;
     wire_envelope *env;
     struct event *sweep_ev, *dispatch_ev;

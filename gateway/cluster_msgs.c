@@ -56,6 +56,7 @@ static void handle_register(cluster_t *c, const proto_msg *m, const unsigned cha
     w->emulated = m->emulated;
     w->pid = m->pid;
     snprintf(w->kvep, sizeof(w->kvep), "%s", m->kv_endpoint);
+    snprintf(w->kvpk, sizeof(w->kvpk), "%s", m->kv_pubkey);
     w->n_ctx = m->n_ctx;
     w->block_size = m->block_size;
     w->max_seqs = m->max_seqs;
@@ -66,11 +67,11 @@ static void handle_register(cluster_t *c, const proto_msg *m, const unsigned cha
         w->role_since_us = w->last_seen_us;
     w->dead = 0;
     w->full = 0;
-    log_info("worker %s %s: role %s, pid %d, kv %s, n_ctx %d, kv blocks %d/%d of %d tokens, "
-             "max_seqs %d",
+    log_info("worker %s %s: role %s, pid %d, kv %s%s%s, n_ctx %d, kv blocks %d/%d of %d "
+             "tokens, max_seqs %d",
              w->id, is_new ? "registered" : "re-registered", proto_role_str(w->role), w->pid,
-             w->kvep[0] ? w->kvep : "-", w->n_ctx, w->kv_free, w->kv_total, w->block_size,
-             w->max_seqs);
+             w->kvep[0] ? w->kvep : "-", w->kvpk[0] ? " key " : "", w->kvpk, w->n_ctx,
+             w->kv_free, w->kv_total, w->block_size, w->max_seqs);
     if (is_new || (old_role == w->role && old_pid != w->pid)) {
         notify(c, CLUSTER_EV_WORKER_UP, w, 0, is_new ? "registered" : "restarted");
     } else if (old_role != w->role && c->observer) {

@@ -72,6 +72,7 @@ static int migrate_all(cluster_t *c, worker_t *w)
         m.rid = wire_rid(r);
         snprintf(m.decode_worker, sizeof(m.decode_worker), "%s", d->id);
         snprintf(m.decode_endpoint, sizeof(m.decode_endpoint), "%s", d->kvep);
+        snprintf(m.decode_pubkey, sizeof(m.decode_pubkey), "%s", d->kvpk);
         if (cluster_send_to(c, w, &m) < 0)
             break; /* w is flagged dead: its requests are re-run */
         if (!r->d_started)

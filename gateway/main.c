@@ -32,6 +32,8 @@
 
 static char *opt_host, *opt_ctl_bind, *opt_model, *opt_served_name, *opt_log_level,
     *opt_stats_bind;
+/* CURVE on the ctl socket (docs/security.md) */
+static char *opt_curve_secret_key, *opt_curve_authorized_keys;
 static long long opt_http_timeout_s;
 static long long opt_port, opt_max_body, opt_max_queue, opt_hb_ms, opt_dead_ms, opt_timeout_ms,
     opt_retries, opt_drain_ms, opt_stats_interval_ms, opt_stats_window_s;
@@ -109,6 +111,11 @@ static const config_entry_t settings[] = {
      "tidal policy: role changes allowed per 10 s window"},
     {"tidal-min-per-role", CONFIG_INT, &opt_tidal_min_per_role, "1", 1, 1000000,
      "tidal policy: workers that always stay prefill-capable and decode-capable"},
+    {"curve-secret-key", CONFIG_STRING, &opt_curve_secret_key, "", 0, 0,
+     "CURVE: the gateway's key pair file (tidepool-keygen; mode 0600): the ctl socket is "
+     "encrypted and admits only --curve-authorized-keys (docs/security.md); \"\" = plain"},
+    {"curve-authorized-keys", CONFIG_STRING, &opt_curve_authorized_keys, "", 0, 0,
+     "CURVE: the worker public keys admitted: a file of keys or a directory of .pub files"},
     {"log-level", CONFIG_STRING, &opt_log_level, "info", 0, 0, "debug, info, warn or error"},
     {NULL, 0, NULL, NULL, 0, 0, NULL},
 };
@@ -198,6 +205,31 @@ static int read_model_info(const char *path, int *n_ctx, char *name, size_t cap)
     return rc;
 }
 
+/* Read --curve-secret-key and --curve-authorized-keys (both or none) into *kp and *auth
+ * (NULL: plain). Returns 0, or -1 (logged, naming the file and the problem). */
+static int load_curve(curve_keypair *kp, curve_authlist_t **auth)
+{
+    memset(kp, 0, sizeof(*kp));
+    *auth = NULL;
+    int has_key = opt_curve_secret_key[0] != 0, has_auth = opt_curve_authorized_keys[0] != 0;
+    if (!has_key && !has_auth)
+        return 0;
+    if (!has_key || !has_auth) {
+        log_error("CURVE needs both --curve-secret-key and --curve-authorized-keys");
+        return -1;
+    }
+    char err[512];
+    if (curve_key_load(opt_curve_secret_key, 1, kp, err, sizeof(err)) < 0 ||
+        !(*auth = curve_authlist_load(opt_curve_authorized_keys, err, sizeof(err)))) {
+        log_error("CURVE: %s", err);
+        memset(kp, 0, sizeof(*kp));
+        return -1;
+    }
+    log_info("CURVE on the ctl socket: public key %s, %zu worker keys admitted",
+             kp->public_z85, curve_authlist_count(*auth));
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     int rc = config_load(settings, "gateway", argc, argv);
@@ -213,6 +245,12 @@ int main(int argc, char **argv)
     log_init("gateway", level);
     config_log(settings);
     signal(SIGPIPE, SIG_IGN);
+    curve_keypair curve;
+    curve_authlist_t *curve_auth = NULL;
+    if (load_curve(&curve, &curve_auth) < 0) {
+        config_free(settings);
+        return 2;
+    }
 
     int exit_code = 1;
     app_t app = {0};
@@ -295,6 +333,9 @@ int main(int argc, char **argv)
         log_error("%s", err);
         goto out;
     }
+    cp.curve = curve_auth ? &curve : NULL;
+    cp.curve_auth = curve_auth;
+    curve_auth = NULL; /* the cluster's now */
     cluster = cluster_new(app.base, &cp, completion_callbacks(), err, sizeof(err));
     if (!cluster) {
         log_error("%s", err);
@@ -379,6 +420,8 @@ out:
     if (app.base)
         event_base_free(app.base);
     tokenizer_destroy(&tok);
+    curve_authlist_destroy(&curve_auth);
+    memset(&curve, 0, sizeof(curve)); /* the secret key */
     config_free(settings);
     return exit_code;
 }

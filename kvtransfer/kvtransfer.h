@@ -49,6 +49,7 @@
 #include <stdint.h>
 #include <zmq.h>
 
+#include "curve.h"
 #include "kvcache.h"
 #include "protocol.h"
 
@@ -111,6 +112,10 @@ typedef struct {
                            * payload totals n_kv_tokens x this many bytes exactly (not
                            * padded when the real KV is already that large); see
                            * docs/kvtransfer.md "Padding" */
+    const curve_keypair *curve; /* NULL (default): plain sockets. Else (borrowed for
+                           * kvx_sender_new only; copied) every DEALER is a CURVE client
+                           * with this key pair, and a transfer needs the receiver's public
+                           * key (kvx_begin_params.server_key) */
 } kvx_sender_params;
 
 /* Defaults: lease 5000 ms, sndhwm 65536, no padding. */
@@ -148,11 +153,17 @@ typedef struct {
      * generated so far, KV_END's first_token included; max_tokens then counts the tokens
      * still to generate, first_token included (docs/kvtransfer.md "Migration") */
     int n_gen;
+    /* CURVE: the receiver's public key (Z85, as its REGISTER advertised it; NULL or "" =
+     * none). Required by a CURVE sender, which refuses (logged) to send to a receiver
+     * without one; ignored by a plain sender. */
+    const char *server_key;
 } kvx_begin_params;
 
-/* Start a transfer to the decode worker at endpoint: connect if needed and send KV_BEGIN.
+/* Start a transfer to the decode worker at endpoint: connect if needed (one DEALER per
+ * endpoint and server key) and send KV_BEGIN.
  * On success returns the transfer id (!= 0) and the sequence now belongs to kvx (see the
- * top comment). Returns 0 when nothing was started (bad arguments: inactive sequence,
+ * top comment). Returns 0 when nothing was started (bad arguments: inactive sequence, a
+ * CURVE sender without a valid p->server_key,
  * fewer blocks than n_kv_tokens needs, more than PROTO_MAX_FRAMES blocks, or more than
  * PROTO_MAX_FRAMES - 1 when padded; socket error; send queue full): the caller still owns
  * the sequence. */
@@ -244,12 +255,18 @@ typedef struct {
     /* a migrated sequence (KV_BEGIN gen > 0) may carry instead the whole module state of
      * its decoding, n_hidden_mig floats (specdec_state_floats()); 0 = not accepted */
     int n_hidden_mig;
+    /* NULL (default): a plain ROUTER. Else (borrowed for kvx_receiver_new only) a CURVE
+     * server with this key pair's secret key and ZAP domain CURVE_ZAP_DOMAIN_KV: the
+     * process's ZAP handler (curve_zap_start, on the same zmq context) decides which
+     * senders are admitted */
+    const curve_keypair *curve;
 } kvx_receiver_params;
 
 /* Defaults: lease 5000 ms, rcvhwm 65536. */
 kvx_receiver_params kvx_receiver_default_params(void);
 
-/* Bind a ROUTER (linger 0, ZMQ_ROUTER_MANDATORY) at endpoint and receive into kv
+/* Bind a ROUTER (linger 0, ZMQ_ROUTER_MANDATORY; CURVE server when p->curve) at endpoint
+ * and receive into kv
  * (borrowed, must outlive the receiver). `tcp://host:*` picks a free port; the bound
  * endpoint is kvx_receiver_endpoint(). Returns NULL on bind failure (logged) or out of
  * memory. */

@@ -86,6 +86,12 @@ kvx_receiver_t *kvx_receiver_new(void *zctx, kvcache_t *kv, const char *endpoint
         zmq_setsockopt(r->sock, ZMQ_RCVHWM, &hwm, sizeof(hwm)) < 0 ||
         zmq_setsockopt(r->sock, ZMQ_SNDHWM, &shwm, sizeof(shwm)) < 0)
         goto fail;
+    if (p->curve && curve_setup_server(r->sock, p->curve, CURVE_ZAP_DOMAIN_KV) < 0) {
+        log_error("kvx: cannot make the kv socket a CURVE server: %s",
+                  zmq_strerror(zmq_errno()));
+        goto fail;
+    }
+    r->p.curve = NULL; /* borrowed for the set-up only */
     if (zmq_bind(r->sock, endpoint) < 0) {
         log_error("kvx: cannot bind kv socket %s: %s", endpoint, zmq_strerror(zmq_errno()));
         goto fail;

@@ -59,6 +59,7 @@ static int pin_frames(kvx_pin *p)
 
 typedef struct kvx_peer {
     char endpoint[PROTO_ENDPOINT_LEN];
+    char server_key[CURVE_Z85_LEN + 1]; /* CURVE: the receiver's public key ("" = plain) */
     void *sock; /* DEALER, linger 0 */
     struct kvx_peer *next;
 } kvx_peer;
@@ -104,6 +105,8 @@ struct kvx_sender {
     wire_envelope *env;
     zmq_msg_t *frames; /* (PROTO_MAX_FRAMES,) scratch for one KV_LAYER */
     proto_kvx_counters st;
+    int use_curve;       /* DEALERs are CURVE clients with key pair curve */
+    curve_keypair curve;
 };
 
 kvx_sender_params kvx_sender_default_params(void)
@@ -123,6 +126,15 @@ kvx_sender_t *kvx_sender_new(void *zctx, kvcache_t *kv, const kvx_sender_params 
     s->zctx = zctx;
     s->kv = kv;
     s->p = *p;
+    s->p.curve = NULL; /* borrowed: copied here */
+    if (p->curve) {
+        if (!curve_z85_valid(p->curve->public_z85) || !curve_z85_valid(p->curve->secret_z85)) {
+            free(s);
+            return NULL;
+        }
+        s->use_curve = 1;
+        s->curve = *p->curve;
+    }
     /* Transfer ids unique across senders (the receiver keys on them): random high bits. */
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -176,14 +188,17 @@ void kvx_sender_destroy(kvx_sender_t **sp)
     wire_envelope_destroy(&s->env);
     free(s->frames);
     free(s->events.v);
+    memset(&s->curve, 0, sizeof(s->curve)); /* the secret key */
     free(s);
     *sp = NULL;
 }
 
-static kvx_peer *peer_get(kvx_sender_t *s, const char *endpoint)
+/* The DEALER to endpoint whose receiver has public key server_key ("" for a plain
+ * sender): a receiver restarted with another key gets a new DEALER. */
+static kvx_peer *peer_get(kvx_sender_t *s, const char *endpoint, const char *server_key)
 {
     for (kvx_peer *pe = s->peers; pe; pe = pe->next)
-        if (strcmp(pe->endpoint, endpoint) == 0)
+        if (strcmp(pe->endpoint, endpoint) == 0 && strcmp(pe->server_key, server_key) == 0)
             return pe;
     if (strlen(endpoint) >= PROTO_ENDPOINT_LEN || !*endpoint)
         return NULL;
@@ -191,11 +206,13 @@ static kvx_peer *peer_get(kvx_sender_t *s, const char *endpoint)
     if (!pe)
         return NULL;
     snprintf(pe->endpoint, sizeof(pe->endpoint), "%s", endpoint);
+    snprintf(pe->server_key, sizeof(pe->server_key), "%s", server_key);
     pe->sock = zmq_socket(s->zctx, ZMQ_DEALER);
     int linger = 0, hwm = s->p.sndhwm, rhwm = 0;
     if (!pe->sock || zmq_setsockopt(pe->sock, ZMQ_LINGER, &linger, sizeof(linger)) < 0 ||
         zmq_setsockopt(pe->sock, ZMQ_SNDHWM, &hwm, sizeof(hwm)) < 0 ||
         zmq_setsockopt(pe->sock, ZMQ_RCVHWM, &rhwm, sizeof(rhwm)) < 0 ||
+        (s->use_curve && curve_setup_client(pe->sock, &s->curve, server_key) < 0) ||
         zmq_connect(pe->sock, endpoint) < 0) {
         log_warn("kvx: cannot connect to %s: %s", endpoint, zmq_strerror(zmq_errno()));
         peer_close(pe);
@@ -304,7 +321,17 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
                   bp->n_kv_tokens, need, PROTO_MAX_FRAMES - 1, (unsigned long long)pad);
         return 0;
     }
-    kvx_peer *pe = peer_get(s, endpoint);
+    const char *key = "";
+    if (s->use_curve) {
+        key = bp->server_key ? bp->server_key : "";
+        if (!curve_z85_valid(key)) {
+            log_rwarn(bp->rid, "kvx: refusing to send KV to %s: this worker uses CURVE and "
+                      "that decode worker advertised %s", endpoint,
+                      key[0] ? "a malformed key" : "no CURVE key");
+            return 0;
+        }
+    }
+    kvx_peer *pe = peer_get(s, endpoint, key);
     if (!pe)
         return 0;
     kvx_sx *x = calloc(1, sizeof(*x));

@@ -153,6 +153,7 @@ static void on_prefill(prefill_role *p, proto_msg *m)
         !(r->hand = calloc((size_t)specdec_hand_floats(rt->cp.sd), sizeof(float))))
         r->mtp_depth = 0; /* out of memory: this request runs without MTP */
     snprintf(r->dep, sizeof(r->dep), "%s", m->decode_endpoint);
+    snprintf(r->dpk, sizeof(r->dpk), "%s", m->decode_pubkey);
     p->blocked = 0;
     log_rdebug(rid, "queued: %d prompt tokens, max_tokens %d, decode at %s", r->n_prompt,
                r->max_tokens, local ? "here" : r->dep);

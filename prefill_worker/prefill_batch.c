@@ -139,7 +139,8 @@ static int transfer_begin(prefill_role *p, preq *r)
                            .n_mtp = mtp ? cp->n_mtp : 0,
                            .mtp_fp = mtp ? mtp_fingerprint(cp->mtp) : 0,
                            .n_hidden = mtp ? specdec_hand_floats(cp->sd) : 0,
-                           .mtp = r->mtp_req};
+                           .mtp = r->mtp_req,
+                           .server_key = r->dpk};
     r->xfer = kvx_send_begin(p->rt->sender, r->dep, &bp);
     if (r->xfer)
         return 0;

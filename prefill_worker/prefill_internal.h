@@ -39,6 +39,7 @@ typedef struct {
     sampler_params sp;
     uint64_t rng;                 /* sampler state */
     char dep[PROTO_ENDPOINT_LEN]; /* decode endpoint; "" = decode here */
+    char dpk[PROTO_KEY_LEN];      /* its CURVE public key (PREFILL "dpk"; "" = none) */
     uint64_t xfer;                /* kvx transfer id once KV_BEGIN went out, else 0 */
     int seq;                      /* kvcache sequence (-1 = none); lent to kvx when xfer != 0 */
     int64_t t_recv_us;            /* PREFILL received (proto_now_us) */

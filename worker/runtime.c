@@ -122,6 +122,8 @@ static int send_register(runtime_t *rt)
     snprintf(m.worker_id, sizeof(m.worker_id), "%s", rt->wid);
     m.role = rt->role;
     snprintf(m.kv_endpoint, sizeof(m.kv_endpoint), "%s", rt->kv_endpoint);
+    if (rt->curve_on && rt->kv_endpoint[0]) /* the key its kv ROUTER serves with */
+        snprintf(m.kv_pubkey, sizeof(m.kv_pubkey), "%s", rt->curve.public_z85);
     m.fingerprint = cp->mc->fingerprint;
     m.pid = (int)getpid();
     m.n_ctx = cp->mc->n_ctx;
@@ -266,6 +268,7 @@ int runtime_open_sender(runtime_t *rt)
     sp.lease_ms = (int)rt->set.lease_ms;
     sp.n_mtp = rt->cp.n_mtp;
     sp.pad_to_bytes_per_token = compute_kv_pad_bytes_per_token(&rt->cp); /* --emulate */
+    sp.curve = rt->curve_on ? &rt->curve : NULL;
     rt->sender = kvx_sender_new(rt->zctx, rt->cp.kv, &sp);
     if (!rt->sender) {
         log_error("cannot create the KV sender");
@@ -448,12 +451,21 @@ int runtime_open(runtime_t *rt)
     rt->env = wire_envelope_new();
     if (!rt->zctx || !rt->env)
         return -1;
+    if (rt->curve_on) { /* before the kv ROUTER binds: it asks this handler */
+        char err[256];
+        rt->zap = curve_zap_start(rt->zctx, &rt->curve_auth, err, sizeof(err));
+        if (!rt->zap) {
+            log_error("CURVE: %s", err);
+            return -1;
+        }
+    }
     rt->ctl = zmq_socket(rt->zctx, ZMQ_DEALER);
     int one = 1, linger = CTL_LINGER_MS, hwm = CTL_SNDHWM;
     if (!rt->ctl || zmq_setsockopt(rt->ctl, ZMQ_ROUTING_ID, rt->wid, strlen(rt->wid)) < 0 ||
         zmq_setsockopt(rt->ctl, ZMQ_IMMEDIATE, &one, sizeof(one)) < 0 ||
         zmq_setsockopt(rt->ctl, ZMQ_LINGER, &linger, sizeof(linger)) < 0 ||
         zmq_setsockopt(rt->ctl, ZMQ_SNDHWM, &hwm, sizeof(hwm)) < 0 ||
+        (rt->curve_on && curve_setup_client(rt->ctl, &rt->curve, rt->curve_gateway_pub) < 0) ||
         zmq_connect(rt->ctl, rt->set.gateway) < 0) {
         log_error("cannot connect the ctl socket to %s: %s", rt->set.gateway,
                   zmq_strerror(zmq_errno()));
@@ -487,6 +499,7 @@ void runtime_close(runtime_t *rt, int fast)
         rt->ctl = NULL;
     }
     wire_envelope_destroy(&rt->env);
+    curve_zap_stop(&rt->zap); /* before the context: its socket would hold it */
     if (rt->zctx)
         zmq_ctx_term(rt->zctx); /* drops queued zero-copy frames: before the KV cache goes */
     rt->zctx = NULL;

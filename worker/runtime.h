@@ -24,6 +24,7 @@
 #include <stdint.h>
 
 #include "compute.h"
+#include "curve.h"
 #include "settings.h"
 #include "kvtransfer.h"
 #include "protocol.h"
@@ -109,6 +110,14 @@ struct runtime {
     char kv_endpoint[PROTO_ENDPOINT_LEN]; /* advertised in REGISTER ("" = none) */
     void *zctx;
     kvx_sender_t *sender; /* NULL until a role needs it (runtime_open_sender) */
+    /* CURVE (--curve-*; docs/security.md): curve_on = the ctl DEALER, the kv ROUTER and
+     * the kv DEALERs use key pair curve; the kv ROUTER admits the keys of curve_auth (the
+     * ZAP handler owns it once started) */
+    int curve_on;
+    curve_keypair curve;
+    char curve_gateway_pub[CURVE_Z85_LEN + 1];
+    curve_authlist_t *curve_auth;
+    curve_zap_t *zap;
     /* counters since start (HEARTBEAT), kept across role changes */
     uint64_t tokens_in, tokens_out; /* prompt tokens computed, tokens generated */
     proto_mig_counters mig;         /* live migrations out and in (decode role) */

@@ -17,6 +17,9 @@ typedef struct {
     int mtp_adaptive;               /* --mtp-adaptive */
     char *mtp_sampling;             /* --mtp-sampling: rejection | onehot */
     char *health_file;              /* --health-file: state file for health checks ("" = none) */
+    char *curve_secret_key;         /* --curve-secret-key: its key pair file ("" = no CURVE) */
+    char *curve_gateway_key;        /* --curve-gateway-key: the gateway's public key file */
+    char *curve_authorized_keys;    /* --curve-authorized-keys: peers admitted to its kv socket */
 } worker_settings;
 
 #endif

@@ -17,6 +17,37 @@
 #include "log.h"
 #include "runtime.h"
 
+/* Read the CURVE key files (--curve-*) into rt: all three or none. Returns 0, or -1
+ * (logged, naming the file and the problem). */
+static int curve_settings(runtime_t *rt)
+{
+    const worker_settings *set = &rt->set;
+    int n = (set->curve_secret_key && *set->curve_secret_key) +
+            (set->curve_gateway_key && *set->curve_gateway_key) +
+            (set->curve_authorized_keys && *set->curve_authorized_keys);
+    if (n == 0)
+        return 0;
+    if (n != 3) {
+        log_error("CURVE needs all of --curve-secret-key, --curve-gateway-key and "
+                  "--curve-authorized-keys (or none of them)");
+        return -1;
+    }
+    char err[512];
+    curve_keypair gw;
+    if (curve_key_load(set->curve_secret_key, 1, &rt->curve, err, sizeof(err)) < 0 ||
+        curve_key_load(set->curve_gateway_key, 0, &gw, err, sizeof(err)) < 0 ||
+        !(rt->curve_auth = curve_authlist_load(set->curve_authorized_keys, err, sizeof(err)))) {
+        log_error("CURVE: %s", err);
+        memset(&rt->curve, 0, sizeof(rt->curve));
+        return -1;
+    }
+    snprintf(rt->curve_gateway_pub, sizeof(rt->curve_gateway_pub), "%s", gw.public_z85);
+    rt->curve_on = 1;
+    log_info("CURVE on: public key %s, gateway key %s, %zu keys admitted to the kv socket",
+             rt->curve.public_z85, rt->curve_gateway_pub, curve_authlist_count(rt->curve_auth));
+    return 0;
+}
+
 int worker_main(proto_role_t default_role, int argc, char **argv)
 {
     runtime_t rt;
@@ -74,6 +105,15 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
          "file rewritten at every heartbeat with the worker's state (time_ms, registered, "
          "state, ...) for container health checks (deploy/container/tidepool-health); "
          "removed at exit; \"\" = none"},
+        {"curve-secret-key", CONFIG_STRING, &set->curve_secret_key, "", 0, 0,
+         "CURVE: this worker's key pair file (tidepool-keygen; mode 0600): the ctl and kv "
+         "sockets are encrypted and authenticated (docs/security.md); \"\" = plain. Needs "
+         "--curve-gateway-key and --curve-authorized-keys"},
+        {"curve-gateway-key", CONFIG_STRING, &set->curve_gateway_key, "", 0, 0,
+         "CURVE: the gateway's public key file (its .pub)"},
+        {"curve-authorized-keys", CONFIG_STRING, &set->curve_authorized_keys, "", 0, 0,
+         "CURVE: the workers admitted to send KV to this one: a file of public keys or a "
+         "directory of .pub files"},
         {"debug-step-delay-ms", CONFIG_INT, &set->debug_step_delay_ms, "0", 0, 10000,
          "testing only: sleep this long after every compute step"},
         {"log-level", CONFIG_STRING, &set->log_level, "info", 0, 0, "debug | info | warn | error"},
@@ -120,6 +160,8 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
     }
     rt.hb_ms = (int)set->heartbeat_ms;
     config_log(table);
+    if (curve_settings(&rt) < 0)
+        goto out; /* logged; rc 2: invalid settings */
 
     /* Signals go to the signalfd only: block them before any thread (zmq's) exists. */
     sigset_t mask;
@@ -147,6 +189,8 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
     compute_teardown(&rt.cp); /* after the zmq context: queued frames point into the KV cache */
     log_info("exit %d", rc);
 out:
+    curve_authlist_destroy(&rt.curve_auth);
+    memset(&rt.curve, 0, sizeof(rt.curve)); /* the secret key */
     if (rt.sigfd >= 0)
         close(rt.sigfd);
     config_free(table);

@@ -29,11 +29,16 @@ def free_port():
 
 
 class Cluster:
-    """A gateway plus workers. roles: list of "prefill" / "decode" / "mixed"."""
+    """A gateway plus workers. roles: list of "prefill" / "decode" / "mixed".
+    curve=True: CURVE on the ctl and kv sockets (docs/security.md), with keys made by
+    tidepool-keygen in <tmp>/keys: gateway.key/.pub, and workers/<name>.key/.pub for every
+    worker, the directory being every process's authorized-keys list."""
 
     def __init__(self, roles=("prefill", "decode"), gateway_args=(), worker_args=(),
-                 model=MODEL, env=None):
+                 model=MODEL, env=None, curve=False):
         self.tmp = tempfile.mkdtemp(prefix="tidepool-test-")
+        self.curve = curve
+        self.keys = os.path.join(self.tmp, "keys")
         self.port = free_port()
         self.ctl = "tcp://127.0.0.1:%d" % free_port()
         self.stats = "tcp://127.0.0.1:%d" % free_port()  # the gateway's stats PUB socket
@@ -60,26 +65,62 @@ class Cluster:
         self.logs[name] = path
         return p
 
+    # -- CURVE keys
+    def keygen(self, name, subdir="workers"):
+        """<keys>/<subdir>/<name>.key and .pub (made once); returns the path without suffix."""
+        d = os.path.join(self.keys, subdir)
+        os.makedirs(d, exist_ok=True)
+        base = os.path.join(d, name)
+        if not os.path.exists(base + ".key"):
+            subprocess.run([os.path.join(BIN, "tidepool-keygen"), base], check=True,
+                           stdout=subprocess.DEVNULL)
+        return base
+
+    def public_key(self, base):
+        """The Z85 public key of the key file base + ".pub"."""
+        with open(base + ".pub") as f:
+            for line in f:
+                if line.strip().startswith("public-key"):
+                    return line.split("=", 1)[1].strip().strip('"')
+        raise ValueError("no public key in " + base)
+
+    def curve_worker_args(self, name, subdir="workers"):
+        base = self.keygen(name, subdir)
+        return ["--curve-secret-key", base + ".key",
+                "--curve-gateway-key", self.keygen("gateway", ".") + ".pub",
+                "--curve-authorized-keys", os.path.join(self.keys, "workers")]
+
     def start_gateway(self):
+        curve = []
+        if self.curve:
+            curve = ["--curve-secret-key", self.keygen("gateway", ".") + ".key",
+                     "--curve-authorized-keys", os.path.join(self.keys, "workers")]
         return self._spawn("gateway", [os.path.join(BIN, "gateway"), "--host", "127.0.0.1",
                                        "--port", str(self.port), "--ctl-bind", self.ctl,
                                        "--model", self.model, "--heartbeat-ms", "200",
                                        "--dead-after-ms", "800", "--stats-bind", self.stats,
                                        "--state-db", self.state_db]
-                           + self.gateway_args)
+                           + curve + self.gateway_args)
 
-    def start_worker(self, name, role):
+    def start_worker(self, name, role, extra=()):
+        """extra: more flags for this worker (with curve=True and no --curve-secret-key
+        among them, the worker gets its own key pair from keygen)."""
         prog = "decode_worker" if role == "decode" else "prefill_worker"
         argv = [os.path.join(BIN, prog), "--role", role, "--gateway", self.ctl,
                 "--model", self.model, "--worker-id", name, "--heartbeat-ms", "200"]
         # every worker gets a kv port: a prefill worker binds it if it changes to decode
         argv += ["--kv-bind", "tcp://127.0.0.1:%d" % free_port()]
-        return self._spawn(name, argv + self.worker_args)
+        if self.curve and "--curve-secret-key" not in extra:
+            argv += self.curve_worker_args(name)
+        return self._spawn(name, argv + self.worker_args + list(extra))
 
     def worker_names(self, role=None):
         return [n for n in self.procs if n != "gateway" and (role is None or n.startswith(role))]
 
     def start(self, timeout=30):
+        if self.curve:  # the gateway reads the authorized keys at start: make them first
+            for i, role in enumerate(self.roles):
+                self.keygen("%s-%d" % (role, i))
         self.start_gateway()
         for i, role in enumerate(self.roles):
             self.start_worker("%s-%d" % (role, i), role)

@@ -135,10 +135,15 @@ CONTINUATION = REF_IDS[4:]
 
 
 class Gateway:
-    def __init__(self, build, model, logdir):
+    def __init__(self, build, model, logdir, curve_secret=None):
+        """curve_secret: a Z85 secret key: the ctl ROUTER is then a CURVE server (this
+        context has no ZAP handler: every client key is admitted)."""
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve_secret:
+            self.sock.curve_secretkey = curve_secret.encode()
+            self.sock.curve_server = True
         self.sock.bind("tcp://127.0.0.1:*")
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.build, self.model, self.logdir = build, model, logdir
@@ -197,12 +202,14 @@ class Gateway:
     def wait_registered(self, *names):
         self.wait(lambda: all(n in self.workers for n in names), what="REGISTER of %s" % (names,))
 
-    def prefill(self, wid, tokens, max_tokens, dw="", dep="", temp=0.0, rng=0):
+    def prefill(self, wid, tokens, max_tokens, dw="", dep="", temp=0.0, rng=0, dpk=None):
         rid = self.next_rid
         self.next_rid += 1
-        self.send(wid, {"t": PREFILL, "rid": rid, "tokens": tokens, "max_tokens": max_tokens,
-                        "temp": temp, "top_p": 1.0, "top_k": 0, "rng": rng, "dw": dw,
-                        "dep": dep})
+        m = {"t": PREFILL, "rid": rid, "tokens": tokens, "max_tokens": max_tokens,
+             "temp": temp, "top_p": 1.0, "top_k": 0, "rng": rng, "dw": dw, "dep": dep}
+        if dpk is not None:
+            m["dpk"] = dpk  # the decode worker's CURVE key
+        self.send(wid, m)
         return rid
 
     def outcome(self, rid):

@@ -1,0 +1,274 @@
+"""CURVE on the ctl and kv sockets (docs/security.md): a cluster with keys answers exactly
+as one without; a worker whose key is not listed cannot register, a sender whose key is
+not listed cannot deliver KV, a CURVE worker refuses to send KV to a decode worker without
+a key, plain and CURVE peers do not connect, and a key file readable by others is refused
+at start."""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import zmq
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import fake_gateway as fg  # noqa: E402
+from cluster import BIN, MODEL, ROOT, Cluster, free_port  # noqa: E402
+
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park"]
+
+
+def keygen(base):
+    subprocess.run([os.path.join(BIN, "tidepool-keygen"), base], check=True,
+                   stdout=subprocess.DEVNULL)
+    return base
+
+
+def read_key(path, name="public-key"):
+    with open(path) as f:
+        for line in f:
+            if line.strip().startswith(name):
+                return line.split("=", 1)[1].strip().strip('"')
+    raise ValueError("no %s in %s" % (name, path))
+
+
+def answers(c):
+    """Greedy completions (text) of PROMPTS, one streamed, and the workers' ids."""
+    out = []
+    for p in PROMPTS:
+        status, body = c.complete(p, max_tokens=40)
+        assert status == 200, (status, body)
+        out.append(body["choices"][0]["text"])
+    status, text, _, done = c.stream_text(PROMPTS[0], max_tokens=40)
+    assert status == 200 and done
+    out.append(text)
+    return out
+
+
+def worker_ids(c):
+    status, body = c.request("GET", "/workers")
+    assert status == 200, body
+    return sorted(w["id"] for w in body["workers"])
+
+
+class CurveCluster(unittest.TestCase):
+    def test_same_output_with_and_without_keys(self):
+        with Cluster(roles=("prefill", "decode")) as c:
+            plain = answers(c)
+        with Cluster(roles=("prefill", "decode"), curve=True) as c:
+            encrypted = answers(c)
+            self.assertEqual(worker_ids(c), ["decode-1", "prefill-0"])
+            gw = c.log("gateway")
+            self.assertIn("CURVE on the ctl socket", gw)
+            # the decode worker registered its kv key, and the gateway logged it
+            dkey = c.public_key(os.path.join(c.keys, "workers", "decode-1"))
+            self.assertRegex(gw, r"worker decode-1 registered: role decode, pid \d+, kv "
+                             r"tcp://\S+ key " + re.escape(dkey))
+            self.assertNotIn("refused a connection", gw)
+            self.assertNotIn("refused a connection", c.log("decode-1"))
+        self.assertEqual(encrypted, plain)
+        self.assertEqual(len(set(plain[:3])), 3)  # three different, non-trivial answers
+        self.assertTrue(all(len(t) > 20 for t in plain))
+
+    def test_unlisted_and_plain_workers_cannot_register(self):
+        with Cluster(roles=("prefill", "decode"), curve=True) as c:
+            # a key pair that is not in the gateway's authorized directory
+            c.start_worker("decode-rogue", "decode", c.curve_worker_args("decode-rogue", "rogue"))
+            rogue = c.public_key(os.path.join(c.keys, "rogue", "decode-rogue"))
+            # and a worker without CURVE
+            c.start_worker("decode-plain", "decode", ["--curve-secret-key", ""])
+            deadline = time.time() + 10
+            want = "refused a connection to tidepool-ctl from 127.0.0.1: key not authorized, " \
+                   "client key " + rogue
+            while time.time() < deadline and want not in c.log("gateway"):
+                time.sleep(0.1)
+            self.assertIn(want, c.log("gateway"))
+            time.sleep(1.0)  # several heartbeat intervals of both trying
+            self.assertEqual(worker_ids(c), ["decode-1", "prefill-0"])
+            self.assertIsNone(c.procs["decode-rogue"].poll())  # still running, still refused
+            self.assertIsNone(c.procs["decode-plain"].poll())
+            for p in PROMPTS:
+                status, body = c.complete(p, max_tokens=16)
+                self.assertEqual(status, 200, body)
+            self.assertEqual(worker_ids(c), ["decode-1", "prefill-0"])
+            for name in ("decode-rogue", "decode-plain"):
+                log = c.log(name)
+                self.assertNotIn("registered with the gateway", log)
+                self.assertNotIn("req=", log)  # no request ever went there
+            # the refusals are rate-limited: at most CURVE_ZAP_LOG_BURST lines per window
+            self.assertLessEqual(c.log("gateway").count("refused a connection"), 10)
+
+    def test_curve_worker_cannot_join_plain_gateway(self):
+        with Cluster(roles=("prefill", "decode")) as c:
+            keys = tempfile.mkdtemp(dir=c.tmp)
+            w = keygen(os.path.join(keys, "w"))
+            g = keygen(os.path.join(keys, "g"))
+            c.start_worker("decode-curve", "decode",
+                           ["--curve-secret-key", w + ".key", "--curve-gateway-key", g + ".pub",
+                            "--curve-authorized-keys", w + ".pub"])
+            time.sleep(2.0)
+            self.assertEqual(worker_ids(c), ["decode-1", "prefill-0"])
+            self.assertNotIn("registered with the gateway", c.log("decode-curve"))
+            self.assertIn("CURVE on: public key " + read_key(w + ".pub"), c.log("decode-curve"))
+
+
+class CurveKv(unittest.TestCase):
+    """Workers driven by the scripted gateway of fake_gateway.py, CURVE on its ctl socket."""
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="tidepool-curve-")  # the workers' logs
+        self.keys = tempfile.mkdtemp(prefix="tidepool-curve-keys-")
+        os.makedirs(os.path.join(self.keys, "auth"))
+        self.gw = keygen(os.path.join(self.keys, "gateway"))
+        self.g = fg.Gateway(os.path.join(ROOT, os.environ.get("TIDEPOOL_BUILD", "build")),
+                            MODEL, self.tmp, curve_secret=read_key(self.gw + ".key",
+                                                                   "secret-key"))
+
+    def tearDown(self):
+        bad = self.g.stop() + self.g.check_logs()
+        self.assertEqual(bad, [])
+
+    def start(self, name, program, authorized, *args, base=None):
+        """A worker with key pair base (default <keys>/<name>; made if missing), its kv
+        socket admitting `authorized` (a directory or file). Returns its public key."""
+        base = base or os.path.join(self.keys, name)
+        if not os.path.exists(base + ".key"):
+            keygen(base)
+        self.g.start(name, program, "--curve-secret-key", base + ".key",
+                     "--curve-gateway-key", self.gw + ".pub",
+                     "--curve-authorized-keys", authorized, *args)
+        return read_key(base + ".pub")
+
+    def log(self, name):
+        with open(self.g.logpath(name)) as f:
+            return f.read()
+
+    def test_kv_only_from_listed_senders(self):
+        auth = os.path.join(self.keys, "auth")
+        p0 = os.path.join(auth, "p0")  # p0 is listed by d0, p1 is not
+        self.start("p0", "prefill_worker", auth, base=p0)
+        p1 = self.start("p1", "prefill_worker", auth)
+        dkey = self.start("d0", "decode_worker", auth, "--kv-bind", "tcp://127.0.0.1:*")
+        self.g.wait_registered("p0", "p1", "d0")
+        d = self.g.workers["d0"]
+        self.assertEqual(d["kvpk"], dkey)  # REGISTER advertises the kv key
+        self.assertNotIn("kvpk", self.g.workers["p0"])  # no kv socket: no key
+        # listed: exactly the reference tokens
+        rid = self.g.prefill("p0", fg.PROMPT, len(fg.CONTINUATION), dw="d0", dep=d["kvep"],
+                             dpk=dkey)
+        ids, reason, err = self.g.wait_done(rid)
+        self.assertEqual((ids, reason, err), (fg.CONTINUATION, 2, None))
+        # not listed: the handshake is refused, the transfer never starts, nothing decodes
+        rid = self.g.prefill("p1", fg.PROMPT, 8, dw="d0", dep=d["kvep"], dpk=dkey)
+        ids, reason, err = self.g.wait_done(rid, timeout=20)
+        self.assertIsNone(reason)
+        self.assertEqual((err["code"], err["retry"]), (4, 1))  # timeout, retryable
+        self.assertTrue(err["msg"].startswith("KV transfer to " + d["kvep"] + " failed: "),
+                        err["msg"])
+        senders = {w for w, m in self.g.events if m.get("rid") == rid and m["t"] == fg.TOKENS}
+        self.assertEqual(senders, {"p1"})  # its own first token only; d0 never had it
+        dlog = self.log("d0")
+        self.assertIn("refused a connection to tidepool-kv from 127.0.0.1: key not authorized, "
+                      "client key " + p1, dlog)
+        self.assertNotIn("client key " + read_key(p0 + ".pub"), dlog)
+        fg.kv_free_back(self.g, "d0")
+        hb = self.g.heartbeats["d0"]
+        self.assertEqual(hb.get("kvx_rx", [0])[0], 1)  # one transfer received: p0's
+
+    def test_no_kv_to_a_decode_worker_without_key(self):
+        auth = os.path.join(self.keys, "auth")
+        self.start("p0", "prefill_worker", auth, base=os.path.join(auth, "p0"))
+        dkey = self.start("d0", "decode_worker", auth, "--kv-bind", "tcp://127.0.0.1:*")
+        self.g.wait_registered("p0", "d0")
+        dep = self.g.workers["d0"]["kvep"]
+        for _ in range(2):
+            rid = self.g.prefill("p0", fg.PROMPT, 8, dw="d0", dep=dep)  # no "dpk"
+            ids, reason, err = self.g.wait_done(rid)
+            self.assertIsNone(reason)
+            self.assertEqual((err["code"], err["retry"]), (9, 1))  # unavailable, retryable
+            self.assertEqual(err["msg"], "cannot start a KV transfer to " + dep)
+        self.assertEqual(self.log("p0").count("refusing to send KV to %s: this worker uses "
+                                              "CURVE and that decode worker advertised no "
+                                              "CURVE key" % dep), 2)
+        # a malformed key never reaches the worker: its decoder refuses the PREFILL
+        self.g.prefill("p0", fg.PROMPT, 8, dw="d0", dep=dep, dpk="x" * 40 + "!")
+        rid = self.g.prefill("p0", fg.PROMPT, 8, dw="d0", dep=dep, dpk=dkey)
+        ids, reason, err = self.g.wait_done(rid)
+        self.assertEqual((ids, reason, err), (fg.CONTINUATION[:8], 2, None))
+        self.assertIn("field 'dpk': not a CURVE key", self.log("p0"))
+
+
+class CurveKeyFiles(unittest.TestCase):
+    def run_prog(self, argv):
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=ROOT)
+        return p.returncode, p.stdout + p.stderr
+
+    def test_key_file_readable_by_others_is_refused(self):
+        tmp = tempfile.mkdtemp(prefix="tidepool-curve-")
+        k = keygen(os.path.join(tmp, "k"))
+        os.chmod(k + ".key", 0o644)
+        msg = "%s.key holds a secret key but its mode 0644 lets group or others read it: " \
+              "chmod 600 %s.key" % (k, k)
+        ctl = "tcp://127.0.0.1:%d" % free_port()
+        rc, out = self.run_prog([os.path.join(BIN, "decode_worker"), "--gateway", ctl,
+                                 "--model", MODEL, "--kv-bind", "tcp://127.0.0.1:*",
+                                 "--curve-secret-key", k + ".key", "--curve-gateway-key",
+                                 k + ".pub", "--curve-authorized-keys", k + ".pub"])
+        self.assertEqual(rc, 2, out)
+        self.assertIn("CURVE: " + msg, out)
+        rc, out = self.run_prog([os.path.join(BIN, "gateway"), "--port", "0", "--ctl-bind", ctl,
+                                 "--stats-bind", "tcp://127.0.0.1:*", "--model", MODEL,
+                                 "--state-db", "", "--curve-secret-key", k + ".key",
+                                 "--curve-authorized-keys", k + ".pub"])
+        self.assertEqual(rc, 2, out)
+        self.assertIn("CURVE: " + msg, out)
+        # 0600 again: the same worker starts (and is stopped at once: no gateway)
+        os.chmod(k + ".key", 0o600)
+        rc, out = self.run_prog([os.path.join(BIN, "tidepool-keygen"), "--check", k + ".key"])
+        self.assertEqual(rc, 0, out)
+        # malformed, half the flags, and a .pub where the key pair belongs
+        with open(os.path.join(tmp, "bad.key"), "w") as f:
+            f.write("curve\n    public-key = \"short\"\n")
+        os.chmod(os.path.join(tmp, "bad.key"), 0o600)
+        for args, want in (
+                (["--curve-secret-key", os.path.join(tmp, "bad.key"), "--curve-gateway-key",
+                  k + ".pub", "--curve-authorized-keys", k + ".pub"],
+                 "bad.key:2: malformed key file: a key is not 40 Z85 characters"),
+                (["--curve-secret-key", k + ".key"], "CURVE needs all of"),
+                (["--curve-secret-key", k + ".pub", "--curve-gateway-key", k + ".pub",
+                  "--curve-authorized-keys", k + ".pub"], "holds no secret-key"),
+                (["--curve-secret-key", k + ".key", "--curve-gateway-key", k + ".pub",
+                  "--curve-authorized-keys", k + ".key"], "holds a secret key: authorized")):
+            rc, out = self.run_prog([os.path.join(BIN, "prefill_worker"), "--gateway", ctl,
+                                     "--model", MODEL] + args)
+            self.assertEqual(rc, 2, out)
+            self.assertIn(want, out)
+
+    def test_keygen(self):
+        tmp = tempfile.mkdtemp(prefix="tidepool-curve-")
+        base = os.path.join(tmp, "w")
+        rc, out = self.run_prog([os.path.join(BIN, "tidepool-keygen"), base])
+        self.assertEqual(rc, 0, out)
+        self.assertEqual(os.stat(base + ".key").st_mode & 0o777, 0o600)
+        self.assertEqual(os.stat(base + ".pub").st_mode & 0o777, 0o644)
+        pub, sec = read_key(base + ".key"), read_key(base + ".key", "secret-key")
+        self.assertEqual(read_key(base + ".pub"), pub)
+        self.assertEqual(zmq.curve_public(sec.encode()).decode(), pub)
+        with open(base + ".pub") as f:
+            self.assertNotIn("secret-key", f.read())
+        before = open(base + ".key").read()
+        rc, out = self.run_prog([os.path.join(BIN, "tidepool-keygen"), base])
+        self.assertEqual(rc, 1)
+        self.assertIn("File exists (--force replaces it)", out)
+        self.assertEqual(open(base + ".key").read(), before)
+        rc, out = self.run_prog([os.path.join(BIN, "tidepool-keygen"), "--force", base])
+        self.assertEqual(rc, 0, out)
+        self.assertNotEqual(read_key(base + ".key"), pub)
+
+
+if __name__ == "__main__":
+    unittest.main()
