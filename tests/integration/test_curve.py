@@ -270,5 +270,45 @@ class CurveKeyFiles(unittest.TestCase):
         self.assertNotEqual(read_key(base + ".key"), pub)
 
 
+class CurveLauncher(unittest.TestCase):
+    def test_launcher_makes_and_wires_keys(self):
+        tmp = tempfile.mkdtemp(prefix="tidepool-curve-")
+        keys, logs = os.path.join(tmp, "keys"), os.path.join(tmp, "logs")
+        port = free_port()
+        env = dict(os.environ, TIDEPOOL_BIN=BIN)
+        proc = subprocess.Popen(
+            [os.path.join(ROOT, "deploy/local/start"), "--no-build", "--port", str(port),
+             "--ctl-port", str(free_port()), "--kv-port", str(free_port()),
+             "--stats-port", str(free_port()), "--model", MODEL, "--log-dir", logs,
+             "--curve-keys", keys],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+        try:
+            line = proc.stdout.readline().decode()
+            self.assertIn("tidepool is ready: http://127.0.0.1:%d/v1" % port, line)
+            c = Cluster()
+            c.port = port
+            status, body = c.complete("Once upon a time", max_tokens=40)
+            self.assertEqual(status, 200, body)
+            with Cluster() as plain:  # the same answer as a cluster without keys
+                self.assertEqual(body, dict(body, choices=plain.complete(
+                    "Once upon a time", max_tokens=40)[1]["choices"]))
+        finally:
+            proc.send_signal(15)
+            rc = proc.wait(timeout=60)
+            proc.stdout.close()
+        self.assertEqual(rc, 0)
+        for name in ("gateway", "workers/prefill-0", "workers/decode-0"):
+            self.assertEqual(os.stat(os.path.join(keys, name + ".key")).st_mode & 0o777, 0o600)
+        self.assertEqual(os.stat(keys).st_mode & 0o777, 0o700)
+        with open(os.path.join(logs, "gateway.log")) as f:
+            gw = f.read()
+        self.assertIn("CURVE on the ctl socket: public key %s, 2 worker keys admitted"
+                      % read_key(os.path.join(keys, "gateway.pub")), gw)
+        for w in ("prefill-0", "decode-0"):
+            with open(os.path.join(logs, w + ".log")) as f:
+                self.assertIn("CURVE on: public key " +
+                              read_key(os.path.join(keys, "workers", w + ".pub")), f.read())
+
+
 if __name__ == "__main__":
     unittest.main()
