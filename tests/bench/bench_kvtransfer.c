@@ -16,6 +16,12 @@
  *    tcp://127.0.0.1 and ipc:// (a temp dir). kvx/raw is what the protocol costs: XXH64 on
  *    both sides, the receiver's copy into its blocks, and the messages around the layers.
  *
+ * 1b. CURVE. The same kvx transfers to two receiving children, one plain and one a CURVE
+ *    server (its ZAP handler admitting the sender's key: docs/security.md), from a plain
+ *    and a CURVE sender, alternating plain / CURVE in one run (ABBA order, so that neither
+ *    side always goes first on a shared machine); curve/plain is the throughput CURVE
+ *    keeps (its cost: libsodium's XSalsa20-Poly1305 on every frame, both sides).
+ *
  * 2. Overlap. With MODEL.gguf (a mid-size synthetic model made by tidepool-mkmodel, see
  *    tests/run_bench.sh) and a receiver child over tcp: (a) prefill of a prompt alone;
  *    (b) transfer alone of the same KV after the prefill; (c) prefill with the worker's
@@ -52,6 +58,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "curve.h"
 #include "kvcache.h"
 #include "kvtransfer.h"
 #include "log.h"
@@ -137,21 +144,41 @@ typedef struct {
     char endpoint[PROTO_ENDPOINT_LEN];
 } child_t;
 
+/* CURVE set-up of a receiving child (NULL: plain): its key pair and the one sender key
+ * its ZAP handler admits. */
+typedef struct {
+    curve_keypair server;
+    char client_public[CURVE_Z85_LEN + 1];
+} curve_rx;
+
 /* The child's loop: receive until the parent closes stop_fd. RX_KVX: a kvx receiver that
- * frees every accepted sequence. RX_RAW: a ROUTER that reads whole messages and answers
- * "ok" after every n_layer of them. Never returns. */
-static void child_run(rx_mode mode, const layout *l, const char *bind, int ep_fd, int stop_fd)
+ * frees every accepted sequence (a CURVE server when cv). RX_RAW: a ROUTER that reads
+ * whole messages and answers "ok" after every n_layer of them. Never returns. */
+static void child_run(rx_mode mode, const layout *l, const char *bind, int ep_fd, int stop_fd,
+                      const curve_rx *cv)
 {
     void *z = zmq_ctx_new();
     void *sock = NULL;
     kvcache_t *kv = NULL;
     kvx_receiver_t *r = NULL;
+    curve_zap_t *zap = NULL;
     char ep[PROTO_ENDPOINT_LEN] = "";
+    if (cv) {
+        char err[256];
+        curve_authlist_t *auth = NULL;
+        if (curve_authlist_parse(&auth, cv->client_public, CURVE_Z85_LEN, "bench", err,
+                                 sizeof(err)) < 0 ||
+            !(zap = curve_zap_start(z, &auth, err, sizeof(err)))) {
+            fprintf(stderr, "bench_kvtransfer: receiver: %s\n", err);
+            _exit(1);
+        }
+    }
     if (mode == RX_KVX) {
         kv = mk_cache(l, 2 * ((l->n_tokens + l->block_size - 1) / l->block_size));
         kvx_receiver_params p = kvx_receiver_default_params();
         p.fingerprint = l->fp;
         p.lease_ms = WAIT_MS;
+        p.curve = cv ? &cv->server : NULL;
         r = kv ? kvx_receiver_new(z, kv, bind, &p) : NULL;
         if (r)
             snprintf(ep, sizeof(ep), "%s", kvx_receiver_endpoint(r));
@@ -212,14 +239,17 @@ static void child_run(rx_mode mode, const layout *l, const char *bind, int ep_fd
         kvx_receiver_destroy(&r);
     else
         zmq_close(sock);
+    curve_zap_stop(&zap);
     zmq_ctx_term(z);
     kvcache_destroy(&kv);
     _exit(0);
 }
 
-/* Fork a receiving child bound at bind; its bound endpoint comes back in c->endpoint.
- * Call with no zmq context and no compute threads alive in this process. */
-static int child_start(child_t *c, rx_mode mode, const layout *l, const char *bind)
+/* Fork a receiving child bound at bind (a CURVE server when cv); its bound endpoint comes
+ * back in c->endpoint. Call with no zmq context and no compute threads alive in this
+ * process. */
+static int child_start_curve(child_t *c, rx_mode mode, const layout *l, const char *bind,
+                             const curve_rx *cv)
 {
     int ep_pipe[2], stop_pipe[2];
     if (pipe(ep_pipe) < 0 || pipe(stop_pipe) < 0)
@@ -232,7 +262,7 @@ static int child_start(child_t *c, rx_mode mode, const layout *l, const char *bi
     if (c->pid == 0) {
         close(ep_pipe[0]);
         close(stop_pipe[1]);
-        child_run(mode, l, bind, ep_pipe[1], stop_pipe[0]);
+        child_run(mode, l, bind, ep_pipe[1], stop_pipe[0], cv);
     }
     close(ep_pipe[1]);
     close(stop_pipe[0]);
@@ -246,6 +276,11 @@ static int child_start(child_t *c, rx_mode mode, const layout *l, const char *bi
         return -1;
     }
     return 0;
+}
+
+static int child_start(child_t *c, rx_mode mode, const layout *l, const char *bind)
+{
+    return child_start_curve(c, mode, l, bind, NULL);
 }
 
 static int child_stop(child_t *c)
@@ -263,23 +298,33 @@ typedef struct {
     kvcache_t *kv;
     kvx_sender_t *s;
     const char *endpoint;
+    const char *server_key; /* CURVE: the receiver's public key (NULL: plain) */
     int seq;
     uint64_t xfer;
     int blk_sent, blk_upto; /* chunked sends: the blocks of the current chunk */
     double t_fwd_end;       /* when the last forward pass of an overlapped run ended */
 } sender_t;
 
-static int sender_open(sender_t *sd, kvcache_t *kv, const char *endpoint, uint64_t fp)
+/* A sender to endpoint; with kp (and server_key, the receiver's public key) a CURVE one. */
+static int sender_open_curve(sender_t *sd, kvcache_t *kv, const char *endpoint, uint64_t fp,
+                             const curve_keypair *kp, const char *server_key)
 {
     memset(sd, 0, sizeof(*sd));
     sd->zctx = zmq_ctx_new();
     sd->kv = kv;
     sd->endpoint = endpoint;
+    sd->server_key = server_key;
     kvx_sender_params p = kvx_sender_default_params();
     p.fingerprint = fp;
     p.lease_ms = WAIT_MS;
+    p.curve = kp;
     sd->s = kvx_sender_new(sd->zctx, kv, &p);
     return sd->s ? 0 : -1;
+}
+
+static int sender_open(sender_t *sd, kvcache_t *kv, const char *endpoint, uint64_t fp)
+{
+    return sender_open_curve(sd, kv, endpoint, fp, NULL, NULL);
 }
 
 static void sender_close(sender_t *sd)
@@ -300,8 +345,12 @@ static int seq_make(kvcache_t *kv, int n_tokens)
 
 static int xfer_begin(sender_t *sd, int seq, int n_tokens)
 {
-    kvx_begin_params bp = {
-        .rid = 1, .seq = seq, .n_kv_tokens = n_tokens, .max_tokens = 1, .top_p = 1.0f};
+    kvx_begin_params bp = {.rid = 1,
+                           .seq = seq,
+                           .n_kv_tokens = n_tokens,
+                           .max_tokens = 1,
+                           .top_p = 1.0f,
+                           .server_key = sd->server_key};
     sd->seq = seq;
     sd->xfer = kvx_send_begin(sd->s, sd->endpoint, &bp);
     sd->blk_sent = sd->blk_upto = 0;
@@ -502,6 +551,100 @@ static int bench_throughput(int reps)
     char sock[160];
     snprintf(sock, sizeof(sock), "%s/kv", dir);
     unlink(sock);
+    rmdir(dir);
+    return rc;
+}
+
+// --- part 1b: CURVE
+
+/* Plain and CURVE kvx transfers to receivers bound at bind_plain and bind_curve,
+ * alternating (ABBA), reps each after a warm-up of each. Prints one line; returns 0, or 1
+ * when a transfer failed. */
+static int bench_curve_one(const layout *l, const char *name, const char *bind_plain,
+                           const char *bind_curve, int reps)
+{
+    char err[256];
+    curve_keypair client;
+    curve_rx cv;
+    if (curve_keypair_new(&cv.server, err, sizeof(err)) < 0 ||
+        curve_keypair_new(&client, err, sizeof(err)) < 0) {
+        printf("  %-10s skipped: %s\n", name, err);
+        return 0;
+    }
+    snprintf(cv.client_public, sizeof(cv.client_public), "%s", client.public_z85);
+    child_t cp, cc;
+    if (child_start_curve(&cp, RX_KVX, l, bind_plain, NULL) < 0)
+        return 1;
+    if (child_start_curve(&cc, RX_KVX, l, bind_curve, &cv) < 0) {
+        child_stop(&cp);
+        return 1;
+    }
+    int n_blocks = (l->n_tokens + l->block_size - 1) / l->block_size;
+    kvcache_t *kv = mk_cache(l, 2 * n_blocks);
+    sender_t sp = {0}, sc = {0};
+    double tp[32], tc[32], wall[2] = {0}, cpu[2] = {0};
+    int ok = kv && sender_open(&sp, kv, cp.endpoint, l->fp) == 0 &&
+             sender_open_curve(&sc, kv, cc.endpoint, l->fp, &client, cv.server.public_z85) == 0;
+    if (ok)
+        fill_random(kv, 2 * n_blocks, l->n_layer);
+    for (int i = 0; ok && i <= reps; i++) {
+        for (int k = 0; k < 2 && ok; k++) {
+            int curve = (i % 2) ^ k; /* ABBA: plain first on even rounds, CURVE on odd */
+            double c0 = cpu_s();
+            double t = kvx_once(curve ? &sc : &sp, l->n_tokens, l->n_layer);
+            ok = t > 0;
+            if (i > 0) { /* round 0 warms up both (connects, handshakes) */
+                (curve ? tc : tp)[i - 1] = t;
+                wall[curve] += t;
+                cpu[curve] += cpu_s() - c0;
+            }
+        }
+    }
+    if (sp.s)
+        sender_close(&sp);
+    if (sc.s)
+        sender_close(&sc);
+    kvcache_destroy(&kv);
+    /* cc first: it holds a copy of cp's stop pipe (forked after it) */
+    if (child_stop(&cc) < 0)
+        ok = 0;
+    if (child_stop(&cp) < 0)
+        ok = 0;
+    memset(&client, 0, sizeof(client));
+    if (!ok) {
+        printf("  %-10s failed\n", name);
+        return 1;
+    }
+    double mb = (double)kv_bytes(l) / 1e6, a = median(tp, reps), b = median(tc, reps);
+    printf("  %-10s %6.2f (%6.1f)     %6.2f (%6.1f)         %5.2f     [%.1f / %.1f]\n", name,
+           mb / 1e3 / a, a * 1e3, mb / 1e3 / b, b * 1e3, a / b, cpu[0] / wall[0],
+           cpu[1] / wall[1]);
+    fflush(stdout);
+    return 0;
+}
+
+static int bench_curve(int reps)
+{
+    layout l = {SYN_LAYERS, SYN_KV_HEADS, SYN_HEAD_DIM, SYN_BLOCK, SYN_TOKENS, 2048, FP};
+    printf("\nKV transfer with and without CURVE (the same %.1f MB transfers, alternating plain "
+           "/ CURVE; median of %d each after a warm-up)\n",
+           (double)kv_bytes(&l) / 1e6, reps);
+    printf("  transport  plain GB/s (ms)     CURVE GB/s (ms)      curve/plain  [sender cores "
+           "plain / CURVE]\n");
+    char dir[] = "/tmp/tidepool-bench-XXXXXX";
+    if (!mkdtemp(dir)) {
+        perror("mkdtemp");
+        return 1;
+    }
+    char ipc[2][128], sock[128];
+    snprintf(ipc[0], sizeof(ipc[0]), "ipc://%s/kv-plain", dir);
+    snprintf(ipc[1], sizeof(ipc[1]), "ipc://%s/kv-curve", dir);
+    int rc = bench_curve_one(&l, "tcp", "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", reps);
+    rc |= bench_curve_one(&l, "ipc", ipc[0], ipc[1], reps);
+    for (int k = 0; k < 2; k++) {
+        snprintf(sock, sizeof(sock), "%s/kv-%s", dir, k ? "curve" : "plain");
+        unlink(sock);
+    }
     rmdir(dir);
     return rc;
 }
@@ -715,11 +858,12 @@ int main(int argc, char **argv)
                         "[MODEL.gguf]\n");
         return 2;
     }
-    log_init("bench_kvtransfer", LOG_LEVEL_ERROR);
+    log_init("bench_kvtransfer", getenv("BENCH_DEBUG") ? LOG_LEVEL_DEBUG : LOG_LEVEL_ERROR);
     signal(SIGPIPE, SIG_IGN);
     printf("CPUs this process may use (sched_getaffinity): %d\n", cpus_available());
     int reps = quick ? 3 : 9;
     int rc = bench_throughput(reps);
+    rc |= bench_curve(reps);
     if (a < argc)
         rc |= bench_overlap(argv[a], quick ? 1 : 3, n_threads, chunk, quick);
     return rc;
