@@ -6,6 +6,7 @@
 #   decode  [flag ...]     a decode worker           (decode_worker --role decode)
 #   mixed   [flag ...]     prefill and decode in one (prefill_worker --role mixed)
 #   convert [flag ...]     tidepool-convert (llama2.c -> GGUF)
+#   keygen  [flag ...]     tidepool-keygen (CURVE key pairs, docs/security.md)
 #   health  [flag ...]     tidepool-health (the HEALTHCHECK)
 #   help                   this text
 #   anything else          run as a command (e.g. bash)
@@ -26,6 +27,12 @@
 #     interface, to tcp://<this host's address>:<kv port>; TIDEPOOL_THREADS, when unset, to
 #     the container's CPU limit (cgroup quota), so a 2-CPU container does not run a thread
 #     per host CPU.
+#   - CURVE (docs/security.md): TIDEPOOL_CURVE_KEYS names a mounted key directory (a Secret,
+#     a bind mount): gateway.key and gateway.pub, and each worker's <worker id>.key (or one
+#     worker.key shared by every worker) with its .pub, flat or under workers/. The secret
+#     key this process needs is copied to a private 0600 file under /tmp (a mounted Secret
+#     is root- or group-owned), its authorized keys are every *.pub but gateway.pub, and
+#     TIDEPOOL_CURVE_SECRET_KEY / _GATEWAY_KEY / _AUTHORIZED_KEYS are set from them.
 set -euo pipefail
 BIN=/opt/tidepool/bin
 log() { echo "tidepool-entrypoint: $*" >&2; }
@@ -39,6 +46,7 @@ prefill) prog=prefill_worker; pre=(--role prefill) ;;
 decode) prog=decode_worker; pre=(--role decode) ;;
 mixed) prog=prefill_worker; pre=(--role mixed) ;;
 convert) exec "$BIN/tidepool-convert" "$@" ;;
+keygen) exec "$BIN/tidepool-keygen" "$@" ;;
 health) exec "$BIN/tidepool-health" "$@" ;;
 help | -h | --help) usage; exit 0 ;;
 *) exec "$role" "$@" ;;
@@ -119,6 +127,29 @@ if [ "$prog" != gateway ]; then
             export TIDEPOOL_THREADS=$(((quota + period - 1) / period)) ;;
         esac
     fi
+fi
+
+# --- CURVE keys
+if [ -n "${TIDEPOOL_CURVE_KEYS:-}" ]; then
+    kd=${TIDEPOOL_CURVE_KEYS%/}
+    priv=$(umask 077 && mktemp -d /tmp/tidepool-keys.XXXXXX) || { log "cannot create a key directory in /tmp"; exit 2; }
+    mkdir -m 0700 "$priv/authorized"
+    for f in "$kd"/*.pub "$kd"/workers/*.pub; do
+        [ -f "$f" ] && [ "$(basename "$f")" != gateway.pub ] && cp "$f" "$priv/authorized/"
+    done
+    if [ "$prog" = gateway ]; then
+        key=$kd/gateway.key
+    else
+        key=
+        for k in "$kd/$TIDEPOOL_WORKER_ID.key" "$kd/workers/$TIDEPOOL_WORKER_ID.key" \
+            "$kd/worker.key" "$kd/workers/worker.key"; do
+            [ -f "$k" ] && { key=$k; break; }
+        done
+        [ -n "$key" ] || { log "$kd: no $TIDEPOOL_WORKER_ID.key nor worker.key (TIDEPOOL_CURVE_KEYS)"; exit 2; }
+        export TIDEPOOL_CURVE_GATEWAY_KEY=$kd/gateway.pub
+    fi
+    (umask 077 && cat "$key" >"$priv/self.key") || { log "cannot read $key"; exit 2; }
+    export TIDEPOOL_CURVE_SECRET_KEY=$priv/self.key TIDEPOOL_CURVE_AUTHORIZED_KEYS=$priv/authorized
 fi
 
 exec "$BIN/$prog" "${pre[@]}" "${args[@]}"

@@ -207,6 +207,27 @@ class Render(unittest.TestCase):
         common.log("kube: overlays %s render (HPA example in %s)" % (", ".join(OVERLAYS),
                                                                      ", ".join(hpa)))
 
+    def test_curve_overlay(self):
+        """overlays/curve: every pod mounts the Secret tidepool-curve-keys read-only at /keys
+        and names it in TIDEPOOL_CURVE_KEYS (the entrypoint needs a writable /tmp for its
+        private copy of the secret key); the rest is 2p2d."""
+        docs = render("curve")
+        pods = [d["spec"]["template"]["spec"] for d in docs
+                if d["kind"] in ("Deployment", "StatefulSet")]
+        self.assertEqual(len(pods), 3)
+        for spec in pods:
+            c = spec["containers"][0]
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            self.assertEqual(env["TIDEPOOL_CURVE_KEYS"], "/keys")
+            mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+            self.assertTrue(mounts["/keys"]["readOnly"])
+            self.assertIn("/tmp", mounts)
+            vols = {v["name"]: v for v in spec["volumes"]}
+            self.assertEqual(vols[mounts["/keys"]["name"]]["secret"],
+                             {"secretName": "tidepool-curve-keys", "defaultMode": 0o440})
+        n = {s["metadata"]["name"]: s["spec"]["replicas"] for s in by_kind(docs, "StatefulSet")}
+        self.assertEqual(n, {"tidepool-prefill": 2, "tidepool-decode": 2})
+
 
 class Play:
     """podman kube play of one overlay (the subclasses below set OVERLAY)."""
