@@ -492,7 +492,7 @@ curve_authlist_t *curve_authlist_load(const char *path, char *err, size_t errlen
             n++;
         }
         closedir(d);
-        if (!bad)
+        if (!bad && n > 1)
             qsort(names, n, sizeof(*names), name_cmp); /* errors name the same file each run */
         for (size_t i = 0; i < n && !bad; i++) {
             char fp[4096];

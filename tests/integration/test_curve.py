@@ -166,7 +166,11 @@ class CurveKv(unittest.TestCase):
         rid = self.g.prefill("p1", fg.PROMPT, 8, dw="d0", dep=d["kvep"], dpk=dkey)
         ids, reason, err = self.g.wait_done(rid, timeout=20)
         self.assertIsNone(reason)
-        self.assertEqual((err["code"], err["retry"]), (4, 1))  # timeout, retryable
+        # retryable; timeout (no KV_RESULT within the lease) when the KV went into the pipe
+        # of a connection being retried, unavailable (a send refused) when it found no pipe:
+        # which one depends on where ZeroMQ's reconnect cycle is
+        self.assertEqual(err["retry"], 1)
+        self.assertIn(err["code"], (4, 9))
         self.assertTrue(err["msg"].startswith("KV transfer to " + d["kvep"] + " failed: "),
                         err["msg"])
         senders = {w for w, m in self.g.events if m.get("rid") == rid and m["t"] == fg.TOKENS}
