@@ -233,8 +233,14 @@ static void heartbeat_tick(runtime_t *rt, int force)
         else if (now - rt->unacked_since_us > 5000000) {
             log_warn("no REGISTER_ACK from the gateway at %s for 5 s: is it running, and is "
                      "worker id '%s' unique? (ZeroMQ refuses a second connection with an id "
-                     "in use)",
-                     rt->set.gateway, rt->wid);
+                     "in use)%s%s%s",
+                     rt->set.gateway, rt->wid,
+                     rt->curve_on ? " With CURVE: is this worker's public key " : "",
+                     rt->curve_on ? rt->curve.public_z85 : "",
+                     rt->curve_on ? " among the gateway's --curve-authorized-keys, its "
+                                    "--curve-gateway-key the gateway's, and the gateway "
+                                    "CURVE too?"
+                                  : " (a gateway with CURVE refuses workers without keys)");
             rt->unacked_since_us = now;
         }
     } else {
