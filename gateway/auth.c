@@ -26,6 +26,7 @@ typedef struct {
 struct auth_key {
     unsigned char digest[DIGEST_BYTES];
     char id[AUTH_ID_HEX + 1];
+    size_t n_bytes; /* the key's length */
     auth_key_params p;
     bucket requests, tokens;
 };
@@ -121,6 +122,7 @@ int auth_add_key(auth_t *a, const char *key, const auth_key_params *p, char *err
         a->keys = v;
         a->cap = cap;
     }
+    k->n_bytes = n;
     k->p = *p;
     k->p.admin = p->admin ? 1 : 0;
     bucket_init(&k->requests, p->requests_per_s);
@@ -294,6 +296,11 @@ auth_status_t auth_check(auth_t *a, const char *h, auth_key **key)
 const char *auth_key_id(const auth_key *k)
 {
     return k->id;
+}
+
+size_t auth_key_bytes(const auth_key *k)
+{
+    return k->n_bytes;
 }
 
 auth_key_params auth_key_get_params(const auth_key *k)

@@ -82,6 +82,9 @@ auth_status_t auth_check(auth_t *a, const char *authorization, auth_key **key);
 /* The key's id: AUTH_ID_HEX lowercase hex digits (borrowed, NUL-terminated). */
 const char *auth_key_id(const auth_key *k);
 
+/* The key's length in bytes (to warn about short keys at start-up). */
+size_t auth_key_bytes(const auth_key *k);
+
 /* The key's parameters (admin, rates). */
 auth_key_params auth_key_get_params(const auth_key *k);
 
