@@ -10,19 +10,22 @@
 - a key's requests/s and tokens/s limits answer 429 with Retry-After, then recover;
 - a key file readable by group or others, or with a malformed line, stops the gateway at
   start (exit 1) with a message that never shows a key;
-- no key appears in the gateway's log (run at debug level)."""
+- no key appears in the gateway's log (run at debug level);
+- tidepool-bench sends its --api-key (or TIDEPOOL_API_KEY / OPENAI_API_KEY) and hides it in
+  its result JSON."""
 
 import http.client
 import json
 import os
 import sqlite3
+import subprocess
 import sys
 import threading
 import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import Cluster  # noqa: E402
+from cluster import BIN, Cluster  # noqa: E402
 
 ALICE = "sk-test-alice-7d1c0f3a9b2e4d68"
 BOB = "sk-test-bob-51e9a2c7f0d34b86"
@@ -327,6 +330,41 @@ class AuthTest(unittest.TestCase):
         for key in ALL_KEYS + ("sk-wrong-key-00000000000",):
             self.assertNotIn(key, log)
             self.assertNotIn(key[8:], log)  # not even the key's tail
+
+
+class BenchWithKeyTest(unittest.TestCase):
+    def bench(self, c, args, env_key=None, env_name="TIDEPOOL_API_KEY"):
+        out = os.path.join(c.tmp, "bench.json")
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("TIDEPOOL_API_KEY", "OPENAI_API_KEY")}
+        if env_key:
+            env[env_name] = env_key
+        p = subprocess.run([os.path.join(BIN, "tidepool-bench"), "--url",
+                            "http://127.0.0.1:%d" % c.port, "--num-prompts", "4",
+                            "--input-len", "4", "--output-len", "4", "--no-progress",
+                            "--model", "stories260K", "--result-json", out] + args,
+                           capture_output=True, text=True, timeout=120, env=env)
+        with open(out) as f:
+            text = f.read()
+        return p, json.loads(text), text
+
+    def test_bench_sends_the_key(self):
+        with Cluster(roles=("mixed",), gateway_args=["--api-key", ALICE]) as c:
+            p, res, text = self.bench(c, ["--api-key", ALICE])
+            self.assertEqual((res["completed"], res["failed"]), (4, 0), p.stdout + p.stderr)
+            self.assertNotIn(ALICE, text)
+            self.assertIn("(hidden)", res["argv"])
+            p, res, text = self.bench(c, ["--api-key=" + ALICE])
+            self.assertEqual(res["completed"], 4)
+            self.assertIn("--api-key=(hidden)", res["argv"])
+            self.assertNotIn(ALICE, text)
+            for name in ("TIDEPOOL_API_KEY", "OPENAI_API_KEY"):
+                p, res, _ = self.bench(c, [], env_key=ALICE, env_name=name)
+                self.assertEqual(res["completed"], 4, name)
+            p, res, _ = self.bench(c, [])
+            self.assertEqual((res["completed"], res["failed"]), (0, 4))
+            self.assertEqual([(e["count"], "401" in e["first_message"]) for e in res["errors"]],
+                             [(4, True)], res["errors"])
 
 
 class KeyFileTest(unittest.TestCase):
