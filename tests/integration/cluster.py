@@ -42,7 +42,11 @@ class Cluster:
         # the Batch API's SQLite state: private to this cluster, kept across gateway restarts
         self.state_db = os.path.join(self.tmp, "state", "gateway.db")
         self.model = model
-        self.env = dict(os.environ)
+        # API keys only when a test asks for them: a developer's own TIDEPOOL_API_KEY (a
+        # client setting as much as the gateway's) must not close every test's gateway
+        self.env = {k: v for k, v in os.environ.items()
+                    if k not in ("TIDEPOOL_API_KEY", "TIDEPOOL_ADMIN_API_KEY",
+                                 "TIDEPOOL_API_KEY_FILE")}
         self.env.update(env or {})
         self.gateway_args = list(gateway_args)
         self.worker_args = list(worker_args)

@@ -11,12 +11,14 @@
 - a key file readable by group or others, or with a malformed line, stops the gateway at
   start (exit 1) with a message that never shows a key;
 - no key appears in the gateway's log (run at debug level);
+- the launcher passes --api-key-file to its gateway;
 - tidepool-bench sends its --api-key (or TIDEPOOL_API_KEY / OPENAI_API_KEY) and hides it in
   its result JSON."""
 
 import http.client
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -25,7 +27,7 @@ import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import BIN, Cluster  # noqa: E402
+from cluster import BIN, MODEL, ROOT, Cluster, free_port  # noqa: E402
 
 ALICE = "sk-test-alice-7d1c0f3a9b2e4d68"
 BOB = "sk-test-bob-51e9a2c7f0d34b86"
@@ -365,6 +367,44 @@ class BenchWithKeyTest(unittest.TestCase):
             self.assertEqual((res["completed"], res["failed"]), (0, 4))
             self.assertEqual([(e["count"], "401" in e["first_message"]) for e in res["errors"]],
                              [(4, True)], res["errors"])
+
+
+class LauncherWithKeysTest(unittest.TestCase):
+    def test_launcher_passes_the_key_file(self):
+        c = Cluster(roles=())  # its temporary directory and its HTTP client only
+        c.port = free_port()
+        keys = os.path.join(c.tmp, "keys")
+        with open(keys, "w") as f:
+            f.write("%s\n%s admin\n" % (ALICE, ADMIN))
+        os.chmod(keys, 0o600)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEPOOL_API")}
+        env["TIDEPOOL_BIN"] = BIN
+        log = open(os.path.join(c.tmp, "launcher.log"), "wb")
+        p = subprocess.Popen(
+            [os.path.join(ROOT, "deploy/local/start"), "--no-build", "--mixed", "1",
+             "--port", str(c.port), "--ctl-port", str(free_port()), "--kv-port", str(free_port()),
+             "--stats-port", str(free_port()), "--model", MODEL, "--api-key-file", keys],
+            stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+        try:
+            line = p.stdout.readline().decode()
+            self.assertIn("mixed workers; API keys required). Ctrl-C stops it.", line)
+            self.assertEqual(c.request("GET", "/v1/models")[0], 401)
+            self.assertEqual(c.request("GET", "/v1/models", headers=bearer(ALICE))[0], 200)
+            self.assertEqual(c.request("GET", "/workers", headers=bearer(ALICE))[0], 403)
+            self.assertEqual(c.request("GET", "/workers", headers=bearer(ADMIN))[0], 200)
+        finally:
+            p.send_signal(signal.SIGTERM)
+            try:
+                self.assertEqual(p.wait(timeout=40), 0)
+            finally:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.stdout.close()
+                log.close()
+        with open(os.path.join(c.tmp, "launcher.log"), errors="replace") as f:
+            text = f.read()
+        self.assertNotIn(ALICE, text)
+        self.assertNotIn(ADMIN, text)
 
 
 class KeyFileTest(unittest.TestCase):
