@@ -147,6 +147,15 @@ class AuthTest(unittest.TestCase):
                 self.assertEqual(h.get("www-authenticate"), "Bearer", (method, path))
                 self.assertEqual(h.get("content-type"), "application/json")
 
+    def test_exact_bytes(self):
+        conn = http.client.HTTPConnection("127.0.0.1", self.c.port, timeout=60)
+        conn.request("GET", "/v1/models", headers=bearer("sk-wrong-key-00000000000"))
+        r = conn.getresponse()
+        self.assertEqual((r.status, r.read()), (401, b'{"error":{"message":"Incorrect API key '
+                         b'provided.","type":"invalid_request_error","param":null,'
+                         b'"code":"invalid_api_key"}}'))
+        conn.close()
+
     def test_right_keys_are_served(self):
         for key in (ALICE, FLAG_USER, ADMIN, FLAG_ADMIN):
             status, _, got = self.call("POST", "/v1/chat/completions", key, self.CHAT)
