@@ -560,6 +560,11 @@ cluster_t *cluster_new(struct event_base *base, const cluster_params *p,
                  zmq_strerror(errno));
         goto fail;
     }
+    /* before the bind: a worker without a key, or with the wrong gateway key, fails the
+     * handshake before the ZAP handler is asked; only the socket monitor sees it */
+    c->hsmon = hsmon_start(c->zctx, c->sock, HSMON_SERVER, p->curve != NULL, "ctl", err, errlen);
+    if (!c->hsmon)
+        goto fail;
     if (zmq_bind(c->sock, p->ctl_bind) < 0) {
         snprintf(err, errlen, "cannot bind the ctl socket to %s: %s", p->ctl_bind,
                  zmq_strerror(errno));
@@ -604,6 +609,7 @@ void cluster_destroy(cluster_t **pc)
         event_free(c->sweep_ev);
     if (c->dispatch_ev)
         event_free(c->dispatch_ev);
+    hsmon_stop(&c->hsmon); /* before its socket closes */
     if (c->sock)
         zmq_close(c->sock);
     curve_zap_stop(&c->zap); /* before the context, whose termination waits for it */

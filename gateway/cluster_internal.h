@@ -15,6 +15,7 @@
 
 #include "cluster.h"
 #include "evzmq.h"
+#include "hsmon.h"
 #include "protocol.h"
 #include "wire.h"
 
@@ -103,6 +104,7 @@ struct cluster {
     cluster_callbacks cb;
     void *zctx, *sock;
     curve_zap_t *zap; /* CURVE: the ZAP handler admitting the workers' keys (NULL = plain) */
+    hsmon_t *hsmon;   /* logs the ctl ROUTER's failed handshakes, with the peer address */
     evzmq_t *watch;
     wire_envelope *env;
     struct event *sweep_ev, *dispatch_ev;

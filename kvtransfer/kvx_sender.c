@@ -61,6 +61,7 @@ typedef struct kvx_peer {
     char endpoint[PROTO_ENDPOINT_LEN];
     char server_key[CURVE_Z85_LEN + 1]; /* CURVE: the receiver's public key ("" = plain) */
     void *sock; /* DEALER, linger 0 */
+    int stale;  /* a send or a lease failed since the last message from the receiver */
     struct kvx_peer *next;
 } kvx_peer;
 
@@ -193,13 +194,24 @@ void kvx_sender_destroy(kvx_sender_t **sp)
     *sp = NULL;
 }
 
+static void peer_drop(kvx_sender_t *s, kvx_peer *pe, const char *why);
+
 /* The DEALER to endpoint whose receiver has public key server_key ("" for a plain
- * sender): a receiver restarted with another key gets a new DEALER. */
+ * sender): a receiver restarted with another key gets a new DEALER, and so does one whose
+ * connection failed (stale). */
 static kvx_peer *peer_get(kvx_sender_t *s, const char *endpoint, const char *server_key)
 {
-    for (kvx_peer *pe = s->peers; pe; pe = pe->next)
-        if (strcmp(pe->endpoint, endpoint) == 0 && strcmp(pe->server_key, server_key) == 0)
+    for (kvx_peer *pe = s->peers; pe; pe = pe->next) {
+        if (strcmp(pe->endpoint, endpoint) != 0 || strcmp(pe->server_key, server_key) != 0)
+            continue;
+        if (!pe->stale)
             return pe;
+        /* libzmq 4.3.4 does not reconnect after a failed handshake (the receiver's ZAP
+         * handler refused our key): the DEALER would stay dead though the receiver now
+         * admits us. A new one connects afresh. */
+        peer_drop(s, pe, "the last transfer there failed: opening a new connection");
+        break;
+    }
     if (strlen(endpoint) >= PROTO_ENDPOINT_LEN || !*endpoint)
         return NULL;
     kvx_peer *pe = calloc(1, sizeof(*pe));
@@ -281,6 +293,28 @@ static void sx_fail(kvx_sender_t *s, kvx_sx *x, int code, const char *msg, int t
     kvx_ev_init(&ev, KVX_EV_FAILED, x->rid, x->xfer, code, msg);
     kvx_evq_push(&s->events, &ev);
     sx_over(x);
+}
+
+/* Close pe's socket (dropping queued frames, which releases their pins), fail whatever
+ * was still going there, and forget pe; why is logged. */
+static void peer_drop(kvx_sender_t *s, kvx_peer *pe, const char *why)
+{
+    log_warn("kvx: decode endpoint %s: %s", pe->endpoint, why);
+    for (kvx_sx *x = s->xfers; x; x = x->next) {
+        if (x->peer != pe)
+            continue;
+        if (x->state != SX_RELEASING)
+            sx_fail(s, x, PROTO_ERR_UNAVAILABLE, "decode endpoint connection reset", 0);
+        x->peer = NULL;
+    }
+    for (kvx_peer **pp = &s->peers; *pp; pp = &(*pp)->next) {
+        if (*pp == pe) {
+            *pp = pe->next;
+            break;
+        }
+    }
+    peer_close(pe);
+    free(pe);
 }
 
 /* Padding of a transfer (docs/kvtransfer.md "Padding"): what makes its payload (n_layer
@@ -381,6 +415,7 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
     m.ts_us = proto_wall_us();
     if (kvx_send_msg(pe->sock, NULL, 0, &m, NULL, 0) < 0) {
         log_rwarn(x->rid, "kvx: KV_BEGIN to %s not sent: %s", endpoint, zmq_strerror(errno));
+        pe->stale = 1; /* no connection: the next transfer opens a new one */
         sx_free(s, x, 0);
         return 0;
     }
@@ -470,6 +505,7 @@ int kvx_send_layer_blocks(kvx_sender_t *s, uint64_t xfer, int layer, int blk0, i
     if (kvx_send_msg(x->peer->sock, NULL, 0, &m, s->frames, n_frames) < 0) {
         char msg[PROTO_MESSAGE_LEN];
         snprintf(msg, sizeof(msg), "KV_LAYER not sent: %s", zmq_strerror(errno));
+        x->peer->stale = 1;
         sx_fail(s, x, PROTO_ERR_UNAVAILABLE, msg, 1);
     }
     return 0;
@@ -537,6 +573,7 @@ int kvx_send_end_mtp(kvx_sender_t *s, uint64_t xfer, int first_token, uint64_t r
     if (kvx_send_msg(x->peer->sock, NULL, 0, &m, n_frames ? &frame : NULL, n_frames) < 0) {
         char msg[PROTO_MESSAGE_LEN];
         snprintf(msg, sizeof(msg), "KV_END not sent: %s", zmq_strerror(errno));
+        x->peer->stale = 1;
         sx_fail(s, x, PROTO_ERR_UNAVAILABLE, msg, 1);
         return 0;
     }
@@ -625,26 +662,10 @@ static void sender_handle(kvx_sender_t *s, kvx_peer *pe, const proto_msg *m, int
     }
 }
 
-/* The endpoint is not taking our frames: close its socket (dropping queued frames, which
- * releases their pins) and fail whatever else was going there. */
+/* The endpoint is not taking our frames: close its socket and fail what was going there. */
 static void peer_reset(kvx_sender_t *s, kvx_peer *pe)
 {
-    log_warn("kvx: decode endpoint %s is not reading; resetting the connection", pe->endpoint);
-    for (kvx_sx *x = s->xfers; x; x = x->next) {
-        if (x->peer != pe)
-            continue;
-        if (x->state != SX_RELEASING)
-            sx_fail(s, x, PROTO_ERR_UNAVAILABLE, "decode endpoint connection reset", 0);
-        x->peer = NULL;
-    }
-    for (kvx_peer **pp = &s->peers; *pp; pp = &(*pp)->next) {
-        if (*pp == pe) {
-            *pp = pe->next;
-            break;
-        }
-    }
-    peer_close(pe);
-    free(pe);
+    peer_drop(s, pe, "not reading; resetting the connection");
 }
 
 int kvx_sender_process(kvx_sender_t *s)
@@ -659,18 +680,23 @@ int kvx_sender_process(kvx_sender_t *s)
                 log_warn("kvx: recv on %s: %s", pe->endpoint, zmq_strerror(errno));
                 break;
             }
-            if (rc == 1)
+            if (rc == 1) {
+                pe->stale = 0; /* the receiver talks to us: the connection works */
                 sender_handle(s, pe, wire_envelope_msg(s->env), wire_envelope_n_frames(s->env));
+            }
         }
         wire_envelope_reset(s->env);
     }
     int64_t now = proto_now_us();
     for (kvx_sx *x = s->xfers; x; x = x->next) {
-        if (x->state != SX_RELEASING && x->deadline_us && now >= x->deadline_us)
+        if (x->state != SX_RELEASING && x->deadline_us && now >= x->deadline_us) {
+            if (x->peer) /* silence: maybe a handshake that failed for good */
+                x->peer->stale = 1;
             sx_fail(s, x, PROTO_ERR_TIMEOUT,
                     x->state == SX_OPEN ? "no KV_BEGIN_ACK within the lease"
                                         : "no KV_RESULT within the lease",
                     1);
+        }
     }
     /* Release finished transfers whose frames are gone; reset peers that sit on frames. */
     for (kvx_sx **xp = &s->xfers; *xp;) {

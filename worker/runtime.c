@@ -27,6 +27,8 @@
 #define CTL_SNDHWM 100000
 #define CTL_LINGER_MS 1000   /* time to flush BYE at exit */
 #define REGISTER_RETRY_MS 50 /* REGISTER not even sent (no connection yet) */
+#define CTL_REOPEN_MIN_MS 1000  /* no REGISTER_ACK this long: reopen the ctl DEALER ... */
+#define CTL_REOPEN_MAX_MS 10000 /* ... doubling the wait up to this */
 #define MAX_POLL_ITEMS 256
 #define HEALTH_MIN_INTERVAL_US 250000 /* health file rewrites at most this often, unchanged */
 
@@ -218,6 +220,76 @@ static void health_write(runtime_t *rt)
     snprintf(rt->health_last, sizeof(rt->health_last), "%s", line);
 }
 
+// --- the ctl socket
+
+/* Open the ctl DEALER to the gateway, with its handshake monitor. Returns 0, or -1
+ * (logged). */
+static int ctl_open(runtime_t *rt)
+{
+    rt->ctl = zmq_socket(rt->zctx, ZMQ_DEALER);
+    int one = 1, linger = CTL_LINGER_MS, hwm = CTL_SNDHWM;
+    if (!rt->ctl || zmq_setsockopt(rt->ctl, ZMQ_ROUTING_ID, rt->wid, strlen(rt->wid)) < 0 ||
+        zmq_setsockopt(rt->ctl, ZMQ_IMMEDIATE, &one, sizeof(one)) < 0 ||
+        zmq_setsockopt(rt->ctl, ZMQ_LINGER, &linger, sizeof(linger)) < 0 ||
+        zmq_setsockopt(rt->ctl, ZMQ_SNDHWM, &hwm, sizeof(hwm)) < 0 ||
+        (rt->curve_on && curve_setup_client(rt->ctl, &rt->curve, rt->curve_gateway_pub) < 0)) {
+        log_error("cannot set up the ctl socket: %s", zmq_strerror(zmq_errno()));
+        return -1;
+    }
+    char err[256];
+    rt->ctl_mon = hsmon_start(rt->zctx, rt->ctl, HSMON_CLIENT, rt->curve_on, "ctl", err,
+                              sizeof(err));
+    if (!rt->ctl_mon) {
+        log_error("ctl socket: %s", err);
+        return -1;
+    }
+    if (zmq_connect(rt->ctl, rt->set.gateway) < 0) {
+        log_error("cannot connect the ctl socket to %s: %s", rt->set.gateway,
+                  zmq_strerror(zmq_errno()));
+        return -1;
+    }
+    return 0;
+}
+
+static void ctl_close(runtime_t *rt, int linger_ms)
+{
+    hsmon_stop(&rt->ctl_mon); /* before the socket it monitors */
+    if (rt->ctl) {
+        zmq_setsockopt(rt->ctl, ZMQ_LINGER, &linger_ms, sizeof(linger_ms));
+        zmq_close(rt->ctl);
+        rt->ctl = NULL;
+    }
+}
+
+/* No REGISTER_ACK for ctl_backoff_ms: close the ctl DEALER and open a new one. libzmq 4.3.4
+ * does not reconnect a connection whose handshake failed (a key the gateway's ZAP handler
+ * refused, CURVE on one side only): that session ends for good, and only a new socket tries
+ * again; so a worker refused now registers once the gateway admits it. The wait doubles
+ * from CTL_REOPEN_MIN_MS to CTL_REOPEN_MAX_MS; each attempt is logged (one line per wait;
+ * the handshake monitor logs why the handshake failed). */
+static void ctl_reopen(runtime_t *rt, int64_t now)
+{
+    int next_ms = rt->ctl_backoff_ms * 2 < CTL_REOPEN_MAX_MS ? rt->ctl_backoff_ms * 2
+                                                             : CTL_REOPEN_MAX_MS;
+    log_warn("no REGISTER_ACK from the gateway at %s for %.0f s: opening a new ctl connection "
+             "(next in %d s). Is the gateway running, and is worker id '%s' unique? (ZeroMQ "
+             "refuses a second connection with an id in use)%s%s%s",
+             rt->set.gateway, (double)(now - rt->unacked_since_us) / 1e6, next_ms / 1000,
+             rt->wid, rt->curve_on ? " With CURVE: is this worker's public key " : "",
+             rt->curve_on ? rt->curve.public_z85 : "",
+             rt->curve_on ? " among the gateway's --curve-authorized-keys, its "
+                            "--curve-gateway-key the gateway's, and the gateway CURVE too?"
+                          : " (a gateway with CURVE refuses workers without keys)");
+    ctl_close(rt, 0); /* not registered: no request of the gateway's is waiting on it */
+    rt->n_ctl_reopens++;
+    if (ctl_open(rt) < 0) {
+        log_error("cannot reopen the ctl socket: leaving");
+        exit(1);
+    }
+    rt->unacked_since_us = now;
+    rt->ctl_backoff_ms = next_ms;
+}
+
 /* REGISTER until acknowledged, then HEARTBEAT, every hb_ms. */
 static void heartbeat_tick(runtime_t *rt, int force)
 {
@@ -230,19 +302,8 @@ static void heartbeat_tick(runtime_t *rt, int force)
             delay_ms = REGISTER_RETRY_MS;
         if (!rt->unacked_since_us)
             rt->unacked_since_us = now;
-        else if (now - rt->unacked_since_us > 5000000) {
-            log_warn("no REGISTER_ACK from the gateway at %s for 5 s: is it running, and is "
-                     "worker id '%s' unique? (ZeroMQ refuses a second connection with an id "
-                     "in use)%s%s%s",
-                     rt->set.gateway, rt->wid,
-                     rt->curve_on ? " With CURVE: is this worker's public key " : "",
-                     rt->curve_on ? rt->curve.public_z85 : "",
-                     rt->curve_on ? " among the gateway's --curve-authorized-keys, its "
-                                    "--curve-gateway-key the gateway's, and the gateway "
-                                    "CURVE too?"
-                                  : " (a gateway with CURVE refuses workers without keys)");
-            rt->unacked_since_us = now;
-        }
+        else if (now - rt->unacked_since_us >= (int64_t)rt->ctl_backoff_ms * 1000)
+            ctl_reopen(rt, now);
     } else {
         send_heartbeat(rt);
     }
@@ -413,6 +474,7 @@ static void on_ctl(runtime_t *rt, proto_msg *m, int n_frames)
                      m->heartbeat_ms);
         rt->registered = 1;
         rt->unacked_since_us = 0;
+        rt->ctl_backoff_ms = CTL_REOPEN_MIN_MS;
         rt->hb_ms = m->heartbeat_ms;
         rt->next_hb_us = proto_now_us() + (int64_t)rt->hb_ms * 1000;
         health_write(rt); /* registered now */
@@ -465,18 +527,9 @@ int runtime_open(runtime_t *rt)
             return -1;
         }
     }
-    rt->ctl = zmq_socket(rt->zctx, ZMQ_DEALER);
-    int one = 1, linger = CTL_LINGER_MS, hwm = CTL_SNDHWM;
-    if (!rt->ctl || zmq_setsockopt(rt->ctl, ZMQ_ROUTING_ID, rt->wid, strlen(rt->wid)) < 0 ||
-        zmq_setsockopt(rt->ctl, ZMQ_IMMEDIATE, &one, sizeof(one)) < 0 ||
-        zmq_setsockopt(rt->ctl, ZMQ_LINGER, &linger, sizeof(linger)) < 0 ||
-        zmq_setsockopt(rt->ctl, ZMQ_SNDHWM, &hwm, sizeof(hwm)) < 0 ||
-        (rt->curve_on && curve_setup_client(rt->ctl, &rt->curve, rt->curve_gateway_pub) < 0) ||
-        zmq_connect(rt->ctl, rt->set.gateway) < 0) {
-        log_error("cannot connect the ctl socket to %s: %s", rt->set.gateway,
-                  zmq_strerror(zmq_errno()));
-        return -1;
-    }
+    rt->ctl_backoff_ms = CTL_REOPEN_MIN_MS;
+    if (ctl_open(rt) < 0)
+        return -1; /* logged */
     if (rt->role != PROTO_ROLE_PREFILL)
         rt->decode = decode_role_ops.attach(rt);
     if (rt->role != PROTO_ROLE_DECODE && runtime_open_sender(rt) == 0)
@@ -496,14 +549,7 @@ void runtime_close(runtime_t *rt, int fast)
     decode_role_ops.detach(&rt->decode);
     roles_update(rt);
     kvx_sender_destroy(&rt->sender);
-    if (rt->ctl) {
-        if (fast) {
-            int linger = 0;
-            zmq_setsockopt(rt->ctl, ZMQ_LINGER, &linger, sizeof(linger));
-        }
-        zmq_close(rt->ctl);
-        rt->ctl = NULL;
-    }
+    ctl_close(rt, fast ? 0 : CTL_LINGER_MS);
     wire_envelope_destroy(&rt->env);
     curve_zap_stop(&rt->zap); /* before the context: its socket would hold it */
     if (rt->zctx)

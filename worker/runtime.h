@@ -25,6 +25,7 @@
 
 #include "compute.h"
 #include "curve.h"
+#include "hsmon.h"
 #include "settings.h"
 #include "kvtransfer.h"
 #include "protocol.h"
@@ -125,13 +126,17 @@ struct runtime {
 
     /* runtime only */
     void *ctl; /* DEALER to the gateway, routing id = wid */
+    hsmon_t *ctl_mon; /* logs the ctl DEALER's failed handshakes */
+    int ctl_backoff_ms; /* reopen the ctl DEALER after this long without REGISTER_ACK */
+    uint64_t n_ctl_reopens;
     int sigfd;
     struct wire_envelope *env;
     void *prefill, *decode; /* attached role states (NULL = not attached) */
     runtime_role roles[2];  /* the attached roles, prefill first */
     int n_roles;
     int registered;
-    int64_t unacked_since_us; /* first REGISTER not acknowledged yet (0 = none) */
+    int64_t unacked_since_us; /* first REGISTER on this ctl DEALER not acknowledged yet
+                                 (0 = none) */
     int hb_ms;
     int64_t next_hb_us;
     int64_t role_order_us;  /* when the change in progress was ordered */

@@ -6,6 +6,8 @@ at start."""
 
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -102,6 +104,50 @@ class CurveCluster(unittest.TestCase):
             # the refusals are rate-limited: at most CURVE_ZAP_LOG_BURST lines per window
             self.assertLessEqual(c.log("gateway").count("refused a connection"), 10)
 
+    def test_refused_worker_registers_once_admitted(self):
+        """libzmq 4.3.4 does not retry a refused handshake: the worker opens a new ctl
+        connection with a back-off, so once the gateway admits its key it registers without
+        a restart; a plain worker's failed handshake is logged by the gateway."""
+        with Cluster(roles=("prefill", "decode"), curve=True) as c:
+            c.start_worker("decode-rogue", "decode", c.curve_worker_args("decode-rogue", "rogue"))
+            c.start_worker("decode-plain", "decode", ["--curve-secret-key", ""])
+            rogue = os.path.join(c.keys, "rogue", "decode-rogue")
+            want = "key not authorized, client key " + c.public_key(rogue)
+            deadline = time.time() + 10
+            while time.time() < deadline and want not in c.log("gateway"):
+                time.sleep(0.1)
+            self.assertIn(want, c.log("gateway"))
+            # the plain worker: the gateway names its address and the likely cause
+            deadline = time.time() + 10
+            plain = re.compile(r"ctl: handshake from 127\.0\.0\.1:\d+ on %s failed: the client "
+                               r"does not use CURVE \(a worker started without "
+                               r"--curve-secret-key\?\)" % re.escape(c.ctl))
+            while time.time() < deadline and not plain.search(c.log("gateway")):
+                time.sleep(0.1)
+            self.assertRegex(c.log("gateway"), plain)
+            # and the workers say why, as each attempt fails
+            self.assertIn("ctl: handshake with %s failed: the server refused this process's "
+                          "CURVE key" % c.ctl, c.log("decode-rogue"))
+            self.assertIn("ctl: handshake with %s failed: the server uses CURVE and this "
+                          "process does not" % c.ctl, c.log("decode-plain"))
+            time.sleep(2.5)  # a few attempts of each: 1 s, then 2 s apart
+            self.assertEqual(worker_ids(c), ["decode-1", "prefill-0"])
+            self.assertIn("opening a new ctl connection (next in 2 s)", c.log("decode-rogue"))
+            # the gateway again, now admitting the rogue key; the worker is not restarted
+            c.kill("gateway", signal.SIGTERM)
+            shutil.copy(rogue + ".pub", os.path.join(c.keys, "workers"))
+            c.start_gateway()
+            c.wait_healthy()
+            deadline = time.time() + 30
+            while time.time() < deadline and "decode-rogue" not in worker_ids(c):
+                time.sleep(0.2)
+            self.assertEqual(worker_ids(c), ["decode-1", "decode-rogue", "prefill-0"])
+            self.assertIn("registered with the gateway as decode-rogue", c.log("decode-rogue"))
+            self.assertIsNone(c.procs["decode-plain"].poll())
+            self.assertNotIn("registered with the gateway", c.log("decode-plain"))
+            # rate-limited: at most HSMON_LOG_BURST lines per 10 s window
+            self.assertLessEqual(c.log("gateway").count("ctl: handshake from"), 20)
+
     def test_curve_worker_cannot_join_plain_gateway(self):
         with Cluster(roles=("prefill", "decode")) as c:
             keys = tempfile.mkdtemp(dir=c.tmp)
@@ -182,6 +228,38 @@ class CurveKv(unittest.TestCase):
         fg.kv_free_back(self.g, "d0")
         hb = self.g.heartbeats["d0"]
         self.assertEqual(hb.get("kvx_rx", [0])[0], 1)  # one transfer received: p0's
+
+    def test_kv_heals_when_the_receiver_admits_the_sender(self):
+        """A sender refused by a decode worker's list gets through once that worker is
+        restarted with the right list, without restarting the sender: the failed
+        connection is closed and a new one opened at the next transfer."""
+        auth, auth2 = os.path.join(self.keys, "auth"), os.path.join(self.keys, "auth2")
+        os.makedirs(auth2)
+        self.start("p0", "prefill_worker", auth, base=os.path.join(auth2, "p0"))  # not in auth
+        kv = "tcp://127.0.0.1:%d" % free_port()
+        dbase = os.path.join(auth, "d0")
+        dkey = self.start("d0", "decode_worker", auth, "--kv-bind", kv, base=dbase)
+        self.g.wait_registered("p0", "d0")
+        for _ in range(2):  # refused, and the second try too
+            rid = self.g.prefill("p0", fg.PROMPT, 8, dw="d0", dep=kv, dpk=dkey)
+            ids, reason, err = self.g.wait_done(rid, timeout=20)
+            self.assertIsNone(reason)
+            self.assertEqual(err["retry"], 1)
+            self.assertIn(err["code"], (4, 9))
+        self.assertIn("refused a connection to tidepool-kv", self.log("d0"))
+        # the decode worker again, on the same endpoint with the same key, now admitting p0
+        p, log = self.g.procs.pop("d0")
+        p.send_signal(signal.SIGTERM)
+        self.assertEqual(p.wait(timeout=10), 0)
+        log.close()
+        del self.g.workers["d0"]
+        self.start("d0", "decode_worker", auth2, "--kv-bind", kv, base=dbase)
+        self.g.wait_registered("d0")
+        rid = self.g.prefill("p0", fg.PROMPT, len(fg.CONTINUATION), dw="d0", dep=kv, dpk=dkey)
+        ids, reason, err = self.g.wait_done(rid, timeout=20)
+        self.assertEqual((ids, reason, err), (fg.CONTINUATION, 2, None))
+        self.assertIn("kvx: decode endpoint %s: the last transfer there failed: opening a new "
+                      "connection" % kv, self.log("p0"))
 
     def test_no_kv_to_a_decode_worker_without_key(self):
         auth = os.path.join(self.keys, "auth")
