@@ -235,9 +235,9 @@ class CurveKv(unittest.TestCase):
         connection is closed and a new one opened at the next transfer."""
         auth, auth2 = os.path.join(self.keys, "auth"), os.path.join(self.keys, "auth2")
         os.makedirs(auth2)
-        self.start("p0", "prefill_worker", auth, base=os.path.join(auth2, "p0"))  # not in auth
+        dbase = keygen(os.path.join(auth, "d0"))  # auth lists d0 only, auth2 p0 only
+        self.start("p0", "prefill_worker", auth, base=os.path.join(auth2, "p0"))
         kv = "tcp://127.0.0.1:%d" % free_port()
-        dbase = os.path.join(auth, "d0")
         dkey = self.start("d0", "decode_worker", auth, "--kv-bind", kv, base=dbase)
         self.g.wait_registered("p0", "d0")
         for _ in range(2):  # refused, and the second try too
