@@ -10,6 +10,8 @@
  */
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "curve.h"
 
@@ -58,8 +60,21 @@ int main(int argc, char **argv)
         char err2[512];
         curve_authlist_t *l = curve_authlist_load(target, err2, sizeof(err2));
         if (!l) {
-            fprintf(stderr, "tidepool-keygen: %s\n  (as an authorized-keys list: %s)\n", err,
-                    err2);
+            /* one message where the other reading is beside the point: a directory is a
+             * list, a .key/.pub file or one holding a secret key is a key file, a file that
+             * cannot be read fails both ways alike */
+            struct stat st;
+            size_t n = strlen(target);
+            int is_dir = stat(target, &st) == 0 && S_ISDIR(st.st_mode);
+            int key_file = n > 4 && (strcmp(target + n - 4, ".key") == 0 ||
+                                     strcmp(target + n - 4, ".pub") == 0);
+            if (is_dir)
+                fprintf(stderr, "tidepool-keygen: %s\n", err2);
+            else if (key_file || strstr(err2, "holds a secret key") || access(target, R_OK) < 0)
+                fprintf(stderr, "tidepool-keygen: %s\n", err);
+            else
+                fprintf(stderr, "tidepool-keygen: %s\n  (as an authorized-keys list: %s)\n",
+                        err, err2);
             return 1;
         }
         printf("%s: authorized keys, %zu public key(s)\n", target, curve_authlist_count(l));

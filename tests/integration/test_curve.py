@@ -351,6 +351,33 @@ class CurveKeyFiles(unittest.TestCase):
         self.assertEqual(rc, 0, out)
         self.assertNotEqual(read_key(base + ".key"), pub)
 
+    def test_keygen_check_says_one_thing(self):
+        """--check on a .key file reports the key file's problem only, not also why it is
+        no authorized-keys list; a list file that is neither says both."""
+        tmp = tempfile.mkdtemp(prefix="tidepool-curve-")
+        k = keygen(os.path.join(tmp, "k"))
+        keygen_bin = os.path.join(BIN, "tidepool-keygen")
+        os.chmod(k + ".key", 0o644)
+        rc, out = self.run_prog([keygen_bin, "--check", k + ".key"])
+        self.assertEqual((rc, out), (1, "tidepool-keygen: %s.key holds a secret key but its mode "
+                                        "0644 lets group or others read it: chmod 600 %s.key\n"
+                                     % (k, k)))
+        with open(os.path.join(tmp, "bad.key"), "w") as f:
+            f.write("curve\n    public-key = \"short\"\n")
+        rc, out = self.run_prog([keygen_bin, "--check", os.path.join(tmp, "bad.key")])
+        self.assertEqual((rc, out), (1, "tidepool-keygen: %s/bad.key:2: malformed key file: a key "
+                                        "is not 40 Z85 characters\n" % tmp))
+        rc, out = self.run_prog([keygen_bin, "--check", os.path.join(tmp, "none")])
+        self.assertEqual((rc, out), (1, "tidepool-keygen: cannot open %s/none: No such file or "
+                                        "directory\n" % tmp))
+        with open(os.path.join(tmp, "list"), "w") as f:
+            f.write("junk\n")
+        rc, out = self.run_prog([keygen_bin, "--check", os.path.join(tmp, "list")])
+        self.assertEqual(rc, 1)
+        self.assertEqual(out.count("\n"), 2)
+        self.assertIn("(as an authorized-keys list: %s/list:1: malformed authorized keys" % tmp,
+                      out)
+
 
 class CurveLauncher(unittest.TestCase):
     def test_launcher_makes_and_wires_keys(self):
