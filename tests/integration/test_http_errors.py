@@ -111,6 +111,10 @@ class Gateway:
         with open(self.log, errors="replace") as f:
             return f.read()
 
+    def fingerprint(self):
+        """The model fingerprint the gateway computed (a worker must REGISTER with it)."""
+        return int(re.search(r"fingerprint ([0-9a-f]{16})", self.read_log()).group(1), 16)
+
     def request(self, method, path, body=None, headers=None, timeout=20):
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         if body is not None and not isinstance(body, bytes):
@@ -509,8 +513,9 @@ def mp_unpack(b):
 class FakeWorker:
     """A mixed worker speaking the ctl protocol from the test's thread."""
 
-    def __init__(self, ctx, endpoint, wid):
+    def __init__(self, ctx, endpoint, wid, fp):
         self.wid = wid
+        self.fp = fp  # the gateway's model fingerprint
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.ROUTING_ID, wid.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -522,7 +527,8 @@ class FakeWorker:
         self.sock.send(mp_pack(fields))
 
     def register(self):
-        self.send(REGISTER, wid=self.wid, role=3, kvep="", fp=1, pid=os.getpid(), n_ctx=N_CTX,
+        self.send(REGISTER, wid=self.wid, role=3, kvep="", fp=self.fp, pid=os.getpid(),
+                  n_ctx=N_CTX,
                   bs=16, max_seqs=8, kv_total=1000, kv_free=1000)
 
     def heartbeat(self):
@@ -571,7 +577,7 @@ class FakeWorkerTest(unittest.TestCase):
         self.assertEqual(self.gw.stop(), 0)
 
     def worker(self, wid):
-        w = FakeWorker(self.ctx, "tcp://127.0.0.1:%d" % self.ctl_port, wid)
+        w = FakeWorker(self.ctx, "tcp://127.0.0.1:%d" % self.ctl_port, wid, self.gw.fingerprint())
         w.register()
         self.assertEqual(w.recv(want=(REGISTER_ACK,))["hb_ms"], 100)
         self.workers.append(w)
@@ -598,6 +604,36 @@ class FakeWorkerTest(unittest.TestCase):
         self.assertEqual(m["dep"], "")
         self.assertEqual(m["dw"], w.wid)
         return m
+
+    def test_wrong_fingerprint_is_refused(self):
+        """A REGISTER with another model's fingerprint gets REGISTER_ACK with code 2
+        (layout_mismatch) and the reason, and the worker is never routed to."""
+        w = FakeWorker(self.ctx, "tcp://127.0.0.1:%d" % self.ctl_port, "w-x", 1)
+        self.workers.append(w)
+        w.register()
+        m = w.recv(want=(REGISTER_ACK,))
+        self.assertEqual(m["code"], 2)
+        self.assertEqual(m["msg"], "model fingerprint 0000000000000001, the gateway's model has "
+                         "%016x (another model, or another conversion of it)"
+                         % self.gw.fingerprint())
+        self.assertEqual(m["hb_ms"], 100)
+        st, _, data = self.gw.request("GET", "/health")
+        self.assertEqual(st, 503)
+        self.assertEqual(json.loads(data)["workers"],
+                         {"prefill": 0, "decode": 0, "mixed": 0, "draining": 0})
+        st, _, data = self.gw.request("GET", "/workers")
+        body = json.loads(data)
+        self.assertEqual(body["workers"], [])
+        self.assertEqual([(r["id"], r["state"], r["role"]) for r in body["refused"]],
+                         [("w-x", "refused", "mixed")])
+        # an older worker that ignores the refusal and heartbeats is told to register
+        # again (BYE) and refused again, never routed to
+        w.heartbeat()
+        self.assertIsNotNone(w.recv(want=(BYE,)))
+        w.register()
+        self.assertEqual(w.recv(want=(REGISTER_ACK,))["code"], 2)
+        self.assertIsNone(w.recv(0.5, want=(PREFILL,)))
+        self.assertEqual(len(re.findall("worker w-x .* refused", self.gw.read_log())), 1)
 
     def test_duplicates_and_retry_give_one_answer(self):
         a = self.worker("w-a")
@@ -693,7 +729,7 @@ class FakeWorkerTest(unittest.TestCase):
         m3 = rerun_on(a)
         self.assertEqual(m3["max_tokens"], 1)
         # b comes back as another process (restarted): it never had the attempt
-        b.send(REGISTER, wid="w-b", role=3, kvep="", fp=1, pid=os.getpid() + 1, n_ctx=N_CTX,
+        b.send(REGISTER, wid="w-b", role=3, kvep="", fp=b.fp, pid=os.getpid() + 1, n_ctx=N_CTX,
                bs=16, max_seqs=8, kv_total=1000, kv_free=1000)
         self.assertIsNone(b.recv(0.5, want=(CANCEL,)), "CANCEL sent to another process")
         a.send(TOKENS, rid=m3["rid"], index=0, tokens=ids_of("d"))
