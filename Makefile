@@ -19,6 +19,10 @@ CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -g $(OPT) -Wall -Wextra -Werror -Wshadow \
                -Wno-unused-parameter -fno-strict-aliasing -pthread \
                $(shell pkg-config --cflags $(PKGS))
 LDLIBS_BASE := $(shell pkg-config --libs $(PKGS)) -lm -pthread
+# libsodium: the gateway's API keys (gateway/auth.c hashes and compares them); linked by
+# what links the gateway's archive (the gateway, the tools, the tests), not by the workers.
+CFLAGS_BASE += $(shell pkg-config --cflags libsodium)
+SODIUM_LIBS := $(shell pkg-config --libs libsodium)
 ifneq ($(SANITIZER),)
 CFLAGS_BASE += -fsanitize=$(SANITIZER) -fno-omit-frame-pointer -fno-sanitize-recover=all
 LDFLAGS_BASE += -fsanitize=$(SANITIZER)
@@ -97,7 +101,7 @@ ALL_LIBS     := -Wl,--start-group $(ALL_DEPS) -Wl,--end-group
 PROGS := gateway prefill_worker decode_worker
 $(BUILD)/bin/gateway: $(BUILD)/obj/gateway/main.o $(GATEWAY_DEPS)
 	@mkdir -p $(@D)
-	$(CC) $(ALL_LDFLAGS) -o $@ $^ $(LDLIBS_BASE)
+	$(CC) $(ALL_LDFLAGS) -o $@ $^ $(LDLIBS_BASE) $(SODIUM_LIBS)
 $(BUILD)/bin/prefill_worker $(BUILD)/bin/decode_worker: $(BUILD)/bin/%: $(BUILD)/obj/%/main.o $(WORKER_DEPS)
 	@mkdir -p $(@D)
 	$(CC) $(ALL_LDFLAGS) -o $@ $< $(WORKER_LIBS) $(call lib,transport) $(call lib,common) $(LDLIBS_BASE)
@@ -131,15 +135,15 @@ $(BUILD)/obj/%.o: %.c $(BUILD)/.flags
 # Tools and tests may use every archive (tidepool-sim runs the gateway's own policy code).
 $(BUILD)/bin/tidepool-%: $(BUILD)/obj/tools/tidepool-%.o $(ALL_DEPS)
 	@mkdir -p $(@D)
-	$(CC) $(ALL_LDFLAGS) -o $@ $< $(ALL_LIBS) $(LDLIBS_BASE) $(if $(filter %-top,$@),-lncursesw)
+	$(CC) $(ALL_LDFLAGS) -o $@ $< $(ALL_LIBS) $(LDLIBS_BASE) $(SODIUM_LIBS) $(if $(filter %-top,$@),-lncursesw)
 
 $(BUILD)/tests/test_%: $(BUILD)/obj/tests/unit/test_%.o $(ALL_DEPS)
 	@mkdir -p $(@D)
-	$(CC) $(ALL_LDFLAGS) -o $@ $< $(ALL_LIBS) $(LDLIBS_BASE) -lcmocka
+	$(CC) $(ALL_LDFLAGS) -o $@ $< $(ALL_LIBS) $(LDLIBS_BASE) $(SODIUM_LIBS) -lcmocka
 
 $(BUILD)/tests/bench_%: $(BUILD)/obj/tests/bench/bench_%.o $(ALL_DEPS)
 	@mkdir -p $(@D)
-	$(CC) $(ALL_LDFLAGS) -o $@ $< $(ALL_LIBS) $(LDLIBS_BASE)
+	$(CC) $(ALL_LDFLAGS) -o $@ $< $(ALL_LIBS) $(LDLIBS_BASE) $(SODIUM_LIBS)
 
 # The include-layering check alone (make test runs it too).
 CHECK_LAYERS_ARGS = $(LAYERS:%=--folder %) $(LAYER_SPEC:%=--layer %)

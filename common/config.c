@@ -28,10 +28,80 @@ static const config_entry_t *find(const config_entry_t *t, const char *name, siz
     return NULL;
 }
 
-static int set_value(const config_entry_t *e, const char *val, const char *origin)
+static int is_list(const config_entry_t *e)
+{
+    return e->type == CONFIG_STRING_LIST || e->type == CONFIG_SECRET_LIST;
+}
+
+static void list_clear(config_strings *l)
+{
+    for (int i = 0; i < l->n; i++)
+        free(l->v[i]);
+    free(l->v);
+    l->v = NULL;
+    l->n = 0;
+}
+
+/* Append a copy of the n bytes at val (n == 0: nothing). 0, or -1 (out of memory). */
+static int list_add(config_strings *l, const char *val, size_t n)
+{
+    if (n == 0)
+        return 0;
+    char **v = realloc(l->v, (size_t)(l->n + 1) * sizeof(*v));
+    if (!v)
+        return -1;
+    l->v = v;
+    if (!(v[l->n] = strndup(val, n)))
+        return -1;
+    l->n++;
+    return 0;
+}
+
+/* Where a value comes from: a repeatable setting keeps the values of its highest source. */
+enum { SRC_DEFAULT = 0, SRC_FILE, SRC_ENV, SRC_FLAGS };
+
+typedef struct {
+    const config_entry_t *table;
+    int *src; /* (entries,) the source of each list's current values */
+} load_state;
+
+/* A value of a repeatable setting from source src: values of a lower source are dropped
+ * first; the environment's value is split at commas and whitespace. */
+static int list_value(const load_state *ls, const config_entry_t *e, const char *val, int src)
+{
+    config_strings *l = e->ptr;
+    int *cur = &ls->src[e - ls->table];
+    if (*cur < src) {
+        list_clear(l);
+        *cur = src;
+    }
+    if (src != SRC_ENV) {
+        if (list_add(l, val, strlen(val)) < 0) {
+            fprintf(stderr, "out of memory\n");
+            return -1;
+        }
+        return 0;
+    }
+    for (const char *p = val; *p;) {
+        size_t n = strcspn(p, ", \t\r\n");
+        if (list_add(l, p, n) < 0) {
+            fprintf(stderr, "out of memory\n");
+            return -1;
+        }
+        p += n;
+        p += strspn(p, ", \t\r\n");
+    }
+    return 0;
+}
+
+static int set_value(const load_state *ls, const config_entry_t *e, const char *val,
+                     const char *origin, int src)
 {
     char *end;
     switch (e->type) {
+    case CONFIG_STRING_LIST:
+    case CONFIG_SECRET_LIST:
+        return list_value(ls, e, val, src);
     case CONFIG_INT: {
         errno = 0;
         long long v = strtoll(val, &end, 10);
@@ -85,7 +155,7 @@ static int set_value(const config_entry_t *e, const char *val, const char *origi
 }
 
 struct ini_ctx {
-    const config_entry_t *table;
+    const load_state *ls;
     const char *path;
     int failed;
 };
@@ -94,13 +164,13 @@ static int on_ini_entry(void *user, const char *section, const char *name, const
 {
     struct ini_ctx *ctx = user;
     (void)section; /* sections are allowed for readability and ignored */
-    const config_entry_t *e = find(ctx->table, name, strlen(name));
+    const config_entry_t *e = find(ctx->ls->table, name, strlen(name));
     if (!e || strcmp(e->name, "config") == 0) {
         fprintf(stderr, "%s: unknown setting '%s'\n", ctx->path, name);
         ctx->failed = 1;
         return 0;
     }
-    if (set_value(e, value, ctx->path) < 0)
+    if (set_value(ctx->ls, e, value, ctx->path, SRC_FILE) < 0)
         ctx->failed = 1;
     return 1;
 }
@@ -120,6 +190,8 @@ static void print_help(const config_entry_t *t, const char *program)
             snprintf(bounds, sizeof(bounds), " [%.0f..%.0f]", t->min, t->max);
         else if (t->type == CONFIG_DOUBLE)
             snprintf(bounds, sizeof(bounds), " [%g..%g]", t->min, t->max);
+        if (is_list(t))
+            snprintf(bounds, sizeof(bounds), " (repeatable)");
         printf("  --%-22s %s (default: %s)%s\n", t->name, t->help,
                t->def && *t->def ? t->def : "none", bounds);
     }
@@ -133,8 +205,10 @@ static void env_name(const char *name, char *out, size_t cap)
     out[n] = 0;
 }
 
-int config_load(const config_entry_t *table, const char *program, int argc, char **argv)
+/* config_load with its per-entry state allocated. */
+static int load(const load_state *ls, const char *program, int argc, char **argv)
 {
+    const config_entry_t *table = ls->table;
     const char *config_path = getenv("TIDEPOOL_CONFIG");
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
@@ -149,11 +223,13 @@ int config_load(const config_entry_t *table, const char *program, int argc, char
     for (const config_entry_t *e = table; e->name; e++) {
         if (e->type == CONFIG_STRING)
             *(char **)e->ptr = NULL;
-        if (e->def && set_value(e, e->def, "default") < 0)
+        if (is_list(e))
+            *(config_strings *)e->ptr = (config_strings){NULL, 0};
+        if (e->def && set_value(ls, e, e->def, "default", SRC_DEFAULT) < 0)
             return -1;
     }
     if (config_path && *config_path) {
-        struct ini_ctx ctx = {table, config_path, 0};
+        struct ini_ctx ctx = {ls, config_path, 0};
         int rc = ini_parse(config_path, on_ini_entry, &ctx);
         if (rc < 0) {
             fprintf(stderr, "%s: cannot open config file: %s\n", config_path, strerror(errno));
@@ -169,7 +245,7 @@ int config_load(const config_entry_t *table, const char *program, int argc, char
         char env[128];
         env_name(e->name, env, sizeof(env));
         const char *v = getenv(env);
-        if (v && set_value(e, v, env) < 0)
+        if (v && set_value(ls, e, v, env, SRC_ENV) < 0)
             return -1;
     }
     for (int i = 1; i < argc; i++) {
@@ -202,10 +278,25 @@ int config_load(const config_entry_t *table, const char *program, int argc, char
             fprintf(stderr, "%s: flag --%s needs a value\n", program, e->name);
             return -1;
         }
-        if (set_value(e, val, "flags") < 0)
+        if (set_value(ls, e, val, "flags", SRC_FLAGS) < 0)
             return -1;
     }
     return 0;
+}
+
+int config_load(const config_entry_t *table, const char *program, int argc, char **argv)
+{
+    size_t n = 0;
+    while (table[n].name)
+        n++;
+    load_state ls = {table, calloc(n + 1, sizeof(int))};
+    if (!ls.src) {
+        fprintf(stderr, "out of memory\n");
+        return -1;
+    }
+    int rc = load(&ls, program, argc, argv);
+    free(ls.src);
+    return rc;
 }
 
 void config_log(const config_entry_t *t)
@@ -226,6 +317,17 @@ void config_log(const config_entry_t *t)
         case CONFIG_BOOL:
             log_info("config %s = %s", t->name, *(int *)t->ptr ? "true" : "false");
             break;
+        case CONFIG_STRING_LIST: {
+            const config_strings *l = t->ptr;
+            if (l->n == 0)
+                log_info("config %s = (none)", t->name);
+            for (int i = 0; i < l->n; i++)
+                log_info("config %s = %s", t->name, l->v[i]);
+            break;
+        }
+        case CONFIG_SECRET_LIST:
+            log_info("config %s = (%d given, not shown)", t->name, ((config_strings *)t->ptr)->n);
+            break;
         }
     }
 }
@@ -237,5 +339,7 @@ void config_free(const config_entry_t *t)
             free(*(char **)t->ptr);
             *(char **)t->ptr = NULL;
         }
+        if (is_list(t))
+            list_clear(t->ptr);
     }
 }

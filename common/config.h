@@ -6,6 +6,12 @@
  * may use '-' or '_'). Precedence: default < file (`--config FILE` or TIDEPOOL_CONFIG) <
  * environment < flags. Values are validated against their bounds at start-up and never
  * change afterwards. `--help` prints the table with defaults.
+ *
+ * A repeatable setting (CONFIG_STRING_LIST, CONFIG_SECRET_LIST) collects every value it is
+ * given: `--api-key A --api-key B`, the key repeated in the file, or one environment
+ * variable holding several values separated by commas or whitespace. The precedence holds
+ * per source, not per value: values given as flags replace those of the environment, which
+ * replace those of the file. A CONFIG_SECRET_LIST is logged as a count, never its values.
  */
 #ifndef TP_CONFIG_H
 #define TP_CONFIG_H
@@ -17,12 +23,22 @@ typedef enum {
     CONFIG_DOUBLE, /* double, bounds [min, max] */
     CONFIG_STRING, /* char *, owned by the config module (freed by config_free) */
     CONFIG_BOOL,   /* int 0/1; accepts 1/0, true/false, yes/no, on/off */
+    CONFIG_STRING_LIST, /* config_strings, repeatable; owned by the config module */
+    CONFIG_SECRET_LIST, /* the same, for secrets (API keys): config_log prints only a count */
 } config_type_t;
+
+/* The values of a repeatable setting, in the order given (each NUL-terminated, non-empty).
+ * Filled by config_load, freed by config_free; a default (config_entry_t.def) is one
+ * value. */
+typedef struct {
+    char **v;
+    int n;
+} config_strings;
 
 typedef struct {
     const char *name; /* flag name without "--", e.g. "kv-port" */
     config_type_t type;
-    void *ptr;        /* long long *, double *, char **, int * by type */
+    void *ptr;        /* long long *, double *, char **, int *, config_strings * by type */
     const char *def;  /* default as text (NULL = empty string / unset for strings) */
     double min, max;  /* bounds for INT and DOUBLE (inclusive) */
     const char *help;
@@ -38,7 +54,8 @@ int config_load(const config_entry_t *table, const char *program, int argc, char
 /* Log the effective settings, one line each (INFO). */
 void config_log(const config_entry_t *table);
 
-/* Free strings allocated for CONFIG_STRING entries. */
+/* Free strings allocated for CONFIG_STRING and the lists' values (an emptied list: v NULL,
+ * n 0). */
 void config_free(const config_entry_t *table);
 
 #endif

@@ -294,6 +294,7 @@ static int write_result_file(batch_t *b, job_t *j, int ok, const char *key)
     if (s.len == 0)
         return 0;
     store_file f = {.created_at = now_s(), .bytes = (int64_t)s.len};
+    snprintf(f.owner, sizeof(f.owner), "%s", j->owner); /* the batch's owner's */
     batch_make_id(f.id, sizeof(f.id), "file-");
     snprintf(f.purpose, sizeof(f.purpose), "batch_output");
     snprintf(f.filename, sizeof(f.filename), "%s_%s.jsonl", j->id, ok ? "output" : "error");
@@ -318,7 +319,7 @@ static void finalize(batch_t *b, job_t *j, status_t final)
     job_free_run(j);
     /* the files exist: make the batch's new state durable at once */
     char *s = json_dumps(j->obj, JSON_COMPACT);
-    if (s && store_batch_put(b->store, j->id, s) == 0) {
+    if (s && store_batch_put(b->store, j->id, j->owner, s) == 0) {
         j->dirty = 0;
         store_flush(b->store);
     }
@@ -374,7 +375,7 @@ static void work(batch_t *b)
         if (j->active)
             job_counts(j);
         char *s = json_dumps(j->obj, JSON_COMPACT);
-        if (s && store_batch_put(b->store, j->id, s) == 0)
+        if (s && store_batch_put(b->store, j->id, j->owner, s) == 0)
             j->dirty = 0;
         free(s);
     }
@@ -390,7 +391,7 @@ static void on_kick(evutil_socket_t fd, short what, void *arg)
 
 // --- life
 
-static int load_one(const char *id, const char *json, void *ud)
+static int load_one(const char *id, const char *json, const char *owner, void *ud)
 {
     batch_t *b = ud;
     json_t *obj = json_loads(json, 0, NULL);
@@ -407,6 +408,7 @@ static int load_one(const char *id, const char *json, void *ud)
     }
     j->obj = obj;
     snprintf(j->id, sizeof(j->id), "%s", id);
+    snprintf(j->owner, sizeof(j->owner), "%s", owner);
     const char *ep = json_string_value(json_object_get(obj, "endpoint"));
     j->kind = ep && strcmp(ep, "/v1/chat/completions") == 0 ? API_CHAT : API_COMPLETIONS;
     j->status = status_parse(json_string_value(json_object_get(obj, "status")));
@@ -497,7 +499,7 @@ void batch_destroy(batch_t **pb)
         if (j->dirty && b->store) {
             char *s = json_dumps(j->obj, JSON_COMPACT);
             if (s)
-                store_batch_put(b->store, j->id, s);
+                store_batch_put(b->store, j->id, j->owner, s);
             free(s);
         }
         job_free_run(j);

@@ -16,6 +16,12 @@
  * finalizing or cancelling. Validation and finalization run in slices on deferred events,
  * so a large file never holds the loop for long.
  *
+ * Files and batches belong to the API key that created them (its id, auth.h, is stored with
+ * them; the output and error files of a batch are its owner's): a caller sees only its own
+ * objects, another key's are answered exactly as a nonexistent object (404), and a batch
+ * may only read its owner's input file. A caller that sees everything (no keys configured,
+ * or an admin key) sees objects of every owner and objects without one.
+ *
  * Uploads are parsed by multipart.h. Loop thread only.
  */
 #ifndef TP_GW_BATCH_H
@@ -72,8 +78,16 @@ typedef enum {
     BATCH_ROUTE_CANCEL,       /* POST /v1/batches/{id}/cancel */
 } batch_route_t;
 
-/* Answer req for route (id: the path's {id}, NUL-terminated, may be NULL). The method was
- * checked by the caller. Always replies (2xx JSON, or an OpenAI error body). */
-void batch_handle(batch_t *b, struct evhttp_request *req, batch_route_t route, const char *id);
+/* Who is asking (borrowed for the call). */
+typedef struct {
+    const char *owner; /* the caller's API key id: recorded on what it creates (NULL: none) */
+    int see_all;       /* 1: every object is visible (no keys configured, an admin key) */
+} batch_caller;
+
+/* Answer req for route (id: the path's {id}, NUL-terminated, may be NULL) on behalf of who.
+ * The method was checked by the caller. Always replies (2xx JSON, or an OpenAI error
+ * body). */
+void batch_handle(batch_t *b, struct evhttp_request *req, batch_route_t route, const char *id,
+                  const batch_caller *who);
 
 #endif

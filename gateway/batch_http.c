@@ -1,7 +1,8 @@
 /* batch_http: the HTTP routes of the batch module (batch.h): POST /v1/files (multipart or
  * raw upload of a JSONL file), GET /v1/files/{id}[/content], POST and GET /v1/batches,
  * GET /v1/batches/{id} and POST /v1/batches/{id}/cancel. Replies are JSON (an OpenAI error
- * body on failure). */
+ * body on failure). An object the caller may not see (visible()) is answered exactly as
+ * one that does not exist. */
 #include <event2/buffer.h>
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
@@ -60,6 +61,20 @@ static void reply_err(struct evhttp_request *req, int status, const char *param,
     free(s);
 }
 
+// --- ownership
+
+/* May who see an object of owner ("" = none)? */
+static int visible(const batch_caller *who, const char *owner)
+{
+    return who->see_all || (who->owner && owner[0] && strcmp(owner, who->owner) == 0);
+}
+
+/* For logs: the caller's key id, or "-". */
+static const char *who_str(const batch_caller *who)
+{
+    return who->owner ? who->owner : "-";
+}
+
 // --- HTTP: files
 
 static int query_get(struct evhttp_request *req, const char *key, char *out, size_t cap)
@@ -87,7 +102,7 @@ static json_t *file_json(const store_file *f)
                      "processed", "status_details");
 }
 
-static void handle_upload(batch_t *b, struct evhttp_request *req)
+static void handle_upload(batch_t *b, struct evhttp_request *req, const batch_caller *who)
 {
     struct evbuffer *in = evhttp_request_get_input_buffer(req);
     size_t len = evbuffer_get_length(in);
@@ -175,6 +190,7 @@ static void handle_upload(batch_t *b, struct evhttp_request *req)
         return;
     }
     store_file f = {.created_at = now_s(), .bytes = (int64_t)dlen};
+    snprintf(f.owner, sizeof(f.owner), "%s", who->owner ? who->owner : "");
     batch_make_id(f.id, sizeof(f.id), "file-");
     snprintf(f.purpose, sizeof(f.purpose), "batch");
     snprintf(f.filename, sizeof(f.filename), "%s", filename);
@@ -182,17 +198,19 @@ static void handle_upload(batch_t *b, struct evhttp_request *req)
         reply_err(req, 500, NULL, "storage_error", "The file could not be saved.");
         return;
     }
-    log_info("file %s uploaded: %s, %zu bytes, %ld lines", f.id, f.filename, dlen, n_lines);
+    log_info("file %s uploaded: %s, %zu bytes, %ld lines, key %s", f.id, f.filename, dlen,
+             n_lines, who_str(who));
     json_t *o = file_json(&f);
     reply_obj(req, 200, o);
     json_decref(o);
 }
 
-static void handle_file(batch_t *b, struct evhttp_request *req, const char *id, int content)
+static void handle_file(batch_t *b, struct evhttp_request *req, const char *id, int content,
+                        const batch_caller *who)
 {
     store_file f;
     int rc = store_file_get(b->store, id, &f);
-    if (rc > 0) {
+    if (rc > 0 || (rc == 0 && !visible(who, f.owner))) {
         reply_err(req, 404, "file_id", "file_not_found", "No such File object: %.100s", id);
         return;
     }
@@ -218,15 +236,16 @@ static void handle_file(batch_t *b, struct evhttp_request *req, const char *id, 
 
 // --- HTTP: batches
 
-static job_t *job_find(batch_t *b, const char *id)
+/* Batch id if who may see it, else NULL. */
+static job_t *job_find(batch_t *b, const char *id, const batch_caller *who)
 {
     for (int i = 0; i < b->n_jobs; i++)
         if (strcmp(b->jobs[i]->id, id) == 0)
-            return b->jobs[i];
+            return visible(who, b->jobs[i]->owner) ? b->jobs[i] : NULL;
     return NULL;
 }
 
-static void handle_create(batch_t *b, struct evhttp_request *req)
+static void handle_create(batch_t *b, struct evhttp_request *req, const batch_caller *who)
 {
     struct evbuffer *in = evhttp_request_get_input_buffer(req);
     size_t len = evbuffer_get_length(in);
@@ -307,6 +326,8 @@ static void handle_create(batch_t *b, struct evhttp_request *req)
         }
     }
     rc = store_file_get(b->store, json_string_value(fid), &f);
+    if (rc == 0 && !visible(who, f.owner))
+        rc = 1; /* another key's file: as if there were none */
     if (rc != 0) {
         if (rc > 0)
             reply_err(req, 404, "input_file_id", "file_not_found", "No such File object: %.100s",
@@ -327,6 +348,7 @@ static void handle_create(batch_t *b, struct evhttp_request *req)
         goto out;
     }
     batch_make_id(j->id, sizeof(j->id), "batch_");
+    snprintf(j->owner, sizeof(j->owner), "%s", who->owner ? who->owner : "");
     j->kind = kind;
     int64_t now = now_s();
     j->obj = json_pack("{s:s, s:s, s:s, s:n, s:s, s:s, s:s, s:n, s:n, s:I, s:n, s:I, s:n, s:n, "
@@ -355,15 +377,15 @@ static void handle_create(batch_t *b, struct evhttp_request *req)
             j->obj, "request_counts",
             json_pack("{s:i, s:i, s:i}", "total", j->n_lines, "completed", 0, "failed", 0));
     }
-    log_info("batch %s created: %s, file %s, %d lines", j->id, json_string_value(ep), f.id,
-             j->n_lines);
+    log_info("batch %s created: %s, file %s, %d lines, key %s", j->id, json_string_value(ep), f.id,
+             j->n_lines, who_str(who));
     kick(b);
     reply_obj(req, 200, j->obj);
 out:
     json_decref(root);
 }
 
-static void handle_list(batch_t *b, struct evhttp_request *req)
+static void handle_list(batch_t *b, struct evhttp_request *req, const batch_caller *who)
 {
     char v[128] = "", after[128] = "";
     long limit = 20;
@@ -380,7 +402,7 @@ static void handle_list(batch_t *b, struct evhttp_request *req)
     if (query_get(req, "after", after, sizeof(after))) {
         start = -2;
         for (int i = 0; i < b->n_jobs; i++)
-            if (strcmp(b->jobs[i]->id, after) == 0)
+            if (strcmp(b->jobs[i]->id, after) == 0 && visible(who, b->jobs[i]->owner))
                 start = i - 1;
         if (start == -2) {
             reply_err(req, 404, "after", "batch_not_found", "No such batch: %.100s", after);
@@ -390,7 +412,10 @@ static void handle_list(batch_t *b, struct evhttp_request *req)
     json_t *data = json_array();
     int i;
     for (i = start; i >= 0 && (long)json_array_size(data) < limit; i--)
-        json_array_append(data, b->jobs[i]->obj);
+        if (visible(who, b->jobs[i]->owner))
+            json_array_append(data, b->jobs[i]->obj);
+    while (i >= 0 && !visible(who, b->jobs[i]->owner)) /* has_more: a visible one is left */
+        i--;
     size_t n = json_array_size(data);
     json_t *o = json_pack(
         "{s:s, s:o, s:o, s:o, s:b}", "object", "list", "data", data, "first_id",
@@ -415,26 +440,29 @@ static void handle_cancel(batch_t *b, struct evhttp_request *req, job_t *j)
     reply_obj(req, 200, j->obj);
 }
 
-void batch_handle(batch_t *b, struct evhttp_request *req, batch_route_t route, const char *id)
+void batch_handle(batch_t *b, struct evhttp_request *req, batch_route_t route, const char *id,
+                  const batch_caller *caller)
 {
+    static const batch_caller anyone = {NULL, 1};
+    const batch_caller *who = caller ? caller : &anyone;
     enum evhttp_cmd_type m = evhttp_request_get_command(req);
     switch (route) {
     case BATCH_ROUTE_FILES:
-        handle_upload(b, req);
+        handle_upload(b, req, who);
         return;
     case BATCH_ROUTE_FILE:
     case BATCH_ROUTE_FILE_CONTENT:
-        handle_file(b, req, id ? id : "", route == BATCH_ROUTE_FILE_CONTENT);
+        handle_file(b, req, id ? id : "", route == BATCH_ROUTE_FILE_CONTENT, who);
         return;
     case BATCH_ROUTE_BATCHES:
         if (m == EVHTTP_REQ_POST)
-            handle_create(b, req);
+            handle_create(b, req, who);
         else
-            handle_list(b, req);
+            handle_list(b, req, who);
         return;
     case BATCH_ROUTE_BATCH:
     case BATCH_ROUTE_CANCEL: {
-        job_t *j = id ? job_find(b, id) : NULL;
+        job_t *j = id ? job_find(b, id, who) : NULL;
         if (!j) {
             reply_err(req, 404, "batch_id", "batch_not_found", "No such batch: %.100s",
                       id ? id : "");

@@ -54,6 +54,7 @@ typedef struct line {
 typedef struct job {
     json_t *obj; /* the batch object (owned) */
     char id[64];
+    char owner[32]; /* the creator's API key id (auth.h); "" = none */
     api_kind_t kind;
     status_t status;
     int dirty;

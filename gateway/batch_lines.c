@@ -111,7 +111,7 @@ static stats_end_t line_fail(void *ud, const completion_t *c, const api_error *e
 }
 
 /* Lines never stream (completion_env.batch_line): no text callback is ever made. */
-static const completion_sink line_sink = {NULL, NULL, line_done, line_fail, line_release};
+static const completion_sink line_sink = {NULL, NULL, line_done, line_fail, line_release, NULL};
 
 /* Parse line i and check custom_id, method, url and body. Returns the parsed root (the
  * caller's; NULL when the line is not a JSON object) with *custom_id borrowed from it

@@ -310,6 +310,8 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
     int *tokens = admissible(env, kind, body, len, &r, &n, e);
     if (!tokens)
         goto refused;
+    if (sink->admit && sink->admit(ud, n, r.max_tokens, e) < 0)
+        goto refused;
     c = malloc(sizeof(*c));
     if (!c)
         goto oom;

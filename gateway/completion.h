@@ -71,6 +71,11 @@ typedef struct {
     /* The completion is gone: free ud. Called exactly once per admitted request, last
      * (after done or fail, or from completion_cancel / completion_destroy). */
     void (*release)(void *ud);
+    /* Optional (NULL: none). Inside completion_start, once the request is valid and before
+     * it is submitted: n_prompt tokens (BOS included) and max_tokens (settled). Return 0 to
+     * admit it, or -1 with *e set to refuse it (completion_start then returns
+     * COMPLETION_ERR with that error; e.g. a 429 for an API key over its tokens/s limit). */
+    int (*admit)(void *ud, int n_prompt, int max_tokens, api_error *e);
 } completion_sink;
 
 /* The requests in flight of one owner (the HTTP server, a batch job): a completion joins
@@ -102,7 +107,7 @@ const cluster_callbacks *completion_callbacks(void);
  * sink and list are borrowed for the request's life. On COMPLETION_OK *out is the request,
  * at the head of list, and it owns ud from then on (sink->release frees it); otherwise
  * *out is NULL, ud stays the caller's and *e says why (see completion_status_t). No sink
- * callback runs inside this call. */
+ * callback but sink->admit runs inside this call. */
 completion_status_t completion_start(const completion_env *env, api_kind_t kind, const char *body,
                                      size_t len, const completion_sink *sink, void *ud,
                                      completion_list *list, completion_t **out, api_error *e);

@@ -239,6 +239,81 @@ static int batch_route(const char *path, char *id, size_t cap, const char **allo
     return -1;
 }
 
+// --- API keys
+
+typedef enum { NEED_NONE = 0, NEED_KEY, NEED_ADMIN } need_t;
+
+#define NO_KEY_MSG                                                                         \
+    "You didn't provide an API key. You need to provide your API key in an Authorization " \
+    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+
+/* A refused request's log line (INFO), at most one a second: a client trying keys in a
+ * loop must not flood the log. Never names a key, only its id. */
+static void log_refused(struct evhttp_request *req, const char *what)
+{
+    static int64_t last_us;
+    static long n_quiet;
+    int64_t now = proto_now_us();
+    if (last_us && now - last_us < 1000000) {
+        n_quiet++;
+        return;
+    }
+    char *addr = NULL;
+    ev_uint16_t port = 0;
+    struct evhttp_connection *conn = evhttp_request_get_connection(req);
+    if (conn)
+        evhttp_connection_get_peer(conn, &addr, &port);
+    log_info("%s (client %s:%u; %ld more refused since the last such line)", what,
+             addr ? addr : "?", (unsigned)port, n_quiet);
+    last_us = now;
+    n_quiet = 0;
+}
+
+static void reply_401(struct evhttp_request *req, const char *msg)
+{
+    evhttp_add_header(evhttp_request_get_output_headers(req), "WWW-Authenticate", "Bearer");
+    http_reply_error_msg(req, 401, "invalid_request_error", NULL, "invalid_api_key", msg);
+}
+
+/* Check the caller's key for a route that needs one: 0 with *key set, or -1 when req was
+ * answered (401, 403, or 429 with Retry-After for a key over its requests/s limit). */
+static int authorize(http_server_t *s, struct evhttp_request *req, need_t need, auth_key **key)
+{
+    const char *h = evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization");
+    auth_status_t st = auth_check(s->auth, h, key);
+    if (st != AUTH_OK) {
+        log_refused(req, st == AUTH_MISSING ? "401: no API key" : "401: an unknown API key");
+        reply_401(req, st == AUTH_MISSING ? NO_KEY_MSG : "Incorrect API key provided.");
+        return -1;
+    }
+    auth_key_params p = auth_key_get_params(*key);
+    char msg[300];
+    if (need == NEED_ADMIN && !p.admin) {
+        snprintf(msg, sizeof(msg), "403: key %s is not an admin key", auth_key_id(*key));
+        log_refused(req, msg);
+        http_reply_error_msg(req, 403, "permission_error", NULL, "insufficient_permissions",
+                             "You have insufficient permissions for this operation: it needs an "
+                             "admin API key.");
+        return -1;
+    }
+    int ra;
+    if (auth_take_request(*key, proto_now_us(), &ra) < 0) {
+        snprintf(msg, sizeof(msg), "429: key %s is over its limit of %g requests/s",
+                 auth_key_id(*key), p.requests_per_s);
+        log_refused(req, msg);
+        char v[16];
+        snprintf(v, sizeof(v), "%d", ra);
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Retry-After", v);
+        snprintf(msg, sizeof(msg),
+                 "Rate limit reached for requests per second (RPS) of API key %s: limit %g. "
+                 "Please try again in %ds.",
+                 auth_key_id(*key), p.requests_per_s, ra);
+        http_reply_error_msg(req, 429, "requests", NULL, "rate_limit_exceeded", msg);
+        return -1;
+    }
+    return 0;
+}
+
 static void on_request(struct evhttp_request *req, void *arg)
 {
     http_server_t *s = arg;
@@ -292,16 +367,26 @@ static void on_request(struct evhttp_request *req, void *arg)
         http_reply_error_msg(req, 405, "invalid_request_error", NULL, "method_not_allowed", msg);
         return;
     }
+    need_t need = wid[0] || strcmp(path, "/workers") == 0 || strcmp(path, "/metrics") == 0
+                      ? NEED_ADMIN
+                  : strncmp(path, "/v1/", 4) == 0 ? NEED_KEY
+                                                  : NEED_NONE; /* /health */
+    auth_key *key = NULL;
+    if (need != NEED_NONE && auth_n_keys(s->auth) > 0 && authorize(s, req, need, &key) < 0)
+        return;
     if (wid[0]) {
         http_admin_worker_role(s, req, wid);
     } else if (broute >= 0) {
+        /* without keys everyone sees everything; an admin key sees every key's objects */
+        batch_caller who = {key ? auth_key_id(key) : NULL,
+                            !key || auth_key_get_params(key).admin};
         if (s->batch)
-            batch_handle(s->batch, req, (batch_route_t)broute, bid[0] ? bid : NULL);
+            batch_handle(s->batch, req, (batch_route_t)broute, bid[0] ? bid : NULL, &who);
         else
             http_reply_error_msg(req, 503, "server_error", NULL, "not_ready",
                                  "the Batch API is not enabled");
     } else if (kind >= 0)
-        http_completion_handle(s, req, (api_kind_t)kind);
+        http_completion_handle(s, req, (api_kind_t)kind, key);
     else if (strcmp(path, "/health") == 0)
         http_admin_health(s, req);
     else if (strcmp(path, "/workers") == 0)
@@ -388,6 +473,11 @@ void http_server_set_stats(http_server_t *s, stats_t *stats)
 void http_server_set_batch(http_server_t *s, batch_t *b)
 {
     s->batch = b;
+}
+
+void http_server_set_auth(http_server_t *s, auth_t *a)
+{
+    s->auth = a;
 }
 
 int http_server_port(const http_server_t *s)

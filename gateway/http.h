@@ -9,14 +9,21 @@
  * disconnects cancels its request. GET /v1/models and GET /health report the model and the
  * cluster; GET /metrics exposes the stats (stats.h) in the Prometheus text format
  * (prometheus.h). /v1/files and /v1/batches are routed to the Batch API (batch.h).
- * Anything else gets an OpenAI-style JSON error (404 unknown path, 405 wrong method). Loop
- * thread only.
+ * Anything else gets an OpenAI-style JSON error (404 unknown path, 405 wrong method).
+ *
+ * With API keys (http_server_set_auth, auth.h), every /v1/ route needs a configured key as
+ * Authorization: Bearer KEY (else 401 invalid_api_key with WWW-Authenticate: Bearer), and
+ * /metrics, /workers and POST /workers/{id}/role an admin key (a user key: 403
+ * insufficient_permissions); /health stays open. A key over its requests/s limit gets 429
+ * (type "requests"), over its tokens/s limit 429 (type "tokens"), both with Retry-After.
+ * The Batch API's objects belong to the key that created them. Loop thread only.
  */
 #ifndef TP_GW_HTTP_H
 #define TP_GW_HTTP_H
 
 #include <stddef.h>
 
+#include "auth.h"
 #include "batch.h"
 #include "cluster.h"
 #include "stats.h"
@@ -57,6 +64,10 @@ void http_server_set_stats(http_server_t *s, stats_t *stats);
 /* Serve the Files and Batch API from b (borrowed; must outlive the server). Without it
  * those routes answer 503. */
 void http_server_set_batch(http_server_t *s, batch_t *b);
+
+/* Require the API keys of a (borrowed; must outlive the server). Without it, or with no key
+ * in it, every route is open (and every Batch API object visible to every caller). */
+void http_server_set_auth(http_server_t *s, auth_t *a);
 
 /* The port actually bound (useful with port 0). */
 int http_server_port(const http_server_t *s);

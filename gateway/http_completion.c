@@ -8,7 +8,11 @@
  * through the connection's close callback (and, while a non-streaming request waits, a
  * watch on its socket); libevent then has detached (or is about to free) the
  * evhttp_request, so from that moment the gw_req no longer touches it, and the request is
- * cancelled (completion_cancel). */
+ * cancelled (completion_cancel).
+ *
+ * A caller's API key with a tokens/s limit (auth.h) is charged the request's prompt plus
+ * its max_tokens at admission (sink.admit: over the limit, 429 with Retry-After), and
+ * given back what it did not generate when the request ends, however it ends. */
 #include <errno.h>
 #include <event2/buffer.h>
 #include <event2/bufferevent.h>
@@ -21,6 +25,7 @@
 
 #include "http_internal.h"
 #include "log.h"
+#include "protocol.h"
 
 #define SLOW_CLIENT_BYTES (8u << 20) /* unsent SSE bytes before a client is dropped */
 
@@ -30,7 +35,50 @@ typedef struct gw_req {
     struct evhttp_connection *conn;
     struct event *close_ev; /* non-streaming: watches the socket for EOF */
     completion_t *c;        /* the request; it owns this gw_req (completion_sink.release) */
+    auth_key *key;          /* the caller's API key (NULL: none) */
+    int charged;            /* tokens taken from key's tokens/s bucket, not yet settled */
+    int max_tokens;         /* of the request, as charged */
+    int retry_after_s;      /* admit refused the request: its Retry-After */
 } gw_req;
+
+// --- the key's tokens/s limit
+
+/* sink.admit: charge key the request's prompt and max_tokens, or refuse it with a 429. */
+static int sink_admit(void *ud, int n_prompt, int max_tokens, api_error *e)
+{
+    gw_req *g = ud;
+    if (!g->key || auth_key_get_params(g->key).tokens_per_s <= 0)
+        return 0;
+    int cost = n_prompt + max_tokens, ra;
+    if (auth_take_tokens(g->key, proto_now_us(), cost, &ra) < 0) {
+        double rate = auth_key_get_params(g->key).tokens_per_s;
+        log_info("429: key %s is over its limit of %g tokens/s (%d requested)",
+                 auth_key_id(g->key), rate, cost);
+        g->retry_after_s = ra;
+        return api_error_set(e, 429, "tokens", NULL, "rate_limit_exceeded",
+                             "Rate limit reached for tokens per second (TPS) of API key %s: "
+                             "limit %g, requested %d (prompt + max_tokens). Please try again in "
+                             "%ds.",
+                             auth_key_id(g->key), rate, cost, ra);
+    }
+    g->charged = cost;
+    g->max_tokens = max_tokens;
+    return 0;
+}
+
+/* The request ends (c NULL: it was never admitted): give back what it did not generate. */
+static void settle(gw_req *g, const completion_t *c)
+{
+    if (!g->charged)
+        return;
+    int n_prompt = 0, n_completion = 0;
+    if (c)
+        completion_usage(c, &n_prompt, &n_completion);
+    int unused = c ? g->max_tokens - n_completion : g->charged;
+    if (unused > 0)
+        auth_return_tokens(g->key, proto_now_us(), unused);
+    g->charged = 0;
+}
 
 // --- the completion's sink
 
@@ -87,6 +135,7 @@ static int sink_done(void *ud, const completion_t *c, const char *finish_reason,
 {
     gw_req *g = ud;
     (void)e;
+    settle(g, c);
     api_response_info info = completion_info(c);
     if (completion_streaming(c)) {
         char *chunk =
@@ -122,6 +171,7 @@ static int sink_done(void *ud, const completion_t *c, const char *finish_reason,
 static stats_end_t sink_fail(void *ud, const completion_t *c, const api_error *e)
 {
     gw_req *g = ud;
+    settle(g, c);
     evhttp_connection_set_closecb(g->conn, NULL, NULL);
     if (completion_streaming(c)) {
         /* headers are out: report in the stream, then end it as usual */
@@ -138,7 +188,8 @@ static stats_end_t sink_fail(void *ud, const completion_t *c, const api_error *e
     return STATS_END_FAILED;
 }
 
-static const completion_sink sink = {sink_text, sink_check, sink_done, sink_fail, req_free};
+static const completion_sink sink = {sink_text, sink_check, sink_done,
+                                     sink_fail, req_free,   sink_admit};
 
 /* The client went away: cancel wherever the request is and forget it. */
 static void on_close(struct evhttp_connection *conn, void *arg)
@@ -146,6 +197,7 @@ static void on_close(struct evhttp_connection *conn, void *arg)
     gw_req *g = arg;
     (void)conn;
     log_rinfo(completion_rid(g->c), "client disconnected: cancelling");
+    settle(g, g->c);
     /* libevent detached the request (evcon == NULL) and leaves it to us, or it is still
      * attached and libevent frees it right after this callback. */
     if (g->req && evhttp_request_get_connection(g->req) == NULL)
@@ -186,7 +238,8 @@ static void watch_close(gw_req *g)
 
 // --- the handler
 
-void http_completion_handle(http_server_t *s, struct evhttp_request *req, api_kind_t kind)
+void http_completion_handle(http_server_t *s, struct evhttp_request *req, api_kind_t kind,
+                            auth_key *key)
 {
     struct evbuffer *in = evhttp_request_get_input_buffer(req);
     size_t len = evbuffer_get_length(in);
@@ -199,6 +252,7 @@ void http_completion_handle(http_server_t *s, struct evhttp_request *req, api_ki
     g->srv = s;
     g->req = req;
     g->conn = evhttp_request_get_connection(req);
+    g->key = key;
     /* completion_start does not read a body over the limit */
     const char *body =
         len && len <= s->cx.max_body ? (const char *)evbuffer_pullup(in, (ev_ssize_t)len) : "";
@@ -210,7 +264,12 @@ void http_completion_handle(http_server_t *s, struct evhttp_request *req, api_ki
             snprintf(ra, sizeof(ra), "%d", cluster_retry_after_s(s->cx.cluster));
             evhttp_add_header(evhttp_request_get_output_headers(req), "Retry-After", ra);
             log_warn("429: queue full");
+        } else if (g->retry_after_s > 0) { /* the key's tokens/s limit (sink_admit) */
+            char ra[16];
+            snprintf(ra, sizeof(ra), "%d", g->retry_after_s);
+            evhttp_add_header(evhttp_request_get_output_headers(req), "Retry-After", ra);
         }
+        settle(g, NULL); /* admitted by sink_admit, then refused by the cluster */
         free(g);
         http_reply_error(req, &e);
         return;

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "api.h"
+#include "auth.h"
 #include "batch.h"
 #include "completion.h"
 #include "http.h"
@@ -27,6 +28,7 @@ struct http_server {
     int port;
     completion_env cx;      /* tokenizer, limits, cluster (NULL: 503), stats (NULL: no figures) */
     batch_t *batch;         /* NULL: the Files and Batch API answer 503 */
+    auth_t *auth;           /* NULL or no keys: open */
     completion_list active; /* the completion requests in flight (http_completion.c) */
     int64_t started;
 };
@@ -44,8 +46,10 @@ void http_reply_error_msg(struct evhttp_request *req, int status, const char *ty
 // --- http_completion.c: POST /v1/completions, /v1/chat/completions
 
 /* Answer a completion request of kind (the method was checked): admit it and answer from
- * its completion (SSE or JSON), or answer its error (429 with Retry-After when full). */
-void http_completion_handle(http_server_t *s, struct evhttp_request *req, api_kind_t kind);
+ * its completion (SSE or JSON), or answer its error (429 with Retry-After when full, or
+ * when key, the caller's API key (NULL: none), is over its tokens/s limit). */
+void http_completion_handle(http_server_t *s, struct evhttp_request *req, api_kind_t kind,
+                            auth_key *key);
 /* Forget every request still in flight without an answer (the server is freed before the
  * cluster: each is cancelled there); evhttp_free frees their evhttp requests. */
 void http_completion_abandon_all(http_server_t *s);

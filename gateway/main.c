@@ -11,7 +11,9 @@
  * (--stats-bind), both from stats.h; see docs/stats.md. SIGTERM/SIGINT: stop accepting,
  * let requests in flight finish (up to --drain-timeout-ms), then exit. Offline requests
  * (service_tier flex) and the Batch API (batch.h, state in --state-db) run in the cluster's
- * offline tier. See docs/api.md and docs/protocol.md.
+ * offline tier. API keys (auth.h: --api-key, --admin-api-key, --api-key-file) close the
+ * /v1/ routes and the operators' endpoints to callers without one. See docs/api.md and
+ * docs/protocol.md.
  */
 #include <event2/event.h>
 #include <signal.h>
@@ -21,6 +23,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "auth.h"
 #include "batch.h"
 #include "cluster.h"
 #include "completion.h"
@@ -43,6 +46,9 @@ static char *opt_state_db;
 static long long opt_batch_max_file_bytes, opt_batch_max_lines, opt_batch_max_inflight;
 static double opt_offline_max_wait_s, opt_offline_target, opt_preempt_pressure, opt_smooth_s,
     opt_ttft_slo_ms, opt_tpot_slo_ms, opt_prefill_tok_s;
+/* API keys */
+static config_strings opt_api_keys, opt_admin_api_keys;
+static char *opt_api_key_file;
 /* tidal role changes */
 static int opt_tidal;
 static double opt_tidal_min_role_s;
@@ -116,6 +122,15 @@ static const config_entry_t settings[] = {
      "tidal policy: role changes allowed per 10 s window"},
     {"tidal-min-per-role", CONFIG_INT, &opt_tidal_min_per_role, "1", 1, 1000000,
      "tidal policy: workers that always stay prefill-capable and decode-capable"},
+    {"api-key", CONFIG_SECRET_LIST, &opt_api_keys, NULL, 0, 0,
+     "an API key clients must send (Authorization: Bearer KEY) on /v1/; repeatable (the "
+     "environment: several, separated by commas); no key at all = open"},
+    {"admin-api-key", CONFIG_SECRET_LIST, &opt_admin_api_keys, NULL, 0, 0,
+     "an API key that also opens /metrics, /workers, role changes and every key's Batch API "
+     "objects; repeatable"},
+    {"api-key-file", CONFIG_STRING, &opt_api_key_file, NULL, 0, 0,
+     "file of API keys, one a line with optional attributes admin, requests-per-s=N, "
+     "tokens-per-s=N; mode 0600 or stricter (docs/api.md)"},
     {"log-level", CONFIG_STRING, &opt_log_level, "info", 0, 0, "debug, info, warn or error"},
     {NULL, 0, NULL, NULL, 0, 0, NULL},
 };
@@ -195,6 +210,53 @@ static uint64_t read_model_fingerprint(const char *path)
     return fp;
 }
 
+/* The API keys of the flags and the file (none: NULL, the gateway is open). 0, or -1 with a
+ * message logged (the gateway refuses to start). */
+static int load_keys(auth_t **out)
+{
+    *out = NULL;
+    if (!opt_api_keys.n && !opt_admin_api_keys.n && !(opt_api_key_file && opt_api_key_file[0]))
+        return 0;
+    auth_t *a = auth_new();
+    char err[600];
+    if (!a) {
+        log_error("cannot initialise libsodium (API keys)");
+        return -1;
+    }
+    for (int admin = 0; admin < 2; admin++) {
+        const config_strings *l = admin ? &opt_admin_api_keys : &opt_api_keys;
+        for (int i = 0; i < l->n; i++) {
+            auth_key_params p = {.admin = admin};
+            if (auth_add_key(a, l->v[i], &p, err, sizeof(err)) < 0) {
+                log_error("--%s: %s", admin ? "admin-api-key" : "api-key", err);
+                auth_destroy(&a);
+                return -1;
+            }
+        }
+    }
+    if (opt_api_key_file && opt_api_key_file[0] &&
+        auth_load_file(a, opt_api_key_file, err, sizeof(err)) < 0) {
+        log_error("%s", err);
+        auth_destroy(&a);
+        return -1;
+    }
+    for (int i = 0; i < auth_n_keys(a); i++) {
+        const auth_key *k = auth_key_at(a, i);
+        auth_key_params p = auth_key_get_params(k);
+        log_info("API key %s: %s, %g requests/s, %g tokens/s (0 = no limit)", auth_key_id(k),
+                 p.admin ? "admin" : "user", p.requests_per_s, p.tokens_per_s);
+        if (auth_key_bytes(k) < AUTH_MIN_GOOD_KEY_BYTES)
+            log_warn("API key %s is only %zu characters long: use long random keys (e.g. "
+                     "openssl rand -hex 32)",
+                     auth_key_id(k), auth_key_bytes(k));
+    }
+    if (auth_n_admin(a) == 0)
+        log_warn("API keys but no admin key: /metrics, /workers and role changes answer 401 "
+                 "or 403 to everyone (add one with --admin-api-key or the key file's admin)");
+    *out = a;
+    return 0;
+}
+
 /* Context length and name from the model file. */
 static int read_model_info(const char *path, int *n_ctx, char *name, size_t cap)
 {
@@ -243,10 +305,13 @@ int main(int argc, char **argv)
     stats_t *stats = NULL;
     statpub_t *pub = NULL;
     batch_t *batch = NULL;
+    auth_t *auth = NULL;
     struct event *sigterm = NULL, *sigint = NULL;
     char err[512], name[128];
     int n_ctx;
 
+    if (load_keys(&auth) < 0)
+        goto out;
     if (read_model_info(opt_model, &n_ctx, name, sizeof(name)) < 0)
         goto out;
     tok = tokenizer_load(opt_model, err, sizeof(err));
@@ -298,6 +363,9 @@ int main(int argc, char **argv)
         goto out;
     }
     http_server_set_stats(app.http, stats);
+    http_server_set_auth(app.http, auth);
+    log_info("API keys: %s", auth ? "required on /v1/ (admin keys: /metrics, /workers, roles)"
+                                  : "none (open to every caller)");
     cluster_params cp = cluster_default_params();
     cp.ctl_bind = opt_ctl_bind;
     cp.heartbeat_ms = (int)opt_hb_ms;
@@ -406,6 +474,7 @@ out:
     if (app.base)
         event_base_free(app.base);
     tokenizer_destroy(&tok);
+    auth_destroy(&auth);
     config_free(settings);
     return exit_code;
 }

@@ -17,11 +17,12 @@
 
 #include "log.h"
 
-#define SCHEMA_VERSION 1
+#define SCHEMA_VERSION 2
 
 typedef struct {
     int is_result; /* 0: batch object, 1: line result */
     char *batch_id;
+    char *owner; /* batch objects: the owner's key id, NULL = none */
     int line, ok;
     char *json;
 } store_op;
@@ -39,11 +40,18 @@ static const char *schema =
     "CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);"
     "CREATE TABLE IF NOT EXISTS files(id TEXT PRIMARY KEY, purpose TEXT NOT NULL,"
     " filename TEXT NOT NULL, bytes INTEGER NOT NULL, created_at INTEGER NOT NULL,"
-    " content BLOB NOT NULL);"
-    "CREATE TABLE IF NOT EXISTS batches(id TEXT PRIMARY KEY, object TEXT NOT NULL);"
+    " content BLOB NOT NULL, owner TEXT);"
+    "CREATE TABLE IF NOT EXISTS batches(id TEXT PRIMARY KEY, object TEXT NOT NULL, owner TEXT);"
     "CREATE TABLE IF NOT EXISTS results(batch_id TEXT NOT NULL, line INTEGER NOT NULL,"
     " ok INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY(batch_id, line));"
-    "INSERT OR IGNORE INTO meta(key, value) VALUES('schema_version', '1');";
+    "INSERT OR IGNORE INTO meta(key, value) VALUES('schema_version', '2');";
+
+/* Version 1 -> 2: the owner columns (API keys); rows from before have none. */
+static const char *migrate_1_2 = "BEGIN IMMEDIATE;"
+                                 "ALTER TABLE files ADD COLUMN owner TEXT;"
+                                 "ALTER TABLE batches ADD COLUMN owner TEXT;"
+                                 "UPDATE meta SET value = '2' WHERE key = 'schema_version';"
+                                 "COMMIT;";
 
 /* mkdir -p of path's directory. */
 static int make_parent(const char *path, char *err, size_t errlen)
@@ -153,14 +161,26 @@ store_t *store_open(const char *path, char *err, size_t errlen)
     int version = atoi((const char *)sqlite3_column_text(st, 0));
     sqlite3_finalize(st);
     st = NULL;
+    if (version == 1) {
+        if (sqlite3_exec(s->db, migrate_1_2, NULL, NULL, &msg) != SQLITE_OK) {
+            snprintf(err, errlen, "%s: cannot migrate the schema from version 1 to 2: %s", path,
+                     msg ? msg : sqlite3_errmsg(s->db));
+            sqlite3_exec(s->db, "ROLLBACK", NULL, NULL, NULL);
+            goto fail;
+        }
+        log_info("%s: schema migrated from version 1 to 2 (owner columns; the objects stored "
+                 "so far have no owner: visible to admin keys only when keys are configured)",
+                 path);
+        version = 2;
+    }
     if (version != SCHEMA_VERSION) {
         snprintf(err, errlen, "%s: schema version %d, this gateway knows %d", path, version,
                  SCHEMA_VERSION);
         goto fail;
     }
     if (sqlite3_prepare_v2(s->db,
-                           "INSERT INTO batches(id, object) VALUES(?1, ?2) ON CONFLICT(id) DO "
-                           "UPDATE SET object = excluded.object",
+                           "INSERT INTO batches(id, object, owner) VALUES(?1, ?2, ?3) ON "
+                           "CONFLICT(id) DO UPDATE SET object = excluded.object",
                            -1, &s->put_batch, NULL) != SQLITE_OK ||
         sqlite3_prepare_v2(s->db,
                            "INSERT OR REPLACE INTO results(batch_id, line, ok, body) "
@@ -180,6 +200,7 @@ fail:
 static void op_free(store_op *op)
 {
     free(op->batch_id);
+    free(op->owner);
     free(op->json);
 }
 
@@ -211,8 +232,8 @@ int store_file_put(store_t *s, const store_file *f, const void *content, size_t 
     sqlite3_stmt *st = NULL;
     int rc = -1;
     if (sqlite3_prepare_v2(s->db,
-                           "INSERT INTO files(id, purpose, filename, bytes, created_at, content) "
-                           "VALUES(?1, ?2, ?3, ?4, ?5, ?6)",
+                           "INSERT INTO files(id, purpose, filename, bytes, created_at, content, "
+                           "owner) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7)",
                            -1, &st, NULL) != SQLITE_OK)
         goto out;
     sqlite3_bind_text(st, 1, f->id, -1, SQLITE_STATIC);
@@ -221,6 +242,10 @@ int store_file_put(store_t *s, const store_file *f, const void *content, size_t 
     sqlite3_bind_int64(st, 4, (sqlite3_int64)len);
     sqlite3_bind_int64(st, 5, f->created_at);
     sqlite3_bind_blob64(st, 6, content ? content : "", (sqlite3_uint64)len, SQLITE_STATIC);
+    if (f->owner[0])
+        sqlite3_bind_text(st, 7, f->owner, -1, SQLITE_STATIC);
+    else
+        sqlite3_bind_null(st, 7);
     if (sqlite3_step(st) == SQLITE_DONE)
         rc = 0;
 out:
@@ -235,8 +260,8 @@ int store_file_get(store_t *s, const char *id, store_file *out)
     sqlite3_stmt *st = NULL;
     int rc = -1;
     if (sqlite3_prepare_v2(s->db,
-                           "SELECT id, purpose, filename, bytes, created_at FROM files WHERE id "
-                           "= ?1",
+                           "SELECT id, purpose, filename, bytes, created_at, owner FROM files "
+                           "WHERE id = ?1",
                            -1, &st, NULL) != SQLITE_OK)
         goto out;
     sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
@@ -252,6 +277,8 @@ int store_file_get(store_t *s, const char *id, store_file *out)
                  (const char *)sqlite3_column_text(st, 2));
         out->bytes = sqlite3_column_int64(st, 3);
         out->created_at = sqlite3_column_int64(st, 4);
+        const char *owner = (const char *)sqlite3_column_text(st, 5);
+        snprintf(out->owner, sizeof(out->owner), "%s", owner ? owner : "");
         rc = 0;
     }
 out:
@@ -296,8 +323,8 @@ out:
 
 // --- queued writes
 
-static int push_op(store_t *s, int is_result, const char *batch_id, int line, int ok,
-                   const char *json)
+static int push_op(store_t *s, int is_result, const char *batch_id, const char *owner, int line,
+                   int ok, const char *json)
 {
     if (s->n_ops >= STORE_MAX_PENDING && store_flush(s) < 0 && s->n_ops >= 4 * STORE_MAX_PENDING)
         return -1; /* the disk keeps failing: refuse rather than grow without bound */
@@ -312,7 +339,8 @@ static int push_op(store_t *s, int is_result, const char *batch_id, int line, in
     store_op op = {.is_result = is_result, .line = line, .ok = ok};
     op.batch_id = strdup(batch_id);
     op.json = strdup(json);
-    if (!op.batch_id || !op.json) {
+    op.owner = owner && owner[0] ? strdup(owner) : NULL;
+    if (!op.batch_id || !op.json || (owner && owner[0] && !op.owner)) {
         op_free(&op);
         return -1;
     }
@@ -320,14 +348,14 @@ static int push_op(store_t *s, int is_result, const char *batch_id, int line, in
     return 0;
 }
 
-int store_batch_put(store_t *s, const char *id, const char *json)
+int store_batch_put(store_t *s, const char *id, const char *owner, const char *json)
 {
-    return push_op(s, 0, id, 0, 0, json);
+    return push_op(s, 0, id, owner, 0, 0, json);
 }
 
 int store_result_put(store_t *s, const char *batch_id, int line, int ok, const char *json)
 {
-    return push_op(s, 1, batch_id, line, ok, json);
+    return push_op(s, 1, batch_id, NULL, line, ok, json);
 }
 
 int store_n_pending(const store_t *s)
@@ -355,6 +383,10 @@ int store_flush(store_t *s)
             sqlite3_bind_text(st, 4, op->json, -1, SQLITE_STATIC);
         } else {
             sqlite3_bind_text(st, 2, op->json, -1, SQLITE_STATIC);
+            if (op->owner)
+                sqlite3_bind_text(st, 3, op->owner, -1, SQLITE_STATIC);
+            else
+                sqlite3_bind_null(st, 3);
         }
         int rc = sqlite3_step(st);
         sqlite3_reset(st);
@@ -377,20 +409,23 @@ int store_flush(store_t *s)
 
 // --- reads
 
-int store_batch_foreach(store_t *s, int (*fn)(const char *id, const char *json, void *ud), void *ud)
+int store_batch_foreach(store_t *s,
+                        int (*fn)(const char *id, const char *json, const char *owner, void *ud),
+                        void *ud)
 {
     if (store_flush(s) < 0)
         return -1;
     sqlite3_stmt *st = NULL;
-    if (sqlite3_prepare_v2(s->db, "SELECT id, object FROM batches ORDER BY rowid", -1, &st, NULL) !=
-        SQLITE_OK) {
+    if (sqlite3_prepare_v2(s->db, "SELECT id, object, owner FROM batches ORDER BY rowid", -1, &st,
+                           NULL) != SQLITE_OK) {
         log_error("%s: %s", s->path, sqlite3_errmsg(s->db));
         return -1;
     }
     int step, rc = 0;
     while ((step = sqlite3_step(st)) == SQLITE_ROW) {
+        const char *owner = (const char *)sqlite3_column_text(st, 2);
         if (fn((const char *)sqlite3_column_text(st, 0), (const char *)sqlite3_column_text(st, 1),
-               ud))
+               owner ? owner : "", ud))
             break;
     }
     if (step != SQLITE_ROW && step != SQLITE_DONE) {

@@ -10,8 +10,11 @@
  * lines finished; the queue is bounded (STORE_MAX_PENDING: a put beyond it flushes first).
  * Files are written at once (an upload is answered only once its file is durable).
  *
- * Tables (schema version 1): files(id, purpose, filename, bytes, created_at, content),
- * batches(id, object: the batch's JSON), results(batch_id, line, ok, body: one JSONL line).
+ * Tables (schema version 2): files(id, purpose, filename, bytes, created_at, content, owner),
+ * batches(id, object: the batch's JSON, owner), results(batch_id, line, ok, body: one JSONL
+ * line). owner is the id of the API key that created the object (auth.h; never the key),
+ * NULL when there is none (no keys configured, or a row from before version 2). A version 1
+ * database is migrated when opened (the owner columns added, NULL in every old row).
  * One thread at a time (the gateway's loop thread).
  */
 #ifndef TP_GW_STORE_H
@@ -42,10 +45,11 @@ typedef struct {
     char filename[256];
     int64_t bytes;
     int64_t created_at; /* unix seconds */
+    char owner[32];     /* the creator's API key id; "" = none */
 } store_file;
 
-/* Insert file f with its content (len bytes), committed before returning. 0 or -1 (the
- * id exists, disk error). */
+/* Insert file f (its owner "" stored as NULL) with its content (len bytes), committed before
+ * returning. 0 or -1 (the id exists, disk error). */
 int store_file_put(store_t *s, const store_file *f, const void *content, size_t len);
 
 /* The metadata of file id into *out: 0, 1 when there is no such file, -1 on error. */
@@ -57,12 +61,15 @@ int store_file_content(store_t *s, const char *id, char **data, size_t *len);
 
 // --- batches and results (queued until store_flush)
 
-/* Queue the insert-or-replace of batch id's object (JSON text, copied). 0 or -1 (OOM). */
-int store_batch_put(store_t *s, const char *id, const char *json);
+/* Queue the insert-or-replace of batch id's object (JSON text, copied). owner (copied; NULL
+ * or "" = none) is stored when the batch is inserted; a replace keeps the stored one. 0 or
+ * -1 (OOM). */
+int store_batch_put(store_t *s, const char *id, const char *owner, const char *json);
 
-/* Call fn for every stored batch in creation order (pending writes are flushed first);
- * fn returns 0 to go on. 0, or -1 on a database error. */
-int store_batch_foreach(store_t *s, int (*fn)(const char *id, const char *json, void *ud),
+/* Call fn for every stored batch in creation order (pending writes are flushed first) with
+ * its owner ("" = none); fn returns 0 to go on. 0, or -1 on a database error. */
+int store_batch_foreach(store_t *s,
+                        int (*fn)(const char *id, const char *json, const char *owner, void *ud),
                         void *ud);
 
 /* Queue line's result of batch batch_id (ok: 1 = output file, 0 = error file; json: the

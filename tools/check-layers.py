@@ -27,6 +27,7 @@ SYSTEM = {
               "gateway", "tools", "tests"},
     "event2/": {"gateway", "bench", "tools", "tests"},
     "sqlite3.h": {"gateway", "tools", "tests"},
+    "sodium.h": {"gateway", "tools", "tests"},
     "jansson.h": {"gateway", "bench", "sim", "tools", "tests"},
 }
 

@@ -120,6 +120,8 @@ run_one() {
     [ "$offline" = 1 ] && db="$dir/gateway.db"
     # --dead-after-ms: an emulated worker sleeps through a prefill batch (2 s at the
     # defaults) without heartbeats; --heartbeat-ms 200: the policy runs every 200 ms.
+    # a private cluster, open: API keys of the caller's environment are not its
+    env -u TIDEPOOL_API_KEY -u TIDEPOOL_ADMIN_API_KEY -u TIDEPOOL_API_KEY_FILE \
     "$BIN/gateway" --host 127.0.0.1 --port "$port" --ctl-bind "$ctl" --model "$MODEL" \
         --stats-bind "" --state-db "$db" --heartbeat-ms 200 --dead-after-ms 10000 \
         --ttft-slo-ms "$TTFT_SLO" --tpot-slo-ms "$TPOT_SLO" --log-level warn "$@" \

@@ -214,8 +214,9 @@ static char *bench_fetch_model(bench *b)
         goto fail;
     evhttp_connection_set_timeout(c, (int)fmin(30, ceil(b->a.timeout_s)));
     evhttp_request_set_error_cb(req, models_error_cb);
-    if (evhttp_add_header(evhttp_request_get_output_headers(req), "Host", b->host_header) <
-        0) {
+    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
+    if (evhttp_add_header(h, "Host", b->host_header) < 0 ||
+        (b->authorization && evhttp_add_header(h, "Authorization", b->authorization) < 0)) {
         evhttp_request_free(req);
         goto fail;
     }
@@ -309,6 +310,7 @@ static void bench_free(bench *b)
     free(b->recs);
     free(b->itl_pool);
     free(b->model);
+    free(b->authorization);
     bench_dataset_destroy(&b->ds);
     if (b->arrival_ev)
         event_free(b->arrival_ev);
@@ -334,6 +336,16 @@ int main(int argc, char **argv)
         return 2;
     if (bench_target(b) < 0)
         return 2;
+    /* the API key: the flag, else the environment (never in the result JSON) */
+    const char *key = b->a.api_key;
+    if (!key || !*key)
+        key = getenv("TIDEPOOL_API_KEY");
+    if (!key || !*key)
+        key = getenv("OPENAI_API_KEY");
+    if (key && *key && asprintf(&b->authorization, "Bearer %s", key) < 0) {
+        fprintf(stderr, "tidepool-bench: out of memory\n");
+        return 2;
+    }
     signal(SIGPIPE, SIG_IGN);
     b->n = (size_t)b->a.num_prompts;
     int exit_code = 1;

@@ -29,10 +29,12 @@ def free_port():
 
 
 class Cluster:
-    """A gateway plus workers. roles: list of "prefill" / "decode" / "mixed"."""
+    """A gateway plus workers. roles: list of "prefill" / "decode" / "mixed". api_key: sent
+    as Authorization: Bearer on every request of request() and stream() (a gateway started
+    with API keys; /health needs none), unless the call's headers give their own."""
 
     def __init__(self, roles=("prefill", "decode"), gateway_args=(), worker_args=(),
-                 model=MODEL, env=None):
+                 model=MODEL, env=None, api_key=None):
         self.tmp = tempfile.mkdtemp(prefix="tidepool-test-")
         self.port = free_port()
         self.ctl = "tcp://127.0.0.1:%d" % free_port()
@@ -40,11 +42,16 @@ class Cluster:
         # the Batch API's SQLite state: private to this cluster, kept across gateway restarts
         self.state_db = os.path.join(self.tmp, "state", "gateway.db")
         self.model = model
-        self.env = dict(os.environ)
+        # API keys only when a test asks for them: a developer's own TIDEPOOL_API_KEY (a
+        # client setting as much as the gateway's) must not close every test's gateway
+        self.env = {k: v for k, v in os.environ.items()
+                    if k not in ("TIDEPOOL_API_KEY", "TIDEPOOL_ADMIN_API_KEY",
+                                 "TIDEPOOL_API_KEY_FILE")}
         self.env.update(env or {})
         self.gateway_args = list(gateway_args)
         self.worker_args = list(worker_args)
         self.roles = list(roles)
+        self.api_key = api_key
         self.procs = {}   # name -> Popen
         self.logs = {}    # name -> path
         self.stopped = False
@@ -159,7 +166,7 @@ class Cluster:
     def request(self, method, path, body=None, timeout=60, headers=None, raw=None):
         """One request; returns (status, parsed JSON or text)."""
         c = self.conn(timeout)
-        h = {"Content-Type": "application/json"}
+        h = self.auth_headers({"Content-Type": "application/json"})
         h.update(headers or {})
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
         c.request(method, path, body=data, headers=h)
@@ -170,6 +177,12 @@ class Cluster:
             return r.status, json.loads(text)
         except ValueError:
             return r.status, text
+
+    def auth_headers(self, h):
+        """h plus the Authorization header of api_key (when set)."""
+        if self.api_key:
+            h["Authorization"] = "Bearer " + self.api_key
+        return h
 
     def complete(self, prompt, max_tokens=48, **kw):
         body = {"model": kw.pop("model", "stories260K"), "prompt": prompt,
@@ -182,7 +195,7 @@ class Cluster:
         body = dict(body, stream=True)
         c = self.conn(timeout)
         c.request("POST", path, body=json.dumps(body).encode(),
-                  headers={"Content-Type": "application/json"})
+                  headers=self.auth_headers({"Content-Type": "application/json"}))
         r = c.getresponse()
         if r.status != 200:
             text = r.read().decode()

@@ -202,10 +202,11 @@ static int teardown_db(void **state)
     return system(cmd) == 0 ? 0 : -1;
 }
 
-static int count_batches(const char *id, const char *json, void *ud)
+static int count_batches(const char *id, const char *json, const char *owner, void *ud)
 {
     (void)id;
     (void)json;
+    (void)owner;
     (*(int *)ud)++;
     return 0;
 }
@@ -245,6 +246,11 @@ static void test_store_files(void **state)
     assert_string_equal(g.filename, "a.jsonl");
     assert_int_equal(g.bytes, sizeof(data));
     assert_int_equal(g.created_at, 5);
+    assert_string_equal(g.owner, ""); /* none */
+    store_file o = {.id = "file-o", .purpose = "batch", .filename = "o.jsonl", .owner = "0a1b2c"};
+    assert_int_equal(store_file_put(s, &o, "x", 1), 0);
+    assert_int_equal(store_file_get(s, "file-o", &g), 0);
+    assert_string_equal(g.owner, "0a1b2c");
     assert_int_equal(store_file_get(s, "file-2", &g), 1);
     char *content;
     size_t len;
@@ -283,7 +289,7 @@ static void test_store_queue_and_reopen(void **state)
     char err[256];
     store_t *s = store_open(dbpath, err, sizeof(err));
     assert_non_null(s);
-    assert_int_equal(store_batch_put(s, "batch_a", "{\"status\":\"in_progress\"}"), 0);
+    assert_int_equal(store_batch_put(s, "batch_a", "0a1b2c", "{\"status\":\"in_progress\"}"), 0);
     assert_int_equal(store_result_put(s, "batch_a", 2, 1, "{\"line\":3}"), 0);
     assert_int_equal(store_result_put(s, "batch_a", 0, 0, "{\"line\":1}"), 0);
     assert_int_equal(store_result_put(s, "batch_b", 0, 1, "{\"other\":1}"), 0);
@@ -300,8 +306,9 @@ static void test_store_queue_and_reopen(void **state)
     assert_int_equal(count_rows(dbpath, "batch_a"), 2);
     results r = {0};
     /* a later put of the same batch replaces the object, keeps its place */
-    assert_int_equal(store_batch_put(s, "batch_z", "{}"), 0);
-    assert_int_equal(store_batch_put(s, "batch_a", "{\"status\":\"completed\"}"), 0);
+    assert_int_equal(store_batch_put(s, "batch_z", NULL, "{}"), 0);
+    /* the owner is the one of the insert: a replace keeps it */
+    assert_int_equal(store_batch_put(s, "batch_a", NULL, "{\"status\":\"completed\"}"), 0);
     store_close(&s); /* flushes */
 
     s = store_open(dbpath, err, sizeof(err));
@@ -322,9 +329,9 @@ static void test_store_queue_and_reopen(void **state)
     store_close(&s);
 }
 
-static int first_batch(const char *id, const char *json, void *ud)
+static int first_batch(const char *id, const char *json, const char *owner, void *ud)
 {
-    snprintf(ud, 64, "%s=%s", id, json);
+    snprintf(ud, 64, "%s=%s owner=%s", id, json, owner);
     return 1; /* stop */
 }
 
@@ -336,7 +343,7 @@ static void test_store_order_and_errors(void **state)
     assert_non_null(s);
     char first[64] = "";
     assert_int_equal(store_batch_foreach(s, first_batch, first), 0);
-    assert_string_equal(first, "batch_a={\"status\":\"completed\"}");
+    assert_string_equal(first, "batch_a={\"status\":\"completed\"} owner=0a1b2c");
     store_close(&s);
     /* not a database, and a path that cannot be created: errors that name the file */
     char bad[400];
@@ -351,6 +358,58 @@ static void test_store_order_and_errors(void **state)
     assert_non_null(strstr(err, "/proc/no"));
 }
 
+/* A schema version 1 database (before API keys) is migrated when opened: its rows are
+ * kept, without an owner, and the owner columns work from then on. */
+static void test_store_migrate_v1(void **state)
+{
+    (void)state;
+    char path[400], err[256];
+    snprintf(path, sizeof(path), "%s/v1.db", tmpdir);
+    sqlite3 *db = NULL;
+    assert_int_equal(sqlite3_open(path, &db), SQLITE_OK);
+    assert_int_equal(
+        sqlite3_exec(db,
+                     "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+                     "CREATE TABLE files(id TEXT PRIMARY KEY, purpose TEXT NOT NULL,"
+                     " filename TEXT NOT NULL, bytes INTEGER NOT NULL, created_at INTEGER NOT "
+                     "NULL, content BLOB NOT NULL);"
+                     "CREATE TABLE batches(id TEXT PRIMARY KEY, object TEXT NOT NULL);"
+                     "CREATE TABLE results(batch_id TEXT NOT NULL, line INTEGER NOT NULL,"
+                     " ok INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY(batch_id, line));"
+                     "INSERT INTO meta VALUES('schema_version', '1');"
+                     "INSERT INTO files VALUES('file-old', 'batch', 'old.jsonl', 2, 7, 'ab');"
+                     "INSERT INTO batches VALUES('batch_old', '{}');",
+                     NULL, NULL, NULL),
+        SQLITE_OK);
+    sqlite3_close(db);
+    store_t *s = store_open(path, err, sizeof(err));
+    assert_non_null(s);
+    store_file g;
+    assert_int_equal(store_file_get(s, "file-old", &g), 0);
+    assert_string_equal(g.filename, "old.jsonl");
+    assert_string_equal(g.owner, "");
+    char first[64] = "";
+    assert_int_equal(store_batch_foreach(s, first_batch, first), 0);
+    assert_string_equal(first, "batch_old={} owner=");
+    store_file o = {.id = "file-new", .purpose = "batch", .filename = "n.jsonl", .owner = "ffee"};
+    assert_int_equal(store_file_put(s, &o, "x", 1), 0);
+    store_close(&s);
+    s = store_open(path, err, sizeof(err)); /* version 2 now: opened as it is */
+    assert_non_null(s);
+    assert_int_equal(store_file_get(s, "file-new", &g), 0);
+    assert_string_equal(g.owner, "ffee");
+    store_close(&s);
+    assert_int_equal(sqlite3_open(path, &db), SQLITE_OK);
+    sqlite3_stmt *st = NULL;
+    assert_int_equal(sqlite3_prepare_v2(db, "SELECT value FROM meta WHERE key = 'schema_version'",
+                                        -1, &st, NULL),
+                     SQLITE_OK);
+    assert_int_equal(sqlite3_step(st), SQLITE_ROW);
+    assert_string_equal((const char *)sqlite3_column_text(st, 0), "2");
+    sqlite3_finalize(st);
+    sqlite3_close(db);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -361,6 +420,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_store_files),
         cmocka_unit_test(test_store_queue_and_reopen),
         cmocka_unit_test(test_store_order_and_errors),
+        cmocka_unit_test(test_store_migrate_v1),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);

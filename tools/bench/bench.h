@@ -83,6 +83,8 @@ typedef struct bench {
     char host_addr[64];       /* numeric address to connect to */
     uint16_t port;
     char host_header[300];    /* Host: as written in --url */
+    char *authorization;      /* owned; "Bearer KEY" (--api-key or the environment), NULL:
+                               * no Authorization header */
     char prefix[512];         /* path of --url without a trailing '/' */
     char path[1024];          /* prefix + endpoint */
     int chat;                 /* endpoint is chat/completions */

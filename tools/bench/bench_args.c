@@ -47,6 +47,9 @@ static const arg_entry arg_table[] = {
      "server root (http only); the request path is its path + --endpoint"},
     {"endpoint", ARG_STRING, ARG_OFF(endpoint), "/v1/completions", 0, 0, "PATH",
      "/v1/completions or /v1/chat/completions (chat if it ends in chat/completions)"},
+    {"api-key", ARG_STRING, ARG_OFF(api_key), NULL, 0, 0, "KEY",
+     "send Authorization: Bearer KEY (default: $TIDEPOOL_API_KEY, else $OPENAI_API_KEY; "
+     "hidden in --result-json)"},
     {"model", ARG_STRING, ARG_OFF(model), NULL, 0, 0, "NAME",
      "model name to send; default: the first id of GET /v1/models"},
     {"num-prompts", ARG_INT, ARG_OFF(num_prompts), "100", 1, 1000000, "N",
@@ -130,8 +133,8 @@ static void args_help(FILE *f)
     fprintf(f, "usage: tidepool-bench [--flag value ...]\n\n"
                "Load-test client for an OpenAI-compatible server (tidepool, vLLM,\n"
                "llama-server): streams every request and reports TTFT, TPOT, ITL, E2EL and\n"
-               "throughput like vLLM's `bench serve`. Flags only (no environment, no config\n"
-               "file). See docs/bench.md.\n\n");
+               "throughput like vLLM's `bench serve`. Flags only (no config file; from the\n"
+               "environment only the API key). See docs/bench.md.\n\n");
     for (const arg_entry *e = arg_table; e->name; e++) {
         char left[64], text[512];
         snprintf(left, sizeof(left), "--%s%s%s", e->name, e->metavar ? " " : "",

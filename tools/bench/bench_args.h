@@ -5,7 +5,8 @@
  * Unlike the servers, the bench takes flags only (no TIDEPOOL_* environment, no config
  * file): a benchmark must be reproducible from its command line, which the result JSON
  * records, and names such as TIDEPOOL_MODEL (a model path for the launcher) mean something
- * else here. `--name value` and `--name=value` are accepted; boolean flags take no value.
+ * else here. The one exception is the API key, a secret: --api-key, else TIDEPOOL_API_KEY,
+ * else OPENAI_API_KEY (read by the program, not here); the result JSON hides it. `--name value` and `--name=value` are accepted; boolean flags take no value.
  * The parser reports usage errors on stderr with a message naming the flag (the program
  * then exits with status 2) and prints --help on stdout.
  */
@@ -25,6 +26,7 @@ enum {
 typedef struct {
     const char *url;
     const char *endpoint;
+    const char *api_key;     /* NULL: none given as a flag */
     const char *model;       /* NULL: first id of GET /v1/models */
     long long num_prompts;
     long long concurrency;   /* 0 = unlimited */

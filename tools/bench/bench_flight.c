@@ -446,6 +446,7 @@ static int flight_send(flight *fl, const char *body, const char **why)
         evhttp_add_header(h, "Content-Type", "application/json") < 0 ||
         evhttp_add_header(h, "Accept", "text/event-stream") < 0 ||
         evhttp_add_header(h, "User-Agent", "tidepool-bench") < 0 ||
+        (b->authorization && evhttp_add_header(h, "Authorization", b->authorization) < 0) ||
         evbuffer_add(evhttp_request_get_output_buffer(req), body, strlen(body)) < 0) {
         evhttp_request_free(req);
         return -1;

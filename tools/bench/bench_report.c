@@ -284,8 +284,13 @@ int bench_report_json(const bench *b, const bench_report_metrics *m,
     json_t *reqs = json_array();
     if (!root || !args || !slo || !errs || !reqs)
         goto oom;
-    for (int i = 1; i < argc; i++)
-        json_array_append_new(args, json_string(argv[i]));
+    for (int i = 1; i < argc; i++) { /* the command line, its API key hidden */
+        int key_next = i > 1 && strcmp(argv[i - 1], "--api-key") == 0;
+        int key_here = strncmp(argv[i], "--api-key=", 10) == 0;
+        json_array_append_new(args, json_string(key_next   ? "(hidden)"
+                                                : key_here ? "--api-key=(hidden)"
+                                                           : argv[i]));
+    }
     for (int k = 0; k < 3; k++)
         if (a->slo_ms[k] > 0) {
             char key[16];
