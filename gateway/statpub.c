@@ -493,8 +493,11 @@ statpub_t *statpub_new(struct event_base *base, const statpub_params *prm, stats
     p->cluster = c;
     p->interval_ms = prm->interval_ms;
     /* a tenth of the interval, 10 ms to 100 ms: a full socket is polled this often */
-    p->retry_ms = prm->interval_ms / 10 < 10 ? 10 : prm->interval_ms / 10 > 100 ? 100
-                                                                                 : prm->interval_ms / 10;
+    p->retry_ms = prm->interval_ms / 10;
+    if (p->retry_ms < 10)
+        p->retry_ms = 10;
+    if (p->retry_ms > 100)
+        p->retry_ms = 100;
     p->model = strdup(prm->model_name ? prm->model_name : "");
     p->zctx = zmq_ctx_new();
     p->ev_cap = prm->event_queue;
