@@ -42,7 +42,8 @@ static char *opt_host, *opt_ctl_bind, *opt_model, *opt_served_name, *opt_log_lev
 static char *opt_curve_secret_key, *opt_curve_authorized_keys;
 static long long opt_http_timeout_s;
 static long long opt_port, opt_max_body, opt_max_queue, opt_hb_ms, opt_dead_ms, opt_timeout_ms,
-    opt_retries, opt_drain_ms, opt_stats_interval_ms, opt_stats_window_s, opt_kv_block_size;
+    opt_retries, opt_drain_ms, opt_stats_interval_ms, opt_stats_stall_ms, opt_stats_window_s,
+    opt_kv_block_size;
 /* offline tier and Batch API */
 static char *opt_state_db;
 static long long opt_batch_max_file_bytes, opt_batch_max_lines, opt_batch_max_inflight;
@@ -90,6 +91,9 @@ static const config_entry_t settings[] = {
      "ZeroMQ endpoint of the stats PUB socket (\"\" = off); see docs/stats.md"},
     {"stats-interval-ms", CONFIG_INT, &opt_stats_interval_ms, "1000", 10, 3600000,
      "period of the snapshots published on the stats socket"},
+    {"stats-stall-ms", CONFIG_INT, &opt_stats_stall_ms, "5000", 0, 3600000,
+     "a stats subscriber that has taken nothing this long is sent past (it loses those "
+     "messages and sees the seq gaps; 0 = never: the slowest subscriber paces all)"},
     {"stats-window-s", CONFIG_INT, &opt_stats_window_s, "60", 1, 3600,
      "window of the latency percentiles on the stats socket"},
     {"state-db", CONFIG_STRING, &opt_state_db, "build/state/gateway.db", 0, 0,
@@ -463,6 +467,7 @@ int main(int argc, char **argv)
         statpub_params pp = statpub_default_params();
         pp.bind = opt_stats_bind;
         pp.interval_ms = (int)opt_stats_interval_ms;
+        pp.stall_ms = (int)opt_stats_stall_ms;
         pp.model_name = served;
         pub = statpub_new(app.base, &pp, stats, cluster, err, sizeof(err));
         /* dashboards are not worth refusing to serve for: go on without the socket */

@@ -9,7 +9,14 @@
  * (a due snapshot is packed when it can be sent, so it is the newest state; ticks while
  * one is due are counted as conflated). Events go before the snapshot, so when a snapshot
  * leaves, every event up to its last_event_seq has left or is counted in events_dropped.
- * A retry timer flushes what waits while the socket is full. */
+ * A retry timer flushes what waits while the socket is full.
+ *
+ * A subscriber that stops reading would so hold back every other one. Once the socket has
+ * been full for stall_ms, each flush that still finds no room sends past it:
+ * ZMQ_XPUB_NODROP is turned off for that send (libzmq reads it at every send), so the
+ * full subscriber's copies are dropped by ZeroMQ while the others get theirs; each such
+ * message is counted in stall_sends, and the stalled subscriber sees the gaps in its seq
+ * numbers. Every flush tries all subscribers first, so the stall ends when it has room. */
 #include "statpub.h"
 
 #include <errno.h>
@@ -38,6 +45,12 @@ struct statpub {
     uint64_t events_dropped;      /* events dropped from a full queue */
     uint64_t snapshots_conflated; /* snapshots replaced by a newer one before they left */
     uint64_t last_event_seq;      /* the newest event published, queued or dropped */
+    uint64_t stall_sends;         /* messages sent past a stalled subscriber (it lost them) */
+    int64_t stall_us;             /* wait before sending past a full subscriber; 0 = never */
+    int64_t waiting_since_us;     /* since when some message has found no room (reset when
+                                   * everything reached every subscriber); 0 = none */
+    int lossy;                    /* 1 while sending past a stalled subscriber */
+    int stall_logged;             /* the current stall was logged */
     msgpack_sbuffer *evq;         /* (ev_cap,) packed event bodies, a ring */
     int ev_cap, ev_head, ev_n;
     int subscribers;              /* from the XPUB's (un)subscription messages */
@@ -50,6 +63,7 @@ statpub_params statpub_default_params(void)
                         .sndhwm = STATPUB_SNDHWM,
                         .sndbuf = STATPUB_SNDBUF,
                         .event_queue = STATPUB_EVENT_QUEUE,
+                        .stall_ms = STATPUB_STALL_MS,
                         .model_name = "tidepool"};
     return p;
 }
@@ -345,12 +359,13 @@ int statpub_pack_snapshot(statpub_t *p, msgpack_sbuffer *sb, int64_t now_us)
     stats_get_gateway(p->stats, p->cluster, &g);
     msgpack_packer pk;
     msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
-    msgpack_pack_map(&pk, 13);
+    msgpack_pack_map(&pk, 14);
     pk_u64(&pk, "schema", STATPUB_SCHEMA);
     pk_str(&pk, "type", "snapshot");
     pk_u64(&pk, "seq", p->seq);
     pk_u64(&pk, "snapshots_conflated", p->snapshots_conflated);
     pk_u64(&pk, "events_dropped", p->events_dropped);
+    pk_u64(&pk, "stall_sends", p->stall_sends);
     pk_u64(&pk, "last_event_seq", p->last_event_seq);
     pk_i64(&pk, "ts_ms", proto_wall_us() / 1000);
     pk_i64(&pk, "interval_ms", p->interval_ms);
@@ -400,16 +415,23 @@ static int send_one(statpub_t *p, const char *topic, const char *body, size_t le
      * at its first frame) */
     zmq_send(p->sock, body, len, ZMQ_DONTWAIT);
     p->sent++;
+    p->stall_sends += (uint64_t)p->lossy;
     return 0;
 }
 
-/* Send what waits, oldest first: the queued events, then (snapshot: 1) the due snapshot,
- * packed now so it is the newest state. Arms the retry timer when something is left. An
- * event arrives from inside cluster code (stats' sink), which the snapshot must not read
- * half-changed: there the snapshot waits for the timer. */
-static void flush(statpub_t *p, int snapshot)
+/* Turn ZMQ_XPUB_NODROP off (lossy 1) or back on (0). */
+static void set_lossy(statpub_t *p, int lossy)
 {
-    read_subscriptions(p);
+    int nodrop = !lossy;
+    if (zmq_setsockopt(p->sock, ZMQ_XPUB_NODROP, &nodrop, sizeof(nodrop)) == 0)
+        p->lossy = lossy;
+}
+
+/* Send what waits, oldest first: the queued events, then (snapshot: 1) the due snapshot,
+ * packed now so it is the newest state. An event arrives from inside cluster code (stats'
+ * sink), which the snapshot must not read half-changed: there the snapshot waits. */
+static void send_waiting(statpub_t *p, int snapshot)
+{
     while (p->ev_n > 0) {
         msgpack_sbuffer *b = &p->evq[p->ev_head];
         if (send_one(p, "event", b->data, b->size) < 0)
@@ -425,6 +447,34 @@ static void flush(statpub_t *p, int snapshot)
             send_one(p, "snapshot", sb.data, sb.size) == 0)
             p->snapshot_due = 0;
         msgpack_sbuffer_destroy(&sb);
+    }
+}
+
+/* Send what waits to every subscriber; when that has found no room for stall_us, send it
+ * past the full ones (lossy), and try every subscriber again at the next flush, so the
+ * stall ends as soon as the slow one has room. Arms the retry timer when something is
+ * left (the snapshot waits for it when called from the event sink: snapshot 0). */
+static void flush(statpub_t *p, int snapshot)
+{
+    read_subscriptions(p);
+    int64_t now = proto_now_us();
+    send_waiting(p, snapshot);
+    if (p->ev_n == 0 && !(snapshot && p->snapshot_due)) {
+        p->waiting_since_us = 0; /* everything reached every subscriber */
+        p->stall_logged = 0;
+    } else {
+        if (p->waiting_since_us == 0)
+            p->waiting_since_us = now;
+        if (p->stall_us > 0 && now - p->waiting_since_us >= p->stall_us) {
+            if (!p->stall_logged)
+                log_warn("stats: the socket has been full for %lld ms (a subscriber reads "
+                         "too slowly or not at all); sending past it until it has room",
+                         (long long)((now - p->waiting_since_us) / 1000));
+            p->stall_logged = 1;
+            set_lossy(p, 1);
+            send_waiting(p, snapshot);
+            set_lossy(p, 0);
+        }
     }
     if ((p->ev_n > 0 || p->snapshot_due) && !evtimer_pending(p->retry, NULL)) {
         struct timeval tv = {p->retry_ms / 1000, (p->retry_ms % 1000) * 1000};
@@ -479,7 +529,7 @@ statpub_t *statpub_new(struct event_base *base, const statpub_params *prm, stats
                        const cluster_t *c, char *err, size_t errlen)
 {
     if (!base || !prm || !prm->bind || !stats || prm->interval_ms < 10 || prm->sndhwm < 1 ||
-        prm->sndbuf < 0 || prm->event_queue < 1) {
+        prm->sndbuf < 0 || prm->event_queue < 1 || prm->stall_ms < 0) {
         snprintf(err, errlen, "stats socket: invalid parameters");
         return NULL;
     }
@@ -492,6 +542,7 @@ statpub_t *statpub_new(struct event_base *base, const statpub_params *prm, stats
     p->stats = stats;
     p->cluster = c;
     p->interval_ms = prm->interval_ms;
+    p->stall_us = (int64_t)prm->stall_ms * 1000;
     /* a tenth of the interval, 10 ms to 100 ms: a full socket is polled this often */
     p->retry_ms = prm->interval_ms / 10;
     if (p->retry_ms < 10)

@@ -15,7 +15,8 @@
  * (the newest is sent when there is room, each one skipped counted in
  * "snapshots_conflated", its seq skipped) and events wait in a queue of event_queue (the
  * oldest dropped when full, counted in "events_dropped", its seq skipped). The slowest
- * subscriber paces all of them. The socket has its own ZeroMQ context; its subscription
+ * subscriber paces all of them, up to stall_ms: then what waits is sent past it (it loses
+ * those messages, counted in "stall_sends", and sees the seq gaps). The socket has its own ZeroMQ context; its subscription
  * messages are read when publishing, so it needs no watcher in the event loop. Loop
  * thread only.
  */
@@ -32,6 +33,7 @@
 #define STATPUB_SNDHWM 4          /* messages queued in ZeroMQ per subscriber */
 #define STATPUB_SNDBUF 4096       /* bytes: the socket's kernel send buffer (SO_SNDBUF) */
 #define STATPUB_EVENT_QUEUE 1024  /* events waiting for room before the oldest is dropped */
+#define STATPUB_STALL_MS 5000     /* a subscriber this long full is sent past */
 
 struct event_base;
 struct msgpack_sbuffer;
@@ -44,11 +46,14 @@ typedef struct {
     int sndhwm;             /* messages queued in ZeroMQ per subscriber (>= 1) */
     int sndbuf;             /* kernel send buffer, bytes (ZMQ_SNDBUF; 0 = the OS default) */
     int event_queue;        /* events kept while the socket is full (>= 1) */
+    int stall_ms;           /* a message waiting this long for a full subscriber is sent
+                             * past it (the others get it, it does not); 0 = never: the
+                             * slowest subscriber paces all, and loses nothing unreported */
     const char *model_name; /* the served model (copied) */
 } statpub_params;
 
 /* Defaults: tcp://127.0.0.1:5558, 1000 ms, STATPUB_SNDHWM, STATPUB_SNDBUF,
- * STATPUB_EVENT_QUEUE. */
+ * STATPUB_EVENT_QUEUE, STATPUB_STALL_MS. */
 statpub_params statpub_default_params(void);
 
 /* Bind the PUB socket, start the snapshot timer on base and subscribe to stats' events

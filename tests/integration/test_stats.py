@@ -428,13 +428,14 @@ class SlowSubscriber(unittest.TestCase):
             self.assertEqual(status, 200)
 
 
-def stats_gateway(interval_ms):
+def stats_gateway(interval_ms, *args):
     """A gateway without workers (test_http_errors.Gateway) with its stats socket on a free
-    port, publishing every interval_ms; returns (gateway, stats endpoint)."""
+    port, publishing every interval_ms, with more gateway args; returns (gateway, stats
+    endpoint)."""
     from test_http_errors import Gateway, free_port
     endpoint = "tcp://127.0.0.1:%d" % free_port()
     gw = Gateway("--state-db", "", "--stats-bind", endpoint, "--stats-interval-ms",
-                 str(interval_ms))
+                 str(interval_ms), *args)
     return gw, endpoint
 
 
@@ -519,7 +520,8 @@ class SlowReader(unittest.TestCase):
         can and drops the oldest beyond, and the event seq numbers the subscriber misses
         are exactly the snapshot's events_dropped increase."""
         from test_http_errors import REGISTER, mp_pack
-        gw, endpoint = stats_gateway(20)
+        # never sent past a stalled subscriber: what this one misses is only what is dropped
+        gw, endpoint = stats_gateway(20, "--stats-stall-ms", "0")
         ctl = re.search(r"ctl socket bound at (\S+)", gw.read_log()).group(1)
         ctx = zmq.Context()
         sub = slow_sub(ctx, endpoint)
@@ -578,6 +580,47 @@ class SlowReader(unittest.TestCase):
             sub.close()
             ctx.term()
             self.assertEqual(gw.stop(), 0)
+
+    def stalled_and_reader(self, stall_ms):
+        """A subscriber that never reads beside one that reads everything, for 3 s at 20 ms
+        snapshots: returns (snapshots the reader got in the last second, the oldest age of
+        those when read in ms, the last one)."""
+        gw, endpoint = stats_gateway(20, "--stats-stall-ms", str(stall_ms))
+        ctx = zmq.Context()
+        stalled = slow_sub(ctx, endpoint)
+        reader = slow_sub(ctx, endpoint)
+        try:
+            recent, age, last = 0, 0, None
+            t0 = time.time()
+            while time.time() - t0 < 3:
+                if not reader.poll(50):
+                    continue
+                topic, body = reader.recv_multipart()
+                if topic == b"snapshot":
+                    last = msgpack.unpackb(body)
+                    if time.time() - t0 > 2:
+                        recent += 1
+                        age = max(age, time.time() * 1000 - last["ts_ms"])
+            return recent, age, last
+        finally:
+            stalled.close()
+            reader.close()
+            ctx.term()
+            self.assertEqual(gw.stop(), 0)
+
+    def test_a_stalled_subscriber_does_not_freeze_the_others(self):
+        """One subscriber that never reads held back every other one for good (XPUB_NODROP
+        refuses a send while any queue is full). After --stats-stall-ms the publisher sends
+        past it: the reader keeps getting the current state (at least 10 of the 50 snapshots
+        of the last second, each at most stall + 100 ms old when read) and the snapshots
+        count what was sent past. With --stats-stall-ms 0 the reader is frozen: that is the
+        old behaviour, and shows the check can fail."""
+        recent, age, last = self.stalled_and_reader(200)
+        self.assertGreaterEqual(recent, 10)
+        self.assertLessEqual(age, 200 + 100, age)
+        self.assertGreater(last["stall_sends"], 0)
+        frozen, _, _ = self.stalled_and_reader(0)
+        self.assertEqual(frozen, 0)
 
 
 if __name__ == "__main__":
