@@ -75,11 +75,11 @@ static const field_t fields[] = {
         T(PROTO_PREFILL) | T(PROTO_KV_BEGIN)),
     FLD("reason", F_INT, reason, 1, 2, T(PROTO_FINISH), 0),
     FLD("code", F_INT, code, 0, 100, T(PROTO_ERROR), T(PROTO_KV_BEGIN_ACK) |
-        T(PROTO_KV_RESULT) | T(PROTO_KV_ABORT)),
+        T(PROTO_KV_RESULT) | T(PROTO_KV_ABORT) | T(PROTO_REGISTER_ACK)),
     FLD("retry", F_INT, retryable, 0, 1, 0, T(PROTO_ERROR)),
     FLD("ok", F_INT, ok, 0, 1, T(PROTO_KV_BEGIN_ACK) | T(PROTO_KV_RESULT), 0),
     FLD("msg", F_STR, message, 0, 0, 0, T(PROTO_ERROR) | T(PROTO_KV_BEGIN_ACK) |
-        T(PROTO_KV_RESULT) | T(PROTO_KV_ABORT) | T(PROTO_BYE)),
+        T(PROTO_KV_RESULT) | T(PROTO_KV_ABORT) | T(PROTO_BYE) | T(PROTO_REGISTER_ACK)),
     FLD("xfer", F_U64, xfer, 1, 0, KV_ALL, 0),
     FLD("n_layer", F_INT, n_layer, 1, 4096, T(PROTO_KV_BEGIN), 0),
     FLD("n_kv_head", F_INT, n_kv_head, 1, 4096, T(PROTO_KV_BEGIN), 0),

@@ -37,7 +37,9 @@
 
 typedef enum {
     PROTO_REGISTER = 1,  /* worker -> gateway: I exist (id, role, capacity, kv endpoint) */
-    PROTO_REGISTER_ACK,  /* gateway -> worker: registered; heartbeat_ms to use */
+    PROTO_REGISTER_ACK,  /* gateway -> worker: registered; heartbeat_ms to use. With code
+                          * != 0 (PROTO_ERR_LAYOUT) and msg: refused (another model or KV
+                          * block size than the cluster's); the worker must not retry */
     PROTO_HEARTBEAT,     /* worker -> gateway: load figures */
     PROTO_PREFILL,       /* gateway -> prefill/mixed worker: run this request */
     PROTO_CANCEL,        /* gateway -> worker: drop request rid wherever it is */
@@ -74,7 +76,7 @@ typedef enum {
     PROTO_FINISH_LENGTH = 2, /* max_tokens or context end */
 } proto_finish_t;
 
-/* Error / reject codes (ERROR, KV_BEGIN_ACK, KV_RESULT, KV_ABORT). */
+/* Error / reject codes (ERROR, KV_BEGIN_ACK, KV_RESULT, KV_ABORT, REGISTER_ACK). */
 typedef enum {
     PROTO_ERR_NONE = 0,
     PROTO_ERR_NOSPACE = 1,     /* no KV blocks / sequence slots free now (retryable) */
@@ -150,7 +152,7 @@ typedef struct {
     uint64_t tokens_in, tokens_out;      /* counters since start */
     proto_kvx_counters kvx_tx, kvx_rx;   /* HEARTBEAT, optional: KV transfers sent / received */
     proto_spec_counters spec;            /* HEARTBEAT, optional: speculative decoding */
-    int heartbeat_ms;                    /* REGISTER_ACK */
+    int heartbeat_ms;                    /* REGISTER_ACK (code, message: a refusal) */
     int emulated;                        /* REGISTER, HEARTBEAT, optional: 1 = emulated
                                           * accelerator (--emulate): compute is a sleep */
     int64_t role_change_us;              /* HEARTBEAT, optional: the last role change's

@@ -716,6 +716,36 @@ void cluster_get_stats(const cluster_t *c, cluster_stats *st)
     st->n_role_changes = c->n_role_changes;
     st->n_role_orders = c->n_role_orders;
     st->last_role_change_ms = c->last_role_change_ms;
+    st->n_refused = c->n_refused;
+    st->kv_block_size = c->p.kv_block_size;
+    for (const worker_t *w = c->workers; w && !st->kv_block_size; w = w->next)
+        if (!w->dead)
+            st->kv_block_size = w->block_size;
+}
+
+void cluster_foreach_refused(const cluster_t *c,
+                             void (*fn)(const cluster_refused_info *w, void *ud), void *ud)
+{
+    int64_t now = proto_now_us();
+    const refused_worker *order[CLUSTER_MAX_REFUSED];
+    int n = 0;
+    for (const refused_worker *r = c->refused; r < c->refused + CLUSTER_MAX_REFUSED; r++) {
+        if (!r->id[0])
+            continue;
+        int i = n++; /* insertion sort, the most recent first */
+        while (i > 0 && order[i - 1]->last_us < r->last_us) {
+            order[i] = order[i - 1];
+            i--;
+        }
+        order[i] = r;
+    }
+    for (int i = 0; i < n; i++) {
+        const refused_worker *r = order[i];
+        cluster_refused_info info = {.id = r->id, .role = r->role, .pid = r->pid,
+                                     .reason = r->reason, .n_refused = r->n_refused,
+                                     .last_ms_ago = (double)(now - r->last_us) / 1000.0};
+        fn(&info, ud);
+    }
 }
 
 void cluster_foreach_worker(const cluster_t *c,

@@ -69,6 +69,12 @@ typedef struct {
      * public keys admitted; the cluster's ZAP handler refuses every other. Both or none. */
     const curve_keypair *curve;
     curve_authlist_t *curve_auth;
+    /* Registration checks: a REGISTER that does not match is refused (REGISTER_ACK with
+     * PROTO_ERR_LAYOUT and the reason; the worker exits), listed by cluster_foreach_refused
+     * and never routed to. */
+    uint64_t model_fingerprint; /* the model's (model_config.fingerprint); 0 = not checked */
+    int kv_block_size;      /* tokens per KV block every worker must use; 0 = pinned by the
+                             * first worker accepted, released when no worker is registered */
 } cluster_params;
 
 /* Defaults matching the gateway's flags. */
@@ -164,6 +170,10 @@ typedef struct {
     uint64_t n_role_changes;          /* role changes completed since start */
     uint64_t n_role_orders;           /* ROLE orders sent (policy and operator) */
     double last_role_change_ms;       /* order -> re-registered, the latest one (0 = none) */
+    uint64_t n_refused;               /* worker processes refused at registration (another
+                                       * model or block size), since start: each (id, pid)
+                                       * counts once however often it sends REGISTER */
+    int kv_block_size;                /* the block size workers must have (0 = none yet) */
 } cluster_stats;
 
 void cluster_get_stats(const cluster_t *c, cluster_stats *st);
@@ -195,6 +205,23 @@ typedef struct {
 /* Call fn for every alive worker, in registration order. */
 void cluster_foreach_worker(const cluster_t *c,
                             void (*fn)(const cluster_worker_info *w, void *ud), void *ud);
+
+/* A worker refused at registration (the last CLUSTER_MAX_REFUSED distinct worker ids, the
+ * most recent first; an id that registers successfully later leaves the list). Strings
+ * are borrowed for the callback's duration. */
+#define CLUSTER_MAX_REFUSED 16
+typedef struct {
+    const char *id;
+    int role;               /* proto_role_t, as it registered */
+    int pid;                /* the latest refused process */
+    const char *reason;     /* e.g. "KV block size 32, the cluster's is 16" */
+    uint64_t n_refused;     /* processes with this id refused (distinct pids) */
+    double last_ms_ago;     /* since its latest REGISTER */
+} cluster_refused_info;
+
+/* Call fn for every refused worker (see cluster_refused_info). */
+void cluster_foreach_refused(const cluster_t *c,
+                             void (*fn)(const cluster_refused_info *w, void *ud), void *ud);
 
 /* Order worker id to change to role (PROTO_ROLE_PREFILL or PROTO_ROLE_DECODE): ROLE goes
  * to it and routing skips it until it registers again in the new role (it drains first:
@@ -229,6 +256,7 @@ typedef enum {
     CLUSTER_EV_REQUEST_PREEMPT, /* offline request rid was preempted and re-queued (reason) */
     CLUSTER_EV_ROLE_CHANGE,   /* a role change was ordered (reason "ordered by ...", role =
                                * target, old_role) or completed (reason "done in N ms") */
+    CLUSTER_EV_WORKER_REFUSED, /* a worker process was refused at registration (reason) */
 } cluster_event_type_t;
 
 /* One event; strings are borrowed for the observer's call. */

@@ -98,6 +98,15 @@ typedef struct {
     uint64_t rid;  /* wire rid of the attempt */
 } owed_cancel;
 
+/* A worker id refused at registration (cluster_foreach_refused). */
+typedef struct {
+    char id[PROTO_ID_LEN]; /* "" = free slot */
+    int role, pid;
+    char reason[PROTO_MESSAGE_LEN];
+    uint64_t n_refused;
+    int64_t last_us;
+} refused_worker;
+
 struct cluster {
     struct event_base *base;
     cluster_params p;
@@ -131,6 +140,8 @@ struct cluster {
     void *lat_ud;
     void (*observer)(const cluster_event *ev, void *ud);
     void *observer_ud;
+    refused_worker refused[CLUSTER_MAX_REFUSED]; /* unordered; the oldest is reused */
+    uint64_t n_refused;
     owed_cancel owed[OWED_CANCELS]; /* a ring: the oldest is dropped when full */
     int next_owed;
 };

@@ -15,6 +15,104 @@
 
 // --- messages from workers
 
+/* Whether REGISTER m fits the cluster: the gateway's model (fingerprint) and the KV block
+ * size every worker must share (KV_BEGIN's layout check on the decode side compares it, as
+ * live migration between decode workers does; the rest of that layout is the model's).
+ * self: the worker's current entry, if any (it does not pin the block size for itself).
+ * Returns 0, or -1 with the reason in why. */
+static int registration_check(const cluster_t *c, const proto_msg *m, const worker_t *self,
+                              char *why, size_t cap)
+{
+    if (c->p.model_fingerprint && m->fingerprint != c->p.model_fingerprint) {
+        snprintf(why, cap,
+                 "model fingerprint %016llx, the gateway's model has %016llx (another model, "
+                 "or another conversion of it)",
+                 (unsigned long long)m->fingerprint,
+                 (unsigned long long)c->p.model_fingerprint);
+        return -1;
+    }
+    int want = c->p.kv_block_size;
+    const char *by = "--kv-block-size";
+    if (!want) {
+        for (const worker_t *w = c->workers; w && !want; w = w->next) {
+            if (w != self && !w->dead) {
+                want = w->block_size;
+                by = w->id;
+            }
+        }
+    }
+    if (want && m->block_size != want) {
+        snprintf(why, cap, "KV block size %d tokens, the cluster's is %d (%s%s)", m->block_size,
+                 want, c->p.kv_block_size ? "" : "pinned by worker ", by);
+        return -1;
+    }
+    return 0;
+}
+
+static refused_worker *refused_find(cluster_t *c, const char *id)
+{
+    for (refused_worker *r = c->refused; r < c->refused + CLUSTER_MAX_REFUSED; r++)
+        if (r->id[0] && strcmp(r->id, id) == 0)
+            return r;
+    return NULL;
+}
+
+/* Refuse REGISTER m: answer REGISTER_ACK with PROTO_ERR_LAYOUT and the reason (the worker
+ * exits, RUNTIME_EXIT_REFUSED), drop the id's current entry if it has one, and keep it in
+ * the refused list. Logged, counted and published once per worker process (id and pid), so
+ * a worker that sends REGISTER again (an older one that does not know refusals) is not
+ * logged at every retry. */
+static void refuse(cluster_t *c, const proto_msg *m, worker_t *w, const unsigned char *id,
+                   size_t id_len, const char *why)
+{
+    int64_t now = proto_now_us();
+    refused_worker *r = refused_find(c, m->worker_id);
+    int fresh = !r || r->pid != m->pid;
+    if (!r) { /* a free slot, or the one refused longest ago */
+        r = c->refused;
+        for (refused_worker *x = c->refused; x < c->refused + CLUSTER_MAX_REFUSED; x++) {
+            if (!x->id[0]) {
+                r = x;
+                break;
+            }
+            if (x->last_us < r->last_us)
+                r = x;
+        }
+        memset(r, 0, sizeof(*r));
+        snprintf(r->id, sizeof(r->id), "%s", m->worker_id);
+    }
+    if (fresh) {
+        if (!r->n_refused || strcmp(r->reason, why) != 0)
+            log_warn("worker %s (%s, pid %d) refused: %s", m->worker_id, proto_role_str(m->role),
+                     m->pid, why);
+        else
+            log_debug("worker %s (pid %d) refused again: %s", m->worker_id, m->pid, why);
+        r->n_refused++;
+        c->n_refused++;
+    }
+    r->role = m->role;
+    r->pid = m->pid;
+    r->last_us = now;
+    snprintf(r->reason, sizeof(r->reason), "%s", why);
+    if (w) /* it ran with a configuration that fitted: that process is gone */
+        cluster_worker_remove(c, w, "registered again with a configuration that does not fit");
+    if (fresh && c->observer) {
+        cluster_event ev = {.type = CLUSTER_EV_WORKER_REFUSED, .worker = m->worker_id,
+                            .role = m->role, .reason = why};
+        c->observer(&ev, c->observer_ud);
+    }
+    proto_msg ack;
+    proto_msg_init(&ack, PROTO_REGISTER_ACK);
+    ack.heartbeat_ms = c->p.heartbeat_ms;
+    ack.code = PROTO_ERR_LAYOUT;
+    snprintf(ack.message, sizeof(ack.message), "%s", why);
+    if (wire_send(c->sock, id, id_len, &ack, NULL, 0, ZMQ_DONTWAIT) < 0)
+        log_debug("REGISTER_ACK (refusal) to %s: %s", m->worker_id, zmq_strerror(errno));
+    evzmq_after_send(c->watch);
+    if (w)
+        schedule_dispatch(c);
+}
+
 static void handle_register(cluster_t *c, const proto_msg *m, const unsigned char *id,
                             size_t id_len)
 {
@@ -29,6 +127,14 @@ static void handle_register(cluster_t *c, const proto_msg *m, const unsigned cha
         return;
     }
     worker_t *w = worker_find(c, id, id_len);
+    char why[PROTO_MESSAGE_LEN];
+    if (registration_check(c, m, w, why, sizeof(why)) < 0) {
+        refuse(c, m, w, id, id_len, why);
+        return;
+    }
+    refused_worker *was = refused_find(c, m->worker_id);
+    if (was) /* it fits now (restarted with the right settings) */
+        memset(was, 0, sizeof(*was));
     int old_role = w ? w->role : 0, old_pid = w ? w->pid : 0;
     int ordered = w && w->changing && w->pid == m->pid; /* the end of a role change */
     if (ordered) {

@@ -8,6 +8,7 @@
 #include <event2/buffer.h>
 #include <event2/event.h>
 #include <event2/http.h>
+#include <event2/http_struct.h>
 #include <event2/keyvalq_struct.h>
 #include <event2/listener.h>
 #include <stdio.h>
@@ -48,6 +49,72 @@ void http_reply_error_msg(struct evhttp_request *req, int status, const char *ty
     api_error e;
     api_error_set(&e, status, type, param, code, "%s", msg);
     http_reply_error(req, &e);
+}
+
+/* libevent's own error replies, in the OpenAI JSON error shape instead of its HTML page.
+ *
+ * libevent answers by itself a request it could not parse or will not take: a malformed
+ * request line or header (400), a request line or header block over
+ * evhttp_set_max_headers_size or a body over evhttp_set_max_body_size (413), a method
+ * outside evhttp_set_allowed_methods (501), a failed "Expect" (417). All of these go
+ * through evhttp_send_error(), which in 2.1 writes an HTML page; 2.2 has evhttp_set_errorcb
+ * for exactly this, 2.1.12 (Debian 12) has no hook. So the gateway executable defines
+ * evhttp_send_error itself: libevent-2.1.so.7 calls it through its PLT
+ * (evhttp_send_error@plt, from evhttp_handle_request and evhttp_get_body), and the dynamic
+ * linker binds that call to the executable's definition, which comes first in the lookup
+ * order (ld exports it in the executable's dynamic symbol table because the library defines
+ * it: `nm -D build/bin/gateway` lists it as T). The gateway's own handlers never call it.
+ * It uses only the public API. tests/integration/test_http_errors.py (RawErrors) sends
+ * those requests over raw sockets and checks the JSON, so a libevent built otherwise (a
+ * static or -Bsymbolic build, where the override would be silently bypassed) fails the
+ * test. The connection is closed after the reply, as libevent's own page does: after a
+ * parse error the rest of the stream cannot be trusted. */
+static void on_reply_done(struct evhttp_request *req, void *arg);
+/* The server whose stats count libevent's error replies (one server per process; NULL: not
+ * counted). */
+static http_server_t *error_server;
+
+void evhttp_send_error(struct evhttp_request *req, int error, const char *reason)
+{
+    const char *code, *msg;
+    switch (error) {
+    case 400:
+        code = "bad_request";
+        msg = "The request could not be parsed: a malformed request line or header, or a "
+              "request line or header block over the server's limit (64 KiB).";
+        break;
+    case 413:
+        code = "request_too_large";
+        msg = "The request line, its headers or its body exceed this server's limits.";
+        break;
+    case 417:
+        code = "expectation_failed";
+        msg = "The Expect header is not supported (only 100-continue is).";
+        break;
+    case 501:
+        code = "method_not_implemented";
+        msg = "This HTTP method is not supported.";
+        break;
+    default:
+        code = "http_error";
+        msg = "The request was refused by the HTTP layer.";
+        break;
+    }
+    if (req->major == 0 && req->minor == 0) { /* no valid request line: answer HTTP/1.1 */
+        req->major = 1;
+        req->minor = 1;
+    }
+    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
+    evhttp_clear_headers(h);
+    evhttp_add_header(h, "Connection", "close");
+    if (error_server) /* counted in tidepool:http_responses_total like every reply */
+        evhttp_request_set_on_complete_cb(req, on_reply_done, error_server);
+    api_error e;
+    api_error_set(&e, error, "invalid_request_error", NULL, code, "%s", msg);
+    char *body = api_error_json(&e);
+    http_reply_json(req, error, body ? body : "{\"error\":{\"message\":\"out of memory\"}}");
+    free(body);
+    (void)reason; /* the status line's phrase is libevent's standard one */
 }
 
 static int64_t now_s(void)
@@ -386,6 +453,7 @@ http_server_t *http_server_new(struct event_base *base, const http_params *p, ch
         else if (ss.ss_family == AF_INET6)
             s->port = ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
     }
+    error_server = s;
     return s;
 fail:
     http_server_destroy(&s);
@@ -436,6 +504,8 @@ void http_server_destroy(http_server_t **ps)
         return;
     http_server_t *s = *ps;
     http_completion_abandon_all(s); /* only if the cluster was not destroyed first */
+    if (error_server == s)
+        error_server = NULL;
     if (s->http)
         evhttp_free(s->http);
     free(s->host);

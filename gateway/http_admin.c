@@ -122,13 +122,32 @@ void http_admin_worker_role(http_server_t *s, struct evhttp_request *req, const 
     }
 }
 
-/* GET /workers: every alive worker with its last reported load figures (operators). */
+static void add_refused_json(const cluster_refused_info *w, void *ud)
+{
+    json_t *o = json_pack("{s:s, s:s, s:s, s:i, s:s, s:I, s:I}", "id", w->id, "role",
+                          proto_role_str(w->role), "state", "refused", "pid", w->pid, "reason",
+                          w->reason, "refused", (json_int_t)w->n_refused, "last_seen_ms_ago",
+                          (json_int_t)(w->last_ms_ago + 0.5));
+    if (o)
+        json_array_append_new((json_t *)ud, o);
+}
+
+/* GET /workers: every alive worker with its last reported load figures, and the workers
+ * refused at registration (operators). */
 void http_admin_workers(http_server_t *s, struct evhttp_request *req)
 {
-    json_t *arr = json_array();
-    if (arr && s->cx.cluster)
+    json_t *arr = json_array(), *refused = json_array();
+    if (arr && refused && s->cx.cluster) {
         cluster_foreach_worker(s->cx.cluster, add_worker_json, arr);
-    json_t *root = arr ? json_pack("{s:o}", "workers", arr) : NULL;
+        cluster_foreach_refused(s->cx.cluster, add_refused_json, refused);
+    }
+    json_t *root = NULL;
+    if (arr && refused) { /* "o" steals both, on failure too (jansson >= 2.11) */
+        root = json_pack("{s:o, s:o}", "workers", arr, "refused", refused);
+    } else {
+        json_decref(arr);
+        json_decref(refused);
+    }
     char *body = root ? json_dumps(root, JSON_COMPACT) : NULL;
     json_decref(root);
     http_reply_json(req, body ? 200 : 500, body ? body : "{\"workers\":[]}");

@@ -1,8 +1,10 @@
 /*
  * gateway: tidepool's front door. Serves the OpenAI-compatible HTTP API (libevent evhttp),
  * tokenizes and validates requests, routes them to prefill and decode workers over the
- * ctl ZeroMQ socket, and streams the answers back. Loads only the tokenizer and the
- * context length from the model file, never the weights.
+ * ctl ZeroMQ socket, and streams the answers back. Reads the tokenizer, the context length
+ * and the model fingerprint from the model file (the weights are hashed once at start, as
+ * the workers do, so that a worker with another model is refused at registration; they
+ * are never computed with).
  *
  * One thread, one event loop: HTTP connections, the ctl socket (through evzmq), timers
  * and signals. Operators' figures: GET /metrics (Prometheus) and the stats PUB socket
@@ -29,6 +31,7 @@
 #include "gguf.h"
 #include "http.h"
 #include "log.h"
+#include "model.h"
 #include "statpub.h"
 #include "stats.h"
 #include "tokenizer.h"
@@ -39,7 +42,8 @@ static char *opt_host, *opt_ctl_bind, *opt_model, *opt_served_name, *opt_log_lev
 static char *opt_curve_secret_key, *opt_curve_authorized_keys;
 static long long opt_http_timeout_s;
 static long long opt_port, opt_max_body, opt_max_queue, opt_hb_ms, opt_dead_ms, opt_timeout_ms,
-    opt_retries, opt_drain_ms, opt_stats_interval_ms, opt_stats_window_s;
+    opt_retries, opt_drain_ms, opt_stats_interval_ms, opt_stats_stall_ms, opt_stats_window_s,
+    opt_kv_block_size;
 /* offline tier and Batch API */
 static char *opt_state_db;
 static long long opt_batch_max_file_bytes, opt_batch_max_lines, opt_batch_max_inflight;
@@ -59,9 +63,13 @@ static const config_entry_t settings[] = {
     {"ctl-bind", CONFIG_STRING, &opt_ctl_bind, "tcp://127.0.0.1:5557", 0, 0,
      "ZeroMQ endpoint of the ctl ROUTER socket that workers connect to"},
     {"model", CONFIG_STRING, &opt_model, "build/models/stories260K.gguf", 0, 0,
-     "GGUF model file (only its tokenizer and context length are read)"},
+     "GGUF model file (its tokenizer, context length and fingerprint are read; workers with "
+     "another model are refused)"},
     {"served-model-name", CONFIG_STRING, &opt_served_name, NULL, 0, 0,
      "model name in the API (default: the file's general.name)"},
+    {"kv-block-size", CONFIG_INT, &opt_kv_block_size, "0", 0, 4096,
+     "tokens per KV block every worker must have (their --block-size); 0 = the first worker "
+     "accepted sets it until no worker is left. Other workers are refused"},
     {"max-body-bytes", CONFIG_INT, &opt_max_body, "1048576", 1024, 1073741824,
      "largest request body accepted; larger ones get 413"},
     {"http-timeout-s", CONFIG_INT, &opt_http_timeout_s, "60", 1, 86400,
@@ -83,6 +91,9 @@ static const config_entry_t settings[] = {
      "ZeroMQ endpoint of the stats PUB socket (\"\" = off); see docs/stats.md"},
     {"stats-interval-ms", CONFIG_INT, &opt_stats_interval_ms, "1000", 10, 3600000,
      "period of the snapshots published on the stats socket"},
+    {"stats-stall-ms", CONFIG_INT, &opt_stats_stall_ms, "5000", 0, 3600000,
+     "a stats subscriber that has taken nothing this long is sent past (it loses those "
+     "messages and sees the seq gaps; 0 = never: the slowest subscriber paces all)"},
     {"stats-window-s", CONFIG_INT, &opt_stats_window_s, "60", 1, 3600,
      "window of the latency percentiles on the stats socket"},
     {"state-db", CONFIG_STRING, &opt_state_db, "build/state/gateway.db", 0, 0,
@@ -193,6 +204,21 @@ static void on_signal(evutil_socket_t sig, short what, void *arg)
         event_add(a->drain_ev, &tv);
     else
         event_base_loopbreak(a->base);
+}
+
+/* The model's fingerprint as the workers compute it (model_config.fingerprint), or 0 when
+ * the file does not load as a model (logged). */
+static uint64_t read_model_fingerprint(const char *path)
+{
+    char err[512];
+    model_t *m = model_load(path, err, sizeof(err));
+    if (!m) {
+        log_error("cannot load the model to compute its fingerprint: %s", err);
+        return 0;
+    }
+    uint64_t fp = model_get_config(m)->fingerprint;
+    model_destroy(&m);
+    return fp;
 }
 
 /* The API keys of the flags and the file (none: NULL, the gateway is open). 0, or -1 with a
@@ -335,9 +361,12 @@ int main(int argc, char **argv)
         log_error("cannot load the tokenizer: %s", err);
         goto out;
     }
+    uint64_t fingerprint = read_model_fingerprint(opt_model);
+    if (!fingerprint)
+        goto out;
     const char *served = opt_served_name && opt_served_name[0] ? opt_served_name : name;
-    log_info("model %s: '%s', context %d tokens, vocabulary %d", opt_model, served, n_ctx,
-             tokenizer_vocab_size(tok));
+    log_info("model %s: '%s', context %d tokens, vocabulary %d, fingerprint %016llx", opt_model,
+             served, n_ctx, tokenizer_vocab_size(tok), (unsigned long long)fingerprint);
 
     /* One descriptor per client connection: take the hard limit rather than the usual
      * soft 1024, so that load is refused by --max-queue, not by accept() failing. */
@@ -397,6 +426,8 @@ int main(int argc, char **argv)
     cp.policy.max_changes = (int)opt_tidal_max_changes;
     cp.policy.min_per_role = (int)opt_tidal_min_per_role;
     cp.tidal = opt_tidal;
+    cp.model_fingerprint = fingerprint;
+    cp.kv_block_size = (int)opt_kv_block_size;
     if (policy_params_check(&cp.policy, err, sizeof(err)) < 0) {
         log_error("%s", err);
         goto out;
@@ -436,6 +467,7 @@ int main(int argc, char **argv)
         statpub_params pp = statpub_default_params();
         pp.bind = opt_stats_bind;
         pp.interval_ms = (int)opt_stats_interval_ms;
+        pp.stall_ms = (int)opt_stats_stall_ms;
         pp.model_name = served;
         pub = statpub_new(app.base, &pp, stats, cluster, err, sizeof(err));
         /* dashboards are not worth refusing to serve for: go on without the socket */

@@ -325,6 +325,13 @@ void prometheus_write(const stats_t *s, const cluster_t *c, FILE *f)
                                  (double)l.v[i].info.spec.accepted_per_pos[pos]);
         }
     }
+    cluster_stats cst = {0};
+    if (c)
+        cluster_get_stats(c, &cst);
+    write_one(f, s, "workers_refused_total", "counter",
+              "Worker processes refused at registration (another model or KV block size than "
+              "the cluster's); GET /workers lists the latest.",
+              (double)cst.n_refused);
     write_kvx(f, s, &l);
     write_roles(f, s, c, &l);
     free(l.v);

@@ -1,6 +1,22 @@
 /* statpub: see statpub.h. The snapshot is packed straight from stats and the cluster's
  * worker list; map sizes are counted by hand, so each map is written by one function whose
- * key count sits next to its keys. */
+ * key count sits next to its keys.
+ *
+ * Sending: an XPUB socket with ZMQ_XPUB_NODROP, so a send that would exceed a subscriber's
+ * high-water mark fails with EAGAIN instead of being dropped silently (a PUB socket
+ * reports success and drops). What could not go out waits here: events in a bounded FIFO
+ * (the oldest dropped and counted when it is full), the snapshot as a flag "one is due"
+ * (a due snapshot is packed when it can be sent, so it is the newest state; ticks while
+ * one is due are counted as conflated). Events go before the snapshot, so when a snapshot
+ * leaves, every event up to its last_event_seq has left or is counted in events_dropped.
+ * A retry timer flushes what waits while the socket is full.
+ *
+ * A subscriber that stops reading would so hold back every other one. Once the socket has
+ * been full for stall_ms, each flush that still finds no room sends past it:
+ * ZMQ_XPUB_NODROP is turned off for that send (libzmq reads it at every send), so the
+ * full subscriber's copies are dropped by ZeroMQ while the others get theirs; each such
+ * message is counted in stall_sends, and the stalled subscriber sees the gaps in its seq
+ * numbers. Every flush tries all subscribers first, so the stall ends when it has room. */
 #include "statpub.h"
 
 #include <errno.h>
@@ -16,21 +32,38 @@
 
 struct statpub {
     struct event_base *base;
-    struct event *tick;
+    struct event *tick, *retry;
     void *zctx, *sock;
     stats_t *stats;
     const cluster_t *cluster;
     char *model;
-    int interval_ms;
+    int interval_ms, retry_ms;
     char endpoint[PROTO_ENDPOINT_LEN];
-    uint64_t seq, sent, dropped;
+    uint64_t seq;                 /* snapshots due so far (the snapshot stream's seq) */
+    int snapshot_due;             /* 1: a snapshot waits for room */
+    uint64_t sent;                /* messages handed to ZeroMQ */
+    uint64_t events_dropped;      /* events dropped from a full queue */
+    uint64_t snapshots_conflated; /* snapshots replaced by a newer one before they left */
+    uint64_t last_event_seq;      /* the newest event published, queued or dropped */
+    uint64_t stall_sends;         /* messages sent past a stalled subscriber (it lost them) */
+    int64_t stall_us;             /* wait before sending past a full subscriber; 0 = never */
+    int64_t waiting_since_us;     /* since when some message has found no room (reset when
+                                   * everything reached every subscriber); 0 = none */
+    int lossy;                    /* 1 while sending past a stalled subscriber */
+    int stall_logged;             /* the current stall was logged */
+    msgpack_sbuffer *evq;         /* (ev_cap,) packed event bodies, a ring */
+    int ev_cap, ev_head, ev_n;
+    int subscribers;              /* from the XPUB's (un)subscription messages */
 };
 
 statpub_params statpub_default_params(void)
 {
     statpub_params p = {.bind = "tcp://127.0.0.1:5558",
                         .interval_ms = 1000,
-                        .sndhwm = 100,
+                        .sndhwm = STATPUB_SNDHWM,
+                        .sndbuf = STATPUB_SNDBUF,
+                        .event_queue = STATPUB_EVENT_QUEUE,
+                        .stall_ms = STATPUB_STALL_MS,
                         .model_name = "tidepool"};
     return p;
 }
@@ -326,10 +359,14 @@ int statpub_pack_snapshot(statpub_t *p, msgpack_sbuffer *sb, int64_t now_us)
     stats_get_gateway(p->stats, p->cluster, &g);
     msgpack_packer pk;
     msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
-    msgpack_pack_map(&pk, 10);
+    msgpack_pack_map(&pk, 14);
     pk_u64(&pk, "schema", STATPUB_SCHEMA);
     pk_str(&pk, "type", "snapshot");
-    pk_u64(&pk, "seq", ++p->seq);
+    pk_u64(&pk, "seq", p->seq);
+    pk_u64(&pk, "snapshots_conflated", p->snapshots_conflated);
+    pk_u64(&pk, "events_dropped", p->events_dropped);
+    pk_u64(&pk, "stall_sends", p->stall_sends);
+    pk_u64(&pk, "last_event_seq", p->last_event_seq);
     pk_i64(&pk, "ts_ms", proto_wall_us() / 1000);
     pk_i64(&pk, "interval_ms", p->interval_ms);
     pk_str(&pk, "model", p->model);
@@ -350,31 +387,129 @@ int statpub_pack_snapshot(statpub_t *p, msgpack_sbuffer *sb, int64_t now_us)
 
 // --- sending
 
-/* Send [topic, body] without ever blocking; a PUB socket drops what a subscriber cannot
- * take. */
-static void publish(statpub_t *p, const char *topic, const msgpack_sbuffer *sb)
+/* Read the XPUB's subscription messages (a byte 1 or 0, then the topic) so they do not pile
+ * up; count subscribers (subscriptions to "" or to a topic, each once). */
+static void read_subscriptions(statpub_t *p)
+{
+    unsigned char buf[64];
+    int n;
+    while ((n = zmq_recv(p->sock, buf, sizeof(buf), ZMQ_DONTWAIT)) >= 0) {
+        if (n >= 1 && buf[0] == 1)
+            p->subscribers++;
+        else if (n >= 1 && buf[0] == 0 && p->subscribers > 0)
+            p->subscribers--;
+    }
+}
+
+/* Send [topic, body] without blocking. Returns 0 when it went to every subscriber, -1 when
+ * some subscriber's queue is full (EAGAIN: nobody got it; the caller keeps it) or on
+ * another error (logged at debug; also kept). */
+static int send_one(statpub_t *p, const char *topic, const char *body, size_t len)
 {
     if (zmq_send(p->sock, topic, strlen(topic), ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0) {
-        p->dropped++;
-        log_debug("stats: %s not published: %s", topic, zmq_strerror(errno));
-        return;
+        if (errno != EAGAIN)
+            log_debug("stats: %s not published: %s", topic, zmq_strerror(errno));
+        return -1;
     }
-    /* after the first frame a multipart message goes whole or not at all */
-    zmq_send(p->sock, sb->data, sb->size, ZMQ_DONTWAIT);
+    /* after the first frame a multipart message goes whole (the high-water mark is checked
+     * at its first frame) */
+    zmq_send(p->sock, body, len, ZMQ_DONTWAIT);
     p->sent++;
+    p->stall_sends += (uint64_t)p->lossy;
+    return 0;
+}
+
+/* Turn ZMQ_XPUB_NODROP off (lossy 1) or back on (0). */
+static void set_lossy(statpub_t *p, int lossy)
+{
+    int nodrop = !lossy;
+    if (zmq_setsockopt(p->sock, ZMQ_XPUB_NODROP, &nodrop, sizeof(nodrop)) == 0)
+        p->lossy = lossy;
+}
+
+/* Send what waits, oldest first: the queued events, then (snapshot: 1) the due snapshot,
+ * packed now so it is the newest state. An event arrives from inside cluster code (stats'
+ * sink), which the snapshot must not read half-changed: there the snapshot waits. */
+static void send_waiting(statpub_t *p, int snapshot)
+{
+    while (p->ev_n > 0) {
+        msgpack_sbuffer *b = &p->evq[p->ev_head];
+        if (send_one(p, "event", b->data, b->size) < 0)
+            break;
+        msgpack_sbuffer_clear(b);
+        p->ev_head = (p->ev_head + 1) % p->ev_cap;
+        p->ev_n--;
+    }
+    if (snapshot && p->ev_n == 0 && p->snapshot_due) {
+        msgpack_sbuffer sb;
+        msgpack_sbuffer_init(&sb);
+        if (statpub_pack_snapshot(p, &sb, proto_now_us()) == 0 &&
+            send_one(p, "snapshot", sb.data, sb.size) == 0)
+            p->snapshot_due = 0;
+        msgpack_sbuffer_destroy(&sb);
+    }
+}
+
+/* Send what waits to every subscriber; when that has found no room for stall_us, send it
+ * past the full ones (lossy), and try every subscriber again at the next flush, so the
+ * stall ends as soon as the slow one has room. Arms the retry timer when something is
+ * left (the snapshot waits for it when called from the event sink: snapshot 0). */
+static void flush(statpub_t *p, int snapshot)
+{
+    read_subscriptions(p);
+    int64_t now = proto_now_us();
+    send_waiting(p, snapshot);
+    if (p->ev_n == 0 && !(snapshot && p->snapshot_due)) {
+        p->waiting_since_us = 0; /* everything reached every subscriber */
+        p->stall_logged = 0;
+    } else {
+        if (p->waiting_since_us == 0)
+            p->waiting_since_us = now;
+        if (p->stall_us > 0 && now - p->waiting_since_us >= p->stall_us) {
+            if (!p->stall_logged)
+                log_warn("stats: the socket has been full for %lld ms (a subscriber reads "
+                         "too slowly or not at all); sending past it until it has room",
+                         (long long)((now - p->waiting_since_us) / 1000));
+            p->stall_logged = 1;
+            set_lossy(p, 1);
+            send_waiting(p, snapshot);
+            set_lossy(p, 0);
+        }
+    }
+    if ((p->ev_n > 0 || p->snapshot_due) && !evtimer_pending(p->retry, NULL)) {
+        struct timeval tv = {p->retry_ms / 1000, (p->retry_ms % 1000) * 1000};
+        evtimer_add(p->retry, &tv);
+    }
+}
+
+static void on_retry(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd;
+    (void)what;
+    flush(arg, 1);
 }
 
 static void on_event(const stats_event *ev, void *ud)
 {
     statpub_t *p = ud;
-    msgpack_sbuffer sb;
-    msgpack_sbuffer_init(&sb);
+    if (p->ev_n == p->ev_cap) { /* full: the oldest goes (counted; the seq gap shows it) */
+        msgpack_sbuffer_clear(&p->evq[p->ev_head]);
+        p->ev_head = (p->ev_head + 1) % p->ev_cap;
+        p->ev_n--;
+        p->events_dropped++;
+    }
+    msgpack_sbuffer *b = &p->evq[(p->ev_head + p->ev_n) % p->ev_cap];
     msgpack_packer pk;
-    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_packer_init(&pk, b, msgpack_sbuffer_write);
     pk_event(&pk, ev, 1);
-    if (sb.data)
-        publish(p, "event", &sb);
-    msgpack_sbuffer_destroy(&sb);
+    if (b->data && b->size) {
+        p->ev_n++;
+    } else { /* out of memory: lost, and counted as such */
+        msgpack_sbuffer_clear(b);
+        p->events_dropped++;
+    }
+    p->last_event_seq = ev->seq;
+    flush(p, 0);
 }
 
 static void on_tick(evutil_socket_t fd, short what, void *arg)
@@ -382,19 +517,19 @@ static void on_tick(evutil_socket_t fd, short what, void *arg)
     statpub_t *p = arg;
     (void)fd;
     (void)what;
-    int64_t now = proto_now_us();
-    stats_sample(p->stats, p->cluster, now);
-    msgpack_sbuffer sb;
-    msgpack_sbuffer_init(&sb);
-    if (statpub_pack_snapshot(p, &sb, now) == 0)
-        publish(p, "snapshot", &sb);
-    msgpack_sbuffer_destroy(&sb);
+    stats_sample(p->stats, p->cluster, proto_now_us());
+    p->seq++;
+    if (p->snapshot_due) /* the previous one never left: this one replaces it */
+        p->snapshots_conflated++;
+    p->snapshot_due = 1;
+    flush(p, 1);
 }
 
 statpub_t *statpub_new(struct event_base *base, const statpub_params *prm, stats_t *stats,
                        const cluster_t *c, char *err, size_t errlen)
 {
-    if (!base || !prm || !prm->bind || !stats || prm->interval_ms < 10 || prm->sndhwm < 1) {
+    if (!base || !prm || !prm->bind || !stats || prm->interval_ms < 10 || prm->sndhwm < 1 ||
+        prm->sndbuf < 0 || prm->event_queue < 1 || prm->stall_ms < 0) {
         snprintf(err, errlen, "stats socket: invalid parameters");
         return NULL;
     }
@@ -407,17 +542,30 @@ statpub_t *statpub_new(struct event_base *base, const statpub_params *prm, stats
     p->stats = stats;
     p->cluster = c;
     p->interval_ms = prm->interval_ms;
+    p->stall_us = (int64_t)prm->stall_ms * 1000;
+    /* a tenth of the interval, 10 ms to 100 ms: a full socket is polled this often */
+    p->retry_ms = prm->interval_ms / 10;
+    if (p->retry_ms < 10)
+        p->retry_ms = 10;
+    if (p->retry_ms > 100)
+        p->retry_ms = 100;
     p->model = strdup(prm->model_name ? prm->model_name : "");
     p->zctx = zmq_ctx_new();
-    if (!p->model || !p->zctx) {
+    p->ev_cap = prm->event_queue;
+    p->evq = calloc((size_t)p->ev_cap, sizeof(*p->evq));
+    if (!p->model || !p->zctx || !p->evq) {
         snprintf(err, errlen, "out of memory");
         goto fail;
     }
-    p->sock = zmq_socket(p->zctx, ZMQ_PUB);
-    int linger = 0, hwm = prm->sndhwm;
+    for (int i = 0; i < p->ev_cap; i++)
+        msgpack_sbuffer_init(&p->evq[i]);
+    p->sock = zmq_socket(p->zctx, ZMQ_XPUB);
+    int linger = 0, hwm = prm->sndhwm, nodrop = 1, sndbuf = prm->sndbuf;
     size_t len = sizeof(p->endpoint);
     if (!p->sock || zmq_setsockopt(p->sock, ZMQ_LINGER, &linger, sizeof(linger)) < 0 ||
-        zmq_setsockopt(p->sock, ZMQ_SNDHWM, &hwm, sizeof(hwm)) < 0) {
+        zmq_setsockopt(p->sock, ZMQ_SNDHWM, &hwm, sizeof(hwm)) < 0 ||
+        zmq_setsockopt(p->sock, ZMQ_XPUB_NODROP, &nodrop, sizeof(nodrop)) < 0 ||
+        (sndbuf > 0 && zmq_setsockopt(p->sock, ZMQ_SNDBUF, &sndbuf, sizeof(sndbuf)) < 0)) {
         snprintf(err, errlen, "stats socket: %s", zmq_strerror(zmq_errno()));
         goto fail;
     }
@@ -429,8 +577,9 @@ statpub_t *statpub_new(struct event_base *base, const statpub_params *prm, stats
     if (zmq_getsockopt(p->sock, ZMQ_LAST_ENDPOINT, p->endpoint, &len) < 0)
         snprintf(p->endpoint, sizeof(p->endpoint), "%s", prm->bind);
     p->tick = event_new(base, -1, EV_PERSIST, on_tick, p);
+    p->retry = evtimer_new(base, on_retry, p);
     struct timeval tv = {prm->interval_ms / 1000, (prm->interval_ms % 1000) * 1000};
-    if (!p->tick || event_add(p->tick, &tv) < 0) {
+    if (!p->tick || !p->retry || event_add(p->tick, &tv) < 0) {
         snprintf(err, errlen, "stats socket: cannot add the timer");
         goto fail;
     }
@@ -448,12 +597,17 @@ void statpub_destroy(statpub_t **pp)
     statpub_t *p = *pp;
     if (p->tick)
         event_free(p->tick);
+    if (p->retry)
+        event_free(p->retry);
     if (p->stats)
         stats_set_event_sink(p->stats, NULL, NULL);
     if (p->sock)
         zmq_close(p->sock);
     if (p->zctx)
         zmq_ctx_term(p->zctx);
+    for (int i = 0; p->evq && i < p->ev_cap; i++)
+        msgpack_sbuffer_destroy(&p->evq[i]);
+    free(p->evq);
     free(p->model);
     free(p);
     *pp = NULL;
@@ -467,5 +621,5 @@ const char *statpub_endpoint(const statpub_t *p)
 void statpub_counts(const statpub_t *p, uint64_t *sent, uint64_t *dropped)
 {
     *sent = p->sent;
-    *dropped = p->dropped;
+    *dropped = p->events_dropped + p->snapshots_conflated;
 }

@@ -8,10 +8,17 @@
  *                              retry or error
  *
  * The schema is versioned (key "schema", STATPUB_SCHEMA) and documented in docs/stats.md.
- * Publishing never slows serving: the socket has a small send high-water mark, every send
- * is ZMQ_DONTWAIT, and a PUB socket drops messages for a subscriber that is absent or
- * behind. The socket has its own ZeroMQ context and is never read, so it needs no watcher
- * in the event loop. Loop thread only.
+ * Publishing never slows serving: every send is ZMQ_DONTWAIT. A subscriber that reads
+ * slowly sees the current state, not an ever older backlog, and loses no event silently:
+ * the socket (XPUB, ZMQ_XPUB_NODROP) queues at most sndhwm messages per subscriber and a
+ * small kernel buffer (sndbuf), and refuses more (EAGAIN); then snapshots are conflated
+ * (the newest is sent when there is room, each one skipped counted in
+ * "snapshots_conflated", its seq skipped) and events wait in a queue of event_queue (the
+ * oldest dropped when full, counted in "events_dropped", its seq skipped). The slowest
+ * subscriber paces all of them, up to stall_ms: then what waits is sent past it (it loses
+ * those messages, counted in "stall_sends", and sees the seq gaps). The socket has its own ZeroMQ context; its subscription
+ * messages are read when publishing, so it needs no watcher in the event loop. Loop
+ * thread only.
  */
 #ifndef TP_GW_STATPUB_H
 #define TP_GW_STATPUB_H
@@ -23,6 +30,10 @@
 #include "stats.h"
 
 #define STATPUB_SCHEMA 1
+#define STATPUB_SNDHWM 4          /* messages queued in ZeroMQ per subscriber */
+#define STATPUB_SNDBUF 4096       /* bytes: the socket's kernel send buffer (SO_SNDBUF) */
+#define STATPUB_EVENT_QUEUE 1024  /* events waiting for room before the oldest is dropped */
+#define STATPUB_STALL_MS 5000     /* a subscriber this long full is sent past */
 
 struct event_base;
 struct msgpack_sbuffer;
@@ -32,11 +43,17 @@ typedef struct statpub statpub_t;
 typedef struct {
     const char *bind;       /* ZeroMQ endpoint to bind, e.g. tcp://127.0.0.1:5558 */
     int interval_ms;        /* snapshot period (>= 10) */
-    int sndhwm;             /* messages queued per subscriber before drops (>= 1) */
+    int sndhwm;             /* messages queued in ZeroMQ per subscriber (>= 1) */
+    int sndbuf;             /* kernel send buffer, bytes (ZMQ_SNDBUF; 0 = the OS default) */
+    int event_queue;        /* events kept while the socket is full (>= 1) */
+    int stall_ms;           /* a message waiting this long for a full subscriber is sent
+                             * past it (the others get it, it does not); 0 = never: the
+                             * slowest subscriber paces all, and loses nothing unreported */
     const char *model_name; /* the served model (copied) */
 } statpub_params;
 
-/* Defaults: tcp://127.0.0.1:5558, 1000 ms, sndhwm 100. */
+/* Defaults: tcp://127.0.0.1:5558, 1000 ms, STATPUB_SNDHWM, STATPUB_SNDBUF,
+ * STATPUB_EVENT_QUEUE, STATPUB_STALL_MS. */
 statpub_params statpub_default_params(void);
 
 /* Bind the PUB socket, start the snapshot timer on base and subscribe to stats' events
@@ -57,7 +74,8 @@ const char *statpub_endpoint(const statpub_t *p);
  * Returns 0, or -1 when packing failed (out of memory). */
 int statpub_pack_snapshot(statpub_t *p, struct msgpack_sbuffer *sb, int64_t now_us);
 
-/* Messages handed to ZeroMQ and messages that could not be (since start). */
+/* Messages handed to ZeroMQ, and messages that never will be (events dropped plus
+ * snapshots conflated), since start. */
 void statpub_counts(const statpub_t *p, uint64_t *sent, uint64_t *dropped);
 
 #endif

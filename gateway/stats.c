@@ -358,6 +358,7 @@ void stats_on_cluster_event(const cluster_event *ce, void *ud)
         [CLUSTER_EV_REQUEST_RETRY] = "request_retry",
         [CLUSTER_EV_REQUEST_PREEMPT] = "request_preempt",
         [CLUSTER_EV_ROLE_CHANGE] = "role_change",
+        [CLUSTER_EV_WORKER_REFUSED] = "worker_refused",
     };
     if ((int)ce->type < 1 || (int)ce->type >= (int)(sizeof(names) / sizeof(names[0])))
         return;

@@ -14,7 +14,11 @@
  * socket and fd 0); every message is decoded with msgpack-c; the newest snapshot is kept
  * (with the buffer it was decoded from) and the screen redrawn from it. Events are kept in
  * a ring, deduplicated by their sequence number, so those a snapshot carries (for a late
- * start) and those that arrive one by one merge into one list.
+ * start) and those that arrive one by one merge into one list. Gaps in the sequence
+ * numbers of the snapshots and of the events received one by one are counted and shown
+ * with the publisher's own counts (snapshots_conflated, events_dropped): a dashboard that
+ * fell behind says so. It reads everything waiting at each wake-up and keeps the newest
+ * snapshot (docs/stats.md "Reading it").
  */
 #include <errno.h>
 #include <math.h>
@@ -108,6 +112,8 @@ typedef struct {
     event_line events[MAX_EVENTS];
     int ev_head, n_events;
     uint64_t last_ev_seq;
+    uint64_t last_snap_seq, last_msg_ev_seq; /* the latest received (0 = none yet) */
+    uint64_t snap_gaps, ev_gaps;             /* sequence numbers missed since the start */
     int paused, sort, quit;
     uint64_t n_msgs, n_bad;
 } top_t;
@@ -181,7 +187,16 @@ static int on_message(top_t *t, const char *topic, size_t topic_len, const char 
         free(copy);
         return 0;
     }
-    if (topic_len == 5 && memcmp(topic, "event", 5) == 0) {
+    double seq = mp_num(&up.data, "seq");
+    int is_event = topic_len == 5 && memcmp(topic, "event", 5) == 0;
+    uint64_t *last = is_event ? &t->last_msg_ev_seq : &t->last_snap_seq;
+    if (!isnan(seq) && seq >= 1) { /* gaps: messages the publisher conflated or dropped */
+        if (*last && (uint64_t)seq > *last + 1)
+            *(is_event ? &t->ev_gaps : &t->snap_gaps) += (uint64_t)seq - *last - 1;
+        if ((uint64_t)seq > *last)
+            *last = (uint64_t)seq;
+    }
+    if (is_event) {
         add_event(t, &up.data);
         msgpack_unpacked_destroy(&up);
         free(copy);
@@ -393,6 +408,19 @@ static void draw(top_t *t)
                  mp_num(mp_get(mp_get(c, "kv_transfer"), "recv"), "aborts"),
                  age > 3 * interval + 1 ? "   (stale)" : "");
         mvaddnstr(y++, 42, buf, cols - 43 > 0 ? cols - 43 : 0);
+        double conflated = mp_num(s, "snapshots_conflated"), dropped = mp_num(s, "events_dropped");
+        if (t->snap_gaps || t->ev_gaps || conflated > 0 || dropped > 0) {
+            if (color_ok)
+                attron(COLOR_PAIR(2));
+            snprintf(buf, sizeof(buf),
+                     "behind    missed %llu snapshots, %llu events   (publisher: %.0f snapshots "
+                     "conflated, %.0f events dropped, for its slowest subscriber)",
+                     (unsigned long long)t->snap_gaps, (unsigned long long)t->ev_gaps,
+                     isnan(conflated) ? 0.0 : conflated, isnan(dropped) ? 0.0 : dropped);
+            mvaddnstr(y++, 1, buf, cols - 1);
+            if (color_ok)
+                attroff(COLOR_PAIR(2));
+        }
         y++;
 
         // workers
@@ -478,7 +506,8 @@ int main(int argc, char **argv)
     memset(&t, 0, sizeof(t));
     t.zctx = zmq_ctx_new();
     t.sub = t.zctx ? zmq_socket(t.zctx, ZMQ_SUB) : NULL;
-    int linger = 0, hwm = 1000;
+    /* a small queue: what waits is old; the publisher conflates snapshots for us */
+    int linger = 0, hwm = 16;
     if (!t.sub || zmq_setsockopt(t.sub, ZMQ_SUBSCRIBE, "", 0) < 0 ||
         zmq_setsockopt(t.sub, ZMQ_LINGER, &linger, sizeof(linger)) < 0 ||
         zmq_setsockopt(t.sub, ZMQ_RCVHWM, &hwm, sizeof(hwm)) < 0 ||

@@ -469,6 +469,15 @@ static void on_ctl(runtime_t *rt, proto_msg *m, int n_frames)
     }
     switch (m->type) {
     case PROTO_REGISTER_ACK:
+        if (m->code != PROTO_ERR_NONE) { /* refused: a restart would be refused again */
+            log_error("the gateway refused this worker (%s): %s; exiting with status %d "
+                      "(not restarted by the launchers)",
+                      proto_err_str(m->code), m->message[0] ? m->message : "no reason given",
+                      RUNTIME_EXIT_REFUSED);
+            rt->refused = 1;
+            rt->registered = 0;
+            return;
+        }
         if (!rt->registered)
             log_info("registered with the gateway as %s (heartbeat %d ms)", rt->wid,
                      m->heartbeat_ms);
@@ -657,6 +666,8 @@ int runtime_run(runtime_t *rt)
                 on_ctl(rt, wire_envelope_msg(rt->env), wire_envelope_n_frames(rt->env));
         }
         wire_envelope_reset(rt->env);
+        if (rt->refused)
+            return RUNTIME_EXIT_REFUSED;
         for (runtime_role *r = rt->roles; r < rt->roles + rt->n_roles; r++)
             if (r->ops->process)
                 r->ops->process(r->st); /* the decode role's kv socket and its events */

@@ -33,6 +33,11 @@
 
 typedef struct runtime runtime_t;
 
+/* Exit status of a worker the gateway refused at registration (REGISTER_ACK with a code:
+ * another model or KV block size than the cluster's): EX_CONFIG of sysexits.h. Launchers do
+ * not restart a worker that exited with it (a restart would be refused again). */
+#define RUNTIME_EXIT_REFUSED 78
+
 /* A sequence whose prompt was computed here and that is decoded here (mixed worker): what
  * the prefill role hands the decode role. The KV sequence and `hand` move with it. */
 typedef struct {
@@ -135,6 +140,7 @@ struct runtime {
     runtime_role roles[2];  /* the attached roles, prefill first */
     int n_roles;
     int registered;
+    int refused;              /* the gateway refused the REGISTER: leave (RUNTIME_EXIT_REFUSED) */
     int64_t unacked_since_us; /* first REGISTER on this ctl DEALER not acknowledged yet
                                  (0 = none) */
     int hb_ms;
@@ -187,7 +193,8 @@ void runtime_handoff_local(runtime_t *rt, runtime_handoff *h);
 /* Open the ctl socket to the gateway and attach the roles of rt->role (prefill, decode or
  * both). Returns 0, or -1 (logged). */
 int runtime_open(runtime_t *rt);
-/* The loop, until drained (returns 0), a second signal or a fatal socket error (1). */
+/* The loop, until drained (returns 0), a second signal or a fatal socket error (1), or the
+ * gateway refused the registration (RUNTIME_EXIT_REFUSED, the reason logged). */
 int runtime_run(runtime_t *rt);
 /* Detach the roles, close the sockets (fast: without lingering to flush) and the zmq
  * context. Takes a partly opened rt. The compute state is the caller's. */

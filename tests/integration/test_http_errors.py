@@ -10,6 +10,7 @@ Starts only build/bin/gateway on free loopback ports. Standard library only.
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -109,6 +110,10 @@ class Gateway:
     def read_log(self):
         with open(self.log, errors="replace") as f:
             return f.read()
+
+    def fingerprint(self):
+        """The model fingerprint the gateway computed (a worker must REGISTER with it)."""
+        return int(re.search(r"fingerprint ([0-9a-f]{16})", self.read_log()).group(1), 16)
 
     def request(self, method, path, body=None, headers=None, timeout=20):
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
@@ -250,6 +255,140 @@ class HttpErrorsTest(unittest.TestCase):
         self.assertIsNone(self.gw.proc.poll())
 
 
+def raw_exchange(port, data, timeout=10):
+    """Send raw bytes on a new connection; return (everything received, closed): closed is
+    True when the server closed the connection (EOF) before the timeout."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    s.sendall(data)
+    out, closed = b"", False
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                closed = True
+                break
+            out += chunk
+    except socket.timeout:
+        pass
+    except ConnectionResetError:
+        closed = True
+    s.close()
+    return out, closed
+
+
+def parse_response(data):
+    """(status, reason, {header: value}, body) of the one HTTP/1.1 response in data."""
+    head, body = data.split(b"\r\n\r\n", 1)
+    lines = head.decode("latin-1").split("\r\n")
+    version, status, reason = lines[0].split(" ", 2)
+    assert version == "HTTP/1.1", lines[0]
+    headers = {}
+    for line in lines[1:]:
+        k, v = line.split(":", 1)
+        headers[k.strip().lower()] = v.strip()
+    return int(status), reason, headers, body
+
+
+MSG_400 = ("The request could not be parsed: a malformed request line or header, or a request "
+           "line or header block over the server's limit (64 KiB).")
+MSG_413 = "The request line, its headers or its body exceed this server's limits."
+MSG_417 = "The Expect header is not supported (only 100-continue is)."
+MSG_501 = "This HTTP method is not supported."
+# Requests libevent answers by itself, before any gateway handler: (name, bytes, status,
+# reason phrase, code, message). Issue 12: these came back as libevent's HTML page.
+RAW_ERRORS = [
+    ("garbage request line", b"\x01\x02 garbage\r\n\r\n", 400, "Bad Request", "bad_request",
+     MSG_400),
+    ("request line without a version", b"GET /health\r\nHost: x\r\n\r\n", 400, "Bad Request",
+     "bad_request", MSG_400),
+    ("unknown HTTP version", b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n", 400, "Bad Request",
+     "bad_request", MSG_400),
+    ("header line without a colon", b"GET /health HTTP/1.1\r\nHost x\r\n\r\n", 400,
+     "Bad Request", "bad_request", MSG_400),
+    ("header block over 64 KiB", b"GET /health HTTP/1.1\r\nHost: x\r\n" +
+     b"".join(b"X-Pad-%d: %s\r\n" % (i, b"a" * 1000) for i in range(70)) + b"\r\n", 400,
+     "Bad Request", "bad_request", MSG_400),
+    ("over-long URI", b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 400,
+     "Bad Request", "bad_request", MSG_400),
+    ("unknown method", b"FOO /health HTTP/1.1\r\nHost: x\r\n\r\n", 501, "Not Implemented",
+     "method_not_implemented", MSG_501),
+    ("method outside the allowed ones", b"TRACE /health HTTP/1.1\r\nHost: x\r\n\r\n", 501,
+     "Not Implemented", "method_not_implemented", MSG_501),
+    ("Expect other than 100-continue", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+     b"Expect: something\r\nContent-Length: 2\r\n\r\n{}", 417, "Expectation Failed",
+     "expectation_failed", MSG_417),
+    # libevent's own body limit: past 2 x --max-body-bytes + 64 KiB (Batch API off), before
+    # the body is read (below that the gateway reads it and answers its own JSON 413)
+    ("body over libevent's limit", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (2 * MAX_BODY + 65537),
+     413, "Request Entity Too Large", "request_too_large", MSG_413),
+]
+
+
+@unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
+                     "needs %s and %s (make all)" % (GATEWAY, MODEL))
+class RawErrorsTest(unittest.TestCase):
+    """Every HTTP error is the OpenAI JSON error shape, including those libevent 2.1 sends
+    itself (it has no error callback: the gateway defines evhttp_send_error, http.c)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.gw = Gateway("--state-db", "", "--stats-bind", "")
+
+    @classmethod
+    def tearDownClass(cls):
+        rc = cls.gw.stop()
+        assert rc == 0, "gateway exit code %s" % rc
+
+    def test_override_is_exported(self):
+        """The executable exports evhttp_send_error, so libevent's PLT call binds to it."""
+        out = subprocess.run(["nm", "-D", "--defined-only", GATEWAY], capture_output=True,
+                             text=True, check=True).stdout
+        self.assertRegex(out, r"(?m)^[0-9a-f]+ T evhttp_send_error$")
+
+    def test_libevent_errors_are_json(self):
+        for name, data, status, reason, code, message in RAW_ERRORS:
+            with self.subTest(name):
+                out, closed = raw_exchange(self.gw.port, data)
+                self.assertTrue(out, name)
+                st, rs, headers, body = parse_response(out)
+                self.assertEqual((st, rs), (status, reason), out[:300])
+                self.assertEqual(headers["content-type"], "application/json")
+                self.assertEqual(headers["connection"], "close")
+                self.assertEqual(int(headers["content-length"]), len(body))
+                self.assertEqual(json.loads(body), {"error": {
+                    "message": message, "type": "invalid_request_error", "param": None,
+                    "code": code}})
+                # after a request it could not take, the server closes the connection (what
+                # follows on it cannot be trusted) and sends nothing else
+                self.assertTrue(closed, name)
+                self.assertEqual(out.count(b"HTTP/1.1 "), 1, name)
+        self.assertIsNone(self.gw.proc.poll())
+        st, _, _ = self.gw.request("GET", "/v1/models")
+        self.assertEqual(st, 200)
+        # counted like every reply
+        _, _, metrics = self.gw.request("GET", "/metrics")
+        got = {int(m.group(1)): int(float(m.group(2))) for m in re.finditer(
+            r'(?m)^tidepool:http_responses_total\{[^}]*code="(\d+)"\} (\S+)$',
+            metrics.decode())}
+        for status in (400, 413, 417, 501):
+            want = sum(1 for case in RAW_ERRORS if case[2] == status)
+            self.assertEqual(got.get(status), want, (status, got))
+
+    def test_gateway_errors_keep_the_connection(self):
+        """The gateway's own JSON errors (404 here) leave a keep-alive connection usable."""
+        two = (b"GET /v1/nope HTTP/1.1\r\nHost: x\r\n\r\n"
+               b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        out, closed = raw_exchange(self.gw.port, two)
+        self.assertTrue(closed)
+        first, second = out.split(b"HTTP/1.1 ")[1:]
+        self.assertTrue(first.startswith(b"404 "), out[:300])
+        self.assertTrue(second.startswith(b"200 "), out[:600])
+        st, _, headers, body = parse_response(b"HTTP/1.1 " + first)
+        self.assertEqual(headers["content-type"], "application/json")
+        self.assertEqual(json.loads(body)["error"]["code"], "unknown_url")
+
+
 @unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
                      "needs %s and %s (make all)" % (GATEWAY, MODEL))
 class QueueTest(unittest.TestCase):
@@ -374,8 +513,9 @@ def mp_unpack(b):
 class FakeWorker:
     """A mixed worker speaking the ctl protocol from the test's thread."""
 
-    def __init__(self, ctx, endpoint, wid):
+    def __init__(self, ctx, endpoint, wid, fp):
         self.wid = wid
+        self.fp = fp  # the gateway's model fingerprint
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.ROUTING_ID, wid.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -387,7 +527,8 @@ class FakeWorker:
         self.sock.send(mp_pack(fields))
 
     def register(self):
-        self.send(REGISTER, wid=self.wid, role=3, kvep="", fp=1, pid=os.getpid(), n_ctx=N_CTX,
+        self.send(REGISTER, wid=self.wid, role=3, kvep="", fp=self.fp, pid=os.getpid(),
+                  n_ctx=N_CTX,
                   bs=16, max_seqs=8, kv_total=1000, kv_free=1000)
 
     def heartbeat(self):
@@ -436,7 +577,7 @@ class FakeWorkerTest(unittest.TestCase):
         self.assertEqual(self.gw.stop(), 0)
 
     def worker(self, wid):
-        w = FakeWorker(self.ctx, "tcp://127.0.0.1:%d" % self.ctl_port, wid)
+        w = FakeWorker(self.ctx, "tcp://127.0.0.1:%d" % self.ctl_port, wid, self.gw.fingerprint())
         w.register()
         self.assertEqual(w.recv(want=(REGISTER_ACK,))["hb_ms"], 100)
         self.workers.append(w)
@@ -463,6 +604,36 @@ class FakeWorkerTest(unittest.TestCase):
         self.assertEqual(m["dep"], "")
         self.assertEqual(m["dw"], w.wid)
         return m
+
+    def test_wrong_fingerprint_is_refused(self):
+        """A REGISTER with another model's fingerprint gets REGISTER_ACK with code 2
+        (layout_mismatch) and the reason, and the worker is never routed to."""
+        w = FakeWorker(self.ctx, "tcp://127.0.0.1:%d" % self.ctl_port, "w-x", 1)
+        self.workers.append(w)
+        w.register()
+        m = w.recv(want=(REGISTER_ACK,))
+        self.assertEqual(m["code"], 2)
+        self.assertEqual(m["msg"], "model fingerprint 0000000000000001, the gateway's model has "
+                         "%016x (another model, or another conversion of it)"
+                         % self.gw.fingerprint())
+        self.assertEqual(m["hb_ms"], 100)
+        st, _, data = self.gw.request("GET", "/health")
+        self.assertEqual(st, 503)
+        self.assertEqual(json.loads(data)["workers"],
+                         {"prefill": 0, "decode": 0, "mixed": 0, "draining": 0})
+        st, _, data = self.gw.request("GET", "/workers")
+        body = json.loads(data)
+        self.assertEqual(body["workers"], [])
+        self.assertEqual([(r["id"], r["state"], r["role"]) for r in body["refused"]],
+                         [("w-x", "refused", "mixed")])
+        # an older worker that ignores the refusal and heartbeats is told to register
+        # again (BYE) and refused again, never routed to
+        w.heartbeat()
+        self.assertIsNotNone(w.recv(want=(BYE,)))
+        w.register()
+        self.assertEqual(w.recv(want=(REGISTER_ACK,))["code"], 2)
+        self.assertIsNone(w.recv(0.5, want=(PREFILL,)))
+        self.assertEqual(len(re.findall("worker w-x .* refused", self.gw.read_log())), 1)
 
     def test_duplicates_and_retry_give_one_answer(self):
         a = self.worker("w-a")
@@ -558,7 +729,7 @@ class FakeWorkerTest(unittest.TestCase):
         m3 = rerun_on(a)
         self.assertEqual(m3["max_tokens"], 1)
         # b comes back as another process (restarted): it never had the attempt
-        b.send(REGISTER, wid="w-b", role=3, kvep="", fp=1, pid=os.getpid() + 1, n_ctx=N_CTX,
+        b.send(REGISTER, wid="w-b", role=3, kvep="", fp=b.fp, pid=os.getpid() + 1, n_ctx=N_CTX,
                bs=16, max_seqs=8, kv_total=1000, kv_free=1000)
         self.assertIsNone(b.recv(0.5, want=(CANCEL,)), "CANCEL sent to another process")
         a.send(TOKENS, rid=m3["rid"], index=0, tokens=ids_of("d"))

@@ -4,9 +4,11 @@ a hang); the gateway stays up and the next request is served correctly."""
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import unittest
@@ -22,6 +24,10 @@ class Launcher(unittest.TestCase):
         self.ctl = free_port()
         self.kv = free_port()
         env = dict(os.environ, TIDEPOOL_BIN=BIN)
+        # the workers' config file: empty; a test rewrites it to restart a worker differently
+        self.worker_config = os.path.join(self.make_tmp(), "worker.conf")
+        with open(self.worker_config, "w") as f:
+            f.write("# worker settings of this test\n")
         self.log = open(os.path.join(ROOT, os.environ.get("TIDEPOOL_BUILD", "build"),
                                      "test-logs", "launcher.out"), "wb")
         self.proc = subprocess.Popen(
@@ -30,6 +36,7 @@ class Launcher(unittest.TestCase):
              "--stats-port", str(free_port()), "--model", MODEL,
              "--worker-arg", "--heartbeat-ms", "--worker-arg", "200",
              "--worker-arg", "--debug-step-delay-ms", "--worker-arg", "5",
+             "--worker-arg", "--config", "--worker-arg", self.worker_config,
              "--gateway-arg", "--heartbeat-ms", "--gateway-arg", "200",
              "--gateway-arg", "--dead-after-ms", "--gateway-arg", "800"],
             stdout=subprocess.PIPE, stderr=self.log, env=env, start_new_session=True)
@@ -39,7 +46,12 @@ class Launcher(unittest.TestCase):
         line = self.proc.stdout.readline().decode()
         self.assertIn("tidepool is ready: http://127.0.0.1:%d/v1" % self.port, line)
 
+    def make_tmp(self):
+        self.tmp = tempfile.mkdtemp(prefix="tidepool-launcher-")
+        return self.tmp
+
     def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
         if self.proc.poll() is not None:
             self.log.close()
             return
@@ -164,6 +176,35 @@ class Launcher(unittest.TestCase):
             time.sleep(0.2)
             status, body = self.c.request("GET", "/health")
         self.assertEqual(status, 200, body)
+
+    def test_refused_worker_is_not_restarted(self):
+        """A worker the gateway refuses (here: restarted with another KV block size) exits with
+        status 78, and the launcher logs it and leaves it down instead of restarting it for
+        ever (a restart would be refused again)."""
+        with open(self.worker_config, "w") as f:
+            f.write("block-size = 32\n")
+        pids = self.worker_pids("decode-0")
+        for p in pids:
+            os.kill(p, signal.SIGKILL)
+        want = "decode-0 was refused by the gateway (status 78"
+        deadline = time.time() + 20
+        text = ""
+        while want not in text and time.time() < deadline:
+            time.sleep(0.2)
+            self.log.flush()
+            with open(self.log.name, errors="replace") as f:
+                text = f.read()
+        self.assertIn(want + ": its model or KV block size is not the cluster's; see its log); "
+                      "not restarting it", text)
+        self.assertEqual(len(re.findall(r"restarting decode-0\b", text)), 1, text)
+        time.sleep(3)  # longer than the back-off: still down, the launcher still running
+        self.assertEqual(self.worker_pids("decode-0"), [])
+        self.assertIsNone(self.proc.poll())
+        status, body = self.c.request("GET", "/workers")
+        self.assertEqual([w["id"] for w in body["refused"]], ["decode-0"])
+        self.assertEqual(body["refused"][0]["reason"],
+                         "KV block size 32 tokens, the cluster's is 16 (pinned by worker "
+                         "prefill-0)")
 
     def test_kill_decode_worker(self):
         self.kill_during_request("decode-0")

@@ -428,5 +428,200 @@ class SlowSubscriber(unittest.TestCase):
             self.assertEqual(status, 200)
 
 
+def stats_gateway(interval_ms, *args):
+    """A gateway without workers (test_http_errors.Gateway) with its stats socket on a free
+    port, publishing every interval_ms, with more gateway args; returns (gateway, stats
+    endpoint)."""
+    from test_http_errors import Gateway, free_port
+    endpoint = "tcp://127.0.0.1:%d" % free_port()
+    gw = Gateway("--state-db", "", "--stats-bind", endpoint, "--stats-interval-ms",
+                 str(interval_ms), *args)
+    return gw, endpoint
+
+
+def slow_sub(ctx, endpoint):
+    """A subscriber set as docs/stats.md advises a slow reader: RCVHWM 1, small RCVBUF."""
+    s = ctx.socket(zmq.SUB)
+    s.setsockopt(zmq.RCVHWM, 1)
+    s.setsockopt(zmq.RCVBUF, 4096)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SUBSCRIBE, b"")
+    s.connect(endpoint)
+    return s
+
+
+class SlowReader(unittest.TestCase):
+    """Issue 12: a slow stats subscriber fell ever further behind (kernel buffers of
+    megabytes held old snapshots, far more than the documented high-water mark); events
+    were dropped silently by the PUB socket."""
+
+    def test_one_message_at_a_time_stays_recent(self):
+        """A reader that takes one message every 100 ms (five snapshot intervals) sees
+        snapshots at most K of its reads old, K = what the socket may hold for it: the
+        publisher's 4 + its RCVHWM 1 messages plus 24 KiB of kernel and ZeroMQ buffers
+        (docs/stats.md); the age stops growing instead of rising by 80 ms a read."""
+        gw, endpoint = stats_gateway(20)
+        ctx = zmq.Context()
+        sub = slow_sub(ctx, endpoint)
+        try:
+            ages, sizes = [], []
+            t0 = time.time()
+            while time.time() - t0 < 10:
+                time.sleep(0.1)
+                topic, body = sub.recv_multipart()
+                m = msgpack.unpackb(body)
+                self.assertEqual(topic, b"snapshot")
+                ages.append(time.time() * 1000 - m["ts_ms"])
+                sizes.append(len(body) + len(topic))
+            k = 4 + 1 + (24 * 1024 + max(sizes) - 1) // max(sizes) + 1
+            self.assertLessEqual(max(ages), k * 100 + 100, (k, [round(a) for a in ages]))
+            # saturated: the last 20 reads are no older than the 20 before them, + slack
+            self.assertLessEqual(max(ages[-20:]), max(ages[-40:-20]) + 300,
+                                 [round(a) for a in ages])
+        finally:
+            sub.close()
+            ctx.term()
+            self.assertEqual(gw.stop(), 0)
+
+    def test_drain_after_sleeping_gives_a_current_snapshot(self):
+        """The documented way to read (tidepool-top's): after a slow step, take everything
+        waiting; a snapshot of the current state follows within 3 intervals (the publisher
+        sends the newest as soon as there is room), and each snapshot's seq gap equals its
+        snapshots_conflated increase."""
+        gw, endpoint = stats_gateway(20)
+        ctx = zmq.Context()
+        sub = slow_sub(ctx, endpoint)
+        try:
+            snaps = []
+            for _ in range(10):
+                time.sleep(0.5)  # 25 intervals without reading
+                start_ms = time.time() * 1000
+                current = None
+                while current is None and sub.poll(1000):
+                    topic, body = sub.recv_multipart()
+                    m = msgpack.unpackb(body)
+                    snaps.append(m)
+                    if m["ts_ms"] >= start_ms:  # packed after we started reading
+                        current = m
+                waited = time.time() * 1000 - start_ms
+                self.assertIsNotNone(current)
+                self.assertLessEqual(waited, 3 * 20 + 100, waited)  # + scheduling slack
+            self.assertGreater(snaps[-1]["snapshots_conflated"], 0)
+            for a, b in zip(snaps, snaps[1:]):
+                self.assertEqual(b["seq"] - a["seq"] - 1,
+                                 b["snapshots_conflated"] - a["snapshots_conflated"], (a, b))
+        finally:
+            sub.close()
+            ctx.term()
+            self.assertEqual(gw.stop(), 0)
+
+    def test_events_lost_are_exactly_those_reported(self):
+        """3000 events while the subscriber does not read: the publisher queues what it
+        can and drops the oldest beyond, and the event seq numbers the subscriber misses
+        are exactly the snapshot's events_dropped increase."""
+        from test_http_errors import REGISTER, mp_pack
+        # never sent past a stalled subscriber: what this one misses is only what is dropped
+        gw, endpoint = stats_gateway(20, "--stats-stall-ms", "0")
+        ctl = re.search(r"ctl socket bound at (\S+)", gw.read_log()).group(1)
+        ctx = zmq.Context()
+        sub = slow_sub(ctx, endpoint)
+        worker = ctx.socket(zmq.DEALER)
+        worker.setsockopt(zmq.ROUTING_ID, b"w-mismatch")
+        worker.setsockopt(zmq.LINGER, 0)
+        worker.connect(ctl)
+        try:
+            first = None
+            while first is None:
+                topic, body = sub.recv_multipart()
+                if topic == b"snapshot":
+                    first = msgpack.unpackb(body)
+            n = 3000
+            for i in range(n):  # each a new process refused: one worker_refused event
+                worker.send(mp_pack(dict(t=REGISTER, v=1, wid="w-mismatch", role=2,
+                                         kvep="tcp://127.0.0.1:1", fp=1, pid=10000 + i,
+                                         n_ctx=512, bs=16, max_seqs=8, kv_total=10,
+                                         kv_free=10)))
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                st, _, data = gw.request("GET", "/workers")
+                refused = json.loads(data)["refused"]
+                if refused and refused[0]["refused"] == n:
+                    break
+                time.sleep(0.05)
+            self.assertEqual(refused[0]["refused"], n)
+            want = first["last_event_seq"] + n
+            seqs, snaps, last = [], [first], None
+            deadline = time.time() + 30
+            while last is None and time.time() < deadline:
+                if not sub.poll(1000):
+                    continue
+                topic, body = sub.recv_multipart()
+                m = msgpack.unpackb(body)
+                if topic == b"event":
+                    self.assertEqual(m["event"], "worker_refused")
+                    seqs.append(m["seq"])
+                else:
+                    snaps.append(m)
+                    if m["last_event_seq"] == want:
+                        last = m
+            self.assertIsNotNone(last, "no snapshot after the events")
+            self.assertEqual(seqs, sorted(set(seqs)))  # in order, never twice
+            self.assertTrue(all(first["last_event_seq"] < q <= want for q in seqs))
+            lost = n - len(seqs)
+            self.assertGreater(lost, 0, "the burst did not overflow the queue")
+            self.assertEqual(lost, last["events_dropped"] - first["events_dropped"])
+            for a, b in zip(snaps, snaps[1:]):
+                self.assertEqual(b["seq"] - a["seq"] - 1,
+                                 b["snapshots_conflated"] - a["snapshots_conflated"])
+            # the refusals were logged once (one worker id), not 3000 times
+            self.assertEqual(gw.read_log().count("worker w-mismatch (decode, pid"), 1)
+        finally:
+            worker.close()
+            sub.close()
+            ctx.term()
+            self.assertEqual(gw.stop(), 0)
+
+    def stalled_and_reader(self, stall_ms):
+        """A subscriber that never reads beside one that reads everything, for 3 s at 20 ms
+        snapshots: returns (snapshots the reader got in the last second, the oldest age of
+        those when read in ms, the last one)."""
+        gw, endpoint = stats_gateway(20, "--stats-stall-ms", str(stall_ms))
+        ctx = zmq.Context()
+        stalled = slow_sub(ctx, endpoint)
+        reader = slow_sub(ctx, endpoint)
+        try:
+            recent, age, last = 0, 0, None
+            t0 = time.time()
+            while time.time() - t0 < 3:
+                if not reader.poll(50):
+                    continue
+                topic, body = reader.recv_multipart()
+                if topic == b"snapshot":
+                    last = msgpack.unpackb(body)
+                    if time.time() - t0 > 2:
+                        recent += 1
+                        age = max(age, time.time() * 1000 - last["ts_ms"])
+            return recent, age, last
+        finally:
+            stalled.close()
+            reader.close()
+            ctx.term()
+            self.assertEqual(gw.stop(), 0)
+
+    def test_a_stalled_subscriber_does_not_freeze_the_others(self):
+        """One subscriber that never reads held back every other one for good (XPUB_NODROP
+        refuses a send while any queue is full). After --stats-stall-ms the publisher sends
+        past it: the reader keeps getting the current state (at least 10 of the 50 snapshots
+        of the last second, each at most stall + 100 ms old when read) and the snapshots
+        count what was sent past. With --stats-stall-ms 0 the reader is frozen: that is the
+        old behaviour, and shows the check can fail."""
+        recent, age, last = self.stalled_and_reader(200)
+        self.assertGreaterEqual(recent, 10)
+        self.assertLessEqual(age, 200 + 100, age)
+        self.assertGreater(last["stall_sends"], 0)
+        frozen, _, _ = self.stalled_and_reader(0)
+        self.assertEqual(frozen, 0)
+
+
 if __name__ == "__main__":
     unittest.main()

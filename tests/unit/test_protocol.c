@@ -482,6 +482,37 @@ static void test_optional_fields_unset(void **state)
     free(buf);
 }
 
+/* REGISTER_ACK: an acceptance has no code (the wire of before refusals existed); a refusal
+ * carries code and msg (issue 12: a worker with another model or block size). */
+static void test_register_ack_refusal(void **state)
+{
+    (void)state;
+    proto_msg m, out;
+    unsigned char *buf;
+    size_t len;
+    char err[128];
+    proto_msg_init(&m, PROTO_REGISTER_ACK);
+    m.heartbeat_ms = 200;
+    assert_int_equal(proto_encode(&m, &buf, &len), 0);
+    /* a map of t, v, hb_ms only: fixmap header 0x83 */
+    assert_int_equal(buf[0], 0x83);
+    if (proto_decode(buf, len, &out, err, sizeof(err)) != 0)
+        fail_msg("%s", err);
+    assert_int_equal(out.code, PROTO_ERR_NONE);
+    assert_int_equal(out.message[0], 0);
+    free(buf);
+    m.code = PROTO_ERR_LAYOUT;
+    snprintf(m.message, sizeof(m.message), "KV block size 32 tokens, the cluster's is 16");
+    assert_int_equal(proto_encode(&m, &buf, &len), 0);
+    assert_int_equal(buf[0], 0x85);
+    if (proto_decode(buf, len, &out, err, sizeof(err)) != 0)
+        fail_msg("%s", err);
+    assert_int_equal(out.heartbeat_ms, 200);
+    assert_int_equal(out.code, PROTO_ERR_LAYOUT);
+    assert_string_equal(out.message, "KV block size 32 tokens, the cluster's is 16");
+    free(buf);
+}
+
 /* A DEALER with no peer and ZMQ_DONTWAIT fails with EAGAIN instead of blocking. */
 static void test_send_dontwait_no_peer(void **state)
 {
@@ -694,6 +725,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_malformed_headers),
         cmocka_unit_test(test_truncated_and_garbage),
         cmocka_unit_test(test_encode_rejects),
+        cmocka_unit_test(test_register_ack_refusal),
         cmocka_unit_test(test_send_recv_frames),
         cmocka_unit_test(test_send_header_sizes),
         cmocka_unit_test(test_optional_fields_unset),
