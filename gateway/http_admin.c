@@ -63,6 +63,14 @@ static void add_worker_json(const cluster_worker_info *w, void *ud)
             o, "migration_ms_mean",
             json_real(w->mig.n_out ? (double)w->mig.out_us / 1000.0 / (double)w->mig.n_out : 0.0));
     }
+    /* KV transfers sent and failed (rejected, timed out, aborted): a sender that cannot
+     * reach its decode workers (one that does not list its CURVE key, say) shows here */
+    const proto_kvx_counters *k = &w->kvx_tx;
+    uint64_t kv_failed = k->n_rejected + k->n_timeouts + k->n_aborted;
+    if (o && (k->n_ok || kv_failed)) {
+        json_object_set_new(o, "kv_sent", json_integer((json_int_t)k->n_ok));
+        json_object_set_new(o, "kv_send_failed", json_integer((json_int_t)kv_failed));
+    }
     if (o)
         json_array_append_new((json_t *)ud, o);
 }

@@ -148,6 +148,36 @@ class CurveCluster(unittest.TestCase):
             # rate-limited: at most HSMON_LOG_BURST lines per 10 s window
             self.assertLessEqual(c.log("gateway").count("ctl: handshake from"), 20)
 
+    def test_workers_shows_kv_send_failures(self):
+        """A decode worker that does not list the prefill worker's key: requests fail, and
+        /workers shows the prefill worker's failed transfers (while /health says ok)."""
+        c = Cluster(roles=(), curve=True, worker_args=["--lease-ms", "1000"])
+        try:
+            c.keygen("prefill-0")
+            own = os.path.join(c.keys, "own")
+            args = c.curve_worker_args("decode-1", "own")
+            args[args.index("--curve-authorized-keys") + 1] = own  # lists only itself
+            shutil.copy(os.path.join(own, "decode-1.pub"), os.path.join(c.keys, "workers"))
+            c.start_gateway()
+            c.start_worker("prefill-0", "prefill")
+            c.start_worker("decode-1", "decode", args)
+            c.wait_healthy()
+            status, body = c.complete(PROMPTS[0], max_tokens=8)
+            self.assertEqual(status, 503, body)
+            self.assertEqual(c.request("GET", "/health")[0], 200)
+            deadline = time.time() + 5
+            while time.time() < deadline:
+                w = {x["id"]: x for x in c.request("GET", "/workers")[1]["workers"]}
+                if w["prefill-0"].get("kv_send_failed"):
+                    break
+                time.sleep(0.1)
+            self.assertEqual(w["prefill-0"]["kv_sent"], 0)
+            self.assertGreaterEqual(w["prefill-0"]["kv_send_failed"], 1)
+            self.assertNotIn("kv_sent", w["decode-1"])
+        finally:
+            c.stop()
+        self.assertEqual(c.sanitizer_reports(), [])
+
     def test_curve_worker_cannot_join_plain_gateway(self):
         with Cluster(roles=("prefill", "decode")) as c:
             keys = tempfile.mkdtemp(dir=c.tmp)
