@@ -254,8 +254,12 @@ hsmon_t *hsmon_start(void *zctx, void *sock, hsmon_side_t side, int curve, const
     for (int i = 0; i < HSMON_MAX_FDS; i++)
         m->conns[i].fd = -1;
     char mon_ep[64], ctl_ep[64];
-    snprintf(mon_ep, sizeof(mon_ep), "inproc://tidepool-hsmon-%p", (void *)m);
-    snprintf(ctl_ep, sizeof(ctl_ep), "inproc://tidepool-hsmon-stop-%p", (void *)m);
+    /* a counter, not the address: a monitor freed and another allocated at the same
+     * address would find the old inproc names still bound (libzmq unbinds them later) */
+    static atomic_uint_fast64_t n_started;
+    unsigned long long id = (unsigned long long)atomic_fetch_add(&n_started, 1);
+    snprintf(mon_ep, sizeof(mon_ep), "inproc://tidepool-hsmon-%llu", id);
+    snprintf(ctl_ep, sizeof(ctl_ep), "inproc://tidepool-hsmon-stop-%llu", id);
     int zero = 0;
     if (zmq_socket_monitor(sock, mon_ep, HSMON_EVENTS) < 0) {
         snprintf(err, errlen, "handshake monitor: %s", zmq_strerror(zmq_errno()));
