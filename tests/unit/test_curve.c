@@ -1,5 +1,6 @@
 /* transport/curve: key-file and authorized-keys parsers, file modes, tidepool-keygen's
- * writer, and a CURVE handshake through the ZAP handler (admitted and refused keys). */
+ * writer, a CURVE handshake through the ZAP handler (admitted and refused keys), and the
+ * handshake monitor (transport/hsmon). */
 #include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -14,6 +15,7 @@
 #include <zmq.h>
 
 #include "curve.h"
+#include "hsmon.h"
 
 /* libzmq's documented test vectors (zmq_curve(7)) */
 #define SRV_PUB "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
@@ -358,6 +360,56 @@ static void test_zap_handshake(void **state)
     zmq_ctx_term(ctx);
 }
 
+/* The handshake monitor counts a plain client's failed handshake on a CURVE server, and a
+ * socket reopened many times gets a new monitor each time (inproc names are not reused). */
+static void test_hsmon(void **state)
+{
+    (void)state;
+    char err[256];
+    void *ctx = zmq_ctx_new();
+    curve_keypair srv = {SRV_PUB, SRV_SEC};
+    void *s = zmq_socket(ctx, ZMQ_ROUTER);
+    int zero = 0;
+    zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof(zero));
+    assert_int_equal(curve_setup_server(s, &srv, CURVE_ZAP_DOMAIN_CTL), 0);
+    hsmon_t *m = hsmon_start(ctx, s, HSMON_SERVER, 1, "ctl", err, sizeof(err));
+    assert_non_null(m);
+    assert_int_equal(zmq_bind(s, "tcp://127.0.0.1:*"), 0);
+    char ep[128];
+    size_t eplen = sizeof(ep);
+    zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, ep, &eplen);
+    void *plain = zmq_socket(ctx, ZMQ_DEALER);
+    zmq_setsockopt(plain, ZMQ_LINGER, &zero, sizeof(zero));
+    zmq_connect(plain, ep);
+    hsmon_stats st = {0, 0};
+    for (int i = 0; i < 300 && st.n_failed == 0; i++) {
+        usleep(10000);
+        hsmon_get_stats(m, &st);
+    }
+    assert_true(st.n_failed >= 1);
+    /* the reopen pattern of a worker's ctl socket: monitor, close, again */
+    void *c = NULL;
+    hsmon_t *cm = NULL;
+    for (int i = 0; i < 50; i++) {
+        hsmon_stop(&cm);
+        assert_null(cm);
+        if (c)
+            zmq_close(c);
+        c = zmq_socket(ctx, ZMQ_DEALER);
+        zmq_setsockopt(c, ZMQ_LINGER, &zero, sizeof(zero));
+        cm = hsmon_start(ctx, c, HSMON_CLIENT, 0, "ctl", err, sizeof(err));
+        assert_non_null(cm);
+        assert_int_equal(zmq_connect(c, ep), 0);
+    }
+    hsmon_stop(&cm);
+    hsmon_stop(&cm); /* takes NULL */
+    zmq_close(c);
+    zmq_close(plain);
+    hsmon_stop(&m);
+    zmq_close(s);
+    zmq_ctx_term(ctx);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -366,6 +418,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup_teardown(test_key_files, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_authlist, setup_dir, teardown_dir),
         cmocka_unit_test(test_zap_handshake),
+        cmocka_unit_test(test_hsmon),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);
