@@ -142,9 +142,7 @@ static int list_value(const load_state *ls, const config_entry_t *e, const char 
             b++;
         while (t > b && is_space(t[-1]))
             t--;
-        /* the whole piece for the blank check, the trimmed one as the value */
-        if (b == t ? list_piece(e, p, n, origin, piece) < 0
-                   : list_piece(e, b, (size_t)(t - b), origin, piece) < 0)
+        if (list_piece(e, b, (size_t)(t - b), origin, piece) < 0)
             return -1;
         if (!p[n])
             break;
