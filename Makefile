@@ -11,6 +11,8 @@ BUILD ?= build/san-$(subst $(comma),-,$(SANITIZER))
 endif
 comma := ,
 space := $(empty) $(empty)
+# plain `make` builds everything (the first rule below is an archive's, not all)
+.DEFAULT_GOAL := all
 
 CC      ?= cc
 PKGS    := libzmq msgpack libevent jansson libxxhash inih sqlite3
