@@ -2,7 +2,7 @@
  * bench_engine: throughput of the engine's forward pass, in-process, per model file.
  *
  *   bench_engine [--threads N] [--kernel auto|exact|fast] [--isa scalar|avx2|avx512]
- *                [--quick] MODEL.gguf...
+ *                [--quick | --tg] MODEL.gguf...
  *
  * For each model: prefill of one 128-token prompt, and of four 128-token prompts in one
  * call (best of a few runs); decode steps at batch 1, 8 and 32 with every sequence at
@@ -15,6 +15,10 @@
  * for comparing within one run on one machine: the ratios are the result, not the
  * absolute rates. Prompts are random token ids (seeded); the model's output is not
  * checked here (the unit tests do that).
+ *
+ * --tg: batch-1 decode only, one line per model, "tg MODEL TOK/S" (tokens/s from the
+ * median of 32 steps, 64 for small models, at context 64 as above), for the side-by-side
+ * runs against llama-bench in tests/run_bench.sh.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -286,11 +290,13 @@ static const char *weight_type(const model_t *m, const model_config *c)
 int main(int argc, char **argv)
 {
     model_ctx_params cp = model_ctx_default_params();
-    int quick = 0;
+    int quick = 0, tg = 0;
     int first = 1;
     for (; first < argc && strncmp(argv[first], "--", 2) == 0; first++) {
         if (strcmp(argv[first], "--quick") == 0) {
             quick = 1;
+        } else if (strcmp(argv[first], "--tg") == 0) {
+            tg = 1;
         } else if (strcmp(argv[first], "--threads") == 0 && first + 1 < argc) {
             cp.n_threads = atoi(argv[++first]);
         } else if (strcmp(argv[first], "--isa") == 0 && first + 1 < argc) {
@@ -305,7 +311,7 @@ int main(int argc, char **argv)
                                                  : MODEL_KERNEL_AUTO;
         } else {
             fprintf(stderr, "usage: bench_engine [--threads N] [--kernel auto|exact|fast] "
-                            "[--isa scalar|avx2|avx512] [--quick] MODEL.gguf...\n");
+                            "[--isa scalar|avx2|avx512] [--quick | --tg] MODEL.gguf...\n");
             return 2;
         }
     }
@@ -339,6 +345,18 @@ int main(int argc, char **argv)
             goto next;
         }
         double bytes = (double)model_matmul_bytes(m);
+        if (tg) {
+            double cores;
+            bench_prefill(&b, 1, 8, 1, &cores); /* warm-up */
+            double d = bench_decode(&b, b.ctx, 1, big ? 32 : 64, &cores);
+            if (d < 0) {
+                fprintf(stderr, "bench_engine: %s: forward pass failed\n", argv[a]);
+                rc = 1;
+            } else {
+                printf("tg %s %.3f\n", argv[a], d);
+            }
+            goto next;
+        }
         if (bw_threads != model_ctx_n_threads(b.ctx)) {
             bw_threads = model_ctx_n_threads(b.ctx);
             bw = read_bandwidth(bw_threads);
