@@ -281,6 +281,12 @@ TGT void kern_x86_matmul_q8_avx2(const kern_mat *w, const kern_act *a, int r0, i
     const uint8_t *base = w->data;
     if (T == 1) {
         int i = r0;
+        if (ws <= PF_LIN_ROW) {
+            /* the first PF_LIN bytes, which the tiles' prefetch does not cover */
+            const size_t lead = (size_t)(r1 - r0) * ws < PF_LIN ? (size_t)(r1 - r0) * ws : PF_LIN;
+            for (size_t o = 0; o < lead; o += 64)
+                _mm_prefetch((const char *)base + (size_t)r0 * ws + o, _MM_HINT_T0);
+        }
         if (ws <= PF_LIN_ROW)
             for (; i + 8 <= r1; i += 8)
                 q8lin_8(base + (size_t)i * ws, ws, (size_t)(r1 - i) * ws, a->q_d, a->q_s, n, out,
