@@ -10,8 +10,9 @@
  * other sequences, so setting up batch 32 costs one prefill; rate from the median step);
  * batch 8 again on one thread (thread scaling); the read-bandwidth roofline of batch-1
  * decode, which only reads the weights: the read bandwidth (read_bandwidth: the engine's
- * thread count streaming through a 1 GiB buffer, best of 5) divided by the weight bytes a
- * step reads (model_matmul_bytes), and the fraction of that bound achieved. Numbers are
+ * thread count streaming through a 1 GiB buffer, best of 5, measured just before the
+ * batch-1 run) divided by the weight bytes a step reads (model_matmul_bytes), and the
+ * fraction of that bound achieved. Numbers are
  * for comparing within one run on one machine: the ratios are the result, not the
  * absolute rates. Prompts are random token ids (seeded); the model's output is not
  * checked here (the unit tests do that).
@@ -315,8 +316,6 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    double bw = 0;
-    int bw_threads = 0;
     int rc = 0;
     for (int a = first; a < argc; a++) {
         char err[512];
@@ -357,12 +356,6 @@ int main(int argc, char **argv)
             }
             goto next;
         }
-        if (bw_threads != model_ctx_n_threads(b.ctx)) {
-            bw_threads = model_ctx_n_threads(b.ctx);
-            bw = read_bandwidth(bw_threads);
-            printf("read bandwidth (%d threads, streaming read of 1 GiB, best of %d): %.2f GB/s\n",
-                   bw_threads, RB_REPS, bw / 1e9);
-        }
         printf("\n%s: %s, %s weights (%.1f MB read per forward pass), dim %d, %d layers, "
                "kernels %s, %d threads, loaded in %.1f s\n",
                argv[a], c->name, weight_type(m, c), bytes / 1e6, c->dim, c->n_layer,
@@ -375,6 +368,9 @@ int main(int argc, char **argv)
         bench_prefill(&b, 1, 8, 1, &cu[0]);
         double p1 = bench_prefill(&b, 1, PROMPT, reps, &cu[0]);
         double p4 = bench_prefill(&b, 4, PROMPT, reps, &cu[1]);
+        /* the bound is measured next to the batch-1 run it bounds (the machine may be
+         * shared: its bandwidth changes by the minute) */
+        double bw = read_bandwidth(model_ctx_n_threads(b.ctx));
         double d1 = bench_decode(&b, b.ctx, 1, dsteps1, &cu[2]);
         double d8 = bench_decode(&b, b.ctx, 8, dsteps8, &cu[3]);
         double d32 = bench_decode(&b, b.ctx, 32, dsteps32, &cu[4]);
@@ -415,6 +411,9 @@ int main(int argc, char **argv)
         printf("  batch-1 decode read roofline   : %9.1f tok/s  (%.2f GB/s read / %.1f MB); "
                "achieved %.0f%%\n",
                bound, bw / 1e9, bytes / 1e6, 100.0 * d1 / bound);
+        printf("  (read bandwidth: %d threads streaming through 1 GiB, best of %d, just before "
+               "the batch-1 run)\n",
+               model_ctx_n_threads(b.ctx), RB_REPS);
     next:
         free(b.logits);
         free(b.toks);
