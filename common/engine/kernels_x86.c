@@ -25,8 +25,10 @@
 #define PF_FAST 512
 #define PF_Q8 512
 /* Q8_0 rows of at most PF_LIN_ROW bytes prefetch linearly, PF_LIN bytes ahead
- * (tile_q8_lin): on this 2-core machine 1.3x the per-row prefetch on 2048-wide rows, and
- * no better than it on 5632-wide ones (tests/bench and a kernel loop, alternating runs). */
+ * (tile_q8_lin): on a 2-core AMD EPYC (AVX2), 1.3x the per-row prefetch's rate on
+ * 2048-wide rows streamed from memory by 2 threads (a kernel loop, alternating runs), and
+ * no better than it on 5632-wide ones, which keep the per-row prefetch; distances from 12
+ * to 64 KB measured alike, 16 KB keeps the overshoot past a row range small. */
 #define PF_LIN 16384
 #define PF_LIN_ROW 4096
 
@@ -282,15 +284,14 @@ TGT void kern_x86_matmul_q8_avx2(const kern_mat *w, const kern_act *a, int r0, i
     if (T == 1) {
         int i = r0;
         if (ws <= PF_LIN_ROW) {
-            /* the first PF_LIN bytes, which the tiles' prefetch does not cover */
+            /* the first PF_LIN bytes at once: the tiles' prefetch starts PF_LIN ahead */
             const size_t lead = (size_t)(r1 - r0) * ws < PF_LIN ? (size_t)(r1 - r0) * ws : PF_LIN;
             for (size_t o = 0; o < lead; o += 64)
                 _mm_prefetch((const char *)base + (size_t)r0 * ws + o, _MM_HINT_T0);
-        }
-        if (ws <= PF_LIN_ROW)
             for (; i + 8 <= r1; i += 8)
                 q8lin_8(base + (size_t)i * ws, ws, (size_t)(r1 - i) * ws, a->q_d, a->q_s, n, out,
                         i);
+        }
         for (; i + 8 <= r1; i += 8)
             q8_8_1(base + (size_t)i * ws, ws, a->q_d, a->q_s, n, out, i);
         for (; i < r1; i++)
