@@ -51,7 +51,7 @@ const model_config *model_get_config(const model_t *m);
 
 /* Bytes of weights one forward pass reads: every layer's matrices and the classifier
  * (the embedding rows looked up are not counted). A batch-1 decode step streams this
- * much from memory; bench tools divide it by the copy bandwidth for the roofline. */
+ * much from memory; bench tools divide the read bandwidth by it for the roofline. */
 uint64_t model_matmul_bytes(const model_t *m);
 
 /* Kernel order of the matrix products (see kernels.h). AUTO: EXACT when every matrix of

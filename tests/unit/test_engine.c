@@ -974,10 +974,12 @@ static kern_isa best_isa(void)
 /* Every kernel against the single-dot reference functions, bit for bit, for shapes with
  * tails (n % 8, n % 16), row counts that are not multiples of the tiles, every token
  * count up to two AVX-512 packs, split row ranges, on every instruction set this CPU
- * has. */
+ * has. The Q8_0 batch-1 kernels differ by row length: rows of at most 4096 bytes (n <=
+ * 3840: 24 x 2048) prefetch linearly, longer ones (19 x 4096) per row. */
 static void test_kernels_vs_reference(void **state)
 {
-    const int shapes[][2] = {{1, 8}, {13, 172}, {9, 37}, {7, 96}, {21, 64}, {66, 352}, {5, 2048}};
+    const int shapes[][2] = {{1, 8},    {13, 172}, {9, 37},    {7, 96},   {21, 64},
+                             {66, 352}, {5, 2048}, {24, 2048}, {19, 4096}};
     const int Ts[] = {1, 2, 3, 4, 5, 7, 8, 9, 13, 17};
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
         const int rows = shapes[si][0], n = shapes[si][1], q8ok = n % 32 == 0;
