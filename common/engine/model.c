@@ -163,17 +163,26 @@ static uint64_t fingerprint(const model_t *m)
 
 model_t *model_load(const char *path, char *err, size_t errlen)
 {
-    model_t *m = calloc(1, sizeof(*m));
+    gguf_t *g = gguf_open(path, err, errlen);
+    if (!g)
+        return NULL;
+    return model_load_gguf(&g, err, errlen);
+}
+
+model_t *model_load_gguf(gguf_t **gp, char *err, size_t errlen)
+{
     if (err && errlen)
         err[0] = '\0';
+    gguf_t *g = *gp;
+    *gp = NULL;
+    const char *path = gguf_path(g);
+    model_t *m = calloc(1, sizeof(*m));
     if (!m) {
         set_err(err, errlen, path, "out of memory");
+        gguf_close(&g);
         return NULL;
     }
-    m->g = gguf_open(path, err, errlen);
-    if (!m->g)
-        goto fail;
-    gguf_t *g = m->g;
+    m->g = g;
     model_config *c = &m->cfg;
 
     char arch[64];

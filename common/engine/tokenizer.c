@@ -114,15 +114,23 @@ tokenizer_t *tokenizer_load(const char *path, char *err, size_t errlen)
 {
     char gerr[512];
     gguf_t *g = gguf_open(path, gerr, sizeof(gerr));
-    tokenizer_t *t = NULL;
-    const char **ptrs = NULL;
-    size_t *lens = NULL;
-    int32_t *types = NULL;
     if (!g) {
         if (err && errlen)
             snprintf(err, errlen, "%s", gerr);
         return NULL;
     }
+    tokenizer_t *t = tokenizer_load_gguf(g, err, errlen);
+    gguf_close(&g);
+    return t;
+}
+
+tokenizer_t *tokenizer_load_gguf(const gguf_t *g, char *err, size_t errlen)
+{
+    const char *path = gguf_path(g);
+    tokenizer_t *t = NULL;
+    const char **ptrs = NULL;
+    size_t *lens = NULL;
+    int32_t *types = NULL;
     const char *model;
     size_t model_len;
     if (gguf_get_str(g, "tokenizer.ggml.model", &model, &model_len) == 0 &&
@@ -240,7 +248,6 @@ tokenizer_t *tokenizer_load(const char *path, char *err, size_t errlen)
     free(types);
     free(ptrs);
     free(lens);
-    gguf_close(&g);
     return t;
 oom:
     set_err(err, errlen, path, "out of memory loading the tokenizer");
@@ -249,7 +256,6 @@ fail:
     free(ptrs);
     free(lens);
     tokenizer_destroy(&t);
-    gguf_close(&g);
     return NULL;
 }
 
