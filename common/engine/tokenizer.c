@@ -359,6 +359,11 @@ int tokenizer_encode(const tokenizer_t *t, const char *text, size_t len, int add
         cp_len = 0;
     }
 
+    /* merges run on the text's ids only: BOS is never merged into a piece, whatever
+     * pieces the vocabulary has (one spelling "<s>" + text would otherwise swallow it) */
+    int bos_n = add_bos ? 1 : 0;
+    toks += bos_n;
+    k -= bos_n;
     for (int i = 0; i + 1 < k; i++)
         cand[i] = pair_lookup(t, toks[i], toks[i + 1], buf);
     for (;;) {
@@ -386,6 +391,8 @@ int tokenizer_encode(const tokenizer_t *t, const char *text, size_t len, int add
 
     free(cand);
     free(buf);
+    toks -= bos_n;
+    k += bos_n;
     if (needed)
         *needed = k;
     if (k > cap) {

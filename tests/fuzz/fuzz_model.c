@@ -3,7 +3,9 @@
  * a file controls (keys, shapes, types, offsets) goes through model_load_gguf, and a model
  * that loads runs a forward pass over three tokens (every weight is read through the
  * shapes and types the file gave). Properties: no crash, leak or undefined behaviour; a
- * loaded model's configuration is consistent (head sizes, vocabulary, BOS/EOS ids).
+ * loaded model's configuration is consistent (head sizes, vocabulary, BOS/EOS ids); a
+ * refused one says why, and never "out of memory" (sizes are checked against the file
+ * before anything is allocated from them).
  * Models past small limits (context, widths) skip the forward pass: their scratch memory
  * is a start-up cost, not a decoding problem.
  */
@@ -59,6 +61,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     FUZZ_CHECK(g == NULL);
     if (!m) {
         FUZZ_CHECK(strncmp(err, "fuzz.gguf: ", 11) == 0);
+        /* a small file never makes the loader allocate beyond what it holds */
+        FUZZ_CHECK(strstr(err, "out of memory") == NULL);
         free(copy);
         return 0;
     }
