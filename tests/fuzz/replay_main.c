@@ -82,7 +82,8 @@ static int run_dir(const char *dir, int missing_ok)
             abort();
     }
     closedir(d);
-    qsort(names, (size_t)n, sizeof(char *), cmp_str);
+    if (n > 0)
+        qsort(names, (size_t)n, sizeof(char *), cmp_str);
     for (int i = 0; i < n; i++) {
         char path[4096];
         struct stat st;
