@@ -46,6 +46,10 @@ typedef struct {
  * names the file and the problem into err (errlen bytes). The returned model is
  * read-only and may be shared by threads. */
 model_t *model_load(const char *path, char *err, size_t errlen);
+/* model_load on a GGUF already open (gguf_open or gguf_open_mem): *g is consumed (the
+ * model owns it from then on, or it is closed on failure; *g is set to NULL either way).
+ * The same checks and messages as model_load. */
+model_t *model_load_gguf(gguf_t **g, char *err, size_t errlen);
 void model_destroy(model_t **m);
 const model_config *model_get_config(const model_t *m);
 

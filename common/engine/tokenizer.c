@@ -114,15 +114,23 @@ tokenizer_t *tokenizer_load(const char *path, char *err, size_t errlen)
 {
     char gerr[512];
     gguf_t *g = gguf_open(path, gerr, sizeof(gerr));
-    tokenizer_t *t = NULL;
-    const char **ptrs = NULL;
-    size_t *lens = NULL;
-    int32_t *types = NULL;
     if (!g) {
         if (err && errlen)
             snprintf(err, errlen, "%s", gerr);
         return NULL;
     }
+    tokenizer_t *t = tokenizer_load_gguf(g, err, errlen);
+    gguf_close(&g);
+    return t;
+}
+
+tokenizer_t *tokenizer_load_gguf(const gguf_t *g, char *err, size_t errlen)
+{
+    const char *path = gguf_path(g);
+    tokenizer_t *t = NULL;
+    const char **ptrs = NULL;
+    size_t *lens = NULL;
+    int32_t *types = NULL;
     const char *model;
     size_t model_len;
     if (gguf_get_str(g, "tokenizer.ggml.model", &model, &model_len) == 0 &&
@@ -240,7 +248,6 @@ tokenizer_t *tokenizer_load(const char *path, char *err, size_t errlen)
     free(types);
     free(ptrs);
     free(lens);
-    gguf_close(&g);
     return t;
 oom:
     set_err(err, errlen, path, "out of memory loading the tokenizer");
@@ -249,7 +256,6 @@ fail:
     free(ptrs);
     free(lens);
     tokenizer_destroy(&t);
-    gguf_close(&g);
     return NULL;
 }
 
@@ -353,6 +359,11 @@ int tokenizer_encode(const tokenizer_t *t, const char *text, size_t len, int add
         cp_len = 0;
     }
 
+    /* merges run on the text's ids only: BOS is never merged into a piece, whatever
+     * pieces the vocabulary has (one spelling "<s>" + text would otherwise swallow it) */
+    int bos_n = add_bos ? 1 : 0;
+    toks += bos_n;
+    k -= bos_n;
     for (int i = 0; i + 1 < k; i++)
         cand[i] = pair_lookup(t, toks[i], toks[i + 1], buf);
     for (;;) {
@@ -380,6 +391,8 @@ int tokenizer_encode(const tokenizer_t *t, const char *text, size_t len, int add
 
     free(cand);
     free(buf);
+    toks -= bos_n;
+    k += bos_n;
     if (needed)
         *needed = k;
     if (k > cap) {

@@ -11,11 +11,17 @@
 
 #include <stddef.h>
 
+#include "gguf.h"
+
 typedef struct tokenizer tokenizer_t;
 
 /* Load the vocabulary from a GGUF file. NULL on failure with a message naming the file
  * in err. */
 tokenizer_t *tokenizer_load(const char *gguf_path, char *err, size_t errlen);
+/* Load the vocabulary from a GGUF already open (borrowed: the tokenizer copies what it
+ * keeps, so g may be closed afterwards). NULL on failure with a message naming
+ * gguf_path(g) in err. */
+tokenizer_t *tokenizer_load_gguf(const gguf_t *g, char *err, size_t errlen);
 void tokenizer_destroy(tokenizer_t **t);
 
 int tokenizer_vocab_size(const tokenizer_t *t);
