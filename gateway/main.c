@@ -291,7 +291,7 @@ static int read_model_info(const char *path, int *n_ctx, char *name, size_t cap)
     snprintf(key, sizeof(key), "%s.context_length", arch);
     uint32_t ctx = 0;
     int rc = 0;
-    if (gguf_get_u32(g, key, &ctx) != 0 || ctx < 2 || ctx > (1u << 24)) {
+    if (gguf_get_u32(g, key, &ctx) != 0 || ctx < 2 || ctx > (uint32_t)MODEL_MAX_CTX) {
         log_error("%s: %s is missing or out of range", path, key);
         rc = -1;
     }

@@ -205,6 +205,12 @@ model_t *model_load_gguf(gguf_t **gp, char *err, size_t errlen)
         get_u32_key(g, "llama.attention.head_count", &c->n_head, err, errlen) != 0 ||
         get_u32_key(g, "llama.context_length", &c->n_ctx, err, errlen) != 0)
         goto fail;
+    if (c->n_ctx < 2 || c->n_ctx > MODEL_MAX_CTX) {
+        /* it sizes the attention scratch of every thread: a file's word must not */
+        set_err(err, errlen, path, "llama.context_length %d is outside [2, %d]", c->n_ctx,
+                MODEL_MAX_CTX);
+        goto fail;
+    }
     uint32_t nextn;
     if (gguf_get_u32(g, "llama.nextn_predict_layers", &nextn) == 0 && nextn > 0) {
         /* MTP modules in the file (llama.cpp's DeepSeek-V3 layout): block_count counts

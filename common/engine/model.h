@@ -26,6 +26,10 @@
 typedef struct model model_t;
 typedef struct model_ctx model_ctx_t;
 
+/* Longest llama.context_length a model may declare (tokens; the gateway's bound too): it
+ * sizes per-thread attention scratch, so a file cannot ask for more. */
+#define MODEL_MAX_CTX (1 << 24)
+
 typedef struct {
     char name[64];     /* general.name */
     int dim;           /* embedding width */

@@ -735,6 +735,28 @@ static void test_model_block_count_bound(void **state)
     assert_string_equal(err, want);
 }
 
+/* A context length beyond MODEL_MAX_CTX is refused: it sizes each thread's attention
+ * scratch (fuzz_model: 2^30 asked for gigabytes per thread). */
+static void test_model_context_bound(void **state)
+{
+    char path[PATH_MAX], err[512];
+    snprintf(path, sizeof(path), "%s/ctx.gguf", tmpdir);
+    gguf_writer_t *w = gguf_writer_new();
+    gguf_writer_add_str(w, "general.architecture", "llama");
+    gguf_writer_add_u32(w, "llama.embedding_length", 8);
+    gguf_writer_add_u32(w, "llama.feed_forward_length", 16);
+    gguf_writer_add_u32(w, "llama.block_count", 1);
+    gguf_writer_add_u32(w, "llama.attention.head_count", 2);
+    gguf_writer_add_u32(w, "llama.context_length", 1u << 30);
+    assert_int_equal(gguf_writer_write(w, path, err, sizeof(err)), 0);
+    gguf_writer_destroy(&w);
+    assert_null(model_load(path, err, sizeof(err)));
+    char want[PATH_MAX + 128];
+    snprintf(want, sizeof(want), "%s: llama.context_length 1073741824 is outside [2, %d]", path,
+             MODEL_MAX_CTX);
+    assert_string_equal(err, want);
+}
+
 /* ------------------------------------------------------------------------------------- */
 /* tokenizer */
 
@@ -1910,6 +1932,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_model_load_errors),
         cmocka_unit_test(test_gguf_open_mem),
         cmocka_unit_test(test_model_block_count_bound),
+        cmocka_unit_test(test_model_context_bound),
         cmocka_unit_test(test_tokenizer_encode),
         cmocka_unit_test(test_tokenizer_bos_not_merged),
         cmocka_unit_test(test_tokenizer_decode),
