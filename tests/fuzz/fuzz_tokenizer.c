@@ -4,7 +4,8 @@
  *
  * Input: byte 0 = mode (bit 0: also read the input as token ids, 2 bytes LE each, and
  * decode them); the rest is the text. Properties: every id is in the vocabulary; a cap one
- * short of the count fails and reports the count needed; decoding the ids of a text encoded
+ * short of the count fails and reports the count needed; the ids equal the reference
+ * merge loop's (tokenizer_encode_ref) exactly; decoding the ids of a text encoded
  * after BOS gives the text back byte for byte (byte fallback covers every byte); arbitrary
  * ids, in range or not, decode without reading outside the vocabulary.
  */
@@ -40,6 +41,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     FUZZ_CHECK(tokenizer_encode(g_tok, text, len, 1, ids, n - 1, &needed2) == -1);
     FUZZ_CHECK(needed2 == n);
     n = tokenizer_encode(g_tok, text, len, 1, ids, cap, NULL);
+    int *ref = malloc((size_t)cap * sizeof(int));
+    FUZZ_CHECK(ref != NULL);
+    FUZZ_CHECK(tokenizer_encode_ref(g_tok, text, len, 1, ref, cap, NULL) == n);
+    FUZZ_CHECK(memcmp(ids, ref, (size_t)n * sizeof(int)) == 0);
+    free(ref);
     char *back = malloc(len + 1);
     FUZZ_CHECK(back != NULL);
     size_t blen = 0;

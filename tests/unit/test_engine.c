@@ -789,6 +789,47 @@ static void test_tokenizer_encode(void **state)
     assert_int_equal(tokenizer_eos(g_tok), 2);
 }
 
+/* The heap merge loop gives the reference's ids exactly: texts built from the vocabulary's
+ * own pieces (so many merges compete, with ties), random bytes (fallback, broken UTF-8),
+ * and one long text (the case the heap is for). */
+static void test_tokenizer_matches_reference(void **state)
+{
+    enum { CAP = 70000 };
+    char *text = malloc(CAP);
+    int *a = malloc((CAP + 2) * sizeof(int)), *b = malloc((CAP + 2) * sizeof(int));
+    assert_non_null(text);
+    assert_non_null(a);
+    assert_non_null(b);
+    unsigned rng = 12345;
+    int V = tokenizer_vocab_size(g_tok);
+    for (int round = 0; round < 600; round++) {
+        size_t len = 0, want = round == 599 ? CAP - 64 : (size_t)(rng % 200);
+        while (len < want) {
+            rng = rng * 1103515245u + 12345u;
+            unsigned r = rng >> 8;
+            if (round % 3 == 2) { /* random bytes */
+                text[len++] = (char)(r & 0xFF);
+                continue;
+            }
+            size_t pl;
+            int id = (int)(r % (unsigned)V);
+            const char *piece = tokenizer_piece(g_tok, 3, id, &pl);
+            for (size_t i = 0; i < pl && len < want; i++)
+                text[len++] = piece[i];
+            if (r % 5 == 0 && len < want)
+                text[len++] = ' ';
+        }
+        int na = tokenizer_encode(g_tok, text, len, round & 1, a, CAP + 2, NULL);
+        int nb = tokenizer_encode_ref(g_tok, text, len, round & 1, b, CAP + 2, NULL);
+        assert_true(na >= 0);
+        assert_int_equal(na, nb);
+        assert_memory_equal(a, b, (size_t)na * sizeof(int));
+    }
+    free(text);
+    free(a);
+    free(b);
+}
+
 /* Decode ids (after BOS) back to text. */
 static size_t decode_all(const int *ids, int n, char *out, size_t cap)
 {
@@ -1933,6 +1974,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_gguf_open_mem),
         cmocka_unit_test(test_model_block_count_bound),
         cmocka_unit_test(test_model_context_bound),
+        cmocka_unit_test(test_tokenizer_matches_reference),
         cmocka_unit_test(test_tokenizer_encode),
         cmocka_unit_test(test_tokenizer_bos_not_merged),
         cmocka_unit_test(test_tokenizer_decode),
