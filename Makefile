@@ -1,5 +1,5 @@
 # tidepool build. Everything goes under $(BUILD) (default build/; sanitized builds under
-# build/san-<list>/). Targets: all, test, bench, clean, model.
+# build/san-<list>/). Targets: all, test, bench, clean, model, fuzz, fuzz-build, fuzz-seeds.
 #   make SANITIZER=address,undefined test
 #   make BUILD=build-x            (a private build dir, e.g. for parallel work)
 
@@ -11,6 +11,8 @@ BUILD ?= build/san-$(subst $(comma),-,$(SANITIZER))
 endif
 comma := ,
 space := $(empty) $(empty)
+# plain `make` builds everything (the first rule below is an archive's, not all)
+.DEFAULT_GOAL := all
 
 CC      ?= cc
 PKGS    := libzmq msgpack libevent jansson libxxhash inih sqlite3
@@ -26,6 +28,10 @@ SODIUM_LIBS := $(shell pkg-config --libs libsodium)
 ifneq ($(SANITIZER),)
 CFLAGS_BASE += -fsanitize=$(SANITIZER) -fno-omit-frame-pointer -fno-sanitize-recover=all
 LDFLAGS_BASE += -fsanitize=$(SANITIZER)
+endif
+# The libFuzzer build (make fuzz-build sets it, with CC=clang): coverage instrumentation
+ifeq ($(FUZZING),1)
+CFLAGS_BASE += -fsanitize=fuzzer-no-link
 endif
 ALL_CFLAGS  := $(CFLAGS_BASE) $(CFLAGS)
 ALL_LDFLAGS := $(LDFLAGS_BASE) $(LDFLAGS)
@@ -114,12 +120,24 @@ TESTS    := $(TEST_SRC:tests/unit/%.c=$(BUILD)/tests/%)
 BENCH_SRC := $(wildcard tests/bench/bench_*.c)
 BENCHES  := $(BENCH_SRC:tests/bench/%.c=$(BUILD)/tests/%)
 
+# Fuzzing harnesses (tests/fuzz/fuzz_<name>.c; docs/testing.md): each is linked twice, as a
+# replay of its corpus and saved crashes with the normal compiler ($(BUILD)/tests/
+# test_fuzz_<name>, run by make test) and, by make fuzz-build, as a libFuzzer binary
+# ($(BUILD)/fuzz/bin/fuzz_<name>, clang).
+FUZZ_SRC    := $(filter-out tests/fuzz/fuzz_common.c,$(wildcard tests/fuzz/fuzz_*.c))
+FUZZ_NAMES  := $(FUZZ_SRC:tests/fuzz/fuzz_%.c=%)
+FUZZ_REPLAY := $(FUZZ_NAMES:%=$(BUILD)/tests/test_fuzz_%)
+FUZZ_COMMON := $(BUILD)/obj/tests/fuzz/fuzz_common.o
+FUZZ_BUILD  := $(BUILD)/fuzz
+FUZZ_SECONDS ?= 60
+
 BINS := $(PROGS:%=$(BUILD)/bin/%) $(TOOLS)
 
-.PHONY: all test unit integration bench clean model check-layers print-layers deploy-test netns-test
+.PHONY: all test unit integration bench clean model check-layers print-layers deploy-test netns-test \
+        fuzz fuzz-build fuzz-harnesses fuzz-seeds
 # keep object files of pattern-rule chains (tools, tests)
 .SECONDARY:
-all: $(BINS) $(TESTS) model
+all: $(BINS) $(TESTS) $(FUZZ_REPLAY) model
 
 # Rebuild everything when the flags (or the layering table, which sets include paths) change.
 $(BUILD)/.flags: FORCE
@@ -144,6 +162,32 @@ $(BUILD)/tests/test_%: $(BUILD)/obj/tests/unit/test_%.o $(ALL_DEPS)
 $(BUILD)/tests/bench_%: $(BUILD)/obj/tests/bench/bench_%.o $(ALL_DEPS)
 	@mkdir -p $(@D)
 	$(CC) $(ALL_LDFLAGS) -o $@ $< $(ALL_LIBS) $(LDLIBS_BASE) $(SODIUM_LIBS)
+
+# --- Fuzzing (tests/fuzz/, docs/testing.md "Fuzzing")
+$(BUILD)/tests/test_fuzz_%: $(BUILD)/obj/tests/fuzz/fuzz_%.o $(BUILD)/obj/tests/fuzz/replay_main.o \
+                            $(FUZZ_COMMON) $(ALL_DEPS)
+	@mkdir -p $(@D)
+	$(CC) $(ALL_LDFLAGS) -o $@ $(filter %.o,$^) $(ALL_LIBS) $(LDLIBS_BASE)
+$(BUILD)/tests/fuzz_make_seeds: $(BUILD)/obj/tests/fuzz/make_seeds.o $(FUZZ_COMMON) $(ALL_DEPS)
+	@mkdir -p $(@D)
+	$(CC) $(ALL_LDFLAGS) -o $@ $(filter %.o,$^) $(ALL_LIBS) $(LDLIBS_BASE)
+$(BUILD)/bin/fuzz_%: $(BUILD)/obj/tests/fuzz/fuzz_%.o $(FUZZ_COMMON) $(ALL_DEPS)
+	@mkdir -p $(@D)
+	$(CC) $(ALL_LDFLAGS) -fsanitize=fuzzer -o $@ $(filter %.o,$^) $(ALL_LIBS) $(LDLIBS_BASE)
+# (inside the fuzz build only)
+fuzz-harnesses: $(FUZZ_NAMES:%=$(BUILD)/bin/fuzz_%)
+# The libFuzzer binaries: clang, ASan + UBSan, coverage, in $(BUILD)/fuzz/.
+fuzz-build:
+	$(MAKE) BUILD=$(FUZZ_BUILD) CC=clang SANITIZER=address,undefined FUZZING=1 fuzz-harnesses
+# Run each harness for FUZZ_SECONDS (FUZZ=name... picks some); fails on any crash, leak or
+# sanitizer report. New inputs go to $(BUILD)/fuzz/corpus/, crash inputs to
+# $(BUILD)/fuzz/artifacts/ (tests/fuzz/run.sh).
+fuzz: fuzz-build model
+	FUZZ_BIN=$(FUZZ_BUILD)/bin FUZZ_WORK=$(FUZZ_BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) \
+	    tests/fuzz/run.sh $(FUZZ)
+# Write the seed corpora again from the project's encoders (tests/fuzz/make_seeds.c).
+fuzz-seeds: $(BUILD)/tests/fuzz_make_seeds
+	$(BUILD)/tests/fuzz_make_seeds tests/fuzz/corpus
 
 # The include-layering check alone (make test runs it too).
 CHECK_LAYERS_ARGS = $(LAYERS:%=--folder %) $(LAYER_SPEC:%=--layer %)

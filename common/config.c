@@ -7,6 +7,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "log.h"
 
@@ -38,15 +39,15 @@ static void list_clear(config_strings *l)
     for (int i = 0; i < l->n; i++)
         free(l->v[i]);
     free(l->v);
+    free(l->origin);
     l->v = NULL;
     l->n = 0;
+    l->origin = NULL;
 }
 
-/* Append a copy of the n bytes at val (n == 0: nothing). 0, or -1 (out of memory). */
+/* Append a copy of the n bytes at val. 0, or -1 (out of memory). */
 static int list_add(config_strings *l, const char *val, size_t n)
 {
-    if (n == 0)
-        return 0;
     char **v = realloc(l->v, (size_t)(l->n + 1) * sizeof(*v));
     if (!v)
         return -1;
@@ -65,9 +66,54 @@ typedef struct {
     int *src; /* (entries,) the source of each list's current values */
 } load_state;
 
-/* A value of a repeatable setting from source src: values of a lower source are dropped
- * first; the environment's value is split at commas and whitespace. */
-static int list_value(const load_state *ls, const config_entry_t *e, const char *val, int src)
+static int is_space(char c)
+{
+    return c == ' ' || c == '\t' || c == '\r' || c == '\n' || c == '\f' || c == '\v';
+}
+
+/* One value (n bytes at val) of list e from origin: refused when empty or blank, and, for a
+ * secret, when it holds whitespace (`KEY admin` pasted from a key file would otherwise be
+ * a key of its own, or two). A secret is never echoed: the message names its position. */
+static int list_piece(const config_entry_t *e, const char *val, size_t n, const char *origin,
+                      int piece)
+{
+    config_strings *l = e->ptr;
+    char where[64] = "";
+    if (piece > 0)
+        snprintf(where, sizeof(where), " (value %d of the comma-separated list)", piece);
+    size_t i = 0;
+    while (i < n && is_space(val[i]))
+        i++;
+    if (i == n) {
+        fprintf(stderr,
+                "empty value for %s (from %s)%s: give a value, or leave the setting out\n",
+                e->name, origin, where);
+        return -1;
+    }
+    if (e->type == CONFIG_SECRET_LIST) {
+        for (i = 0; i < n && !is_space(val[i]); i++)
+            ;
+        if (i < n) {
+            fprintf(stderr,
+                    "invalid value for %s (from %s)%s: a value holds whitespace (one key per "
+                    "value, separated by commas in the environment; attributes such as admin "
+                    "go in the key file)\n",
+                    e->name, origin, where);
+            return -1;
+        }
+    }
+    if (list_add(l, val, n) < 0) {
+        fprintf(stderr, "out of memory\n");
+        return -1;
+    }
+    return 0;
+}
+
+/* A value of a repeatable setting from source src (origin names it): values of a lower
+ * source are dropped first; the environment's value is split at commas, each piece trimmed
+ * of the whitespace around it. */
+static int list_value(const load_state *ls, const config_entry_t *e, const char *val,
+                      const char *origin, int src)
 {
     config_strings *l = e->ptr;
     int *cur = &ls->src[e - ls->table];
@@ -75,21 +121,32 @@ static int list_value(const load_state *ls, const config_entry_t *e, const char 
         list_clear(l);
         *cur = src;
     }
-    if (src != SRC_ENV) {
-        if (list_add(l, val, strlen(val)) < 0) {
+    if (!l->origin) {
+        char name[160];
+        if (src == SRC_FLAGS)
+            snprintf(name, sizeof(name), "--%s", e->name);
+        else
+            snprintf(name, sizeof(name), "%s", origin);
+        if (!(l->origin = strdup(name))) {
             fprintf(stderr, "out of memory\n");
             return -1;
         }
-        return 0;
     }
-    for (const char *p = val; *p;) {
-        size_t n = strcspn(p, ", \t\r\n");
-        if (list_add(l, p, n) < 0) {
-            fprintf(stderr, "out of memory\n");
+    if (src != SRC_ENV)
+        return list_piece(e, val, strlen(val), origin, 0);
+    int piece = strchr(val, ',') ? 1 : 0; /* numbered only when there are several */
+    for (const char *p = val;; piece += piece > 0) {
+        size_t n = strcspn(p, ",");
+        const char *b = p, *t = p + n;
+        while (b < t && is_space(*b))
+            b++;
+        while (t > b && is_space(t[-1]))
+            t--;
+        if (list_piece(e, b, (size_t)(t - b), origin, piece) < 0)
             return -1;
-        }
-        p += n;
-        p += strspn(p, ", \t\r\n");
+        if (!p[n])
+            break;
+        p += n + 1;
     }
     return 0;
 }
@@ -101,7 +158,7 @@ static int set_value(const load_state *ls, const config_entry_t *e, const char *
     switch (e->type) {
     case CONFIG_STRING_LIST:
     case CONFIG_SECRET_LIST:
-        return list_value(ls, e, val, src);
+        return list_value(ls, e, val, origin, src);
     case CONFIG_INT: {
         errno = 0;
         long long v = strtoll(val, &end, 10);
@@ -158,6 +215,7 @@ struct ini_ctx {
     const load_state *ls;
     const char *path;
     int failed;
+    const char *secret; /* the first secret setting the file sets, or NULL */
 };
 
 static int on_ini_entry(void *user, const char *section, const char *name, const char *value)
@@ -170,9 +228,46 @@ static int on_ini_entry(void *user, const char *section, const char *name, const
         ctx->failed = 1;
         return 0;
     }
+    if (e->type == CONFIG_SECRET_LIST && !ctx->secret)
+        ctx->secret = e->name;
     if (set_value(ctx->ls, e, value, ctx->path, SRC_FILE) < 0)
         ctx->failed = 1;
     return 1;
+}
+
+/* Read the config file at path into ls. A file that sets a secret setting must be readable
+ * by its owner only, as the API key file must (checked on the open file). 0 or -1. */
+static int load_file(const load_state *ls, const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        fprintf(stderr, "%s: cannot open config file: %s\n", path, strerror(errno));
+        return -1;
+    }
+    struct stat st;
+    if (fstat(fileno(f), &st) < 0) {
+        fprintf(stderr, "%s: cannot stat config file: %s\n", path, strerror(errno));
+        fclose(f);
+        return -1;
+    }
+    struct ini_ctx ctx = {ls, path, 0, NULL};
+    int rc = ini_parse_file(f, on_ini_entry, &ctx);
+    fclose(f);
+    if (rc > 0)
+        fprintf(stderr, "%s: line %d: syntax error\n", path, rc);
+    if (rc < 0)
+        fprintf(stderr, "%s: cannot read config file\n", path);
+    if (rc || ctx.failed)
+        return -1;
+    if (ctx.secret && (st.st_mode & 077)) {
+        fprintf(stderr,
+                "%s: the config file sets %s but is accessible by group or others (mode %04o): "
+                "make it readable by its owner only (chmod 600), or move the keys to a key "
+                "file\n",
+                path, ctx.secret, (unsigned)(st.st_mode & 07777));
+        return -1;
+    }
+    return 0;
 }
 
 static void print_help(const config_entry_t *t, const char *program)
@@ -224,23 +319,12 @@ static int load(const load_state *ls, const char *program, int argc, char **argv
         if (e->type == CONFIG_STRING)
             *(char **)e->ptr = NULL;
         if (is_list(e))
-            *(config_strings *)e->ptr = (config_strings){NULL, 0};
+            *(config_strings *)e->ptr = (config_strings){NULL, 0, NULL};
         if (e->def && set_value(ls, e, e->def, "default", SRC_DEFAULT) < 0)
             return -1;
     }
-    if (config_path && *config_path) {
-        struct ini_ctx ctx = {ls, config_path, 0};
-        int rc = ini_parse(config_path, on_ini_entry, &ctx);
-        if (rc < 0) {
-            fprintf(stderr, "%s: cannot open config file: %s\n", config_path, strerror(errno));
-            return -1;
-        }
-        if (rc > 0 || ctx.failed) {
-            if (rc > 0)
-                fprintf(stderr, "%s: line %d: syntax error\n", config_path, rc);
-            return -1;
-        }
-    }
+    if (config_path && *config_path && load_file(ls, config_path) < 0)
+        return -1;
     for (const config_entry_t *e = table; e->name; e++) {
         char env[128];
         env_name(e->name, env, sizeof(env));

@@ -9,9 +9,12 @@
  *
  * A repeatable setting (CONFIG_STRING_LIST, CONFIG_SECRET_LIST) collects every value it is
  * given: `--api-key A --api-key B`, the key repeated in the file, or one environment
- * variable holding several values separated by commas or whitespace. The precedence holds
- * per source, not per value: values given as flags replace those of the environment, which
- * replace those of the file. A CONFIG_SECRET_LIST is logged as a count, never its values.
+ * variable holding several values separated by commas (whitespace around each is dropped).
+ * The precedence holds per source, not per value: values given as flags replace those of
+ * the environment, which replace those of the file. An empty or blank value is an error
+ * (`--api-key "$UNSET"` must not mean "no key"), and so is a CONFIG_SECRET_LIST value that
+ * holds whitespace. A CONFIG_SECRET_LIST is logged as a count, never its values, and a
+ * config file that sets one must be readable by its owner only (mode & 077 == 0).
  */
 #ifndef TP_CONFIG_H
 #define TP_CONFIG_H
@@ -29,10 +32,12 @@ typedef enum {
 
 /* The values of a repeatable setting, in the order given (each NUL-terminated, non-empty).
  * Filled by config_load, freed by config_free; a default (config_entry_t.def) is one
- * value. */
+ * value. origin names where the values came from, to quote in messages: "--NAME" (flags),
+ * "TIDEPOOL_NAME" (environment), the config file's path, or "default"; NULL when n is 0. */
 typedef struct {
     char **v;
     int n;
+    char *origin;
 } config_strings;
 
 typedef struct {
@@ -47,8 +52,9 @@ typedef struct {
 /* Apply defaults, then the config file, environment and argv in that order.
  * `table` ends with an entry whose name is NULL. `program` names the program in --help.
  * Returns 0 on success, 1 when --help was printed (caller exits 0), -1 on any invalid
- * value, unknown flag or unreadable file (a message naming the setting or file is on
- * stderr). Positional arguments are not accepted. */
+ * value (empty list values included), unknown flag, unreadable file or a config file
+ * setting a secret that group or others may access (a message naming the setting or file
+ * is on stderr). Positional arguments are not accepted. */
 int config_load(const config_entry_t *table, const char *program, int argc, char **argv);
 
 /* Log the effective settings, one line each (INFO). */

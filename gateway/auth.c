@@ -27,6 +27,7 @@ struct auth_key {
     unsigned char digest[DIGEST_BYTES];
     char id[AUTH_ID_HEX + 1];
     size_t n_bytes; /* the key's length */
+    char *source;   /* where it was given (auth_add_key's source), for messages */
     auth_key_params p;
     bucket requests, tokens;
 };
@@ -49,6 +50,7 @@ void auth_destroy(auth_t **pa)
         return;
     auth_t *a = *pa;
     for (int i = 0; i < a->n; i++) {
+        free(a->keys[i]->source);
         sodium_memzero(a->keys[i], sizeof(*a->keys[i]));
         free(a->keys[i]);
     }
@@ -70,7 +72,8 @@ static void bucket_init(bucket *b, double rate)
     b->t_us = 0;
 }
 
-int auth_add_key(auth_t *a, const char *key, const auth_key_params *p, char *err, size_t errlen)
+int auth_add_key(auth_t *a, const char *key, const auth_key_params *p, const char *source,
+                 char *err, size_t errlen)
 {
     size_t n = strlen(key);
     if (n == 0 || n > AUTH_MAX_KEY_BYTES) {
@@ -104,17 +107,23 @@ int auth_add_key(auth_t *a, const char *key, const auth_key_params *p, char *err
         int same = sodium_memcmp(a->keys[i]->digest, k->digest, DIGEST_BYTES) == 0;
         if (same || strcmp(a->keys[i]->id, k->id) == 0) {
             snprintf(err, errlen,
-                     same ? "the API key with id %s is given twice"
-                          : "two API keys have the id %s: replace one of them",
-                     k->id);
+                     same ? "the API key with id %s is given twice: in %s and in %s"
+                          : "two API keys have the id %s (in %s and in %s): replace one of them",
+                     k->id, a->keys[i]->source, source);
             free(k);
             return -1;
         }
+    }
+    if (!(k->source = strdup(source))) {
+        free(k);
+        snprintf(err, errlen, "out of memory");
+        return -1;
     }
     if (a->n == a->cap) {
         int cap = a->cap ? 2 * a->cap : 8;
         auth_key **v = realloc(a->keys, (size_t)cap * sizeof(*v));
         if (!v) {
+            free(k->source);
             free(k);
             snprintf(err, errlen, "out of memory");
             return -1;
@@ -154,7 +163,7 @@ static int file_line(auth_t *a, const char *path, int lineno, char *line, char *
 {
     char *save = NULL, *key = NULL;
     auth_key_params p = {0};
-    int nword = 0;
+    int nword = 0, seen_admin = 0, seen_requests = 0, seen_tokens = 0;
     for (char *w = strtok_r(line, " \t\r\f\v", &save); w; w = strtok_r(NULL, " \t\r\f\v", &save)) {
         if (w[0] == '#')
             break; /* a comment to the end of the line */
@@ -163,17 +172,27 @@ static int file_line(auth_t *a, const char *path, int lineno, char *line, char *
             key = w;
             continue;
         }
-        int r;
+        int r = 0, *seen = NULL;
+        const char *attr = NULL;
         if (strcmp(w, "admin") == 0) {
             p.admin = 1;
-        } else if ((r = rate_attr(w, "requests-per-s", &p.requests_per_s)) != 0 ||
-                   (r = rate_attr(w, "tokens-per-s", &p.tokens_per_s)) != 0) {
-            if (r < 0) {
-                snprintf(err, errlen, "%s: line %d: word %d: a rate must be a number in (0, 1e9]",
-                         path, lineno, nword);
-                return -1;
-            }
-        } else { /* not echoed: it could be a second key pasted on the line */
+            seen = &seen_admin, attr = "admin";
+        } else if ((r = rate_attr(w, "requests-per-s", &p.requests_per_s)) != 0) {
+            seen = &seen_requests, attr = "requests-per-s";
+        } else if ((r = rate_attr(w, "tokens-per-s", &p.tokens_per_s)) != 0) {
+            seen = &seen_tokens, attr = "tokens-per-s";
+        }
+        if (r < 0) {
+            snprintf(err, errlen, "%s: line %d: word %d: a rate must be a number in (0, 1e9]",
+                     path, lineno, nword);
+            return -1;
+        }
+        if (seen && (*seen)++) { /* which one would win is a guess: refuse */
+            snprintf(err, errlen, "%s: line %d: word %d repeats the attribute %s", path, lineno,
+                     nword, attr);
+            return -1;
+        }
+        if (!seen) { /* not echoed: it could be a second key pasted on the line */
             snprintf(err, errlen,
                      "%s: line %d: word %d is not an attribute (want admin, requests-per-s=N "
                      "or tokens-per-s=N after the key)",
@@ -183,8 +202,9 @@ static int file_line(auth_t *a, const char *path, int lineno, char *line, char *
     }
     if (!key)
         return 0;
-    char why[256];
-    if (auth_add_key(a, key, &p, why, sizeof(why)) < 0) {
+    char why[512], source[300];
+    snprintf(source, sizeof(source), "%s line %d", path, lineno);
+    if (auth_add_key(a, key, &p, source, why, sizeof(why)) < 0) {
         snprintf(err, errlen, "%s: line %d: %s", path, lineno, why);
         return -1;
     }

@@ -52,18 +52,21 @@ auth_t *auth_new(void);
 void auth_destroy(auth_t **a);
 
 /* Add key (NUL-terminated; 1..AUTH_MAX_KEY_BYTES visible ASCII characters, no spaces) with
- * p (bounds: rates 0 or in (0, 1e9]). 0, or -1 with a message in err that names the key by
- * its id only (bad characters or length, a key given twice, two keys with one id, out of
- * memory). The key itself is not kept, only its digest. */
-int auth_add_key(auth_t *a, const char *key, const auth_key_params *p, char *err, size_t errlen);
+ * p (bounds: rates 0 or in (0, 1e9]); source names where it was given ("--api-key",
+ * "TIDEPOOL_API_KEY (value 2)", "FILE line 3"; copied). 0, or -1 with a message in err that
+ * names the key by its id only (bad characters or length, a key given twice or two keys
+ * with one id: both sources named, out of memory). The key itself is not kept, only its
+ * digest. */
+int auth_add_key(auth_t *a, const char *key, const auth_key_params *p, const char *source,
+                 char *err, size_t errlen);
 
 /* Add the keys of the file at path. Format: one key per line, then optional attributes
  * separated by whitespace: `admin`, `requests-per-s=N`, `tokens-per-s=N` (N a positive
  * number); blank lines and lines whose first non-blank character is '#' are ignored, as is
  * everything from a word starting with '#'. 0, or -1 with a message in err naming the file
  * and, for a bad line, its number (never its key): unreadable, not a regular file,
- * readable or writable by group or others (mode & 077), a malformed line, a bad or
- * repeated key, no key at all. */
+ * readable or writable by group or others (mode & 077), a malformed line (an attribute
+ * given twice on it included), a bad or repeated key, no key at all. */
 int auth_load_file(auth_t *a, const char *path, char *err, size_t errlen);
 
 /* Keys configured (0: no authentication) and how many of them are admin keys. */

@@ -126,8 +126,7 @@ int batch_job_add(batch_t *b, job_t *j)
     return 0;
 }
 
-/* Split the input into non-blank lines. 0, or -1 (out of memory). */
-static int split_lines(job_t *j)
+int batch_job_split_lines(job_t *j)
 {
     int n = 0, cap = 0;
     size_t pos = 0;
@@ -208,7 +207,7 @@ int batch_job_load(batch_t *b, job_t *j)
     j->content_len = len;
     j->next_line = 0;
     j->n_done = j->completed = j->failed = 0;
-    if (split_lines(j) < 0 || store_results_foreach(b->store, j->id, -1, mark_done, j) < 0) {
+    if (batch_job_split_lines(j) < 0 || store_results_foreach(b->store, j->id, -1, mark_done, j) < 0) {
         job_free_run(j);
         return -1;
     }

@@ -112,6 +112,11 @@ int batch_job_add(batch_t *b, job_t *j);
 /* Count line `line` (0-based) of j as done, ok (completed) or not (failed); a line out of
  * range or already done is ignored, so a result is counted once. */
 void batch_job_line_done(job_t *j, int line, int ok);
+/* Split j->content (content_len bytes) into its non-blank lines: j->off, j->len and
+ * j->state (all LINE_PENDING) for j->n_lines lines, each without its line end and the
+ * spaces and tabs around it. 0, or -1 (out of memory; what was allocated is j's, freed
+ * with its run state). */
+int batch_job_split_lines(job_t *j);
 /* Load j's run state: its input file and the results stored so far. 0, or -1 (the input
  * file is gone: j is failed; or it cannot be read, or out of memory). */
 int batch_job_load(batch_t *b, job_t *j);
@@ -130,6 +135,17 @@ json_t *batch_line_parse(const job_t *j, int i, const char **custom_id, json_t *
  * null); custom_id may be NULL. */
 void batch_line_error(batch_t *b, job_t *j, int line, const char *custom_id, const char *code,
                       const char *msg);
+/* The result record of line `line` (0-based) that is not a valid request line:
+ * {"id", "custom_id" (custom_id, NULL: null), "response": null, "error": {"code", "message"
+ * (msg, cut to an error message's size at a character boundary), "line"}}. The caller's;
+ * NULL on out of memory. */
+json_t *batch_line_error_record(int line, const char *custom_id, const char *code,
+                                const char *msg);
+/* The result record of a line whose request got an HTTP error e: {"id", "custom_id",
+ * "response": {"status_code", "request_id" (NULL: null), "body": the error object},
+ * "error": null}. The caller's; NULL on out of memory. */
+json_t *batch_line_error_response_record(const char *custom_id, const char *request_id,
+                                         const api_error *e);
 /* Start line i of j: validate its request and submit it, or record its error. Returns 0
  * when the line was handled, 1 when the cluster is full (try again later). */
 int batch_line_start(batch_t *b, job_t *j, int i);

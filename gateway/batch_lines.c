@@ -34,33 +34,41 @@ static json_t *req_id_json(void)
     return json_string(id);
 }
 
-/* A line that is not a valid request line: error file, response null. */
-void batch_line_error(batch_t *b, job_t *j, int line, const char *custom_id, const char *code,
-                      const char *msg)
+json_t *batch_line_error_record(int line, const char *custom_id, const char *code,
+                                const char *msg)
 {
     char text[sizeof(((api_error *)0)->message)];
     snprintf(text, sizeof(text), "%s", msg);
     api_utf8_trim(text); /* it may quote the line, cut at a byte count */
-    msg = text;
-    json_t *res = json_pack("{s:o, s:o, s:n, s:{s:s, s:s, s:i}}", "id", req_id_json(), "custom_id",
-                            custom_id ? json_string(custom_id) : json_null(), "response", "error",
-                            "code", code, "message", msg, "line", line + 1);
-    result_put(b, j, line, 0, res);
+    return json_pack("{s:o, s:o, s:n, s:{s:s, s:s, s:i}}", "id", req_id_json(), "custom_id",
+                     custom_id ? json_string(custom_id) : json_null(), "response", "error",
+                     "code", code, "message", text, "line", line + 1);
+}
+
+/* A line that is not a valid request line: error file, response null. */
+void batch_line_error(batch_t *b, job_t *j, int line, const char *custom_id, const char *code,
+                      const char *msg)
+{
+    result_put(b, j, line, 0, batch_line_error_record(line, custom_id, code, msg));
+}
+
+json_t *batch_line_error_response_record(const char *custom_id, const char *request_id,
+                                         const api_error *e)
+{
+    char *body = api_error_json(e);
+    json_t *jb = body ? json_loads(body, 0, NULL) : NULL;
+    free(body);
+    return json_pack("{s:o, s:o, s:{s:i, s:o, s:o}, s:n}", "id", req_id_json(), "custom_id",
+                     custom_id ? json_string(custom_id) : json_null(), "response", "status_code",
+                     e->status, "request_id", request_id ? json_string(request_id) : json_null(),
+                     "body", jb ? jb : json_object(), "error");
 }
 
 /* A request that got an HTTP error: error file, response with status and error body. */
 static void line_error_response(batch_t *b, job_t *j, int line, const char *custom_id,
                                 const char *request_id, const api_error *e)
 {
-    char *body = api_error_json(e);
-    json_t *jb = body ? json_loads(body, 0, NULL) : NULL;
-    free(body);
-    json_t *res =
-        json_pack("{s:o, s:o, s:{s:i, s:o, s:o}, s:n}", "id", req_id_json(), "custom_id",
-                  custom_id ? json_string(custom_id) : json_null(), "response", "status_code",
-                  e->status, "request_id", request_id ? json_string(request_id) : json_null(),
-                  "body", jb ? jb : json_object(), "error");
-    result_put(b, j, line, 0, res);
+    result_put(b, j, line, 0, batch_line_error_response_record(custom_id, request_id, e));
 }
 
 // --- running lines: the completions' sink

@@ -226,10 +226,15 @@ static uint64_t read_model_fingerprint(const char *path)
 static int load_keys(auth_t **out)
 {
     *out = NULL;
-    if (!opt_api_keys.n && !opt_admin_api_keys.n && !(opt_api_key_file && opt_api_key_file[0]))
+    if (opt_api_key_file && !opt_api_key_file[strspn(opt_api_key_file, " \t\r\n")]) {
+        log_error("api-key-file is empty (--api-key-file, TIDEPOOL_API_KEY_FILE or the config "
+                  "file): give the key file's path, or leave the setting out");
+        return -1;
+    }
+    if (!opt_api_keys.n && !opt_admin_api_keys.n && !opt_api_key_file)
         return 0;
     auth_t *a = auth_new();
-    char err[600];
+    char err[1200];
     if (!a) {
         log_error("cannot initialise libsodium (API keys)");
         return -1;
@@ -238,15 +243,19 @@ static int load_keys(auth_t **out)
         const config_strings *l = admin ? &opt_admin_api_keys : &opt_api_keys;
         for (int i = 0; i < l->n; i++) {
             auth_key_params p = {.admin = admin};
-            if (auth_add_key(a, l->v[i], &p, err, sizeof(err)) < 0) {
-                log_error("--%s: %s", admin ? "admin-api-key" : "api-key", err);
+            char source[200];
+            if (l->n > 1)
+                snprintf(source, sizeof(source), "%s (value %d)", l->origin, i + 1);
+            else
+                snprintf(source, sizeof(source), "%s", l->origin);
+            if (auth_add_key(a, l->v[i], &p, source, err, sizeof(err)) < 0) {
+                log_error("%s: %s", source, err);
                 auth_destroy(&a);
                 return -1;
             }
         }
     }
-    if (opt_api_key_file && opt_api_key_file[0] &&
-        auth_load_file(a, opt_api_key_file, err, sizeof(err)) < 0) {
+    if (opt_api_key_file && auth_load_file(a, opt_api_key_file, err, sizeof(err)) < 0) {
         log_error("%s", err);
         auth_destroy(&a);
         return -1;
@@ -282,7 +291,7 @@ static int read_model_info(const char *path, int *n_ctx, char *name, size_t cap)
     snprintf(key, sizeof(key), "%s.context_length", arch);
     uint32_t ctx = 0;
     int rc = 0;
-    if (gguf_get_u32(g, key, &ctx) != 0 || ctx < 2 || ctx > (1u << 24)) {
+    if (gguf_get_u32(g, key, &ctx) != 0 || ctx < 2 || ctx > (uint32_t)MODEL_MAX_CTX) {
         log_error("%s: %s is missing or out of range", path, key);
         rc = -1;
     }

@@ -6,6 +6,11 @@
 # committed). Not part of `make test`. Numbers are ratios within
 # one run on one (possibly shared) machine, not absolute claims.
 #   tests/run_bench.sh [bench-binary-substring]
+# With LLAMA_CPP_DIR=DIR (a llama.cpp build: DIR/build/bin/llama-bench or DIR/bin/llama-bench)
+# the engine bench is followed by batch-1 decode side by side with llama-bench on the same
+# GGUF files: PEER_REPS (3) alternating runs of `bench_engine --tg` and `llama-bench -p 0
+# -n N` (N = 128, 32 for the 1B-class models) per model and per thread count of
+# PEER_THREADS (default: the CPUs available), medians, and the ratio tidepool/llama.cpp.
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -19,6 +24,50 @@ need_model() { # path, mkmodel args...
         echo "creating $path (tidepool-mkmodel $*)"
         "$BUILD/bin/tidepool-mkmodel" "$@" --out "$path" || { echo "cannot create $path"; exit 1; }
     fi
+}
+
+# peer_llama MODEL...: the side-by-side batch-1 decode runs described above.
+peer_llama() {
+    local lb=""
+    for c in "$LLAMA_CPP_DIR/build/bin/llama-bench" "$LLAMA_CPP_DIR/bin/llama-bench"; do
+        [ -x "$c" ] && { lb=$c; break; }
+    done
+    if [ -z "$lb" ]; then
+        echo "peer llama.cpp: no llama-bench under LLAMA_CPP_DIR=$LLAMA_CPP_DIR (build/bin or bin)"
+        return 1
+    fi
+    local reps=${PEER_REPS:-3} threads=${PEER_THREADS:-$(nproc)} rc=0
+    echo "peer llama.cpp ($lb): batch-1 decode, medians of $reps alternating runs"
+    printf '  %-28s %7s %14s %14s %8s\n' model threads "tidepool tok/s" "llama.cpp" ratio
+    for model in "$@"; do
+        local n=128
+        [ "$(stat -c %s "$model")" -gt $((256 << 20)) ] && n=32
+        for t in $threads; do
+            local tp=() lc=()
+            for _ in $(seq "$reps"); do
+                local v
+                v=$("$BUILD/tests/bench_engine" --tg --threads "$t" "$model" | awk '$1 == "tg" {print $3}')
+                [ -n "$v" ] && tp+=("$v")
+                # avg_ts: the column so named in llama-bench's CSV header
+                v=$("$lb" -m "$model" -p 0 -n "$n" -t "$t" -r 1 -o csv 2>/dev/null | awk -F, '
+                    NR == 1 { for (i = 1; i <= NF; i++) if ($i == "avg_ts") c = i }
+                    NR > 1 && c { gsub(/"/, "", $c); print $c }')
+                [ -n "$v" ] && lc+=("$v")
+            done
+            if [ ${#tp[@]} -eq 0 ] || [ ${#lc[@]} -eq 0 ]; then
+                echo "  $(basename "$model"): a run failed (tidepool ${#tp[@]}, llama.cpp ${#lc[@]} of $reps)"
+                rc=1
+                continue
+            fi
+            local mt ml
+            mt=$(printf '%s\n' "${tp[@]}" | sort -g | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}')
+            ml=$(printf '%s\n' "${lc[@]}" | sort -g | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}')
+            printf '  %-28s %7d %14.1f %14.1f %7.2fx   (tg%d; runs: tidepool %s; llama.cpp %s)\n' \
+                "$(basename "$model")" "$t" "$mt" "$ml" "$(awk -v a="$mt" -v b="$ml" 'BEGIN {print a / b}')" \
+                "$n" "${tp[*]}" "${lc[*]}"
+        done
+    done
+    return $rc
 }
 
 status=0
@@ -35,6 +84,12 @@ for b in "$BUILD"/tests/bench_*; do
         need_model "$MODELS/synth-1b-q8_0.gguf" --preset 1b --type q8_0 --seed 1 --name synth-1b-q8_0
         "$b" "$MODELS/stories260K.gguf" "$MODELS/synth-1b-f16.gguf" "$MODELS/synth-1b-q8_0.gguf" \
             || status=1
+        if [ -n "${LLAMA_CPP_DIR:-}" ]; then
+            peer_llama "$MODELS/stories260K.gguf" "$MODELS/synth-1b-f16.gguf" \
+                "$MODELS/synth-1b-q8_0.gguf" || status=1
+        else
+            echo "peer llama.cpp: skipped (set LLAMA_CPP_DIR to a llama.cpp build to compare)"
+        fi
         ;;
     bench_mtp)
         # acceptance and TPOT on the default model with its trained modules; the verify

@@ -242,8 +242,14 @@ fail:
         else
             snprintf(what, sizeof(what), "%s",
                      m && m->err ? evutil_socket_error_to_string(m->err) : "no response");
-        fprintf(stderr, "tidepool-bench: cannot get the model from http://%s%s: %s; pass "
-                        "--model NAME\n", b->host_header, path, what);
+        if (m && m->status == 401) /* --model would not help: every request gets 401 */
+            fprintf(stderr, "tidepool-bench: http://%s%s: HTTP 401: %s: pass --api-key KEY (or "
+                            "set TIDEPOOL_API_KEY)\n", b->host_header, path,
+                    b->authorization ? "the server refused the API key given"
+                                     : "the server wants an API key");
+        else
+            fprintf(stderr, "tidepool-bench: cannot get the model from http://%s%s: %s; pass "
+                            "--model NAME\n", b->host_header, path, what);
     }
     if (c)
         evhttp_connection_free(c);

@@ -39,6 +39,7 @@ struct gguf {
     int n_tensors;
     gguf_tensor_info *tensors;
     char *names; /* NUL-terminated tensor names, back to back */
+    int mapped;  /* base is our mmap of the file (gguf_open), not the caller's bytes */
 };
 
 /* ------------------------------------------------------------------------------------- */
@@ -452,6 +453,7 @@ gguf_t *gguf_open(const char *path, char *err, size_t errlen)
     fd = -1;
     g->base = map;
     g->size = (size_t)st.st_size;
+    g->mapped = 1;
     c.base = g->base;
     c.size = g->size;
     if (parse(g, &c) != 0)
@@ -464,12 +466,39 @@ fail:
     return NULL;
 }
 
+gguf_t *gguf_open_mem(const void *data, size_t size, const char *name, char *err, size_t errlen)
+{
+    cursor c = {.err = err, .errlen = errlen, .path = name};
+    if (err && errlen)
+        err[0] = '\0';
+    gguf_t *g = calloc(1, sizeof(*g));
+    if (!g || !(g->path = strdup(name))) {
+        cur_fail(&c, "out of memory");
+        gguf_close(&g);
+        return NULL;
+    }
+    if (!data || size < 24) {
+        cur_fail(&c, "not a GGUF file: %zu bytes is too short for the header", size);
+        gguf_close(&g);
+        return NULL;
+    }
+    g->base = data;
+    g->size = size;
+    c.base = g->base;
+    c.size = g->size;
+    if (parse(g, &c) != 0) {
+        gguf_close(&g);
+        return NULL;
+    }
+    return g;
+}
+
 void gguf_close(gguf_t **gp)
 {
     if (!gp || !*gp)
         return;
     gguf_t *g = *gp;
-    if (g->base)
+    if (g->base && g->mapped)
         munmap((void *)g->base, g->size);
     free(g->kvs);
     free(g->tensors);

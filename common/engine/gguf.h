@@ -68,7 +68,14 @@ typedef struct {
 /* Open and validate a GGUF file (read-only mmap of the whole file). On failure returns
  * NULL and writes "<path>: <problem>" into err (errlen bytes; err may be NULL). */
 gguf_t *gguf_open(const char *path, char *err, size_t errlen);
-/* Unmap and free; takes NULL; sets *g to NULL. Invalidates every pointer obtained. */
+/* Open and validate GGUF bytes held in memory (the same checks as gguf_open): data
+ * (size bytes) is BORROWED and must outlive the handle; name (copied) stands for the path
+ * in messages and gguf_path(). Tensor data is aligned to the file's alignment only when
+ * data is (a page-aligned buffer always is). NULL with "<name>: <problem>" in err on
+ * failure. For in-memory sources and the fuzzing harnesses (tests/fuzz/). */
+gguf_t *gguf_open_mem(const void *data, size_t size, const char *name, char *err, size_t errlen);
+/* Unmap (gguf_open) and free; takes NULL; sets *g to NULL. Invalidates every pointer
+ * obtained. */
 void gguf_close(gguf_t **g);
 
 const char *gguf_path(const gguf_t *g);

@@ -35,13 +35,30 @@ const char *kern_isa_name(kern_isa isa)
     return isa == KERN_ISA_AVX512 ? "avx512" : isa == KERN_ISA_AVX2 ? "avx2" : "scalar";
 }
 
+#ifdef KERN_HAVE_X86
+#ifdef __clang__
+#include <cpuid.h>
+/* clang 14's __builtin_cpu_supports does not know "f16c" (the fuzzing build, make fuzz):
+ * CPUID.1:ECX bit 29; the OS side is AVX's, checked with avx2 */
+static int have_f16c(void)
+{
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+}
+#else
+static int have_f16c(void)
+{
+    return __builtin_cpu_supports("f16c");
+}
+#endif
+#endif
+
 kern_isa kern_isa_detect(void)
 {
 #ifdef KERN_HAVE_X86
     /* libgcc's checks include the OS (XGETBV) enabling the AVX and AVX-512 state */
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c")) {
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && have_f16c()) {
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
             __builtin_cpu_supports("avx512vnni"))

@@ -163,17 +163,26 @@ static uint64_t fingerprint(const model_t *m)
 
 model_t *model_load(const char *path, char *err, size_t errlen)
 {
-    model_t *m = calloc(1, sizeof(*m));
+    gguf_t *g = gguf_open(path, err, errlen);
+    if (!g)
+        return NULL;
+    return model_load_gguf(&g, err, errlen);
+}
+
+model_t *model_load_gguf(gguf_t **gp, char *err, size_t errlen)
+{
     if (err && errlen)
         err[0] = '\0';
+    gguf_t *g = *gp;
+    *gp = NULL;
+    const char *path = gguf_path(g);
+    model_t *m = calloc(1, sizeof(*m));
     if (!m) {
         set_err(err, errlen, path, "out of memory");
+        gguf_close(&g);
         return NULL;
     }
-    m->g = gguf_open(path, err, errlen);
-    if (!m->g)
-        goto fail;
-    gguf_t *g = m->g;
+    m->g = g;
     model_config *c = &m->cfg;
 
     char arch[64];
@@ -196,6 +205,12 @@ model_t *model_load(const char *path, char *err, size_t errlen)
         get_u32_key(g, "llama.attention.head_count", &c->n_head, err, errlen) != 0 ||
         get_u32_key(g, "llama.context_length", &c->n_ctx, err, errlen) != 0)
         goto fail;
+    if (c->n_ctx < 2 || c->n_ctx > MODEL_MAX_CTX) {
+        /* it sizes the attention scratch of every thread: a file's word must not */
+        set_err(err, errlen, path, "llama.context_length %d is outside [2, %d]", c->n_ctx,
+                MODEL_MAX_CTX);
+        goto fail;
+    }
     uint32_t nextn;
     if (gguf_get_u32(g, "llama.nextn_predict_layers", &nextn) == 0 && nextn > 0) {
         /* MTP modules in the file (llama.cpp's DeepSeek-V3 layout): block_count counts
@@ -263,6 +278,13 @@ model_t *model_load(const char *path, char *err, size_t errlen)
     int dim = c->dim, hid = c->hidden_dim, kv_dim = c->n_kv_head * c->head_dim;
     if (get_mat(g, "token_embd.weight", dim, c->vocab_size, &m->tok_embd, err, errlen) != 0)
         goto fail;
+    /* every block has 9 tensors, and the file the embedding and the final norm too: a
+     * block count beyond them is refused before the per-block table is allocated from it */
+    if ((uint64_t)c->n_layer * 9 + 2 > (uint64_t)gguf_n_tensors(g)) {
+        set_err(err, errlen, path, "llama.block_count %d needs %llu tensors, the file has %d",
+                c->n_layer, (unsigned long long)c->n_layer * 9 + 2, gguf_n_tensors(g));
+        goto fail;
+    }
     m->layers = calloc((size_t)c->n_layer, sizeof(layer_weights));
     if (!m->layers) {
         set_err(err, errlen, path, "out of memory");

@@ -26,6 +26,10 @@
 typedef struct model model_t;
 typedef struct model_ctx model_ctx_t;
 
+/* Longest llama.context_length a model may declare (tokens; the gateway's bound too): it
+ * sizes per-thread attention scratch, so a file cannot ask for more. */
+#define MODEL_MAX_CTX (1 << 24)
+
 typedef struct {
     char name[64];     /* general.name */
     int dim;           /* embedding width */
@@ -46,12 +50,16 @@ typedef struct {
  * names the file and the problem into err (errlen bytes). The returned model is
  * read-only and may be shared by threads. */
 model_t *model_load(const char *path, char *err, size_t errlen);
+/* model_load on a GGUF already open (gguf_open or gguf_open_mem): *g is consumed (the
+ * model owns it from then on, or it is closed on failure; *g is set to NULL either way).
+ * The same checks and messages as model_load. */
+model_t *model_load_gguf(gguf_t **g, char *err, size_t errlen);
 void model_destroy(model_t **m);
 const model_config *model_get_config(const model_t *m);
 
 /* Bytes of weights one forward pass reads: every layer's matrices and the classifier
  * (the embedding rows looked up are not counted). A batch-1 decode step streams this
- * much from memory; bench tools divide it by the copy bandwidth for the roofline. */
+ * much from memory; bench tools divide the read bandwidth by it for the roofline. */
 uint64_t model_matmul_bytes(const model_t *m);
 
 /* Kernel order of the matrix products (see kernels.h). AUTO: EXACT when every matrix of

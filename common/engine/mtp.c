@@ -122,25 +122,21 @@ static uint64_t fingerprint(const gguf_t *g, int L, int n_modules)
     return h;
 }
 
-mtp_t *mtp_load(const model_t *m, const char *path, char *err, size_t errlen)
+/* Load the modules from side (a side file, consumed) or, when side is NULL, from the
+ * model file itself. */
+static mtp_t *load(const model_t *m, gguf_t *side, char *err, size_t errlen)
 {
-    if (err && errlen)
-        err[0] = '\0';
     const model_config *c = model_get_config(m);
+    const int is_side = side != NULL;
     mtp_t *mt = calloc(1, sizeof(*mt));
     if (!mt) {
-        set_err(err, errlen, path ? path : "mtp", "out of memory");
+        set_err(err, errlen, side ? gguf_path(side) : "mtp", "out of memory");
+        gguf_close(&side);
         return NULL;
     }
     mt->m = m;
-    if (path) {
-        mt->own = gguf_open(path, err, errlen);
-        if (!mt->own)
-            goto fail;
-        mt->g = mt->own;
-    } else {
-        mt->g = model_gguf(m);
-    }
+    mt->own = side;
+    mt->g = side ? side : model_gguf(m);
     const gguf_t *g = mt->g;
     const char *gp = gguf_path(g);
     uint32_t nextn;
@@ -155,7 +151,7 @@ mtp_t *mtp_load(const model_t *m, const char *path, char *err, size_t errlen)
         goto fail;
     }
     /* the side file names the BASE block count; the model file counts the modules too */
-    int want_blocks = c->n_layer + (path ? 0 : (int)nextn);
+    int want_blocks = c->n_layer + (is_side ? 0 : (int)nextn);
     int kv_heads = c->n_kv_head;
     if (check_u32(g, "llama.block_count", want_blocks, 1, err, errlen) != 0 ||
         check_u32(g, "llama.embedding_length", c->dim, 1, err, errlen) != 0 ||
@@ -208,6 +204,25 @@ mtp_t *mtp_load(const model_t *m, const char *path, char *err, size_t errlen)
 fail:
     mtp_destroy(&mt);
     return NULL;
+}
+
+mtp_t *mtp_load(const model_t *m, const char *path, char *err, size_t errlen)
+{
+    if (err && errlen)
+        err[0] = '\0';
+    gguf_t *side = NULL;
+    if (path && !(side = gguf_open(path, err, errlen)))
+        return NULL;
+    return load(m, side, err, errlen);
+}
+
+mtp_t *mtp_load_gguf(const model_t *m, gguf_t **side, char *err, size_t errlen)
+{
+    if (err && errlen)
+        err[0] = '\0';
+    gguf_t *g = *side;
+    *side = NULL;
+    return load(m, g, err, errlen);
 }
 
 void mtp_destroy(mtp_t **mp)

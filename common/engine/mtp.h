@@ -39,6 +39,10 @@ int mtp_model_has_modules(const model_t *m);
  * base and what this engine implements. On failure returns NULL and writes a message
  * naming the file and the problem into err. */
 mtp_t *mtp_load(const model_t *m, const char *path, char *err, size_t errlen);
+/* mtp_load from a side file already open (gguf_open or gguf_open_mem): *side is consumed
+ * (the handle owns it, or it is closed on failure; set to NULL either way). The same
+ * checks and messages as mtp_load with a path. */
+mtp_t *mtp_load_gguf(const model_t *m, gguf_t **side, char *err, size_t errlen);
 /* Unmap and free; takes NULL; sets *mt to NULL. */
 void mtp_destroy(mtp_t **mt);
 

@@ -114,15 +114,23 @@ tokenizer_t *tokenizer_load(const char *path, char *err, size_t errlen)
 {
     char gerr[512];
     gguf_t *g = gguf_open(path, gerr, sizeof(gerr));
-    tokenizer_t *t = NULL;
-    const char **ptrs = NULL;
-    size_t *lens = NULL;
-    int32_t *types = NULL;
     if (!g) {
         if (err && errlen)
             snprintf(err, errlen, "%s", gerr);
         return NULL;
     }
+    tokenizer_t *t = tokenizer_load_gguf(g, err, errlen);
+    gguf_close(&g);
+    return t;
+}
+
+tokenizer_t *tokenizer_load_gguf(const gguf_t *g, char *err, size_t errlen)
+{
+    const char *path = gguf_path(g);
+    tokenizer_t *t = NULL;
+    const char **ptrs = NULL;
+    size_t *lens = NULL;
+    int32_t *types = NULL;
     const char *model;
     size_t model_len;
     if (gguf_get_str(g, "tokenizer.ggml.model", &model, &model_len) == 0 &&
@@ -240,7 +248,6 @@ tokenizer_t *tokenizer_load(const char *path, char *err, size_t errlen)
     free(types);
     free(ptrs);
     free(lens);
-    gguf_close(&g);
     return t;
 oom:
     set_err(err, errlen, path, "out of memory loading the tokenizer");
@@ -249,7 +256,6 @@ fail:
     free(ptrs);
     free(lens);
     tokenizer_destroy(&t);
-    gguf_close(&g);
     return NULL;
 }
 
@@ -311,21 +317,13 @@ static int fallback(const tokenizer_t *t, const unsigned char *s, size_t n, int 
     return k;
 }
 
-int tokenizer_encode(const tokenizer_t *t, const char *text, size_t len, int add_bos, int *out,
-                     int cap, int *needed)
+/* The ids of text before any merge: [BOS], the dummy prefix " ", then one id per
+ * codepoint (byte fallback for codepoints not in the vocabulary). toks has room for len + 2;
+ * returns the count. */
+static int initial_ids(const tokenizer_t *t, const char *text, size_t len, int add_bos,
+                       int *toks)
 {
-    /* at most: BOS + dummy prefix + one id per byte */
-    size_t max_toks = len + 2;
-    int *toks = malloc(max_toks * sizeof(int));
-    int *cand = malloc(max_toks * sizeof(int)); /* cand[i]: merge id of (toks[i], toks[i+1]) */
-    char *buf = malloc(2 * t->max_len + 8);
     int k = 0;
-    if (!toks || !cand || !buf) {
-        free(toks);
-        free(cand);
-        free(buf);
-        return -1;
-    }
     if (add_bos)
         toks[k++] = t->bos;
     if (len > 0) {
@@ -352,11 +350,24 @@ int tokenizer_encode(const tokenizer_t *t, const char *text, size_t len, int add
             k = fallback(t, cp, cp_len, toks, k);
         cp_len = 0;
     }
+    return k;
+}
 
+/* Scores at or below this never merge (nor NaN): the reference loop's starting best. */
+#define MERGE_FLOOR -1e10f
+
+/* The reference merge loop (llama2.c's run.c): repeatedly merge the adjacent pair whose
+ * merged piece scores highest, the leftmost on a tie. O(k^2). toks (k ids) is rewritten in
+ * place; returns the new count, or -1 when out of memory. */
+static int merge_naive(const tokenizer_t *t, int *toks, int k, char *buf)
+{
+    int *cand = malloc(((size_t)k + 1) * sizeof(int)); /* cand[i]: merge of toks[i], [i+1] */
+    if (!cand)
+        return -1;
     for (int i = 0; i + 1 < k; i++)
         cand[i] = pair_lookup(t, toks[i], toks[i + 1], buf);
     for (;;) {
-        float best_score = -1e10f;
+        float best_score = MERGE_FLOOR;
         int best_idx = -1;
         for (int i = 0; i + 1 < k; i++) {
             if (cand[i] >= 0 && t->score[cand[i]] > best_score) {
@@ -377,9 +388,135 @@ int tokenizer_encode(const tokenizer_t *t, const char *text, size_t len, int add
         if (best_idx + 1 < k)
             cand[best_idx] = pair_lookup(t, toks[best_idx], toks[best_idx + 1], buf);
     }
-
     free(cand);
+    return k;
+}
+
+/* A candidate merge of the symbols at positions left and right (their ids then: ltok,
+ * rtok) into id, of score score. */
+typedef struct {
+    float score;
+    int left, right, ltok, rtok, id;
+} merge_cand;
+
+/* Heap order: the higher score first, the leftmost on a tie (the reference's choice). */
+static int cand_before(const merge_cand *a, const merge_cand *b)
+{
+    return a->score > b->score || (a->score == b->score && a->left < b->left);
+}
+
+static void heap_push(merge_cand *h, int *n, merge_cand c)
+{
+    int i = (*n)++;
+    while (i > 0 && cand_before(&c, &h[(i - 1) / 2])) {
+        h[i] = h[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    h[i] = c;
+}
+
+static merge_cand heap_pop(merge_cand *h, int *n)
+{
+    merge_cand top = h[0], last = h[--*n];
+    int i = 0;
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= *n)
+            break;
+        if (c + 1 < *n && cand_before(&h[c + 1], &h[c]))
+            c++;
+        if (!cand_before(&h[c], &last))
+            break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (*n > 0)
+        h[i] = last;
+    return top;
+}
+
+/* Push the merge of the symbols at l and r, when there is one that may be chosen. */
+static void push_pair(const tokenizer_t *t, merge_cand *h, int *n, const int *toks, int l,
+                      int r, char *buf)
+{
+    int id = pair_lookup(t, toks[l], toks[r], buf);
+    if (id >= 0 && t->score[id] > MERGE_FLOOR)
+        heap_push(h, n, (merge_cand){t->score[id], l, r, toks[l], toks[r], id});
+}
+
+/* The same merges as merge_naive, in O(k log k): the symbols form a linked list over their
+ * first positions and the candidates wait in a heap, each checked when it comes out (its
+ * two symbols still adjacent with the ids it was made from: a symbol's piece only grows,
+ * so an id never comes back). Positions keep the text's order, so "leftmost" is the
+ * smallest left position, as in the reference. Returns the new count, or -1 when out of
+ * memory. */
+static int merge_heap(const tokenizer_t *t, int *toks, int k, char *buf)
+{
+    if (k < 2)
+        return k;
+    int *next = malloc((size_t)k * sizeof(int)), *prev = malloc((size_t)k * sizeof(int));
+    /* k - 1 pairs at first, then at most 2 new ones per merge (k - 1 merges) */
+    merge_cand *h = malloc(3 * (size_t)k * sizeof(merge_cand));
+    if (!next || !prev || !h) {
+        free(next);
+        free(prev);
+        free(h);
+        return -1;
+    }
+    int n = 0;
+    for (int i = 0; i < k; i++) {
+        next[i] = i + 1 < k ? i + 1 : -1;
+        prev[i] = i - 1;
+    }
+    for (int i = 0; i + 1 < k; i++)
+        push_pair(t, h, &n, toks, i, i + 1, buf);
+    while (n > 0) {
+        merge_cand c = heap_pop(h, &n);
+        if (toks[c.left] != c.ltok || toks[c.right] != c.rtok || next[c.left] != c.right)
+            continue; /* stale: one of its symbols merged since */
+        toks[c.left] = c.id;
+        toks[c.right] = -1; /* gone */
+        next[c.left] = next[c.right];
+        if (next[c.right] >= 0)
+            prev[next[c.right]] = c.left;
+        if (prev[c.left] >= 0)
+            push_pair(t, h, &n, toks, prev[c.left], c.left, buf);
+        if (next[c.left] >= 0)
+            push_pair(t, h, &n, toks, c.left, next[c.left], buf);
+    }
+    int m = 0;
+    for (int i = 0; i >= 0; i = next[i])
+        toks[m++] = toks[i];
+    free(next);
+    free(prev);
+    free(h);
+    return m;
+}
+
+/* tokenizer_encode with merge as the merge loop. */
+static int encode_with(const tokenizer_t *t, const char *text, size_t len, int add_bos,
+                       int *out, int cap, int *needed,
+                       int (*merge)(const tokenizer_t *, int *, int, char *))
+{
+    /* at most: BOS + dummy prefix + one id per byte */
+    int *toks = malloc((len + 2) * sizeof(int));
+    char *buf = malloc(2 * t->max_len + 8);
+    if (!toks || !buf) {
+        free(toks);
+        free(buf);
+        return -1;
+    }
+    int k = initial_ids(t, text, len, add_bos, toks);
+    /* merges run on the text's ids only: BOS is never merged into a piece, whatever
+     * pieces the vocabulary has (one spelling "<s>" + text would otherwise swallow it) */
+    int bos_n = add_bos ? 1 : 0;
+    int m = merge(t, toks + bos_n, k - bos_n, buf);
     free(buf);
+    if (m < 0) {
+        free(toks);
+        return -1;
+    }
+    k = m + bos_n;
     if (needed)
         *needed = k;
     if (k > cap) {
@@ -389,6 +526,18 @@ int tokenizer_encode(const tokenizer_t *t, const char *text, size_t len, int add
     memcpy(out, toks, (size_t)k * sizeof(int));
     free(toks);
     return k;
+}
+
+int tokenizer_encode(const tokenizer_t *t, const char *text, size_t len, int add_bos, int *out,
+                     int cap, int *needed)
+{
+    return encode_with(t, text, len, add_bos, out, cap, needed, merge_heap);
+}
+
+int tokenizer_encode_ref(const tokenizer_t *t, const char *text, size_t len, int add_bos,
+                         int *out, int cap, int *needed)
+{
+    return encode_with(t, text, len, add_bos, out, cap, needed, merge_naive);
 }
 
 const char *tokenizer_piece(const tokenizer_t *t, int prev, int id, size_t *len)

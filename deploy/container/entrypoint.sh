@@ -33,6 +33,12 @@
 #     key this process needs is copied to a private 0600 file under /tmp (a mounted Secret
 #     is root- or group-owned), its authorized keys are every *.pub but gateway.pub, and
 #     TIDEPOOL_CURVE_SECRET_KEY / _GATEWAY_KEY / _AUTHORIZED_KEYS are set from them.
+#   - API keys (docs/deploy.md): the gateway's TIDEPOOL_API_KEY_FILE, when it names a file
+#     that is not the container user's own mode-0600 file (a Kubernetes Secret mounted with
+#     fsGroup is group-readable, and root- or group-owned), is copied to a private 0600 file
+#     under /tmp, and TIDEPOOL_API_KEY_FILE names the copy. The gateway refuses the original
+#     otherwise (a key file must be readable by its owner only). An --api-key-file flag is
+#     passed on as it is.
 set -euo pipefail
 BIN=/opt/tidepool/bin
 log() { echo "tidepool-entrypoint: $*" >&2; }
@@ -150,6 +156,18 @@ if [ -n "${TIDEPOOL_CURVE_KEYS:-}" ]; then
     fi
     (umask 077 && cat "$key" >"$priv/self.key") || { log "cannot read $key"; exit 2; }
     export TIDEPOOL_CURVE_SECRET_KEY=$priv/self.key TIDEPOOL_CURVE_AUTHORIZED_KEYS=$priv/authorized
+fi
+
+# --- API keys
+if [ "$prog" = gateway ] && [ -n "${TIDEPOOL_API_KEY_FILE:-}" ]; then
+    kf=$TIDEPOOL_API_KEY_FILE
+    if [ ! -O "$kf" ] || [ -n "$(find "$kf" -maxdepth 0 -perm /077 2>/dev/null)" ]; then
+        [ -f "$kf" ] && [ -r "$kf" ] || { log "$kf: cannot read the API key file (TIDEPOOL_API_KEY_FILE)"; exit 2; }
+        kpriv=$(umask 077 && mktemp -d /tmp/tidepool-api-keys.XXXXXX) || { log "cannot create a key directory in /tmp"; exit 2; }
+        (umask 077 && cat "$kf" >"$kpriv/api-keys") || { log "cannot read $kf"; exit 2; }
+        export TIDEPOOL_API_KEY_FILE=$kpriv/api-keys
+        log "API keys: $kf is not a private file of this user; using a private copy"
+    fi
 fi
 
 exec "$BIN/$prog" "${pre[@]}" "${args[@]}"

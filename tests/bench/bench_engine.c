@@ -2,28 +2,39 @@
  * bench_engine: throughput of the engine's forward pass, in-process, per model file.
  *
  *   bench_engine [--threads N] [--kernel auto|exact|fast] [--isa scalar|avx2|avx512]
- *                [--quick] MODEL.gguf...
+ *                [--quick | --tg] MODEL.gguf...
  *
  * For each model: prefill of one 128-token prompt, and of four 128-token prompts in one
  * call (best of a few runs); decode steps at batch 1, 8 and 32 with every sequence at
  * context ~64 (the 64-token context is prefilled once and its KV blocks copied to the
  * other sequences, so setting up batch 32 costs one prefill; rate from the median step);
- * batch 8 again on one thread (thread scaling); the memory-bandwidth roofline of batch-1
- * decode: the
- * weight bytes a step reads (model_matmul_bytes) divided by the copy bandwidth measured at
- * start-up (memcpy of a 512 MiB buffer, best of 3; bandwidth = bytes copied / time), and
- * the fraction of that bound achieved. Numbers are for comparing within one run on one
- * machine: the ratios are the result, not the absolute rates. Prompts are random token
- * ids (seeded); the model's output is not checked here (the unit tests do that).
+ * batch 8 again on one thread (thread scaling); the read-bandwidth roofline of batch-1
+ * decode, which only reads the weights: the read bandwidth (read_bandwidth: the engine's
+ * thread count streaming through a 1 GiB buffer, best of 5, measured just before the
+ * batch-1 run) divided by the weight bytes a step reads (model_matmul_bytes), and the
+ * fraction of that bound achieved. Numbers are
+ * for comparing within one run on one machine: the ratios are the result, not the
+ * absolute rates. Prompts are random token ids (seeded); the model's output is not
+ * checked here (the unit tests do that).
+ *
+ * --tg: batch-1 decode only, one line per model, "tg MODEL TOK/S" (tokens/s from the
+ * median of 32 steps, 64 for small models, at context 64 as above), for the side-by-side
+ * runs against llama-bench in tests/run_bench.sh.
  */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <time.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "kvcache.h"
 #include "model.h"
+#include "tokenizer.h"
 
 #define CTX 64
 #define PROMPT 128
@@ -44,31 +55,112 @@ static double cpu_s(void)
            (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
 }
 
-static double copy_bandwidth(void)
+/* --- read bandwidth: the bound of a batch-1 decode step, which only reads weights ---- */
+
+#define RB_BYTES ((size_t)1 << 30) /* far larger than the LLC (32 MiB here) */
+#define RB_REPS 5
+
+typedef struct {
+    const uint64_t *p;
+    size_t n; /* uint64 words of this thread's slice */
+    pthread_barrier_t *start;
+    uint64_t sum;
+} rb_slice;
+
+#if defined(__x86_64__)
+/* Sum of the slice as 64-bit lanes, 256-bit loads, four independent accumulators. */
+__attribute__((target("avx2"))) static uint64_t rb_sum_avx2(const uint64_t *p, size_t n)
 {
-    size_t n = (size_t)512 << 20;
-    char *a = malloc(n), *b = malloc(n);
-    if (!a || !b) {
-        free(a);
-        free(b);
-        return 0;
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        a0 = _mm256_add_epi64(a0, _mm256_load_si256((const __m256i *)(p + i)));
+        a1 = _mm256_add_epi64(a1, _mm256_load_si256((const __m256i *)(p + i + 4)));
+        a2 = _mm256_add_epi64(a2, _mm256_load_si256((const __m256i *)(p + i + 8)));
+        a3 = _mm256_add_epi64(a3, _mm256_load_si256((const __m256i *)(p + i + 12)));
     }
-    memset(a, 1, n);
-    memset(b, 2, n);
-    double best = 1e9;
-    for (int i = 0; i < 3; i++) {
+    a0 = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+    uint64_t l[4];
+    _mm256_storeu_si256((__m256i *)l, a0);
+    uint64_t s = l[0] + l[1] + l[2] + l[3];
+    for (; i < n; i++)
+        s += p[i];
+    return s;
+}
+#endif
+
+static uint64_t rb_sum(const uint64_t *p, size_t n)
+{
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("avx2"))
+        return rb_sum_avx2(p, n);
+#endif
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        s0 += p[i];
+        s1 += p[i + 1];
+        s2 += p[i + 2];
+        s3 += p[i + 3];
+    }
+    for (; i < n; i++)
+        s0 += p[i];
+    return s0 + s1 + s2 + s3;
+}
+
+static void *rb_thread(void *arg)
+{
+    rb_slice *s = arg;
+    pthread_barrier_wait(s->start);
+    s->sum = rb_sum(s->p, s->n);
+    return NULL;
+}
+
+/* Read bandwidth in bytes/s with n_threads threads (the engine's count): a streaming
+ * read of a 1 GiB buffer, each thread summing its contiguous slice with wide loads; the
+ * time runs from the threads' common start to the last one's end; best of RB_REPS.
+ * Returns 0 when the buffer cannot be had; exits when a thread cannot be started. */
+static double read_bandwidth(int n_threads)
+{
+    if (n_threads < 1)
+        n_threads = 1;
+    if (n_threads > 64)
+        n_threads = 64;
+    uint64_t *buf = aligned_alloc(64, RB_BYTES);
+    if (!buf)
+        return 0;
+    const size_t words = RB_BYTES / sizeof(uint64_t), per = words / (size_t)n_threads / 16 * 16;
+    for (size_t i = 0; i < words; i++) /* page in, distinct values */
+        buf[i] = i;
+    double best = 1e30;
+    uint64_t total = 0;
+    for (int r = 0; r < RB_REPS; r++) {
+        pthread_barrier_t start;
+        pthread_barrier_init(&start, NULL, (unsigned)n_threads + 1);
+        rb_slice sl[64];
+        pthread_t th[64];
+        for (int i = 0; i < n_threads; i++) {
+            sl[i] = (rb_slice){buf + (size_t)i * per, per, &start, 0};
+            if (pthread_create(&th[i], NULL, rb_thread, &sl[i]) != 0) {
+                fprintf(stderr, "bench_engine: cannot start a thread\n");
+                exit(1); /* the ones started wait at the barrier: end the process */
+            }
+        }
+        pthread_barrier_wait(&start);
         double t0 = now_s();
-        memcpy(b, a, n);
+        for (int i = 0; i < n_threads; i++) {
+            pthread_join(th[i], NULL);
+            total += sl[i].sum;
+        }
         double dt = now_s() - t0;
         if (dt < best)
             best = dt;
-        a[i] = b[n - 1 - i]; /* keep the copies observable */
+        pthread_barrier_destroy(&start);
     }
-    volatile char sink = b[12345];
+    volatile uint64_t sink = total; /* the sums are used */
     (void)sink;
-    free(a);
-    free(b);
-    return (double)n / best;
+    free(buf);
+    return (double)per * n_threads * sizeof(uint64_t) / best;
 }
 
 static uint64_t rng_state = 0x5eed;
@@ -197,14 +289,60 @@ static const char *weight_type(const model_t *m, const model_config *c)
     return per > 3 ? "F32" : per > 1.5 ? "F16" : "Q8_0";
 }
 
+/* Prompt tokenization of the model's tokenizer: the time to encode n bytes of story text
+ * with tokenizer_encode and with the reference merge loop (tokenizer_encode_ref), best of
+ * 3 each, alternating; prints both and their ratio. Returns 0, -1 when the model has no
+ * tokenizer (nothing printed) or on out of memory. */
+static int bench_tokenizer(const char *path, size_t n)
+{
+    char err[256];
+    tokenizer_t *t = tokenizer_load(path, err, sizeof(err));
+    if (!t)
+        return -1;
+    static const char story[] = "Once upon a time, Tom and Sue went to the park. They saw a "
+                                "big red ball and played all day. ";
+    char *text = malloc(n);
+    int *ids = malloc((n + 2) * sizeof(int));
+    if (!text || !ids) {
+        free(text);
+        free(ids);
+        tokenizer_destroy(&t);
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++)
+        text[i] = story[i % (sizeof(story) - 1)];
+    double best[2] = {1e30, 1e30};
+    int k = 0;
+    for (int rep = 0; rep < 3; rep++) {
+        for (int side = 0; side < 2; side++) {
+            double t0 = now_s();
+            k = side == 0 ? tokenizer_encode(t, text, n, 1, ids, (int)n + 2, NULL)
+                          : tokenizer_encode_ref(t, text, n, 1, ids, (int)n + 2, NULL);
+            double dt = now_s() - t0;
+            if (dt < best[side])
+                best[side] = dt;
+        }
+    }
+    char label[64];
+    snprintf(label, sizeof(label), "tokenize a %zu KiB prompt", n / 1024);
+    printf("  %-31s: %9.2f ms    (%d ids; run.c's O(n^2) merge loop %.1f ms: %.1fx)\n", label,
+           best[0] * 1e3, k, best[1] * 1e3, best[1] / best[0]);
+    free(text);
+    free(ids);
+    tokenizer_destroy(&t);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     model_ctx_params cp = model_ctx_default_params();
-    int quick = 0;
+    int quick = 0, tg = 0;
     int first = 1;
     for (; first < argc && strncmp(argv[first], "--", 2) == 0; first++) {
         if (strcmp(argv[first], "--quick") == 0) {
             quick = 1;
+        } else if (strcmp(argv[first], "--tg") == 0) {
+            tg = 1;
         } else if (strcmp(argv[first], "--threads") == 0 && first + 1 < argc) {
             cp.n_threads = atoi(argv[++first]);
         } else if (strcmp(argv[first], "--isa") == 0 && first + 1 < argc) {
@@ -219,12 +357,10 @@ int main(int argc, char **argv)
                                                  : MODEL_KERNEL_AUTO;
         } else {
             fprintf(stderr, "usage: bench_engine [--threads N] [--kernel auto|exact|fast] "
-                            "[--isa scalar|avx2|avx512] [--quick] MODEL.gguf...\n");
+                            "[--isa scalar|avx2|avx512] [--quick | --tg] MODEL.gguf...\n");
             return 2;
         }
     }
-    double bw = copy_bandwidth();
-    printf("copy bandwidth (memcpy 512 MiB, best of 3): %.2f GB/s\n", bw / 1e9);
     int rc = 0;
     for (int a = first; a < argc; a++) {
         char err[512];
@@ -253,6 +389,18 @@ int main(int argc, char **argv)
             goto next;
         }
         double bytes = (double)model_matmul_bytes(m);
+        if (tg) {
+            double cores;
+            bench_prefill(&b, 1, 8, 1, &cores); /* warm-up */
+            double d = bench_decode(&b, b.ctx, 1, big ? 32 : 64, &cores);
+            if (d < 0) {
+                fprintf(stderr, "bench_engine: %s: forward pass failed\n", argv[a]);
+                rc = 1;
+            } else {
+                printf("tg %s %.3f\n", argv[a], d);
+            }
+            goto next;
+        }
         printf("\n%s: %s, %s weights (%.1f MB read per forward pass), dim %d, %d layers, "
                "kernels %s, %d threads, loaded in %.1f s\n",
                argv[a], c->name, weight_type(m, c), bytes / 1e6, c->dim, c->n_layer,
@@ -265,6 +413,9 @@ int main(int argc, char **argv)
         bench_prefill(&b, 1, 8, 1, &cu[0]);
         double p1 = bench_prefill(&b, 1, PROMPT, reps, &cu[0]);
         double p4 = bench_prefill(&b, 4, PROMPT, reps, &cu[1]);
+        /* the bound is measured next to the batch-1 run it bounds (the machine may be
+         * shared: its bandwidth changes by the minute) */
+        double bw = read_bandwidth(model_ctx_n_threads(b.ctx));
         double d1 = bench_decode(&b, b.ctx, 1, dsteps1, &cu[2]);
         double d8 = bench_decode(&b, b.ctx, 8, dsteps8, &cu[3]);
         double d32 = bench_decode(&b, b.ctx, 32, dsteps32, &cu[4]);
@@ -302,9 +453,13 @@ int main(int argc, char **argv)
             printf("  decode batch  8, 1 thread      : %9.1f tok/s  (%d threads: %4.2fx)    [%.1f "
                    "cores]\n",
                    d8_1, model_ctx_n_threads(b.ctx), d8 / d8_1, cu[5]);
-        printf("  batch-1 decode roofline        : %9.1f tok/s  (%.1f MB / %.2f GB/s); "
+        printf("  batch-1 decode read roofline   : %9.1f tok/s  (%.2f GB/s read / %.1f MB); "
                "achieved %.0f%%\n",
-               bound, bytes / 1e6, bw / 1e9, 100.0 * d1 / bound);
+               bound, bw / 1e9, bytes / 1e6, 100.0 * d1 / bound);
+        printf("  (read bandwidth: %d threads streaming through 1 GiB, best of %d, just before "
+               "the batch-1 run)\n",
+               model_ctx_n_threads(b.ctx), RB_REPS);
+        bench_tokenizer(argv[a], quick ? 8192 : 32768);
     next:
         free(b.logits);
         free(b.toks);

@@ -15,9 +15,11 @@
 - tidepool-bench sends its --api-key (or TIDEPOOL_API_KEY / OPENAI_API_KEY) and hides it in
   its result JSON."""
 
+import hashlib
 import http.client
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -57,6 +59,11 @@ NOT_ADMIN = {"error": {
                "key.",
     "type": "permission_error", "param": None, "code": "insufficient_permissions"}}
 BOUNDARY = "tidepool-auth-boundary-91c3"
+
+
+def key_id(key):
+    """The gateway's id of a key: the first 12 hex digits of its BLAKE2b-256 digest."""
+    return hashlib.blake2b(key.encode(), digest_size=32).hexdigest()[:12]
 
 
 def bearer(key):
@@ -377,6 +384,21 @@ class BenchWithKeyTest(unittest.TestCase):
             self.assertEqual([(e["count"], "401" in e["first_message"]) for e in res["errors"]],
                              [(4, True)], res["errors"])
 
+    def test_401_hint_names_the_key(self):
+        """Without --model, a 401 on /v1/models points to --api-key, not to --model."""
+        with Cluster(roles=("mixed",), gateway_args=["--api-key", ALICE]) as c:
+            url = "http://127.0.0.1:%d" % c.port
+            env = {k: v for k, v in os.environ.items()
+                   if k not in ("TIDEPOOL_API_KEY", "OPENAI_API_KEY")}
+            for extra, why in (([], "the server wants an API key"),
+                               (["--api-key", BOB], "the server refused the API key given")):
+                p = subprocess.run([os.path.join(BIN, "tidepool-bench"), "--url", url,
+                                    "--num-prompts", "1", "--no-progress"] + extra,
+                                   capture_output=True, text=True, timeout=60, env=env)
+                self.assertEqual(p.returncode, 1, p.stderr)
+                self.assertEqual(p.stderr, "tidepool-bench: %s/v1/models: HTTP 401: %s: pass "
+                                 "--api-key KEY (or set TIDEPOOL_API_KEY)\n" % (url, why))
+
 
 class LauncherWithKeysTest(unittest.TestCase):
     def test_launcher_passes_the_key_file(self):
@@ -445,6 +467,110 @@ class KeyFileTest(unittest.TestCase):
         self.refused("%s\n%s admin\n" % (ALICE, ALICE), 0o600,
                      "FILE: line 2: the API key with id ")
         self.refused("# no key\n", 0o600, "FILE: the API key file holds no key")
+        self.refused("%s admin admin\n" % ALICE, 0o600,
+                     "FILE: line 1: word 3 repeats the attribute admin")
+        self.refused("%s\n%s requests-per-s=1 requests-per-s=2\n" % (ALICE, BOB), 0o600,
+                     "FILE: line 2: word 3 repeats the attribute requests-per-s")
+
+    def start_refused(self, args=(), env=None, rc=2, want="", config=None, config_mode=0o600):
+        """Start a gateway that must exit with rc, its log holding want (CONFIG: the path of
+        the config file written from config with config_mode, FILE: the key file)."""
+        c = Cluster(roles=(), env=env or {})
+        cfg = os.path.join(c.tmp, "gateway.ini")
+        if config is not None:
+            with open(cfg, "w") as f:
+                f.write(config)
+            os.chmod(cfg, config_mode)
+            args = list(args) + ["--config", cfg]
+        c.gateway_args = list(args)
+        try:
+            p = c.start_gateway()
+            got = p.wait(timeout=20)
+            log = c.log("gateway")
+            self.assertEqual(got, rc, log)
+            self.assertIn(want.replace("CONFIG", cfg), log)
+            self.assertNotIn("API keys: none", log)
+            for key in ALL_KEYS:
+                self.assertNotIn(key, log)
+        finally:
+            c.stop()
+
+    def test_blank_keys_refused(self):
+        """An empty or blank key anywhere stops the gateway: it must not start open (the
+        trial: --api-key "$UNSET_VAR", TIDEPOOL_API_KEY=" " and `api-key =` all did)."""
+        empty = "empty value for %s (from %s)%s: give a value, or leave the setting out"
+        no_file = ("api-key-file is empty (--api-key-file, TIDEPOOL_API_KEY_FILE or the config "
+                   "file): give the key file's path, or leave the setting out")
+        cases = [
+            (["--api-key", ""], {}, 2, empty % ("api-key", "flags", "")),
+            (["--api-key", ALICE, "--admin-api-key", " "], {}, 2,
+             empty % ("admin-api-key", "flags", "")),
+            (["--api-key-file", ""], {}, 1, no_file),
+            (["--api-key-file", " "], {}, 1, no_file),
+            ([], {"TIDEPOOL_API_KEY_FILE": ""}, 1, no_file),
+            ([], {"TIDEPOOL_API_KEY": ""}, 2, empty % ("api-key", "TIDEPOOL_API_KEY", "")),
+            ([], {"TIDEPOOL_API_KEY": " "}, 2, empty % ("api-key", "TIDEPOOL_API_KEY", "")),
+            ([], {"TIDEPOOL_API_KEY": ", ,"}, 2,
+             empty % ("api-key", "TIDEPOOL_API_KEY",
+                      " (value 1 of the comma-separated list)")),
+            ([], {"TIDEPOOL_ADMIN_API_KEY": "%s,," % ADMIN}, 2,
+             empty % ("admin-api-key", "TIDEPOOL_ADMIN_API_KEY",
+                      " (value 2 of the comma-separated list)")),
+            ([], {"TIDEPOOL_API_KEY": "%s admin" % ADMIN}, 2,
+             "invalid value for api-key (from TIDEPOOL_API_KEY): a value holds whitespace (one "
+             "key per value, separated by commas in the environment; attributes such as admin "
+             "go in the key file)"),
+        ]
+        for args, env, rc, want in cases:
+            with self.subTest(args=args, env=env):
+                self.start_refused(args, env, rc, want)
+        self.start_refused(config="api-key =\n", want=empty % ("api-key", "CONFIG", ""))
+        self.start_refused(config="api-key-file =\n", rc=1, want=no_file)
+
+    def test_config_file_with_keys_must_be_private(self):
+        """A config file that sets api-key is mode-checked as the key file is."""
+        for mode in (0o644, 0o640):
+            self.start_refused(config="api-key = %s\n" % ALICE, config_mode=mode,
+                               want="CONFIG: the config file sets api-key but is accessible by "
+                                    "group or others (mode %04o): make it readable by its owner "
+                                    "only (chmod 600), or move the keys to a key file" % mode)
+        self.start_refused(config="[auth]\nadmin-api-key = %s\n" % ADMIN, config_mode=0o604,
+                           want="CONFIG: the config file sets admin-api-key but is accessible")
+        c = Cluster(roles=("mixed",))
+        cfg = os.path.join(c.tmp, "gateway.ini")
+        with open(cfg, "w") as f:
+            f.write("api-key = %s\n" % ALICE)
+        os.chmod(cfg, 0o600)
+        c.gateway_args = ["--config", cfg]
+        with c:
+            self.assertEqual(c.request("GET", "/v1/models")[0], 401)
+            self.assertEqual(c.request("GET", "/v1/models", headers=bearer(ALICE))[0], 200)
+
+    def test_duplicate_names_both_sources(self):
+        """TIDEPOOL_API_KEY=$(head -n 1 keys) with --api-key-file keys: the refusal says
+        where the other copy is."""
+        c = key_cluster("%s\n%s admin\n" % (BOB, ALICE), 0o600, roles=())
+        c.env["TIDEPOOL_API_KEY"] = ALICE
+        c.gateway_args = ["--api-key-file", c.key_file]
+        try:
+            p = c.start_gateway()
+            self.assertEqual(p.wait(timeout=20), 1)
+            log = c.log("gateway")
+            self.assertIn("%s: line 2: the API key with id %s is given twice: in "
+                          "TIDEPOOL_API_KEY and in %s line 2" % (c.key_file, key_id(ALICE),
+                                                                 c.key_file), log)
+            self.assertNotIn(ALICE, log)
+        finally:
+            c.stop()
+        c = Cluster(roles=())
+        c.gateway_args = ["--api-key", BOB, "--api-key", ALICE, "--admin-api-key", ALICE]
+        try:
+            p = c.start_gateway()
+            self.assertEqual(p.wait(timeout=20), 1)
+            self.assertIn("--admin-api-key: the API key with id %s is given twice: in --api-key "
+                          "(value 2) and in --admin-api-key" % key_id(ALICE), c.log("gateway"))
+        finally:
+            c.stop()
 
     def test_unreadable_file_refused(self):
         c = Cluster(roles=())
@@ -502,6 +628,51 @@ class KeyFileTest(unittest.TestCase):
             status, got = c.request("GET", "/v1/files/file-old", headers=bearer(ADMIN))
             self.assertEqual((status, got["filename"]), (200, "old.jsonl"))
             self.assertIn("schema migrated from version 1 to 2", c.log("gateway"))
+
+
+class EntrypointKeyFileTest(unittest.TestCase):
+    """The image's entrypoint copies an API key file the gateway would refuse as shared (a
+    Kubernetes Secret mounted with fsGroup: group-readable) to a private 0600 file. Run here
+    with a stub for the gateway that prints what it was given."""
+
+    def run_entrypoint(self, tmp, mode):
+        bindir = os.path.join(tmp, "bin")
+        os.makedirs(bindir, exist_ok=True)
+        stub = os.path.join(bindir, "gateway")
+        with open(stub, "w") as f:
+            f.write('#!/bin/sh\nprintf "%s %s %s" "$TIDEPOOL_API_KEY_FILE" '
+                    '"$(stat -c %a "$TIDEPOOL_API_KEY_FILE")" "$(cat "$TIDEPOOL_API_KEY_FILE")"\n')
+        os.chmod(stub, 0o755)
+        with open(os.path.join(ROOT, "deploy/container/entrypoint.sh")) as f:
+            text = f.read().replace("\nBIN=/opt/tidepool/bin\n", "\nBIN=%s\n" % bindir, 1)
+        ep = os.path.join(tmp, "entrypoint.sh")
+        with open(ep, "w") as f:
+            f.write(text)
+        os.chmod(ep, 0o755)
+        keys = os.path.join(tmp, "keys")
+        if os.path.exists(keys):
+            os.unlink(keys)
+        with open(keys, "w") as f:
+            f.write("%s admin\n" % ADMIN)
+        os.chmod(keys, mode)
+        env = dict(os.environ, TIDEPOOL_MODEL=MODEL, TIDEPOOL_API_KEY_FILE=keys)
+        p = subprocess.run([ep, "gateway"], capture_output=True, text=True, timeout=60, env=env)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        return keys, p.stdout.split(" ", 2), p.stderr
+
+    def test_shared_key_file_is_copied(self):
+        c = Cluster(roles=())  # its temporary directory only
+        for mode in (0o640, 0o440, 0o644):
+            keys, (path, got_mode, text), err = self.run_entrypoint(c.tmp, mode)
+            self.assertNotEqual(path, keys)
+            self.assertTrue(path.startswith("/tmp/tidepool-api-keys."), path)
+            self.assertEqual((got_mode, text), ("600", "%s admin" % ADMIN))
+            self.assertIn("API keys: %s is not a private file of this user; using a private "
+                          "copy" % keys, err)
+            shutil.rmtree(os.path.dirname(path))
+        keys, (path, got_mode, _), err = self.run_entrypoint(c.tmp, 0o600)
+        self.assertEqual((path, got_mode, err), (keys, "600", ""))
+        c.stop()
 
 
 if __name__ == "__main__":

@@ -218,3 +218,90 @@ class Launcher(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class LauncherRefusalTest(unittest.TestCase):
+    """A launcher whose gateway refuses its settings stops, says why, and never announces
+    API keys the gateway does not require."""
+
+    def run_launcher(self, args, env=None):
+        env = dict({k: v for k, v in os.environ.items() if not k.startswith("TIDEPOOL_API")},
+                   TIDEPOOL_BIN=BIN, **(env or {}))
+        p = subprocess.Popen(
+            [os.path.join(ROOT, "deploy/local/start"), "--no-build", "--mixed", "1",
+             "--port", str(free_port()), "--ctl-port", str(free_port()),
+             "--kv-port", str(free_port()), "--stats-port", str(free_port()),
+             "--model", MODEL] + list(args),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+        try:
+            out, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            raise
+        return p.returncode, out.decode(), err.decode()
+
+    def test_blank_key_in_the_environment(self):
+        """TIDEPOOL_API_KEY=" " used to start an open gateway announced as "API keys
+        required"; now the gateway refuses it and the launcher stops."""
+        rc, out, err = self.run_launcher([], {"TIDEPOOL_API_KEY": " "})
+        self.assertEqual(rc, 1, err)
+        self.assertEqual(out, "")
+        self.assertIn("empty value for api-key (from TIDEPOOL_API_KEY): give a value, or leave "
+                      "the setting out", err)
+        self.assertIn("start: gateway exited (status 2) before the cluster was ready; see its "
+                      "log above", err)
+
+    def test_empty_key_file_name(self):
+        rc, out, err = self.run_launcher(["--api-key-file", ""])
+        self.assertEqual((rc, out, err),
+                         (2, "", "start: --api-key-file needs a file name (got an empty one)\n"))
+
+    def test_log_dir_shows_the_failed_log(self):
+        """With --log-dir the failure shows the end of the process's log and names it."""
+        c = Cluster(roles=())  # its temporary directory only
+        logs = os.path.join(c.tmp, "logs")
+        rc, out, err = self.run_launcher(["--log-dir", logs, "--gateway-arg", "--api-key",
+                                          "--gateway-arg", ""])
+        self.assertEqual(rc, 1, err)
+        self.assertIn("start: gateway exited (status 2) before the cluster was ready; the end "
+                      "of its log, %s/gateway.log:\n    " % logs, err)
+        self.assertIn("\n    empty value for api-key (from flags): give a value, or leave the "
+                      "setting out\n", err)
+        self.assertNotIn("see its log above", err)
+        c.stop()
+
+    def test_open_gateway_says_no_keys(self):
+        """The ready line announces keys only when the gateway answers 401 without one."""
+        c = Cluster(roles=())
+        c.port = free_port()
+        env = dict({k: v for k, v in os.environ.items() if not k.startswith("TIDEPOOL_API")},
+                   TIDEPOOL_BIN=BIN)
+        p = subprocess.Popen(
+            [os.path.join(ROOT, "deploy/local/start"), "--no-build", "--mixed", "1",
+             "--port", str(c.port), "--ctl-port", str(free_port()),
+             "--kv-port", str(free_port()), "--stats-port", str(free_port()), "--model", MODEL],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+        try:
+            line = p.stdout.readline().decode()
+            self.assertIn("1 mixed workers). Ctrl-C stops it.", line)
+            self.assertEqual(c.request("GET", "/v1/models")[0], 200)
+        finally:
+            p.send_signal(signal.SIGTERM)
+            try:
+                self.assertEqual(p.wait(timeout=40), 0)
+            finally:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.stdout.close()
+            c.stop()
+
+
+class MakeDefaultGoalTest(unittest.TestCase):
+    def test_plain_make_builds_all(self):
+        """README: "`make` builds into build/"; the first rule in the Makefile is an
+        archive's, so the default goal must be set to all explicitly."""
+        p = subprocess.run(["make", "-C", ROOT, "-pnq"], capture_output=True, text=True,
+                           timeout=120)
+        goals = [l for l in p.stdout.splitlines() if l.startswith(".DEFAULT_GOAL")]
+        self.assertEqual(goals, [".DEFAULT_GOAL := all"])

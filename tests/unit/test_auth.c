@@ -13,6 +13,8 @@
 
 #include "auth.h"
 
+#define SRC "--api-key" /* the source of the keys added directly */
+
 static const auth_key_params user = {0, 0, 0};
 static const auth_key_params admin = {1, 0, 0};
 
@@ -36,8 +38,8 @@ static void test_check_header(void **state)
     char err[256];
     assert_non_null(a);
     assert_int_equal(auth_n_keys(a), 0);
-    assert_int_equal(auth_add_key(a, "sk-user-0123456789", &user, err, sizeof(err)), 0);
-    assert_int_equal(auth_add_key(a, "sk-admin-0123456789", &admin, err, sizeof(err)), 0);
+    assert_int_equal(auth_add_key(a, "sk-user-0123456789", &user, SRC, err, sizeof(err)), 0);
+    assert_int_equal(auth_add_key(a, "sk-admin-0123456789", &admin, SRC, err, sizeof(err)), 0);
     assert_int_equal(auth_n_keys(a), 2);
     assert_int_equal(auth_n_admin(a), 1);
     auth_key *k;
@@ -73,24 +75,25 @@ static void test_ids_and_bad_keys(void **state)
     (void)state;
     auth_t *a = auth_new();
     char err[256];
-    assert_int_equal(auth_add_key(a, "sk-user-0123456789", &user, err, sizeof(err)), 0);
+    assert_int_equal(auth_add_key(a, "sk-user-0123456789", &user, SRC, err, sizeof(err)), 0);
     const char *id = auth_key_id(auth_key_at(a, 0));
     assert_int_equal(strlen(id), AUTH_ID_HEX);
     assert_string_equal(id, "26283a535f0f");
-    assert_int_equal(auth_add_key(a, "sk-user-0123456789", &admin, err, sizeof(err)), -1);
-    assert_string_equal(err, "the API key with id 26283a535f0f is given twice");
-    assert_int_equal(auth_add_key(a, "", &user, err, sizeof(err)), -1);
-    assert_int_equal(auth_add_key(a, "sk bad", &user, err, sizeof(err)), -1);
+    assert_int_equal(auth_add_key(a, "sk-user-0123456789", &admin, SRC, err, sizeof(err)), -1);
+    assert_string_equal(err, "the API key with id 26283a535f0f is given twice: in --api-key and "
+                             "in --api-key");
+    assert_int_equal(auth_add_key(a, "", &user, SRC, err, sizeof(err)), -1);
+    assert_int_equal(auth_add_key(a, "sk bad", &user, SRC, err, sizeof(err)), -1);
     assert_null(strstr(err, "sk"));
-    assert_int_equal(auth_add_key(a, "sk-\xc3\xa9t\xc3\xa9", &user, err, sizeof(err)), -1);
+    assert_int_equal(auth_add_key(a, "sk-\xc3\xa9t\xc3\xa9", &user, SRC, err, sizeof(err)), -1);
     char long_key[AUTH_MAX_KEY_BYTES + 2];
     memset(long_key, 'k', sizeof(long_key) - 1);
     long_key[sizeof(long_key) - 1] = 0;
-    assert_int_equal(auth_add_key(a, long_key, &user, err, sizeof(err)), -1);
+    assert_int_equal(auth_add_key(a, long_key, &user, SRC, err, sizeof(err)), -1);
     long_key[AUTH_MAX_KEY_BYTES] = 0;
-    assert_int_equal(auth_add_key(a, long_key, &user, err, sizeof(err)), 0);
+    assert_int_equal(auth_add_key(a, long_key, &user, SRC, err, sizeof(err)), 0);
     auth_key_params bad = {0, -1, 0};
-    assert_int_equal(auth_add_key(a, "sk-other-key-000000", &bad, err, sizeof(err)), -1);
+    assert_int_equal(auth_add_key(a, "sk-other-key-000000", &bad, SRC, err, sizeof(err)), -1);
     assert_int_equal(auth_n_keys(a), 2);
     auth_destroy(&a);
 }
@@ -160,6 +163,11 @@ static void test_file_errors(void **state)
          "line 1: word 2: a rate must be a number in (0, 1e9]"},
         {"sk-secret-1111111111\nsk-secret-1111111111 admin\n", 0600,
          "line 2: the API key with id "},
+        {"sk-secret-1111111111 admin admin\n", 0600, "line 1: word 3 repeats the attribute admin"},
+        {"sk-secret-1111111111 requests-per-s=1 admin requests-per-s=2\n", 0600,
+         "line 1: word 4 repeats the attribute requests-per-s"},
+        {"\nsk-secret-1111111111 tokens-per-s=5 tokens-per-s=5\n", 0600,
+         "line 2: word 3 repeats the attribute tokens-per-s"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         char path[64], err[512], want[600];
@@ -183,6 +191,40 @@ static void test_file_errors(void **state)
     auth_destroy(&a);
 }
 
+/* A key given twice names both places, whichever they are: the environment and a file
+ * line, two file lines (the trial: TIDEPOOL_API_KEY=$(head -n 1 keys) and --api-key-file
+ * keys said only "line 1"). */
+static void test_duplicate_names_both_sources(void **state)
+{
+    (void)state;
+    char path[64], err[1024], want[1024];
+    write_file(path, "# keys\nsk-secret-1111111111 admin\nsk-secret-2222222222\n", 0600);
+    auth_t *a = auth_new();
+    assert_int_equal(auth_add_key(a, "sk-secret-1111111111", &user, "TIDEPOOL_API_KEY", err,
+                                  sizeof(err)),
+                     0);
+    assert_int_equal(auth_load_file(a, path, err, sizeof(err)), -1);
+    snprintf(want, sizeof(want),
+             "%s: line 2: the API key with id %s is given twice: in TIDEPOOL_API_KEY and in %s "
+             "line 2",
+             path, auth_key_id(auth_key_at(a, 0)), path);
+    assert_string_equal(err, want);
+    assert_int_equal(auth_n_keys(a), 1);
+    auth_destroy(&a);
+    unlink(path);
+
+    write_file(path, "sk-secret-3333333333\n\nsk-secret-3333333333\n", 0600);
+    a = auth_new();
+    assert_int_equal(auth_load_file(a, path, err, sizeof(err)), -1);
+    snprintf(want, sizeof(want),
+             "%s: line 3: the API key with id %s is given twice: in %s line 1 and in %s line 3",
+             path, auth_key_id(auth_key_at(a, 0)), path, path);
+    assert_string_equal(err, want);
+    assert_null(strstr(err, "sk-secret"));
+    auth_destroy(&a);
+    unlink(path);
+}
+
 /* The requests bucket: 2 per second holds 2; then a request waits for the refill, and
  * Retry-After is whole seconds, at least 1. */
 static void test_request_bucket(void **state)
@@ -191,8 +233,8 @@ static void test_request_bucket(void **state)
     auth_t *a = auth_new();
     char err[256];
     auth_key_params p = {0, 2, 0};
-    assert_int_equal(auth_add_key(a, "sk-limited-000000000", &p, err, sizeof(err)), 0);
-    assert_int_equal(auth_add_key(a, "sk-free-000000000000", &user, err, sizeof(err)), 0);
+    assert_int_equal(auth_add_key(a, "sk-limited-000000000", &p, SRC, err, sizeof(err)), 0);
+    assert_int_equal(auth_add_key(a, "sk-free-000000000000", &user, SRC, err, sizeof(err)), 0);
     auth_key *k, *free_key;
     assert_int_equal(auth_check(a, "Bearer sk-limited-000000000", &k), AUTH_OK);
     assert_int_equal(auth_check(a, "Bearer sk-free-000000000000", &free_key), AUTH_OK);
@@ -214,7 +256,7 @@ static void test_request_bucket(void **state)
         assert_int_equal(auth_take_request(free_key, t, &ra), 0);
     /* a slow rate: one request per 10 s holds one; Retry-After counts the seconds */
     auth_key_params slow = {0, 0.1, 0};
-    assert_int_equal(auth_add_key(a, "sk-slow-000000000000", &slow, err, sizeof(err)), 0);
+    assert_int_equal(auth_add_key(a, "sk-slow-000000000000", &slow, SRC, err, sizeof(err)), 0);
     assert_int_equal(auth_check(a, "Bearer sk-slow-000000000000", &k), AUTH_OK);
     assert_int_equal(auth_take_request(k, t, &ra), 0);
     assert_int_equal(auth_take_request(k, t + 2500000, &ra), -1);
@@ -230,7 +272,7 @@ static void test_token_bucket(void **state)
     auth_t *a = auth_new();
     char err[256];
     auth_key_params p = {0, 0, 100};
-    assert_int_equal(auth_add_key(a, "sk-tokens-0000000000", &p, err, sizeof(err)), 0);
+    assert_int_equal(auth_add_key(a, "sk-tokens-0000000000", &p, SRC, err, sizeof(err)), 0);
     auth_key *k;
     assert_int_equal(auth_check(a, "Bearer sk-tokens-0000000000", &k), AUTH_OK);
     int ra;
@@ -257,6 +299,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_check_header),    cmocka_unit_test(test_ids_and_bad_keys),
         cmocka_unit_test(test_file_format),     cmocka_unit_test(test_file_errors),
         cmocka_unit_test(test_request_bucket),  cmocka_unit_test(test_token_bucket),
+        cmocka_unit_test(test_duplicate_names_both_sources),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);

@@ -1,6 +1,7 @@
 /* Tests of common/config: the repeatable settings (CONFIG_STRING_LIST, CONFIG_SECRET_LIST):
- * every flag kept in order, the environment split at commas and whitespace, the file's
- * repeated keys, the precedence per source, and a secret list logged as a count only. */
+ * every flag kept in order, the environment split at commas only, the file's repeated keys,
+ * the precedence per source, empty and blank values refused, a secret list logged as a
+ * count only and refused in a config file that others may read. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -8,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <cmocka.h>
 
@@ -63,18 +65,152 @@ static void test_flags_repeat(void **state)
     assert_null(opt_names.v);
 }
 
-/* One environment variable holds several values, split at commas and whitespace; empty
- * pieces are dropped. */
+/* A config file with text and mode; its path in path. */
+static void write_ini(char *path, const char *text, mode_t mode)
+{
+    strcpy(path, "/tmp/tidepool-test-config-XXXXXX");
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, text, strlen(text)), (ssize_t)strlen(text));
+    assert_int_equal(fchmod(fd, mode), 0);
+    close(fd);
+}
+
+/* load(argc, argv) with stderr captured into out (cap bytes, NUL-terminated). */
+static int load_capture(int argc, char **argv, char *out, size_t cap)
+{
+    char path[] = "/tmp/tidepool-test-config-err-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    fflush(stderr);
+    int saved = dup(2);
+    dup2(fd, 2);
+    int rc = load(argc, argv);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    ssize_t n = pread(fd, out, cap - 1, 0);
+    close(fd);
+    unlink(path);
+    out[n > 0 ? n : 0] = 0;
+    return rc;
+}
+
+/* One environment variable holds several values, split at commas only; the whitespace
+ * around each is dropped, whitespace inside a plain value kept. */
 static void test_env_split(void **state)
 {
     (void)state;
-    setenv("TIDEPOOL_KEY", " k1,k2 \tk3,,\n", 1);
+    setenv("TIDEPOOL_KEY", " k1,k2 \t, k3\n", 1);
+    setenv("TIDEPOOL_NAME", "a b,c", 1);
     char *argv[] = {"test", NULL};
     assert_int_equal(load(1, argv), 0);
     assert_int_equal(opt_keys.n, 3);
     assert_string_equal(opt_keys.v[0], "k1");
     assert_string_equal(opt_keys.v[1], "k2");
     assert_string_equal(opt_keys.v[2], "k3");
+    assert_string_equal(opt_keys.origin, "TIDEPOOL_KEY");
+    assert_int_equal(opt_names.n, 2);
+    assert_string_equal(opt_names.v[0], "a b");
+    assert_string_equal(opt_names.v[1], "c");
+}
+
+/* An empty or blank value is an error wherever it comes from (`--key "$UNSET"` must not
+ * leave a gateway open), and a secret holding whitespace is refused (`KEY admin` copied
+ * from a key file must not make "admin" a key). The message never quotes the secret. */
+static void test_empty_and_blank_refused(void **state)
+{
+    (void)state;
+    char err[1024];
+    static const struct {
+        const char *env; /* TIDEPOOL_KEY, or NULL */
+        const char *flag; /* the value of --key, or NULL */
+        const char *want; /* stderr */
+    } cases[] = {
+        {NULL, "", "empty value for key (from flags): give a value, or leave the setting out\n"},
+        {NULL, " \t", "empty value for key (from flags): give a value, or leave the setting out\n"},
+        {"", NULL,
+         "empty value for key (from TIDEPOOL_KEY): give a value, or leave the setting out\n"},
+        {" ", NULL,
+         "empty value for key (from TIDEPOOL_KEY): give a value, or leave the setting out\n"},
+        {", ,", NULL,
+         "empty value for key (from TIDEPOOL_KEY) (value 1 of the comma-separated list): give a "
+         "value, or leave the setting out\n"},
+        {"k1,,k2", NULL,
+         "empty value for key (from TIDEPOOL_KEY) (value 2 of the comma-separated list): give a "
+         "value, or leave the setting out\n"},
+        {"k1,", NULL,
+         "empty value for key (from TIDEPOOL_KEY) (value 2 of the comma-separated list): give a "
+         "value, or leave the setting out\n"},
+        {"secret-key admin", NULL,
+         "invalid value for key (from TIDEPOOL_KEY): a value holds whitespace (one key per value, "
+         "separated by commas in the environment; attributes such as admin go in the key "
+         "file)\n"},
+        {"k1, secret-key admin", NULL,
+         "invalid value for key (from TIDEPOOL_KEY) (value 2 of the comma-separated list): a "
+         "value holds whitespace (one key per value, separated by commas in the environment; "
+         "attributes such as admin go in the key file)\n"},
+        {NULL, "secret key",
+         "invalid value for key (from flags): a value holds whitespace (one key per value, "
+         "separated by commas in the environment; attributes such as admin go in the key "
+         "file)\n"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        if (cases[i].env)
+            setenv("TIDEPOOL_KEY", cases[i].env, 1);
+        else
+            unsetenv("TIDEPOOL_KEY");
+        char *argv[] = {"test", "--key", (char *)cases[i].flag, NULL};
+        int rc = load_capture(cases[i].flag ? 3 : 1, argv, err, sizeof(err));
+        if (rc != -1 || strcmp(err, cases[i].want) != 0)
+            fail_msg("case %zu: rc %d, got '%s', want '%s'", i, rc, err, cases[i].want);
+        assert_null(strstr(err, "secret"));
+        config_free(table);
+    }
+    unsetenv("TIDEPOOL_KEY");
+
+    char path[64], want[512];
+    write_ini(path, "key =\n", 0600);
+    char *argv[] = {"test", "--config", path, NULL};
+    assert_int_equal(load_capture(3, argv, err, sizeof(err)), -1);
+    snprintf(want, sizeof(want),
+             "empty value for key (from %s): give a value, or leave the setting out\n", path);
+    assert_string_equal(err, want);
+    unlink(path);
+}
+
+/* A config file that sets a secret is refused when group or others may access it, as the
+ * API key file is; a file without secrets may be readable by all. */
+static void test_secret_file_mode(void **state)
+{
+    (void)state;
+    char path[64], err[1024], want[1024];
+    static const mode_t modes[] = {0644, 0640, 0604, 0620};
+    for (size_t i = 0; i < sizeof(modes) / sizeof(modes[0]); i++) {
+        write_ini(path, "host = h\n[keys]\nkey = secret-in-file\n", modes[i]);
+        char *argv[] = {"test", "--config", path, NULL};
+        assert_int_equal(load_capture(3, argv, err, sizeof(err)), -1);
+        snprintf(want, sizeof(want),
+                 "%s: the config file sets key but is accessible by group or others (mode "
+                 "%04o): make it readable by its owner only (chmod 600), or move the keys to a "
+                 "key file\n",
+                 path, (unsigned)modes[i]);
+        assert_string_equal(err, want);
+        config_free(table);
+        unlink(path);
+    }
+    write_ini(path, "key = secret-in-file\n", 0600);
+    char *argv[] = {"test", "--config", path, NULL};
+    assert_int_equal(load_capture(3, argv, err, sizeof(err)), 0);
+    assert_int_equal(opt_keys.n, 1);
+    assert_string_equal(opt_keys.origin, path);
+    config_free(table);
+    unlink(path);
+    write_ini(path, "name = n1\nhost = h\n", 0644); /* no secret: any mode */
+    assert_int_equal(load_capture(3, argv, err, sizeof(err)), 0);
+    assert_int_equal(opt_names.n, 1);
+    assert_string_equal(err, "");
+    unlink(path);
 }
 
 /* Precedence per source: the file's values (its repeated key) are replaced by the
@@ -98,7 +234,7 @@ static void test_precedence(void **state)
     assert_string_equal(opt_keys.v[0], "fk");
     config_free(table);
 
-    setenv("TIDEPOOL_NAME", "e1 e2", 1);
+    setenv("TIDEPOOL_NAME", "e1, e2", 1);
     assert_int_equal(load(3, argv1), 0);
     assert_int_equal(opt_names.n, 2);
     assert_string_equal(opt_names.v[0], "e1");
@@ -110,6 +246,8 @@ static void test_precedence(void **state)
     assert_int_equal(load(5, argv2), 0);
     assert_int_equal(opt_names.n, 1);
     assert_string_equal(opt_names.v[0], "x");
+    assert_string_equal(opt_names.origin, "--name");
+    assert_string_equal(opt_keys.origin, path);
     unlink(path);
 }
 
@@ -155,6 +293,8 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_flags_repeat, setup, teardown),
         cmocka_unit_test_setup_teardown(test_env_split, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_empty_and_blank_refused, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_secret_file_mode, setup, teardown),
         cmocka_unit_test_setup_teardown(test_precedence, setup, teardown),
         cmocka_unit_test_setup_teardown(test_missing_value, setup, teardown),
         cmocka_unit_test_setup_teardown(test_log_hides_secrets, setup, teardown),

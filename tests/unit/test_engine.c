@@ -647,6 +647,116 @@ static void test_model_load_errors(void **state)
     assert_non_null(strstr(err, "/nonexistent.gguf"));
 }
 
+/* The in-memory entry points (gguf_open_mem, model_load_gguf, tokenizer_load_gguf) read
+ * exactly what the file ones read. */
+static void test_gguf_open_mem(void **state)
+{
+    char path[PATH_MAX], err[512];
+    snprintf(path, sizeof(path), "%s/tiny-mem.gguf", tmpdir);
+    write_tiny(path);
+    size_t n;
+    unsigned char *b = slurp(path, &n);
+    void *buf = NULL;
+    assert_int_equal(posix_memalign(&buf, 4096, n), 0);
+    memcpy(buf, b, n);
+    gguf_t *gf = gguf_open(path, err, sizeof(err));
+    gguf_t *gm = gguf_open_mem(buf, n, "mem.gguf", err, sizeof(err));
+    assert_non_null(gf);
+    assert_non_null(gm);
+    assert_string_equal(gguf_path(gm), "mem.gguf");
+    assert_int_equal(gguf_file_size(gm), n);
+    assert_int_equal(gguf_n_kv(gm), gguf_n_kv(gf));
+    assert_int_equal(gguf_n_tensors(gm), 3);
+    for (int i = 0; i < gguf_n_tensors(gm); i++) {
+        const gguf_tensor_info *a = gguf_tensor(gf, i), *c = gguf_tensor(gm, i);
+        assert_string_equal(a->name, c->name);
+        assert_int_equal(a->offset, c->offset);
+        assert_int_equal(a->n_bytes, c->n_bytes);
+        assert_ptr_equal(c->data, (const unsigned char *)buf + c->offset);
+        assert_memory_equal(a->data, c->data, a->n_bytes);
+    }
+    gguf_close(&gf);
+    gguf_close(&gm);
+    assert_null(gm);
+    assert_memory_equal(buf, b, n); /* the caller's bytes: read, never written or freed */
+    /* refusals name the given name, as gguf_open names the path */
+    assert_null(gguf_open_mem(buf, n - 1, "mem.gguf", err, sizeof(err)));
+    assert_non_null(strstr(err, "mem.gguf: truncated or corrupt file: tensor"));
+    assert_null(gguf_open_mem(buf, 10, "short", err, sizeof(err)));
+    assert_string_equal(err, "short: not a GGUF file: 10 bytes is too short for the header");
+    free(buf);
+    free(b);
+
+    /* the default model and its tokenizer, from memory */
+    b = slurp(model_path, &n);
+    assert_int_equal(posix_memalign(&buf, 4096, n), 0);
+    memcpy(buf, b, n);
+    free(b);
+    gm = gguf_open_mem(buf, n, "model-mem", err, sizeof(err));
+    assert_non_null(gm);
+    tokenizer_t *t = tokenizer_load_gguf(gm, err, sizeof(err));
+    assert_non_null(t);
+    int ids[16], want[16];
+    int k = tokenizer_encode(t, "Once upon a time", 16, 1, ids, 16, NULL);
+    assert_int_equal(k, tokenizer_encode(g_tok, "Once upon a time", 16, 1, want, 16, NULL));
+    assert_memory_equal(ids, want, (size_t)k * sizeof(int));
+    tokenizer_destroy(&t);
+    model_t *m = model_load_gguf(&gm, err, sizeof(err));
+    assert_null(gm); /* consumed */
+    assert_non_null(m);
+    assert_int_equal(model_get_config(m)->fingerprint, model_get_config(g_model)->fingerprint);
+    model_destroy(&m);
+    free(buf);
+}
+
+/* A block count far beyond the file's tensors is refused before anything is allocated
+ * from it (found by tests/fuzz/fuzz_model: 2^30 blocks made the loader ask for 180 GB). */
+static void test_model_block_count_bound(void **state)
+{
+    char path[PATH_MAX], err[512];
+    snprintf(path, sizeof(path), "%s/blocks.gguf", tmpdir);
+    static float emb[8 * 4];
+    gguf_writer_t *w = gguf_writer_new();
+    gguf_writer_add_str(w, "general.architecture", "llama");
+    gguf_writer_add_u32(w, "llama.embedding_length", 8);
+    gguf_writer_add_u32(w, "llama.feed_forward_length", 16);
+    gguf_writer_add_u32(w, "llama.block_count", 1u << 30);
+    gguf_writer_add_u32(w, "llama.attention.head_count", 2);
+    gguf_writer_add_u32(w, "llama.context_length", 16);
+    uint64_t ne[2] = {8, 4};
+    assert_int_equal(gguf_writer_add_tensor(w, "token_embd.weight", GGUF_TENSOR_F32, 2, ne, emb),
+                     0);
+    assert_int_equal(gguf_writer_write(w, path, err, sizeof(err)), 0);
+    gguf_writer_destroy(&w);
+    assert_null(model_load(path, err, sizeof(err)));
+    char want[PATH_MAX + 128];
+    snprintf(want, sizeof(want),
+             "%s: llama.block_count 1073741824 needs 9663676418 tensors, the file has 1", path);
+    assert_string_equal(err, want);
+}
+
+/* A context length beyond MODEL_MAX_CTX is refused: it sizes each thread's attention
+ * scratch (fuzz_model: 2^30 asked for gigabytes per thread). */
+static void test_model_context_bound(void **state)
+{
+    char path[PATH_MAX], err[512];
+    snprintf(path, sizeof(path), "%s/ctx.gguf", tmpdir);
+    gguf_writer_t *w = gguf_writer_new();
+    gguf_writer_add_str(w, "general.architecture", "llama");
+    gguf_writer_add_u32(w, "llama.embedding_length", 8);
+    gguf_writer_add_u32(w, "llama.feed_forward_length", 16);
+    gguf_writer_add_u32(w, "llama.block_count", 1);
+    gguf_writer_add_u32(w, "llama.attention.head_count", 2);
+    gguf_writer_add_u32(w, "llama.context_length", 1u << 30);
+    assert_int_equal(gguf_writer_write(w, path, err, sizeof(err)), 0);
+    gguf_writer_destroy(&w);
+    assert_null(model_load(path, err, sizeof(err)));
+    char want[PATH_MAX + 128];
+    snprintf(want, sizeof(want), "%s: llama.context_length 1073741824 is outside [2, %d]", path,
+             MODEL_MAX_CTX);
+    assert_string_equal(err, want);
+}
+
 /* ------------------------------------------------------------------------------------- */
 /* tokenizer */
 
@@ -679,6 +789,47 @@ static void test_tokenizer_encode(void **state)
     assert_int_equal(tokenizer_eos(g_tok), 2);
 }
 
+/* The heap merge loop gives the reference's ids exactly: texts built from the vocabulary's
+ * own pieces (so many merges compete, with ties), random bytes (fallback, broken UTF-8),
+ * and one long text (the case the heap is for). */
+static void test_tokenizer_matches_reference(void **state)
+{
+    enum { CAP = 70000 };
+    char *text = malloc(CAP);
+    int *a = malloc((CAP + 2) * sizeof(int)), *b = malloc((CAP + 2) * sizeof(int));
+    assert_non_null(text);
+    assert_non_null(a);
+    assert_non_null(b);
+    unsigned rng = 12345;
+    int V = tokenizer_vocab_size(g_tok);
+    for (int round = 0; round < 600; round++) {
+        size_t len = 0, want = round == 599 ? CAP - 64 : (size_t)(rng % 200);
+        while (len < want) {
+            rng = rng * 1103515245u + 12345u;
+            unsigned r = rng >> 8;
+            if (round % 3 == 2) { /* random bytes */
+                text[len++] = (char)(r & 0xFF);
+                continue;
+            }
+            size_t pl;
+            int id = (int)(r % (unsigned)V);
+            const char *piece = tokenizer_piece(g_tok, 3, id, &pl);
+            for (size_t i = 0; i < pl && len < want; i++)
+                text[len++] = piece[i];
+            if (r % 5 == 0 && len < want)
+                text[len++] = ' ';
+        }
+        int na = tokenizer_encode(g_tok, text, len, round & 1, a, CAP + 2, NULL);
+        int nb = tokenizer_encode_ref(g_tok, text, len, round & 1, b, CAP + 2, NULL);
+        assert_true(na >= 0);
+        assert_int_equal(na, nb);
+        assert_memory_equal(a, b, (size_t)na * sizeof(int));
+    }
+    free(text);
+    free(a);
+    free(b);
+}
+
 /* Decode ids (after BOS) back to text. */
 static size_t decode_all(const int *ids, int n, char *out, size_t cap)
 {
@@ -692,6 +843,35 @@ static size_t decode_all(const int *ids, int n, char *out, size_t cap)
     }
     out[tl] = '\0';
     return tl;
+}
+
+/* BOS never merges into a piece (found by tests/fuzz/fuzz_tokenizer_load: a vocabulary
+ * with a piece "<s>" + text swallowed BOS). */
+static void test_tokenizer_bos_not_merged(void **state)
+{
+    char path[PATH_MAX], err[512];
+    snprintf(path, sizeof(path), "%s/bos-vocab.gguf", tmpdir);
+    const char *strs[7] = {"<unk>", "<s>", "</s>", "\xe2\x96\x81", "a", "\xe2\x96\x81" "a",
+                           "<s>\xe2\x96\x81" "a"};
+    size_t lens[7];
+    float scores[7] = {0, 0, 0, 0, 0, 1, 2};
+    for (int i = 0; i < 7; i++)
+        lens[i] = strlen(strs[i]);
+    gguf_writer_t *w = gguf_writer_new();
+    gguf_writer_add_str(w, "tokenizer.ggml.model", "llama");
+    gguf_writer_add_arr_str(w, "tokenizer.ggml.tokens", strs, lens, 7);
+    gguf_writer_add_arr_f32(w, "tokenizer.ggml.scores", scores, 7);
+    assert_int_equal(gguf_writer_write(w, path, err, sizeof(err)), 0);
+    gguf_writer_destroy(&w);
+    tokenizer_t *t = tokenizer_load(path, err, sizeof(err));
+    assert_non_null(t);
+    int ids[8];
+    assert_int_equal(tokenizer_encode(t, "a", 1, 1, ids, 8, NULL), 2);
+    assert_int_equal(ids[0], 1); /* BOS */
+    assert_int_equal(ids[1], 5); /* "\xe2\x96\x81a", not "<s>\xe2\x96\x81a" with BOS gone */
+    assert_int_equal(tokenizer_encode(t, "a", 1, 0, ids, 8, NULL), 1);
+    assert_int_equal(ids[0], 5);
+    tokenizer_destroy(&t);
 }
 
 static void test_tokenizer_decode(void **state)
@@ -974,10 +1154,12 @@ static kern_isa best_isa(void)
 /* Every kernel against the single-dot reference functions, bit for bit, for shapes with
  * tails (n % 8, n % 16), row counts that are not multiples of the tiles, every token
  * count up to two AVX-512 packs, split row ranges, on every instruction set this CPU
- * has. */
+ * has. The Q8_0 batch-1 kernels differ by row length: rows of at most 4096 bytes (n <=
+ * 3840: 24 x 2048) prefetch linearly, longer ones (19 x 4096) per row. */
 static void test_kernels_vs_reference(void **state)
 {
-    const int shapes[][2] = {{1, 8}, {13, 172}, {9, 37}, {7, 96}, {21, 64}, {66, 352}, {5, 2048}};
+    const int shapes[][2] = {{1, 8},    {13, 172}, {9, 37},    {7, 96},   {21, 64},
+                             {66, 352}, {5, 2048}, {24, 2048}, {19, 4096}};
     const int Ts[] = {1, 2, 3, 4, 5, 7, 8, 9, 13, 17};
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
         const int rows = shapes[si][0], n = shapes[si][1], q8ok = n % 32 == 0;
@@ -1789,7 +1971,12 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_gguf_roundtrip),
         cmocka_unit_test(test_gguf_corrupt),
         cmocka_unit_test(test_model_load_errors),
+        cmocka_unit_test(test_gguf_open_mem),
+        cmocka_unit_test(test_model_block_count_bound),
+        cmocka_unit_test(test_model_context_bound),
+        cmocka_unit_test(test_tokenizer_matches_reference),
         cmocka_unit_test(test_tokenizer_encode),
+        cmocka_unit_test(test_tokenizer_bos_not_merged),
         cmocka_unit_test(test_tokenizer_decode),
         cmocka_unit_test(test_model_config),
         cmocka_unit_test(test_model_greedy_reference),
