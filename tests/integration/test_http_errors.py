@@ -731,12 +731,15 @@ class FakeWorkerTest(unittest.TestCase):
         # b comes back as another process (restarted): it never had the attempt
         b.send(REGISTER, wid="w-b", role=3, kvep="", fp=b.fp, pid=os.getpid() + 1, n_ctx=N_CTX,
                bs=16, max_seqs=8, kv_total=1000, kv_free=1000)
-        self.assertIsNone(b.recv(0.5, want=(CANCEL,)), "CANCEL sent to another process")
+        for _ in range(5):  # a keeps its heartbeat meanwhile: it holds the last attempt
+            a.heartbeat()
+            self.assertIsNone(b.recv(0.1, want=(CANCEL,)), "CANCEL sent to another process")
         a.send(TOKENS, rid=m3["rid"], index=0, tokens=ids_of("d"))
         a.send(FINISH, rid=m3["rid"], reason=2)
         st, _, data = res()
         events = [e[6:] for e in data.decode().split("\n\n") if e]
         self.assertEqual(events[-1], "[DONE]")
+        self.assertTrue(all("choices" in json.loads(e) for e in events[:-1]), events)
         self.assertEqual("".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]),
                          "abcd")
 
