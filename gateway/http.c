@@ -184,17 +184,41 @@ static void on_accept_error(struct evconnlistener *l, void *arg)
         evconnlistener_disable(l);
 }
 
-/* Requests whose framing is ambiguous (RFC 9112 6.3: several Content-Length headers) are
- * refused and their connection closed, so that nothing after them is read as a request
- * (request smuggling). Returns 1 when req was answered. */
+/* Requests whose framing is ambiguous are refused and their connection closed, so that
+ * nothing after them is read as a request (request smuggling): several Content-Length
+ * headers (RFC 9112 6.3: 400), or a Transfer-Encoding other than one "chunked", which
+ * libevent would ignore and read the body as the next request (RFC 9112 6.1: a coding the
+ * server does not understand gets 501). Returns 1 when req was answered. */
 static int reject_ambiguous_framing(struct evhttp_request *req)
 {
-    int n = 0;
+    int n_cl = 0, n_te = 0, te_ok = 1;
     struct evkeyvalq *h = evhttp_request_get_input_headers(req);
-    for (struct evkeyval *kv = h->tqh_first; kv; kv = kv->next.tqe_next)
-        if (evutil_ascii_strcasecmp(kv->key, "Content-Length") == 0)
-            n++;
-    if (n <= 1)
+    for (struct evkeyval *kv = h->tqh_first; kv; kv = kv->next.tqe_next) {
+        if (evutil_ascii_strcasecmp(kv->key, "Content-Length") == 0) {
+            n_cl++;
+        } else if (evutil_ascii_strcasecmp(kv->key, "Transfer-Encoding") == 0) {
+            n_te++;
+            const char *v = kv->value;
+            size_t len = strlen(v);
+            while (len > 0 && (v[len - 1] == ' ' || v[len - 1] == '\t'))
+                len--;
+            while (len > 0 && (*v == ' ' || *v == '\t')) {
+                v++;
+                len--;
+            }
+            te_ok &= len == 7 && evutil_ascii_strncasecmp(v, "chunked", 7) == 0;
+        }
+    }
+    if (n_cl <= 1 && n_te == 0)
+        return 0;
+    if (n_te > 0 && (n_te > 1 || !te_ok)) {
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
+        http_reply_error_msg(req, 501, "invalid_request_error", NULL,
+                             "unsupported_transfer_encoding",
+                             "Only \"Transfer-Encoding: chunked\" is supported.");
+        return 1;
+    }
+    if (n_cl <= 1)
         return 0;
     evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
     http_reply_error_msg(req, 400, "invalid_request_error", NULL, "bad_framing",

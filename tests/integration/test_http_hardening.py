@@ -59,6 +59,30 @@ class Hardening(unittest.TestCase):
         payload = out.split(b"\r\n\r\n", 1)[1]
         self.assertEqual(json.loads(payload)["error"]["code"], "bad_framing")
 
+    def test_unknown_transfer_encoding_is_refused_and_nothing_smuggled(self):
+        """libevent ignores a Transfer-Encoding other than chunked and reads the body as the
+        next request (the trial's smuggled GET /workers came back): 501, closed."""
+        smuggled = b"GET /workers HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        # "chunked, gzip" libevent itself reads as chunked and fails to parse: its 400
+        for te, status, code in ((b"gzip", 501, "unsupported_transfer_encoding"),
+                                 (b"identity", 501, "unsupported_transfer_encoding"),
+                                 (b"chunked, gzip", 400, "bad_request")):
+            req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                   b"Transfer-Encoding: " + te + b"\r\n\r\n")
+            out = raw(self.c.port, req + smuggled)
+            self.assertTrue(out.startswith(b"HTTP/1.1 %d" % status), (te, out[:200]))
+            self.assertEqual(out.count(b"HTTP/1.1 "), 1, (te, "a smuggled response came back"))
+            head, payload = out.split(b"\r\n\r\n", 1)
+            self.assertIn(b"Connection: close", head)
+            self.assertEqual(json.loads(payload)["error"]["code"], code)
+        # "chunked" itself (any case, padded) is still taken
+        body = b'{"prompt": "Once", "max_tokens": 2}'
+        req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Transfer-Encoding:  Chunked \r\nConnection: close\r\n\r\n"
+               b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        out = raw(self.c.port, req)
+        self.assertTrue(out.startswith(b"HTTP/1.1 200"), out[:300])
+
     def test_slowloris_connection_is_closed(self):
         s = socket.create_connection(("127.0.0.1", self.c.port), timeout=10)
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n")  # never finished
