@@ -34,7 +34,9 @@ static int registration_check(const cluster_t *c, const proto_msg *m, const work
     int want = c->p.kv_block_size;
     const char *by = "--kv-block-size";
     if (!want) {
-        for (const worker_t *w = c->workers; w && !want; w = w->next) {
+        /* every live worker has the pinned size; name the one registered first (the list is
+         * newest first, so the last live entry) */
+        for (const worker_t *w = c->workers; w; w = w->next) {
             if (w != self && !w->dead) {
                 want = w->block_size;
                 by = w->id;

@@ -91,7 +91,7 @@ static const config_entry_t settings[] = {
      "ZeroMQ endpoint of the stats PUB socket (\"\" = off); see docs/stats.md"},
     {"stats-interval-ms", CONFIG_INT, &opt_stats_interval_ms, "1000", 10, 3600000,
      "period of the snapshots published on the stats socket"},
-    {"stats-stall-ms", CONFIG_INT, &opt_stats_stall_ms, "5000", 0, 3600000,
+    {"stats-stall-ms", CONFIG_INT, &opt_stats_stall_ms, "2000", 0, 3600000,
      "a stats subscriber that has taken nothing this long is sent past (it loses those "
      "messages and sees the seq gaps; 0 = never: the slowest subscriber paces all)"},
     {"stats-window-s", CONFIG_INT, &opt_stats_window_s, "60", 1, 3600,

@@ -14,9 +14,10 @@
  * A subscriber that stops reading would so hold back every other one. Once the socket has
  * been full for stall_ms, each flush that still finds no room sends past it:
  * ZMQ_XPUB_NODROP is turned off for that send (libzmq reads it at every send), so the
- * full subscriber's copies are dropped by ZeroMQ while the others get theirs; each such
- * message is counted in stall_sends, and the stalled subscriber sees the gaps in its seq
- * numbers. Every flush tries all subscribers first, so the stall ends when it has room. */
+ * full subscriber's copies are dropped by ZeroMQ while the others get theirs; such sends
+ * are counted in stall_sends. libzmq then leaves the full subscriber out of later sends
+ * until it has room again (its pipe is inactive), so those losses are not seen here: the
+ * stalled subscriber sees them as gaps in its seq numbers. */
 #include "statpub.h"
 
 #include <errno.h>
@@ -45,7 +46,7 @@ struct statpub {
     uint64_t events_dropped;      /* events dropped from a full queue */
     uint64_t snapshots_conflated; /* snapshots replaced by a newer one before they left */
     uint64_t last_event_seq;      /* the newest event published, queued or dropped */
-    uint64_t stall_sends;         /* messages sent past a stalled subscriber (it lost them) */
+    uint64_t stall_sends;         /* sends made past a stalled subscriber (it lost them) */
     int64_t stall_us;             /* wait before sending past a full subscriber; 0 = never */
     int64_t waiting_since_us;     /* since when some message has found no room (reset when
                                    * everything reached every subscriber); 0 = none */

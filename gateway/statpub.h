@@ -15,8 +15,9 @@
  * (the newest is sent when there is room, each one skipped counted in
  * "snapshots_conflated", its seq skipped) and events wait in a queue of event_queue (the
  * oldest dropped when full, counted in "events_dropped", its seq skipped). The slowest
- * subscriber paces all of them, up to stall_ms: then what waits is sent past it (it loses
- * those messages, counted in "stall_sends", and sees the seq gaps). The socket has its own ZeroMQ context; its subscription
+ * subscriber paces all of them, up to stall_ms: then what waits is sent past it (counted
+ * in "stall_sends"; libzmq then leaves it out until it has room, and it sees its losses
+ * as seq gaps). The socket has its own ZeroMQ context; its subscription
  * messages are read when publishing, so it needs no watcher in the event loop. Loop
  * thread only.
  */
@@ -33,7 +34,7 @@
 #define STATPUB_SNDHWM 4          /* messages queued in ZeroMQ per subscriber */
 #define STATPUB_SNDBUF 4096       /* bytes: the socket's kernel send buffer (SO_SNDBUF) */
 #define STATPUB_EVENT_QUEUE 1024  /* events waiting for room before the oldest is dropped */
-#define STATPUB_STALL_MS 5000     /* a subscriber this long full is sent past */
+#define STATPUB_STALL_MS 2000     /* a subscriber this long full is sent past */
 
 struct event_base;
 struct msgpack_sbuffer;

@@ -23,6 +23,13 @@ if [ ${#names[@]} -eq 0 ]; then
     done
 fi
 [ ${#names[@]} -gt 0 ] || { echo "fuzz: no harnesses in $FUZZ_BIN (make fuzz-build)" >&2; exit 1; }
+for n in "${names[@]}"; do
+    if [ ! -x "$FUZZ_BIN/fuzz_$n" ]; then
+        known=$(for b in "$FUZZ_BIN"/fuzz_*; do [ -x "$b" ] && basename "$b" | sed 's/^fuzz_//'; done | tr '\n' ' ')
+        echo "fuzz: no harness named '$n' (in $FUZZ_BIN: ${known:-none; make fuzz-build})" >&2
+        exit 2
+    fi
+done
 failed=()
 for n in "${names[@]}"; do
     bin=$FUZZ_BIN/fuzz_$n
