@@ -280,8 +280,17 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
 {
     req_t *r = attempt_of(c, m->rid, w);
     if (!r) {
-        log_rdebug(m->rid, "TOKENS from %s for no current attempt: ignored",
+        /* an attempt the gateway gave up on (re-ran elsewhere, finished, or never knew:
+         * its CANCEL was lost in a partition): the worker is told to stop it, so its KV is
+         * freed at its next token instead of when it reaches max_tokens */
+        log_rdebug(m->rid, "TOKENS from %s for no current attempt: cancelled there",
                    w ? w->id : "unknown worker");
+        if (w && !w->dead) {
+            proto_msg cm;
+            proto_msg_init(&cm, PROTO_CANCEL);
+            cm.rid = m->rid;
+            cluster_send_to(c, w, &cm);
+        }
         return;
     }
     if (w == r->pw && !r->p_started) {

@@ -743,6 +743,16 @@ class FakeWorkerTest(unittest.TestCase):
         self.assertEqual("".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]),
                          "abcd")
 
+    def test_tokens_of_no_current_attempt_are_cancelled(self):
+        """A worker that generates for an attempt the gateway does not own (its CANCEL lost,
+        e.g. in a partition) is told to stop at its next TOKENS."""
+        a = self.worker("w-a")
+        stray = (123456789 << 8) | 1
+        a.send(TOKENS, rid=stray, index=5, tokens=ids_of("zz"))
+        m = a.recv(2, want=(CANCEL,))
+        self.assertIsNotNone(m, "no CANCEL for a stray attempt's tokens")
+        self.assertEqual(m["rid"], stray)
+
     def test_partition_costs_one_retry(self):
         """Every worker is cut off at once (a partition of the gateway); the gateway finds them
         dead one sweep after another. A re-run must not go to a worker that is silent too
