@@ -46,6 +46,7 @@
 #include "gguf.h"
 #include "kernels.h"
 #include "log.h"
+#include "matvec.h"
 #include "model_internal.h"
 #include "threadpool.h"
 
@@ -373,6 +374,55 @@ model_ctx_t *model_ctx_new(const model_t *m, int max_tokens)
     return model_ctx_new_params(m, &p);
 }
 
+/* The matrices of layer l in mv order (wq, wk, wv, wo, w1, w3, w2); l == n_layer: the
+ * classifier alone. Returns how many. */
+static int mv_mats(const model_t *m, int l, const wmat **out)
+{
+    if (l == m->cfg.n_layer) {
+        out[0] = &m->output;
+        return 1;
+    }
+    const layer_weights *lw = &m->layers[l];
+    const wmat *w[MODEL_MV_PER_LAYER] = {&lw->wq, &lw->wk, &lw->wv, &lw->wo,
+                                         &lw->w1, &lw->w3, &lw->w2};
+    memcpy(out, w, sizeof(w));
+    return MODEL_MV_PER_LAYER;
+}
+
+/* Pack the F32 matrices for matvec when the context computes in the EXACT order with
+ * AVX2 and they are small enough (MODEL_MV_MAX_BYTES); 0, or -1 out of memory. */
+static int ctx_pack_mv(model_ctx_t *ctx)
+{
+    const model_t *m = ctx->m;
+    const int L = m->cfg.n_layer, n_slots = (L + 1) * MODEL_MV_PER_LAYER;
+    ctx->mv = calloc((size_t)n_slots, sizeof(*ctx->mv));
+    if (!ctx->mv)
+        return -1;
+    if (ctx->order != KERN_ORDER_EXACT || ctx->isa < KERN_ISA_AVX2)
+        return 0;
+    size_t floats = 0;
+    const wmat *w[MODEL_MV_PER_LAYER];
+    for (int l = 0; l <= L; l++)
+        for (int k = 0, nk = mv_mats(m, l, w); k < nk; k++)
+            if (w[k]->type == GGUF_TENSOR_F32)
+                floats += matvec_packed_floats(w[k]->rows, w[k]->cols);
+    if (floats == 0 || floats * sizeof(float) > MODEL_MV_MAX_BYTES)
+        return 0;
+    ctx->mv_buf = aligned_alloc(32, (floats * sizeof(float) + 31) & ~(size_t)31);
+    if (!ctx->mv_buf)
+        return -1;
+    float *d = ctx->mv_buf;
+    for (int l = 0; l <= L; l++)
+        for (int k = 0, nk = mv_mats(m, l, w); k < nk; k++) {
+            if (w[k]->type != GGUF_TENSOR_F32)
+                continue;
+            matvec_pack_f32(w[k]->data, w[k]->rows, w[k]->cols, d);
+            ctx->mv[l * MODEL_MV_PER_LAYER + k] = d;
+            d += matvec_packed_floats(w[k]->rows, w[k]->cols);
+        }
+    return 0;
+}
+
 model_ctx_t *model_ctx_new_params(const model_t *m, const model_ctx_params *p)
 {
     if (!m || !p || p->max_tokens < 1 || p->n_threads < 0 || p->n_threads > 1024 ||
@@ -431,7 +481,7 @@ model_ctx_t *model_ctx_new_params(const model_t *m, const model_ctx_params *p)
         ok &= (*ptrs[i] = calloc(T, sizeof(float *))) != NULL;
     if (!ok || !ctx->x || !ctx->xb || !ctx->xb2 || !ctx->q || !ctx->cat || !ctx->hb || !ctx->hb2 ||
         !ctx->q_d || !ctx->q_s || !ctx->att || !ctx->scratch || !ctx->rope || !ctx->tok_item ||
-        !ctx->tok_pos || !ctx->out_dst) {
+        !ctx->tok_pos || !ctx->out_dst || ctx_pack_mv(ctx) != 0) {
         model_ctx_destroy(&ctx);
         return NULL;
     }
@@ -477,6 +527,8 @@ void model_ctx_destroy(model_ctx_t **cp)
     free(ctx->p_hb);
     free(ctx->p_hb2);
     free(ctx->p_x);
+    free(ctx->mv);
+    free(ctx->mv_buf);
     free(ctx);
     *cp = NULL;
 }

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "kvcache.h"
+#include "matvec.h"
 #include "model_internal.h"
 
 /* ------------------------------------------------------------------------------------- */
@@ -67,6 +68,7 @@ typedef enum { POST_NONE, POST_ROPE, POST_RESID, POST_SWIGLU } post_op;
 /* One matrix product split into chunks of rows (or two, for gate/up + SwiGLU). */
 typedef struct {
     const wmat *w, *w_up; /* w_up: POST_SWIGLU's second matrix (same shape) */
+    const float *wp, *wp_up; /* their matvec packing (model_internal.h), or NULL */
     float *const *out;    /* (T,) output row pointers */
     float *const *out_up; /* POST_SWIGLU: up-projection rows; the result goes to out */
     post_op post;
@@ -90,17 +92,29 @@ static int chunk_rows(const model_ctx_t *ctx, int rows)
     return c;
 }
 
-static void mm_add(mm_job *j, const wmat *w, float *const *out, post_op post)
+static void mm_add(mm_job *j, const wmat *w, const float *wp, float *const *out, post_op post)
 {
     seg_t *s = &j->seg[j->n_seg++];
     memset(s, 0, sizeof(*s));
     s->w = w;
+    s->wp = wp;
     s->out = out;
     s->post = post;
     s->rows = w->rows;
     s->chunk = chunk_rows(j->ctx, w->rows);
     s->first_chunk = j->n_chunks;
     j->n_chunks += (s->rows + s->chunk - 1) / s->chunk;
+}
+
+/* Rows [r0, r1) of w applied to a: the packed row-vectorised kernel for a few tokens
+ * when w has a packing, else kern_matmul (the same bits either way). */
+static inline void product(const model_ctx_t *ctx, const wmat *w, const float *wp,
+                           const kern_act *a, int r0, int r1, float *const *out, float *scratch)
+{
+    if (wp && a->T <= MODEL_MV_MAX_T)
+        matvec_exact_f32(ctx->isa, wp, w->rows, a->n, a->x, a->T, r0, r1, out);
+    else
+        kern_matmul(ctx->isa, ctx->order, w, a, r0, r1, out, scratch);
 }
 
 static void mm_chunk(mm_job *j, int c, int ti)
@@ -114,7 +128,7 @@ static void mm_chunk(mm_job *j, int c, int ti)
     int r0 = (c - s->first_chunk) * s->chunk;
     int r1 = r0 + s->chunk < s->rows ? r0 + s->chunk : s->rows;
     float *scratch = ctx->scratch + (size_t)ti * ctx->scratch_len;
-    kern_matmul(ctx->isa, ctx->order, s->w, a, r0, r1, s->out, scratch);
+    product(ctx, s->w, s->wp, a, r0, r1, s->out, scratch);
     switch (s->post) {
     case POST_NONE:
         break;
@@ -133,7 +147,7 @@ static void mm_chunk(mm_job *j, int c, int ti)
         }
         break;
     case POST_SWIGLU:
-        kern_matmul(ctx->isa, ctx->order, s->w_up, a, r0, r1, s->out_up, scratch);
+        product(ctx, s->w_up, s->wp_up, a, r0, r1, s->out_up, scratch);
         for (int t = 0; t < a->T; t++) {
             float *h = s->out[t];
             const float *h2 = s->out_up[t];
@@ -389,8 +403,11 @@ static void setup_tokens(model_ctx_t *ctx, const model_seq_batch *batch, int n, 
 /* One transformer block over the T tokens of the batch: x (T, dim) is updated in place;
  * K/V go to cache layer kv_layer. */
 static void run_block(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch,
-                      const layer_weights *lw, int kv_layer, int T)
+                      const layer_weights *lw, const float *const *mv, int kv_layer, int T)
 {
+    static const float *const none[MODEL_MV_PER_LAYER];
+    if (!mv)
+        mv = none;
     const model_config *c = &ctx->m->cfg;
     const int dim = c->dim, hid = c->hidden_dim;
     kern_act act;
@@ -404,9 +421,9 @@ static void run_block(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *ba
     const wmat *qkv[3] = {&lw->wq, &lw->wk, &lw->wv};
     prep(ctx, &act, ctx->x, lw->attn_norm, ctx->xb, T, dim, qkv, 3);
     mm_job j = {.ctx = ctx, .act = &act};
-    mm_add(&j, &lw->wq, ctx->p_q, POST_ROPE);
-    mm_add(&j, &lw->wk, ctx->p_k, POST_ROPE);
-    mm_add(&j, &lw->wv, ctx->p_v, POST_NONE);
+    mm_add(&j, &lw->wq, mv[0], ctx->p_q, POST_ROPE);
+    mm_add(&j, &lw->wk, mv[1], ctx->p_k, POST_ROPE);
+    mm_add(&j, &lw->wv, mv[2], ctx->p_v, POST_NONE);
     mm_run(&j);
 
     attention(ctx, kv, batch, kv_layer, T);
@@ -415,7 +432,7 @@ static void run_block(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *ba
     const wmat *wo = &lw->wo;
     prep(ctx, &act, NULL, NULL, ctx->xb, T, dim, &wo, 1);
     j = (mm_job){.ctx = ctx, .act = &act};
-    mm_add(&j, &lw->wo, ctx->p_xb2, POST_RESID);
+    mm_add(&j, &lw->wo, mv[3], ctx->p_xb2, POST_RESID);
     j.seg[0].resid = ctx->x;
     mm_run(&j);
 
@@ -423,8 +440,9 @@ static void run_block(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *ba
     const wmat *w13[2] = {&lw->w1, &lw->w3};
     prep(ctx, &act, ctx->x, lw->ffn_norm, ctx->xb, T, dim, w13, 2);
     j = (mm_job){.ctx = ctx, .act = &act};
-    mm_add(&j, &lw->w1, ctx->p_hb, POST_SWIGLU);
+    mm_add(&j, &lw->w1, mv[4], ctx->p_hb, POST_SWIGLU);
     j.seg[0].w_up = &lw->w3;
+    j.seg[0].wp_up = mv[5];
     j.seg[0].out_up = ctx->p_hb2;
     mm_run(&j);
 
@@ -432,7 +450,7 @@ static void run_block(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *ba
     const wmat *w2 = &lw->w2;
     prep(ctx, &act, NULL, NULL, ctx->hb, T, hid, &w2, 1);
     j = (mm_job){.ctx = ctx, .act = &act};
-    mm_add(&j, &lw->w2, ctx->p_xb, POST_RESID);
+    mm_add(&j, &lw->w2, mv[6], ctx->p_xb, POST_RESID);
     j.seg[0].resid = ctx->x;
     mm_run(&j);
 }
@@ -477,7 +495,7 @@ static void run_head(model_ctx_t *ctx, const model_seq_batch *batch, int n)
     const wmat *wout = &m->output;
     prep(ctx, &act, ctx->x, m->out_norm, ctx->xb, R, dim, &wout, 1);
     mm_job j = {.ctx = ctx, .act = &act};
-    mm_add(&j, &m->output, ctx->out_dst, POST_NONE);
+    mm_add(&j, &m->output, ctx->mv[c->n_layer * MODEL_MV_PER_LAYER], ctx->out_dst, POST_NONE);
     mm_run(&j);
 }
 
@@ -491,7 +509,7 @@ int model_forward(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch,
         return -1;
     setup_tokens(ctx, batch, n, ctx->x);
     for (int l = 0; l < c->n_layer; l++) {
-        run_block(ctx, kv, batch, &m->layers[l], l, T);
+        run_block(ctx, kv, batch, &m->layers[l], ctx->mv + l * MODEL_MV_PER_LAYER, l, T);
         if (cb)
             cb(l, ud);
     }
@@ -528,10 +546,10 @@ int model_forward_nextn(model_ctx_t *ctx, kvcache_t *kv, const model_nextn_t *mo
     const wmat *eh = &mod->eh_proj;
     prep(ctx, &act, NULL, NULL, ctx->cat, T, 2 * dim, &eh, 1);
     mm_job j = {.ctx = ctx, .act = &act};
-    mm_add(&j, &mod->eh_proj, ctx->p_x, POST_NONE);
+    mm_add(&j, &mod->eh_proj, NULL, ctx->p_x, POST_NONE);
     mm_run(&j);
 
-    run_block(ctx, kv, batch, &mod->blk, kv_layer, T);
+    run_block(ctx, kv, batch, &mod->blk, NULL, kv_layer, T);
     run_head(ctx, batch, n);
     return 0;
 }

@@ -34,6 +34,7 @@
 #include "gguf.h"
 #include "kernels.h"
 #include "kvcache.h"
+#include "matvec.h"
 #include "model.h"
 #include "sampler.h"
 #include "threadpool.h"
@@ -1527,6 +1528,72 @@ static void test_threadpool(void **state)
     threadpool_destroy(&d);
 }
 
+/* matvec (the packed row-vectorised EXACT kernel) against kern_dot_exact_f32, bit for bit:
+ * row counts that are not multiples of 8, row ranges starting on and off a group, the
+ * AVX2 kernel (when the CPU has it) and the portable one, T = 1..5; and the packed layout
+ * itself (a known element, zero padding). */
+static void test_matvec_vs_reference(void **state)
+{
+    const int shapes[][2] = {{1, 8}, {7, 1}, {8, 64}, {13, 172}, {33, 37}, {172, 64}, {64, 172}};
+    const int ranges[][2] = {{0, 1 << 20}, {8, 1 << 20}, {0, 5}, {16, 40}, {3, 30}, {24, 25}};
+    const kern_isa isas[] = {KERN_ISA_SCALAR, KERN_ISA_AVX2};
+    const int have_avx2 = kern_isa_detect() >= KERN_ISA_AVX2;
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+        const int rows = shapes[si][0], n = shapes[si][1], Tmax = 5;
+        float *w = malloc((size_t)rows * n * sizeof(float));
+        float *wp = aligned_alloc(32, matvec_packed_floats(rows, n) * sizeof(float) + 32);
+        float *x = malloc((size_t)Tmax * n * sizeof(float));
+        float *got = malloc((size_t)Tmax * rows * sizeof(float));
+        float *outp[5];
+        assert_non_null(w);
+        assert_non_null(wp);
+        assert_non_null(x);
+        assert_non_null(got);
+        for (size_t i = 0; i < (size_t)rows * n; i++)
+            w[i] = frand() * (i % 89 == 0 ? 16.0f : 0.5f);
+        for (size_t i = 0; i < (size_t)Tmax * n; i++)
+            x[i] = frand();
+        matvec_pack_f32(w, rows, n, wp);
+        assert_int_equal(matvec_packed_floats(rows, n), (size_t)((rows + 7) / 8) * 8 * n);
+        /* row rows-1, column n-1; and a padded lane */
+        int g = (rows - 1) / 8, e = (rows - 1) % 8;
+        assert_true(wp[((size_t)g * n + n - 1) * 8 + e] == w[(size_t)(rows - 1) * n + n - 1]);
+        if (e < 7)
+            assert_true(wp[((size_t)g * n) * 8 + 7] == 0.0f);
+        for (int t = 0; t < Tmax; t++)
+            outp[t] = got + (size_t)t * rows;
+        for (size_t ii = 0; ii < 2; ii++) {
+            if (isas[ii] == KERN_ISA_AVX2 && !have_avx2)
+                continue;
+            for (size_t ri = 0; ri < sizeof(ranges) / sizeof(ranges[0]); ri++) {
+                int r0 = ranges[ri][0], r1 = ranges[ri][1] < rows ? ranges[ri][1] : rows;
+                for (int T = 1; T <= Tmax; T++) {
+                    const float sentinel = -12345.0f;
+                    for (size_t i = 0; i < (size_t)Tmax * rows; i++)
+                        got[i] = sentinel;
+                    matvec_exact_f32(isas[ii], wp, rows, n, x, T, r0, ranges[ri][1], outp);
+                    for (int t = 0; t < Tmax; t++)
+                        for (int i = 0; i < rows; i++) {
+                            float want = t < T && i >= r0 && i < r1
+                                             ? kern_dot_exact_f32(w + (size_t)i * n,
+                                                                  x + (size_t)t * n, n)
+                                             : sentinel;
+                            if (memcmp(&want, &got[(size_t)t * rows + i], sizeof(float)) != 0)
+                                fail_msg("matvec %s rows %d n %d [%d, %d) T %d: out[%d][%d] "
+                                         "%a, want %a",
+                                         kern_isa_name(isas[ii]), rows, n, r0, r1, T, t, i,
+                                         got[(size_t)t * rows + i], want);
+                        }
+                }
+            }
+        }
+        free(w);
+        free(wp);
+        free(x);
+        free(got);
+    }
+}
+
 /* Logits of three scenarios that must agree bit for bit: X alone in one call (logits for
  * every token), X in chunks of 3, and X batched with Y (one decode token after a partial
  * prefill) and Z (two tokens). Writes X's logits (nx, V) to out. */
@@ -1986,6 +2053,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_kernels_packed),
         cmocka_unit_test(test_kernels_q8_format),
         cmocka_unit_test(test_threadpool),
+        cmocka_unit_test(test_matvec_vs_reference),
         cmocka_unit_test(test_model_threads_isa),
         cmocka_unit_test(test_model_fast_greedy),
         cmocka_unit_test(test_model_quantized),

@@ -1,0 +1,118 @@
+/*
+ * matvec: see matvec.h. The reference kernel is the definition (one chain per output
+ * element over the packed layout); the AVX2 kernel runs four groups of 8 rows at once
+ * (four independent chains per lane hide the latency of the adds), compiled with a target
+ * attribute whatever the build flags and used only when the caller's isa says so. No FMA
+ * contraction: -std=c11 builds with -ffp-contract=off, and the intrinsics are separate
+ * multiplies and adds.
+ */
+#include "matvec.h"
+
+#include <string.h>
+
+#include "kernels_internal.h"
+
+#ifdef KERN_HAVE_X86
+#include <immintrin.h>
+#endif
+
+size_t matvec_packed_floats(int rows, int n)
+{
+    return (size_t)((rows + MATVEC_GROUP - 1) / MATVEC_GROUP) * MATVEC_GROUP * (size_t)n;
+}
+
+void matvec_pack_f32(const float *w, int rows, int n, float *dst)
+{
+    const int G = (rows + MATVEC_GROUP - 1) / MATVEC_GROUP;
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < n; j++)
+            for (int e = 0; e < MATVEC_GROUP; e++) {
+                int i = g * MATVEC_GROUP + e;
+                dst[((size_t)g * n + j) * MATVEC_GROUP + e] = i < rows ? w[(size_t)i * n + j] : 0.0f;
+            }
+}
+
+static void matvec_ref(const float *wp, int n, const float *x, int T, int r0, int r1,
+                       float *const *out)
+{
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + (size_t)t * n;
+        for (int i = r0; i < r1; i++) {
+            const float *col = wp + (size_t)(i / MATVEC_GROUP) * n * MATVEC_GROUP + i % MATVEC_GROUP;
+            float s = 0.0f;
+            for (int j = 0; j < n; j++)
+                s += col[(size_t)j * MATVEC_GROUP] * xt[j];
+            out[t][i] = s;
+        }
+    }
+}
+
+#ifdef KERN_HAVE_X86
+#define TGT __attribute__((target("avx2,fma,f16c")))
+
+/* Lanes of acc to out[i, i + 8), clipped at r1. */
+static TGT inline void store_group(float *o, int i, int r1, __m256 acc)
+{
+    if (i + MATVEC_GROUP <= r1) {
+        _mm256_storeu_ps(o + i, acc);
+        return;
+    }
+    float lanes[MATVEC_GROUP] __attribute__((aligned(32)));
+    _mm256_store_ps(lanes, acc);
+    for (int e = 0; i + e < r1; e++)
+        o[i + e] = lanes[e];
+}
+
+static TGT void matvec_avx2(const float *wp, int n, const float *x, int T, int r0, int r1,
+                            float *const *out)
+{
+    const size_t gs = (size_t)n * MATVEC_GROUP; /* floats per group */
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + (size_t)t * n;
+        float *o = out[t];
+        int i = r0;
+        for (; i + 3 * MATVEC_GROUP < r1; i += 4 * MATVEC_GROUP) {
+            const float *w0 = wp + (size_t)(i / MATVEC_GROUP) * gs;
+            const float *w1 = w0 + gs, *w2 = w1 + gs, *w3 = w2 + gs;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int j = 0; j < n; j++) {
+                __m256 xv = _mm256_broadcast_ss(xt + j);
+                size_t o8 = (size_t)j * MATVEC_GROUP;
+                a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_load_ps(w0 + o8), xv));
+                a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_load_ps(w1 + o8), xv));
+                a2 = _mm256_add_ps(a2, _mm256_mul_ps(_mm256_load_ps(w2 + o8), xv));
+                a3 = _mm256_add_ps(a3, _mm256_mul_ps(_mm256_load_ps(w3 + o8), xv));
+            }
+            store_group(o, i, r1, a0);
+            store_group(o, i + MATVEC_GROUP, r1, a1);
+            store_group(o, i + 2 * MATVEC_GROUP, r1, a2);
+            store_group(o, i + 3 * MATVEC_GROUP, r1, a3);
+        }
+        for (; i < r1; i += MATVEC_GROUP) {
+            const float *w0 = wp + (size_t)(i / MATVEC_GROUP) * gs;
+            __m256 a0 = _mm256_setzero_ps();
+            for (int j = 0; j < n; j++)
+                a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_load_ps(w0 + (size_t)j * MATVEC_GROUP),
+                                                     _mm256_broadcast_ss(xt + j)));
+            store_group(o, i, r1, a0);
+        }
+    }
+}
+#endif
+
+void matvec_exact_f32(kern_isa isa, const float *wp, int rows, int n, const float *x, int T,
+                      int r0, int r1, float *const *out)
+{
+    if (r1 > rows)
+        r1 = rows;
+    if (r0 >= r1 || T < 1)
+        return;
+#ifdef KERN_HAVE_X86
+    if (isa >= KERN_ISA_AVX2 && r0 % MATVEC_GROUP == 0) {
+        matvec_avx2(wp, n, x, T, r0, r1, out);
+        return;
+    }
+#endif
+    (void)isa;
+    matvec_ref(wp, n, x, T, r0, r1, out);
+}

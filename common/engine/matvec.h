@@ -1,0 +1,43 @@
+/*
+ * matvec: F32 matrix products for a few tokens in run.c's EXACT order, vectorised across
+ * output rows instead of across tokens.
+ *
+ * kern_matmul's EXACT kernel puts 8 tokens in the SIMD lanes: at batch 1 (a decode step)
+ * 7 of its 8 lanes are idle, and on a small model (stories260K) the matrix products are
+ * most of the step. Here the lanes are 8 output rows: the matrix is packed once (at
+ * context creation) so that for each group of 8 rows the 8 elements of column j sit side
+ * by side, and each lane runs run.c's serial chain s = s + w[j] * x[j] (j ascending, the
+ * product and the sum each rounded: no FMA) for its own row. The result is bit-identical
+ * to kern_dot_exact_f32 per output element (multiplication is commutative in IEEE 754,
+ * and the chain is the same), so it changes no logits; the tests compare it with the
+ * reference bit for bit.
+ */
+#ifndef TP_MATVEC_H
+#define TP_MATVEC_H
+
+#include <stddef.h>
+
+#include "kernels.h"
+
+/* Rows per group of the packed layout (the lanes of one AVX2 register). */
+#define MATVEC_GROUP 8
+
+/* Floats of the packed form of a (rows, n) matrix: ceil(rows / 8) * 8 * n. */
+size_t matvec_packed_floats(int rows, int n);
+
+/* Pack the row-major F32 matrix w (rows, n) into dst (matvec_packed_floats(rows, n)
+ * floats, 32-byte aligned, caller-owned): group g, column j holds w[8g + e][j] at
+ * dst[(g * n + j) * 8 + e], e in [0, 8), zero for rows >= rows. */
+void matvec_pack_f32(const float *w, int rows, int n, float *dst);
+
+/* out[t][i] = dot(W[i], x[t]) in the EXACT order (kern_dot_exact_f32, bit for bit) for
+ * rows i in [r0, r1) and tokens t in [0, T), from the packed form wp of W (rows, n)
+ * (matvec_pack_f32); x is (T, n), out holds T row pointers, each written at [r0, r1)
+ * only. isa >= KERN_ISA_AVX2 uses the AVX2 kernel when r0 is a multiple of MATVEC_GROUP,
+ * otherwise the portable reference (the same arithmetic). Thread-safe for
+ * disjoint row ranges. Cost grows with T linearly (the packed rows are re-read per
+ * token), so it pays over kern_matmul's token-lane kernel only for small T. */
+void matvec_exact_f32(kern_isa isa, const float *wp, int rows, int n, const float *x, int T,
+                      int r0, int r1, float *const *out);
+
+#endif
