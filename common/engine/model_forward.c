@@ -117,16 +117,11 @@ static inline void product(const model_ctx_t *ctx, const wmat *w, const float *w
         kern_matmul(ctx->isa, ctx->order, w, a, r0, r1, out, scratch);
 }
 
-static void mm_chunk(mm_job *j, int c, int ti)
+/* Rows [r0, r1) of segment s (r0 even), on thread ti. */
+static void mm_rows(mm_job *j, const seg_t *s, int r0, int r1, int ti)
 {
     model_ctx_t *ctx = j->ctx;
     const kern_act *a = j->act;
-    int si = 0;
-    while (si + 1 < j->n_seg && c >= j->seg[si + 1].first_chunk)
-        si++;
-    const seg_t *s = &j->seg[si];
-    int r0 = (c - s->first_chunk) * s->chunk;
-    int r1 = r0 + s->chunk < s->rows ? r0 + s->chunk : s->rows;
     float *scratch = ctx->scratch + (size_t)ti * ctx->scratch_len;
     product(ctx, s->w, s->wp, a, r0, r1, s->out, scratch);
     switch (s->post) {
@@ -162,6 +157,17 @@ static void mm_chunk(mm_job *j, int c, int ti)
     }
 }
 
+static void mm_chunk(mm_job *j, int c, int ti)
+{
+    int si = 0;
+    while (si + 1 < j->n_seg && c >= j->seg[si + 1].first_chunk)
+        si++;
+    const seg_t *s = &j->seg[si];
+    int r0 = (c - s->first_chunk) * s->chunk;
+    int r1 = r0 + s->chunk < s->rows ? r0 + s->chunk : s->rows;
+    mm_rows(j, s, r0, r1, ti);
+}
+
 static void mm_worker(void *arg, int ti, int nth)
 {
     mm_job *j = arg;
@@ -179,9 +185,12 @@ static void mm_run(mm_job *j)
     for (int i = 0; i < j->n_seg; i++)
         work += (long)j->seg[i].rows * j->act->n * j->act->T * (j->seg[i].w_up ? 2 : 1);
     atomic_init(&j->next, 0);
-    if (j->ctx->n_threads == 1 || work < PAR_MIN_WORK)
-        mm_worker(j, 0, 1);
-    else
+    if (j->ctx->n_threads == 1 || work < PAR_MIN_WORK) {
+        /* one thread: each matrix whole, in one kernel call (the token-lane kernel
+         * transposes its activation tile once per call: chunks would repeat that) */
+        for (int i = 0; i < j->n_seg; i++)
+            mm_rows(j, &j->seg[i], 0, j->seg[i].rows, 0);
+    } else
         threadpool_run(j->ctx->pool, mm_worker, j);
 }
 
