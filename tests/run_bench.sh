@@ -10,7 +10,9 @@
 # the engine bench is followed by batch-1 decode side by side with llama-bench on the same
 # GGUF files: PEER_REPS (3) alternating runs of `bench_engine --tg` and `llama-bench -p 0
 # -n N` (N = 128, 32 for the 1B-class models) per model and per thread count of
-# PEER_THREADS (default: the CPUs available), medians, and the ratio tidepool/llama.cpp.
+# PEER_THREADS (default: the CPUs available), medians, and the ratio tidepool/llama.cpp;
+# then aggregate decode at batch 1, 8 and 32 side by side with llama-batched-bench
+# (peer_batched below).
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -70,6 +72,58 @@ peer_llama() {
     return $rc
 }
 
+# peer_batched MODEL...: aggregate decode at batch 1, 8 and 32 side by side with
+# llama-batched-bench on the same GGUF files: PEER_REPS (3) alternating runs of
+# `bench_engine --batched` (every sequence at context 64, 64 steps; 7 and 3 steps on the
+# 1B-class models) and `llama-batched-bench -npp 64 -ntg N -npl 1,8,32` (its decode rate
+# speed_tg over N = 64 steps, 16 on the 1B-class models, after prompts of 64 tokens) per
+# model and per thread count of PEER_THREADS, medians, and the ratio tidepool/llama.cpp.
+peer_batched() {
+    local bb=""
+    for c in "$LLAMA_CPP_DIR/build/bin/llama-batched-bench" "$LLAMA_CPP_DIR/bin/llama-batched-bench"; do
+        [ -x "$c" ] && { bb=$c; break; }
+    done
+    if [ -z "$bb" ]; then
+        echo "peer llama.cpp: no llama-batched-bench under LLAMA_CPP_DIR=$LLAMA_CPP_DIR (build/bin or bin)"
+        return 1
+    fi
+    local reps=${PEER_REPS:-3} threads=${PEER_THREADS:-$(nproc)} rc=0
+    echo "peer llama.cpp ($bb): aggregate decode, medians of $reps alternating runs"
+    printf '  %-28s %7s %5s %14s %14s %8s\n' model threads batch "tidepool tok/s" "llama.cpp" ratio
+    for model in "$@"; do
+        local n=64
+        [ "$(stat -c %s "$model")" -gt $((256 << 20)) ] && n=16
+        for t in $threads; do
+            local tp="" lc=""
+            for _ in $(seq "$reps"); do
+                # "bd MODEL B TOK/S" lines; llama-batched-bench's jsonl has "pl" and "speed_tg"
+                tp+=$("$BUILD/tests/bench_engine" --batched --threads "$t" "$model" | awk '$1 == "bd" {print $3, $4}')
+                tp+=$'\n'
+                lc+=$("$bb" -m "$model" -c $((32 * (64 + n) + 64)) -npp 64 -ntg "$n" -npl 1,8,32 -t "$t" \
+                    --output-format jsonl 2>/dev/null | awk '
+                    /"pl"/ { p = $0; sub(/.*"pl": */, "", p); sub(/[,}].*/, "", p)
+                             v = $0; sub(/.*"speed_tg": */, "", v); sub(/[,}].*/, "", v); print p, v }')
+                lc+=$'\n'
+            done
+            for B in 1 8 32; do
+                local mt ml
+                mt=$(printf '%s\n' "$tp" | awk -v B="$B" '$1 == B {print $2}' | sort -g | awk '{a[NR] = $1} END {if (NR) print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}')
+                ml=$(printf '%s\n' "$lc" | awk -v B="$B" '$1 == B {print $2}' | sort -g | awk '{a[NR] = $1} END {if (NR) print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}')
+                if [ -z "$mt" ] || [ -z "$ml" ]; then
+                    echo "  $(basename "$model") batch $B: a run failed"
+                    rc=1
+                    continue
+                fi
+                printf '  %-28s %7d %5d %14.1f %14.1f %7.2fx   (runs: tidepool %s; llama.cpp %s)\n' \
+                    "$(basename "$model")" "$t" "$B" "$mt" "$ml" "$(awk -v a="$mt" -v b="$ml" 'BEGIN {print a / b}')" \
+                    "$(printf '%s\n' "$tp" | awk -v B="$B" '$1 == B {printf "%s ", $2}')" \
+                    "$(printf '%s\n' "$lc" | awk -v B="$B" '$1 == B {printf "%s ", $2}')"
+            done
+        done
+    done
+    return $rc
+}
+
 status=0
 for b in "$BUILD"/tests/bench_*; do
     [ -x "$b" ] || continue
@@ -86,6 +140,8 @@ for b in "$BUILD"/tests/bench_*; do
             || status=1
         if [ -n "${LLAMA_CPP_DIR:-}" ]; then
             peer_llama "$MODELS/stories260K.gguf" "$MODELS/synth-1b-f16.gguf" \
+                "$MODELS/synth-1b-q8_0.gguf" || status=1
+            peer_batched "$MODELS/stories260K.gguf" "$MODELS/synth-1b-f16.gguf" \
                 "$MODELS/synth-1b-q8_0.gguf" || status=1
         else
             echo "peer llama.cpp: skipped (set LLAMA_CPP_DIR to a llama.cpp build to compare)"

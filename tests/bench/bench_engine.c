@@ -2,7 +2,7 @@
  * bench_engine: throughput of the engine's forward pass, in-process, per model file.
  *
  *   bench_engine [--threads N] [--kernel auto|exact|fast] [--isa scalar|avx2|avx512]
- *                [--quick | --tg] MODEL.gguf...
+ *                [--quick | --tg | --batched] MODEL.gguf...
  *
  * For each model: prefill of one 128-token prompt, and of four 128-token prompts in one
  * call (best of a few runs); decode steps at batch 1, 8 and 32 with every sequence at
@@ -20,6 +20,10 @@
  * --tg: batch-1 decode only, one line per model, "tg MODEL TOK/S" (tokens/s from the
  * median of 32 steps, 64 for small models, at context 64 as above), for the side-by-side
  * runs against llama-bench in tests/run_bench.sh.
+ *
+ * --batched: aggregate decode only, lines "bd MODEL B TOK/S" for B = 1, 8, 32 (the
+ * decode rows above), for the side-by-side runs against llama-batched-bench
+ * (tests/run_bench.sh peer_batched).
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -336,13 +340,15 @@ static int bench_tokenizer(const char *path, size_t n)
 int main(int argc, char **argv)
 {
     model_ctx_params cp = model_ctx_default_params();
-    int quick = 0, tg = 0;
+    int quick = 0, tg = 0, batched = 0;
     int first = 1;
     for (; first < argc && strncmp(argv[first], "--", 2) == 0; first++) {
         if (strcmp(argv[first], "--quick") == 0) {
             quick = 1;
         } else if (strcmp(argv[first], "--tg") == 0) {
             tg = 1;
+        } else if (strcmp(argv[first], "--batched") == 0) {
+            batched = 1;
         } else if (strcmp(argv[first], "--threads") == 0 && first + 1 < argc) {
             cp.n_threads = atoi(argv[++first]);
         } else if (strcmp(argv[first], "--isa") == 0 && first + 1 < argc) {
@@ -357,7 +363,8 @@ int main(int argc, char **argv)
                                                  : MODEL_KERNEL_AUTO;
         } else {
             fprintf(stderr, "usage: bench_engine [--threads N] [--kernel auto|exact|fast] "
-                            "[--isa scalar|avx2|avx512] [--quick | --tg] MODEL.gguf...\n");
+                            "[--isa scalar|avx2|avx512] [--quick | --tg | --batched] "
+                            "MODEL.gguf...\n");
             return 2;
         }
     }
@@ -398,6 +405,22 @@ int main(int argc, char **argv)
                 rc = 1;
             } else {
                 printf("tg %s %.3f\n", argv[a], d);
+            }
+            goto next;
+        }
+        if (batched) {
+            double cores;
+            bench_prefill(&b, 1, 8, 1, &cores); /* warm-up */
+            const int Bs[] = {1, 8, 32};
+            for (int i = 0; i < 3; i++) {
+                int steps = big ? (Bs[i] == 32 ? 3 : 7) : 64;
+                double d = bench_decode(&b, b.ctx, Bs[i], steps, &cores);
+                if (d < 0) {
+                    fprintf(stderr, "bench_engine: %s: forward pass failed\n", argv[a]);
+                    rc = 1;
+                    break;
+                }
+                printf("bd %s %d %.3f\n", argv[a], Bs[i], d);
             }
             goto next;
         }
