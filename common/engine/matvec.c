@@ -100,6 +100,83 @@ static TGT void matvec_avx2(const float *wp, int n, const float *x, int T, int r
 }
 #endif
 
+static void scores_ref(const float *q, int n_q, const float *k, size_t k_stride, int r0,
+                       int n_rows, int n, float *out, size_t out_stride)
+{
+    for (int h = 0; h < n_q; h++)
+        for (int r = r0; r < n_rows; r++) {
+            const float *qh = q + (size_t)h * n, *kr = k + (size_t)r * k_stride;
+            float s = 0.0f;
+            for (int j = 0; j < n; j++)
+                s += qh[j] * kr[j];
+            out[(size_t)h * out_stride + r] = s;
+        }
+}
+
+#ifdef KERN_HAVE_X86
+/* Transpose 8 rows of 8 floats: on return r[j] holds element j of rows 0..7. */
+static TGT inline void transpose8(__m256 r[8])
+{
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+    r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+    r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+    r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+    r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+/* Rows [0, n_rows & ~7): up to 4 heads per pass over the K rows. */
+static TGT int scores_avx2(const float *q, int n_q, const float *k, size_t k_stride, int n_rows,
+                           int n, float *out, size_t out_stride)
+{
+    const int R = n_rows & ~7;
+    for (int h0 = 0; h0 < n_q; h0 += 4) {
+        const int nh = n_q - h0 < 4 ? n_q - h0 : 4;
+        for (int r = 0; r < R; r += 8) {
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                             _mm256_setzero_ps()};
+            for (int j0 = 0; j0 < n; j0 += 8) {
+                __m256 col[8];
+                for (int e = 0; e < 8; e++)
+                    col[e] = _mm256_loadu_ps(k + (size_t)(r + e) * k_stride + j0);
+                transpose8(col);
+                for (int h = 0; h < nh; h++) {
+                    const float *qh = q + (size_t)(h0 + h) * n + j0;
+                    for (int j = 0; j < 8; j++)
+                        acc[h] = _mm256_add_ps(acc[h],
+                                               _mm256_mul_ps(_mm256_broadcast_ss(qh + j), col[j]));
+                }
+            }
+            for (int h = 0; h < nh; h++)
+                _mm256_storeu_ps(out + (size_t)(h0 + h) * out_stride + r, acc[h]);
+        }
+    }
+    return R;
+}
+#endif
+
+void matvec_scores_exact(kern_isa isa, const float *q, int n_q, const float *k, size_t k_stride,
+                         int n_rows, int n, float *out, size_t out_stride)
+{
+    int r0 = 0;
+#ifdef KERN_HAVE_X86
+    if (isa >= KERN_ISA_AVX2 && n % 8 == 0)
+        r0 = scores_avx2(q, n_q, k, k_stride, n_rows, n, out, out_stride);
+#endif
+    (void)isa;
+    scores_ref(q, n_q, k, k_stride, r0, n_rows, n, out, out_stride);
+}
+
 void matvec_exact_f32(kern_isa isa, const float *wp, int rows, int n, const float *x, int T,
                       int r0, int r1, float *const *out)
 {

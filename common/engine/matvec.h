@@ -40,4 +40,12 @@ void matvec_pack_f32(const float *w, int rows, int n, float *dst);
 void matvec_exact_f32(kern_isa isa, const float *wp, int rows, int n, const float *x, int T,
                       int r0, int r1, float *const *out);
 
+/* Attention scores in the EXACT order for n_q query heads that share one K head:
+ * out[h * out_stride + r] = dot(q + h * n, k + r * k_stride) (kern_dot_exact_f32, bit for
+ * bit) for h in [0, n_q), r in [0, n_rows); n elements per row. With AVX2 and n % 8 == 0
+ * the lanes are 8 positions (8 K rows transposed in registers, read once for all n_q
+ * heads); otherwise, and for the last n_rows % 8 rows, the portable chain. */
+void matvec_scores_exact(kern_isa isa, const float *q, int n_q, const float *k, size_t k_stride,
+                         int n_rows, int n, float *out, size_t out_stride);
+
 #endif

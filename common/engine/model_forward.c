@@ -284,14 +284,19 @@ static void att_group(att_job *j, int t, int g, float *att)
     for (int s0 = 0; s0 < n_pos; s0 += bs) {
         int rows = n_pos - s0 < bs ? n_pos - s0 : bs;
         const float *kb = kvcache_block_data(j->kv, j->layer, blocks[s0 / bs]) + koff;
-        for (int h = 0; h < kv_mul; h++)
-            kern_dot_rows(ctx->isa, ctx->order, q + (size_t)h * hs, kb, (size_t)kv_dim, rows, hs,
-                          att + h * att_len + s0);
+        if (ctx->order == KERN_ORDER_EXACT) /* the kv_mul heads together, rows in lanes */
+            matvec_scores_exact(ctx->isa, q, kv_mul, kb, (size_t)kv_dim, rows, hs, att + s0,
+                                att_len);
+        else
+            for (int h = 0; h < kv_mul; h++)
+                kern_dot_rows(ctx->isa, ctx->order, q + (size_t)h * hs, kb, (size_t)kv_dim, rows,
+                              hs, att + h * att_len + s0);
     }
+    const float scale = sqrtf(hs); /* run.c divides each score by sqrtf(head_size) */
     for (int h = 0; h < kv_mul; h++) {
         float *a = att + h * att_len;
         for (int s = 0; s < n_pos; s++)
-            a[s] /= sqrtf(hs);
+            a[s] /= scale;
         softmax(a, n_pos);
     }
     memset(xb, 0, (size_t)kv_mul * hs * sizeof(float));

@@ -1530,8 +1530,9 @@ static void test_threadpool(void **state)
 
 /* matvec (the packed row-vectorised EXACT kernel) against kern_dot_exact_f32, bit for bit:
  * row counts that are not multiples of 8, row ranges starting on and off a group, the
- * AVX2 kernel (when the CPU has it) and the portable one, T = 1..5; and the packed layout
- * itself (a known element, zero padding). */
+ * AVX2 kernel (when the CPU has it) and the portable one, T = 1..5; the packed layout
+ * itself (a known element, zero padding); and the attention scores of matvec_scores_exact
+ * (head sizes with and without the AVX2 path, row counts off a multiple of 8). */
 static void test_matvec_vs_reference(void **state)
 {
     const int shapes[][2] = {{1, 8}, {7, 1}, {8, 64}, {13, 172}, {33, 37}, {172, 64}, {64, 172}};
@@ -1591,6 +1592,35 @@ static void test_matvec_vs_reference(void **state)
         free(wp);
         free(x);
         free(got);
+    }
+    /* attention scores: n_q heads against K rows of stride 40 floats */
+    const int ns[] = {8, 16, 6}, nrs[] = {1, 7, 8, 16, 21}, nqs[] = {1, 2, 5};
+    float kbuf[21 * 40], qbuf[5 * 16], sc[5 * 32];
+    for (size_t i = 0; i < sizeof(kbuf) / sizeof(kbuf[0]); i++)
+        kbuf[i] = frand() * 2.0f;
+    for (size_t i = 0; i < sizeof(qbuf) / sizeof(qbuf[0]); i++)
+        qbuf[i] = frand();
+    for (size_t ii = 0; ii < 2; ii++) {
+        if (isas[ii] == KERN_ISA_AVX2 && !have_avx2)
+            continue;
+        for (size_t a = 0; a < 3; a++)
+            for (size_t b = 0; b < 5; b++)
+                for (size_t c = 0; c < 3; c++) {
+                    const int n = ns[a], nr = nrs[b], nq = nqs[c];
+                    for (size_t i = 0; i < sizeof(sc) / sizeof(sc[0]); i++)
+                        sc[i] = -1.0f;
+                    matvec_scores_exact(isas[ii], qbuf, nq, kbuf, 40, nr, n, sc, 32);
+                    for (int h = 0; h < 5; h++)
+                        for (int r = 0; r < 32; r++) {
+                            float want = h < nq && r < nr
+                                             ? kern_dot_exact_f32(qbuf + h * n, kbuf + r * 40, n)
+                                             : -1.0f;
+                            if (memcmp(&want, &sc[h * 32 + r], sizeof(float)) != 0)
+                                fail_msg("scores %s n %d rows %d heads %d: [%d][%d] %a, want %a",
+                                         kern_isa_name(isas[ii]), n, nr, nq, h, r, sc[h * 32 + r],
+                                         want);
+                        }
+                }
     }
 }
 
