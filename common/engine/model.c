@@ -27,7 +27,13 @@
  * token (rmsnorm, Q8 quantization, AVX-512 pair packing). Attention runs over (token, KV
  * head) pairs in parallel, the query heads of a KV head together so each K/V row is read
  * once for all of them. Small steps (stories260K-sized) run on the calling thread: waking
- * a thread costs more than they do.
+ * a thread costs more than they do; then each matrix is one kernel call, not chunks.
+ *
+ * EXACT-order F32 models (stories260K) have their matrices packed per context for matvec
+ * (ctx_pack_mv; models up to MODEL_MV_MAX_BYTES): at T <= MODEL_MV_MAX_T tokens (decode,
+ * MTP verify) the products run with 8 output rows in the SIMD lanes instead of 8 tokens,
+ * and attention scores with 8 positions in the lanes; each lane is run.c's chain, so the
+ * bits do not change (kern_matmul's token-lane kernel leaves 7 of 8 lanes idle at T = 1).
  *
  * Weights are F32, F16 or Q8_0 (any mix); the token embedding row is converted to float
  * on lookup. Weight layout is the GGUF/ggml one: a matrix W (out, in) is row-major,

@@ -1624,6 +1624,50 @@ static void test_matvec_vs_reference(void **state)
     }
 }
 
+/* The packed small-T paths (matvec products at T <= 7, matvec attention scores) against
+ * the portable kernels, which pack nothing: one sequence fed T = 32, 8, 3, 1, 7, 3 tokens
+ * per call (every shape bucket, and back after a change), logits of every token compared
+ * bit for bit with the scalar isa's. */
+static void test_model_small_t_paths(void **state)
+{
+    if (kern_isa_detect() < KERN_ISA_AVX2)
+        skip();
+    const model_config *c = model_get_config(g_model);
+    const int V = c->vocab_size, Ts[] = {32, 8, 3, 1, 7, 3}, total = 54;
+    int toks[54];
+    for (int i = 0; i < total; i++)
+        toks[i] = 3 + (i * 37) % (V - 3);
+    float *lg[2];
+    for (int pass = 0; pass < 2; pass++) {
+        model_ctx_params p = model_ctx_default_params();
+        p.max_tokens = 32;
+        p.n_threads = 1;
+        p.max_isa = pass == 0 ? MODEL_ISA_SCALAR : MODEL_ISA_AUTO;
+        model_ctx_t *ctx = model_ctx_new_params(g_model, &p);
+        kvcache_params kp = {c->n_layer, c->n_kv_head, c->head_dim, 16, 8, 2, c->n_ctx};
+        kvcache_t *kv = kvcache_new(&kp);
+        lg[pass] = malloc((size_t)total * V * sizeof(float));
+        assert_non_null(ctx);
+        assert_non_null(kv);
+        assert_non_null(lg[pass]);
+        assert_non_null(strstr(model_ctx_kernel_name(ctx), "/exact"));
+        int seq = kvcache_seq_new(kv), pos = 0;
+        assert_int_equal(kvcache_seq_reserve(kv, seq, total), KVCACHE_OK);
+        for (size_t i = 0; i < sizeof(Ts) / sizeof(Ts[0]); i++) {
+            model_seq_batch b = {seq, pos, Ts[i], toks + pos, 1, lg[pass] + (size_t)pos * V,
+                                 NULL, 0, NULL};
+            assert_int_equal(model_forward(ctx, kv, &b, 1, NULL, NULL), 0);
+            pos += Ts[i];
+        }
+        assert_int_equal(pos, total);
+        kvcache_destroy(&kv);
+        model_ctx_destroy(&ctx);
+    }
+    assert_memory_equal(lg[0], lg[1], (size_t)total * V * sizeof(float));
+    free(lg[0]);
+    free(lg[1]);
+}
+
 /* Logits of three scenarios that must agree bit for bit: X alone in one call (logits for
  * every token), X in chunks of 3, and X batched with Y (one decode token after a partial
  * prefill) and Z (two tokens). Writes X's logits (nx, V) to out. */
@@ -2084,6 +2128,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_kernels_q8_format),
         cmocka_unit_test(test_threadpool),
         cmocka_unit_test(test_matvec_vs_reference),
+        cmocka_unit_test(test_model_small_t_paths),
         cmocka_unit_test(test_model_threads_isa),
         cmocka_unit_test(test_model_fast_greedy),
         cmocka_unit_test(test_model_quantized),
