@@ -165,6 +165,50 @@ static TGT int scores_avx2(const float *q, int n_q, const float *k, size_t k_str
 }
 #endif
 
+#ifdef KERN_HAVE_X86
+/* na = n_q * (n / 8) <= 8 accumulators, kept in registers (constant-bound loops with
+ * guards, fully unrolled). */
+static TGT void values_avx2(float *y, int n_q, const float *a, size_t a_stride, const float *x,
+                            size_t x_stride, int n_rows, int n)
+{
+    const int nc = n / 8, na = n_q * nc;
+    __m256 acc[8];
+    const float *ah[8];
+    int off[8];
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) {
+        acc[k] = k < na ? _mm256_loadu_ps(y + (size_t)k * 8) : _mm256_setzero_ps();
+        ah[k] = a + (size_t)(k < na ? k / nc : 0) * a_stride; /* head of accumulator k */
+        off[k] = k < na ? (k % nc) * 8 : 0;                  /* its columns */
+    }
+    for (int r = 0; r < n_rows; r++) {
+        const float *xr = x + (size_t)r * x_stride;
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++)
+            if (k < na)
+                acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(_mm256_broadcast_ss(ah[k] + r),
+                                                             _mm256_loadu_ps(xr + off[k])));
+    }
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++)
+        if (k < na)
+            _mm256_storeu_ps(y + (size_t)k * 8, acc[k]);
+}
+#endif
+
+void matvec_values(kern_isa isa, float *y, int n_q, const float *a, size_t a_stride,
+                   const float *x, size_t x_stride, int n_rows, int n)
+{
+#ifdef KERN_HAVE_X86
+    if (isa >= KERN_ISA_AVX2 && n % 8 == 0 && n_q * n <= 64) {
+        values_avx2(y, n_q, a, a_stride, x, x_stride, n_rows, n);
+        return;
+    }
+#endif
+    for (int h = 0; h < n_q; h++)
+        kern_axpy_rows(isa, y + (size_t)h * n, a + (size_t)h * a_stride, x, x_stride, n_rows, n);
+}
+
 void matvec_scores_exact(kern_isa isa, const float *q, int n_q, const float *k, size_t k_stride,
                          int n_rows, int n, float *out, size_t out_stride)
 {

@@ -48,4 +48,13 @@ void matvec_exact_f32(kern_isa isa, const float *wp, int rows, int n, const floa
 void matvec_scores_exact(kern_isa isa, const float *q, int n_q, const float *k, size_t k_stride,
                          int n_rows, int n, float *out, size_t out_stride);
 
+/* Attention's weighted sum of values for n_q query heads that share one V head, run.c's
+ * order: for r ascending, y[h * n + i] = y[h * n + i] + a[h * a_stride + r] * x_r[i] with
+ * x_r = x + r * x_stride, the product and the sum each rounded (kern_axpy_rows, bit for
+ * bit), h in [0, n_q), i in [0, n), r in [0, n_rows). With AVX2, n % 8 == 0 and
+ * n_q * n <= 64, the n_q heads' sums stay in registers and advance together (n_q * n / 8
+ * independent chains instead of n / 8); otherwise kern_axpy_rows per head. */
+void matvec_values(kern_isa isa, float *y, int n_q, const float *a, size_t a_stride,
+                   const float *x, size_t x_stride, int n_rows, int n);
+
 #endif

@@ -304,9 +304,7 @@ static void att_group(att_job *j, int t, int g, float *att)
         int rows = n_pos - s0 < bs ? n_pos - s0 : bs;
         const float *vb =
             kvcache_block_data(j->kv, j->layer, blocks[s0 / bs]) + (size_t)bs * kv_dim + koff;
-        for (int h = 0; h < kv_mul; h++)
-            kern_axpy_rows(ctx->isa, xb + (size_t)h * hs, att + h * att_len + s0, vb,
-                           (size_t)kv_dim, rows, hs);
+        matvec_values(ctx->isa, xb, kv_mul, att + s0, att_len, vb, (size_t)kv_dim, rows, hs);
     }
 }
 

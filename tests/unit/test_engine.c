@@ -1531,8 +1531,9 @@ static void test_threadpool(void **state)
 /* matvec (the packed row-vectorised EXACT kernel) against kern_dot_exact_f32, bit for bit:
  * row counts that are not multiples of 8, row ranges starting on and off a group, the
  * AVX2 kernel (when the CPU has it) and the portable one, T = 1..5; the packed layout
- * itself (a known element, zero padding); and the attention scores of matvec_scores_exact
- * (head sizes with and without the AVX2 path, row counts off a multiple of 8). */
+ * itself (a known element, zero padding); the attention scores of matvec_scores_exact
+ * (head sizes with and without the AVX2 path, row counts off a multiple of 8) and the
+ * weighted sums of matvec_values against run.c's loop. */
 static void test_matvec_vs_reference(void **state)
 {
     const int shapes[][2] = {{1, 8}, {7, 1}, {8, 64}, {13, 172}, {33, 37}, {172, 64}, {64, 172}};
@@ -1620,6 +1621,35 @@ static void test_matvec_vs_reference(void **state)
                                          kern_isa_name(isas[ii]), n, nr, nq, h, r, sc[h * 32 + r],
                                          want);
                         }
+                }
+    }
+    /* weighted sums of values: n_q heads over V rows of stride 72 floats, y starting
+     * non-zero (a later KV block adds to the sums of the earlier ones) */
+    const int vns[] = {8, 16, 32, 6, 64}, vnq[] = {1, 2, 4, 5}, vnr[] = {1, 7, 16};
+    float vbuf[16 * 72], wts[5 * 16], y0[5 * 64], yr[5 * 64], yg[5 * 64];
+    for (size_t i = 0; i < sizeof(vbuf) / sizeof(vbuf[0]); i++)
+        vbuf[i] = frand();
+    for (size_t i = 0; i < sizeof(wts) / sizeof(wts[0]); i++)
+        wts[i] = frand() * 0.5f + 0.5f;
+    for (size_t i = 0; i < sizeof(y0) / sizeof(y0[0]); i++)
+        y0[i] = frand() * 0.1f;
+    for (size_t ii = 0; ii < 2; ii++) {
+        if (isas[ii] == KERN_ISA_AVX2 && !have_avx2)
+            continue;
+        for (size_t a = 0; a < 5; a++)
+            for (size_t b = 0; b < 4; b++)
+                for (size_t c = 0; c < 3; c++) {
+                    const int n = vns[a], nq = vnq[b], nr = vnr[c];
+                    memcpy(yr, y0, sizeof(y0));
+                    memcpy(yg, y0, sizeof(y0));
+                    for (int h = 0; h < nq; h++) /* run.c: xb[i] += a * v[i], in position order */
+                        for (int r = 0; r < nr; r++)
+                            for (int i = 0; i < n; i++)
+                                yr[h * n + i] += wts[h * 16 + r] * vbuf[r * 72 + i];
+                    matvec_values(isas[ii], yg, nq, wts, 16, vbuf, 72, nr, n);
+                    if (memcmp(yr, yg, sizeof(yr)) != 0)
+                        fail_msg("values %s n %d heads %d rows %d differ", kern_isa_name(isas[ii]),
+                                 n, nq, nr);
                 }
     }
 }
