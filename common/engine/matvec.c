@@ -8,6 +8,7 @@
  */
 #include "matvec.h"
 
+#include <math.h>
 #include <string.h>
 
 #include "kernels_internal.h"
@@ -207,6 +208,68 @@ void matvec_values(kern_isa isa, float *y, int n_q, const float *a, size_t a_str
 #endif
     for (int h = 0; h < n_q; h++)
         kern_axpy_rows(isa, y + (size_t)h * n, a + (size_t)h * a_stride, x, x_stride, n_rows, n);
+}
+
+#ifdef KERN_HAVE_X86
+static TGT void div_avx2(float *x, int n, float d)
+{
+    const __m256 dv = _mm256_set1_ps(d);
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(x + i, _mm256_div_ps(_mm256_loadu_ps(x + i), dv));
+    for (; i < n; i++)
+        x[i] /= d;
+}
+
+static TGT float max_avx2(const float *x, int n)
+{
+    float m = x[0];
+    int i = 0;
+    if (n >= 8) {
+        __m256 mv = _mm256_set1_ps(x[0]);
+        for (; i + 8 <= n; i += 8)
+            mv = _mm256_max_ps(_mm256_loadu_ps(x + i), mv); /* x > m ? x : m */
+        float lanes[8] __attribute__((aligned(32)));
+        _mm256_store_ps(lanes, mv);
+        for (int e = 0; e < 8; e++)
+            if (lanes[e] > m)
+                m = lanes[e];
+    }
+    for (; i < n; i++)
+        if (x[i] > m)
+            m = x[i];
+    return m;
+}
+#endif
+
+void matvec_softmax(kern_isa isa, float *x, int n, float scale)
+{
+#ifdef KERN_HAVE_X86
+    if (isa >= KERN_ISA_AVX2) {
+        div_avx2(x, n, scale);
+        float max_val = max_avx2(x, n), sum = 0.0f;
+        for (int i = 0; i < n; i++) {
+            x[i] = expf(x[i] - max_val);
+            sum += x[i];
+        }
+        div_avx2(x, n, sum);
+        return;
+    }
+#endif
+    (void)isa;
+    for (int i = 0; i < n; i++)
+        x[i] /= scale;
+    float max_val = x[0];
+    for (int i = 1; i < n; i++)
+        if (x[i] > max_val)
+            max_val = x[i];
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        x[i] = expf(x[i] - max_val);
+        sum += x[i];
+    }
+    for (int i = 0; i < n; i++)
+        x[i] /= sum;
 }
 
 void matvec_scores_exact(kern_isa isa, const float *q, int n_q, const float *k, size_t k_stride,

@@ -57,4 +57,12 @@ void matvec_scores_exact(kern_isa isa, const float *q, int n_q, const float *k, 
 void matvec_values(kern_isa isa, float *y, int n_q, const float *a, size_t a_stride,
                    const float *x, size_t x_stride, int n_rows, int n);
 
+/* run.c's scaled softmax of one head's n >= 1 attention scores in place: x[i] = x[i] /
+ * scale, then softmax with max subtraction (max_val = x[0]; x[i] > max_val replaces it),
+ * x[i] = expf(x[i] - max_val) summed in order, then x[i] = x[i] / sum. The divisions and
+ * the max run 8 lanes wide with AVX2 (each element's operation is the same; the max is the
+ * same value: a lane keeps x > m ? x : m, as run.c's loop), the exponentials and their sum
+ * stay scalar and in order, so the result is bit-identical to the scalar loop. */
+void matvec_softmax(kern_isa isa, float *x, int n, float scale);
+
 #endif

@@ -28,21 +28,6 @@ static void rmsnorm(float *o, const float *x, const float *weight, int size, flo
         o[j] = weight[j] * (ss * x[j]);
 }
 
-static void softmax(float *x, int size)
-{
-    float max_val = x[0];
-    for (int i = 1; i < size; i++)
-        if (x[i] > max_val)
-            max_val = x[i];
-    float sum = 0.0f;
-    for (int i = 0; i < size; i++) {
-        x[i] = expf(x[i] - max_val);
-        sum += x[i];
-    }
-    for (int i = 0; i < size; i++)
-        x[i] /= sum;
-}
-
 /* RoPE on rows [a, b) (a even) of one token's q or k row v, as run.c. */
 static void rope_rows(float *v, const float *rp, int hs, int a, int b)
 {
@@ -293,12 +278,8 @@ static void att_group(att_job *j, int t, int g, float *att)
                               hs, att + h * att_len + s0);
     }
     const float scale = sqrtf(hs); /* run.c divides each score by sqrtf(head_size) */
-    for (int h = 0; h < kv_mul; h++) {
-        float *a = att + h * att_len;
-        for (int s = 0; s < n_pos; s++)
-            a[s] /= scale;
-        softmax(a, n_pos);
-    }
+    for (int h = 0; h < kv_mul; h++)
+        matvec_softmax(ctx->isa, att + h * att_len, n_pos, scale);
     memset(xb, 0, (size_t)kv_mul * hs * sizeof(float));
     for (int s0 = 0; s0 < n_pos; s0 += bs) {
         int rows = n_pos - s0 < bs ? n_pos - s0 : bs;

@@ -1532,8 +1532,9 @@ static void test_threadpool(void **state)
  * row counts that are not multiples of 8, row ranges starting on and off a group, the
  * AVX2 kernel (when the CPU has it) and the portable one, T = 1..5; the packed layout
  * itself (a known element, zero padding); the attention scores of matvec_scores_exact
- * (head sizes with and without the AVX2 path, row counts off a multiple of 8) and the
- * weighted sums of matvec_values against run.c's loop. */
+ * (head sizes with and without the AVX2 path, row counts off a multiple of 8), the
+ * weighted sums of matvec_values and the scaled softmax of matvec_softmax against run.c's
+ * loops. */
 static void test_matvec_vs_reference(void **state)
 {
     const int shapes[][2] = {{1, 8}, {7, 1}, {8, 64}, {13, 172}, {33, 37}, {172, 64}, {64, 172}};
@@ -1651,6 +1652,42 @@ static void test_matvec_vs_reference(void **state)
                         fail_msg("values %s n %d heads %d rows %d differ", kern_isa_name(isas[ii]),
                                  n, nq, nr);
                 }
+    }
+    /* scaled softmax against run.c's loops: lengths around the vector width, scores far
+     * apart (exponentials that underflow to 0), the maximum first, last or repeated */
+    const int sns[] = {1, 5, 8, 9, 16, 17, 100};
+    float sx[100], sr[100], sg[100];
+    for (size_t ii = 0; ii < 2; ii++) {
+        if (isas[ii] == KERN_ISA_AVX2 && !have_avx2)
+            continue;
+        for (size_t a = 0; a < sizeof(sns) / sizeof(sns[0]); a++)
+            for (int kind = 0; kind < 4; kind++) {
+                const int n = sns[a];
+                for (int i = 0; i < n; i++)
+                    sx[i] = frand() * (kind == 1 ? 400.0f : 6.0f);
+                if (kind == 2)
+                    sx[n - 1] = 50.0f;
+                if (kind == 3)
+                    sx[0] = sx[n / 2] = 40.0f;
+                memcpy(sr, sx, sizeof(float) * n);
+                memcpy(sg, sx, sizeof(float) * n);
+                const float scale = sqrtf(8.0f);
+                for (int i = 0; i < n; i++) /* run.c: score /= sqrtf(head_size); softmax */
+                    sr[i] /= scale;
+                float mx = sr[0], sum = 0.0f;
+                for (int i = 1; i < n; i++)
+                    if (sr[i] > mx)
+                        mx = sr[i];
+                for (int i = 0; i < n; i++) {
+                    sr[i] = expf(sr[i] - mx);
+                    sum += sr[i];
+                }
+                for (int i = 0; i < n; i++)
+                    sr[i] /= sum;
+                matvec_softmax(isas[ii], sg, n, scale);
+                if (memcmp(sr, sg, sizeof(float) * n) != 0)
+                    fail_msg("softmax %s n %d kind %d differs", kern_isa_name(isas[ii]), n, kind);
+            }
     }
 }
 
