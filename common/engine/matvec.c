@@ -1,7 +1,8 @@
 /*
  * matvec: see matvec.h. The reference kernel is the definition (one chain per output
  * element over the packed layout); the AVX2 kernel runs four groups of 8 rows at once
- * (four independent chains per lane hide the latency of the adds), compiled with a target
+ * (four independent chains per lane hide the latency of the adds) for two tokens at a
+ * time (the weight loads shared), compiled with a target
  * attribute whatever the build flags and used only when the caller's isa says so. No FMA
  * contraction: -std=c11 builds with -ffp-contract=off, and the intrinsics are separate
  * multiplies and adds.
@@ -68,7 +69,53 @@ static TGT void matvec_avx2(const float *wp, int n, const float *x, int T, int r
                             float *const *out)
 {
     const size_t gs = (size_t)n * MATVEC_GROUP; /* floats per group */
-    for (int t = 0; t < T; t++) {
+    int t = 0;
+    /* two tokens at a time share the weight loads: 4 groups x 2 tokens = 8 chains */
+    for (; t + 2 <= T; t += 2) {
+        const float *xa = x + (size_t)t * n, *xb = xa + n;
+        float *oa = out[t], *ob = out[t + 1];
+        int i = r0;
+        for (; i + 3 * MATVEC_GROUP < r1; i += 4 * MATVEC_GROUP) {
+            const float *w0 = wp + (size_t)(i / MATVEC_GROUP) * gs;
+            const float *w1 = w0 + gs, *w2 = w1 + gs, *w3 = w2 + gs;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int j = 0; j < n; j++) {
+                __m256 va = _mm256_broadcast_ss(xa + j), vb = _mm256_broadcast_ss(xb + j);
+                size_t o8 = (size_t)j * MATVEC_GROUP;
+                __m256 g0 = _mm256_load_ps(w0 + o8), g1 = _mm256_load_ps(w1 + o8);
+                __m256 g2 = _mm256_load_ps(w2 + o8), g3 = _mm256_load_ps(w3 + o8);
+                a0 = _mm256_add_ps(a0, _mm256_mul_ps(g0, va));
+                a1 = _mm256_add_ps(a1, _mm256_mul_ps(g1, va));
+                a2 = _mm256_add_ps(a2, _mm256_mul_ps(g2, va));
+                a3 = _mm256_add_ps(a3, _mm256_mul_ps(g3, va));
+                b0 = _mm256_add_ps(b0, _mm256_mul_ps(g0, vb));
+                b1 = _mm256_add_ps(b1, _mm256_mul_ps(g1, vb));
+                b2 = _mm256_add_ps(b2, _mm256_mul_ps(g2, vb));
+                b3 = _mm256_add_ps(b3, _mm256_mul_ps(g3, vb));
+            }
+            store_group(oa, i, r1, a0);
+            store_group(oa, i + MATVEC_GROUP, r1, a1);
+            store_group(oa, i + 2 * MATVEC_GROUP, r1, a2);
+            store_group(oa, i + 3 * MATVEC_GROUP, r1, a3);
+            store_group(ob, i, r1, b0);
+            store_group(ob, i + MATVEC_GROUP, r1, b1);
+            store_group(ob, i + 2 * MATVEC_GROUP, r1, b2);
+            store_group(ob, i + 3 * MATVEC_GROUP, r1, b3);
+        }
+        for (; i < r1; i += MATVEC_GROUP) {
+            const float *w0 = wp + (size_t)(i / MATVEC_GROUP) * gs;
+            __m256 a0 = _mm256_setzero_ps(), b0 = a0;
+            for (int j = 0; j < n; j++) {
+                __m256 g0 = _mm256_load_ps(w0 + (size_t)j * MATVEC_GROUP);
+                a0 = _mm256_add_ps(a0, _mm256_mul_ps(g0, _mm256_broadcast_ss(xa + j)));
+                b0 = _mm256_add_ps(b0, _mm256_mul_ps(g0, _mm256_broadcast_ss(xb + j)));
+            }
+            store_group(oa, i, r1, a0);
+            store_group(ob, i, r1, b0);
+        }
+    }
+    for (; t < T; t++) {
         const float *xt = x + (size_t)t * n;
         float *o = out[t];
         int i = r0;

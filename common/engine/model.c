@@ -30,10 +30,11 @@
  * a thread costs more than they do; then each matrix is one kernel call, not chunks.
  *
  * EXACT-order F32 models (stories260K) have their matrices packed per context for matvec
- * (ctx_pack_mv; models up to MODEL_MV_MAX_BYTES): at T <= MODEL_MV_MAX_T tokens (decode,
- * MTP verify) the products run with 8 output rows in the SIMD lanes instead of 8 tokens,
- * and attention scores with 8 positions in the lanes; each lane is run.c's chain, so the
- * bits do not change (kern_matmul's token-lane kernel leaves 7 of 8 lanes idle at T = 1).
+ * (ctx_pack_mv; models up to MODEL_MV_MAX_BYTES): their products run with 8 output rows
+ * in the SIMD lanes instead of 8 tokens (kern_matmul's token-lane kernel leaves 7 of 8
+ * lanes idle at T = 1, and on stories260K's shapes it is 1.2-2x slower at every T up to
+ * 256), and the attention scores (EXACT order, any model) with 8 positions in the lanes;
+ * each lane is run.c's chain, so the bits do not change.
  *
  * Weights are F32, F16 or Q8_0 (any mix); the token embedding row is converted to float
  * on lookup. Weight layout is the GGUF/ggml one: a matrix W (out, in) is row-major,

@@ -91,12 +91,12 @@ static void mm_add(mm_job *j, const wmat *w, const float *wp, float *const *out,
     j->n_chunks += (s->rows + s->chunk - 1) / s->chunk;
 }
 
-/* Rows [r0, r1) of w applied to a: the packed row-vectorised kernel for a few tokens
- * when w has a packing, else kern_matmul (the same bits either way). */
+/* Rows [r0, r1) of w applied to a: the packed row-vectorised kernel when w has a packing
+ * (faster at every T on stories260K's shapes), else kern_matmul (the same bits). */
 static inline void product(const model_ctx_t *ctx, const wmat *w, const float *wp,
                            const kern_act *a, int r0, int r1, float *const *out, float *scratch)
 {
-    if (wp && a->T <= MODEL_MV_MAX_T)
+    if (wp)
         matvec_exact_f32(ctx->isa, wp, w->rows, a->n, a->x, a->T, r0, r1, out);
     else
         kern_matmul(ctx->isa, ctx->order, w, a, r0, r1, out, scratch);

@@ -67,8 +67,8 @@ struct model_ctx {
     float **out_dst; /* (max_tokens,) logits destination of each output row */
     float **p_q, **p_k, **p_v, **p_xb, **p_xb2, **p_hb, **p_hb2; /* (max_tokens,) row ptrs */
     float **p_x;                                                 /* (max_tokens,) rows of x */
-    /* EXACT-order F32 matrices packed for matvec (row-vectorised, used for T <=
-     * MODEL_MV_MAX_T): mv[l * MODEL_MV_PER_LAYER + k] for layer l's k-th matrix (wq, wk,
+    /* EXACT-order F32 matrices packed for matvec (row-vectorised, used for every T):
+     * mv[l * MODEL_MV_PER_LAYER + k] for layer l's k-th matrix (wq, wk,
      * wv, wo, w1, w3, w2), mv[n_layer * MODEL_MV_PER_LAYER] for the classifier; NULL where
      * not packed (another type, FAST order, scalar isa, or a model too big to copy). */
     const float **mv;
@@ -76,9 +76,6 @@ struct model_ctx {
 };
 
 #define MODEL_MV_PER_LAYER 7
-/* Tokens up to which the packed row-vectorised kernel is used: on a (172, 64) matrix it
- * takes 0.15x the time of the token-lane kernel at T = 1, 0.9x at T = 7, 1.1x at T = 8. */
-#define MODEL_MV_MAX_T 7
 /* Models whose F32 matrices take more bytes than this are not packed (the copy would
  * double their memory; batch-1 decode of a big model is bound by memory, not lanes). */
 #define MODEL_MV_MAX_BYTES ((size_t)64 << 20)

@@ -1691,10 +1691,10 @@ static void test_matvec_vs_reference(void **state)
     }
 }
 
-/* The packed small-T paths (matvec products at T <= 7, matvec attention scores) against
- * the portable kernels, which pack nothing: one sequence fed T = 32, 8, 3, 1, 7, 3 tokens
- * per call (every shape bucket, and back after a change), logits of every token compared
- * bit for bit with the scalar isa's. */
+/* The packed paths (matvec products, the matvec attention helpers) against the portable
+ * kernels, which pack nothing: one sequence fed T = 32, 8, 3, 1, 7, 3 tokens per call
+ * (token pairs and an odd token, several shapes, and back after a change), logits of
+ * every token compared bit for bit with the scalar isa's. */
 static void test_model_small_t_paths(void **state)
 {
     if (kern_isa_detect() < KERN_ISA_AVX2)
