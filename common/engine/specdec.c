@@ -14,6 +14,7 @@
  */
 #include "specdec.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -25,6 +26,9 @@ typedef struct {
     int active;
     int max_depth; /* 0: plain decoding, no module state */
     int c1;
+    int c2; /* first position of module 2's cache not computed from real tokens: c1 - 1,
+             * or c1 when the provisional entry at c1 - 1 was drafted from a d1 that was
+             * then accepted (it equals the real one: no rewrite); 0 when c1 = 0 */
     int n_rows;
     int toks[ROWS]; /* t_{c1+1} .. t_n */
     float *h0;      /* (ROWS, dim) h_0[c1 .. n-1] */
@@ -273,6 +277,7 @@ void specdec_seq_start(specdec_t *sd, int seq, int n_prompt, int first, const fl
     if (st->max_depth == 0)
         return;
     st->c1 = n_prompt - 1;
+    st->c2 = st->c1 >= 1 ? st->c1 - 1 : 0; /* the prefill wrote module 2 up to P - 3 */
     st->n_rows = 1;
     st->toks[0] = first;
     memcpy(st->h0, hand, (size_t)sd->dim * sizeof(float));
@@ -332,6 +337,7 @@ int specdec_seq_import(specdec_t *sd, int seq, int pos, const float *state, int 
     memcpy(st->h1prev, state + 2 + ROWS, D * sizeof(float));
     memcpy(st->h0, state + 2 + ROWS + D, (size_t)n_rows * D * sizeof(float));
     st->c1 = c1;
+    st->c2 = c1 >= 1 ? c1 - 1 : 0; /* not carried: a rewrite is always exact */
     st->n_rows = n_rows;
     st->max_depth = md;
     return 0;
@@ -355,7 +361,7 @@ static int fwd_chunks(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, int k, mod
         int e = s, tok = 0;
         while (e < n && (e == s || tok + b[e].n_tokens <= cap))
             tok += b[e++].n_tokens;
-        int rc = k ? mtp_forward(ctx, kv, sd->mt, k, b + s, e - s)
+        int rc = k ? mtp_forward_draft(ctx, kv, sd->mt, k, b + s, e - s)
                    : model_forward(ctx, kv, b + s, e - s, NULL, NULL);
         if (rc != 0)
             return -1;
@@ -436,6 +442,28 @@ static const sampler_params *draft_params(const specdec_t *sd, const sampler_par
     return sd->sampling == SPECDEC_SAMPLE_ONEHOT ? &greedy : sp;
 }
 
+/* A draft from a module's logits over the draft vocabulary (mtp_forward_draft): dl holds
+ * mtp_draft_vocab floats (the slot has vocab). Greedy: the argmax over the subset, mapped
+ * to its token. Sampled: the subset logits are spread over the vocabulary (-inf for the
+ * tokens outside it, which q then gives probability 0: the accept rule is exact for any
+ * q) and drawn by specdec_draft. */
+static int draft_token(specdec_t *sd, const sampler_params *sp, uint64_t *rng, float *dl, float *q)
+{
+    const int *map = mtp_draft_map(sd->mt);
+    if (!map)
+        return specdec_draft(sd->sampler, sd->vocab, sp, rng, dl, q);
+    const int K = mtp_draft_vocab(sd->mt);
+    if (is_greedy(sp))
+        return map[argmax_f(dl, K)];
+    float *tmp = sd->scratch; /* free until specdec_accept */
+    memcpy(tmp, dl, (size_t)K * sizeof(float));
+    for (int i = 0; i < sd->vocab; i++)
+        dl[i] = -INFINITY;
+    for (int j = 0; j < K; j++)
+        dl[map[j]] = tmp[j];
+    return specdec_draft(sd->sampler, sd->vocab, sp, rng, dl, q);
+}
+
 int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *items, int n)
 {
     if (n < 0 || n > sd->max_items)
@@ -490,11 +518,11 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
         int *vt = sd->vt + (size_t)i * VT;
         vt[0] = x->last;
         if (d >= 1)
-            vt[1] = specdec_draft(sd->sampler, sd->vocab, draft_params(sd, x->sp), x->rng,
-                                  sd->dl + (size_t)i * 2 * V, sd->q + (size_t)i * 2 * V);
+            vt[1] = draft_token(sd, draft_params(sd, x->sp), x->rng, sd->dl + (size_t)i * 2 * V,
+                                sd->q + (size_t)i * 2 * V);
         if (!sd->run[i] || st->max_depth < 2)
             continue;
-        int p2 = st->c1 >= 1 ? st->c1 - 1 : 0;
+        int p2 = st->c2; /* c1 - 1, or c1 when that entry is already real */
         int real = x->pos - 1 - p2, cnt = real + (d >= 2);
         if (cnt < 1)
             continue;
@@ -503,12 +531,15 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
             t2[r] = st->toks[p2 + r + 1 - st->c1];
         if (d >= 2)
             t2[real] = vt[1];
-        sd->b2[n2++] = (model_seq_batch){.seq = x->seq,
-                                         .pos = p2,
-                                         .n_tokens = cnt,
-                                         .tokens = t2,
-                                         .logits = d >= 2 ? sd->dl + ((size_t)i * 2 + 1) * V : NULL,
-                                         .hidden_in = sd->h2in + (size_t)i * (ROWS + 1) * D};
+        /* h2in holds [h_1[c1 - 1]] h_1[c1 .. n-1] */
+        int h_off = p2 - (st->c1 >= 1 ? st->c1 - 1 : 0);
+        sd->b2[n2++] = (model_seq_batch){
+            .seq = x->seq,
+            .pos = p2,
+            .n_tokens = cnt,
+            .tokens = t2,
+            .logits = d >= 2 ? sd->dl + ((size_t)i * 2 + 1) * V : NULL,
+            .hidden_in = sd->h2in + ((size_t)i * (ROWS + 1) + (size_t)h_off) * D};
     }
     if (n2 && fwd_chunks(sd, ctx, kv, 2, sd->b2, n2) != 0)
         return -1;
@@ -519,9 +550,8 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
         int d = sd->depth[i];
         int *vt = sd->vt + (size_t)i * VT;
         if (d >= 2)
-            vt[2] =
-                specdec_draft(sd->sampler, sd->vocab, draft_params(sd, x->sp), x->rng,
-                              sd->dl + ((size_t)i * 2 + 1) * V, sd->q + ((size_t)i * 2 + 1) * V);
+            vt[2] = draft_token(sd, draft_params(sd, x->sp), x->rng,
+                                sd->dl + ((size_t)i * 2 + 1) * V, sd->q + ((size_t)i * 2 + 1) * V);
         int md = sd->seqs[x->seq].active ? sd->seqs[x->seq].max_depth : 0;
         sd->bv[i] = (model_seq_batch){.seq = x->seq,
                                       .pos = x->pos,
@@ -560,6 +590,9 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
             const float *h2 = sd->h2in + (size_t)i * (ROWS + 1) * D;
             int off = st->c1 >= 1;
             memcpy(st->h1prev, h2 + (size_t)(off + st->n_rows - 1) * D, D * sizeof(float));
+            /* module 2's entry at n-1 was drafted from d1 (d >= 2): real when d1 was
+             * accepted, else rewritten at the next run */
+            st->c2 = st->max_depth >= 2 && d >= 2 && a >= 1 ? x->pos : x->pos - 1;
             st->c1 = x->pos;
             st->n_rows = a + 1;
             memcpy(st->h0, vh, (size_t)(a + 1) * D * sizeof(float));

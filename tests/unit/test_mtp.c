@@ -851,6 +851,103 @@ static void test_specdec_greedy_equivalence(void **state)
     rig_free(&r);
 }
 
+/* The draft vocabulary (FR-Spec): the ranking is a permutation with EOS and BOS first; the
+ * subset head's logits are bit-identical to the full head's at its tokens (teacher-forced,
+ * both modules, every position); greedy output through specdec is plain greedy at any
+ * draft vocabulary, and a smaller one accepts fewer drafts. */
+static void test_mtp_draft_vocab(void **state)
+{
+    const model_config *c = model_get_config(g_model);
+    const int V = c->vocab_size, D = c->dim;
+    assert_int_equal(mtp_draft_vocab(g_mtp), mtp_default_draft_vocab(g_mtp));
+    assert_int_equal(mtp_default_draft_vocab(g_mtp), 256); /* max(256, 512 / 4) */
+    const int *ids = mtp_draft_ids(g_mtp);
+    char *seen = calloc((size_t)V, 1);
+    assert_non_null(seen);
+    for (int i = 0; i < V; i++) {
+        assert_true(ids[i] >= 0 && ids[i] < V);
+        assert_false(seen[ids[i]]);
+        seen[ids[i]] = 1;
+    }
+    free(seen);
+    assert_int_equal(ids[0], c->eos_id);
+    assert_int_equal(ids[1], c->bos_id);
+
+    /* teacher-forced module logits, full head vs draft head of K tokens */
+    encode_prompts();
+    enum { NG = 40 };
+    int toks[64 + NG];
+    int T = plain_greedy(g_prompt_toks[0], g_prompt_n[0], NG, toks + g_prompt_n[0]);
+    memcpy(toks, g_prompt_toks[0], (size_t)g_prompt_n[0] * sizeof(int));
+    T += g_prompt_n[0];
+    rig r;
+    rig_init(&r, g_mtp, 1, c->n_ctx);
+    int seq = kvcache_seq_new(r.kv);
+    assert_int_equal(kvcache_seq_reserve(r.kv, seq, T), KVCACHE_OK);
+    float *h0 = malloc((size_t)T * D * sizeof(float)), *h1 = malloc((size_t)T * D * sizeof(float));
+    float *full = malloc((size_t)T * V * sizeof(float)), *sub = malloc((size_t)T * V * sizeof(float));
+    float *lg = malloc((size_t)T * V * sizeof(float));
+    assert_true(h0 && h1 && full && sub && lg);
+    model_seq_batch b = {.seq = seq, .n_tokens = T, .tokens = toks, .logits_all = 1, .logits = lg,
+                         .hidden = h0};
+    assert_int_equal(model_forward(r.ctx, r.kv, &b, 1, NULL, NULL), 0);
+    const int Ks[] = {256, 64, 0};
+    for (size_t ki = 0; ki < sizeof(Ks) / sizeof(Ks[0]); ki++) {
+        assert_int_equal(mtp_set_draft_vocab(g_mtp, Ks[ki]), 0);
+        int K = mtp_draft_vocab(g_mtp);
+        assert_int_equal(K, Ks[ki] ? Ks[ki] : V);
+        const int *map = mtp_draft_map(g_mtp);
+        assert_true(Ks[ki] ? map == ids : map == NULL);
+        for (int k = 1; k <= 2; k++) {
+            const float *hin = k == 1 ? h0 : h1;
+            int n = T - k;
+            b = (model_seq_batch){.seq = seq, .n_tokens = n, .tokens = toks + k, .logits_all = 1,
+                                  .logits = full, .hidden = k == 1 ? h1 : NULL, .hidden_in = hin};
+            assert_int_equal(mtp_forward(r.ctx, r.kv, g_mtp, k, &b, 1), 0);
+            b.logits = sub;
+            b.hidden = NULL;
+            assert_int_equal(mtp_forward_draft(r.ctx, r.kv, g_mtp, k, &b, 1), 0);
+            for (int i = 0; i < n; i++)
+                for (int j = 0; j < K; j++) {
+                    float want = full[(size_t)i * V + (map ? map[j] : j)];
+                    float got = sub[(size_t)i * K + j];
+                    if (memcmp(&want, &got, sizeof(float)) != 0)
+                        fail_msg("K %d module %d position %d draft %d: %a vs %a", K, k, i, j,
+                                 (double)got, (double)want);
+                }
+        }
+    }
+    rig_free(&r);
+    free(h0);
+    free(h1);
+    free(full);
+    free(sub);
+    free(lg);
+
+    /* through specdec: the output of plain greedy decoding whatever the draft vocabulary */
+    sampler_params sp = {.temperature = 0.0f, .top_p = 1.0f};
+    enum { NGEN = 96 };
+    long acc[3] = {0};
+    for (size_t ki = 0; ki < sizeof(Ks) / sizeof(Ks[0]); ki++) {
+        assert_int_equal(mtp_set_draft_vocab(g_mtp, Ks[ki]), 0);
+        for (int p = 0; p < 2; p++) {
+            int ref[NGEN], nref = plain_greedy(g_prompt_toks[p], g_prompt_n[p], NGEN, ref);
+            int buf[NGEN], *o = buf, no, two = 2;
+            const int *pr = g_prompt_toks[p];
+            dec_stats st = {0};
+            rig_init(&r, g_mtp, 2, c->n_ctx);
+            decode(&r, 1, &pr, &g_prompt_n[p], &two, NULL, &sp, NULL, NGEN, &o, &no, &st);
+            rig_free(&r);
+            assert_int_equal(no, nref);
+            assert_memory_equal(buf, ref, (size_t)nref * sizeof(int));
+            acc[ki] += st.accepted;
+        }
+        print_message("draft vocabulary %d: %ld drafts accepted\n", Ks[ki] ? Ks[ki] : V, acc[ki]);
+    }
+    assert_true(acc[1] < acc[0] && acc[1] < acc[2]);
+    assert_int_equal(mtp_set_draft_vocab(g_mtp, mtp_default_draft_vocab(g_mtp)), 0);
+}
+
 /* depth per step: nothing for the first 20 steps (catch-up deferred, then forced at 16
  * rows), then 2 */
 static int late_depth(int i, int step)
@@ -1325,6 +1422,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_mtp_load_errors),
         cmocka_unit_test(test_mtp_in_model_file),
         cmocka_unit_test(test_mtp_reference),
+        cmocka_unit_test(test_mtp_draft_vocab),
         cmocka_unit_test(test_specdec_rule),
         cmocka_unit_test(test_specdec_greedy_equivalence),
         cmocka_unit_test(test_specdec_deferred_catchup),
