@@ -6,11 +6,13 @@
  * entries for [0, c1 - 1)); the hidden states h_0[c1 .. n-1] (n_rows = n - c1 rows, from
  * the verify passes); the tokens t_{c1+1} .. t_n; and h_1[c1 - 1], module 1's output at the
  * position before c1. A step that runs the modules feeds module 1 positions c1 .. n-1
- * (tokens t_{c1+1} .. t_n: all real) and module 2 positions c1-1 .. n-1 (tokens
- * t_{c1+1} .. t_n, then the draft d1 at n-1; the entry at n-1 is provisional and rewritten
- * at the next run, which starts there). Both are contiguous runs, so each is one batch
- * item. After the step, c1 = n and the rows are the verify pass's h_0 at the accepted
- * positions n .. n + accepted.
+ * (tokens t_{c1+1} .. t_n: all real) and module 2 positions c2 .. n-1 (tokens
+ * t_{c2+2} .. t_n, then the draft d1 at n-1; the entry at n-1 is provisional: the next run
+ * rewrites it (c2 = c1 - 1) unless d1 was accepted, when it already equals the real one
+ * (c2 = c1; c2 is not part of the migrated state: an imported sequence rewrites, which is
+ * always exact). Both are contiguous runs, so each is one batch item. After the step,
+ * c1 = n and the rows are the verify pass's h_0 at the accepted positions n .. n + accepted.
+ * Drafts come from the modules' draft vocabulary (mtp_forward_draft, mtp.h).
  */
 #include "specdec.h"
 

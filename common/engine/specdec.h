@@ -5,8 +5,9 @@
  *
  * One step for a batch of sequences, each at main-cache length n with last token t_n:
  * module 1 catches up on the positions the main model added since its last run and drafts
- * d1 at n-1; module 2 catches up (rewriting its provisional entry) and drafts d2 at n-1 from
- * (h_1[n-1], d1); one model_forward verifies [t_n, d1, d2] at n..n+2 for every sequence
+ * d1 at n-1; module 2 catches up (rewriting its provisional entry unless the d1 it was
+ * drafted from was accepted) and drafts d2 at n-1 from (h_1[n-1], d1), both drafts over
+ * the modules' draft vocabulary (mtp.h: a frequency-ranked subset, FR-Spec); one model_forward verifies [t_n, d1, d2] at n..n+2 for every sequence
  * with logits_all; the accepted prefix plus one token from the main model is emitted and
  * the main cache length is rolled back to n + 1 + accepted (blocks kept: the worst-case
  * reservation stays). Each of the three passes is one batched call over all sequences.
