@@ -84,7 +84,7 @@ int mtp_forward(model_ctx_t *ctx, kvcache_t *kv, const mtp_t *mt, int k,
  * The subset head is the output matrix's own rows gathered once (mtp_set_draft_vocab), so
  * each subset logit is bit-identical to the full head's at that token. The ranking is
  * computed at load: the modules' file's measured list (`tidepool.mtp.draft_vocab`, i32
- * token ids, most frequent first) when present, then EOS and BOS, then the tokenizer's
+ * token ids, most frequent first; ids out of range and repeats skipped) when present, then EOS and BOS, then the tokenizer's
  * normal tokens by score (BPE merge order), then the rest (bytes, control) by id. */
 #define MTP_DRAFT_VOCAB_MIN 256 /* mtp_default_draft_vocab: at least this many tokens */
 #define MTP_DRAFT_VOCAB_DIV 4   /* ... and vocab / 4 */

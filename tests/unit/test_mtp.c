@@ -348,6 +348,8 @@ typedef struct {
     const char *skip;    /* tensor left out */
     const char *reshape; /* tensor written with a wrong shape */
     int embed_base;      /* write a whole model: base tensors + modules, block_count 7 */
+    const int32_t *draft_vocab; /* tidepool.mtp.draft_vocab (n_draft_vocab ids), or NULL */
+    int n_draft_vocab;
 } variant;
 
 static void write_variant(const char *path, const variant *v)
@@ -374,6 +376,9 @@ static void write_variant(const char *path, const variant *v)
         rc |= gguf_writer_add_u32(w, "tidepool.mtp.head", 7);
     else
         rc |= gguf_writer_add_str(w, "tidepool.mtp.head", v->head ? v->head : "shared");
+    if (v->draft_vocab)
+        rc |= gguf_writer_add_arr_i32(w, "tidepool.mtp.draft_vocab", v->draft_vocab,
+                                      (uint64_t)v->n_draft_vocab);
     assert_int_equal(rc, 0);
     uint64_t bad_ne[2] = {7, 3};
     static float bad_data[21];
@@ -872,6 +877,31 @@ static void test_mtp_draft_vocab(void **state)
     free(seen);
     assert_int_equal(ids[0], c->eos_id);
     assert_int_equal(ids[1], c->bos_id);
+    /* a measured list in the file comes first (duplicates and bad ids dropped), then EOS,
+     * BOS and the tokenizer's ranking as before */
+    {
+        static const int32_t list[] = {300, 7, 300, -5, 9999, 2};
+        char path[400], err[512];
+        snprintf(path, sizeof(path), "%s/draft_vocab.gguf", tmpdir);
+        write_variant(path, &(variant){.draft_vocab = list, .n_draft_vocab = 6});
+        mtp_t *mt = mtp_load(g_model, path, err, sizeof(err));
+        if (!mt)
+            fail_msg("%s", err);
+        const int *r2 = mtp_draft_ids(mt);
+        assert_int_equal(r2[0], 300);
+        assert_int_equal(r2[1], 7);
+        assert_int_equal(r2[2], 2);
+        assert_int_equal(c->eos_id, 2);
+        assert_int_equal(r2[3], c->bos_id);
+        /* then the same order as without the list, minus the tokens already placed */
+        for (int i = 2, j = 4; i < V; i++) {
+            if (ids[i] == 300 || ids[i] == 7)
+                continue;
+            assert_int_equal(r2[j], ids[i]);
+            j++;
+        }
+        mtp_destroy(&mt);
+    }
 
     /* teacher-forced module logits, full head vs draft head of K tokens */
     encode_prompts();
