@@ -637,6 +637,27 @@ static double time_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_
     return dt;
 }
 
+/* Rounds of one step at each depth 0 .. n_mod over items[0..b) (interleaved, so that a
+ * load change on a shared machine hits every depth alike), the first untimed; the
+ * fastest of each depth into t (noise only adds time). Returns 0, or -1 when a step
+ * failed or a plain step took more than max_step_ms. */
+static int cost_rounds(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *items, int b,
+                       double max_step_ms, double *t)
+{
+    for (int d = 0; d <= SPECDEC_MAX_DEPTH; d++)
+        t[d] = 1e30;
+    for (int rep = 0; rep <= COST_REPS; rep++) {
+        for (int d = 0; d <= sd->n_mod; d++) {
+            double dt = time_step(sd, ctx, kv, items, b, d);
+            if (dt < 0 || (d == 0 && dt > max_step_ms))
+                return -1; /* failed, or too slow to measure: stop here */
+            if (rep > 0 && dt < t[d])
+                t[d] = dt;
+        }
+    }
+    return 0;
+}
+
 int specdec_measure_costs(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, int max_batch,
                           double max_step_ms, specdec_costs *out)
 {
@@ -647,9 +668,17 @@ int specdec_measure_costs(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, int ma
         max_batch = sd->max_items;
     const model_config *c = model_get_config(sd->m);
     /* prompt + (1 + depths) * (1 + reps) steps of up to VT tokens */
-    int need = COST_PROMPT + (SPECDEC_MAX_DEPTH + 1) * (COST_REPS + 1) * VT + VT;
+    int steps_len = (SPECDEC_MAX_DEPTH + 1) * (COST_REPS + 1) * VT + VT;
+    int need = COST_PROMPT + steps_len;
     if (need > c->n_ctx)
         return -1;
+    /* the long context: as long as SPECDEC_COST_CTX_LONG, within n_ctx */
+    int ctx_long = c->n_ctx - steps_len < SPECDEC_COST_CTX_LONG ? c->n_ctx - steps_len
+                                                                 : SPECDEC_COST_CTX_LONG;
+    if (ctx_long < 4 * COST_PROMPT)
+        ctx_long = 0;
+    int need_long = ctx_long + steps_len;
+    out->ctx_short = COST_PROMPT;
     int *seqs = calloc((size_t)max_batch, sizeof(int));
     int *toks = calloc((size_t)max_batch * COST_PROMPT, sizeof(int));
     specdec_item *items = calloc((size_t)max_batch, sizeof(specdec_item));
@@ -666,10 +695,12 @@ int specdec_measure_costs(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, int ma
             (long)b * kvcache_blocks_for(kv, need) > kvcache_n_free_blocks(kv))
             break;
         int ns = 0, ok = 1;
+        int want_long = ctx_long > 0 && (long)b * kvcache_blocks_for(kv, need_long) <=
+                                            kvcache_n_free_blocks(kv);
         for (; ns < b; ns++) {
             seqs[ns] = kvcache_seq_new(kv);
             if (seqs[ns] < 0 || seqs[ns] >= sd->max_seqs ||
-                kvcache_seq_reserve(kv, seqs[ns], need) != KVCACHE_OK) {
+                kvcache_seq_reserve(kv, seqs[ns], want_long ? need_long : need) != KVCACHE_OK) {
                 if (seqs[ns] >= 0)
                     kvcache_seq_free(kv, seqs[ns]);
                 ok = 0;
@@ -709,27 +740,32 @@ int specdec_measure_costs(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, int ma
             items[i] = (specdec_item){
                 .seq = seqs[i], .pos = COST_PROMPT, .last = first, .sp = &sp, .rng = &rngs[i]};
         }
-        /* rounds of one step at each depth (interleaved, so that a load change on a
-         * shared machine hits every depth alike), the first untimed; the fastest of each
-         * depth (noise only adds time) */
         double t[SPECDEC_MAX_DEPTH + 1];
-        for (int d = 0; d <= SPECDEC_MAX_DEPTH; d++)
-            t[d] = 1e30;
-        for (int rep = 0; ok && rep <= COST_REPS; rep++) {
-            for (int d = 0; ok && d <= sd->n_mod; d++) {
-                double dt = time_step(sd, ctx, kv, items, b, d);
-                if (dt < 0 || (d == 0 && dt > max_step_ms))
-                    ok = 0; /* failed, or too slow to measure: stop here */
-                else if (rep > 0 && dt < t[d])
-                    t[d] = dt;
-            }
-        }
+        if (ok && cost_rounds(sd, ctx, kv, items, b, max_step_ms, t) != 0)
+            ok = 0;
         if (ok) {
             int k = out->n++;
             out->batch[k] = b;
             out->plain_ms[k] = t[0];
             for (int d = 0; d <= SPECDEC_MAX_DEPTH; d++)
                 out->ratio[k][d] = d <= sd->n_mod ? t[d] / t[0] : 0.0;
+            /* the same sequences at the long context: their length set, the KV content
+             * whatever the cache holds (it does not change the time), the module state
+             * restarted there */
+            for (int i = 0; want_long && i < b; i++) {
+                kvcache_seq_set_len(kv, seqs[i], ctx_long);
+                specdec_seq_start(sd, seqs[i], ctx_long, items[i].last,
+                                  hands + (size_t)i * 2 * sd->dim, sd->n_mod);
+                items[i].pos = ctx_long;
+            }
+            double tl[SPECDEC_MAX_DEPTH + 1];
+            if (want_long && cost_rounds(sd, ctx, kv, items, b, 1e30, tl) == 0) {
+                out->ctx_long = ctx_long;
+                out->has_long[k] = 1;
+                out->plain_ms_long[k] = tl[0];
+                for (int d = 0; d <= SPECDEC_MAX_DEPTH; d++)
+                    out->ratio_long[k][d] = d <= sd->n_mod ? tl[d] / tl[0] : 0.0;
+            }
         }
         for (int i = 0; i < ns; i++) {
             sd->seqs[seqs[i]].active = 0;
@@ -751,21 +787,43 @@ done:
     return rc;
 }
 
+/* The ratio at batch b from table r (points without has[k], when has is given, take the
+ * short table's value). */
+static double cost_in(const specdec_costs *c, double (*r)[SPECDEC_MAX_DEPTH + 1], const int *has,
+                      int b, int depth)
+{
+#define R(k) (has && !has[k] ? c->ratio[k][depth] : r[k][depth])
+    if (b <= c->batch[0])
+        return R(0);
+    for (int k = 1; k < c->n; k++) {
+        if (b <= c->batch[k]) {
+            double f = (double)(b - c->batch[k - 1]) / (double)(c->batch[k] - c->batch[k - 1]);
+            return R(k - 1) + f * (R(k) - R(k - 1));
+        }
+    }
+    return R(c->n - 1);
+#undef R
+}
+
 double specdec_cost(const specdec_costs *c, int b, int depth)
 {
     if (depth <= 0)
         return 1.0;
     if (!c || c->n == 0)
         return 1.0 + 0.1 * depth;
-    if (b <= c->batch[0])
-        return c->ratio[0][depth];
-    for (int k = 1; k < c->n; k++) {
-        if (b <= c->batch[k]) {
-            double f = (double)(b - c->batch[k - 1]) / (double)(c->batch[k] - c->batch[k - 1]);
-            return c->ratio[k - 1][depth] + f * (c->ratio[k][depth] - c->ratio[k - 1][depth]);
-        }
-    }
-    return c->ratio[c->n - 1][depth];
+    return cost_in(c, (double (*)[SPECDEC_MAX_DEPTH + 1])c->ratio, NULL, b, depth);
+}
+
+double specdec_cost_at(const specdec_costs *c, int b, int ctx, int depth)
+{
+    double s = specdec_cost(c, b, depth);
+    if (depth <= 0 || !c || c->n == 0 || ctx < 0 || c->ctx_long <= c->ctx_short)
+        return s;
+    double l =
+        cost_in(c, (double (*)[SPECDEC_MAX_DEPTH + 1])c->ratio_long, c->has_long, b, depth);
+    double f = (double)(ctx - c->ctx_short) / (double)(c->ctx_long - c->ctx_short);
+    f = f < 0.0 ? 0.0 : f > 1.0 ? 1.0 : f;
+    return s + f * (l - s);
 }
 
 void specdec_ctl_init(specdec_ctl *c, int max_depth, const float prior[2])
@@ -792,12 +850,17 @@ double specdec_ctl_expected(const specdec_ctl *c, int depth)
 
 int specdec_ctl_depth(specdec_ctl *c, const specdec_costs *costs, int b)
 {
+    return specdec_ctl_depth_at(c, costs, b, -1);
+}
+
+int specdec_ctl_depth_at(specdec_ctl *c, const specdec_costs *costs, int b, int ctx)
+{
     if (c->max_depth == 0)
         return 0;
     double score[SPECDEC_MAX_DEPTH + 1];
     int best = 0;
     for (int d = 0; d <= c->max_depth; d++) {
-        score[d] = specdec_ctl_expected(c, d) / specdec_cost(costs, b, d);
+        score[d] = specdec_ctl_expected(c, d) / specdec_cost_at(costs, b, ctx, d);
         if (score[d] > score[best])
             best = d;
     }

@@ -549,12 +549,17 @@ int main(int argc, char **argv)
         if (specdec_measure_costs(r.sd, r.ctx, r.kv, 1, 250.0, &sc) == 0) {
             float prior[2] = {(float)a1, (float)a2};
             specdec_ctl ctl;
-            specdec_ctl_init(&ctl, 2, prior);
-            int dsel = specdec_ctl_depth(&ctl, &sc, 1);
-            printf("  adaptive rule at batch 1: step cost d1 x%.3f, d2 x%.3f; E1/C1 %.3f, E2/C2 %.3f "
-                   "-> depth %d\n",
-                   sc.ratio[0][1], sc.ratio[0][2], specdec_ctl_expected(&ctl, 1) / sc.ratio[0][1],
-                   specdec_ctl_expected(&ctl, 2) / sc.ratio[0][2], dsel);
+            int ctxs[3] = {sc.ctx_short, 128, sc.ctx_long};
+            for (int ci = 0; ci < (sc.ctx_long ? 3 : 1); ci++) {
+                specdec_ctl_init(&ctl, 2, prior);
+                int dsel = specdec_ctl_depth_at(&ctl, &sc, 1, ctxs[ci]);
+                double c1 = specdec_cost_at(&sc, 1, ctxs[ci], 1);
+                double c2 = specdec_cost_at(&sc, 1, ctxs[ci], 2);
+                printf("  adaptive rule at batch 1, context %3d: step cost d1 x%.3f, d2 x%.3f; "
+                       "E1/C1 %.3f, E2/C2 %.3f -> depth %d\n",
+                       ctxs[ci], c1, c2, specdec_ctl_expected(&ctl, 1) / c1,
+                       specdec_ctl_expected(&ctl, 2) / c2, dsel);
+            }
         }
     }
     rig_free(&r);

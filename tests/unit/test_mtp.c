@@ -1423,6 +1423,29 @@ static void test_specdec_ctl(void **state)
     assert_true(fabs(c.acc[1] - 0.05) < 1e-9);
     specdec_ctl_init(&c, 0, NULL);
     assert_int_equal(specdec_ctl_depth(&c, &costs, 1), 0);
+    /* the context: the long context's ratios where measured, linear in between, clamped */
+    costs.ctx_short = 16;
+    costs.ctx_long = 400;
+    costs.has_long[0] = 1;
+    double l1[3] = {1, 1.5, 3.0};
+    memcpy(costs.ratio_long[0], l1, sizeof(l1));
+    assert_true(fabs(specdec_cost_at(&costs, 1, 16, 2) - 1.2) < 1e-9);
+    assert_true(fabs(specdec_cost_at(&costs, 1, 400, 2) - 3.0) < 1e-9);
+    assert_true(fabs(specdec_cost_at(&costs, 1, 208, 2) - 2.1) < 1e-9);
+    assert_true(fabs(specdec_cost_at(&costs, 1, 5000, 1) - 1.5) < 1e-9);
+    assert_true(fabs(specdec_cost_at(&costs, 1, 0, 1) - 1.1) < 1e-9);
+    assert_true(fabs(specdec_cost_at(&costs, 1, -1, 2) - 1.2) < 1e-9);
+    assert_true(fabs(specdec_cost_at(&costs, 1, 400, 0) - 1.0) < 1e-9);
+    /* batch 64 has no long measurement: its short ratio at every context */
+    assert_true(fabs(specdec_cost_at(&costs, 64, 400, 2) - 3.0) < 1e-9);
+    assert_true(fabs(specdec_cost_at(&costs, 32, 400, 2) - 3.0) < 1e-9);
+    /* E_2 = 2.71, E_1 = 1.9: depth 2 at a short context, 1 at a long one (E_1 / 1.5 = 1.27
+     * > E_2 / 3 = 0.90), and specdec_ctl_depth is the short context's */
+    specdec_ctl_init(&c, 2, good);
+    c.probe_in = 1000;
+    assert_int_equal(specdec_ctl_depth_at(&c, &costs, 1, 16), 2);
+    assert_int_equal(specdec_ctl_depth_at(&c, &costs, 1, 400), 1);
+    assert_int_equal(specdec_ctl_depth(&c, &costs, 1), 2);
 }
 
 /* The measured costs are sane: ratios >= ~1 and growing with depth at larger batches. */
@@ -1441,7 +1464,16 @@ static void test_specdec_measure(void **state)
                       costs.plain_ms[k], costs.ratio[k][1], costs.ratio[k][2]);
         assert_true(costs.ratio[k][0] == 1.0);
         assert_true(costs.ratio[k][1] > 0.3 && costs.ratio[k][2] > 0.3);
+        /* and at the long context (the rig has room for 16 sequences of it) */
+        assert_true(costs.has_long[k]);
+        print_message("   context %d: plain %.3f ms, depth 1 x%.2f, depth 2 x%.2f\n",
+                      costs.ctx_long, costs.plain_ms_long[k], costs.ratio_long[k][1],
+                      costs.ratio_long[k][2]);
+        assert_true(costs.ratio_long[k][0] == 1.0);
+        assert_true(costs.ratio_long[k][1] > 0.3 && costs.ratio_long[k][2] > 0.3);
     }
+    assert_int_equal(costs.ctx_short, 16);
+    assert_int_equal(costs.ctx_long, SPECDEC_COST_CTX_LONG);
     rig_free(&r);
 }
 
