@@ -695,8 +695,8 @@ int specdec_measure_costs(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, int ma
             (long)b * kvcache_blocks_for(kv, need) > kvcache_n_free_blocks(kv))
             break;
         int ns = 0, ok = 1;
-        int want_long = ctx_long > 0 && (long)b * kvcache_blocks_for(kv, need_long) <=
-                                            kvcache_n_free_blocks(kv);
+        int want_long = ctx_long > 0 && b <= SPECDEC_COST_LONG_MAX_BATCH &&
+                        (long)b * kvcache_blocks_for(kv, need_long) <= kvcache_n_free_blocks(kv);
         for (; ns < b; ns++) {
             seqs[ns] = kvcache_seq_new(kv);
             if (seqs[ns] < 0 || seqs[ns] >= sd->max_seqs ||

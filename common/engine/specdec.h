@@ -184,11 +184,13 @@ typedef struct {
  * for b = 1, 2, 4, ... up to max_batch (within the cache's free blocks; a batch size whose
  * plain step takes more than max_step_ms is not measured: larger batches use the last
  * measured ratios): 5 rounds of one step at each depth (after an untimed round), the
- * fastest step of each depth. Then the same with the sequences' length set to a long
- * context, SPECDEC_COST_CTX_LONG tokens or less to fit n_ctx (the KV content does not
- * change the time; skipped for a batch whose cache space is short). Uses and frees its
+ * fastest step of each depth. Then, for b <= SPECDEC_COST_LONG_MAX_BATCH (where drafting
+ * pays at all; it keeps the worker's start-up short), the same with the sequences' length
+ * set to a long context, SPECDEC_COST_CTX_LONG tokens or less to fit n_ctx (the KV content
+ * does not change the time; skipped when the cache space is short). Uses and frees its
  * own sequences. Returns 0, or -1 when nothing could be measured (no modules, no space). */
 #define SPECDEC_COST_CTX_LONG 384
+#define SPECDEC_COST_LONG_MAX_BATCH 4
 int specdec_measure_costs(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, int max_batch,
                           double max_step_ms, specdec_costs *out);
 /* The ratio at batch size b (interpolated; the nearest point outside the range), at the

@@ -1464,8 +1464,10 @@ static void test_specdec_measure(void **state)
                       costs.plain_ms[k], costs.ratio[k][1], costs.ratio[k][2]);
         assert_true(costs.ratio[k][0] == 1.0);
         assert_true(costs.ratio[k][1] > 0.3 && costs.ratio[k][2] > 0.3);
-        /* and at the long context (the rig has room for 16 sequences of it) */
-        assert_true(costs.has_long[k]);
+        /* and at the long context for the small batches (the rig has room) */
+        assert_int_equal(costs.has_long[k], costs.batch[k] <= SPECDEC_COST_LONG_MAX_BATCH);
+        if (!costs.has_long[k])
+            continue;
         print_message("   context %d: plain %.3f ms, depth 1 x%.2f, depth 2 x%.2f\n",
                       costs.ctx_long, costs.plain_ms_long[k], costs.ratio_long[k][1],
                       costs.ratio_long[k][2]);
