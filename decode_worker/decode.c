@@ -351,7 +351,8 @@ static int step(void *st)
         if (r->state != DREQ_RUNNING)
             continue;
         int depth =
-            cp->mtp_adaptive ? specdec_ctl_depth(&r->ctl, &cp->sd_costs, b) : r->ctl.max_depth;
+            cp->mtp_adaptive ? specdec_ctl_depth_at(&r->ctl, &cp->sd_costs, b, r->pos)
+                             : r->ctl.max_depth;
         if (depth > r->max_tokens - r->n_gen - 1)
             depth = r->max_tokens - r->n_gen - 1;
         d->batch_reqs[n] = r;

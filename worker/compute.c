@@ -164,10 +164,17 @@ static int mtp_setup_state(worker_compute *cp, const worker_settings *set, long 
         0) {
         log_warn("MTP: could not measure the verify cost; assuming 1 + 0.1 per draft");
     } else {
-        for (int k = 0; k < cp->sd_costs.n; k++)
+        for (int k = 0; k < cp->sd_costs.n; k++) {
             log_info("MTP cost at batch %d: plain step %.2f ms; depth 1 x%.2f, depth 2 x%.2f",
                      cp->sd_costs.batch[k], cp->sd_costs.plain_ms[k], cp->sd_costs.ratio[k][1],
                      cp->sd_costs.ratio[k][2]);
+            if (cp->sd_costs.has_long[k])
+                log_info("MTP cost at batch %d, context %d: plain step %.2f ms; depth 1 x%.2f, "
+                         "depth 2 x%.2f",
+                         cp->sd_costs.batch[k], cp->sd_costs.ctx_long,
+                         cp->sd_costs.plain_ms_long[k], cp->sd_costs.ratio_long[k][1],
+                         cp->sd_costs.ratio_long[k][2]);
+        }
     }
     specdec_ctl prior;
     specdec_ctl_init(&prior, cp->mtp_depth, cp->sd_prior);

@@ -449,12 +449,14 @@ static void run_block(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *ba
 }
 
 /* The outputs of the final residual x (T, dim): each item's hidden rows, then the final
- * norm and classifier for the tokens whose logits are wanted (items with logits). */
-static void run_head(model_ctx_t *ctx, const model_seq_batch *batch, int n)
+ * norm and classifier for the tokens whose logits are wanted (items with logits). head:
+ * the classifier, NULL for the model's output matrix (logit rows of head->rows floats). */
+static void run_head(model_ctx_t *ctx, const model_seq_batch *batch, int n, const wmat *head)
 {
     const model_t *m = ctx->m;
     const model_config *c = &m->cfg;
     const int dim = c->dim;
+    const wmat *wout = head ? head : &m->output;
     int t = 0;
     for (int b = 0; b < n; b++) {
         const model_seq_batch *s = &batch[b];
@@ -478,17 +480,18 @@ static void run_head(model_ctx_t *ctx, const model_seq_batch *batch, int n)
                 memcpy(ctx->x + (size_t)R * dim, ctx->x + (size_t)t * dim,
                        (size_t)dim * sizeof(float));
             ctx->out_dst[R] =
-                batch[b].logits + (batch[b].logits_all ? (size_t)j * c->vocab_size : 0);
+                batch[b].logits + (batch[b].logits_all ? (size_t)j * wout->rows : 0);
             R++;
         }
     }
     if (R == 0)
         return;
     kern_act act;
-    const wmat *wout = &m->output;
     prep(ctx, &act, ctx->x, m->out_norm, ctx->xb, R, dim, &wout, 1);
     mm_job j = {.ctx = ctx, .act = &act};
-    mm_add(&j, &m->output, ctx->mv[c->n_layer * MODEL_MV_PER_LAYER], ctx->out_dst, POST_NONE);
+    /* the packed copy is the model's own classifier's; a draft head has none */
+    const float *wp = wout == &m->output ? ctx->mv[c->n_layer * MODEL_MV_PER_LAYER] : NULL;
+    mm_add(&j, wout, wp, ctx->out_dst, POST_NONE);
     mm_run(&j);
 }
 
@@ -506,7 +509,7 @@ int model_forward(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch,
         if (cb)
             cb(l, ud);
     }
-    run_head(ctx, batch, n);
+    run_head(ctx, batch, n, NULL);
     for (int b = 0; b < n; b++)
         kvcache_seq_set_len(kv, batch[b].seq, batch[b].pos + batch[b].n_tokens);
     return 0;
@@ -516,6 +519,13 @@ int model_forward(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch,
 
 int model_forward_nextn(model_ctx_t *ctx, kvcache_t *kv, const model_nextn_t *mod, int kv_layer,
                         const model_seq_batch *batch, int n)
+{
+    return model_forward_nextn_head(ctx, kv, mod, kv_layer, NULL, batch, n);
+}
+
+int model_forward_nextn_head(model_ctx_t *ctx, kvcache_t *kv, const model_nextn_t *mod,
+                             int kv_layer, const kern_mat *head, const model_seq_batch *batch,
+                             int n)
 {
     const model_t *m = ctx->m;
     const model_config *c = &m->cfg;
@@ -543,6 +553,6 @@ int model_forward_nextn(model_ctx_t *ctx, kvcache_t *kv, const model_nextn_t *mo
     mm_run(&j);
 
     run_block(ctx, kv, batch, &mod->blk, NULL, kv_layer, T);
-    run_head(ctx, batch, n);
+    run_head(ctx, batch, n, head);
     return 0;
 }

@@ -79,5 +79,13 @@ struct model_ctx {
 /* Models whose F32 matrices take more bytes than this are not packed (the copy would
  * double their memory; batch-1 decode of a big model is bound by memory, not lanes). */
 #define MODEL_MV_MAX_BYTES ((size_t)64 << 20)
+/* model_forward_nextn with another classifier: head (rows, dim), in the output matrix's
+ * type, NULL for the model's output matrix; each wanted logit row is head->rows floats
+ * (row r = dot(head row r, final-normed h)). Used for MTP drafts over a subset of the
+ * vocabulary (mtp.h, mtp_set_draft_vocab): the rows are the output matrix's own, so each
+ * logit is bit-identical to the full head's at that token. */
+int model_forward_nextn_head(model_ctx_t *ctx, kvcache_t *kv, const model_nextn_t *mod,
+                             int kv_layer, const kern_mat *head, const model_seq_batch *batch,
+                             int n);
 
 #endif

@@ -15,6 +15,7 @@
 #include <xxhash.h>
 
 #include "gguf.h"
+#include "model_internal.h"
 
 struct mtp {
     const model_t *m;
@@ -25,6 +26,10 @@ struct mtp {
     uint64_t fingerprint;
     float rate[2];
     int has_rate;
+    int *rank;      /* (vocab,) token ids, most likely drafts first (mtp_draft_rank) */
+    int n_draft;    /* draft vocabulary: rank[0 .. n_draft), or vocab (the full head) */
+    kern_mat dhead; /* (n_draft, dim) the output matrix's rows rank[0 .. n_draft) */
+    void *dhead_mem;
 };
 
 __attribute__((format(printf, 4, 5))) static void set_err(char *err, size_t errlen,
@@ -122,6 +127,154 @@ static uint64_t fingerprint(const gguf_t *g, int L, int n_modules)
     return h;
 }
 
+// --- the draft vocabulary (FR-Spec, arXiv 2502.14856)
+
+static int cmp_score(const void *a, const void *b, void *ud)
+{
+    const float *score = ud;
+    int x = *(const int *)a, y = *(const int *)b;
+    float sx = score[x], sy = score[y];
+    if (sx != sy)
+        return sx > sy ? -1 : 1;
+    return x - y;
+}
+
+/* mt->rank: a permutation of the vocabulary, most likely draft first: the measured list in
+ * the modules' file (`tidepool.mtp.draft_vocab`, token ids most frequent first) when there
+ * is one; then EOS and BOS; then the normal tokens by the tokenizer's score, highest first
+ * (BPE merge order: sentencepiece gives earlier merges, the more frequent pairs, higher
+ * scores); then every other token (bytes, control, unused) by id. */
+static int draft_rank(mtp_t *mt, const model_config *c)
+{
+    const int V = c->vocab_size;
+    const gguf_t *mg = model_gguf(mt->m);
+    char *used = calloc((size_t)V, 1);
+    float *score = calloc((size_t)V, sizeof(float));
+    int32_t *type = calloc((size_t)V, sizeof(int32_t));
+    int32_t *list = NULL;
+    int *rest = malloc((size_t)V * sizeof(int));
+    int rc = -1, n = 0, nr = 0;
+    if (!used || !score || !type || !rest)
+        goto done;
+    gguf_type et;
+    uint64_t nl = 0;
+    if (gguf_get_arr_info(mt->g, "tidepool.mtp.draft_vocab", &et, &nl) == 0 &&
+        et == GGUF_TYPE_INT32 && nl > 0 && nl <= (uint64_t)V &&
+        (list = malloc((size_t)nl * sizeof(int32_t))) &&
+        gguf_get_arr_i32(mt->g, "tidepool.mtp.draft_vocab", list, nl) == 0) {
+        for (uint64_t i = 0; i < nl; i++)
+            if (list[i] >= 0 && list[i] < V && !used[list[i]]) {
+                used[list[i]] = 1;
+                mt->rank[n++] = list[i];
+            }
+    }
+    const int special[2] = {c->eos_id, c->bos_id};
+    for (int i = 0; i < 2; i++)
+        if (special[i] >= 0 && special[i] < V && !used[special[i]]) {
+            used[special[i]] = 1;
+            mt->rank[n++] = special[i];
+        }
+    uint64_t ns = 0, nt = 0;
+    int have_score = gguf_get_arr_info(mg, "tokenizer.ggml.scores", &et, &ns) == 0 &&
+                     et == GGUF_TYPE_FLOAT32 && ns == (uint64_t)V &&
+                     gguf_get_arr_f32(mg, "tokenizer.ggml.scores", score, ns) == 0;
+    int have_type = gguf_get_arr_info(mg, "tokenizer.ggml.token_type", &et, &nt) == 0 &&
+                    et == GGUF_TYPE_INT32 && nt == (uint64_t)V &&
+                    gguf_get_arr_i32(mg, "tokenizer.ggml.token_type", type, nt) == 0;
+    if (!have_score)
+        memset(score, 0, (size_t)V * sizeof(float));
+    for (int i = 0; i < V; i++) {
+        if (used[i])
+            continue;
+        if (!have_type || type[i] == 1) /* GGUF token type 1: normal */
+            rest[nr++] = i;
+    }
+    qsort_r(rest, (size_t)nr, sizeof(int), cmp_score, score);
+    for (int i = 0; i < nr; i++) {
+        used[rest[i]] = 1;
+        mt->rank[n++] = rest[i];
+    }
+    for (int i = 0; i < V; i++)
+        if (!used[i])
+            mt->rank[n++] = i;
+    rc = n == V ? 0 : -1;
+done:
+    free(used);
+    free(score);
+    free(type);
+    free(list);
+    free(rest);
+    return rc;
+}
+
+/* Bytes of one row of matrix w. */
+static size_t row_bytes(const kern_mat *w)
+{
+    switch (w->type) {
+    case GGUF_TENSOR_Q8_0:
+        return (size_t)w->cols / KERN_Q8_BLOCK * KERN_Q8_BLOCK_BYTES;
+    case GGUF_TENSOR_F16:
+        return (size_t)w->cols * 2;
+    default:
+        return (size_t)w->cols * 4;
+    }
+}
+
+int mtp_set_draft_vocab(mtp_t *mt, int n)
+{
+    const model_config *c = model_get_config(mt->m);
+    const kern_mat *out = &mt->m->output;
+    if (n <= 0 || n >= c->vocab_size) {
+        free(mt->dhead_mem);
+        mt->dhead_mem = NULL;
+        mt->n_draft = c->vocab_size;
+        return 0;
+    }
+    size_t rb = row_bytes(out);
+    char *mem = aligned_alloc(64, (rb * (size_t)n + 63) / 64 * 64);
+    if (!mem)
+        return -1;
+    for (int i = 0; i < n; i++)
+        memcpy(mem + rb * (size_t)i, (const char *)out->data + rb * (size_t)mt->rank[i], rb);
+    free(mt->dhead_mem);
+    mt->dhead_mem = mem;
+    mt->dhead = (kern_mat){.data = mem, .type = out->type, .rows = n, .cols = out->cols};
+    mt->n_draft = n;
+    return 0;
+}
+
+int mtp_default_draft_vocab(const mtp_t *mt)
+{
+    const int V = model_get_config(mt->m)->vocab_size;
+    int n = V / MTP_DRAFT_VOCAB_DIV;
+    return n < MTP_DRAFT_VOCAB_MIN ? (V < MTP_DRAFT_VOCAB_MIN ? V : MTP_DRAFT_VOCAB_MIN) : n;
+}
+
+int mtp_draft_vocab(const mtp_t *mt)
+{
+    return mt->n_draft;
+}
+
+const int *mtp_draft_ids(const mtp_t *mt)
+{
+    return mt->rank;
+}
+
+const int *mtp_draft_map(const mtp_t *mt)
+{
+    return mt->n_draft < model_get_config(mt->m)->vocab_size ? mt->rank : NULL;
+}
+
+int mtp_forward_draft(model_ctx_t *ctx, kvcache_t *kv, const mtp_t *mt, int k,
+                      const model_seq_batch *batch, int n)
+{
+    if (k < 1 || k > mt->n_modules)
+        return -1;
+    const kern_mat *head = mt->n_draft < model_get_config(mt->m)->vocab_size ? &mt->dhead : NULL;
+    return model_forward_nextn_head(ctx, kv, mt->mod[k - 1], mtp_kv_layer(mt, k), head, batch,
+                                    n);
+}
+
 /* Load the modules from side (a side file, consumed) or, when side is NULL, from the
  * model file itself. */
 static mtp_t *load(const model_t *m, gguf_t *side, char *err, size_t errlen)
@@ -200,6 +353,16 @@ static mtp_t *load(const model_t *m, gguf_t *side, char *err, size_t errlen)
         mt->rate[0] >= 0.0f && mt->rate[0] <= 1.0f && mt->rate[1] >= 0.0f && mt->rate[1] <= 1.0f)
         mt->has_rate = 1;
     mt->fingerprint = fingerprint(g, c->n_layer, mt->n_modules);
+    mt->rank = malloc((size_t)c->vocab_size * sizeof(int));
+    if (!mt->rank || draft_rank(mt, c) != 0) {
+        set_err(err, errlen, gp, "out of memory");
+        goto fail;
+    }
+    mt->n_draft = c->vocab_size;
+    if (mtp_set_draft_vocab(mt, mtp_default_draft_vocab(mt)) != 0) {
+        set_err(err, errlen, gp, "out of memory");
+        goto fail;
+    }
     return mt;
 fail:
     mtp_destroy(&mt);
@@ -233,6 +396,8 @@ void mtp_destroy(mtp_t **mp)
     for (int k = 0; k < MTP_MAX_MODULES; k++)
         model_nextn_destroy(&mt->mod[k]);
     gguf_close(&mt->own);
+    free(mt->rank);
+    free(mt->dhead_mem);
     free(mt);
     *mp = NULL;
 }

@@ -75,4 +75,40 @@ int mtp_acceptance_rate(const mtp_t *mt, float rate[2]);
 int mtp_forward(model_ctx_t *ctx, kvcache_t *kv, const mtp_t *mt, int k,
                 const model_seq_batch *batch, int n);
 
+/* --- the draft vocabulary (FR-Spec, Zhao et al. 2025, arXiv 2502.14856)
+ *
+ * A module's logits through the full output head cost vocab x dim multiply-adds per
+ * draft: on a 32k vocabulary as much as the module's block. Drafts are only proposals (the
+ * main model's verify pass decides, so greedy output is unchanged), so they may be taken
+ * over a frequency-ranked subset of the vocabulary: the first n tokens of mtp_draft_ids.
+ * The subset head is the output matrix's own rows gathered once (mtp_set_draft_vocab), so
+ * each subset logit is bit-identical to the full head's at that token. The ranking is
+ * computed at load: the modules' file's measured list (`tidepool.mtp.draft_vocab`, i32
+ * token ids, most frequent first; ids out of range and repeats skipped) when present, then EOS and BOS, then the tokenizer's
+ * normal tokens by score (BPE merge order), then the rest (bytes, control) by id. */
+#define MTP_DRAFT_VOCAB_MIN 256 /* mtp_default_draft_vocab: at least this many tokens */
+#define MTP_DRAFT_VOCAB_DIV 4   /* ... and vocab / 4 */
+
+/* The load-time ranking: a permutation of the vocabulary (vocab ids), most likely draft
+ * first; borrowed, lives as long as mt. */
+const int *mtp_draft_ids(const mtp_t *mt);
+/* The default draft vocabulary size: max(MTP_DRAFT_VOCAB_MIN, vocab / MTP_DRAFT_VOCAB_DIV),
+ * capped at vocab. */
+int mtp_default_draft_vocab(const mtp_t *mt);
+/* Draft over the first n tokens of mtp_draft_ids (n <= 0 or >= vocab: the full head).
+ * mtp_load sets mtp_default_draft_vocab. Gathers n rows of the output matrix (n x dim in its type;
+ * owned by mt). Not thread-safe against forward passes using mt. Returns 0, or -1 out of
+ * memory (the previous setting stays). */
+int mtp_set_draft_vocab(mtp_t *mt, int n);
+/* Tokens the draft logits of mtp_forward_draft cover (vocab for the full head). */
+int mtp_draft_vocab(const mtp_t *mt);
+/* The token of each draft logit: NULL with the full head (entry j is token j), else
+ * mtp_draft_ids (entry j is token ids[j], j < mtp_draft_vocab). Borrowed. */
+const int *mtp_draft_map(const mtp_t *mt);
+/* mtp_forward with the draft head: each wanted logit row is mtp_draft_vocab(mt) floats,
+ * entry j the logit of token mtp_draft_map(mt)[j] (with the full head: token j, exactly
+ * mtp_forward). Returns 0, or -1 on invalid arguments. */
+int mtp_forward_draft(model_ctx_t *ctx, kvcache_t *kv, const mtp_t *mt, int k,
+                      const model_seq_batch *batch, int n);
+
 #endif

@@ -6,14 +6,17 @@
  * entries for [0, c1 - 1)); the hidden states h_0[c1 .. n-1] (n_rows = n - c1 rows, from
  * the verify passes); the tokens t_{c1+1} .. t_n; and h_1[c1 - 1], module 1's output at the
  * position before c1. A step that runs the modules feeds module 1 positions c1 .. n-1
- * (tokens t_{c1+1} .. t_n: all real) and module 2 positions c1-1 .. n-1 (tokens
- * t_{c1+1} .. t_n, then the draft d1 at n-1; the entry at n-1 is provisional and rewritten
- * at the next run, which starts there). Both are contiguous runs, so each is one batch
- * item. After the step, c1 = n and the rows are the verify pass's h_0 at the accepted
- * positions n .. n + accepted.
+ * (tokens t_{c1+1} .. t_n: all real) and module 2 positions c2 .. n-1 (tokens
+ * t_{c2+2} .. t_n, then the draft d1 at n-1; the entry at n-1 is provisional: the next run
+ * rewrites it (c2 = c1 - 1) unless d1 was accepted, when it already equals the real one
+ * (c2 = c1; c2 is not part of the migrated state: an imported sequence rewrites, which is
+ * always exact). Both are contiguous runs, so each is one batch item. After the step,
+ * c1 = n and the rows are the verify pass's h_0 at the accepted positions n .. n + accepted.
+ * Drafts come from the modules' draft vocabulary (mtp_forward_draft, mtp.h).
  */
 #include "specdec.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -25,6 +28,9 @@ typedef struct {
     int active;
     int max_depth; /* 0: plain decoding, no module state */
     int c1;
+    int c2; /* first position of module 2's cache not computed from real tokens: c1 - 1,
+             * or c1 when the provisional entry at c1 - 1 was drafted from a d1 that was
+             * then accepted (it equals the real one: no rewrite); 0 when c1 = 0 */
     int n_rows;
     int toks[ROWS]; /* t_{c1+1} .. t_n */
     float *h0;      /* (ROWS, dim) h_0[c1 .. n-1] */
@@ -273,6 +279,7 @@ void specdec_seq_start(specdec_t *sd, int seq, int n_prompt, int first, const fl
     if (st->max_depth == 0)
         return;
     st->c1 = n_prompt - 1;
+    st->c2 = st->c1 >= 1 ? st->c1 - 1 : 0; /* the prefill wrote module 2 up to P - 3 */
     st->n_rows = 1;
     st->toks[0] = first;
     memcpy(st->h0, hand, (size_t)sd->dim * sizeof(float));
@@ -332,6 +339,7 @@ int specdec_seq_import(specdec_t *sd, int seq, int pos, const float *state, int 
     memcpy(st->h1prev, state + 2 + ROWS, D * sizeof(float));
     memcpy(st->h0, state + 2 + ROWS + D, (size_t)n_rows * D * sizeof(float));
     st->c1 = c1;
+    st->c2 = c1 >= 1 ? c1 - 1 : 0; /* not carried: a rewrite is always exact */
     st->n_rows = n_rows;
     st->max_depth = md;
     return 0;
@@ -355,7 +363,7 @@ static int fwd_chunks(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, int k, mod
         int e = s, tok = 0;
         while (e < n && (e == s || tok + b[e].n_tokens <= cap))
             tok += b[e++].n_tokens;
-        int rc = k ? mtp_forward(ctx, kv, sd->mt, k, b + s, e - s)
+        int rc = k ? mtp_forward_draft(ctx, kv, sd->mt, k, b + s, e - s)
                    : model_forward(ctx, kv, b + s, e - s, NULL, NULL);
         if (rc != 0)
             return -1;
@@ -436,6 +444,28 @@ static const sampler_params *draft_params(const specdec_t *sd, const sampler_par
     return sd->sampling == SPECDEC_SAMPLE_ONEHOT ? &greedy : sp;
 }
 
+/* A draft from a module's logits over the draft vocabulary (mtp_forward_draft): dl holds
+ * mtp_draft_vocab floats (the slot has vocab). Greedy: the argmax over the subset, mapped
+ * to its token. Sampled: the subset logits are spread over the vocabulary (-inf for the
+ * tokens outside it, which q then gives probability 0: the accept rule is exact for any
+ * q) and drawn by specdec_draft. */
+static int draft_token(specdec_t *sd, const sampler_params *sp, uint64_t *rng, float *dl, float *q)
+{
+    const int *map = mtp_draft_map(sd->mt);
+    if (!map)
+        return specdec_draft(sd->sampler, sd->vocab, sp, rng, dl, q);
+    const int K = mtp_draft_vocab(sd->mt);
+    if (is_greedy(sp))
+        return map[argmax_f(dl, K)];
+    float *tmp = sd->scratch; /* free until specdec_accept */
+    memcpy(tmp, dl, (size_t)K * sizeof(float));
+    for (int i = 0; i < sd->vocab; i++)
+        dl[i] = -INFINITY;
+    for (int j = 0; j < K; j++)
+        dl[map[j]] = tmp[j];
+    return specdec_draft(sd->sampler, sd->vocab, sp, rng, dl, q);
+}
+
 int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *items, int n)
 {
     if (n < 0 || n > sd->max_items)
@@ -490,11 +520,11 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
         int *vt = sd->vt + (size_t)i * VT;
         vt[0] = x->last;
         if (d >= 1)
-            vt[1] = specdec_draft(sd->sampler, sd->vocab, draft_params(sd, x->sp), x->rng,
-                                  sd->dl + (size_t)i * 2 * V, sd->q + (size_t)i * 2 * V);
+            vt[1] = draft_token(sd, draft_params(sd, x->sp), x->rng, sd->dl + (size_t)i * 2 * V,
+                                sd->q + (size_t)i * 2 * V);
         if (!sd->run[i] || st->max_depth < 2)
             continue;
-        int p2 = st->c1 >= 1 ? st->c1 - 1 : 0;
+        int p2 = st->c2; /* c1 - 1, or c1 when that entry is already real */
         int real = x->pos - 1 - p2, cnt = real + (d >= 2);
         if (cnt < 1)
             continue;
@@ -503,12 +533,15 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
             t2[r] = st->toks[p2 + r + 1 - st->c1];
         if (d >= 2)
             t2[real] = vt[1];
-        sd->b2[n2++] = (model_seq_batch){.seq = x->seq,
-                                         .pos = p2,
-                                         .n_tokens = cnt,
-                                         .tokens = t2,
-                                         .logits = d >= 2 ? sd->dl + ((size_t)i * 2 + 1) * V : NULL,
-                                         .hidden_in = sd->h2in + (size_t)i * (ROWS + 1) * D};
+        /* h2in holds [h_1[c1 - 1]] h_1[c1 .. n-1] */
+        int h_off = p2 - (st->c1 >= 1 ? st->c1 - 1 : 0);
+        sd->b2[n2++] = (model_seq_batch){
+            .seq = x->seq,
+            .pos = p2,
+            .n_tokens = cnt,
+            .tokens = t2,
+            .logits = d >= 2 ? sd->dl + ((size_t)i * 2 + 1) * V : NULL,
+            .hidden_in = sd->h2in + ((size_t)i * (ROWS + 1) + (size_t)h_off) * D};
     }
     if (n2 && fwd_chunks(sd, ctx, kv, 2, sd->b2, n2) != 0)
         return -1;
@@ -519,9 +552,8 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
         int d = sd->depth[i];
         int *vt = sd->vt + (size_t)i * VT;
         if (d >= 2)
-            vt[2] =
-                specdec_draft(sd->sampler, sd->vocab, draft_params(sd, x->sp), x->rng,
-                              sd->dl + ((size_t)i * 2 + 1) * V, sd->q + ((size_t)i * 2 + 1) * V);
+            vt[2] = draft_token(sd, draft_params(sd, x->sp), x->rng,
+                                sd->dl + ((size_t)i * 2 + 1) * V, sd->q + ((size_t)i * 2 + 1) * V);
         int md = sd->seqs[x->seq].active ? sd->seqs[x->seq].max_depth : 0;
         sd->bv[i] = (model_seq_batch){.seq = x->seq,
                                       .pos = x->pos,
@@ -560,6 +592,9 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
             const float *h2 = sd->h2in + (size_t)i * (ROWS + 1) * D;
             int off = st->c1 >= 1;
             memcpy(st->h1prev, h2 + (size_t)(off + st->n_rows - 1) * D, D * sizeof(float));
+            /* module 2's entry at n-1 was drafted from d1 (d >= 2): real when d1 was
+             * accepted, else rewritten at the next run */
+            st->c2 = st->max_depth >= 2 && d >= 2 && a >= 1 ? x->pos : x->pos - 1;
             st->c1 = x->pos;
             st->n_rows = a + 1;
             memcpy(st->h0, vh, (size_t)(a + 1) * D * sizeof(float));
@@ -602,6 +637,27 @@ static double time_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_
     return dt;
 }
 
+/* Rounds of one step at each depth 0 .. n_mod over items[0..b) (interleaved, so that a
+ * load change on a shared machine hits every depth alike), the first untimed; the
+ * fastest of each depth into t (noise only adds time). Returns 0, or -1 when a step
+ * failed or a plain step took more than max_step_ms. */
+static int cost_rounds(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *items, int b,
+                       double max_step_ms, double *t)
+{
+    for (int d = 0; d <= SPECDEC_MAX_DEPTH; d++)
+        t[d] = 1e30;
+    for (int rep = 0; rep <= COST_REPS; rep++) {
+        for (int d = 0; d <= sd->n_mod; d++) {
+            double dt = time_step(sd, ctx, kv, items, b, d);
+            if (dt < 0 || (d == 0 && dt > max_step_ms))
+                return -1; /* failed, or too slow to measure: stop here */
+            if (rep > 0 && dt < t[d])
+                t[d] = dt;
+        }
+    }
+    return 0;
+}
+
 int specdec_measure_costs(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, int max_batch,
                           double max_step_ms, specdec_costs *out)
 {
@@ -612,9 +668,17 @@ int specdec_measure_costs(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, int ma
         max_batch = sd->max_items;
     const model_config *c = model_get_config(sd->m);
     /* prompt + (1 + depths) * (1 + reps) steps of up to VT tokens */
-    int need = COST_PROMPT + (SPECDEC_MAX_DEPTH + 1) * (COST_REPS + 1) * VT + VT;
+    int steps_len = (SPECDEC_MAX_DEPTH + 1) * (COST_REPS + 1) * VT + VT;
+    int need = COST_PROMPT + steps_len;
     if (need > c->n_ctx)
         return -1;
+    /* the long context: as long as SPECDEC_COST_CTX_LONG, within n_ctx */
+    int ctx_long = c->n_ctx - steps_len < SPECDEC_COST_CTX_LONG ? c->n_ctx - steps_len
+                                                                 : SPECDEC_COST_CTX_LONG;
+    if (ctx_long < 4 * COST_PROMPT)
+        ctx_long = 0;
+    int need_long = ctx_long + steps_len;
+    out->ctx_short = COST_PROMPT;
     int *seqs = calloc((size_t)max_batch, sizeof(int));
     int *toks = calloc((size_t)max_batch * COST_PROMPT, sizeof(int));
     specdec_item *items = calloc((size_t)max_batch, sizeof(specdec_item));
@@ -631,10 +695,12 @@ int specdec_measure_costs(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, int ma
             (long)b * kvcache_blocks_for(kv, need) > kvcache_n_free_blocks(kv))
             break;
         int ns = 0, ok = 1;
+        int want_long = ctx_long > 0 && b <= SPECDEC_COST_LONG_MAX_BATCH &&
+                        (long)b * kvcache_blocks_for(kv, need_long) <= kvcache_n_free_blocks(kv);
         for (; ns < b; ns++) {
             seqs[ns] = kvcache_seq_new(kv);
             if (seqs[ns] < 0 || seqs[ns] >= sd->max_seqs ||
-                kvcache_seq_reserve(kv, seqs[ns], need) != KVCACHE_OK) {
+                kvcache_seq_reserve(kv, seqs[ns], want_long ? need_long : need) != KVCACHE_OK) {
                 if (seqs[ns] >= 0)
                     kvcache_seq_free(kv, seqs[ns]);
                 ok = 0;
@@ -674,27 +740,32 @@ int specdec_measure_costs(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, int ma
             items[i] = (specdec_item){
                 .seq = seqs[i], .pos = COST_PROMPT, .last = first, .sp = &sp, .rng = &rngs[i]};
         }
-        /* rounds of one step at each depth (interleaved, so that a load change on a
-         * shared machine hits every depth alike), the first untimed; the fastest of each
-         * depth (noise only adds time) */
         double t[SPECDEC_MAX_DEPTH + 1];
-        for (int d = 0; d <= SPECDEC_MAX_DEPTH; d++)
-            t[d] = 1e30;
-        for (int rep = 0; ok && rep <= COST_REPS; rep++) {
-            for (int d = 0; ok && d <= sd->n_mod; d++) {
-                double dt = time_step(sd, ctx, kv, items, b, d);
-                if (dt < 0 || (d == 0 && dt > max_step_ms))
-                    ok = 0; /* failed, or too slow to measure: stop here */
-                else if (rep > 0 && dt < t[d])
-                    t[d] = dt;
-            }
-        }
+        if (ok && cost_rounds(sd, ctx, kv, items, b, max_step_ms, t) != 0)
+            ok = 0;
         if (ok) {
             int k = out->n++;
             out->batch[k] = b;
             out->plain_ms[k] = t[0];
             for (int d = 0; d <= SPECDEC_MAX_DEPTH; d++)
                 out->ratio[k][d] = d <= sd->n_mod ? t[d] / t[0] : 0.0;
+            /* the same sequences at the long context: their length set, the KV content
+             * whatever the cache holds (it does not change the time), the module state
+             * restarted there */
+            for (int i = 0; want_long && i < b; i++) {
+                kvcache_seq_set_len(kv, seqs[i], ctx_long);
+                specdec_seq_start(sd, seqs[i], ctx_long, items[i].last,
+                                  hands + (size_t)i * 2 * sd->dim, sd->n_mod);
+                items[i].pos = ctx_long;
+            }
+            double tl[SPECDEC_MAX_DEPTH + 1];
+            if (want_long && cost_rounds(sd, ctx, kv, items, b, 1e30, tl) == 0) {
+                out->ctx_long = ctx_long;
+                out->has_long[k] = 1;
+                out->plain_ms_long[k] = tl[0];
+                for (int d = 0; d <= SPECDEC_MAX_DEPTH; d++)
+                    out->ratio_long[k][d] = d <= sd->n_mod ? tl[d] / tl[0] : 0.0;
+            }
         }
         for (int i = 0; i < ns; i++) {
             sd->seqs[seqs[i]].active = 0;
@@ -716,21 +787,43 @@ done:
     return rc;
 }
 
+/* The ratio at batch b from table r (points without has[k], when has is given, take the
+ * short table's value). */
+static double cost_in(const specdec_costs *c, double (*r)[SPECDEC_MAX_DEPTH + 1], const int *has,
+                      int b, int depth)
+{
+#define R(k) (has && !has[k] ? c->ratio[k][depth] : r[k][depth])
+    if (b <= c->batch[0])
+        return R(0);
+    for (int k = 1; k < c->n; k++) {
+        if (b <= c->batch[k]) {
+            double f = (double)(b - c->batch[k - 1]) / (double)(c->batch[k] - c->batch[k - 1]);
+            return R(k - 1) + f * (R(k) - R(k - 1));
+        }
+    }
+    return R(c->n - 1);
+#undef R
+}
+
 double specdec_cost(const specdec_costs *c, int b, int depth)
 {
     if (depth <= 0)
         return 1.0;
     if (!c || c->n == 0)
         return 1.0 + 0.1 * depth;
-    if (b <= c->batch[0])
-        return c->ratio[0][depth];
-    for (int k = 1; k < c->n; k++) {
-        if (b <= c->batch[k]) {
-            double f = (double)(b - c->batch[k - 1]) / (double)(c->batch[k] - c->batch[k - 1]);
-            return c->ratio[k - 1][depth] + f * (c->ratio[k][depth] - c->ratio[k - 1][depth]);
-        }
-    }
-    return c->ratio[c->n - 1][depth];
+    return cost_in(c, (double (*)[SPECDEC_MAX_DEPTH + 1])c->ratio, NULL, b, depth);
+}
+
+double specdec_cost_at(const specdec_costs *c, int b, int ctx, int depth)
+{
+    double s = specdec_cost(c, b, depth);
+    if (depth <= 0 || !c || c->n == 0 || ctx < 0 || c->ctx_long <= c->ctx_short)
+        return s;
+    double l =
+        cost_in(c, (double (*)[SPECDEC_MAX_DEPTH + 1])c->ratio_long, c->has_long, b, depth);
+    double f = (double)(ctx - c->ctx_short) / (double)(c->ctx_long - c->ctx_short);
+    f = f < 0.0 ? 0.0 : f > 1.0 ? 1.0 : f;
+    return s + f * (l - s);
 }
 
 void specdec_ctl_init(specdec_ctl *c, int max_depth, const float prior[2])
@@ -757,12 +850,17 @@ double specdec_ctl_expected(const specdec_ctl *c, int depth)
 
 int specdec_ctl_depth(specdec_ctl *c, const specdec_costs *costs, int b)
 {
+    return specdec_ctl_depth_at(c, costs, b, -1);
+}
+
+int specdec_ctl_depth_at(specdec_ctl *c, const specdec_costs *costs, int b, int ctx)
+{
     if (c->max_depth == 0)
         return 0;
     double score[SPECDEC_MAX_DEPTH + 1];
     int best = 0;
     for (int d = 0; d <= c->max_depth; d++) {
-        score[d] = specdec_ctl_expected(c, d) / specdec_cost(costs, b, d);
+        score[d] = specdec_ctl_expected(c, d) / specdec_cost_at(costs, b, ctx, d);
         if (score[d] > score[best])
             best = d;
     }

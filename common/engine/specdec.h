@@ -5,8 +5,9 @@
  *
  * One step for a batch of sequences, each at main-cache length n with last token t_n:
  * module 1 catches up on the positions the main model added since its last run and drafts
- * d1 at n-1; module 2 catches up (rewriting its provisional entry) and drafts d2 at n-1 from
- * (h_1[n-1], d1); one model_forward verifies [t_n, d1, d2] at n..n+2 for every sequence
+ * d1 at n-1; module 2 catches up (rewriting its provisional entry unless the d1 it was
+ * drafted from was accepted) and drafts d2 at n-1 from (h_1[n-1], d1), both drafts over
+ * the modules' draft vocabulary (mtp.h: a frequency-ranked subset, FR-Spec); one model_forward verifies [t_n, d1, d2] at n..n+2 for every sequence
  * with logits_all; the accepted prefix plus one token from the main model is emitted and
  * the main cache length is rolled back to n + 1 + accepted (blocks kept: the worst-case
  * reservation stays). Each of the three passes is one batched call over all sequences.
@@ -162,25 +163,43 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
 
 #define SPECDEC_COST_POINTS 8
 
-/* Cost of a step at each depth relative to a plain decode step, at a few batch sizes
- * (measured by specdec_measure_costs). */
+/* Cost of a step at each depth relative to a plain decode step, at a few batch sizes and
+ * two context lengths (measured by specdec_measure_costs). The ratio grows with the
+ * context: a depth-2 step computes the attention of 3 verify tokens and of the modules'
+ * catch-up positions where a plain step computes one token's (stories260K at batch 1:
+ * x1.9 at context 16, x2.4 at 100, x2.8 at 250). */
 typedef struct {
     int n;
     int batch[SPECDEC_COST_POINTS];                           /* ascending */
-    double ratio[SPECDEC_COST_POINTS][SPECDEC_MAX_DEPTH + 1]; /* [.][0] = 1 */
+    double ratio[SPECDEC_COST_POINTS][SPECDEC_MAX_DEPTH + 1]; /* at ctx_short; [.][0] = 1 */
     double plain_ms[SPECDEC_COST_POINTS];                     /* plain step, milliseconds */
+    int ctx_short;                                            /* tokens in the cache */
+    int ctx_long;                                             /* 0: not measured */
+    int has_long[SPECDEC_COST_POINTS];
+    double ratio_long[SPECDEC_COST_POINTS][SPECDEC_MAX_DEPTH + 1]; /* at ctx_long */
+    double plain_ms_long[SPECDEC_COST_POINTS];
 } specdec_costs;
 
 /* Time plain steps and steps at depths 1..max on b sequences of a random 16-token prompt,
  * for b = 1, 2, 4, ... up to max_batch (within the cache's free blocks; a batch size whose
  * plain step takes more than max_step_ms is not measured: larger batches use the last
  * measured ratios): 5 rounds of one step at each depth (after an untimed round), the
- * fastest step of each depth. Uses and frees its own sequences. Returns 0, or -1 when
- * nothing could be measured (no modules, no space). */
+ * fastest step of each depth. Then, for b <= SPECDEC_COST_LONG_MAX_BATCH (where drafting
+ * pays at all; it keeps the worker's start-up short), the same with the sequences' length
+ * set to a long context, SPECDEC_COST_CTX_LONG tokens or less to fit n_ctx (the KV content
+ * does not change the time; skipped when the cache space is short). Uses and frees its
+ * own sequences. Returns 0, or -1 when nothing could be measured (no modules, no space). */
+#define SPECDEC_COST_CTX_LONG 384
+#define SPECDEC_COST_LONG_MAX_BATCH 4
 int specdec_measure_costs(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, int max_batch,
                           double max_step_ms, specdec_costs *out);
-/* The ratio at batch size b (interpolated; the nearest point outside the range). */
+/* The ratio at batch size b (interpolated; the nearest point outside the range), at the
+ * short context. */
 double specdec_cost(const specdec_costs *c, int b, int depth);
+/* The ratio at batch size b for sequences of ctx tokens: linear in ctx between the short
+ * and the long context's ratio (clamped to them outside; the short one when the long one
+ * was not measured). ctx < 0: the short context's. */
+double specdec_cost_at(const specdec_costs *c, int b, int ctx, int depth);
 
 /* The controller, one per sequence: EWMAs of its per-position acceptance a1 = P(d1
  * accepted) and a2 = P(d2 accepted | d1 accepted), starting from a prior (the trainer's
@@ -203,8 +222,11 @@ typedef struct {
 
 void specdec_ctl_init(specdec_ctl *c, int max_depth, const float prior[2]);
 /* Depth for this sequence in a step of b sequences with step costs costs (NULL or n = 0:
- * no measurement, cost(d) = 1 + 0.1 d is assumed); advances the probe countdown. */
+ * no measurement, cost(d) = 1 + 0.1 d is assumed); advances the probe countdown. Costs at
+ * the short context (specdec_ctl_depth_at with ctx -1). */
 int specdec_ctl_depth(specdec_ctl *c, const specdec_costs *costs, int b);
+/* The same for a sequence of ctx tokens (specdec_cost_at). */
+int specdec_ctl_depth_at(specdec_ctl *c, const specdec_costs *costs, int b, int ctx);
 /* One step's outcome for the sequence: drafts verified and accepted. */
 void specdec_ctl_observe(specdec_ctl *c, int n_drafted, int n_accepted);
 /* E_d with the current EWMAs. */

@@ -147,6 +147,35 @@ class MtpGreedy(unittest.TestCase):
         """The shipped defaults (adaptive depth): same text."""
         self.check_identity(("prefill", "decode"), [])
 
+    def test_adaptive_batch1_follows_measured_cost(self):
+        """Adaptive default, one request at a time (batch 1) on a mixed worker: the
+        controller drafts at depth 2 when the worker's measured step costs (its start-up
+        log) and the file's acceptance say depth 2 pays clearly, and mostly not (probes
+        only) when it clearly does not. Same text either way."""
+        with Cluster(roles=("mixed",), worker_args=[]) as c:
+            name = c.worker_names()[0]
+            log = c.log(name)
+            m = re.search(r"MTP cost at batch 1: plain step [0-9.]+ ms; depth 1 x([0-9.]+), "
+                          r"depth 2 x([0-9.]+)", log)
+            a = re.search(r"sequences start from acceptance ([0-9.]+), ([0-9.]+)", log)
+            self.assertIsNotNone(m, log[-2000:])
+            self.assertIsNotNone(a, log[-2000:])
+            c1, c2 = float(m.group(1)), float(m.group(2))
+            a1, a2 = float(a.group(1)), float(a.group(2))
+            score = [1.0, (1 + a1) / c1, (1 + a1 + a1 * a2) / c2]
+            for _ in range(2):
+                for p in REF:
+                    status, body = c.complete(p, max_tokens=48)
+                    self.assertEqual(status, 200, body)
+                    self.assertEqual(body["choices"][0]["text"], REF[p])
+            tot = spec_counters(c)
+            print("measured cost d1 x%.2f d2 x%.2f, score %s, counters %s" % (c1, c2, score, tot))
+            if score[2] > 1.3 and score[2] >= score[1]:
+                self.assertGreater(tot["pos1"], 0, tot)   # second drafts made and accepted
+                self.assertGreater(tot["drafts"], 40, tot)  # ~4 * 47 / 2.4 steps at depth 2
+            elif score[1] < 0.8 and score[2] < 0.8:
+                self.assertLess(tot["drafts"], 30, tot)  # probes: 1 step in 16
+
     def test_request_depth0_drafts_nothing(self):
         with Cluster(roles=("prefill", "decode"), worker_args=PINNED) as c:
             for p in REF:

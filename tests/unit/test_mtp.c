@@ -348,6 +348,8 @@ typedef struct {
     const char *skip;    /* tensor left out */
     const char *reshape; /* tensor written with a wrong shape */
     int embed_base;      /* write a whole model: base tensors + modules, block_count 7 */
+    const int32_t *draft_vocab; /* tidepool.mtp.draft_vocab (n_draft_vocab ids), or NULL */
+    int n_draft_vocab;
 } variant;
 
 static void write_variant(const char *path, const variant *v)
@@ -374,6 +376,9 @@ static void write_variant(const char *path, const variant *v)
         rc |= gguf_writer_add_u32(w, "tidepool.mtp.head", 7);
     else
         rc |= gguf_writer_add_str(w, "tidepool.mtp.head", v->head ? v->head : "shared");
+    if (v->draft_vocab)
+        rc |= gguf_writer_add_arr_i32(w, "tidepool.mtp.draft_vocab", v->draft_vocab,
+                                      (uint64_t)v->n_draft_vocab);
     assert_int_equal(rc, 0);
     uint64_t bad_ne[2] = {7, 3};
     static float bad_data[21];
@@ -851,6 +856,128 @@ static void test_specdec_greedy_equivalence(void **state)
     rig_free(&r);
 }
 
+/* The draft vocabulary (FR-Spec): the ranking is a permutation with EOS and BOS first; the
+ * subset head's logits are bit-identical to the full head's at its tokens (teacher-forced,
+ * both modules, every position); greedy output through specdec is plain greedy at any
+ * draft vocabulary, and a smaller one accepts fewer drafts. */
+static void test_mtp_draft_vocab(void **state)
+{
+    const model_config *c = model_get_config(g_model);
+    const int V = c->vocab_size, D = c->dim;
+    assert_int_equal(mtp_draft_vocab(g_mtp), mtp_default_draft_vocab(g_mtp));
+    assert_int_equal(mtp_default_draft_vocab(g_mtp), 256); /* max(256, 512 / 4) */
+    const int *ids = mtp_draft_ids(g_mtp);
+    char *seen = calloc((size_t)V, 1);
+    assert_non_null(seen);
+    for (int i = 0; i < V; i++) {
+        assert_true(ids[i] >= 0 && ids[i] < V);
+        assert_false(seen[ids[i]]);
+        seen[ids[i]] = 1;
+    }
+    free(seen);
+    assert_int_equal(ids[0], c->eos_id);
+    assert_int_equal(ids[1], c->bos_id);
+    /* a measured list in the file comes first (duplicates and bad ids dropped), then EOS,
+     * BOS and the tokenizer's ranking as before */
+    {
+        static const int32_t list[] = {300, 7, 300, -5, 9999, 2};
+        char path[400], err[512];
+        snprintf(path, sizeof(path), "%s/draft_vocab.gguf", tmpdir);
+        write_variant(path, &(variant){.draft_vocab = list, .n_draft_vocab = 6});
+        mtp_t *mt = mtp_load(g_model, path, err, sizeof(err));
+        if (!mt)
+            fail_msg("%s", err);
+        const int *r2 = mtp_draft_ids(mt);
+        assert_int_equal(r2[0], 300);
+        assert_int_equal(r2[1], 7);
+        assert_int_equal(r2[2], 2);
+        assert_int_equal(c->eos_id, 2);
+        assert_int_equal(r2[3], c->bos_id);
+        /* then the same order as without the list, minus the tokens already placed */
+        for (int i = 2, j = 4; i < V; i++) {
+            if (ids[i] == 300 || ids[i] == 7)
+                continue;
+            assert_int_equal(r2[j], ids[i]);
+            j++;
+        }
+        mtp_destroy(&mt);
+    }
+
+    /* teacher-forced module logits, full head vs draft head of K tokens */
+    encode_prompts();
+    enum { NG = 40 };
+    int toks[64 + NG];
+    int T = plain_greedy(g_prompt_toks[0], g_prompt_n[0], NG, toks + g_prompt_n[0]);
+    memcpy(toks, g_prompt_toks[0], (size_t)g_prompt_n[0] * sizeof(int));
+    T += g_prompt_n[0];
+    rig r;
+    rig_init(&r, g_mtp, 1, c->n_ctx);
+    int seq = kvcache_seq_new(r.kv);
+    assert_int_equal(kvcache_seq_reserve(r.kv, seq, T), KVCACHE_OK);
+    float *h0 = malloc((size_t)T * D * sizeof(float)), *h1 = malloc((size_t)T * D * sizeof(float));
+    float *full = malloc((size_t)T * V * sizeof(float)), *sub = malloc((size_t)T * V * sizeof(float));
+    float *lg = malloc((size_t)T * V * sizeof(float));
+    assert_true(h0 && h1 && full && sub && lg);
+    model_seq_batch b = {.seq = seq, .n_tokens = T, .tokens = toks, .logits_all = 1, .logits = lg,
+                         .hidden = h0};
+    assert_int_equal(model_forward(r.ctx, r.kv, &b, 1, NULL, NULL), 0);
+    const int Ks[] = {256, 64, 0};
+    for (size_t ki = 0; ki < sizeof(Ks) / sizeof(Ks[0]); ki++) {
+        assert_int_equal(mtp_set_draft_vocab(g_mtp, Ks[ki]), 0);
+        int K = mtp_draft_vocab(g_mtp);
+        assert_int_equal(K, Ks[ki] ? Ks[ki] : V);
+        const int *map = mtp_draft_map(g_mtp);
+        assert_true(Ks[ki] ? map == ids : map == NULL);
+        for (int k = 1; k <= 2; k++) {
+            const float *hin = k == 1 ? h0 : h1;
+            int n = T - k;
+            b = (model_seq_batch){.seq = seq, .n_tokens = n, .tokens = toks + k, .logits_all = 1,
+                                  .logits = full, .hidden = k == 1 ? h1 : NULL, .hidden_in = hin};
+            assert_int_equal(mtp_forward(r.ctx, r.kv, g_mtp, k, &b, 1), 0);
+            b.logits = sub;
+            b.hidden = NULL;
+            assert_int_equal(mtp_forward_draft(r.ctx, r.kv, g_mtp, k, &b, 1), 0);
+            for (int i = 0; i < n; i++)
+                for (int j = 0; j < K; j++) {
+                    float want = full[(size_t)i * V + (map ? map[j] : j)];
+                    float got = sub[(size_t)i * K + j];
+                    if (memcmp(&want, &got, sizeof(float)) != 0)
+                        fail_msg("K %d module %d position %d draft %d: %a vs %a", K, k, i, j,
+                                 (double)got, (double)want);
+                }
+        }
+    }
+    rig_free(&r);
+    free(h0);
+    free(h1);
+    free(full);
+    free(sub);
+    free(lg);
+
+    /* through specdec: the output of plain greedy decoding whatever the draft vocabulary */
+    sampler_params sp = {.temperature = 0.0f, .top_p = 1.0f};
+    enum { NGEN = 96 };
+    long acc[3] = {0};
+    for (size_t ki = 0; ki < sizeof(Ks) / sizeof(Ks[0]); ki++) {
+        assert_int_equal(mtp_set_draft_vocab(g_mtp, Ks[ki]), 0);
+        for (int p = 0; p < 2; p++) {
+            int ref[NGEN], nref = plain_greedy(g_prompt_toks[p], g_prompt_n[p], NGEN, ref);
+            int buf[NGEN], *o = buf, no, two = 2;
+            const int *pr = g_prompt_toks[p];
+            dec_stats st = {0};
+            rig_init(&r, g_mtp, 2, c->n_ctx);
+            decode(&r, 1, &pr, &g_prompt_n[p], &two, NULL, &sp, NULL, NGEN, &o, &no, &st);
+            rig_free(&r);
+            assert_int_equal(no, nref);
+            assert_memory_equal(buf, ref, (size_t)nref * sizeof(int));
+            acc[ki] += st.accepted;
+        }
+        print_message("draft vocabulary %d: %ld drafts accepted\n", Ks[ki] ? Ks[ki] : V, acc[ki]);
+    }
+    assert_true(acc[1] < acc[0] && acc[1] < acc[2]);
+    assert_int_equal(mtp_set_draft_vocab(g_mtp, mtp_default_draft_vocab(g_mtp)), 0);
+}
+
 /* depth per step: nothing for the first 20 steps (catch-up deferred, then forced at 16
  * rows), then 2 */
 static int late_depth(int i, int step)
@@ -1296,6 +1423,29 @@ static void test_specdec_ctl(void **state)
     assert_true(fabs(c.acc[1] - 0.05) < 1e-9);
     specdec_ctl_init(&c, 0, NULL);
     assert_int_equal(specdec_ctl_depth(&c, &costs, 1), 0);
+    /* the context: the long context's ratios where measured, linear in between, clamped */
+    costs.ctx_short = 16;
+    costs.ctx_long = 400;
+    costs.has_long[0] = 1;
+    double l1[3] = {1, 1.5, 3.0};
+    memcpy(costs.ratio_long[0], l1, sizeof(l1));
+    assert_true(fabs(specdec_cost_at(&costs, 1, 16, 2) - 1.2) < 1e-9);
+    assert_true(fabs(specdec_cost_at(&costs, 1, 400, 2) - 3.0) < 1e-9);
+    assert_true(fabs(specdec_cost_at(&costs, 1, 208, 2) - 2.1) < 1e-9);
+    assert_true(fabs(specdec_cost_at(&costs, 1, 5000, 1) - 1.5) < 1e-9);
+    assert_true(fabs(specdec_cost_at(&costs, 1, 0, 1) - 1.1) < 1e-9);
+    assert_true(fabs(specdec_cost_at(&costs, 1, -1, 2) - 1.2) < 1e-9);
+    assert_true(fabs(specdec_cost_at(&costs, 1, 400, 0) - 1.0) < 1e-9);
+    /* batch 64 has no long measurement: its short ratio at every context */
+    assert_true(fabs(specdec_cost_at(&costs, 64, 400, 2) - 3.0) < 1e-9);
+    assert_true(fabs(specdec_cost_at(&costs, 32, 400, 2) - 3.0) < 1e-9);
+    /* E_2 = 2.71, E_1 = 1.9: depth 2 at a short context, 1 at a long one (E_1 / 1.5 = 1.27
+     * > E_2 / 3 = 0.90), and specdec_ctl_depth is the short context's */
+    specdec_ctl_init(&c, 2, good);
+    c.probe_in = 1000;
+    assert_int_equal(specdec_ctl_depth_at(&c, &costs, 1, 16), 2);
+    assert_int_equal(specdec_ctl_depth_at(&c, &costs, 1, 400), 1);
+    assert_int_equal(specdec_ctl_depth(&c, &costs, 1), 2);
 }
 
 /* The measured costs are sane: ratios >= ~1 and growing with depth at larger batches. */
@@ -1314,7 +1464,18 @@ static void test_specdec_measure(void **state)
                       costs.plain_ms[k], costs.ratio[k][1], costs.ratio[k][2]);
         assert_true(costs.ratio[k][0] == 1.0);
         assert_true(costs.ratio[k][1] > 0.3 && costs.ratio[k][2] > 0.3);
+        /* and at the long context for the small batches (the rig has room) */
+        assert_int_equal(costs.has_long[k], costs.batch[k] <= SPECDEC_COST_LONG_MAX_BATCH);
+        if (!costs.has_long[k])
+            continue;
+        print_message("   context %d: plain %.3f ms, depth 1 x%.2f, depth 2 x%.2f\n",
+                      costs.ctx_long, costs.plain_ms_long[k], costs.ratio_long[k][1],
+                      costs.ratio_long[k][2]);
+        assert_true(costs.ratio_long[k][0] == 1.0);
+        assert_true(costs.ratio_long[k][1] > 0.3 && costs.ratio_long[k][2] > 0.3);
     }
+    assert_int_equal(costs.ctx_short, 16);
+    assert_int_equal(costs.ctx_long, SPECDEC_COST_CTX_LONG);
     rig_free(&r);
 }
 
@@ -1325,6 +1486,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_mtp_load_errors),
         cmocka_unit_test(test_mtp_in_model_file),
         cmocka_unit_test(test_mtp_reference),
+        cmocka_unit_test(test_mtp_draft_vocab),
         cmocka_unit_test(test_specdec_rule),
         cmocka_unit_test(test_specdec_greedy_equivalence),
         cmocka_unit_test(test_specdec_deferred_catchup),
