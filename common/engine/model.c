@@ -562,6 +562,8 @@ const gguf_t *model_gguf(const model_t *m)
     return m->g;
 }
 
+static int nextn_pack_mv(model_nextn_t *mod);
+
 model_nextn_t *model_nextn_load(const model_t *m, const gguf_t *g, int block, char *err,
                                 size_t errlen)
 {
@@ -598,13 +600,48 @@ model_nextn_t *model_nextn_load(const model_t *m, const gguf_t *g, int block, ch
                          &lw->wo,       &lw->w1, &lw->w2, &lw->w3};
     for (int i = 0; i < 8; i++)
         mod->matmul_bytes += mat_bytes(ws[i]);
+    if (nextn_pack_mv(mod) != 0) {
+        set_err(err, errlen, gguf_path(g), "out of memory");
+        free(mod);
+        return NULL;
+    }
     return mod;
+}
+
+/* Pack a module's F32 matrices for matvec, in mv_mats' order then eh_proj, when all of
+ * them are F32 and take at most MODEL_MV_MAX_BYTES (else none: mod->mv stays NULL). A
+ * module pass is a decode step's size, so at T = 1 it wants the row-lane kernel as much as
+ * the model's own layers. 0, or -1 out of memory. */
+static int nextn_pack_mv(model_nextn_t *mod)
+{
+    const layer_weights *lw = &mod->blk;
+    const wmat *w[MODEL_MV_PER_LAYER + 1] = {&lw->wq, &lw->wk, &lw->wv, &lw->wo,
+                                             &lw->w1, &lw->w3, &lw->w2, &mod->eh_proj};
+    size_t floats = 0;
+    for (int k = 0; k <= MODEL_MV_PER_LAYER; k++) {
+        if (w[k]->type != GGUF_TENSOR_F32)
+            return 0;
+        floats += matvec_packed_floats(w[k]->rows, w[k]->cols);
+    }
+    if (floats * sizeof(float) > MODEL_MV_MAX_BYTES)
+        return 0;
+    mod->mv_buf = aligned_alloc(32, (floats * sizeof(float) + 31) & ~(size_t)31);
+    if (!mod->mv_buf)
+        return -1;
+    float *d = mod->mv_buf;
+    for (int k = 0; k <= MODEL_MV_PER_LAYER; k++) {
+        matvec_pack_f32(w[k]->data, w[k]->rows, w[k]->cols, d);
+        mod->mv[k] = d;
+        d += matvec_packed_floats(w[k]->rows, w[k]->cols);
+    }
+    return 0;
 }
 
 void model_nextn_destroy(model_nextn_t **mp)
 {
     if (!mp || !*mp)
         return;
+    free((*mp)->mv_buf);
     free(*mp);
     *mp = NULL;
 }

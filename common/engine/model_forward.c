@@ -451,7 +451,8 @@ static void run_block(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *ba
 /* The outputs of the final residual x (T, dim): each item's hidden rows, then the final
  * norm and classifier for the tokens whose logits are wanted (items with logits). head:
  * the classifier, NULL for the model's output matrix (logit rows of head->rows floats). */
-static void run_head(model_ctx_t *ctx, const model_seq_batch *batch, int n, const wmat *head)
+static void run_head(model_ctx_t *ctx, const model_seq_batch *batch, int n, const wmat *head,
+                     const float *head_mv)
 {
     const model_t *m = ctx->m;
     const model_config *c = &m->cfg;
@@ -490,7 +491,9 @@ static void run_head(model_ctx_t *ctx, const model_seq_batch *batch, int n, cons
     prep(ctx, &act, ctx->x, m->out_norm, ctx->xb, R, dim, &wout, 1);
     mm_job j = {.ctx = ctx, .act = &act};
     /* the packed copy is the model's own classifier's; a draft head has none */
-    const float *wp = wout == &m->output ? ctx->mv[c->n_layer * MODEL_MV_PER_LAYER] : NULL;
+    const float *wp = !head                     ? ctx->mv[c->n_layer * MODEL_MV_PER_LAYER]
+                      : model_ctx_uses_mv(ctx) ? head_mv
+                                               : NULL;
     mm_add(&j, wout, wp, ctx->out_dst, POST_NONE);
     mm_run(&j);
 }
@@ -509,7 +512,7 @@ int model_forward(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch,
         if (cb)
             cb(l, ud);
     }
-    run_head(ctx, batch, n, NULL);
+    run_head(ctx, batch, n, NULL, NULL);
     for (int b = 0; b < n; b++)
         kvcache_seq_set_len(kv, batch[b].seq, batch[b].pos + batch[b].n_tokens);
     return 0;
@@ -520,12 +523,12 @@ int model_forward(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch,
 int model_forward_nextn(model_ctx_t *ctx, kvcache_t *kv, const model_nextn_t *mod, int kv_layer,
                         const model_seq_batch *batch, int n)
 {
-    return model_forward_nextn_head(ctx, kv, mod, kv_layer, NULL, batch, n);
+    return model_forward_nextn_head(ctx, kv, mod, kv_layer, NULL, NULL, batch, n);
 }
 
 int model_forward_nextn_head(model_ctx_t *ctx, kvcache_t *kv, const model_nextn_t *mod,
-                             int kv_layer, const kern_mat *head, const model_seq_batch *batch,
-                             int n)
+                             int kv_layer, const kern_mat *head, const float *head_mv,
+                             const model_seq_batch *batch, int n)
 {
     const model_t *m = ctx->m;
     const model_config *c = &m->cfg;
@@ -549,10 +552,11 @@ int model_forward_nextn_head(model_ctx_t *ctx, kvcache_t *kv, const model_nextn_
     const wmat *eh = &mod->eh_proj;
     prep(ctx, &act, NULL, NULL, ctx->cat, T, 2 * dim, &eh, 1);
     mm_job j = {.ctx = ctx, .act = &act};
-    mm_add(&j, &mod->eh_proj, NULL, ctx->p_x, POST_NONE);
+    const int mv = model_ctx_uses_mv(ctx) && mod->mv[0];
+    mm_add(&j, &mod->eh_proj, mv ? mod->mv[MODEL_MV_PER_LAYER] : NULL, ctx->p_x, POST_NONE);
     mm_run(&j);
 
-    run_block(ctx, kv, batch, &mod->blk, NULL, kv_layer, T);
-    run_head(ctx, batch, n, head);
+    run_block(ctx, kv, batch, &mod->blk, mv ? mod->mv : NULL, kv_layer, T);
+    run_head(ctx, batch, n, head, head_mv);
     return 0;
 }

@@ -25,11 +25,21 @@ typedef struct {
     wmat w2;                /* (dim, hidden_dim): ffn_down */
 } layer_weights;
 
+#define MODEL_MV_PER_LAYER 7
+/* Models whose F32 matrices take more bytes than this are not packed (the copy would
+ * double their memory; batch-1 decode of a big model is bound by memory, not lanes). */
+#define MODEL_MV_MAX_BYTES ((size_t)64 << 20)
+
 struct model_nextn {
     const float *hnorm, *enorm; /* (dim,) */
     wmat eh_proj;               /* (dim, 2 * dim): [hidden half | embedding half] */
     layer_weights blk;
     uint64_t matmul_bytes;
+    /* matvec packing of the F32 matrices (as model_ctx's mv): mv[k] for the block's k-th
+     * matrix in mv_mats' order, mv[MODEL_MV_PER_LAYER] for eh_proj; all NULL when not F32
+     * or bigger than MODEL_MV_MAX_BYTES. Used by contexts that use their own (EXACT, AVX2+). */
+    const float *mv[MODEL_MV_PER_LAYER + 1];
+    float *mv_buf;
 };
 
 struct model {
@@ -75,17 +85,22 @@ struct model_ctx {
     float *mv_buf; /* the packed matrices, one allocation */
 };
 
-#define MODEL_MV_PER_LAYER 7
-/* Models whose F32 matrices take more bytes than this are not packed (the copy would
- * double their memory; batch-1 decode of a big model is bound by memory, not lanes). */
-#define MODEL_MV_MAX_BYTES ((size_t)64 << 20)
 /* model_forward_nextn with another classifier: head (rows, dim), in the output matrix's
  * type, NULL for the model's output matrix; each wanted logit row is head->rows floats
  * (row r = dot(head row r, final-normed h)). Used for MTP drafts over a subset of the
  * vocabulary (mtp.h, mtp_set_draft_vocab): the rows are the output matrix's own, so each
  * logit is bit-identical to the full head's at that token. */
+/* head_mv: head's matvec packing (matvec_pack_f32) or NULL; used only when ctx uses packed
+ * matrices (model_ctx_uses_mv). */
 int model_forward_nextn_head(model_ctx_t *ctx, kvcache_t *kv, const model_nextn_t *mod,
-                             int kv_layer, const kern_mat *head, const model_seq_batch *batch,
-                             int n);
+                             int kv_layer, const kern_mat *head, const float *head_mv,
+                             const model_seq_batch *batch, int n);
+
+/* 1 when ctx computes its F32 products from matvec-packed copies (EXACT order, AVX2 or
+ * wider): packed copies made elsewhere (MTP modules, draft heads) are then used too. */
+static inline int model_ctx_uses_mv(const model_ctx_t *ctx)
+{
+    return ctx->order == KERN_ORDER_EXACT && ctx->isa >= KERN_ISA_AVX2;
+}
 
 #endif

@@ -15,6 +15,7 @@
 #include <xxhash.h>
 
 #include "gguf.h"
+#include "matvec.h"
 #include "model_internal.h"
 
 struct mtp {
@@ -30,6 +31,7 @@ struct mtp {
     int n_draft;    /* draft vocabulary: rank[0 .. n_draft), or vocab (the full head) */
     kern_mat dhead; /* (n_draft, dim) the output matrix's rows rank[0 .. n_draft) */
     void *dhead_mem;
+    float *dhead_mv; /* the matvec packing of dhead (F32, up to MODEL_MV_MAX_BYTES) or NULL */
 };
 
 __attribute__((format(printf, 4, 5))) static void set_err(char *err, size_t errlen,
@@ -226,7 +228,9 @@ int mtp_set_draft_vocab(mtp_t *mt, int n)
     const kern_mat *out = &mt->m->output;
     if (n <= 0 || n >= c->vocab_size) {
         free(mt->dhead_mem);
+        free(mt->dhead_mv);
         mt->dhead_mem = NULL;
+        mt->dhead_mv = NULL;
         mt->n_draft = c->vocab_size;
         return 0;
     }
@@ -236,8 +240,20 @@ int mtp_set_draft_vocab(mtp_t *mt, int n)
         return -1;
     for (int i = 0; i < n; i++)
         memcpy(mem + rb * (size_t)i, (const char *)out->data + rb * (size_t)mt->rank[i], rb);
+    float *mv = NULL;
+    size_t mvf = matvec_packed_floats(n, out->cols);
+    if (out->type == GGUF_TENSOR_F32 && mvf * sizeof(float) <= MODEL_MV_MAX_BYTES) {
+        mv = aligned_alloc(32, (mvf * sizeof(float) + 31) & ~(size_t)31);
+        if (!mv) {
+            free(mem);
+            return -1;
+        }
+        matvec_pack_f32((const float *)mem, n, out->cols, mv);
+    }
     free(mt->dhead_mem);
+    free(mt->dhead_mv);
     mt->dhead_mem = mem;
+    mt->dhead_mv = mv;
     mt->dhead = (kern_mat){.data = mem, .type = out->type, .rows = n, .cols = out->cols};
     mt->n_draft = n;
     return 0;
@@ -271,8 +287,8 @@ int mtp_forward_draft(model_ctx_t *ctx, kvcache_t *kv, const mtp_t *mt, int k,
     if (k < 1 || k > mt->n_modules)
         return -1;
     const kern_mat *head = mt->n_draft < model_get_config(mt->m)->vocab_size ? &mt->dhead : NULL;
-    return model_forward_nextn_head(ctx, kv, mt->mod[k - 1], mtp_kv_layer(mt, k), head, batch,
-                                    n);
+    return model_forward_nextn_head(ctx, kv, mt->mod[k - 1], mtp_kv_layer(mt, k), head,
+                                    head ? mt->dhead_mv : NULL, batch, n);
 }
 
 /* Load the modules from side (a side file, consumed) or, when side is NULL, from the
@@ -398,6 +414,7 @@ void mtp_destroy(mtp_t **mp)
     gguf_close(&mt->own);
     free(mt->rank);
     free(mt->dhead_mem);
+    free(mt->dhead_mv);
     free(mt);
     *mp = NULL;
 }

@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "gguf.h"
+#include "kernels.h"
 #include "kvcache.h"
 #include "model.h"
 #include "mtp.h"
@@ -991,6 +992,86 @@ static int zero_depth(int i, int step)
 }
 
 /* Module KV after deferred catch-up equals the KV of catching up every step. */
+/* The MTP modules' and the draft head's F32 matrices are matvec-packed at load and used by
+ * contexts that use packed matrices (EXACT, AVX2+): module logits and hidden rows bit for
+ * bit those of the scalar kernels, at T = 1 (a draft step) and T = n (teacher forcing),
+ * with the full head and the draft head. */
+static void test_mtp_packed_modules(void **state)
+{
+    (void)state;
+    if (kern_isa_detect() < KERN_ISA_AVX2)
+        skip();
+    const model_config *c = model_get_config(g_model);
+    const int V = c->vocab_size, D = c->dim;
+    encode_prompts();
+    enum { NG = 24 };
+    int toks[64 + NG];
+    int T = plain_greedy(g_prompt_toks[1], g_prompt_n[1], NG, toks + g_prompt_n[1]);
+    memcpy(toks, g_prompt_toks[1], (size_t)g_prompt_n[1] * sizeof(int));
+    T += g_prompt_n[1];
+    rig r[2];
+    rig_init(&r[0], g_mtp, 1, c->n_ctx);
+    rig_init(&r[1], g_mtp, 1, c->n_ctx);
+    model_ctx_destroy(&r[1].ctx); /* the reference: scalar kernels, no packed copies */
+    model_ctx_params p = model_ctx_default_params();
+    p.max_tokens = c->n_ctx;
+    p.max_isa = MODEL_ISA_SCALAR;
+    r[1].ctx = model_ctx_new_params(g_model, &p);
+    assert_non_null(r[1].ctx);
+    float *h0[2], *h1[2], *lg[2];
+    for (int s = 0; s < 2; s++) {
+        h0[s] = malloc((size_t)T * D * sizeof(float));
+        h1[s] = malloc((size_t)T * D * sizeof(float));
+        lg[s] = malloc((size_t)T * V * sizeof(float));
+        assert_true(h0[s] && h1[s] && lg[s]);
+        int seq = kvcache_seq_new(r[s].kv);
+        assert_int_equal(seq, 0);
+        assert_int_equal(kvcache_seq_reserve(r[s].kv, seq, T), KVCACHE_OK);
+        model_seq_batch b = {.seq = seq, .n_tokens = T, .tokens = toks, .logits_all = 1,
+                             .logits = lg[s], .hidden = h0[s]};
+        assert_int_equal(model_forward(r[s].ctx, r[s].kv, &b, 1, NULL, NULL), 0);
+    }
+    assert_memory_equal(h0[0], h0[1], (size_t)T * D * sizeof(float));
+    const int Ks[] = {0, 256};
+    for (size_t ki = 0; ki < 2; ki++) {
+        assert_int_equal(mtp_set_draft_vocab(g_mtp, Ks[ki]), 0);
+        const int K = mtp_draft_vocab(g_mtp);
+        for (int k = 1; k <= 2; k++) {
+            /* teacher-forced over the sequence, then one token at the end */
+            const int spans[2][2] = {{0, T - k - 1}, {T - k - 1, 1}};
+            for (int sp = 0; sp < 2; sp++) {
+                const int j0 = spans[sp][0], n = spans[sp][1];
+                for (int s = 0; s < 2; s++) {
+                    model_seq_batch b = {.seq = 0,
+                                         .pos = j0,
+                                         .n_tokens = n,
+                                         .tokens = toks + j0 + k,
+                                         .logits_all = 1,
+                                         .logits = lg[s],
+                                         .hidden = k == 1 ? h1[s] + (size_t)j0 * D : NULL,
+                                         .hidden_in = (k == 1 ? h0[s] : h1[s]) + (size_t)j0 * D};
+                    int rc = ki ? mtp_forward_draft(r[s].ctx, r[s].kv, g_mtp, k, &b, 1)
+                                : mtp_forward(r[s].ctx, r[s].kv, g_mtp, k, &b, 1);
+                    assert_int_equal(rc, 0);
+                }
+                if (memcmp(lg[0], lg[1], (size_t)n * K * sizeof(float)) != 0)
+                    fail_msg("K %d module %d span %d: packed logits differ from scalar", K, k,
+                             sp);
+                if (k == 1)
+                    assert_memory_equal(h1[0] + (size_t)j0 * D, h1[1] + (size_t)j0 * D,
+                                        (size_t)n * D * sizeof(float));
+            }
+        }
+    }
+    assert_int_equal(mtp_set_draft_vocab(g_mtp, mtp_default_draft_vocab(g_mtp)), 0);
+    for (int s = 0; s < 2; s++) {
+        rig_free(&r[s]);
+        free(h0[s]);
+        free(h1[s]);
+        free(lg[s]);
+    }
+}
+
 static void test_specdec_deferred_catchup(void **state)
 {
     const model_config *c = model_get_config(g_model);
@@ -1487,6 +1568,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_mtp_in_model_file),
         cmocka_unit_test(test_mtp_reference),
         cmocka_unit_test(test_mtp_draft_vocab),
+        cmocka_unit_test(test_mtp_packed_modules),
         cmocka_unit_test(test_specdec_rule),
         cmocka_unit_test(test_specdec_greedy_equivalence),
         cmocka_unit_test(test_specdec_deferred_catchup),
