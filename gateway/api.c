@@ -92,6 +92,7 @@ void api_request_free(api_request *r)
 {
     free(r->model);
     free(r->prompt);
+    free(r->prompt_ids);
     for (int i = 0; i < r->n_stop; i++)
         free(r->stop[i]);
     memset(r, 0, sizeof(*r));
@@ -200,6 +201,37 @@ static char *dup_n(const char *s, size_t n)
 
 // --- prompt / messages
 
+/* A token-id prompt: a non-empty array of integers in [0, API_MAX_TOKEN_ID]. 1 if v is one
+ * (r->prompt_ids set), 0 if v is not an array of integers, -1 with e set. */
+static int parse_prompt_ids(json_t *v, api_request *r, api_error *e)
+{
+    size_t n = json_array_size(v);
+    if (n == 0 || !json_is_integer(json_array_get(v, 0)))
+        return 0;
+    if (n > API_MAX_PROMPT_IDS)
+        return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
+                             "'prompt' holds %zu token ids; at most %d are accepted.", n,
+                             API_MAX_PROMPT_IDS);
+    int *ids = malloc(n * sizeof(int));
+    if (!ids)
+        return api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        json_t *t = json_array_get(v, i);
+        json_int_t id = json_is_integer(t) ? json_integer_value(t) : -1;
+        if (id < 0 || id > API_MAX_TOKEN_ID) {
+            free(ids);
+            return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
+                                 "'prompt' as token ids must hold integers in [0, %d]; "
+                                 "element %zu is not one.",
+                                 API_MAX_TOKEN_ID, i);
+        }
+        ids[i] = (int)id;
+    }
+    r->prompt_ids = ids;
+    r->n_prompt_ids = (int)n;
+    return 1;
+}
+
 static int parse_prompt(json_t *root, api_request *r, api_error *e)
 {
     json_t *v = field(root, "prompt");
@@ -207,16 +239,22 @@ static int parse_prompt(json_t *root, api_request *r, api_error *e)
         return api_error_set(e, 400, INVALID, "prompt", "missing_required_parameter",
                              "Missing required parameter: 'prompt'.");
     if (json_is_array(v)) {
+        int rc = parse_prompt_ids(v, r, e); /* [ids] */
+        if (rc)
+            return rc < 0 ? -1 : 0;
         if (json_array_size(v) != 1)
             return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
-                                 "'prompt' as an array must hold exactly one string "
-                                 "(batched prompts are not supported), got %zu elements.",
+                                 "'prompt' as an array must hold exactly one string or one "
+                                 "array of token ids (batched prompts are not supported), "
+                                 "got %zu elements.",
                                  json_array_size(v));
         v = json_array_get(v, 0);
+        if (json_is_array(v) && (rc = parse_prompt_ids(v, r, e)) != 0) /* [[ids]] */
+            return rc < 0 ? -1 : 0;
         if (!json_is_string(v))
             return api_error_set(e, 400, INVALID, "prompt", "invalid_type",
-                                 "'prompt' must be a string or an array of one string "
-                                 "(token-id prompts are not supported).");
+                                 "'prompt' must be a string, an array of token ids, or an "
+                                 "array of one of these.");
     }
     if (!json_is_string(v))
         return type_error(e, "prompt", "a string", v);
@@ -523,7 +561,7 @@ int api_check_model(const api_request *r, const char *served_model, api_error *e
 int api_check_length(api_request *r, int n_prompt, int n_ctx, api_error *err)
 {
     const char *pkey = r->kind == API_CHAT ? "messages" : "prompt";
-    if (r->prompt_len == 0 || n_prompt <= 1)
+    if (r->prompt_ids ? n_prompt < 1 : (r->prompt_len == 0 || n_prompt <= 1))
         return api_error_set(err, 400, INVALID, pkey, "invalid_value",
                              "The prompt must not be empty.");
     if (n_prompt >= n_ctx)

@@ -17,6 +17,8 @@
 
 #define API_MAX_STOP 4         /* stop strings per request (OpenAI's limit) */
 #define API_MAX_STOP_BYTES 256 /* bytes per stop string */
+#define API_MAX_PROMPT_IDS 1048576 /* token ids of one token-id prompt */
+#define API_MAX_TOKEN_ID 0x7fffffff /* largest id parsed (the vocabulary is checked later) */
 
 typedef enum {
     API_COMPLETIONS = 0, /* POST /v1/completions */
@@ -29,6 +31,10 @@ typedef struct {
     char *model;              /* requested model name; NULL when absent */
     char *prompt;             /* completions: the prompt; chat: the rendered template */
     size_t prompt_len;        /* bytes of prompt (valid UTF-8, no NUL) */
+    int *prompt_ids;          /* completions: a token-id prompt ("prompt": [ids] or [[ids]]),
+                               * used as given (no BOS added, ids >= 0; their range is
+                               * checked against the vocabulary at admission); NULL = text */
+    int n_prompt_ids;         /* ids in prompt_ids (>= 1 when set) */
     int max_tokens;           /* >= 1, or -1 when absent (api_check_length fills it) */
     double temperature;       /* [0, 2]; default 1 */
     double top_p;             /* (0, 1]; default 1 */
@@ -81,7 +87,8 @@ void api_request_free(api_request *r);
  * 404 model_not_found in *err. */
 int api_check_model(const api_request *r, const char *served_model, api_error *err);
 
-/* Check the prompt's token count n_prompt (BOS included) against the context n_ctx (tokens)
+/* Check the prompt's token count n_prompt (BOS included; a token-id prompt: its ids, at
+ * least one) against the context n_ctx (tokens)
  * and settle max_tokens: absent → n_ctx - n_prompt. Returns 0, or -1 with a 400 in *err
  * (empty prompt, prompt >= n_ctx, n_prompt + max_tokens > n_ctx; the message names the
  * numbers). */

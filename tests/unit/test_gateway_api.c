@@ -54,7 +54,15 @@ static const vcase cases[] = {
     {"prompt object", C, "{\"prompt\": {}}", 400, "prompt", "invalid_type"},
     {"prompt two strings", C, "{\"prompt\": [\"a\", \"b\"]}", 400, "prompt", "invalid_value"},
     {"prompt empty array", C, "{\"prompt\": []}", 400, "prompt", "invalid_value"},
-    {"prompt token ids", C, "{\"prompt\": [5]}", 400, "prompt", "invalid_type"},
+    {"prompt token ids", C, "{\"prompt\": [5, 7, 1]}", 0, NULL, NULL},
+    {"prompt nested token ids", C, "{\"prompt\": [[5, 7]]}", 0, NULL, NULL},
+    {"prompt token id negative", C, "{\"prompt\": [5, -1]}", 400, "prompt", "invalid_value"},
+    {"prompt token id float", C, "{\"prompt\": [5, 1.5]}", 400, "prompt", "invalid_value"},
+    {"prompt token id huge", C, "{\"prompt\": [4294967296]}", 400, "prompt", "invalid_value"},
+    {"prompt token ids and string", C, "{\"prompt\": [5, \"a\"]}", 400, "prompt",
+     "invalid_value"},
+    {"prompt two id arrays", C, "{\"prompt\": [[5], [6]]}", 400, "prompt", "invalid_value"},
+    {"prompt empty id array", C, "{\"prompt\": [[]]}", 400, "prompt", "invalid_type"},
     {"prompt array empty string", C, "{\"prompt\": [\"\"]}", 400, "prompt", "invalid_value"},
     {"messages missing", CH, "{\"prompt\": \"hi\"}", 400, "messages", "missing_required_parameter"},
     {"messages string", CH, "{\"messages\": \"hi\"}", 400, "messages", "invalid_type"},
@@ -223,6 +231,29 @@ static void test_invalid_utf8(void **state)
     check_case(&vc, surrogate, sizeof(surrogate) - 1);
     assert_true(api_utf8_valid("caf\xC3\xA9 \xF0\x9F\x98\x80", 10));
     assert_false(api_utf8_valid("\xF4\x90\x80\x80", 4)); /* > U+10FFFF */
+}
+
+/* A token-id prompt is kept as given (no BOS), and one id is not "empty". */
+static void test_prompt_ids(void **state)
+{
+    (void)state;
+    api_request r;
+    api_error e;
+    const char *b = "{\"prompt\": [[1, 300, 0, 2147483647]], \"max_tokens\": 4}";
+    assert_int_equal(api_parse(API_COMPLETIONS, b, strlen(b), &r, &e), 0);
+    assert_null(r.prompt);
+    assert_int_equal(r.n_prompt_ids, 4);
+    assert_int_equal(r.prompt_ids[0], 1);
+    assert_int_equal(r.prompt_ids[1], 300);
+    assert_int_equal(r.prompt_ids[2], 0);
+    assert_int_equal(r.prompt_ids[3], 2147483647);
+    api_request_free(&r);
+    assert_null(r.prompt_ids);
+    b = "{\"prompt\": [7]}";
+    assert_int_equal(api_parse(API_COMPLETIONS, b, strlen(b), &r, &e), 0);
+    assert_int_equal(api_check_length(&r, 1, 512, &e), 0);
+    assert_int_equal(r.max_tokens, 511);
+    api_request_free(&r);
 }
 
 static void test_parsed_values(void **state)
@@ -681,6 +712,7 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_validation_table),
         cmocka_unit_test(test_invalid_utf8),
+        cmocka_unit_test(test_prompt_ids),
         cmocka_unit_test(test_utf8_trim),
         cmocka_unit_test(test_error_quotes_cut_at_a_character),
         cmocka_unit_test(test_parsed_values),
