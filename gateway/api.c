@@ -3,6 +3,7 @@
  * in "code" (invalid_type, invalid_value, missing_required_parameter, ...). */
 #include "api.h"
 
+#include <inttypes.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdarg.h>
@@ -680,6 +681,85 @@ char *api_format_chunk(const api_response_info *info, const char *text, size_t l
     if (root && info->include_usage)
         json_object_set_new(root, "usage", json_null());
     return dump(root);
+}
+
+// --- content chunks without jansson (the per-token path of streaming)
+
+/* Append s (n bytes of valid UTF-8) as a JSON string, quotes included, escaped exactly as
+ * json_dumps does with no flags: \" \\ \b \f \n \r \t, other bytes below 0x20 as
+ * \u00XX (upper-case hex), everything else as is. dst has room for 6 n + 2 bytes. */
+static char *put_json_string(char *dst, const char *s, size_t n)
+{
+    static const char hex[] = "0123456789ABCDEF";
+    *dst++ = '"';
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)s[i];
+        if (ch >= 0x20 && ch != '"' && ch != '\\') {
+            *dst++ = (char)ch;
+            continue;
+        }
+        *dst++ = '\\';
+        switch (ch) {
+        case '"': *dst++ = '"'; break;
+        case '\\': *dst++ = '\\'; break;
+        case '\b': *dst++ = 'b'; break;
+        case '\f': *dst++ = 'f'; break;
+        case '\n': *dst++ = 'n'; break;
+        case '\r': *dst++ = 'r'; break;
+        case '\t': *dst++ = 't'; break;
+        default:
+            memcpy(dst, "u00", 3);
+            dst[3] = hex[ch >> 4];
+            dst[4] = hex[ch & 15];
+            dst += 5;
+        }
+    }
+    *dst++ = '"';
+    return dst;
+}
+
+static char *put(char *dst, const char *s, size_t n)
+{
+    memcpy(dst, s, n);
+    return dst + n;
+}
+#define PUT_LIT(d, lit) put(d, lit, sizeof(lit) - 1)
+
+size_t api_text_chunk_bound(const api_response_info *info, size_t len)
+{
+    size_t st = info->service_tier ? strlen(info->service_tier) : 0;
+    return 192 + 6 * (strlen(info->id) + strlen(info->model) + st + len);
+}
+
+size_t api_format_text_chunk(const api_response_info *info, const char *text, size_t len,
+                             char *out)
+{
+    if (!api_utf8_valid(text, len))
+        return 0;
+    int chat = info->kind == API_CHAT;
+    char *d = out;
+    d = PUT_LIT(d, "{\"id\":");
+    d = put_json_string(d, info->id, strlen(info->id));
+    d = chat ? PUT_LIT(d, ",\"object\":\"chat.completion.chunk\",\"created\":")
+             : PUT_LIT(d, ",\"object\":\"text_completion\",\"created\":");
+    d += sprintf(d, "%" PRId64, info->created);
+    d = PUT_LIT(d, ",\"model\":");
+    d = put_json_string(d, info->model, strlen(info->model));
+    d = chat ? PUT_LIT(d, ",\"choices\":[{\"index\":0,\"delta\":{\"content\":")
+             : PUT_LIT(d, ",\"choices\":[{\"index\":0,\"text\":");
+    d = put_json_string(d, text, len);
+    if (chat)
+        *d++ = '}';
+    d = PUT_LIT(d, ",\"logprobs\":null,\"finish_reason\":null}]");
+    if (info->service_tier) {
+        d = PUT_LIT(d, ",\"service_tier\":");
+        d = put_json_string(d, info->service_tier, strlen(info->service_tier));
+    }
+    if (info->include_usage)
+        d = PUT_LIT(d, ",\"usage\":null");
+    *d++ = '}';
+    *d = 0;
+    return (size_t)(d - out);
 }
 
 char *api_format_usage_chunk(const api_response_info *info, int n_prompt, int n_completion)

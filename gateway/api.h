@@ -122,6 +122,15 @@ char *api_format_response(const api_response_info *info, const char *text, size_
 char *api_format_chunk(const api_response_info *info, const char *text, size_t len,
                        const char *finish_reason, int role_chunk);
 
+/* The per-token path of streaming: the same payload as api_format_chunk(info, text, len,
+ * NULL, 0), byte for byte, written without jansson or allocation into out, which has room
+ * for api_text_chunk_bound(info, len) bytes (a bound: every string escaped at 6 bytes a
+ * byte, plus the fixed part). NUL-terminated. Returns its length, or 0 when text is not
+ * valid UTF-8 (api_format_chunk's NULL; nothing to send). */
+size_t api_text_chunk_bound(const api_response_info *info, size_t len);
+size_t api_format_text_chunk(const api_response_info *info, const char *text, size_t len,
+                             char *out);
+
 /* The final usage chunk (choices: [], usage: {...}). malloc'd; NULL on OOM. */
 char *api_format_usage_chunk(const api_response_info *info, int n_prompt, int n_completion);
 

@@ -243,6 +243,7 @@ static void seeds_api(void)
         {1, "chat-bad-role", "{\"messages\":[{\"role\":\"wizard\",\"content\":\"x\"}]}"},
         {1, "chat-empty", "{\"messages\":[]}"},
         {1, "not-object", "[1,2,3]"},
+        {0, "completion-tokens-nested", "{\"prompt\":[[1,403,2,0]],\"stream\":true}"},
     };
     for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
         put_mode("api", b[i].name, b[i].chat | (int)(i % 8) << 1, b[i].body);
