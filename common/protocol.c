@@ -127,7 +127,7 @@ static const char *type_names[] = {
     [PROTO_KV_BEGIN_ACK] = "KV_BEGIN_ACK", [PROTO_KV_LAYER] = "KV_LAYER",
     [PROTO_KV_END] = "KV_END",       [PROTO_KV_RESULT] = "KV_RESULT",
     [PROTO_KV_ABORT] = "KV_ABORT",   [PROTO_ROLE] = "ROLE",
-    [PROTO_MIGRATE] = "MIGRATE",
+    [PROTO_MIGRATE] = "MIGRATE",     [PROTO_BUNDLE] = "BUNDLE",
 };
 
 static int type_valid(int t)
