@@ -4,7 +4,8 @@
  * api_parse() turns a request body into an api_request or an api_error (HTTP status plus
  * the OpenAI error object fields); api_check_model() and api_check_length() finish the
  * validation once the served model and the prompt's token count are known. The
- * api_format_*() functions build response bodies and SSE chunk payloads with jansson.
+ * api_format_*() functions build response bodies and SSE chunk payloads with jansson,
+ * except api_format_text_chunk (the per-token path), which writes the same bytes directly.
  * Everything here is pure (no globals, no sockets), so the whole validation table is
  * unit-tested at this level (tests/unit/test_gateway_api.c). See docs/api.md for the
  * rules these functions implement.
