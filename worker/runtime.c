@@ -170,7 +170,14 @@ void runtime_send_tokens(runtime_t *rt, uint64_t rid, int index, const int *toke
     m.n_tokens = n;
     m.ts_us = proto_wall_us();
     set_timing(&m, t);
-    bundle_add(rt, &m);
+    /* The first token goes at once (after what was gathered): it is the TTFT, and a
+     * prefill worker's must reach the gateway before the decode worker, which gets it in
+     * KV_END right after this, reports its own tokens (else the request could end first
+     * and this message, with its prefill timing, would come for a finished request). */
+    if (index == 0)
+        ctl_send_logged(rt, &m);
+    else
+        bundle_add(rt, &m);
 }
 
 void runtime_send_finish(runtime_t *rt, uint64_t rid, int reason, const runtime_timing *t)

@@ -172,6 +172,7 @@ typedef struct {
 // --- messages to the gateway (each logs and drops when the ctl socket cannot take it)
 // TOKENS and FINISH are gathered and go out together, as one BUNDLE, before the loop polls
 // again (runtime_flush_bundle): one ZeroMQ message per decode step, not one per sequence.
+// TOKENS at index 0 (a request's first token) go at once, after what was gathered.
 
 /* TOKENS: generated tokens [index, index + n) of request rid (borrowed), the sampler state
  * rng after the last of them (so that a re-run elsewhere continues the same random stream),
