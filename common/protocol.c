@@ -24,6 +24,7 @@ typedef enum { F_U64, F_I64, F_INT, F_FLOAT, F_STR, F_TOKENS, F_U64S, F_KEY } fi
 
 typedef struct {
     const char *key;
+    size_t key_len;        /* strlen(key): compared first when decoding */
     field_kind_t kind;
     size_t off;
     size_t size;           /* F_STR: buffer size; F_U64S: bytes of the uint64_t array */
@@ -33,7 +34,7 @@ typedef struct {
 } field_t;
 
 #define FLD(k, kind, member, lo, hi, req, opt) \
-    {k, kind, offsetof(proto_msg, member), sizeof(((proto_msg *)0)->member), lo, hi, req, \
+    {k, sizeof(k) - 1, kind, offsetof(proto_msg, member), sizeof(((proto_msg *)0)->member), lo, hi, req, \
      (req) | (opt)}
 
 #define KV_ALL (T(PROTO_KV_BEGIN) | T(PROTO_KV_BEGIN_ACK) | T(PROTO_KV_LAYER) | \
@@ -127,7 +128,7 @@ static const char *type_names[] = {
     [PROTO_KV_BEGIN_ACK] = "KV_BEGIN_ACK", [PROTO_KV_LAYER] = "KV_LAYER",
     [PROTO_KV_END] = "KV_END",       [PROTO_KV_RESULT] = "KV_RESULT",
     [PROTO_KV_ABORT] = "KV_ABORT",   [PROTO_ROLE] = "ROLE",
-    [PROTO_MIGRATE] = "MIGRATE",
+    [PROTO_MIGRATE] = "MIGRATE",     [PROTO_BUNDLE] = "BUNDLE",
 };
 
 static int type_valid(int t)
@@ -627,17 +628,25 @@ int proto_decode(const void *buf, size_t len, proto_msg *m, char *err, size_t er
     m->type = (proto_type_t)type;
     uint64_t bit = T(m->type);
     unsigned char seen[N_FIELDS] = {0}; /* fields decoded (a duplicate key is refused) */
+    /* Keys are unique in the table and the encoder writes them in table order, so the
+     * search for a key starts after the field found last and wraps: a header from
+     * proto_encode costs one pass over the table, any other order is still found. */
+    size_t hint = 0;
     for (uint32_t i = 0; i < map->size; i++) {
         const msgpack_object *k = &map->ptr[i].key;
         if (k->type != MSGPACK_OBJECT_STR) {
             fail(err, errlen, "%s: non-string key", proto_type_str(m->type));
             goto done;
         }
-        for (size_t fi = 0; fi < N_FIELDS; fi++) {
+        if (k->via.str.size == 1 && (k->via.str.ptr[0] == 't' || k->via.str.ptr[0] == 'v'))
+            continue; /* type and version, read above (no field has a 1-letter key) */
+        for (size_t step = 0; step < N_FIELDS; step++) {
+            size_t fi = hint + step < N_FIELDS ? hint + step : hint + step - N_FIELDS;
             const field_t *f = &fields[fi];
-            if (strlen(f->key) != k->via.str.size ||
+            if (f->key_len != k->via.str.size || f->key[0] != k->via.str.ptr[0] ||
                 memcmp(f->key, k->via.str.ptr, k->via.str.size) != 0)
                 continue;
+            hint = fi + 1 < N_FIELDS ? fi + 1 : 0;
             if (!(f->allowed & bit))
                 break; /* a key this type does not use: ignore */
             if (seen[fi]) {

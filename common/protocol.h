@@ -15,7 +15,7 @@
  *
  * Sockets (see DESIGN.md):
  *   ctl: gateway ROUTER <-> worker DEALER: REGISTER, REGISTER_ACK, HEARTBEAT, PREFILL, CANCEL,
- *        TOKENS, FINISH, ERROR, BYE, ROLE.
+ *        TOKENS, FINISH, ERROR, BYE, ROLE, MIGRATE, BUNDLE (TOKENS and FINISH).
  *   kv:  decode worker ROUTER <-> prefill worker DEALER: KV_BEGIN, KV_BEGIN_ACK, KV_LAYER,
  *        KV_END, KV_RESULT, KV_ABORT (state machine in docs/kvtransfer.md).
  */
@@ -28,6 +28,7 @@
 #define PROTO_VERSION 1
 #define PROTO_MAX_TOKENS 65536     /* token ids in one message */
 #define PROTO_MAX_FRAMES 4096      /* payload frames in one message */
+#define PROTO_BUNDLE_MAX 256       /* messages in one BUNDLE (at most PROTO_MAX_FRAMES) */
 #define PROTO_MAX_HEADER 1048576   /* bytes of one msgpack header */
 #define PROTO_ID_LEN 64            /* worker ids, NUL included */
 #define PROTO_ENDPOINT_LEN 256     /* ZeroMQ endpoints, NUL included */
@@ -50,6 +51,10 @@ typedef enum {
     PROTO_ROLE,          /* gateway -> worker: change to role (drain, switch, REGISTER again) */
     PROTO_MIGRATE,       /* gateway -> decode worker: move running request rid to decode
                           * worker dw at dep over the kv socket (live migration) */
+    PROTO_BUNDLE,        /* worker -> gateway: several TOKENS / FINISH messages of one loop
+                          * iteration in one ZeroMQ message, each a whole header as a payload
+                          * frame, in order (PROTO_BUNDLE_MAX); no field of its own. Cuts
+                          * the per-message cost of continuous batching (docs/protocol.md) */
     PROTO_KV_BEGIN = 32, /* prefill -> decode: reserve KV for a request */
     PROTO_KV_BEGIN_ACK,  /* decode -> prefill: ok, or rejected (code, message) */
     PROTO_KV_LAYER,      /* prefill -> decode: one layer's KV blocks as payload frames */

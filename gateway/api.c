@@ -3,6 +3,7 @@
  * in "code" (invalid_type, invalid_value, missing_required_parameter, ...). */
 #include "api.h"
 
+#include <inttypes.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdarg.h>
@@ -92,6 +93,7 @@ void api_request_free(api_request *r)
 {
     free(r->model);
     free(r->prompt);
+    free(r->prompt_ids);
     for (int i = 0; i < r->n_stop; i++)
         free(r->stop[i]);
     memset(r, 0, sizeof(*r));
@@ -200,6 +202,37 @@ static char *dup_n(const char *s, size_t n)
 
 // --- prompt / messages
 
+/* A token-id prompt: a non-empty array of integers in [0, API_MAX_TOKEN_ID]. 1 if v is one
+ * (r->prompt_ids set), 0 if v is not an array of integers, -1 with e set. */
+static int parse_prompt_ids(json_t *v, api_request *r, api_error *e)
+{
+    size_t n = json_array_size(v);
+    if (n == 0 || !json_is_integer(json_array_get(v, 0)))
+        return 0;
+    if (n > API_MAX_PROMPT_IDS)
+        return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
+                             "'prompt' holds %zu token ids; at most %d are accepted.", n,
+                             API_MAX_PROMPT_IDS);
+    int *ids = malloc(n * sizeof(int));
+    if (!ids)
+        return api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        json_t *t = json_array_get(v, i);
+        json_int_t id = json_is_integer(t) ? json_integer_value(t) : -1;
+        if (id < 0 || id > API_MAX_TOKEN_ID) {
+            free(ids);
+            return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
+                                 "'prompt' as token ids must hold integers in [0, %d]; "
+                                 "element %zu is not one.",
+                                 API_MAX_TOKEN_ID, i);
+        }
+        ids[i] = (int)id;
+    }
+    r->prompt_ids = ids;
+    r->n_prompt_ids = (int)n;
+    return 1;
+}
+
 static int parse_prompt(json_t *root, api_request *r, api_error *e)
 {
     json_t *v = field(root, "prompt");
@@ -207,16 +240,22 @@ static int parse_prompt(json_t *root, api_request *r, api_error *e)
         return api_error_set(e, 400, INVALID, "prompt", "missing_required_parameter",
                              "Missing required parameter: 'prompt'.");
     if (json_is_array(v)) {
+        int rc = parse_prompt_ids(v, r, e); /* [ids] */
+        if (rc)
+            return rc < 0 ? -1 : 0;
         if (json_array_size(v) != 1)
             return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
-                                 "'prompt' as an array must hold exactly one string "
-                                 "(batched prompts are not supported), got %zu elements.",
+                                 "'prompt' as an array must hold exactly one string or one "
+                                 "array of token ids (batched prompts are not supported), "
+                                 "got %zu elements.",
                                  json_array_size(v));
         v = json_array_get(v, 0);
+        if (json_is_array(v) && (rc = parse_prompt_ids(v, r, e)) != 0) /* [[ids]] */
+            return rc < 0 ? -1 : 0;
         if (!json_is_string(v))
             return api_error_set(e, 400, INVALID, "prompt", "invalid_type",
-                                 "'prompt' must be a string or an array of one string "
-                                 "(token-id prompts are not supported).");
+                                 "'prompt' must be a string, an array of token ids, or an "
+                                 "array of one of these.");
     }
     if (!json_is_string(v))
         return type_error(e, "prompt", "a string", v);
@@ -523,7 +562,7 @@ int api_check_model(const api_request *r, const char *served_model, api_error *e
 int api_check_length(api_request *r, int n_prompt, int n_ctx, api_error *err)
 {
     const char *pkey = r->kind == API_CHAT ? "messages" : "prompt";
-    if (r->prompt_len == 0 || n_prompt <= 1)
+    if (r->prompt_ids ? n_prompt < 1 : (r->prompt_len == 0 || n_prompt <= 1))
         return api_error_set(err, 400, INVALID, pkey, "invalid_value",
                              "The prompt must not be empty.");
     if (n_prompt >= n_ctx)
@@ -642,6 +681,85 @@ char *api_format_chunk(const api_response_info *info, const char *text, size_t l
     if (root && info->include_usage)
         json_object_set_new(root, "usage", json_null());
     return dump(root);
+}
+
+// --- content chunks without jansson (the per-token path of streaming)
+
+/* Append s (n bytes of valid UTF-8) as a JSON string, quotes included, escaped exactly as
+ * json_dumps does with no flags: \" \\ \b \f \n \r \t, other bytes below 0x20 as
+ * \u00XX (upper-case hex), everything else as is. dst has room for 6 n + 2 bytes. */
+static char *put_json_string(char *dst, const char *s, size_t n)
+{
+    static const char hex[] = "0123456789ABCDEF";
+    *dst++ = '"';
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)s[i];
+        if (ch >= 0x20 && ch != '"' && ch != '\\') {
+            *dst++ = (char)ch;
+            continue;
+        }
+        *dst++ = '\\';
+        switch (ch) {
+        case '"': *dst++ = '"'; break;
+        case '\\': *dst++ = '\\'; break;
+        case '\b': *dst++ = 'b'; break;
+        case '\f': *dst++ = 'f'; break;
+        case '\n': *dst++ = 'n'; break;
+        case '\r': *dst++ = 'r'; break;
+        case '\t': *dst++ = 't'; break;
+        default:
+            memcpy(dst, "u00", 3);
+            dst[3] = hex[ch >> 4];
+            dst[4] = hex[ch & 15];
+            dst += 5;
+        }
+    }
+    *dst++ = '"';
+    return dst;
+}
+
+static char *put(char *dst, const char *s, size_t n)
+{
+    memcpy(dst, s, n);
+    return dst + n;
+}
+#define PUT_LIT(d, lit) put(d, lit, sizeof(lit) - 1)
+
+size_t api_text_chunk_bound(const api_response_info *info, size_t len)
+{
+    size_t st = info->service_tier ? strlen(info->service_tier) : 0;
+    return 192 + 6 * (strlen(info->id) + strlen(info->model) + st + len);
+}
+
+size_t api_format_text_chunk(const api_response_info *info, const char *text, size_t len,
+                             char *out)
+{
+    if (!api_utf8_valid(text, len))
+        return 0;
+    int chat = info->kind == API_CHAT;
+    char *d = out;
+    d = PUT_LIT(d, "{\"id\":");
+    d = put_json_string(d, info->id, strlen(info->id));
+    d = chat ? PUT_LIT(d, ",\"object\":\"chat.completion.chunk\",\"created\":")
+             : PUT_LIT(d, ",\"object\":\"text_completion\",\"created\":");
+    d += sprintf(d, "%" PRId64, info->created);
+    d = PUT_LIT(d, ",\"model\":");
+    d = put_json_string(d, info->model, strlen(info->model));
+    d = chat ? PUT_LIT(d, ",\"choices\":[{\"index\":0,\"delta\":{\"content\":")
+             : PUT_LIT(d, ",\"choices\":[{\"index\":0,\"text\":");
+    d = put_json_string(d, text, len);
+    if (chat)
+        *d++ = '}';
+    d = PUT_LIT(d, ",\"logprobs\":null,\"finish_reason\":null}]");
+    if (info->service_tier) {
+        d = PUT_LIT(d, ",\"service_tier\":");
+        d = put_json_string(d, info->service_tier, strlen(info->service_tier));
+    }
+    if (info->include_usage)
+        d = PUT_LIT(d, ",\"usage\":null");
+    *d++ = '}';
+    *d = 0;
+    return (size_t)(d - out);
 }
 
 char *api_format_usage_chunk(const api_response_info *info, int n_prompt, int n_completion)

@@ -4,7 +4,8 @@
  * api_parse() turns a request body into an api_request or an api_error (HTTP status plus
  * the OpenAI error object fields); api_check_model() and api_check_length() finish the
  * validation once the served model and the prompt's token count are known. The
- * api_format_*() functions build response bodies and SSE chunk payloads with jansson.
+ * api_format_*() functions build response bodies and SSE chunk payloads with jansson,
+ * except api_format_text_chunk (the per-token path), which writes the same bytes directly.
  * Everything here is pure (no globals, no sockets), so the whole validation table is
  * unit-tested at this level (tests/unit/test_gateway_api.c). See docs/api.md for the
  * rules these functions implement.
@@ -17,6 +18,8 @@
 
 #define API_MAX_STOP 4         /* stop strings per request (OpenAI's limit) */
 #define API_MAX_STOP_BYTES 256 /* bytes per stop string */
+#define API_MAX_PROMPT_IDS 1048576 /* token ids of one token-id prompt */
+#define API_MAX_TOKEN_ID 0x7fffffff /* largest id parsed (the vocabulary is checked later) */
 
 typedef enum {
     API_COMPLETIONS = 0, /* POST /v1/completions */
@@ -29,6 +32,10 @@ typedef struct {
     char *model;              /* requested model name; NULL when absent */
     char *prompt;             /* completions: the prompt; chat: the rendered template */
     size_t prompt_len;        /* bytes of prompt (valid UTF-8, no NUL) */
+    int *prompt_ids;          /* completions: a token-id prompt ("prompt": [ids] or [[ids]]),
+                               * used as given (no BOS added, ids >= 0; their range is
+                               * checked against the vocabulary at admission); NULL = text */
+    int n_prompt_ids;         /* ids in prompt_ids (>= 1 when set) */
     int max_tokens;           /* >= 1, or -1 when absent (api_check_length fills it) */
     double temperature;       /* [0, 2]; default 1 */
     double top_p;             /* (0, 1]; default 1 */
@@ -81,7 +88,8 @@ void api_request_free(api_request *r);
  * 404 model_not_found in *err. */
 int api_check_model(const api_request *r, const char *served_model, api_error *err);
 
-/* Check the prompt's token count n_prompt (BOS included) against the context n_ctx (tokens)
+/* Check the prompt's token count n_prompt (BOS included; a token-id prompt: its ids, at
+ * least one) against the context n_ctx (tokens)
  * and settle max_tokens: absent → n_ctx - n_prompt. Returns 0, or -1 with a 400 in *err
  * (empty prompt, prompt >= n_ctx, n_prompt + max_tokens > n_ctx; the message names the
  * numbers). */
@@ -114,6 +122,15 @@ char *api_format_response(const api_response_info *info, const char *text, size_
  * "content":""}. malloc'd; NULL on OOM or invalid UTF-8. */
 char *api_format_chunk(const api_response_info *info, const char *text, size_t len,
                        const char *finish_reason, int role_chunk);
+
+/* The per-token path of streaming: the same payload as api_format_chunk(info, text, len,
+ * NULL, 0), byte for byte, written without jansson or allocation into out, which has room
+ * for api_text_chunk_bound(info, len) bytes (a bound: every string escaped at 6 bytes a
+ * byte, plus the fixed part). NUL-terminated. Returns its length, or 0 when text is not
+ * valid UTF-8 (api_format_chunk's NULL; nothing to send). */
+size_t api_text_chunk_bound(const api_response_info *info, size_t len);
+size_t api_format_text_chunk(const api_response_info *info, const char *text, size_t len,
+                             char *out);
 
 /* The final usage chunk (choices: [], usage: {...}). malloc'd; NULL on OOM. */
 char *api_format_usage_chunk(const api_response_info *info, int n_prompt, int n_completion);

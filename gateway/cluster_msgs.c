@@ -377,6 +377,32 @@ static void handle_error(cluster_t *c, worker_t *w, const proto_msg *m)
     }
 }
 
+/* BUNDLE: the TOKENS and FINISH messages a worker gathered in one loop iteration, each a
+ * header of its own in a payload frame, decoded and validated like a message and handled in
+ * order. Anything else in a bundle is malformed: logged and dropped (the rest is kept). */
+static void handle_bundle(cluster_t *c, worker_t *w, const unsigned char *id, size_t id_len)
+{
+    int n = wire_envelope_n_frames(c->env);
+    for (int i = 0; i < n; i++) {
+        zmq_msg_t *f = wire_envelope_frame(c->env, i);
+        proto_msg m;
+        char err[160];
+        if (proto_decode(zmq_msg_data(f), zmq_msg_size(f), &m, err, sizeof(err)) < 0) {
+            log_warn("dropped message %d of a BUNDLE from '%.*s': %s", i, (int)id_len,
+                     (const char *)id, err);
+            continue;
+        }
+        if (m.type == PROTO_TOKENS)
+            handle_tokens(c, w, &m);
+        else if (m.type == PROTO_FINISH)
+            handle_finish(c, w, &m);
+        else
+            log_warn("dropped %s in a BUNDLE from '%.*s': only TOKENS and FINISH may be bundled",
+                     proto_type_str(m.type), (int)id_len, (const char *)id);
+        proto_msg_clear(&m);
+    }
+}
+
 void cluster_on_ctl(void *sock, void *ud)
 {
     cluster_t *c = ud;
@@ -404,6 +430,9 @@ void cluster_on_ctl(void *sock, void *ud)
         break;
     case PROTO_FINISH:
         handle_finish(c, w, m);
+        break;
+    case PROTO_BUNDLE:
+        handle_bundle(c, w, id, id_len);
         break;
     case PROTO_ERROR:
         handle_error(c, w, m);

@@ -223,10 +223,30 @@ const cluster_callbacks *completion_callbacks(void)
 
 // --- admission
 
-/* Tokenize the prompt (BOS + text). malloc'd ids and their count, or NULL (out of memory,
- * tokenizer failure) with e set. */
+/* Tokenize the prompt (BOS + text; a token-id prompt: its ids, each checked against the
+ * vocabulary). malloc'd ids and their count, or NULL (out of memory, tokenizer failure, an
+ * id out of the vocabulary) with e set. */
 static int *tokenize(const tokenizer_t *tok, const api_request *r, int *n_out, api_error *e)
 {
+    if (r->prompt_ids) {
+        int n = r->n_prompt_ids, vocab = tokenizer_vocab_size(tok);
+        for (int i = 0; i < n; i++)
+            if (r->prompt_ids[i] >= vocab) {
+                api_error_set(e, 400, "invalid_request_error", "prompt", "invalid_value",
+                              "token id %d (element %d of 'prompt') is not in the model's "
+                              "vocabulary of %d tokens.",
+                              r->prompt_ids[i], i, vocab);
+                return NULL;
+            }
+        int *ids = malloc((size_t)n * sizeof(int));
+        if (!ids) {
+            api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+            return NULL;
+        }
+        memcpy(ids, r->prompt_ids, (size_t)n * sizeof(int));
+        *n_out = n;
+        return ids;
+    }
     int cap = (int)r->prompt_len + 8, needed = 0;
     int *tokens = malloc((size_t)cap * sizeof(int));
     if (!tokens) {

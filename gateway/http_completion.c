@@ -21,6 +21,7 @@
 #include <event2/keyvalq_struct.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/socket.h>
 
 #include "http_internal.h"
@@ -39,6 +40,7 @@ typedef struct gw_req {
     int charged;            /* tokens taken from key's tokens/s bucket, not yet settled */
     int max_tokens;         /* of the request, as charged */
     int retry_after_s;      /* admit refused the request: its Retry-After */
+    struct evbuffer *sse;   /* streaming: the buffer each event goes out through (or NULL) */
 } gw_req;
 
 // --- the key's tokens/s limit
@@ -90,27 +92,55 @@ static void req_free(void *ud)
         evhttp_connection_set_closecb(g->conn, NULL, NULL);
     if (g->close_ev)
         event_free(g->close_ev);
+    if (g->sse)
+        evbuffer_free(g->sse);
     free(g);
+}
+
+/* One SSE event "data: <payload>\n\n" of n bytes, already formatted, as one HTTP chunk:
+ * one evbuffer add into the request's own buffer (made once per request), which
+ * evhttp_send_reply_chunk empties by moving its contents to the connection. */
+static void sse_send_event(gw_req *g, const char *event, size_t n)
+{
+    if (!g->sse && !(g->sse = evbuffer_new()))
+        return;
+    if (evbuffer_add(g->sse, event, n) == 0)
+        evhttp_send_reply_chunk(g->req, g->sse);
+    evbuffer_drain(g->sse, evbuffer_get_length(g->sse)); /* (left over only on failure) */
 }
 
 static void sse_send(gw_req *g, const char *payload)
 {
-    struct evbuffer *b = evbuffer_new();
-    if (!b)
+    size_t n = strlen(payload);
+    char stack[2048], *ev = n + 9 <= sizeof(stack) ? stack : malloc(n + 9);
+    if (!ev)
         return;
-    evbuffer_add_printf(b, "data: %s\n\n", payload);
-    evhttp_send_reply_chunk(g->req, b);
-    evbuffer_free(b);
+    memcpy(ev, "data: ", 6);
+    memcpy(ev + 6, payload, n);
+    memcpy(ev + 6 + n, "\n\n", 2);
+    sse_send_event(g, ev, n + 8);
+    if (ev != stack)
+        free(ev);
 }
 
-/* Streaming: one chunk of text. */
+/* Streaming: one chunk of text, the per-token path: formatted straight into one buffer
+ * (api_format_text_chunk: the bytes api_format_chunk gives, without jansson), on the
+ * stack unless the text is long. */
 static void sink_text(void *ud, const completion_t *c, const char *text, size_t len)
 {
     api_response_info info = completion_info(c);
-    char *chunk = api_format_chunk(&info, text, len, NULL, 0);
-    if (chunk)
-        sse_send(ud, chunk);
-    free(chunk);
+    size_t cap = api_text_chunk_bound(&info, len) + 8;
+    char stack[4096], *ev = cap <= sizeof(stack) ? stack : malloc(cap);
+    if (!ev)
+        return;
+    memcpy(ev, "data: ", 6);
+    size_t n = api_format_text_chunk(&info, text, len, ev + 6);
+    if (n) { /* 0: not valid UTF-8, nothing to send (as api_format_chunk's NULL) */
+        memcpy(ev + 6 + n, "\n\n", 2);
+        sse_send_event(ud, ev, n + 8);
+    }
+    if (ev != stack)
+        free(ev);
 }
 
 /* Streaming: a client that reads slower than we generate has its answer ended here rather

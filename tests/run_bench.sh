@@ -12,7 +12,9 @@
 # -n N` (N = 128, 32 for the 1B-class models) per model and per thread count of
 # PEER_THREADS (default: the CPUs available), medians, and the ratio tidepool/llama.cpp;
 # then aggregate decode at batch 1, 8 and 32 side by side with llama-batched-bench
-# (peer_batched below).
+# (peer_batched below). Last, with LLAMA_CPP_DIR, the serving benchmark: tidepool-bench
+# against a local tidepool and llama-server at 1, 16 and 64 streams
+# (tools/bench/serve-peer.sh, its settings there).
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -167,4 +169,17 @@ for b in "$BUILD"/tests/bench_*; do
     esac
     echo "== $name: $((SECONDS - t0)) s"
 done
+# The serving benchmark against llama-server (tools/bench/serve-peer.sh; filter "serve").
+case serve in *"$filter"*)
+    echo "== serve-peer"
+    t0=$SECONDS
+    if [ -n "${LLAMA_CPP_DIR:-}" ]; then
+        [ -f "$MODELS/stories260K.gguf" ] || make --no-print-directory BUILD="$BUILD" model >/dev/null
+        BUILD=$BUILD tools/bench/serve-peer.sh || status=1
+    else
+        echo "serving peer: skipped (set LLAMA_CPP_DIR to a llama.cpp build with llama-server)"
+    fi
+    echo "== serve-peer: $((SECONDS - t0)) s"
+    ;;
+esac
 exit $status

@@ -34,6 +34,7 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "tokenizer.h"
 
 #include "bench.h"
 #include "bench_args.h"
@@ -288,6 +289,30 @@ static int bench_check_args(bench *b)
     }
     size_t n = strlen(a->endpoint);
     b->chat = n >= 16 && strcmp(a->endpoint + n - 16, "chat/completions") == 0;
+    if (a->prompt_tokenizer && b->chat) {
+        fprintf(stderr, "tidepool-bench: --prompt-tokenizer needs the completions endpoint "
+                        "(chat messages are text)\n");
+        return -1;
+    }
+    return 0;
+}
+
+static tokenizer_t *prompt_tok; /* --prompt-tokenizer's, NULL without it */
+
+/* bench_args.tokenize for --prompt-tokenizer: BOS + the text's ids, as the gateway
+ * tokenizes a text prompt. */
+static int bench_tokenize(void *ctx, const char *text, size_t len, int **ids, size_t *n)
+{
+    const tokenizer_t *tok = ctx;
+    int cap = (int)len + 8, needed = 0; /* a token spells at least one byte */
+    int *out = malloc((size_t)cap * sizeof(int));
+    int k = out ? tokenizer_encode(tok, text, len, 1, out, cap, &needed) : -1;
+    if (k < 0) {
+        free(out);
+        return -1;
+    }
+    *ids = out;
+    *n = (size_t)k;
     return 0;
 }
 
@@ -369,6 +394,17 @@ int main(int argc, char **argv)
             goto out;
         }
     }
+    if (b->a.prompt_tokenizer) {
+        char err[512];
+        prompt_tok = tokenizer_load(b->a.prompt_tokenizer, err, sizeof(err));
+        if (!prompt_tok) {
+            fprintf(stderr, "tidepool-bench: --prompt-tokenizer %s: %s\n", b->a.prompt_tokenizer,
+                    err);
+            goto out;
+        }
+        b->a.tokenize = bench_tokenize;
+        b->a.tokenize_ctx = prompt_tok;
+    }
     b->model = b->a.model ? strdup(b->a.model) : bench_fetch_model(b);
     if (!b->model)
         goto out;
@@ -437,6 +473,7 @@ int main(int argc, char **argv)
         exit_code = 1;
 out:
     bench_free(b);
+    tokenizer_destroy(&prompt_tok);
     libevent_global_shutdown();
     return exit_code;
 }

@@ -8,7 +8,8 @@
  * (timeout 0 while a role has work, else until the next heartbeat or timer), handle
  * everything that arrived, then run one step of each attached role (prefill first). A
  * step never waits on the network: sends use ZMQ_DONTWAIT and a full or disconnected
- * socket drops the message with a log line.
+ * socket drops the message with a log line. TOKENS and FINISH are gathered during an
+ * iteration and go out as one BUNDLE before the next poll (runtime_flush_bundle).
  */
 #include "runtime.h"
 
@@ -48,6 +49,7 @@ static void roles_update(runtime_t *rt)
  * without ZMQ_DONTWAIT, so check ZMQ_POLLOUT (a connected pipe with room) first. */
 static int ctl_send(runtime_t *rt, const proto_msg *m)
 {
+    runtime_flush_bundle(rt); /* what was gathered goes first */
     int ev = 0;
     size_t sz = sizeof(ev);
     if (zmq_getsockopt(rt->ctl, ZMQ_EVENTS, &ev, &sz) < 0 || !(ev & ZMQ_POLLOUT)) {
@@ -75,6 +77,87 @@ static void set_timing(proto_msg *m, const runtime_timing *t)
     m->step_us = t->step_us > 0 ? t->step_us : 0;
 }
 
+/* The ctl DEALER can take a message now (a connected pipe with room): wire_send() sends a
+ * DEALER's first frame without ZMQ_DONTWAIT. */
+static int ctl_writable(runtime_t *rt)
+{
+    int ev = 0;
+    size_t sz = sizeof(ev);
+    return zmq_getsockopt(rt->ctl, ZMQ_EVENTS, &ev, &sz) == 0 && (ev & ZMQ_POLLOUT);
+}
+
+void runtime_flush_bundle(runtime_t *rt)
+{
+    int n = rt->n_bundle;
+    if (n == 0)
+        return;
+    rt->n_bundle = 0;
+    const unsigned char *b = rt->bundle_buf;
+    const size_t *off = rt->bundle_off;
+    int rc = -1;
+    if (!ctl_writable(rt)) {
+        errno = EAGAIN;
+    } else if (n == 1) {
+        rc = zmq_send(rt->ctl, b, off[1], ZMQ_DONTWAIT) < 0 ? -1 : 0;
+    } else {
+        /* a BUNDLE header, then each message as a frame; after the first frame ZeroMQ
+         * takes the rest of a multipart message whole */
+        char hdr[64];
+        const void *h;
+        size_t hlen;
+        void *heap;
+        proto_msg m;
+        proto_msg_init(&m, PROTO_BUNDLE);
+        m.ts_us = proto_wall_us();
+        if (proto_encode_buf(&m, hdr, sizeof(hdr), &h, &hlen, &heap) == 0 &&
+            zmq_send(rt->ctl, h, hlen, ZMQ_DONTWAIT | ZMQ_SNDMORE) == (int)hlen) {
+            rc = 0;
+            for (int i = 0; i < n && rc == 0; i++)
+                if (zmq_send(rt->ctl, b + off[i], off[i + 1] - off[i],
+                             i + 1 < n ? ZMQ_SNDMORE : 0) < 0)
+                    rc = -1;
+        }
+        free(heap);
+    }
+    if (rc < 0)
+        log_warn("%d TOKENS/FINISH message%s to the gateway dropped: %s", n, n > 1 ? "s" : "",
+                 zmq_strerror(errno));
+}
+
+/* Gather m for the next runtime_flush_bundle (a full bundle is flushed first). */
+static void bundle_add(runtime_t *rt, const proto_msg *m)
+{
+    char stack[1024];
+    const void *h;
+    size_t hlen;
+    void *heap;
+    if (proto_encode_buf(m, stack, sizeof(stack), &h, &hlen, &heap) < 0) {
+        log_rwarn(m->rid, "%s to the gateway not encoded: dropped", proto_type_str(m->type));
+        return;
+    }
+    if (rt->n_bundle == PROTO_BUNDLE_MAX)
+        runtime_flush_bundle(rt);
+    size_t used = rt->n_bundle ? rt->bundle_off[rt->n_bundle] : 0;
+    if (used + hlen > rt->bundle_cap) {
+        size_t cap = rt->bundle_cap ? rt->bundle_cap : 16384;
+        while (cap < used + hlen)
+            cap *= 2;
+        unsigned char *nb = realloc(rt->bundle_buf, cap);
+        if (!nb) {
+            free(heap);
+            log_rwarn(m->rid, "%s to the gateway dropped: out of memory",
+                      proto_type_str(m->type));
+            return;
+        }
+        rt->bundle_buf = nb;
+        rt->bundle_cap = cap;
+    }
+    memcpy(rt->bundle_buf + used, h, hlen);
+    free(heap);
+    rt->bundle_off[rt->n_bundle] = used;
+    rt->bundle_off[++rt->n_bundle] = used + hlen;
+}
+
 void runtime_send_tokens(runtime_t *rt, uint64_t rid, int index, const int *tokens, int n,
                          uint64_t rng, const runtime_timing *t)
 {
@@ -87,7 +170,14 @@ void runtime_send_tokens(runtime_t *rt, uint64_t rid, int index, const int *toke
     m.n_tokens = n;
     m.ts_us = proto_wall_us();
     set_timing(&m, t);
-    ctl_send_logged(rt, &m);
+    /* The first token goes at once (after what was gathered): it is the TTFT, and a
+     * prefill worker's must reach the gateway before the decode worker, which gets it in
+     * KV_END right after this, reports its own tokens (else the request could end first
+     * and this message, with its prefill timing, would come for a finished request). */
+    if (index == 0)
+        ctl_send_logged(rt, &m);
+    else
+        bundle_add(rt, &m);
 }
 
 void runtime_send_finish(runtime_t *rt, uint64_t rid, int reason, const runtime_timing *t)
@@ -98,7 +188,7 @@ void runtime_send_finish(runtime_t *rt, uint64_t rid, int reason, const runtime_
     m.reason = reason;
     m.ts_us = proto_wall_us();
     set_timing(&m, t);
-    ctl_send_logged(rt, &m);
+    bundle_add(rt, &m);
     log_rdebug(rid, "finished (%s)", reason == PROTO_FINISH_STOP ? "stop" : "length");
 }
 
@@ -556,7 +646,13 @@ void runtime_close(runtime_t *rt, int fast)
     decode_role_ops.detach(&rt->decode);
     roles_update(rt);
     kvx_sender_destroy(&rt->sender);
+    if (rt->ctl && !fast)
+        runtime_flush_bundle(rt);
     ctl_close(rt, fast ? 0 : CTL_LINGER_MS);
+    free(rt->bundle_buf);
+    rt->bundle_buf = NULL;
+    rt->bundle_cap = 0;
+    rt->n_bundle = 0;
     wire_envelope_destroy(&rt->env);
     curve_zap_stop(&rt->zap); /* before the context: its socket would hold it */
     if (rt->zctx)
@@ -644,6 +740,7 @@ int runtime_run(runtime_t *rt)
             if (timeout > 0)
                 timeout = min_timeout(timeout, kvx_sender_next_timeout_ms(rt->sender));
         }
+        runtime_flush_bundle(rt); /* this iteration's TOKENS and FINISH: one message */
         if (zmq_poll(items, n, timeout) < 0) {
             if (zmq_errno() == EINTR)
                 continue;

@@ -152,6 +152,13 @@ struct runtime {
     int64_t health_us;    /* last write of the health file (--health-file; 0 = none yet) */
     char health_last[64]; /* its state line then (rewritten early when it changes) */
     int health_err;       /* a write failed (logged once) */
+    /* TOKENS and FINISH of this loop iteration, encoded, sent as one BUNDLE before the
+     * next poll (or before any other ctl message, which keeps the order): headers back to
+     * back in bundle_buf, message i at [bundle_off[i], bundle_off[i + 1]) */
+    unsigned char *bundle_buf;
+    size_t bundle_cap;
+    size_t bundle_off[PROTO_BUNDLE_MAX + 1];
+    int n_bundle;
 };
 
 /* Durations a worker reports with a request's TOKENS or FINISH (proto_msg queue_us,
@@ -163,6 +170,9 @@ typedef struct {
 } runtime_timing;
 
 // --- messages to the gateway (each logs and drops when the ctl socket cannot take it)
+// TOKENS and FINISH are gathered and go out together, as one BUNDLE, before the loop polls
+// again (runtime_flush_bundle): one ZeroMQ message per decode step, not one per sequence.
+// TOKENS at index 0 (a request's first token) go at once, after what was gathered.
 
 /* TOKENS: generated tokens [index, index + n) of request rid (borrowed), the sampler state
  * rng after the last of them (so that a re-run elsewhere continues the same random stream),
@@ -171,6 +181,11 @@ void runtime_send_tokens(runtime_t *rt, uint64_t rid, int index, const int *toke
                          uint64_t rng, const runtime_timing *t);
 /* FINISH with reason PROTO_FINISH_STOP or _LENGTH and durations t (NULL: none). */
 void runtime_send_finish(runtime_t *rt, uint64_t rid, int reason, const runtime_timing *t);
+/* Send the gathered TOKENS and FINISH now: one alone as itself, several as one BUNDLE (its
+ * frames in the order they were gathered). The loop calls it before every poll, and every
+ * other message to the gateway flushes first. A full or disconnected socket drops them
+ * (logged, as for every ctl message). */
+void runtime_flush_bundle(runtime_t *rt);
 /* ERROR: code PROTO_ERR_*, retry 1 when the gateway may re-run the request elsewhere; msg
  * is copied (cut at PROTO_MESSAGE_LEN). */
 void runtime_send_error(runtime_t *rt, uint64_t rid, int code, int retry, const char *msg);

@@ -6,8 +6,9 @@
  * Input: byte 0 picks the endpoint (bit 0) and the figures given to api_check_length; the
  * rest is the body. Properties: every error has a 4xx status, a type, and an error body
  * that is valid JSON whose message is the error's (never the "out of memory" fallback);
- * a parsed request's prompt is valid UTF-8 of prompt_len bytes and formats into a
- * response and a chunk.
+ * a parsed request's prompt is valid UTF-8 of prompt_len bytes (or token ids, none
+ * negative) and formats into a response and a chunk, and api_format_text_chunk gives that
+ * chunk's bytes exactly.
  */
 #include <jansson.h>
 #include <stdlib.h>
@@ -50,6 +51,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         check_error(&e);
         return 0;
     }
+    if (r.prompt_ids) { /* a token-id prompt: ids only, at least one, none negative */
+        FUZZ_CHECK(r.prompt == NULL && r.prompt_len == 0 && r.n_prompt_ids >= 1);
+        for (int i = 0; i < r.n_prompt_ids; i++)
+            FUZZ_CHECK(r.prompt_ids[i] >= 0);
+        r.prompt = strdup("ids"); /* the text the rest formats (freed by api_request_free) */
+        FUZZ_CHECK(r.prompt != NULL);
+        r.prompt_len = 3;
+    }
     FUZZ_CHECK(r.prompt != NULL && strlen(r.prompt) == r.prompt_len);
     FUZZ_CHECK(api_utf8_valid(r.prompt, r.prompt_len));
     FUZZ_CHECK(r.n_stop >= 0 && r.n_stop <= API_MAX_STOP);
@@ -72,6 +81,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     free(s);
     s = api_format_chunk(&info, r.prompt, r.prompt_len, NULL, kind == API_CHAT);
     FUZZ_CHECK(s != NULL);
+    free(s);
+    /* the per-token formatter gives api_format_chunk's bytes exactly */
+    s = api_format_chunk(&info, r.prompt, r.prompt_len, NULL, 0);
+    char *fast = malloc(api_text_chunk_bound(&info, r.prompt_len));
+    FUZZ_CHECK(s != NULL && fast != NULL);
+    size_t n = api_format_text_chunk(&info, r.prompt, r.prompt_len, fast);
+    FUZZ_CHECK(n == strlen(s) && memcmp(fast, s, n + 1) == 0);
+    free(fast);
     free(s);
     api_request_free(&r);
     return 0;

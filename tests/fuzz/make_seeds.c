@@ -123,6 +123,8 @@ static int sample(proto_type_t t, proto_msg *m)
     case PROTO_ROLE:
         m->role = PROTO_ROLE_MIXED;
         break;
+    case PROTO_BUNDLE: /* no field of its own; the wire seed adds its frames */
+        break;
     case PROTO_KV_BEGIN:
         m->xfer = 7;
         m->fingerprint = 0x0123456789abcdefull;
@@ -207,6 +209,18 @@ static void seeds_protocol(void)
             memset(w + k, 0x40 + f, 16);
             k += 16;
         }
+        for (int f = 0; t == PROTO_BUNDLE && f < 2; f++) { /* a TOKENS and a FINISH */
+            proto_msg in;
+            unsigned char *fb;
+            size_t fn;
+            sample(f ? PROTO_FINISH : PROTO_TOKENS, &in);
+            if (proto_encode(&in, &fb, &fn) != 0 || k + fn + 2 > sizeof(w))
+                exit(1);
+            w[k++] = (unsigned char)(fn & 0xff), w[k++] = (unsigned char)(fn >> 8);
+            memcpy(w + k, fb, fn);
+            k += fn;
+            free(fb);
+        }
         put("wire", name, w, k);
         free(b);
     }
@@ -243,6 +257,7 @@ static void seeds_api(void)
         {1, "chat-bad-role", "{\"messages\":[{\"role\":\"wizard\",\"content\":\"x\"}]}"},
         {1, "chat-empty", "{\"messages\":[]}"},
         {1, "not-object", "[1,2,3]"},
+        {0, "completion-tokens-nested", "{\"prompt\":[[1,403,2,0]],\"stream\":true}"},
     };
     for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
         put_mode("api", b[i].name, b[i].chat | (int)(i % 8) << 1, b[i].body);

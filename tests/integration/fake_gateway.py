@@ -120,7 +120,7 @@ def mp_unpack(b):
 # --- protocol constants (common/protocol.h)
 
 REGISTER, REGISTER_ACK, HEARTBEAT, PREFILL, CANCEL, TOKENS, FINISH, ERROR, BYE = range(1, 10)
-ROLE, MIGRATE = 10, 11
+ROLE, MIGRATE, BUNDLE = 10, 11, 12
 NAMES = {1: "REGISTER", 2: "REGISTER_ACK", 3: "HEARTBEAT", 4: "PREFILL", 5: "CANCEL",
          6: "TOKENS", 7: "FINISH", 8: "ERROR", 9: "BYE"}
 
@@ -151,6 +151,7 @@ class Gateway:
         self.workers = {}   # wid -> REGISTER fields
         self.heartbeats = {}
         self.events = []    # (wid, msg) of TOKENS/FINISH/ERROR/BYE
+        self.n_bundled = 0  # TOKENS / FINISH that came in a BUNDLE
         self.next_rid = 100
         self.ack = True
 
@@ -188,6 +189,16 @@ class Gateway:
                 self.heartbeats[wid] = m
                 if wid not in self.workers:
                     self.send(wid, {"t": BYE, "wid": wid})
+            elif t == BUNDLE:  # a loop iteration's TOKENS / FINISH, one per frame, in order
+                if len(frames) < 4:
+                    raise AssertionError("BUNDLE from %s with %d message(s): one goes alone"
+                                         % (wid, len(frames) - 2))
+                for f in frames[2:]:
+                    b = mp_unpack(f)
+                    if b["t"] not in (TOKENS, FINISH):
+                        raise AssertionError("%s in a BUNDLE from %s" % (b["t"], wid))
+                    self.events.append((wid, b))
+                    self.n_bundled += 1
             else:
                 self.events.append((wid, m))
 
@@ -325,6 +336,9 @@ def case_batch_disagg(g):
         eq(err, None, "error rid %d" % rid)
         eq(ids, CONTINUATION[:n], "tokens rid %d" % rid)
         eq(reason, 2, "reason rid %d" % rid)
+    # sequences decoded in one step report in one BUNDLE (one message per step)
+    if g.n_bundled == 0:
+        raise AssertionError("12 sequences decoded together, yet no TOKENS came in a BUNDLE")
     kv_free_back(g, "d0")
     kv_free_back(g, "p0")
 

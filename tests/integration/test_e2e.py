@@ -97,6 +97,26 @@ class GreedyReference(unittest.TestCase):
             self.assertEqual(texts[0], texts[1])
             self.assertNotEqual(texts[0], texts[2])
 
+    def test_token_id_prompt(self):
+        """A prompt given as token ids (BOS + "Once upon a time", as the gateway tokenizes
+        the text) gives the text prompt's answer, streamed too; an id outside the
+        vocabulary is a 400 naming it."""
+        ids = [1, 403, 407, 261, 378]
+        with Cluster(roles=("mixed",)) as c:
+            for prompt in (ids, [ids]):
+                status, body = c.complete(prompt, max_tokens=48)
+                self.assertEqual(status, 200, body)
+                self.assertEqual(body["choices"][0]["text"], REF["Once upon a time"])
+                self.assertEqual(body["usage"]["prompt_tokens"], 5)
+            status, text, _, done = c.stream_text(ids, max_tokens=48)
+            self.assertEqual((status, text, done), (200, REF["Once upon a time"], True))
+            status, body = c.complete([1, 403, 512], max_tokens=4)
+            self.assertEqual(status, 400, body)
+            self.assertEqual(body["error"]["param"], "prompt")
+            self.assertEqual(body["error"]["message"],
+                             "token id 512 (element 2 of 'prompt') is not in the model's "
+                             "vocabulary of 512 tokens.")
+
     def test_stop_string(self):
         with Cluster(roles=("prefill", "decode")) as c:
             status, body = c.complete("Once upon a time", max_tokens=48, stop=["Lily"])

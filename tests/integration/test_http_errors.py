@@ -433,6 +433,7 @@ except ImportError:  # pragma: no cover
     zmq = None
 
 REGISTER, REGISTER_ACK, HEARTBEAT, PREFILL, CANCEL, TOKENS, FINISH, ERROR, BYE = range(1, 10)
+BUNDLE = 12
 BYTE0 = 3  # llama2.c vocabularies: <0x00>..<0xFF> are ids 3..258
 
 
@@ -530,6 +531,12 @@ class FakeWorker:
         self.send(REGISTER, wid=self.wid, role=3, kvep="", fp=self.fp, pid=os.getpid(),
                   n_ctx=N_CTX,
                   bs=16, max_seqs=8, kv_total=1000, kv_free=1000)
+
+    def send_bundle(self, frames):
+        """A BUNDLE: its own header, then each message (a dict, or raw bytes) as a frame."""
+        self.sock.send_multipart([mp_pack({"t": BUNDLE, "v": 1})] +
+                                 [f if isinstance(f, bytes) else mp_pack(dict(f, v=1))
+                                  for f in frames])
 
     def heartbeat(self):
         self.send(HEARTBEAT, wid=self.wid, role=3, state=1, running=0, queued=0, qtok=0,
@@ -669,6 +676,30 @@ class FakeWorkerTest(unittest.TestCase):
         a.send(TOKENS, rid=rid, index=3, tokens=ids_of("zz"))
         a.send(FINISH, rid=rid, reason=1)
         self.assertEqual(self.gw.request("GET", "/health")[0], 200)
+
+    def test_bundle_frames_are_validated_one_by_one(self):
+        """A BUNDLE's frames are handled in order, each decoded like a message: a malformed
+        one and a type that may not be bundled are logged and dropped, the others count."""
+        a = self.worker("w-a")
+        res = self.start({"prompt": "hi", "max_tokens": 5, "stream": True})
+        rid = self.prefill(a)["rid"]
+        a.send_bundle([{"t": TOKENS, "rid": rid, "index": 0, "tokens": ids_of("He")},
+                       b"\x81\xa1t",  # truncated msgpack
+                       {"t": HEARTBEAT, "wid": "w-a", "role": 3, "state": 1, "running": 0,
+                        "queued": 0, "qtok": 0, "kv_total": 1000, "kv_free": 1000,
+                        "tok_in": 0, "tok_out": 0},
+                       {"t": TOKENS, "rid": rid, "index": 2, "tokens": ids_of("llo")},
+                       {"t": FINISH, "rid": rid, "reason": 2}])
+        st, _, data = res()
+        self.assertEqual(st, 200)
+        events = [e[6:] for e in data.decode().split("\n\n") if e]
+        self.assertEqual(events[-1], "[DONE]")
+        self.assertEqual("".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]),
+                         "Hello")
+        self.assertEqual(json.loads(events[-2])["choices"][0]["finish_reason"], "length")
+        log = self.gw.read_log()
+        self.assertIn("dropped message 1 of a BUNDLE from 'w-a'", log)
+        self.assertIn("dropped HEARTBEAT in a BUNDLE from 'w-a'", log)
 
     def test_dead_worker_requests_rerun(self):
         a = self.worker("w-a")

@@ -381,6 +381,54 @@ static bench_args default_args(void)
     return a;
 }
 
+/* A stand-in tokenizer: BOS (1), then one id per byte (its value + 3). */
+static int byte_tokenize(void *ctx, const char *text, size_t len, int **ids, size_t *n)
+{
+    int *calls = ctx;
+    (*calls)++;
+    int *out = malloc((len + 1) * sizeof(int));
+    if (!out)
+        return -1;
+    out[0] = 1;
+    for (size_t i = 0; i < len; i++)
+        out[i + 1] = (unsigned char)text[i] + 3;
+    *ids = out;
+    *n = len + 1;
+    return 0;
+}
+
+/* --prompt-tokenizer: the synthetic prompt of request 0 (seed 7, as the golden test) is
+ * sent as its ids, everything else as before. */
+static void test_workload_token_prompts(void **state)
+{
+    (void)state;
+    bench_args a = default_args();
+    a.seed = 7;
+    a.input_range[0] = 3, a.input_range[1] = 9;
+    a.output_range[0] = 1, a.output_range[1] = 100;
+    int calls = 0;
+    a.tokenize = byte_tokenize;
+    a.tokenize_ctx = &calls;
+    bench_workload_shape shape = {0, 0};
+    char *text = bench_workload_body(&a, NULL, "m", 0, 0, BENCH_WORKLOAD_PHASE_NONE, &shape);
+    assert_non_null(text);
+    assert_int_equal(calls, 1);
+    json_t *j = json_loads(text, 0, NULL);
+    assert_non_null(j);
+    const char *want = "found night looked hat box";
+    json_t *p = json_object_get(j, "prompt");
+    assert_true(json_is_array(p));
+    assert_int_equal(json_array_size(p), strlen(want) + 1);
+    assert_int_equal(json_integer_value(json_array_get(p, 0)), 1);
+    for (size_t k = 0; k < strlen(want); k++)
+        assert_int_equal(json_integer_value(json_array_get(p, k + 1)),
+                         (unsigned char)want[k] + 3);
+    assert_int_equal(json_integer_value(json_object_get(j, "max_tokens")), 77);
+    assert_int_equal(shape.prompt_words, 5);
+    json_decref(j);
+    free(text);
+}
+
 /* Golden values from an independent Python model of the generator (splitmix64 streams):
  * seed 7, prompts of 3..9 words, max_tokens 1..100; arrivals at 10 req/s. A change here
  * changes every seeded run's requests (docs/bench.md promises same seed, same requests). */
@@ -1114,6 +1162,7 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_stats_1_to_100),
         cmocka_unit_test(test_stats_small_samples),
+        cmocka_unit_test(test_workload_token_prompts),
         cmocka_unit_test(test_sse_events),
         cmocka_unit_test(test_sse_any_split),
         cmocka_unit_test(test_sse_stop_and_limits),

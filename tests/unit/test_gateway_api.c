@@ -54,7 +54,15 @@ static const vcase cases[] = {
     {"prompt object", C, "{\"prompt\": {}}", 400, "prompt", "invalid_type"},
     {"prompt two strings", C, "{\"prompt\": [\"a\", \"b\"]}", 400, "prompt", "invalid_value"},
     {"prompt empty array", C, "{\"prompt\": []}", 400, "prompt", "invalid_value"},
-    {"prompt token ids", C, "{\"prompt\": [5]}", 400, "prompt", "invalid_type"},
+    {"prompt token ids", C, "{\"prompt\": [5, 7, 1]}", 0, NULL, NULL},
+    {"prompt nested token ids", C, "{\"prompt\": [[5, 7]]}", 0, NULL, NULL},
+    {"prompt token id negative", C, "{\"prompt\": [5, -1]}", 400, "prompt", "invalid_value"},
+    {"prompt token id float", C, "{\"prompt\": [5, 1.5]}", 400, "prompt", "invalid_value"},
+    {"prompt token id huge", C, "{\"prompt\": [4294967296]}", 400, "prompt", "invalid_value"},
+    {"prompt token ids and string", C, "{\"prompt\": [5, \"a\"]}", 400, "prompt",
+     "invalid_value"},
+    {"prompt two id arrays", C, "{\"prompt\": [[5], [6]]}", 400, "prompt", "invalid_value"},
+    {"prompt empty id array", C, "{\"prompt\": [[]]}", 400, "prompt", "invalid_type"},
     {"prompt array empty string", C, "{\"prompt\": [\"\"]}", 400, "prompt", "invalid_value"},
     {"messages missing", CH, "{\"prompt\": \"hi\"}", 400, "messages", "missing_required_parameter"},
     {"messages string", CH, "{\"messages\": \"hi\"}", 400, "messages", "invalid_type"},
@@ -223,6 +231,82 @@ static void test_invalid_utf8(void **state)
     check_case(&vc, surrogate, sizeof(surrogate) - 1);
     assert_true(api_utf8_valid("caf\xC3\xA9 \xF0\x9F\x98\x80", 10));
     assert_false(api_utf8_valid("\xF4\x90\x80\x80", 4)); /* > U+10FFFF */
+}
+
+/* A token-id prompt is kept as given (no BOS), and one id is not "empty". */
+static void test_prompt_ids(void **state)
+{
+    (void)state;
+    api_request r;
+    api_error e;
+    const char *b = "{\"prompt\": [[1, 300, 0, 2147483647]], \"max_tokens\": 4}";
+    assert_int_equal(api_parse(API_COMPLETIONS, b, strlen(b), &r, &e), 0);
+    assert_null(r.prompt);
+    assert_int_equal(r.n_prompt_ids, 4);
+    assert_int_equal(r.prompt_ids[0], 1);
+    assert_int_equal(r.prompt_ids[1], 300);
+    assert_int_equal(r.prompt_ids[2], 0);
+    assert_int_equal(r.prompt_ids[3], 2147483647);
+    api_request_free(&r);
+    assert_null(r.prompt_ids);
+    b = "{\"prompt\": [7]}";
+    assert_int_equal(api_parse(API_COMPLETIONS, b, strlen(b), &r, &e), 0);
+    assert_int_equal(api_check_length(&r, 1, 512, &e), 0);
+    assert_int_equal(r.max_tokens, 511);
+    api_request_free(&r);
+}
+
+/* api_format_text_chunk (the per-token path) gives api_format_chunk's bytes exactly:
+ * every byte value alone and inside text, escapes, multi-byte characters, long text, both
+ * endpoints, with and without service_tier and usage; invalid UTF-8 gives 0 (NULL). */
+static void check_text_chunk(const api_response_info *info, const char *text, size_t len)
+{
+    char *ref = api_format_chunk(info, text, len, NULL, 0);
+    size_t cap = api_text_chunk_bound(info, len);
+    char *fast = malloc(cap);
+    assert_non_null(fast);
+    memset(fast, 'x', cap);
+    size_t n = api_format_text_chunk(info, text, len, fast);
+    if (!ref) {
+        assert_int_equal(n, 0);
+    } else {
+        assert_int_equal(n, strlen(ref));
+        assert_memory_equal(fast, ref, n + 1);
+        assert_true(n + 1 <= cap);
+    }
+    free(fast);
+    free(ref);
+}
+
+static void test_text_chunk_matches_jansson(void **state)
+{
+    (void)state;
+    static const char *texts[] = {"", " a", "caf\xC3\xA9", "\xF0\x9F\x98\x80!", "say \"hi\"\\",
+                                  "a\tb\nc\rd\be\ff/g", "\x7F\x01\x1F", "\xE2\x80\xA8",
+                                  "\xC3", "\xC0\xAF", "\xED\xA0\x80", "ok\xFF"};
+    const char *ids[] = {"cmpl-1", "chatcmpl-\"q\"\\"};
+    const char *models[] = {"stories260K", "m\xC3\xA9/\x01x"};
+    for (int kind = 0; kind < 2; kind++)
+        for (int v = 0; v < 8; v++) {
+            api_response_info info = {.kind = kind ? API_CHAT : API_COMPLETIONS,
+                                      .id = ids[v & 1],
+                                      .created = v & 2 ? 1796135047 : 0,
+                                      .model = models[(v >> 1) & 1],
+                                      .include_usage = v & 1,
+                                      .service_tier = v & 4 ? (v & 2 ? "flex" : "default")
+                                                            : NULL};
+            for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++)
+                check_text_chunk(&info, texts[i], strlen(texts[i]));
+            for (int b = 0; b < 256; b++) {
+                char t[3] = {'a', (char)b, 'z'};
+                check_text_chunk(&info, t, 3);
+            }
+        }
+    char big[5000];
+    for (size_t i = 0; i < sizeof(big); i++)
+        big[i] = (char)(i % 7 == 0 ? '"' : i % 11 == 0 ? '\n' : 'a' + (char)(i % 26));
+    api_response_info info = {API_COMPLETIONS, "cmpl-big", 5, "m", 1, "default"};
+    check_text_chunk(&info, big, sizeof(big));
 }
 
 static void test_parsed_values(void **state)
@@ -681,6 +765,8 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_validation_table),
         cmocka_unit_test(test_invalid_utf8),
+        cmocka_unit_test(test_prompt_ids),
+        cmocka_unit_test(test_text_chunk_matches_jansson),
         cmocka_unit_test(test_utf8_trim),
         cmocka_unit_test(test_error_quotes_cut_at_a_character),
         cmocka_unit_test(test_parsed_values),

@@ -192,6 +192,56 @@ static void kv(msgpack_packer *pk, const char *k)
     msgpack_pack_str_body(pk, k, strlen(k));
 }
 
+/* Keys in any order decode as in the encoder's order (the decoder searches the field table
+ * from the field found last, wrapping): TOKENS with its keys reversed, t and v last, and
+ * an unknown key and a duplicate in between. */
+static void pack_tokens_reversed(msgpack_packer *pk, int dup)
+{
+    msgpack_pack_map(pk, dup ? 10 : 9);
+    kv(pk, "ts"); msgpack_pack_int64(pk, 77);
+    kv(pk, "zz_unknown"); msgpack_pack_int(pk, 1);
+    kv(pk, "rng"); msgpack_pack_uint64(pk, 0xabcdefull);
+    kv(pk, "index"); msgpack_pack_int(pk, 5);
+    kv(pk, "tokens"); msgpack_pack_array(pk, 2); msgpack_pack_int(pk, 300);
+    msgpack_pack_int(pk, 7);
+    if (dup) {
+        kv(pk, "index"); msgpack_pack_int(pk, 6);
+    }
+    kv(pk, "step_us"); msgpack_pack_int(pk, 9);
+    kv(pk, "rid"); msgpack_pack_int(pk, 42);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_TOKENS);
+}
+
+static void test_any_key_order(void **state)
+{
+    (void)state;
+    for (int dup = 0; dup < 2; dup++) {
+        msgpack_sbuffer sb;
+        msgpack_packer pk;
+        msgpack_sbuffer_init(&sb);
+        msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+        pack_tokens_reversed(&pk, dup);
+        proto_msg m;
+        char err[160];
+        int rc = proto_decode(sb.data, sb.size, &m, err, sizeof(err));
+        if (dup) {
+            assert_int_equal(rc, -1);
+            assert_string_equal(err, "TOKENS: duplicate field 'index'");
+        } else {
+            assert_int_equal(rc, 0);
+            assert_int_equal(m.type, PROTO_TOKENS);
+            assert_true(m.rid == 42 && m.index == 5 && m.rng == 0xabcdefull);
+            assert_true(m.ts_us == 77 && m.step_us == 9);
+            assert_int_equal(m.n_tokens, 2);
+            assert_int_equal(m.tokens[0], 300);
+            assert_int_equal(m.tokens[1], 7);
+        }
+        proto_msg_clear(&m);
+        msgpack_sbuffer_destroy(&sb);
+    }
+}
+
 static void b_not_map(msgpack_packer *pk) { msgpack_pack_array(pk, 0); }
 static void b_bad_version(msgpack_packer *pk)
 {
@@ -723,6 +773,7 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip_all_types),
         cmocka_unit_test(test_malformed_headers),
+        cmocka_unit_test(test_any_key_order),
         cmocka_unit_test(test_truncated_and_garbage),
         cmocka_unit_test(test_encode_rejects),
         cmocka_unit_test(test_register_ack_refusal),

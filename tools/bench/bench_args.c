@@ -92,6 +92,10 @@ static const arg_entry arg_table[] = {
      "sampling temperature sent with every request"},
     {"ignore-eos", ARG_BOOL, ARG_OFF(ignore_eos), NULL, 0, 0, NULL,
      "send \"ignore_eos\": true (vLLM extension): generate exactly max_tokens"},
+    {"prompt-tokenizer", ARG_STRING, ARG_OFF(prompt_tokenizer), NULL, 0, 0, "GGUF",
+     "send each prompt as the token ids of this model file's tokenizer (BOS first) instead "
+     "of text: two servers that tokenize the same text differently then get the same "
+     "prompts (completions endpoint only)"},
     {"goodput", ARG_SLO, ARG_OFF(slo_ms), NULL, 0, 1e12, "M:MS",
      "SLO for goodput, M = ttft | tpot | e2el, in ms; for several, repeat the flag or "
      "list them after it (--goodput ttft:500 tpot:50)"},

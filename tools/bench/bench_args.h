@@ -13,6 +13,8 @@
 #ifndef TP_BENCH_ARGS_H
 #define TP_BENCH_ARGS_H
 
+#include <stddef.h>
+
 /* Indexes of bench_args.slo_ms. */
 enum {
     BENCH_ARGS_SLO_TTFT = 0,
@@ -51,6 +53,12 @@ typedef struct {
     double timeout_s;
     int no_progress;
     int set_input_len, set_output_len; /* given explicitly (conflict checks) */
+    const char *prompt_tokenizer;      /* GGUF file: send prompts as its token ids */
+    /* Not a flag: set by the program when --prompt-tokenizer is given. Tokenizes len bytes
+     * of text (BOS first, as the server would) into a malloc'd array (*ids, *n; the
+     * caller frees). 0, or -1 (out of memory, tokenizer failure). */
+    int (*tokenize)(void *ctx, const char *text, size_t len, int **ids, size_t *n);
+    void *tokenize_ctx;
 } bench_args;
 
 /* The name of SLO k (BENCH_ARGS_SLO_*) as written in --goodput: "ttft", "tpot" or "e2el";

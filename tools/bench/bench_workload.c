@@ -209,6 +209,26 @@ char *bench_workload_body(const bench_args *a, const bench_dataset_t *ds, const 
         if (!body)
             return NULL;
     }
+    const json_t *ptext = json_object_get(body, "prompt");
+    if (a->tokenize && json_is_string(ptext)) { /* --prompt-tokenizer: ids instead */
+        int *ids = NULL;
+        size_t n_ids = 0;
+        json_t *arr = NULL;
+        if (a->tokenize(a->tokenize_ctx, json_string_value(ptext), json_string_length(ptext),
+                        &ids, &n_ids) == 0 && (arr = json_array())) {
+            for (size_t i = 0; i < n_ids; i++)
+                if (json_array_append_new(arr, json_integer(ids[i])) < 0) {
+                    json_decref(arr);
+                    arr = NULL;
+                    break;
+                }
+        }
+        free(ids);
+        if (!arr || json_object_set_new(body, "prompt", arr) < 0) {
+            json_decref(body);
+            return NULL;
+        }
+    }
     const json_t *mt = json_object_get(body, "max_tokens");
     const json_t *mct = json_object_get(body, "max_completion_tokens");
     int ok = 1;

@@ -62,7 +62,7 @@ size_t bench_workload_arrivals(const bench_args *a, double *arrival_s, size_t n)
  * is not NULL; a "prompt" becomes "messages" for chat), max_tokens (the line's
  * max_tokens or max_completion_tokens, else drawn from a's output length), "model",
  * "stream": true with usage, temperature (unless the line sets it) and "ignore_eos" with
- * a->ignore_eos. phase (BENCH_WORKLOAD_PHASE_*) overrides the drawn lengths of synthetic
+ * a->ignore_eos; a string "prompt" becomes its token ids with a->tokenize. phase (BENCH_WORKLOAD_PHASE_*) overrides the drawn lengths of synthetic
  * prompts as described above. Fills *shape. Returns a malloc'd compact JSON text (the
  * caller's), or NULL on out of memory. */
 char *bench_workload_body(const bench_args *a, const bench_dataset_t *ds, const char *model,
