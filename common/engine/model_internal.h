@@ -30,6 +30,7 @@ struct model_nextn {
     wmat eh_proj;               /* (dim, 2 * dim): [hidden half | embedding half] */
     layer_weights blk;
     uint64_t matmul_bytes;
+    void *packed; /* owned: the Q8X8 copies of the Q8_0 matrices, or NULL */
 };
 
 struct model {
@@ -41,6 +42,7 @@ struct model {
     wmat output;           /* (vocab, dim); the embedding when tied */
     int all_f32;           /* every matrix is F32 (AUTO picks the EXACT kernels) */
     uint64_t matmul_bytes; /* see model_matmul_bytes() */
+    void *packed;          /* owned: the Q8X8 copies of the Q8_0 matrices, or NULL */
 };
 
 struct model_ctx {

@@ -3,6 +3,7 @@
  *
  *   bench_engine [--threads N] [--kernel auto|exact|fast] [--isa scalar|avx2|avx512]
  *                [--quick | --tg] MODEL.gguf...
+ *   bench_engine [--threads N] --kern
  *
  * For each model: prefill of one 128-token prompt, and of four 128-token prompts in one
  * call (best of a few runs); decode steps at batch 1, 8 and 32 with every sequence at
@@ -20,6 +21,11 @@
  * --tg: batch-1 decode only, one line per model, "tg MODEL TOK/S" (tokens/s from the
  * median of 32 steps, 64 for small models, at context 64 as above), for the side-by-side
  * runs against llama-bench in tests/run_bench.sh.
+ *
+ * --kern: no model; the Q8_0 batch-1 kernel alone on ~300 MB random matrices (2048- and
+ * 5632-wide rows), GGUF layout against the Q8X8 one loaded model matrices get (kernels.h),
+ * with a streaming read of as many bytes, alternating, medians: GB/s and the fraction of
+ * the read rate, the kernel's own roofline without the rest of a forward pass.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -32,8 +38,12 @@
 #include <immintrin.h>
 #endif
 
+#include <stdatomic.h>
+
+#include "kernels.h"
 #include "kvcache.h"
 #include "model.h"
+#include "threadpool.h"
 #include "tokenizer.h"
 
 #define CTX 64
@@ -163,7 +173,124 @@ static double read_bandwidth(int n_threads)
     return (double)per * n_threads * sizeof(uint64_t) / best;
 }
 
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
 static uint64_t rng_state = 0x5eed;
+
+/* --- the Q8_0 batch-1 kernel alone, GGUF vs Q8X8 layout, side by side ---------------- */
+
+typedef struct {
+    const kern_mat *w;
+    const kern_act *a;
+    float *const *out;
+    int chunk;
+    atomic_int next;
+} kb_job;
+
+static void kb_worker(void *arg, int ti, int nth)
+{
+    kb_job *j = arg;
+    for (;;) {
+        int r0 = atomic_fetch_add(&j->next, 1) * j->chunk;
+        if (r0 >= j->w->rows)
+            break;
+        int r1 = r0 + j->chunk < j->w->rows ? r0 + j->chunk : j->w->rows;
+        kern_matmul(kern_isa_detect(), KERN_ORDER_FAST, j->w, j->a, r0, r1, j->out, NULL);
+    }
+}
+
+typedef struct {
+    const uint64_t *p;
+    size_t words;
+    int nth;
+    uint64_t sum[64];
+} kb_rb;
+
+static void kb_rb_worker(void *arg, int ti, int nth)
+{
+    kb_rb *r = arg;
+    size_t per = r->words / (size_t)nth / 16 * 16;
+    r->sum[ti] = rb_sum(r->p + (size_t)ti * per, per);
+}
+
+/* --kern: a Q8_0 matrix of ~300 MB (n = 2048 and 5632 wide rows, random), its T = 1
+ * product by n_threads threads in 16-row chunks (as the model's) in the GGUF layout and
+ * in the Q8X8 one, and a streaming read of as many bytes, alternating REPS times; prints
+ * the median GB/s of each and their ratios. Returns 0, 1 on out of memory. */
+static int bench_kern(int n_threads)
+{
+    const int ns[2] = {2048, 5632};
+    threadpool_t *pool = threadpool_new(n_threads);
+    if (!pool)
+        return 1;
+    for (int k = 0; k < 2; k++) {
+        const int n = ns[k], nb = n / KERN_Q8_BLOCK;
+        const int rows = (int)(((size_t)300 << 20) / ((size_t)nb * KERN_Q8_BLOCK_BYTES)) / 16 * 16;
+        const size_t bytes = (size_t)rows * nb * KERN_Q8_BLOCK_BYTES;
+        uint8_t *w = malloc(bytes), *wx = aligned_alloc(64, kern_q8x8_bytes(rows, n));
+        float *x = malloc((size_t)n * sizeof(float)), *qd = malloc((size_t)nb * sizeof(float));
+        int8_t *qs = malloc((size_t)n);
+        float *o = malloc((size_t)rows * sizeof(float));
+        uint64_t *rb = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (!w || !wx || !x || !qd || !qs || !o || !rb)
+            return 1;
+        for (size_t i = 0; i < bytes; i++)
+            w[i] = (uint8_t)((rng_state = rng_state * 6364136223846793005ULL + 1) >> 56);
+        for (int r = 0; r < rows; r++)
+            for (int b = 0; b < nb; b++) {
+                uint16_t h = gguf_fp32_to_fp16(0.01f);
+                memcpy(w + ((size_t)r * nb + b) * KERN_Q8_BLOCK_BYTES, &h, 2);
+            }
+        for (int i = 0; i < n; i++)
+            x[i] = (float)(i % 17) - 8.0f;
+        memset(rb, 1, (bytes + 63) / 64 * 64);
+        kern_quantize_act(kern_isa_detect(), x, 1, n, qd, qs);
+        kern_mat mg = {w, GGUF_TENSOR_Q8_0, rows, n, KERN_LAYOUT_GGUF}, mx;
+        if (kern_q8x8_pack(&mg, wx, 0, rows / 8, &mx) != 0)
+            return 1;
+        kern_act a = {.x = x, .q_d = qd, .q_s = qs, .T = 1, .n = n};
+        float *outp[1] = {o};
+        enum { REPS = 15 };
+        double t[3][REPS];
+        for (int rep = 0; rep < REPS; rep++)
+            for (int v = 0; v < 3; v++) {
+                double t0 = now_s();
+                if (v < 2) {
+                    kb_job j = {v ? &mx : &mg, &a, outp, 16, 0};
+                    threadpool_run(pool, kb_worker, &j);
+                } else {
+                    kb_rb r = {rb, bytes / 8, n_threads, {0}};
+                    threadpool_run(pool, kb_rb_worker, &r);
+                    volatile uint64_t sink = r.sum[0];
+                    (void)sink;
+                }
+                t[v][rep] = now_s() - t0;
+            }
+        double med[3];
+        for (int v = 0; v < 3; v++) {
+            qsort(t[v], REPS, sizeof(double), cmp_double);
+            med[v] = (double)bytes / t[v][REPS / 2] / 1e9;
+        }
+        printf("kern q8_0 T=1 n=%d %d threads (%.0f MB): GGUF %.2f GB/s, Q8X8 %.2f GB/s (%.2fx), "
+               "read %.2f GB/s; of read: GGUF %.0f%%, Q8X8 %.0f%%\n",
+               n, n_threads, bytes / 1e6, med[0], med[1], med[1] / med[0], med[2],
+               100 * med[0] / med[2], 100 * med[1] / med[2]);
+        free(w);
+        free(wx);
+        free(x);
+        free(qd);
+        free(qs);
+        free(o);
+        free(rb);
+    }
+    threadpool_destroy(&pool);
+    return 0;
+}
+
 static int rand_tok(int vocab)
 {
     rng_state ^= rng_state << 13;
@@ -213,11 +340,6 @@ static double bench_prefill(bench *b, int n_seq, int len, int reps, double *core
     return (double)n_seq * len / best;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 /* Decode `steps` steps of B sequences at context CTX (after a one-token warm-up step);
  * returns tokens/s from the median step time (B tokens per step; the median, because the
@@ -336,13 +458,15 @@ static int bench_tokenizer(const char *path, size_t n)
 int main(int argc, char **argv)
 {
     model_ctx_params cp = model_ctx_default_params();
-    int quick = 0, tg = 0;
+    int quick = 0, tg = 0, kern = 0;
     int first = 1;
     for (; first < argc && strncmp(argv[first], "--", 2) == 0; first++) {
         if (strcmp(argv[first], "--quick") == 0) {
             quick = 1;
         } else if (strcmp(argv[first], "--tg") == 0) {
             tg = 1;
+        } else if (strcmp(argv[first], "--kern") == 0) {
+            kern = 1;
         } else if (strcmp(argv[first], "--threads") == 0 && first + 1 < argc) {
             cp.n_threads = atoi(argv[++first]);
         } else if (strcmp(argv[first], "--isa") == 0 && first + 1 < argc) {
@@ -357,10 +481,12 @@ int main(int argc, char **argv)
                                                  : MODEL_KERNEL_AUTO;
         } else {
             fprintf(stderr, "usage: bench_engine [--threads N] [--kernel auto|exact|fast] "
-                            "[--isa scalar|avx2|avx512] [--quick | --tg] MODEL.gguf...\n");
+                            "[--isa scalar|avx2|avx512] [--quick | --tg] MODEL.gguf... | --kern\n");
             return 2;
         }
     }
+    if (kern)
+        return bench_kern(cp.n_threads > 0 ? cp.n_threads : threadpool_default_threads());
     int rc = 0;
     for (int a = first; a < argc; a++) {
         char err[512];
