@@ -2,11 +2,11 @@
  * bench_engine: throughput of the engine's forward pass, in-process, per model file.
  *
  *   bench_engine [--threads N] [--kernel auto|exact|fast] [--isa scalar|avx2|avx512]
- *                [--quick | --tg] MODEL.gguf...
+ *                [--quick | --tg | --pp] MODEL.gguf...
  *   bench_engine [--threads N] --kern
  *
  * For each model: prefill of one 128-token prompt, and of four 128-token prompts in one
- * call (best of a few runs); decode steps at batch 1, 8 and 32 with every sequence at
+ * call (best of a few runs), and of one 512-token prompt (one run on the 1B-class models); decode steps at batch 1, 8 and 32 with every sequence at
  * context ~64 (the 64-token context is prefilled once and its KV blocks copied to the
  * other sequences, so setting up batch 32 costs one prefill; rate from the median step);
  * batch 8 again on one thread (thread scaling); the read-bandwidth roofline of batch-1
@@ -21,6 +21,9 @@
  * --tg: batch-1 decode only, one line per model, "tg MODEL TOK/S" (tokens/s from the
  * median of 32 steps, 64 for small models, at context 64 as above), for the side-by-side
  * runs against llama-bench in tests/run_bench.sh.
+ *
+ * --pp: prefill of one 512-token prompt only, "pp MODEL TOK/S" (after an 8-token warm-up;
+ * best of 3, one run for the 1B-class models), for the pp512 side by side.
  *
  * --kern: no model; the Q8_0 batch-1 kernel alone on ~300 MB random matrices (2048- and
  * 5632-wide rows), GGUF layout against the Q8X8 one loaded model matrices get (kernels.h),
@@ -48,6 +51,7 @@
 
 #define CTX 64
 #define PROMPT 128
+#define PP_LONG 512 /* llama-bench's pp512 */
 
 static double now_s(void)
 {
@@ -458,13 +462,15 @@ static int bench_tokenizer(const char *path, size_t n)
 int main(int argc, char **argv)
 {
     model_ctx_params cp = model_ctx_default_params();
-    int quick = 0, tg = 0, kern = 0;
+    int quick = 0, tg = 0, pp = 0, kern = 0;
     int first = 1;
     for (; first < argc && strncmp(argv[first], "--", 2) == 0; first++) {
         if (strcmp(argv[first], "--quick") == 0) {
             quick = 1;
         } else if (strcmp(argv[first], "--tg") == 0) {
             tg = 1;
+        } else if (strcmp(argv[first], "--pp") == 0) {
+            pp = 1;
         } else if (strcmp(argv[first], "--kern") == 0) {
             kern = 1;
         } else if (strcmp(argv[first], "--threads") == 0 && first + 1 < argc) {
@@ -481,7 +487,7 @@ int main(int argc, char **argv)
                                                  : MODEL_KERNEL_AUTO;
         } else {
             fprintf(stderr, "usage: bench_engine [--threads N] [--kernel auto|exact|fast] "
-                            "[--isa scalar|avx2|avx512] [--quick | --tg] MODEL.gguf... | --kern\n");
+                            "[--isa scalar|avx2|avx512] [--quick | --tg | --pp] MODEL.gguf... | --kern\n");
             return 2;
         }
     }
@@ -515,6 +521,18 @@ int main(int argc, char **argv)
             goto next;
         }
         double bytes = (double)model_matmul_bytes(m);
+        if (pp) {
+            double cores;
+            bench_prefill(&b, 1, 8, 1, &cores); /* warm-up */
+            double r = bench_prefill(&b, 1, PP_LONG, big ? 1 : 3, &cores);
+            if (r < 0) {
+                fprintf(stderr, "bench_engine: %s: forward pass failed\n", argv[a]);
+                rc = 1;
+            } else {
+                printf("pp %s %.3f\n", argv[a], r);
+            }
+            goto next;
+        }
         if (tg) {
             double cores;
             bench_prefill(&b, 1, 8, 1, &cores); /* warm-up */
@@ -539,6 +557,7 @@ int main(int argc, char **argv)
         bench_prefill(&b, 1, 8, 1, &cu[0]);
         double p1 = bench_prefill(&b, 1, PROMPT, reps, &cu[0]);
         double p4 = bench_prefill(&b, 4, PROMPT, reps, &cu[1]);
+        double p512 = bench_prefill(&b, 1, PP_LONG, big ? 1 : reps, &cu[6]);
         /* the bound is measured next to the batch-1 run it bounds (the machine may be
          * shared: its bandwidth changes by the minute) */
         double bw = read_bandwidth(model_ctx_n_threads(b.ctx));
@@ -554,7 +573,7 @@ int main(int argc, char **argv)
             d8_1 = c1 ? bench_decode(&b, c1, 8, dsteps8, &cu[5]) : -1;
             model_ctx_destroy(&c1);
         }
-        if (p1 < 0 || p4 < 0 || d1 < 0 || d8 < 0 || d32 < 0) {
+        if (p1 < 0 || p4 < 0 || p512 < 0 || d1 < 0 || d8 < 0 || d32 < 0) {
             fprintf(stderr, "bench_engine: %s: forward pass failed\n", argv[a]);
             rc = 1;
             goto next;
@@ -567,6 +586,8 @@ int main(int argc, char **argv)
         printf(
             "  prefill 4 x %d tokens, 1 call  : %9.1f tok/s  (%5.2fx of 1 prompt)  [%.1f cores]\n",
             PROMPT, p4, p4 / p1, cu[1]);
+        printf("  prefill 1 x %d tokens          : %9.1f tok/s  %21s [%.1f cores]\n", PP_LONG, p512,
+               "", cu[6]);
         printf("  decode batch  1, ctx %d        : %9.1f tok/s  %21s [%.1f cores]\n", CTX, d1, "",
                cu[2]);
         printf(
