@@ -50,7 +50,7 @@ peer_llama() {
         printf '  %-28s %7s %14s %14s %8s\n' model threads "tidepool tok/s" "llama.cpp" ratio
         for model in "$@"; do
             local n=128 largs
-            [ "$(stat -c %s "$model")" -gt $((256 << 20)) ] && n=32
+            [ "$(stat -L -c %s "$model")" -gt $((256 << 20)) ] && n=32
             if [ $kind = tg ]; then largs=(-p 0 -n "$n"); else largs=(-p 512 -n 0); n=512; fi
             for t in $threads; do
                 local tp=() lc=()

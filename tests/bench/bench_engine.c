@@ -28,7 +28,8 @@
  * --kern: no model; the Q8_0 batch-1 kernel alone on ~300 MB random matrices (2048- and
  * 5632-wide rows), GGUF layout against the Q8X8 one loaded model matrices get (kernels.h),
  * with a streaming read of as many bytes, alternating, medians: GB/s and the fraction of
- * the read rate, the kernel's own roofline without the rest of a forward pass.
+ * the read rate, the kernel's own roofline without the rest of a forward pass; and the
+ * prefill kernel (T = 64) in both layouts.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -225,8 +226,66 @@ static void kb_rb_worker(void *arg, int ti, int nth)
  * product by n_threads threads in 16-row chunks (as the model's) in the GGUF layout and
  * in the Q8X8 one, and a streaming read of as many bytes, alternating REPS times; prints
  * the median GB/s of each and their ratios. Returns 0, 1 on out of memory. */
+/* The Q8_0 prefill kernel: T = 64 tokens x a 2048 x 2048 matrix (4.4 MB, the L3) in both
+ * layouts, alternating, medians: multiply-adds per second. */
+static int bench_kern_pp(int n_threads)
+{
+    threadpool_t *pool = threadpool_new(n_threads);
+    const int n = 2048, nb = n / 32, rows = 2048, T = 64;
+    if (!pool)
+        return 1;
+    const size_t bytes = (size_t)rows * nb * 34;
+    uint8_t *w = malloc(bytes), *wx = aligned_alloc(64, kern_q8x8_bytes(rows, n));
+    float *x = malloc((size_t)T * n * 4), *qd = malloc((size_t)T * nb * 4);
+    int8_t *qs = malloc((size_t)T * n);
+    float *o = malloc((size_t)T * rows * 4);
+    float *outp[64];
+    if (!w || !wx || !x || !qd || !qs || !o)
+        return 1;
+    for (int t = 0; t < T; t++)
+        outp[t] = o + (size_t)t * rows;
+    for (size_t i = 0; i < bytes; i++)
+        w[i] = (uint8_t)((rng_state = rng_state * 6364136223846793005ULL + 1) >> 56);
+    for (int r = 0; r < rows * nb; r++) {
+        uint16_t h = gguf_fp32_to_fp16(0.01f);
+        memcpy(w + (size_t)r * 34, &h, 2);
+    }
+    for (int i = 0; i < T * n; i++)
+        x[i] = (float)(i % 17) - 8.0f;
+    kern_quantize_act(kern_isa_detect(), x, T, n, qd, qs);
+    kern_mat mg = {w, GGUF_TENSOR_Q8_0, rows, n, KERN_LAYOUT_GGUF}, mx;
+    kern_q8x8_pack(&mg, wx, 0, rows / 8, &mx);
+    kern_act a = {.x = x, .q_d = qd, .q_s = qs, .T = T, .n = n};
+    enum { REPS = 21 };
+    double t[2][REPS];
+    for (int rep = 0; rep < REPS; rep++)
+        for (int v = 0; v < 2; v++) {
+            double t0 = now_s();
+            kb_job j = {v == 0 ? &mg : &mx, &a, outp, 16, 0};
+            threadpool_run(pool, kb_worker, &j);
+            t[v][rep] = now_s() - t0;
+        }
+    double g[2];
+    for (int v = 0; v < 2; v++) {
+        qsort(t[v], REPS, sizeof(double), cmp_double);
+        g[v] = (double)rows * n * T / t[v][REPS / 2] / 1e9;
+    }
+    printf("kern q8_0 T=%d n=%d %d threads: GGUF %.2f, Q8X8 %.2f G multiply-adds/s (%.2fx)\n", T,
+           n, n_threads, g[0], g[1], g[1] / g[0]);
+    threadpool_destroy(&pool);
+    free(w);
+    free(wx);
+    free(x);
+    free(qd);
+    free(qs);
+    free(o);
+    return 0;
+}
+
 static int bench_kern(int n_threads)
 {
+    if (bench_kern_pp(n_threads) != 0)
+        return 1;
     const int ns[2] = {2048, 5632};
     threadpool_t *pool = threadpool_new(n_threads);
     if (!pool)
