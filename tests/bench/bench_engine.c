@@ -28,8 +28,9 @@
  * --kern: no model; the Q8_0 batch-1 kernel alone on ~300 MB random matrices (2048- and
  * 5632-wide rows), GGUF layout against the Q8X8 one loaded model matrices get (kernels.h),
  * with a streaming read of as many bytes, alternating, medians: GB/s and the fraction of
- * the read rate, the kernel's own roofline without the rest of a forward pass; and the
- * prefill kernel (T = 64) in both layouts.
+ * the read rate, the kernel's own roofline without the rest of a forward pass; T = 3 on
+ * the same matrices (the MTP verify shape: time over the GGUF T = 1 time); and the prefill
+ * kernel (T = 64) in both layouts.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -297,7 +298,14 @@ static int bench_kern(int n_threads)
         uint8_t *w = malloc(bytes), *wx = aligned_alloc(64, kern_q8x8_bytes(rows, n));
         float *x = malloc((size_t)n * sizeof(float)), *qd = malloc((size_t)nb * sizeof(float));
         int8_t *qs = malloc((size_t)n);
-        float *o = malloc((size_t)rows * sizeof(float));
+        float *o = malloc((size_t)3 * rows * sizeof(float));
+        float *x3 = malloc((size_t)3 * n * sizeof(float)), *qd3 = malloc((size_t)3 * nb * 4);
+        int8_t *qs3 = malloc((size_t)3 * n);
+        if (!x3 || !qd3 || !qs3)
+            return 1;
+        for (int i = 0; i < 3 * n; i++)
+            x3[i] = (float)(i % 13) - 6.0f;
+        kern_quantize_act(kern_isa_detect(), x3, 3, n, qd3, qs3);
         uint64_t *rb = aligned_alloc(64, (bytes + 63) / 64 * 64);
         if (!w || !wx || !x || !qd || !qs || !o || !rb)
             return 1;
@@ -316,14 +324,15 @@ static int bench_kern(int n_threads)
         if (kern_q8x8_pack(&mg, wx, 0, rows / 8, &mx) != 0)
             return 1;
         kern_act a = {.x = x, .q_d = qd, .q_s = qs, .T = 1, .n = n};
-        float *outp[1] = {o};
+        kern_act a3 = {.x = x3, .q_d = qd3, .q_s = qs3, .T = 3, .n = n};
+        float *outp[3] = {o, o + rows, o + 2 * (size_t)rows};
         enum { REPS = 15 };
-        double t[3][REPS];
+        double t[5][REPS]; /* T=1: GGUF, Q8X8, read; T=3: GGUF, Q8X8 */
         for (int rep = 0; rep < REPS; rep++)
-            for (int v = 0; v < 3; v++) {
+            for (int v = 0; v < 5; v++) {
                 double t0 = now_s();
-                if (v < 2) {
-                    kb_job j = {v ? &mx : &mg, &a, outp, 16, 0};
+                if (v != 2) {
+                    kb_job j = {v == 1 || v >= 4 ? &mx : &mg, v >= 3 ? &a3 : &a, outp, 16, 0};
                     threadpool_run(pool, kb_worker, &j);
                 } else {
                     kb_rb r = {rb, bytes / 8, n_threads, {0}};
@@ -333,8 +342,8 @@ static int bench_kern(int n_threads)
                 }
                 t[v][rep] = now_s() - t0;
             }
-        double med[3];
-        for (int v = 0; v < 3; v++) {
+        double med[5];
+        for (int v = 0; v < 5; v++) {
             qsort(t[v], REPS, sizeof(double), cmp_double);
             med[v] = (double)bytes / t[v][REPS / 2] / 1e9;
         }
@@ -342,12 +351,17 @@ static int bench_kern(int n_threads)
                "read %.2f GB/s; of read: GGUF %.0f%%, Q8X8 %.0f%%\n",
                n, n_threads, bytes / 1e6, med[0], med[1], med[1] / med[0], med[2],
                100 * med[0] / med[2], 100 * med[1] / med[2]);
+        printf("kern q8_0 T=3 n=%d (the verify shape): time / GGUF T=1's: GGUF %.2f, Q8X8 %.2f\n",
+               n, med[0] / med[3], med[0] / med[4]);
         free(w);
         free(wx);
         free(x);
         free(qd);
         free(qs);
         free(o);
+        free(x3);
+        free(qd3);
+        free(qs3);
         free(rb);
     }
     threadpool_destroy(&pool);
