@@ -35,8 +35,8 @@
  * into the interleaved KERN_LAYOUT_Q8X8 (kernels.h: 8 rows' blocks side by side, one
  * linear stream, the 8 scales in one load), which the Q8_0 kernels read faster (batch-1
  * decode of the 1B Q8_0 model: see docs/bench.md); the numbers, and so every result, are
- * the same. The copy is anonymous memory the size of those matrices (huge pages advised);
- * the token embedding stays mapped (its rows are looked up one by one).
+ * the same. The copy is anonymous memory the size of those matrices; the token embedding
+ * stays mapped (its rows are looked up one by one).
  */
 #include "model.h"
 
@@ -46,7 +46,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <xxhash.h>
 
 #include "gguf.h"
@@ -129,14 +128,12 @@ static int pack_q8(wmat *const *ws, int n, void **owned)
             total += kern_q8x8_bytes(ws[i]->rows, ws[i]->cols);
     if (total == 0)
         return 0;
-    const size_t huge = (size_t)2 << 20;
-    total = (total + huge - 1) / huge * huge; /* aligned_alloc: a multiple of the alignment */
-    uint8_t *buf = aligned_alloc(huge, total);
+    /* (MADV_HUGEPAGE on it was tried: with the kernel's defrag=madvise, the direct
+     * compaction at first touch made a 1B Q8_0 load take 26-33 s instead of 7 on a busy
+     * machine; not kept) */
+    uint8_t *buf = aligned_alloc(64, total); /* every group is a multiple of 64 bytes */
     if (!buf)
         return -1;
-#ifdef MADV_HUGEPAGE
-    madvise(buf, total, MADV_HUGEPAGE); /* advice only: the TLB covers the stream better */
-#endif
     size_t off = 0;
     for (int i = 0; i < n; i++) {
         size_t b = ws[i]->type == GGUF_TENSOR_Q8_0 && ws[i]->layout == KERN_LAYOUT_GGUF
