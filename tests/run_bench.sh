@@ -11,6 +11,7 @@
 # GGUF files: PEER_REPS (3) alternating runs of `bench_engine --tg` and `llama-bench -p 0
 # -n N` (N = 128, 32 for the 1B-class models) per model and per thread count of
 # PEER_THREADS (default: the CPUs available), medians, and the ratio tidepool/llama.cpp;
+# then prefill of 512 tokens the same way (`bench_engine --pp`, `llama-bench -p 512 -n 0`);
 # then aggregate decode at batch 1, 8 and 32 side by side with llama-batched-bench
 # (peer_batched below). Last, with LLAMA_CPP_DIR, the serving benchmark: tidepool-bench
 # against a local tidepool and llama-server at 1, 16 and 64 streams
@@ -30,7 +31,10 @@ need_model() { # path, mkmodel args...
     fi
 }
 
-# peer_llama MODEL...: the side-by-side batch-1 decode runs described above.
+median() { sort -g | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
+
+# peer_llama MODEL...: the side-by-side runs described above, batch-1 decode (tg) and then
+# prefill of 512 tokens (pp512: `bench_engine --pp` against `llama-bench -p 512 -n 0`).
 peer_llama() {
     local lb=""
     for c in "$LLAMA_CPP_DIR/build/bin/llama-bench" "$LLAMA_CPP_DIR/bin/llama-bench"; do
@@ -41,34 +45,42 @@ peer_llama() {
         return 1
     fi
     local reps=${PEER_REPS:-3} threads=${PEER_THREADS:-$(nproc)} rc=0
-    echo "peer llama.cpp ($lb): batch-1 decode, medians of $reps alternating runs"
-    printf '  %-28s %7s %14s %14s %8s\n' model threads "tidepool tok/s" "llama.cpp" ratio
-    for model in "$@"; do
-        local n=128
-        [ "$(stat -c %s "$model")" -gt $((256 << 20)) ] && n=32
-        for t in $threads; do
-            local tp=() lc=()
-            for _ in $(seq "$reps"); do
-                local v
-                v=$("$BUILD/tests/bench_engine" --tg --threads "$t" "$model" | awk '$1 == "tg" {print $3}')
-                [ -n "$v" ] && tp+=("$v")
-                # avg_ts: the column so named in llama-bench's CSV header
-                v=$("$lb" -m "$model" -p 0 -n "$n" -t "$t" -r 1 -o csv 2>/dev/null | awk -F, '
-                    NR == 1 { for (i = 1; i <= NF; i++) if ($i == "avg_ts") c = i }
-                    NR > 1 && c { gsub(/"/, "", $c); print $c }')
-                [ -n "$v" ] && lc+=("$v")
+    for kind in tg pp; do
+        if [ $kind = tg ]; then
+            echo "peer llama.cpp ($lb): batch-1 decode, medians of $reps alternating runs"
+        else
+            echo "peer llama.cpp ($lb): prefill of 512 tokens, medians of $reps alternating runs"
+        fi
+        printf '  %-28s %7s %14s %14s %8s\n' model threads "tidepool tok/s" "llama.cpp" ratio
+        for model in "$@"; do
+            local n=128 largs
+            [ "$(stat -L -c %s "$model")" -gt $((256 << 20)) ] && n=32
+            if [ $kind = tg ]; then largs=(-p 0 -n "$n"); else largs=(-p 512 -n 0); n=512; fi
+            for t in $threads; do
+                local tp=() lc=()
+                for _ in $(seq "$reps"); do
+                    local v
+                    v=$("$BUILD/tests/bench_engine" --$kind --threads "$t" "$model" |
+                        awk -v k=$kind '$1 == k {print $3}')
+                    [ -n "$v" ] && tp+=("$v")
+                    # avg_ts: the column so named in llama-bench's CSV header
+                    v=$("$lb" -m "$model" "${largs[@]}" -t "$t" -r 1 -o csv 2>/dev/null | awk -F, '
+                        NR == 1 { for (i = 1; i <= NF; i++) if ($i == "avg_ts") c = i }
+                        NR > 1 && c { gsub(/"/, "", $c); print $c }')
+                    [ -n "$v" ] && lc+=("$v")
+                done
+                if [ ${#tp[@]} -eq 0 ] || [ ${#lc[@]} -eq 0 ]; then
+                    echo "  $(basename "$model"): a run failed (tidepool ${#tp[@]}, llama.cpp ${#lc[@]} of $reps)"
+                    rc=1
+                    continue
+                fi
+                local mt ml
+                mt=$(printf '%s\n' "${tp[@]}" | median)
+                ml=$(printf '%s\n' "${lc[@]}" | median)
+                printf '  %-28s %7d %14.1f %14.1f %7.2fx   (%s%d; runs: tidepool %s; llama.cpp %s)\n' \
+                    "$(basename "$model")" "$t" "$mt" "$ml" "$(awk -v a="$mt" -v b="$ml" 'BEGIN {print a / b}')" \
+                    "$kind" "$n" "${tp[*]}" "${lc[*]}"
             done
-            if [ ${#tp[@]} -eq 0 ] || [ ${#lc[@]} -eq 0 ]; then
-                echo "  $(basename "$model"): a run failed (tidepool ${#tp[@]}, llama.cpp ${#lc[@]} of $reps)"
-                rc=1
-                continue
-            fi
-            local mt ml
-            mt=$(printf '%s\n' "${tp[@]}" | sort -g | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}')
-            ml=$(printf '%s\n' "${lc[@]}" | sort -g | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}')
-            printf '  %-28s %7d %14.1f %14.1f %7.2fx   (tg%d; runs: tidepool %s; llama.cpp %s)\n' \
-                "$(basename "$model")" "$t" "$mt" "$ml" "$(awk -v a="$mt" -v b="$ml" 'BEGIN {print a / b}')" \
-                "$n" "${tp[*]}" "${lc[*]}"
         done
     done
     return $rc

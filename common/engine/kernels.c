@@ -124,10 +124,82 @@ float kern_dot_q8_0(const void *w_blocks, const float *x_d, const int8_t *x_s, i
     return hsum8_ref(acc);
 }
 
+// --- the Q8X8 layout (kernels.h)
+
+size_t kern_q8x8_group_bytes(int cols)
+{
+    return kern_q8x8_gbytes(cols / KERN_Q8_BLOCK);
+}
+
+size_t kern_q8x8_bytes(int rows, int cols)
+{
+    if (rows < 8 || rows % 8 != 0 || cols < KERN_Q8_BLOCK || cols % KERN_Q8_BLOCK != 0)
+        return 0;
+    return (size_t)(rows / 8) * kern_q8x8_group_bytes(cols);
+}
+
+int kern_q8x8_pack(const kern_mat *src, void *dst, int g0, int g1, kern_mat *out)
+{
+    if (src->type != GGUF_TENSOR_Q8_0 || src->layout != KERN_LAYOUT_GGUF ||
+        kern_q8x8_bytes(src->rows, src->cols) == 0 || g0 < 0 || g1 > src->rows / 8)
+        return -1;
+    const int nb = src->cols / KERN_Q8_BLOCK;
+    const size_t ws = kern_row_bytes(src), gs = kern_q8x8_gbytes(nb), so = kern_q8x8_sbytes(nb);
+    for (int g = g0; g < g1; g++) {
+        uint8_t *o = (uint8_t *)dst + (size_t)g * gs;
+        memset(o + (size_t)nb * 16, 0, so - (size_t)nb * 16); /* padding */
+        for (int r = 0; r < 8; r++) {
+            const uint8_t *row = (const uint8_t *)src->data + ((size_t)g * 8 + r) * ws;
+            for (int b = 0; b < nb; b++) {
+                const uint8_t *blk = row + (size_t)b * KERN_Q8_BLOCK_BYTES;
+                memcpy(o + (size_t)b * 16 + 2 * r, blk, 2);
+                memcpy(o + so + (size_t)b * 256 + 32 * r, blk + 2, KERN_Q8_BLOCK);
+            }
+        }
+    }
+    *out = *src;
+    out->data = dst;
+    out->layout = KERN_LAYOUT_Q8X8;
+    return 0;
+}
+
+/* Row i of a Q8X8 matrix back in GGUF blocks (cols / 32 * 34 bytes at dst). */
+static void q8x8_row(const kern_mat *w, int i, uint8_t *dst)
+{
+    const int nb = w->cols / KERN_Q8_BLOCK, r = i % 8;
+    const uint8_t *g = (const uint8_t *)w->data + (size_t)(i / 8) * kern_q8x8_gbytes(nb);
+    const size_t so = kern_q8x8_sbytes(nb);
+    for (int b = 0; b < nb; b++) {
+        memcpy(dst + (size_t)b * KERN_Q8_BLOCK_BYTES, g + (size_t)b * 16 + 2 * r, 2);
+        memcpy(dst + (size_t)b * KERN_Q8_BLOCK_BYTES + 2, g + so + (size_t)b * 256 + 32 * r,
+               KERN_Q8_BLOCK);
+    }
+}
+
+void kern_row_gguf(const kern_mat *w, int i, void *dst)
+{
+    if (w->layout == KERN_LAYOUT_Q8X8)
+        q8x8_row(w, i, dst);
+    else
+        memcpy(dst, (const uint8_t *)w->data + (size_t)i * kern_row_bytes(w), kern_row_bytes(w));
+}
+
 void kern_dequant_row(const kern_mat *w, int i, float *out)
 {
     const uint8_t *row = (const uint8_t *)w->data + (size_t)i * kern_row_bytes(w);
     int n = w->cols;
+    if (w->layout == KERN_LAYOUT_Q8X8) {
+        const int nb = n / KERN_Q8_BLOCK;
+        const uint8_t *g = (const uint8_t *)w->data + (size_t)(i / 8) * kern_q8x8_gbytes(nb);
+        const size_t so = kern_q8x8_sbytes(nb);
+        for (int b = 0; b < nb; b++) {
+            float d = f16_to_f32(g + (size_t)b * 16 + 2 * (i % 8));
+            const int8_t *q = (const int8_t *)(g + so + (size_t)b * 256 + 32 * (i % 8));
+            for (int e = 0; e < KERN_Q8_BLOCK; e++)
+                out[b * KERN_Q8_BLOCK + e] = d * (float)q[e];
+        }
+        return;
+    }
     switch (w->type) {
     case GGUF_TENSOR_F32:
         memcpy(out, row, (size_t)n * sizeof(float));
@@ -231,12 +303,18 @@ static void matmul_fast_ref(const kern_mat *w, const kern_act *a, int r0, int r1
     }
 }
 
-static void matmul_q8_ref(const kern_mat *w, const kern_act *a, int r0, int r1, float *const *out)
+/* Either layout: a Q8X8 row is gathered back into GGUF blocks in the scratch first. */
+static void matmul_q8_ref(const kern_mat *w, const kern_act *a, int r0, int r1, float *const *out,
+                          float *scratch)
 {
     const int n = a->n, nb = n / KERN_Q8_BLOCK;
     const size_t rb = kern_row_bytes(w);
     for (int i = r0; i < r1; i++) {
         const uint8_t *wr = (const uint8_t *)w->data + (size_t)i * rb;
+        if (w->layout == KERN_LAYOUT_Q8X8) {
+            q8x8_row(w, i, (uint8_t *)scratch);
+            wr = (const uint8_t *)scratch;
+        }
         for (int t = 0; t < a->T; t++)
             out[t][i] = kern_dot_q8_0(wr, a->q_d + (size_t)t * nb, a->q_s + (size_t)t * n, n);
     }
@@ -362,7 +440,9 @@ void kern_matmul(kern_isa isa, kern_order order, const kern_mat *w, const kern_a
         return;
     }
     if (isa >= KERN_ISA_AVX2) {
-        if (q8)
+        if (q8 && w->layout == KERN_LAYOUT_Q8X8)
+            kern_x86_matmul_q8x8_avx2(w, a, r0, r1, out);
+        else if (q8)
             kern_x86_matmul_q8_avx2(w, a, r0, r1, out);
         else
             kern_x86_matmul_fast_avx2(w, a, r0, r1, out);
@@ -370,7 +450,7 @@ void kern_matmul(kern_isa isa, kern_order order, const kern_mat *w, const kern_a
     }
 #endif
     if (q8)
-        matmul_q8_ref(w, a, r0, r1, out);
+        matmul_q8_ref(w, a, r0, r1, out, scratch);
     else
         matmul_fast_ref(w, a, r0, r1, out, scratch);
 }

@@ -51,11 +51,25 @@ typedef enum {
     KERN_ISA_AVX512,     /* + AVX-512 F/BW/DQ/VL/VNNI: two tokens per 512-bit register */
 } kern_isa;
 
-/* A weight matrix in GGUF layout: row-major (rows, cols), ne = {cols, rows}. */
+/* Where a matrix's bytes are. KERN_LAYOUT_GGUF: the file's, row-major (rows, cols), each
+ * Q8_0 row its cols / 32 blocks of 34 bytes. KERN_LAYOUT_Q8X8 (Q8_0 only, rows % 8 == 0,
+ * made at load by kern_q8x8_pack): rows in groups of 8, group g at data + g * gs,
+ * gs = kern_q8x8_group_bytes(cols); in a group, the nb = cols / 32 block steps' scales
+ * first, block b's 8 f16 scales (row 0 .. 7) at 16 * b, then, from S = that section
+ * rounded up to 64 bytes, block b's 8 x 32 quants (row-major) at S + 256 * b. One linear
+ * stream per group, 32-byte quant loads, 8 scales in one load (in the spirit of
+ * llama.cpp's repacked Q8_0 x4/x8 layouts). The same numbers, so the same results. */
+typedef enum {
+    KERN_LAYOUT_GGUF = 0,
+    KERN_LAYOUT_Q8X8,
+} kern_layout;
+
+/* A weight matrix W (rows, cols): the product is W x. */
 typedef struct {
     const void *data;
     gguf_tensor_type type; /* F32, F16 or Q8_0 (then cols % 32 == 0) */
     int rows, cols;
+    kern_layout layout; /* GGUF (0) unless packed */
 } kern_mat;
 
 /* Activations for one matmul: T rows of n floats, and their Q8 form when the weights
@@ -105,7 +119,24 @@ void kern_pack_act(kern_isa isa, const kern_act *a, int t0, int t1);
  * q_s (T, n). Bit-identical for every isa. */
 void kern_quantize_act(kern_isa isa, const float *x, int T, int n, float *q_d, int8_t *q_s);
 
-/* Row i of w as n = w->cols floats into out (F32 copied, F16 widened, Q8_0 d * q). */
+/* Bytes of the KERN_LAYOUT_Q8X8 form of a Q8_0 matrix of rows x cols (a multiple of 64),
+ * or 0 when it has none (rows % 8 or cols % 32 not 0). kern_q8x8_group_bytes: one group of
+ * 8 rows. */
+size_t kern_q8x8_bytes(int rows, int cols);
+size_t kern_q8x8_group_bytes(int cols);
+
+/* Repack rows [g0 * 8, g1 * 8) of src (Q8_0, GGUF layout) into dst (kern_q8x8_bytes of
+ * the whole matrix, 64-byte aligned for aligned loads, the caller's), and describe the
+ * result in *out (data = dst, layout Q8X8). Thread-safe for disjoint group ranges.
+ * Returns 0, -1 when src has no Q8X8 form (nothing written). */
+int kern_q8x8_pack(const kern_mat *src, void *dst, int g0, int g1, kern_mat *out);
+
+/* Row i of w in the file (GGUF) layout, from either layout, into dst (the caller's:
+ * kern_row_bytes-sized, i.e. cols * 4 for F32, cols * 2 for F16, cols / 32 * 34 for Q8_0). */
+void kern_row_gguf(const kern_mat *w, int i, void *dst);
+
+/* Row i of w as n = w->cols floats into out (F32 copied, F16 widened, Q8_0 d * q; any
+ * layout). */
 void kern_dequant_row(const kern_mat *w, int i, float *out);
 
 /* Quantize n floats (n % 32 == 0) to n / 32 GGUF Q8_0 blocks at dst (n / 32 * 34

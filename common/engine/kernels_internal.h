@@ -20,6 +20,16 @@ static inline size_t kern_row_bytes(const kern_mat *w)
     return (size_t)gguf_tensor_nbytes(w->type, (uint64_t)w->cols);
 }
 
+/* KERN_LAYOUT_Q8X8 (kernels.h): bytes of a group's scale section, then of the group. */
+static inline size_t kern_q8x8_sbytes(int nb)
+{
+    return ((size_t)nb * 16 + 63) & ~(size_t)63;
+}
+static inline size_t kern_q8x8_gbytes(int nb)
+{
+    return kern_q8x8_sbytes(nb) + (size_t)nb * 256;
+}
+
 #ifdef KERN_HAVE_X86
 /* AVX2: EXACT-order F32 (scratch: kern_scratch_floats(n) floats), FAST-order F32/F16 and
  * Q8_0 products of rows [r0, r1), all T tokens. */
@@ -29,7 +39,10 @@ void kern_x86_matmul_fast_avx2(const kern_mat *w, const kern_act *a, int r0, int
                                float *const *out);
 void kern_x86_matmul_q8_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
                              float *const *out);
-/* AVX-512, T >= 2: F32/F16 (FAST) and Q8_0; scratch: kern_scratch_floats(n) floats. */
+/* The same products for a KERN_LAYOUT_Q8X8 matrix. */
+void kern_x86_matmul_q8x8_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
+                               float *const *out);
+/* AVX-512, T >= 2: F32/F16 (FAST) and Q8_0 (either layout); scratch: kern_scratch_floats(n) floats. */
 void kern_x86_matmul_avx512(const kern_mat *w, const kern_act *a, int r0, int r1, float *const *out,
                             float *scratch);
 void kern_x86_quantize_act_avx2(const float *x, int T, int n, float *q_d, int8_t *q_s);

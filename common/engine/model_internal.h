@@ -35,6 +35,7 @@ struct model_nextn {
     wmat eh_proj;               /* (dim, 2 * dim): [hidden half | embedding half] */
     layer_weights blk;
     uint64_t matmul_bytes;
+    void *packed; /* owned: the Q8X8 copies of the Q8_0 matrices, or NULL */
     /* matvec packing of the F32 matrices (as model_ctx's mv): mv[k] for the block's k-th
      * matrix in mv_mats' order, mv[MODEL_MV_PER_LAYER] for eh_proj; all NULL when not F32
      * or bigger than MODEL_MV_MAX_BYTES. Used by contexts that use their own (EXACT, AVX2+). */
@@ -51,6 +52,7 @@ struct model {
     wmat output;           /* (vocab, dim); the embedding when tied */
     int all_f32;           /* every matrix is F32 (AUTO picks the EXACT kernels) */
     uint64_t matmul_bytes; /* see model_matmul_bytes() */
+    void *packed;          /* owned: the Q8X8 copies of the Q8_0 matrices, or NULL */
 };
 
 struct model_ctx {

@@ -238,8 +238,24 @@ int mtp_set_draft_vocab(mtp_t *mt, int n)
     char *mem = aligned_alloc(64, (rb * (size_t)n + 63) / 64 * 64);
     if (!mem)
         return -1;
+    /* the rows in the file layout (the loaded output matrix may be repacked), then the
+     * draft head gets the same packing the model's matrices get */
     for (int i = 0; i < n; i++)
-        memcpy(mem + rb * (size_t)i, (const char *)out->data + rb * (size_t)mt->rank[i], rb);
+        kern_row_gguf(out, mt->rank[i], mem + rb * (size_t)i);
+    kern_mat head = {.data = mem, .type = out->type, .rows = n, .cols = out->cols};
+    size_t qb = out->layout == KERN_LAYOUT_Q8X8 ? kern_q8x8_bytes(n, out->cols) : 0;
+    if (qb) {
+        char *q = aligned_alloc(64, (qb + 63) / 64 * 64);
+        if (!q) {
+            free(mem);
+            return -1;
+        }
+        kern_mat packed;
+        kern_q8x8_pack(&head, q, 0, n / 8, &packed);
+        head = packed;
+        free(mem);
+        mem = q;
+    }
     float *mv = NULL;
     size_t mvf = matvec_packed_floats(n, out->cols);
     if (out->type == GGUF_TENSOR_F32 && mvf * sizeof(float) <= MODEL_MV_MAX_BYTES) {
@@ -254,7 +270,7 @@ int mtp_set_draft_vocab(mtp_t *mt, int n)
     free(mt->dhead_mv);
     mt->dhead_mem = mem;
     mt->dhead_mv = mv;
-    mt->dhead = (kern_mat){.data = mem, .type = out->type, .rows = n, .cols = out->cols};
+    mt->dhead = head;
     mt->n_draft = n;
     return 0;
 }

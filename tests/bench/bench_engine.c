@@ -2,10 +2,11 @@
  * bench_engine: throughput of the engine's forward pass, in-process, per model file.
  *
  *   bench_engine [--threads N] [--kernel auto|exact|fast] [--isa scalar|avx2|avx512]
- *                [--quick | --tg | --batched] MODEL.gguf...
+ *                [--quick | --tg | --pp | --batched] MODEL.gguf...
+ *   bench_engine [--threads N] --kern
  *
  * For each model: prefill of one 128-token prompt, and of four 128-token prompts in one
- * call (best of a few runs); decode steps at batch 1, 8 and 32 with every sequence at
+ * call (best of a few runs), and of one 512-token prompt (one run on the 1B-class models); decode steps at batch 1, 8 and 32 with every sequence at
  * context ~64 (the 64-token context is prefilled once and its KV blocks copied to the
  * other sequences, so setting up batch 32 costs one prefill; rate from the median step);
  * batch 8 again on one thread (thread scaling); the read-bandwidth roofline of batch-1
@@ -24,6 +25,16 @@
  * --batched: aggregate decode only, lines "bd MODEL B TOK/S" for B = 1, 8, 32 (the
  * decode rows above), for the side-by-side runs against llama-batched-bench
  * (tests/run_bench.sh peer_batched).
+ *
+ * --pp: prefill of one 512-token prompt only, "pp MODEL TOK/S" (after an 8-token warm-up;
+ * best of 3, one run for the 1B-class models), for the pp512 side by side.
+ *
+ * --kern: no model; the Q8_0 batch-1 kernel alone on ~300 MB random matrices (2048- and
+ * 5632-wide rows), GGUF layout against the Q8X8 one loaded model matrices get (kernels.h),
+ * with a streaming read of as many bytes, alternating, medians: GB/s and the fraction of
+ * the read rate, the kernel's own roofline without the rest of a forward pass; T = 3 on
+ * the same matrices (the MTP verify shape: time over the GGUF T = 1 time); and the prefill
+ * kernel (T = 64) in both layouts.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -36,12 +47,17 @@
 #include <immintrin.h>
 #endif
 
+#include <stdatomic.h>
+
+#include "kernels.h"
 #include "kvcache.h"
 #include "model.h"
+#include "threadpool.h"
 #include "tokenizer.h"
 
 #define CTX 64
 #define PROMPT 128
+#define PP_LONG 512 /* llama-bench's pp512 */
 
 static double now_s(void)
 {
@@ -167,7 +183,195 @@ static double read_bandwidth(int n_threads)
     return (double)per * n_threads * sizeof(uint64_t) / best;
 }
 
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
 static uint64_t rng_state = 0x5eed;
+
+/* --- the Q8_0 batch-1 kernel alone, GGUF vs Q8X8 layout, side by side ---------------- */
+
+typedef struct {
+    const kern_mat *w;
+    const kern_act *a;
+    float *const *out;
+    int chunk;
+    atomic_int next;
+} kb_job;
+
+static void kb_worker(void *arg, int ti, int nth)
+{
+    kb_job *j = arg;
+    for (;;) {
+        int r0 = atomic_fetch_add(&j->next, 1) * j->chunk;
+        if (r0 >= j->w->rows)
+            break;
+        int r1 = r0 + j->chunk < j->w->rows ? r0 + j->chunk : j->w->rows;
+        kern_matmul(kern_isa_detect(), KERN_ORDER_FAST, j->w, j->a, r0, r1, j->out, NULL);
+    }
+}
+
+typedef struct {
+    const uint64_t *p;
+    size_t words;
+    int nth;
+    uint64_t sum[64];
+} kb_rb;
+
+static void kb_rb_worker(void *arg, int ti, int nth)
+{
+    kb_rb *r = arg;
+    size_t per = r->words / (size_t)nth / 16 * 16;
+    r->sum[ti] = rb_sum(r->p + (size_t)ti * per, per);
+}
+
+/* --kern: a Q8_0 matrix of ~300 MB (n = 2048 and 5632 wide rows, random), its T = 1
+ * product by n_threads threads in 16-row chunks (as the model's) in the GGUF layout and
+ * in the Q8X8 one, and a streaming read of as many bytes, alternating REPS times; prints
+ * the median GB/s of each and their ratios. Returns 0, 1 on out of memory. */
+/* The Q8_0 prefill kernel: T = 64 tokens x a 2048 x 2048 matrix (4.4 MB, the L3) in both
+ * layouts, alternating, medians: multiply-adds per second. */
+static int bench_kern_pp(int n_threads)
+{
+    threadpool_t *pool = threadpool_new(n_threads);
+    const int n = 2048, nb = n / 32, rows = 2048, T = 64;
+    if (!pool)
+        return 1;
+    const size_t bytes = (size_t)rows * nb * 34;
+    uint8_t *w = malloc(bytes), *wx = aligned_alloc(64, kern_q8x8_bytes(rows, n));
+    float *x = malloc((size_t)T * n * 4), *qd = malloc((size_t)T * nb * 4);
+    int8_t *qs = malloc((size_t)T * n);
+    float *o = malloc((size_t)T * rows * 4);
+    float *outp[64];
+    if (!w || !wx || !x || !qd || !qs || !o)
+        return 1;
+    for (int t = 0; t < T; t++)
+        outp[t] = o + (size_t)t * rows;
+    for (size_t i = 0; i < bytes; i++)
+        w[i] = (uint8_t)((rng_state = rng_state * 6364136223846793005ULL + 1) >> 56);
+    for (int r = 0; r < rows * nb; r++) {
+        uint16_t h = gguf_fp32_to_fp16(0.01f);
+        memcpy(w + (size_t)r * 34, &h, 2);
+    }
+    for (int i = 0; i < T * n; i++)
+        x[i] = (float)(i % 17) - 8.0f;
+    kern_quantize_act(kern_isa_detect(), x, T, n, qd, qs);
+    kern_mat mg = {w, GGUF_TENSOR_Q8_0, rows, n, KERN_LAYOUT_GGUF}, mx;
+    kern_q8x8_pack(&mg, wx, 0, rows / 8, &mx);
+    kern_act a = {.x = x, .q_d = qd, .q_s = qs, .T = T, .n = n};
+    enum { REPS = 21 };
+    double t[2][REPS];
+    for (int rep = 0; rep < REPS; rep++)
+        for (int v = 0; v < 2; v++) {
+            double t0 = now_s();
+            kb_job j = {v == 0 ? &mg : &mx, &a, outp, 16, 0};
+            threadpool_run(pool, kb_worker, &j);
+            t[v][rep] = now_s() - t0;
+        }
+    double g[2];
+    for (int v = 0; v < 2; v++) {
+        qsort(t[v], REPS, sizeof(double), cmp_double);
+        g[v] = (double)rows * n * T / t[v][REPS / 2] / 1e9;
+    }
+    printf("kern q8_0 T=%d n=%d %d threads: GGUF %.2f, Q8X8 %.2f G multiply-adds/s (%.2fx)\n", T,
+           n, n_threads, g[0], g[1], g[1] / g[0]);
+    threadpool_destroy(&pool);
+    free(w);
+    free(wx);
+    free(x);
+    free(qd);
+    free(qs);
+    free(o);
+    return 0;
+}
+
+static int bench_kern(int n_threads)
+{
+    if (bench_kern_pp(n_threads) != 0)
+        return 1;
+    const int ns[2] = {2048, 5632};
+    threadpool_t *pool = threadpool_new(n_threads);
+    if (!pool)
+        return 1;
+    for (int k = 0; k < 2; k++) {
+        const int n = ns[k], nb = n / KERN_Q8_BLOCK;
+        const int rows = (int)(((size_t)300 << 20) / ((size_t)nb * KERN_Q8_BLOCK_BYTES)) / 16 * 16;
+        const size_t bytes = (size_t)rows * nb * KERN_Q8_BLOCK_BYTES;
+        uint8_t *w = malloc(bytes), *wx = aligned_alloc(64, kern_q8x8_bytes(rows, n));
+        float *x = malloc((size_t)n * sizeof(float)), *qd = malloc((size_t)nb * sizeof(float));
+        int8_t *qs = malloc((size_t)n);
+        float *o = malloc((size_t)3 * rows * sizeof(float));
+        float *x3 = malloc((size_t)3 * n * sizeof(float)), *qd3 = malloc((size_t)3 * nb * 4);
+        int8_t *qs3 = malloc((size_t)3 * n);
+        if (!x3 || !qd3 || !qs3)
+            return 1;
+        for (int i = 0; i < 3 * n; i++)
+            x3[i] = (float)(i % 13) - 6.0f;
+        kern_quantize_act(kern_isa_detect(), x3, 3, n, qd3, qs3);
+        uint64_t *rb = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (!w || !wx || !x || !qd || !qs || !o || !rb)
+            return 1;
+        for (size_t i = 0; i < bytes; i++)
+            w[i] = (uint8_t)((rng_state = rng_state * 6364136223846793005ULL + 1) >> 56);
+        for (int r = 0; r < rows; r++)
+            for (int b = 0; b < nb; b++) {
+                uint16_t h = gguf_fp32_to_fp16(0.01f);
+                memcpy(w + ((size_t)r * nb + b) * KERN_Q8_BLOCK_BYTES, &h, 2);
+            }
+        for (int i = 0; i < n; i++)
+            x[i] = (float)(i % 17) - 8.0f;
+        memset(rb, 1, (bytes + 63) / 64 * 64);
+        kern_quantize_act(kern_isa_detect(), x, 1, n, qd, qs);
+        kern_mat mg = {w, GGUF_TENSOR_Q8_0, rows, n, KERN_LAYOUT_GGUF}, mx;
+        if (kern_q8x8_pack(&mg, wx, 0, rows / 8, &mx) != 0)
+            return 1;
+        kern_act a = {.x = x, .q_d = qd, .q_s = qs, .T = 1, .n = n};
+        kern_act a3 = {.x = x3, .q_d = qd3, .q_s = qs3, .T = 3, .n = n};
+        float *outp[3] = {o, o + rows, o + 2 * (size_t)rows};
+        enum { REPS = 15 };
+        double t[5][REPS]; /* T=1: GGUF, Q8X8, read; T=3: GGUF, Q8X8 */
+        for (int rep = 0; rep < REPS; rep++)
+            for (int v = 0; v < 5; v++) {
+                double t0 = now_s();
+                if (v != 2) {
+                    kb_job j = {v == 1 || v >= 4 ? &mx : &mg, v >= 3 ? &a3 : &a, outp, 16, 0};
+                    threadpool_run(pool, kb_worker, &j);
+                } else {
+                    kb_rb r = {rb, bytes / 8, n_threads, {0}};
+                    threadpool_run(pool, kb_rb_worker, &r);
+                    volatile uint64_t sink = r.sum[0];
+                    (void)sink;
+                }
+                t[v][rep] = now_s() - t0;
+            }
+        double med[5];
+        for (int v = 0; v < 5; v++) {
+            qsort(t[v], REPS, sizeof(double), cmp_double);
+            med[v] = (double)bytes / t[v][REPS / 2] / 1e9;
+        }
+        printf("kern q8_0 T=1 n=%d %d threads (%.0f MB): GGUF %.2f GB/s, Q8X8 %.2f GB/s (%.2fx), "
+               "read %.2f GB/s; of read: GGUF %.0f%%, Q8X8 %.0f%%\n",
+               n, n_threads, bytes / 1e6, med[0], med[1], med[1] / med[0], med[2],
+               100 * med[0] / med[2], 100 * med[1] / med[2]);
+        printf("kern q8_0 T=3 n=%d (the verify shape): time / GGUF T=1's: GGUF %.2f, Q8X8 %.2f\n",
+               n, med[0] / med[3], med[0] / med[4]);
+        free(w);
+        free(wx);
+        free(x);
+        free(qd);
+        free(qs);
+        free(o);
+        free(x3);
+        free(qd3);
+        free(qs3);
+        free(rb);
+    }
+    threadpool_destroy(&pool);
+    return 0;
+}
+
 static int rand_tok(int vocab)
 {
     rng_state ^= rng_state << 13;
@@ -217,11 +421,6 @@ static double bench_prefill(bench *b, int n_seq, int len, int reps, double *core
     return (double)n_seq * len / best;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 /* Decode `steps` steps of B sequences at context CTX (after a one-token warm-up step);
  * returns tokens/s from the median step time (B tokens per step; the median, because the
@@ -340,7 +539,7 @@ static int bench_tokenizer(const char *path, size_t n)
 int main(int argc, char **argv)
 {
     model_ctx_params cp = model_ctx_default_params();
-    int quick = 0, tg = 0, batched = 0;
+    int quick = 0, tg = 0, pp = 0, kern = 0, batched = 0;
     int first = 1;
     for (; first < argc && strncmp(argv[first], "--", 2) == 0; first++) {
         if (strcmp(argv[first], "--quick") == 0) {
@@ -349,6 +548,10 @@ int main(int argc, char **argv)
             tg = 1;
         } else if (strcmp(argv[first], "--batched") == 0) {
             batched = 1;
+        } else if (strcmp(argv[first], "--pp") == 0) {
+            pp = 1;
+        } else if (strcmp(argv[first], "--kern") == 0) {
+            kern = 1;
         } else if (strcmp(argv[first], "--threads") == 0 && first + 1 < argc) {
             cp.n_threads = atoi(argv[++first]);
         } else if (strcmp(argv[first], "--isa") == 0 && first + 1 < argc) {
@@ -363,11 +566,13 @@ int main(int argc, char **argv)
                                                  : MODEL_KERNEL_AUTO;
         } else {
             fprintf(stderr, "usage: bench_engine [--threads N] [--kernel auto|exact|fast] "
-                            "[--isa scalar|avx2|avx512] [--quick | --tg | --batched] "
-                            "MODEL.gguf...\n");
+                            "[--isa scalar|avx2|avx512] [--quick | --tg | --pp | --batched] "
+                            "MODEL.gguf... | --kern\n");
             return 2;
         }
     }
+    if (kern)
+        return bench_kern(cp.n_threads > 0 ? cp.n_threads : threadpool_default_threads());
     int rc = 0;
     for (int a = first; a < argc; a++) {
         char err[512];
@@ -396,6 +601,18 @@ int main(int argc, char **argv)
             goto next;
         }
         double bytes = (double)model_matmul_bytes(m);
+        if (pp) {
+            double cores;
+            bench_prefill(&b, 1, 8, 1, &cores); /* warm-up */
+            double r = bench_prefill(&b, 1, PP_LONG, big ? 1 : 3, &cores);
+            if (r < 0) {
+                fprintf(stderr, "bench_engine: %s: forward pass failed\n", argv[a]);
+                rc = 1;
+            } else {
+                printf("pp %s %.3f\n", argv[a], r);
+            }
+            goto next;
+        }
         if (tg) {
             double cores;
             bench_prefill(&b, 1, 8, 1, &cores); /* warm-up */
@@ -436,6 +653,7 @@ int main(int argc, char **argv)
         bench_prefill(&b, 1, 8, 1, &cu[0]);
         double p1 = bench_prefill(&b, 1, PROMPT, reps, &cu[0]);
         double p4 = bench_prefill(&b, 4, PROMPT, reps, &cu[1]);
+        double p512 = bench_prefill(&b, 1, PP_LONG, big ? 1 : reps, &cu[6]);
         /* the bound is measured next to the batch-1 run it bounds (the machine may be
          * shared: its bandwidth changes by the minute) */
         double bw = read_bandwidth(model_ctx_n_threads(b.ctx));
@@ -451,7 +669,7 @@ int main(int argc, char **argv)
             d8_1 = c1 ? bench_decode(&b, c1, 8, dsteps8, &cu[5]) : -1;
             model_ctx_destroy(&c1);
         }
-        if (p1 < 0 || p4 < 0 || d1 < 0 || d8 < 0 || d32 < 0) {
+        if (p1 < 0 || p4 < 0 || p512 < 0 || d1 < 0 || d8 < 0 || d32 < 0) {
             fprintf(stderr, "bench_engine: %s: forward pass failed\n", argv[a]);
             rc = 1;
             goto next;
@@ -464,6 +682,8 @@ int main(int argc, char **argv)
         printf(
             "  prefill 4 x %d tokens, 1 call  : %9.1f tok/s  (%5.2fx of 1 prompt)  [%.1f cores]\n",
             PROMPT, p4, p4 / p1, cu[1]);
+        printf("  prefill 1 x %d tokens          : %9.1f tok/s  %21s [%.1f cores]\n", PP_LONG, p512,
+               "", cu[6]);
         printf("  decode batch  1, ctx %d        : %9.1f tok/s  %21s [%.1f cores]\n", CTX, d1, "",
                cu[2]);
         printf(

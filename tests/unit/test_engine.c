@@ -1159,8 +1159,9 @@ static kern_isa best_isa(void)
  * 3840: 24 x 2048) prefetch linearly, longer ones (19 x 4096) per row. */
 static void test_kernels_vs_reference(void **state)
 {
-    const int shapes[][2] = {{1, 8},    {13, 172}, {9, 37},    {7, 96},   {21, 64},
-                             {66, 352}, {5, 2048}, {24, 2048}, {19, 4096}};
+    const int shapes[][2] = {{1, 8},    {13, 172}, {9, 37},     {7, 96},    {21, 64},
+                             {66, 352}, {5, 2048}, {24, 2048},  {19, 4096}, {16, 96},
+                             {8, 32},   {40, 352}, {16, 5632}};
     const int Ts[] = {1, 2, 3, 4, 5, 7, 8, 9, 13, 17};
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
         const int rows = shapes[si][0], n = shapes[si][1], q8ok = n % 32 == 0;
@@ -1214,19 +1215,53 @@ static void test_kernels_vs_reference(void **state)
                 assert_memory_equal(qs, qs2, (size_t)Tmax * n);
             }
         }
-        kern_mat mf = {wf, GGUF_TENSOR_F32, rows, n}, mh = {wh, GGUF_TENSOR_F16, rows, n};
-        kern_mat mq = {wq, GGUF_TENSOR_Q8_0, rows, n};
+        kern_mat mf = {wf, GGUF_TENSOR_F32, rows, n, KERN_LAYOUT_GGUF},
+                 mh = {wh, GGUF_TENSOR_F16, rows, n, KERN_LAYOUT_GGUF};
+        kern_mat mq = {wq, GGUF_TENSOR_Q8_0, rows, n, KERN_LAYOUT_GGUF}, mx = mq;
+        /* the Q8X8 layout of the same matrix (rows % 8 == 0): the same results; its rows
+         * read back as the GGUF ones */
+        const size_t xbytes = q8ok ? kern_q8x8_bytes(rows, n) : 0;
+        uint8_t *wx = xbytes ? aligned_alloc(64, xbytes) : NULL;
+        if (xbytes) {
+            assert_non_null(wx);
+            /* in two calls: group ranges are independent */
+            assert_int_equal(kern_q8x8_pack(&mq, wx, 0, rows / 16, &mx), 0);
+            assert_int_equal(kern_q8x8_pack(&mq, wx, rows / 16, rows / 8, &mx), 0);
+            assert_int_equal(mx.layout, KERN_LAYOUT_Q8X8);
+            float *r1 = malloc((size_t)n * sizeof(float)), *r2 = malloc((size_t)n * sizeof(float));
+            assert_non_null(r1);
+            assert_non_null(r2);
+            const size_t rb = (size_t)n / KERN_Q8_BLOCK * KERN_Q8_BLOCK_BYTES;
+            uint8_t *g1 = malloc(rb), *g2 = malloc(rb);
+            assert_non_null(g1);
+            assert_non_null(g2);
+            for (int r = 0; r < rows; r++) {
+                kern_dequant_row(&mq, r, r1);
+                kern_dequant_row(&mx, r, r2);
+                assert_memory_equal(r1, r2, (size_t)n * sizeof(float));
+                /* and the file's bytes back (an MTP draft head gathers rows so) */
+                kern_row_gguf(&mq, r, g1);
+                kern_row_gguf(&mx, r, g2);
+                assert_memory_equal(g1, wq + (size_t)r * rb, rb);
+                assert_memory_equal(g2, wq + (size_t)r * rb, rb);
+            }
+            free(g1);
+            free(g2);
+            free(r1);
+            free(r2);
+        } else if (q8ok) {
+            assert_int_equal(kern_q8x8_pack(&mq, wq, 0, rows / 8, &mx), -1);
+        }
         struct {
             const kern_mat *m;
             kern_order order;
-        } cases[] = {{&mf, KERN_ORDER_EXACT},
-                     {&mf, KERN_ORDER_FAST},
-                     {&mh, KERN_ORDER_EXACT},
-                     {&mh, KERN_ORDER_FAST},
-                     {&mq, KERN_ORDER_FAST}};
+        } cases[] = {{&mf, KERN_ORDER_EXACT}, {&mf, KERN_ORDER_FAST}, {&mh, KERN_ORDER_EXACT},
+                     {&mh, KERN_ORDER_FAST},  {&mq, KERN_ORDER_FAST}, {&mx, KERN_ORDER_FAST}};
         for (size_t ci = 0; ci < sizeof(cases) / sizeof(cases[0]); ci++) {
             const kern_mat *m = cases[ci].m;
             if (m->type == GGUF_TENSOR_Q8_0 && !q8ok)
+                continue;
+            if (m == &mx && !wx)
                 continue;
             for (size_t ti = 0; ti < sizeof(Ts) / sizeof(Ts[0]); ti++) {
                 int T = Ts[ti];
@@ -1254,9 +1289,19 @@ static void test_kernels_vs_reference(void **state)
                     kern_matmul((kern_isa)isa, cases[ci].order, m, &a, 0, split, outp, scratch);
                     kern_matmul((kern_isa)isa, cases[ci].order, m, &a, split, rows, outp, scratch);
                     if (memcmp(got, ref, (size_t)T * rows * sizeof(float)) != 0)
-                        fail_msg("kernel %s/%s %s rows %d n %d T %d differs from the reference",
+                        fail_msg("kernel %s/%s %s%s rows %d n %d T %d differs from the reference",
                                  kern_isa_name((kern_isa)isa), kern_order_name(cases[ci].order),
-                                 gguf_tensor_type_name(m->type), rows, n, T);
+                                 gguf_tensor_type_name(m->type), m == &mx ? " (Q8X8)" : "", rows,
+                                 n, T);
+                    if (m == &mx) { /* row ranges that cut groups and half-groups */
+                        memset(got, 0xff, (size_t)Tmax * rows * sizeof(float));
+                        for (int r = 0; r < rows; r += 3)
+                            kern_matmul((kern_isa)isa, KERN_ORDER_FAST, m, &a, r,
+                                        r + 3 < rows ? r + 3 : rows, outp, scratch);
+                        if (memcmp(got, ref, (size_t)T * rows * sizeof(float)) != 0)
+                            fail_msg("kernel %s Q8X8 rows %d n %d T %d in 3-row ranges differs",
+                                     kern_isa_name((kern_isa)isa), rows, n, T);
+                    }
                 }
             }
         }
@@ -1285,6 +1330,7 @@ static void test_kernels_vs_reference(void **state)
         free(wf);
         free(wh);
         free(wq);
+        free(wx);
         free(wh32);
         free(x);
         free(qd);
@@ -1370,7 +1416,8 @@ static void test_kernels_packed(void **state)
         p1[t] = o1 + (size_t)t * rows;
         p2[t] = o2 + (size_t)t * rows;
     }
-    kern_mat mats[2] = {{wf, GGUF_TENSOR_F32, rows, n}, {wq, GGUF_TENSOR_Q8_0, rows, n}};
+    kern_mat mats[2] = {{wf, GGUF_TENSOR_F32, rows, n, KERN_LAYOUT_GGUF},
+                        {wq, GGUF_TENSOR_Q8_0, rows, n, KERN_LAYOUT_GGUF}};
     for (int mi = 0; mi < 2; mi++) {
         kern_act a = {.x = x, .q_d = qd, .q_s = qs, .T = T, .n = n};
         kern_matmul(KERN_ISA_AVX512, KERN_ORDER_FAST, &mats[mi], &a, 0, rows, p1, scratch);
@@ -1416,7 +1463,7 @@ static void test_kernels_q8_format(void **state)
     assert_int_equal((int8_t)blk[34 + 2 + 0], 0);
     /* round trip error within half a step (plus the f16 rounding of the scale) */
     float back[64];
-    kern_mat m = {blk, GGUF_TENSOR_Q8_0, 1, 64};
+    kern_mat m = {blk, GGUF_TENSOR_Q8_0, 1, 64, KERN_LAYOUT_GGUF};
     kern_dequant_row(&m, 0, back);
     for (int i = 0; i < 64; i++) {
         float d = i < 32 ? 4.0f / 127.0f : 1e-3f / 127.0f;
@@ -1438,7 +1485,7 @@ static void test_kernels_q8_format(void **state)
     assert_int_equal(t->type, GGUF_TENSOR_Q8_0);
     assert_int_equal(t->n_bytes, 68);
     assert_memory_equal(t->data, blk, 68);
-    kern_mat m2 = {t->data, GGUF_TENSOR_Q8_0, 2, 32};
+    kern_mat m2 = {t->data, GGUF_TENSOR_Q8_0, 2, 32, KERN_LAYOUT_GGUF};
     float row1[32];
     kern_dequant_row(&m2, 1, row1);
     assert_memory_equal(row1, back + 32, sizeof(row1));
@@ -1447,7 +1494,7 @@ static void test_kernels_q8_format(void **state)
     uint16_t hv[8];
     for (int i = 0; i < 8; i++)
         hv[i] = gguf_fp32_to_fp16((float)i * 0.3f);
-    kern_mat mh = {hv, GGUF_TENSOR_F16, 1, 8};
+    kern_mat mh = {hv, GGUF_TENSOR_F16, 1, 8, KERN_LAYOUT_GGUF};
     float wide[8];
     kern_dequant_row(&mh, 0, wide);
     for (int i = 0; i < 8; i++)
