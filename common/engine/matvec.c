@@ -1,11 +1,12 @@
 /*
  * matvec: see matvec.h. The reference kernel is the definition (one chain per output
- * element over the packed layout); the AVX2 kernel runs four groups of 8 rows at once
- * (four independent chains per lane hide the latency of the adds) for two tokens at a
- * time (the weight loads shared), compiled with a target
- * attribute whatever the build flags and used only when the caller's isa says so. No FMA
- * contraction: -std=c11 builds with -ffp-contract=off, and the intrinsics are separate
- * multiplies and adds.
+ * element over the packed layout); the AVX2 kernel runs tiles of groups x tokens, each
+ * tile's weight loads shared by its tokens: 3 tokens x 2 groups (a 3-token MTP verify
+ * pass in one sweep over the weights), 2 x 4, 1 x 8 (6-8 independent chains: enough for
+ * the add latency, and no register spills), then narrower tiles for the last groups.
+ * Compiled with a target attribute whatever the build flags and used only when the
+ * caller's isa says so. No FMA contraction: -std=c11 builds with -ffp-contract=off, and
+ * the intrinsics are separate multiplies and adds.
  */
 #include "matvec.h"
 
@@ -65,86 +66,158 @@ static TGT inline void store_group(float *o, int i, int r1, __m256 acc)
         o[i + e] = lanes[e];
 }
 
+/* One tile: NG <= 2 groups of 8 rows (from row i) x NT <= 3 tokens (from token t), NG * NT
+ * independent chains; the NG weight loads of a column are shared by the NT tokens.
+ * Constant NG, NT (always inlined) keep the accumulators in registers. */
+static TGT inline __attribute__((always_inline)) void
+tile(const float *wp, size_t gs, int n, const float *x, float *const *out, int t, int i, int r1,
+     const int NG, const int NT)
+{
+    const float *w0 = wp + (size_t)(i / MATVEC_GROUP) * gs;
+    const float *xt[3];
+    __m256 acc[4][3];
+#pragma GCC unroll 3
+    for (int u = 0; u < NT; u++)
+        xt[u] = x + (size_t)(t + u) * n;
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; g++)
+#pragma GCC unroll 3
+        for (int u = 0; u < NT; u++)
+            acc[g][u] = _mm256_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        __m256 xv[3];
+#pragma GCC unroll 3
+        for (int u = 0; u < NT; u++)
+            xv[u] = _mm256_broadcast_ss(xt[u] + j);
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; g++) {
+            __m256 wv = _mm256_load_ps(w0 + (size_t)g * gs + (size_t)j * MATVEC_GROUP);
+#pragma GCC unroll 3
+            for (int u = 0; u < NT; u++)
+                acc[g][u] = _mm256_add_ps(acc[g][u], _mm256_mul_ps(wv, xv[u]));
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; g++)
+#pragma GCC unroll 3
+        for (int u = 0; u < NT; u++)
+            store_group(out[t + u], i + g * MATVEC_GROUP, r1, acc[g][u]);
+}
+
+/* 8 groups x 1 token (64 rows, 8 chains: a T = 1 pass is bound by the adds' throughput,
+ * not by their latency), written out: the generic tile spills at this size. */
+static TGT __attribute__((noinline)) void tile8x1(const float *wp, size_t gs, int n, const float *x, float *o, int i,
+                        int r1)
+{
+    const float *w = wp + (size_t)(i / MATVEC_GROUP) * gs;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+           a7 = a0;
+    for (int j = 0; j < n; j++) {
+        const __m256 xv = _mm256_broadcast_ss(x + j);
+        const float *c = w + (size_t)j * MATVEC_GROUP;
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_load_ps(c), xv));
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_load_ps(c + gs), xv));
+        a2 = _mm256_add_ps(a2, _mm256_mul_ps(_mm256_load_ps(c + 2 * gs), xv));
+        a3 = _mm256_add_ps(a3, _mm256_mul_ps(_mm256_load_ps(c + 3 * gs), xv));
+        a4 = _mm256_add_ps(a4, _mm256_mul_ps(_mm256_load_ps(c + 4 * gs), xv));
+        a5 = _mm256_add_ps(a5, _mm256_mul_ps(_mm256_load_ps(c + 5 * gs), xv));
+        a6 = _mm256_add_ps(a6, _mm256_mul_ps(_mm256_load_ps(c + 6 * gs), xv));
+        a7 = _mm256_add_ps(a7, _mm256_mul_ps(_mm256_load_ps(c + 7 * gs), xv));
+    }
+    store_group(o, i, r1, a0);
+    store_group(o, i + 8, r1, a1);
+    store_group(o, i + 16, r1, a2);
+    store_group(o, i + 24, r1, a3);
+    store_group(o, i + 32, r1, a4);
+    store_group(o, i + 40, r1, a5);
+    store_group(o, i + 48, r1, a6);
+    store_group(o, i + 56, r1, a7);
+}
+
+/* 4 groups x 2 tokens (8 chains, the weight loads shared by the pair), written out. */
+static TGT __attribute__((noinline)) void tile4x2(const float *wp, size_t gs, int n, const float *xa, float *oa, float *ob,
+                        int i, int r1)
+{
+    const float *w = wp + (size_t)(i / MATVEC_GROUP) * gs, *xb = xa + n;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int j = 0; j < n; j++) {
+        const __m256 va = _mm256_broadcast_ss(xa + j), vb = _mm256_broadcast_ss(xb + j);
+        const float *c = w + (size_t)j * MATVEC_GROUP;
+        const __m256 g0 = _mm256_load_ps(c), g1 = _mm256_load_ps(c + gs);
+        const __m256 g2 = _mm256_load_ps(c + 2 * gs), g3 = _mm256_load_ps(c + 3 * gs);
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(g0, va));
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(g1, va));
+        a2 = _mm256_add_ps(a2, _mm256_mul_ps(g2, va));
+        a3 = _mm256_add_ps(a3, _mm256_mul_ps(g3, va));
+        b0 = _mm256_add_ps(b0, _mm256_mul_ps(g0, vb));
+        b1 = _mm256_add_ps(b1, _mm256_mul_ps(g1, vb));
+        b2 = _mm256_add_ps(b2, _mm256_mul_ps(g2, vb));
+        b3 = _mm256_add_ps(b3, _mm256_mul_ps(g3, vb));
+    }
+    store_group(oa, i, r1, a0);
+    store_group(oa, i + 8, r1, a1);
+    store_group(oa, i + 16, r1, a2);
+    store_group(oa, i + 24, r1, a3);
+    store_group(ob, i, r1, b0);
+    store_group(ob, i + 8, r1, b1);
+    store_group(ob, i + 16, r1, b2);
+    store_group(ob, i + 24, r1, b3);
+}
+
+/* The generic tiles as separate functions: one register allocation each (inlined into
+ * one function, GCC spilled the accumulators of the wide tiles). */
+#define TILE_FN(NG, NT)                                                                    \
+    static TGT __attribute__((noinline)) void tile##NG##x##NT(                             \
+        const float *wp, size_t gs, int n, const float *x, float *const *out, int t, int i,  \
+        int r1)                                                                            \
+    {                                                                                      \
+        tile(wp, gs, n, x, out, t, i, r1, NG, NT);                                         \
+    }
+TILE_FN(4, 1)
+TILE_FN(2, 1)
+TILE_FN(2, 2)
+TILE_FN(2, 3)
+TILE_FN(1, 1)
+TILE_FN(1, 2)
+TILE_FN(1, 3)
+
+/* Rows [r0, r1) for the NT tokens from t: wide tiles first (8 groups at NT = 1, 4 at
+ * NT = 2, 2 at NT = 3: 6-8 chains, enough for a 3-cycle add latency and two adds a
+ * cycle), then 2 and 1 group(s) (the last may be partial). */
+static TGT inline __attribute__((always_inline)) void
+rows_nt(const float *wp, size_t gs, int n, const float *x, float *const *out, int t, int r0,
+        int r1, const int NT)
+{
+    int i = r0;
+    if (NT == 1)
+        for (; i + 7 * MATVEC_GROUP < r1; i += 8 * MATVEC_GROUP)
+            tile8x1(wp, gs, n, x + (size_t)t * n, out[t], i, r1);
+    if (NT == 1)
+        for (; i + 3 * MATVEC_GROUP < r1; i += 4 * MATVEC_GROUP)
+            tile4x1(wp, gs, n, x, out, t, i, r1);
+    if (NT == 2)
+        for (; i + 3 * MATVEC_GROUP < r1; i += 4 * MATVEC_GROUP)
+            tile4x2(wp, gs, n, x + (size_t)t * n, out[t], out[t + 1], i, r1);
+    for (; i + MATVEC_GROUP < r1; i += 2 * MATVEC_GROUP)
+        (NT == 1 ? tile2x1 : NT == 2 ? tile2x2 : tile2x3)(wp, gs, n, x, out, t, i, r1);
+    for (; i < r1; i += MATVEC_GROUP)
+        (NT == 1 ? tile1x1 : NT == 2 ? tile1x2 : tile1x3)(wp, gs, n, x, out, t, i, r1);
+}
+
 static TGT void matvec_avx2(const float *wp, int n, const float *x, int T, int r0, int r1,
                             float *const *out)
 {
     const size_t gs = (size_t)n * MATVEC_GROUP; /* floats per group */
     int t = 0;
-    /* two tokens at a time share the weight loads: 4 groups x 2 tokens = 8 chains */
-    for (; t + 2 <= T; t += 2) {
-        const float *xa = x + (size_t)t * n, *xb = xa + n;
-        float *oa = out[t], *ob = out[t + 1];
-        int i = r0;
-        for (; i + 3 * MATVEC_GROUP < r1; i += 4 * MATVEC_GROUP) {
-            const float *w0 = wp + (size_t)(i / MATVEC_GROUP) * gs;
-            const float *w1 = w0 + gs, *w2 = w1 + gs, *w3 = w2 + gs;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-            for (int j = 0; j < n; j++) {
-                __m256 va = _mm256_broadcast_ss(xa + j), vb = _mm256_broadcast_ss(xb + j);
-                size_t o8 = (size_t)j * MATVEC_GROUP;
-                __m256 g0 = _mm256_load_ps(w0 + o8), g1 = _mm256_load_ps(w1 + o8);
-                __m256 g2 = _mm256_load_ps(w2 + o8), g3 = _mm256_load_ps(w3 + o8);
-                a0 = _mm256_add_ps(a0, _mm256_mul_ps(g0, va));
-                a1 = _mm256_add_ps(a1, _mm256_mul_ps(g1, va));
-                a2 = _mm256_add_ps(a2, _mm256_mul_ps(g2, va));
-                a3 = _mm256_add_ps(a3, _mm256_mul_ps(g3, va));
-                b0 = _mm256_add_ps(b0, _mm256_mul_ps(g0, vb));
-                b1 = _mm256_add_ps(b1, _mm256_mul_ps(g1, vb));
-                b2 = _mm256_add_ps(b2, _mm256_mul_ps(g2, vb));
-                b3 = _mm256_add_ps(b3, _mm256_mul_ps(g3, vb));
-            }
-            store_group(oa, i, r1, a0);
-            store_group(oa, i + MATVEC_GROUP, r1, a1);
-            store_group(oa, i + 2 * MATVEC_GROUP, r1, a2);
-            store_group(oa, i + 3 * MATVEC_GROUP, r1, a3);
-            store_group(ob, i, r1, b0);
-            store_group(ob, i + MATVEC_GROUP, r1, b1);
-            store_group(ob, i + 2 * MATVEC_GROUP, r1, b2);
-            store_group(ob, i + 3 * MATVEC_GROUP, r1, b3);
-        }
-        for (; i < r1; i += MATVEC_GROUP) {
-            const float *w0 = wp + (size_t)(i / MATVEC_GROUP) * gs;
-            __m256 a0 = _mm256_setzero_ps(), b0 = a0;
-            for (int j = 0; j < n; j++) {
-                __m256 g0 = _mm256_load_ps(w0 + (size_t)j * MATVEC_GROUP);
-                a0 = _mm256_add_ps(a0, _mm256_mul_ps(g0, _mm256_broadcast_ss(xa + j)));
-                b0 = _mm256_add_ps(b0, _mm256_mul_ps(g0, _mm256_broadcast_ss(xb + j)));
-            }
-            store_group(oa, i, r1, a0);
-            store_group(ob, i, r1, b0);
-        }
-    }
-    for (; t < T; t++) {
-        const float *xt = x + (size_t)t * n;
-        float *o = out[t];
-        int i = r0;
-        for (; i + 3 * MATVEC_GROUP < r1; i += 4 * MATVEC_GROUP) {
-            const float *w0 = wp + (size_t)(i / MATVEC_GROUP) * gs;
-            const float *w1 = w0 + gs, *w2 = w1 + gs, *w3 = w2 + gs;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int j = 0; j < n; j++) {
-                __m256 xv = _mm256_broadcast_ss(xt + j);
-                size_t o8 = (size_t)j * MATVEC_GROUP;
-                a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_load_ps(w0 + o8), xv));
-                a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_load_ps(w1 + o8), xv));
-                a2 = _mm256_add_ps(a2, _mm256_mul_ps(_mm256_load_ps(w2 + o8), xv));
-                a3 = _mm256_add_ps(a3, _mm256_mul_ps(_mm256_load_ps(w3 + o8), xv));
-            }
-            store_group(o, i, r1, a0);
-            store_group(o, i + MATVEC_GROUP, r1, a1);
-            store_group(o, i + 2 * MATVEC_GROUP, r1, a2);
-            store_group(o, i + 3 * MATVEC_GROUP, r1, a3);
-        }
-        for (; i < r1; i += MATVEC_GROUP) {
-            const float *w0 = wp + (size_t)(i / MATVEC_GROUP) * gs;
-            __m256 a0 = _mm256_setzero_ps();
-            for (int j = 0; j < n; j++)
-                a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_load_ps(w0 + (size_t)j * MATVEC_GROUP),
-                                                     _mm256_broadcast_ss(xt + j)));
-            store_group(o, i, r1, a0);
-        }
-    }
+    /* three tokens at a time share the weight loads (a 3-token verify pass in one sweep),
+     * pairs for the last 2 or 4 (two pairs beat a triple and a single), then one */
+    for (; T - t >= 3 && T - t != 4; t += 3)
+        rows_nt(wp, gs, n, x, out, t, r0, r1, 3);
+    for (; t + 2 <= T; t += 2)
+        rows_nt(wp, gs, n, x, out, t, r0, r1, 2);
+    if (t < T)
+        rows_nt(wp, gs, n, x, out, t, r0, r1, 1);
 }
 #endif
 

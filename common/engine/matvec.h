@@ -11,10 +11,12 @@
  * product and the sum each rounded: no FMA) for its own row. The result is bit-identical
  * to kern_dot_exact_f32 per output element (multiplication is commutative in IEEE 754,
  * and the chain is the same), so it changes no logits; the tests compare it with the
- * reference bit for bit. Two tokens share each pass over the packed rows; with the
- * transpose of kern_matmul's token tile saved too, on (rows, n) = (64, 64) .. (512, 64)
+ * reference bit for bit. Up to three tokens share each pass over the packed rows; with
+ * the transpose of kern_matmul's token tile saved too, on (rows, n) = (64, 64) .. (512, 64)
  * matrices it takes 0.1-0.2x the time of the token-lane kernel at T = 1 and 0.5-0.85x at
- * T = 16 .. 256 (AVX2, one thread).
+ * T = 16 .. 256 (AVX2, one thread). Without FMA (run.c rounds the product) the adds and
+ * multiplies are the bound: a 3-token product costs ~2.1x a 1-token one (stories260K's
+ * shapes), which no tiling can bring below ~2x.
  */
 #ifndef TP_MATVEC_H
 #define TP_MATVEC_H

@@ -1530,24 +1530,26 @@ static void test_threadpool(void **state)
 
 /* matvec (the packed row-vectorised EXACT kernel) against kern_dot_exact_f32, bit for bit:
  * row counts that are not multiples of 8, row ranges starting on and off a group, the
- * AVX2 kernel (when the CPU has it) and the portable one, T = 1..5; the packed layout
- * itself (a known element, zero padding); the attention scores of matvec_scores_exact
+ * AVX2 kernel (when the CPU has it) and the portable one, T = 1..8 (every mix of its
+ * 3-, 2- and 1-token passes) on 1..512 rows (its 8-, 4-, 2- and 1-group tiles, partial
+ * last groups); the packed layout itself (a known element, zero padding); the attention scores of matvec_scores_exact
  * (head sizes with and without the AVX2 path, row counts off a multiple of 8), the
  * weighted sums of matvec_values and the scaled softmax of matvec_softmax against run.c's
  * loops. */
 static void test_matvec_vs_reference(void **state)
 {
-    const int shapes[][2] = {{1, 8}, {7, 1}, {8, 64}, {13, 172}, {33, 37}, {172, 64}, {64, 172}};
+    const int shapes[][2] = {{1, 8},    {7, 1},    {8, 64},   {13, 172}, {33, 37},
+                             {172, 64}, {64, 172}, {120, 9},  {512, 64}, {200, 5}};
     const int ranges[][2] = {{0, 1 << 20}, {8, 1 << 20}, {0, 5}, {16, 40}, {3, 30}, {24, 25}};
     const kern_isa isas[] = {KERN_ISA_SCALAR, KERN_ISA_AVX2};
     const int have_avx2 = kern_isa_detect() >= KERN_ISA_AVX2;
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
-        const int rows = shapes[si][0], n = shapes[si][1], Tmax = 5;
+        const int rows = shapes[si][0], n = shapes[si][1], Tmax = 8;
         float *w = malloc((size_t)rows * n * sizeof(float));
         float *wp = aligned_alloc(32, matvec_packed_floats(rows, n) * sizeof(float) + 32);
         float *x = malloc((size_t)Tmax * n * sizeof(float));
         float *got = malloc((size_t)Tmax * rows * sizeof(float));
-        float *outp[5];
+        float *outp[8];
         assert_non_null(w);
         assert_non_null(wp);
         assert_non_null(x);
