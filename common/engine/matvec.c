@@ -11,6 +11,8 @@
 #include "matvec.h"
 
 #include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "kernels_internal.h"
@@ -341,6 +343,16 @@ static TGT void div_avx2(float *x, int n, float d)
         x[i] /= d;
 }
 
+static TGT void sub_avx2(float *x, int n, float m)
+{
+    const __m256 mv = _mm256_set1_ps(m);
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+    for (; i < n; i++)
+        x[i] = x[i] - m;
+}
+
 static TGT float max_avx2(const float *x, int n)
 {
     float m = x[0];
@@ -362,16 +374,133 @@ static TGT float max_avx2(const float *x, int n)
 }
 #endif
 
+// --- expf, glibc's algorithm 4 lanes wide
+
+#ifdef KERN_HAVE_X86
+/* glibc's __exp2f_data (sysdeps/ieee754/flt-32/e_exp2f_data.c): tab[i] =
+ * asuint64(2^(i/32)) - (i << 47), invln2_scaled = 32 / ln 2, poly_scaled, shift = 0x1.8p52 */
+static const uint64_t EXP2F_TAB[32] = {
+    0x3ff0000000000000, 0x3fefd9b0d3158574, 0x3fefb5586cf9890f, 0x3fef9301d0125b51,
+    0x3fef72b83c7d517b, 0x3fef54873168b9aa, 0x3fef387a6e756238, 0x3fef1e9df51fdee1,
+    0x3fef06fe0a31b715, 0x3feef1a7373aa9cb, 0x3feedea64c123422, 0x3feece086061892d,
+    0x3feebfdad5362a27, 0x3feeb42b569d4f82, 0x3feeab07dd485429, 0x3feea47eb03a5585,
+    0x3feea09e667f3bcd, 0x3fee9f75e8ec5f74, 0x3feea11473eb0187, 0x3feea589994cce13,
+    0x3feeace5422aa0db, 0x3feeb737b0cdc5e5, 0x3feec49182a3f090, 0x3feed503b23e255d,
+    0x3feee89f995ad3ad, 0x3feeff76f2fb5e47, 0x3fef199bdd85529c, 0x3fef3720dcef9069,
+    0x3fef5818dcfba487, 0x3fef7c97337b9b5f, 0x3fefa4afa2a490da, 0x3fefd0765b6e4540};
+#define EXP2F_INVLN2N 0x40471547652b82feULL
+#define EXP2F_C0 0x3ebc6af84b912394ULL
+#define EXP2F_C1 0x3f2ebfce50fac4f3ULL
+#define EXP2F_C2 0x3f962e42ff0c52d6ULL
+#define EXP2F_SHIFT 0x4338000000000000ULL
+
+static TGT inline __m256d bits_pd(uint64_t b)
+{
+    return _mm256_castsi256_pd(_mm256_set1_epi64x((long long)b));
+}
+
+/* 4 lanes of glibc's expf main path (|x| < 88): the operations of its FMA build in order:
+ * z = fma(InvLn2N, xd, SHIFT), kd = z - SHIFT, r = fma(InvLn2N, xd, -kd),
+ * s = tab[ki % 32] + (ki << 47), y = fma(fma(C0, r, C1), r * r, fma(C2, r, 1)) * s. */
+static TGT inline __m128 expf4(__m128 x)
+{
+    const __m256d xd = _mm256_cvtps_pd(x), inv = bits_pd(EXP2F_INVLN2N);
+    const __m256d shift = bits_pd(EXP2F_SHIFT);
+    const __m256d kds = _mm256_fmadd_pd(inv, xd, shift);
+    const __m256i ki = _mm256_castpd_si256(kds);
+    const __m256d kd = _mm256_sub_pd(kds, shift);
+    const __m256d r = _mm256_fmsub_pd(inv, xd, kd);
+    const __m256d z = _mm256_fmadd_pd(r, bits_pd(EXP2F_C0), bits_pd(EXP2F_C1));
+    const __m256d r2 = _mm256_mul_pd(r, r);
+    __m256d y = _mm256_fmadd_pd(r, bits_pd(EXP2F_C2), _mm256_set1_pd(1.0));
+    y = _mm256_fmadd_pd(z, r2, y);
+    const __m256i idx = _mm256_and_si256(ki, _mm256_set1_epi64x(31));
+    __m256i t = _mm256_i64gather_epi64((const long long *)EXP2F_TAB, idx, 8);
+    t = _mm256_add_epi64(t, _mm256_slli_epi64(ki, 47));
+    return _mm256_cvtpd_ps(_mm256_mul_pd(y, _mm256_castsi256_pd(t)));
+}
+
+static TGT void expf_avx2(const float *x, float *y, int n)
+{
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        /* glibc's special-case test: top12(x) & 0x7ff > top12(88.0f) */
+        const __m256i top = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(v), 20),
+                                             _mm256_set1_epi32(0x7ff));
+        const int special =
+            _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(top, _mm256_set1_epi32(0x42a))));
+        const __m128 lo = expf4(_mm256_castps256_ps128(v)), hi = expf4(_mm256_extractf128_ps(v, 1));
+        float tmp[8];
+        _mm_storeu_ps(tmp, lo);
+        _mm_storeu_ps(tmp + 4, hi);
+        for (int e = 0; e < 8; e++)
+            y[i + e] = special >> e & 1 ? expf(x[i + e]) : tmp[e];
+    }
+    for (; i < n; i++)
+        y[i] = expf(x[i]);
+}
+
+/* 1: the vector path matches this libm's expf on the sample; -1: it does not; 0: unknown */
+static atomic_int expf_state;
+
+static int expf_vector_ok(void)
+{
+    int st = atomic_load_explicit(&expf_state, memory_order_relaxed);
+    if (st)
+        return st > 0;
+    /* a fixed sample: a sweep of [-104, 89] and the region softmax uses most, [-20, 0] */
+    enum { N = 4096 };
+    float x[N], got[N];
+    for (int i = 0; i < N / 2; i++) {
+        x[i] = -104.0f + 193.0f * (float)i / (float)(N / 2);
+        x[N / 2 + i] = -20.0f * (float)i / (float)(N / 2) - 1e-7f * (float)(i % 7);
+    }
+    expf_avx2(x, got, N);
+    st = 1;
+    for (int i = 0; i < N; i++) {
+        float want = expf(x[i]);
+        if (memcmp(&want, &got[i], sizeof(float)) != 0)
+            st = -1;
+    }
+    atomic_store_explicit(&expf_state, st, memory_order_relaxed);
+    return st > 0;
+}
+#endif
+
+int matvec_expf_vector(kern_isa isa)
+{
+#ifdef KERN_HAVE_X86
+    return isa >= KERN_ISA_AVX2 && expf_vector_ok();
+#else
+    (void)isa;
+    return 0;
+#endif
+}
+
+void matvec_expf(kern_isa isa, const float *x, float *y, int n)
+{
+#ifdef KERN_HAVE_X86
+    if (isa >= KERN_ISA_AVX2 && expf_vector_ok()) {
+        expf_avx2(x, y, n);
+        return;
+    }
+#endif
+    (void)isa;
+    for (int i = 0; i < n; i++)
+        y[i] = expf(x[i]);
+}
+
 void matvec_softmax(kern_isa isa, float *x, int n, float scale)
 {
 #ifdef KERN_HAVE_X86
     if (isa >= KERN_ISA_AVX2) {
         div_avx2(x, n, scale);
         float max_val = max_avx2(x, n), sum = 0.0f;
-        for (int i = 0; i < n; i++) {
-            x[i] = expf(x[i] - max_val);
+        sub_avx2(x, n, max_val);
+        matvec_expf(isa, x, x, n); /* libm's expf, bit for bit */
+        for (int i = 0; i < n; i++)
             sum += x[i];
-        }
         div_avx2(x, n, sum);
         return;
     }

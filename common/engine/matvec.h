@@ -70,4 +70,17 @@ void matvec_values(kern_isa isa, float *y, int n_q, const float *a, size_t a_str
  * stay scalar and in order, so the result is bit-identical to the scalar loop. */
 void matvec_softmax(kern_isa isa, float *x, int n, float scale);
 
+/* y[i] = expf(x[i]) for i in [0, n), bit for bit the C library's expf (x and y may be the
+ * same array). With AVX2 (and FMA) the lanes run glibc's expf algorithm (2.28 and later,
+ * as its FMA build: the ARM optimized-routines method, k = round(x * 32 / ln 2), a 32-entry
+ * table of 2^(i/32) and a degree-3 polynomial in double precision, the same operations
+ * and fused multiply-adds) 4 wide; inputs with |x| >= 88 or not finite take libm's expf.
+ * At first use the vector path is checked against libm's expf on a fixed sample of
+ * inputs; if any differs (another C library), every call takes libm's expf. Thread-safe. */
+void matvec_expf(kern_isa isa, const float *x, float *y, int n);
+
+/* 1 if matvec_expf(isa, ...) takes the vector path (isa >= AVX2 on x86 and the first-use
+ * check passed), 0 if it calls libm's expf. */
+int matvec_expf_vector(kern_isa isa);
+
 #endif
