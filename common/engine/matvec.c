@@ -431,14 +431,22 @@ static TGT void expf_avx2(const float *x, float *y, int n)
         const int special =
             _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(top, _mm256_set1_epi32(0x42a))));
         const __m128 lo = expf4(_mm256_castps256_ps128(v)), hi = expf4(_mm256_extractf128_ps(v, 1));
+        if (!special) {
+            _mm256_storeu_ps(y + i, _mm256_set_m128(hi, lo));
+            continue;
+        }
         float tmp[8];
         _mm_storeu_ps(tmp, lo);
         _mm_storeu_ps(tmp + 4, hi);
         for (int e = 0; e < 8; e++)
             y[i + e] = special >> e & 1 ? expf(x[i + e]) : tmp[e];
     }
-    for (; i < n; i++)
-        y[i] = expf(x[i]);
+    if (i < n) { /* the tail through the vector path too (padded with zeros) */
+        float in[8] = {0}, out[8];
+        memcpy(in, x + i, (size_t)(n - i) * sizeof(float));
+        expf_avx2(in, out, 8);
+        memcpy(y + i, out, (size_t)(n - i) * sizeof(float));
+    }
 }
 
 /* 1: the vector path matches this libm's expf on the sample; -1: it does not; 0: unknown */
