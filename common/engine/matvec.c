@@ -263,6 +263,23 @@ static TGT int scores_avx2(const float *q, int n_q, const float *k, size_t k_str
                            int n, float *out, size_t out_stride)
 {
     const int R = n_rows & ~7;
+    if (n == 8) { /* one column block: each head's chain ends in it, so every head shares
+                   * one transpose (a verify run's 2-8 heads) */
+        for (int r = 0; r < R; r += 8) {
+            __m256 col[8];
+            for (int e = 0; e < 8; e++)
+                col[e] = _mm256_loadu_ps(k + (size_t)(r + e) * k_stride);
+            transpose8(col);
+            for (int h = 0; h < n_q; h++) {
+                const float *qh = q + (size_t)h * 8;
+                __m256 acc = _mm256_setzero_ps();
+                for (int j = 0; j < 8; j++)
+                    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_broadcast_ss(qh + j), col[j]));
+                _mm256_storeu_ps(out + (size_t)h * out_stride + r, acc);
+            }
+        }
+        return R;
+    }
     for (int h0 = 0; h0 < n_q; h0 += 4) {
         const int nh = n_q - h0 < 4 ? n_q - h0 : 4;
         for (int r = 0; r < R; r += 8) {
