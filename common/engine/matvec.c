@@ -1,15 +1,18 @@
 /*
  * matvec: see matvec.h. The reference kernel is the definition (one chain per output
- * element over the packed layout); the AVX2 kernel runs four groups of 8 rows at once
- * (four independent chains per lane hide the latency of the adds) for two tokens at a
- * time (the weight loads shared), compiled with a target
- * attribute whatever the build flags and used only when the caller's isa says so. No FMA
- * contraction: -std=c11 builds with -ffp-contract=off, and the intrinsics are separate
- * multiplies and adds.
+ * element over the packed layout); the AVX2 kernel runs tiles of groups x tokens, each
+ * tile's weight loads shared by its tokens: 3 tokens x 2 groups (a 3-token MTP verify
+ * pass in one sweep over the weights), 2 x 4, 1 x 8 (6-8 independent chains: enough for
+ * the add latency, and no register spills), then narrower tiles for the last groups.
+ * Compiled with a target attribute whatever the build flags and used only when the
+ * caller's isa says so. No FMA contraction: -std=c11 builds with -ffp-contract=off, and
+ * the intrinsics are separate multiplies and adds.
  */
 #include "matvec.h"
 
 #include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "kernels_internal.h"
@@ -65,86 +68,158 @@ static TGT inline void store_group(float *o, int i, int r1, __m256 acc)
         o[i + e] = lanes[e];
 }
 
+/* One tile: NG <= 2 groups of 8 rows (from row i) x NT <= 3 tokens (from token t), NG * NT
+ * independent chains; the NG weight loads of a column are shared by the NT tokens.
+ * Constant NG, NT (always inlined) keep the accumulators in registers. */
+static TGT inline __attribute__((always_inline)) void
+tile(const float *wp, size_t gs, int n, const float *x, float *const *out, int t, int i, int r1,
+     const int NG, const int NT)
+{
+    const float *w0 = wp + (size_t)(i / MATVEC_GROUP) * gs;
+    const float *xt[3];
+    __m256 acc[4][3];
+#pragma GCC unroll 3
+    for (int u = 0; u < NT; u++)
+        xt[u] = x + (size_t)(t + u) * n;
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; g++)
+#pragma GCC unroll 3
+        for (int u = 0; u < NT; u++)
+            acc[g][u] = _mm256_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        __m256 xv[3];
+#pragma GCC unroll 3
+        for (int u = 0; u < NT; u++)
+            xv[u] = _mm256_broadcast_ss(xt[u] + j);
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; g++) {
+            __m256 wv = _mm256_load_ps(w0 + (size_t)g * gs + (size_t)j * MATVEC_GROUP);
+#pragma GCC unroll 3
+            for (int u = 0; u < NT; u++)
+                acc[g][u] = _mm256_add_ps(acc[g][u], _mm256_mul_ps(wv, xv[u]));
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; g++)
+#pragma GCC unroll 3
+        for (int u = 0; u < NT; u++)
+            store_group(out[t + u], i + g * MATVEC_GROUP, r1, acc[g][u]);
+}
+
+/* 8 groups x 1 token (64 rows, 8 chains: a T = 1 pass is bound by the adds' throughput,
+ * not by their latency), written out: the generic tile spills at this size. */
+static TGT __attribute__((noinline)) void tile8x1(const float *wp, size_t gs, int n, const float *x, float *o, int i,
+                        int r1)
+{
+    const float *w = wp + (size_t)(i / MATVEC_GROUP) * gs;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+           a7 = a0;
+    for (int j = 0; j < n; j++) {
+        const __m256 xv = _mm256_broadcast_ss(x + j);
+        const float *c = w + (size_t)j * MATVEC_GROUP;
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_load_ps(c), xv));
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_load_ps(c + gs), xv));
+        a2 = _mm256_add_ps(a2, _mm256_mul_ps(_mm256_load_ps(c + 2 * gs), xv));
+        a3 = _mm256_add_ps(a3, _mm256_mul_ps(_mm256_load_ps(c + 3 * gs), xv));
+        a4 = _mm256_add_ps(a4, _mm256_mul_ps(_mm256_load_ps(c + 4 * gs), xv));
+        a5 = _mm256_add_ps(a5, _mm256_mul_ps(_mm256_load_ps(c + 5 * gs), xv));
+        a6 = _mm256_add_ps(a6, _mm256_mul_ps(_mm256_load_ps(c + 6 * gs), xv));
+        a7 = _mm256_add_ps(a7, _mm256_mul_ps(_mm256_load_ps(c + 7 * gs), xv));
+    }
+    store_group(o, i, r1, a0);
+    store_group(o, i + 8, r1, a1);
+    store_group(o, i + 16, r1, a2);
+    store_group(o, i + 24, r1, a3);
+    store_group(o, i + 32, r1, a4);
+    store_group(o, i + 40, r1, a5);
+    store_group(o, i + 48, r1, a6);
+    store_group(o, i + 56, r1, a7);
+}
+
+/* 4 groups x 2 tokens (8 chains, the weight loads shared by the pair), written out. */
+static TGT __attribute__((noinline)) void tile4x2(const float *wp, size_t gs, int n, const float *xa, float *oa, float *ob,
+                        int i, int r1)
+{
+    const float *w = wp + (size_t)(i / MATVEC_GROUP) * gs, *xb = xa + n;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int j = 0; j < n; j++) {
+        const __m256 va = _mm256_broadcast_ss(xa + j), vb = _mm256_broadcast_ss(xb + j);
+        const float *c = w + (size_t)j * MATVEC_GROUP;
+        const __m256 g0 = _mm256_load_ps(c), g1 = _mm256_load_ps(c + gs);
+        const __m256 g2 = _mm256_load_ps(c + 2 * gs), g3 = _mm256_load_ps(c + 3 * gs);
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(g0, va));
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(g1, va));
+        a2 = _mm256_add_ps(a2, _mm256_mul_ps(g2, va));
+        a3 = _mm256_add_ps(a3, _mm256_mul_ps(g3, va));
+        b0 = _mm256_add_ps(b0, _mm256_mul_ps(g0, vb));
+        b1 = _mm256_add_ps(b1, _mm256_mul_ps(g1, vb));
+        b2 = _mm256_add_ps(b2, _mm256_mul_ps(g2, vb));
+        b3 = _mm256_add_ps(b3, _mm256_mul_ps(g3, vb));
+    }
+    store_group(oa, i, r1, a0);
+    store_group(oa, i + 8, r1, a1);
+    store_group(oa, i + 16, r1, a2);
+    store_group(oa, i + 24, r1, a3);
+    store_group(ob, i, r1, b0);
+    store_group(ob, i + 8, r1, b1);
+    store_group(ob, i + 16, r1, b2);
+    store_group(ob, i + 24, r1, b3);
+}
+
+/* The generic tiles as separate functions: one register allocation each (inlined into
+ * one function, GCC spilled the accumulators of the wide tiles). */
+#define TILE_FN(NG, NT)                                                                    \
+    static TGT __attribute__((noinline)) void tile##NG##x##NT(                             \
+        const float *wp, size_t gs, int n, const float *x, float *const *out, int t, int i,  \
+        int r1)                                                                            \
+    {                                                                                      \
+        tile(wp, gs, n, x, out, t, i, r1, NG, NT);                                         \
+    }
+TILE_FN(4, 1)
+TILE_FN(2, 1)
+TILE_FN(2, 2)
+TILE_FN(2, 3)
+TILE_FN(1, 1)
+TILE_FN(1, 2)
+TILE_FN(1, 3)
+
+/* Rows [r0, r1) for the NT tokens from t: wide tiles first (8 groups at NT = 1, 4 at
+ * NT = 2, 2 at NT = 3: 6-8 chains, enough for a 3-cycle add latency and two adds a
+ * cycle), then 2 and 1 group(s) (the last may be partial). */
+static TGT inline __attribute__((always_inline)) void
+rows_nt(const float *wp, size_t gs, int n, const float *x, float *const *out, int t, int r0,
+        int r1, const int NT)
+{
+    int i = r0;
+    if (NT == 1)
+        for (; i + 7 * MATVEC_GROUP < r1; i += 8 * MATVEC_GROUP)
+            tile8x1(wp, gs, n, x + (size_t)t * n, out[t], i, r1);
+    if (NT == 1)
+        for (; i + 3 * MATVEC_GROUP < r1; i += 4 * MATVEC_GROUP)
+            tile4x1(wp, gs, n, x, out, t, i, r1);
+    if (NT == 2)
+        for (; i + 3 * MATVEC_GROUP < r1; i += 4 * MATVEC_GROUP)
+            tile4x2(wp, gs, n, x + (size_t)t * n, out[t], out[t + 1], i, r1);
+    for (; i + MATVEC_GROUP < r1; i += 2 * MATVEC_GROUP)
+        (NT == 1 ? tile2x1 : NT == 2 ? tile2x2 : tile2x3)(wp, gs, n, x, out, t, i, r1);
+    for (; i < r1; i += MATVEC_GROUP)
+        (NT == 1 ? tile1x1 : NT == 2 ? tile1x2 : tile1x3)(wp, gs, n, x, out, t, i, r1);
+}
+
 static TGT void matvec_avx2(const float *wp, int n, const float *x, int T, int r0, int r1,
                             float *const *out)
 {
     const size_t gs = (size_t)n * MATVEC_GROUP; /* floats per group */
     int t = 0;
-    /* two tokens at a time share the weight loads: 4 groups x 2 tokens = 8 chains */
-    for (; t + 2 <= T; t += 2) {
-        const float *xa = x + (size_t)t * n, *xb = xa + n;
-        float *oa = out[t], *ob = out[t + 1];
-        int i = r0;
-        for (; i + 3 * MATVEC_GROUP < r1; i += 4 * MATVEC_GROUP) {
-            const float *w0 = wp + (size_t)(i / MATVEC_GROUP) * gs;
-            const float *w1 = w0 + gs, *w2 = w1 + gs, *w3 = w2 + gs;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-            for (int j = 0; j < n; j++) {
-                __m256 va = _mm256_broadcast_ss(xa + j), vb = _mm256_broadcast_ss(xb + j);
-                size_t o8 = (size_t)j * MATVEC_GROUP;
-                __m256 g0 = _mm256_load_ps(w0 + o8), g1 = _mm256_load_ps(w1 + o8);
-                __m256 g2 = _mm256_load_ps(w2 + o8), g3 = _mm256_load_ps(w3 + o8);
-                a0 = _mm256_add_ps(a0, _mm256_mul_ps(g0, va));
-                a1 = _mm256_add_ps(a1, _mm256_mul_ps(g1, va));
-                a2 = _mm256_add_ps(a2, _mm256_mul_ps(g2, va));
-                a3 = _mm256_add_ps(a3, _mm256_mul_ps(g3, va));
-                b0 = _mm256_add_ps(b0, _mm256_mul_ps(g0, vb));
-                b1 = _mm256_add_ps(b1, _mm256_mul_ps(g1, vb));
-                b2 = _mm256_add_ps(b2, _mm256_mul_ps(g2, vb));
-                b3 = _mm256_add_ps(b3, _mm256_mul_ps(g3, vb));
-            }
-            store_group(oa, i, r1, a0);
-            store_group(oa, i + MATVEC_GROUP, r1, a1);
-            store_group(oa, i + 2 * MATVEC_GROUP, r1, a2);
-            store_group(oa, i + 3 * MATVEC_GROUP, r1, a3);
-            store_group(ob, i, r1, b0);
-            store_group(ob, i + MATVEC_GROUP, r1, b1);
-            store_group(ob, i + 2 * MATVEC_GROUP, r1, b2);
-            store_group(ob, i + 3 * MATVEC_GROUP, r1, b3);
-        }
-        for (; i < r1; i += MATVEC_GROUP) {
-            const float *w0 = wp + (size_t)(i / MATVEC_GROUP) * gs;
-            __m256 a0 = _mm256_setzero_ps(), b0 = a0;
-            for (int j = 0; j < n; j++) {
-                __m256 g0 = _mm256_load_ps(w0 + (size_t)j * MATVEC_GROUP);
-                a0 = _mm256_add_ps(a0, _mm256_mul_ps(g0, _mm256_broadcast_ss(xa + j)));
-                b0 = _mm256_add_ps(b0, _mm256_mul_ps(g0, _mm256_broadcast_ss(xb + j)));
-            }
-            store_group(oa, i, r1, a0);
-            store_group(ob, i, r1, b0);
-        }
-    }
-    for (; t < T; t++) {
-        const float *xt = x + (size_t)t * n;
-        float *o = out[t];
-        int i = r0;
-        for (; i + 3 * MATVEC_GROUP < r1; i += 4 * MATVEC_GROUP) {
-            const float *w0 = wp + (size_t)(i / MATVEC_GROUP) * gs;
-            const float *w1 = w0 + gs, *w2 = w1 + gs, *w3 = w2 + gs;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int j = 0; j < n; j++) {
-                __m256 xv = _mm256_broadcast_ss(xt + j);
-                size_t o8 = (size_t)j * MATVEC_GROUP;
-                a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_load_ps(w0 + o8), xv));
-                a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_load_ps(w1 + o8), xv));
-                a2 = _mm256_add_ps(a2, _mm256_mul_ps(_mm256_load_ps(w2 + o8), xv));
-                a3 = _mm256_add_ps(a3, _mm256_mul_ps(_mm256_load_ps(w3 + o8), xv));
-            }
-            store_group(o, i, r1, a0);
-            store_group(o, i + MATVEC_GROUP, r1, a1);
-            store_group(o, i + 2 * MATVEC_GROUP, r1, a2);
-            store_group(o, i + 3 * MATVEC_GROUP, r1, a3);
-        }
-        for (; i < r1; i += MATVEC_GROUP) {
-            const float *w0 = wp + (size_t)(i / MATVEC_GROUP) * gs;
-            __m256 a0 = _mm256_setzero_ps();
-            for (int j = 0; j < n; j++)
-                a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_load_ps(w0 + (size_t)j * MATVEC_GROUP),
-                                                     _mm256_broadcast_ss(xt + j)));
-            store_group(o, i, r1, a0);
-        }
-    }
+    /* three tokens at a time share the weight loads (a 3-token verify pass in one sweep),
+     * pairs for the last 2 or 4 (two pairs beat a triple and a single), then one */
+    for (; T - t >= 3 && T - t != 4; t += 3)
+        rows_nt(wp, gs, n, x, out, t, r0, r1, 3);
+    for (; t + 2 <= T; t += 2)
+        rows_nt(wp, gs, n, x, out, t, r0, r1, 2);
+    if (t < T)
+        rows_nt(wp, gs, n, x, out, t, r0, r1, 1);
 }
 #endif
 
@@ -188,6 +263,23 @@ static TGT int scores_avx2(const float *q, int n_q, const float *k, size_t k_str
                            int n, float *out, size_t out_stride)
 {
     const int R = n_rows & ~7;
+    if (n == 8) { /* one column block: each head's chain ends in it, so every head shares
+                   * one transpose (a verify run's 2-8 heads) */
+        for (int r = 0; r < R; r += 8) {
+            __m256 col[8];
+            for (int e = 0; e < 8; e++)
+                col[e] = _mm256_loadu_ps(k + (size_t)(r + e) * k_stride);
+            transpose8(col);
+            for (int h = 0; h < n_q; h++) {
+                const float *qh = q + (size_t)h * 8;
+                __m256 acc = _mm256_setzero_ps();
+                for (int j = 0; j < 8; j++)
+                    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_broadcast_ss(qh + j), col[j]));
+                _mm256_storeu_ps(out + (size_t)h * out_stride + r, acc);
+            }
+        }
+        return R;
+    }
     for (int h0 = 0; h0 < n_q; h0 += 4) {
         const int nh = n_q - h0 < 4 ? n_q - h0 : 4;
         for (int r = 0; r < R; r += 8) {
@@ -268,6 +360,16 @@ static TGT void div_avx2(float *x, int n, float d)
         x[i] /= d;
 }
 
+static TGT void sub_avx2(float *x, int n, float m)
+{
+    const __m256 mv = _mm256_set1_ps(m);
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+    for (; i < n; i++)
+        x[i] = x[i] - m;
+}
+
 static TGT float max_avx2(const float *x, int n)
 {
     float m = x[0];
@@ -289,16 +391,141 @@ static TGT float max_avx2(const float *x, int n)
 }
 #endif
 
+// --- expf, glibc's algorithm 4 lanes wide
+
+#ifdef KERN_HAVE_X86
+/* glibc's __exp2f_data (sysdeps/ieee754/flt-32/e_exp2f_data.c): tab[i] =
+ * asuint64(2^(i/32)) - (i << 47), invln2_scaled = 32 / ln 2, poly_scaled, shift = 0x1.8p52 */
+static const uint64_t EXP2F_TAB[32] = {
+    0x3ff0000000000000, 0x3fefd9b0d3158574, 0x3fefb5586cf9890f, 0x3fef9301d0125b51,
+    0x3fef72b83c7d517b, 0x3fef54873168b9aa, 0x3fef387a6e756238, 0x3fef1e9df51fdee1,
+    0x3fef06fe0a31b715, 0x3feef1a7373aa9cb, 0x3feedea64c123422, 0x3feece086061892d,
+    0x3feebfdad5362a27, 0x3feeb42b569d4f82, 0x3feeab07dd485429, 0x3feea47eb03a5585,
+    0x3feea09e667f3bcd, 0x3fee9f75e8ec5f74, 0x3feea11473eb0187, 0x3feea589994cce13,
+    0x3feeace5422aa0db, 0x3feeb737b0cdc5e5, 0x3feec49182a3f090, 0x3feed503b23e255d,
+    0x3feee89f995ad3ad, 0x3feeff76f2fb5e47, 0x3fef199bdd85529c, 0x3fef3720dcef9069,
+    0x3fef5818dcfba487, 0x3fef7c97337b9b5f, 0x3fefa4afa2a490da, 0x3fefd0765b6e4540};
+#define EXP2F_INVLN2N 0x40471547652b82feULL
+#define EXP2F_C0 0x3ebc6af84b912394ULL
+#define EXP2F_C1 0x3f2ebfce50fac4f3ULL
+#define EXP2F_C2 0x3f962e42ff0c52d6ULL
+#define EXP2F_SHIFT 0x4338000000000000ULL
+
+static TGT inline __m256d bits_pd(uint64_t b)
+{
+    return _mm256_castsi256_pd(_mm256_set1_epi64x((long long)b));
+}
+
+/* 4 lanes of glibc's expf main path (|x| < 88): the operations of its FMA build in order:
+ * z = fma(InvLn2N, xd, SHIFT), kd = z - SHIFT, r = fma(InvLn2N, xd, -kd),
+ * s = tab[ki % 32] + (ki << 47), y = fma(fma(C0, r, C1), r * r, fma(C2, r, 1)) * s. */
+static TGT inline __m128 expf4(__m128 x)
+{
+    const __m256d xd = _mm256_cvtps_pd(x), inv = bits_pd(EXP2F_INVLN2N);
+    const __m256d shift = bits_pd(EXP2F_SHIFT);
+    const __m256d kds = _mm256_fmadd_pd(inv, xd, shift);
+    const __m256i ki = _mm256_castpd_si256(kds);
+    const __m256d kd = _mm256_sub_pd(kds, shift);
+    const __m256d r = _mm256_fmsub_pd(inv, xd, kd);
+    const __m256d z = _mm256_fmadd_pd(r, bits_pd(EXP2F_C0), bits_pd(EXP2F_C1));
+    const __m256d r2 = _mm256_mul_pd(r, r);
+    __m256d y = _mm256_fmadd_pd(r, bits_pd(EXP2F_C2), _mm256_set1_pd(1.0));
+    y = _mm256_fmadd_pd(z, r2, y);
+    const __m256i idx = _mm256_and_si256(ki, _mm256_set1_epi64x(31));
+    __m256i t = _mm256_i64gather_epi64((const long long *)EXP2F_TAB, idx, 8);
+    t = _mm256_add_epi64(t, _mm256_slli_epi64(ki, 47));
+    return _mm256_cvtpd_ps(_mm256_mul_pd(y, _mm256_castsi256_pd(t)));
+}
+
+static TGT void expf_avx2(const float *x, float *y, int n)
+{
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        /* glibc's special-case test: top12(x) & 0x7ff > top12(88.0f) */
+        const __m256i top = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(v), 20),
+                                             _mm256_set1_epi32(0x7ff));
+        const int special =
+            _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(top, _mm256_set1_epi32(0x42a))));
+        const __m128 lo = expf4(_mm256_castps256_ps128(v)), hi = expf4(_mm256_extractf128_ps(v, 1));
+        if (!special) {
+            _mm256_storeu_ps(y + i, _mm256_set_m128(hi, lo));
+            continue;
+        }
+        float tmp[8];
+        _mm_storeu_ps(tmp, lo);
+        _mm_storeu_ps(tmp + 4, hi);
+        for (int e = 0; e < 8; e++)
+            y[i + e] = special >> e & 1 ? expf(x[i + e]) : tmp[e];
+    }
+    if (i < n) { /* the tail through the vector path too (padded with zeros) */
+        float in[8] = {0}, out[8];
+        memcpy(in, x + i, (size_t)(n - i) * sizeof(float));
+        expf_avx2(in, out, 8);
+        memcpy(y + i, out, (size_t)(n - i) * sizeof(float));
+    }
+}
+
+/* 1: the vector path matches this libm's expf on the sample; -1: it does not; 0: unknown */
+static atomic_int expf_state;
+
+static int expf_vector_ok(void)
+{
+    int st = atomic_load_explicit(&expf_state, memory_order_relaxed);
+    if (st)
+        return st > 0;
+    /* a fixed sample: a sweep of [-104, 89] and the region softmax uses most, [-20, 0] */
+    enum { N = 4096 };
+    float x[N], got[N];
+    for (int i = 0; i < N / 2; i++) {
+        x[i] = -104.0f + 193.0f * (float)i / (float)(N / 2);
+        x[N / 2 + i] = -20.0f * (float)i / (float)(N / 2) - 1e-7f * (float)(i % 7);
+    }
+    expf_avx2(x, got, N);
+    st = 1;
+    for (int i = 0; i < N; i++) {
+        float want = expf(x[i]);
+        if (memcmp(&want, &got[i], sizeof(float)) != 0)
+            st = -1;
+    }
+    atomic_store_explicit(&expf_state, st, memory_order_relaxed);
+    return st > 0;
+}
+#endif
+
+int matvec_expf_vector(kern_isa isa)
+{
+#ifdef KERN_HAVE_X86
+    return isa >= KERN_ISA_AVX2 && expf_vector_ok();
+#else
+    (void)isa;
+    return 0;
+#endif
+}
+
+void matvec_expf(kern_isa isa, const float *x, float *y, int n)
+{
+#ifdef KERN_HAVE_X86
+    if (isa >= KERN_ISA_AVX2 && expf_vector_ok()) {
+        expf_avx2(x, y, n);
+        return;
+    }
+#endif
+    (void)isa;
+    for (int i = 0; i < n; i++)
+        y[i] = expf(x[i]);
+}
+
 void matvec_softmax(kern_isa isa, float *x, int n, float scale)
 {
 #ifdef KERN_HAVE_X86
     if (isa >= KERN_ISA_AVX2) {
         div_avx2(x, n, scale);
         float max_val = max_avx2(x, n), sum = 0.0f;
-        for (int i = 0; i < n; i++) {
-            x[i] = expf(x[i] - max_val);
+        sub_avx2(x, n, max_val);
+        matvec_expf(isa, x, x, n); /* libm's expf, bit for bit */
+        for (int i = 0; i < n; i++)
             sum += x[i];
-        }
         div_avx2(x, n, sum);
         return;
     }

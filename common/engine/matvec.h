@@ -1,7 +1,9 @@
 /*
  * matvec: F32 matrix products in run.c's EXACT order vectorised across output rows
- * instead of across tokens, and the EXACT-order attention helpers (scores, softmax,
- * weighted sums of values) vectorised across positions or heads.
+ * instead of across tokens, the EXACT-order attention helpers (scores, softmax,
+ * weighted sums of values) vectorised across positions or heads, and expf bit for bit the
+ * C library's, vectorised (the softmax and SwiGLU's exponentials: ~15% of a stories260K
+ * step as libm calls).
  *
  * kern_matmul's EXACT kernel puts 8 tokens in the SIMD lanes: at batch 1 (a decode step)
  * 7 of its 8 lanes are idle, and on a small model (stories260K) the matrix products are
@@ -11,10 +13,12 @@
  * product and the sum each rounded: no FMA) for its own row. The result is bit-identical
  * to kern_dot_exact_f32 per output element (multiplication is commutative in IEEE 754,
  * and the chain is the same), so it changes no logits; the tests compare it with the
- * reference bit for bit. Two tokens share each pass over the packed rows; with the
- * transpose of kern_matmul's token tile saved too, on (rows, n) = (64, 64) .. (512, 64)
+ * reference bit for bit. Up to three tokens share each pass over the packed rows; with
+ * the transpose of kern_matmul's token tile saved too, on (rows, n) = (64, 64) .. (512, 64)
  * matrices it takes 0.1-0.2x the time of the token-lane kernel at T = 1 and 0.5-0.85x at
- * T = 16 .. 256 (AVX2, one thread).
+ * T = 16 .. 256 (AVX2, one thread). Without FMA (run.c rounds the product) the adds and
+ * multiplies are the bound: a 3-token product costs ~2.1x a 1-token one (stories260K's
+ * shapes), which no tiling can bring below ~2x.
  */
 #ifndef TP_MATVEC_H
 #define TP_MATVEC_H
@@ -64,8 +68,22 @@ void matvec_values(kern_isa isa, float *y, int n_q, const float *a, size_t a_str
  * scale, then softmax with max subtraction (max_val = x[0]; x[i] > max_val replaces it),
  * x[i] = expf(x[i] - max_val) summed in order, then x[i] = x[i] / sum. The divisions and
  * the max run 8 lanes wide with AVX2 (each element's operation is the same; the max is the
- * same value: a lane keeps x > m ? x : m, as run.c's loop), the exponentials and their sum
- * stay scalar and in order, so the result is bit-identical to the scalar loop. */
+ * same value: a lane keeps x > m ? x : m, as run.c's loop), the exponentials are
+ * matvec_expf's (libm's expf, bit for bit) and their sum stays scalar and in order, so the
+ * result is bit-identical to the scalar loop. */
 void matvec_softmax(kern_isa isa, float *x, int n, float scale);
+
+/* y[i] = expf(x[i]) for i in [0, n), bit for bit the C library's expf (x and y may be the
+ * same array). With AVX2 (and FMA) the lanes run glibc's expf algorithm (2.28 and later,
+ * as its FMA build: the ARM optimized-routines method, k = round(x * 32 / ln 2), a 32-entry
+ * table of 2^(i/32) and a degree-3 polynomial in double precision, the same operations
+ * and fused multiply-adds) 4 wide; inputs with |x| >= 88 or not finite take libm's expf.
+ * At first use the vector path is checked against libm's expf on a fixed sample of
+ * inputs; if any differs (another C library), every call takes libm's expf. Thread-safe. */
+void matvec_expf(kern_isa isa, const float *x, float *y, int n);
+
+/* 1 if matvec_expf(isa, ...) takes the vector path (isa >= AVX2 on x86 and the first-use
+ * check passed), 0 if it calls libm's expf. */
+int matvec_expf_vector(kern_isa isa);
 
 #endif

@@ -131,11 +131,18 @@ static void mm_rows(mm_job *j, const seg_t *s, int r0, int r1, int ti)
         for (int t = 0; t < a->T; t++) {
             float *h = s->out[t];
             const float *h2 = s->out_up[t];
-            for (int i = r0; i < r1; i++) {
-                float val = h[i];
-                val *= (1.0f / (1.0f + expf(-val)));
-                val *= h2[i];
-                h[i] = val;
+            float e[64]; /* expf(-h) of up to 64 rows: matvec_expf is libm's, bit for bit */
+            for (int i0 = r0; i0 < r1; i0 += 64) {
+                int m = r1 - i0 < 64 ? r1 - i0 : 64;
+                for (int i = 0; i < m; i++)
+                    e[i] = -h[i0 + i];
+                matvec_expf(ctx->isa, e, e, m);
+                for (int i = 0; i < m; i++) {
+                    float val = h[i0 + i];
+                    val *= (1.0f / (1.0f + e[i]));
+                    val *= h2[i0 + i];
+                    h[i0 + i] = val;
+                }
             }
         }
         break;
@@ -241,69 +248,108 @@ static void prep(model_ctx_t *ctx, kern_act *a, const float *src, const float *n
 }
 
 /* Attention of every (token, KV head) pair over the token's own sequence: the kv_mul
- * query heads that share a KV head are done together, block by block, so each K and V
- * row is read once for all of them. Per query head the arithmetic is run.c's: scores
- * q . k_s (in the kernel order), / sqrt(head_dim), softmax, then the values summed in
- * position order (kernels.h). */
+ * query heads that share a KV head, and up to ATT_TOKENS consecutive tokens of one
+ * sequence (an MTP verify pass, a prompt), are done together, block by block, so each K
+ * and V row is read (and K transposed) once for all of them. Per query head the
+ * arithmetic is run.c's: scores q . k_s (in the kernel order), / sqrt(head_dim), softmax,
+ * then the values summed in position order (kernels.h): a token's value chain runs over
+ * the rows the tokens share, then its own later rows, block by block, so the order per
+ * element is unchanged (the extra scores computed for the earlier tokens of a run, at
+ * positions after their own, are never read). */
+#define ATT_TOKENS 4
+#define ATT_QBUF 2048 /* floats: a run's query heads (nt * kv_mul * head_dim), on the stack */
 typedef struct {
     model_ctx_t *ctx;
     kvcache_t *kv;
     const model_seq_batch *batch;
-    int layer, T, per_chunk, n_chunks;
+    int layer, T, nt_max, per_chunk, n_chunks;
     atomic_int next;
 } att_job;
 
-static void att_group(att_job *j, int t, int g, float *att)
+/* Tokens [t0, t0 + nt) (one item, consecutive positions) with KV head g; att holds
+ * nt * kv_mul score rows of n_ctx floats. */
+static void att_group(att_job *j, int t0, int nt, int g, float *att)
 {
     model_ctx_t *ctx = j->ctx;
     const model_config *c = &ctx->m->cfg;
     const int dim = c->dim, hs = c->head_dim, kv_dim = c->n_kv_head * hs;
-    const int kv_mul = c->n_head / c->n_kv_head;
+    const int kv_mul = c->n_head / c->n_kv_head, nq = nt * kv_mul;
     const int bs = kvcache_get_params(j->kv)->block_size;
-    const int seq = j->batch[ctx->tok_item[t]].seq;
-    const int n_pos = ctx->tok_pos[t] + 1;
+    const int seq = j->batch[ctx->tok_item[t0]].seq;
+    const int n_lo = ctx->tok_pos[t0] + 1, n_hi = ctx->tok_pos[t0 + nt - 1] + 1;
     const int *blocks = kvcache_seq_blocks(j->kv, seq, NULL);
     const size_t koff = (size_t)g * hs, att_len = (size_t)c->n_ctx;
-    const float *q = ctx->q + (size_t)t * dim + (size_t)g * kv_mul * hs;
-    float *xb = ctx->xb + (size_t)t * dim + (size_t)g * kv_mul * hs;
-    for (int s0 = 0; s0 < n_pos; s0 += bs) {
-        int rows = n_pos - s0 < bs ? n_pos - s0 : bs;
+    /* the run's query heads side by side (nq, hs), and its outputs likewise */
+    float qbuf[ATT_QBUF], ybuf[ATT_QBUF]; /* nq * hs <= ATT_QBUF (attention: nt_max) */
+    const float *q = ctx->q + (size_t)t0 * dim + (size_t)g * kv_mul * hs;
+    if (nt > 1) {
+        for (int u = 0; u < nt; u++)
+            memcpy(qbuf + (size_t)u * kv_mul * hs, q + (size_t)u * dim,
+                   (size_t)kv_mul * hs * sizeof(float));
+        q = qbuf;
+    }
+    for (int s0 = 0; s0 < n_hi; s0 += bs) {
+        int rows = n_hi - s0 < bs ? n_hi - s0 : bs;
         const float *kb = kvcache_block_data(j->kv, j->layer, blocks[s0 / bs]) + koff;
-        if (ctx->order == KERN_ORDER_EXACT) /* the kv_mul heads together, rows in lanes */
-            matvec_scores_exact(ctx->isa, q, kv_mul, kb, (size_t)kv_dim, rows, hs, att + s0,
+        if (ctx->order == KERN_ORDER_EXACT) /* the nq heads together, rows in lanes */
+            matvec_scores_exact(ctx->isa, q, nq, kb, (size_t)kv_dim, rows, hs, att + s0,
                                 att_len);
         else
-            for (int h = 0; h < kv_mul; h++)
+            for (int h = 0; h < nq; h++)
                 kern_dot_rows(ctx->isa, ctx->order, q + (size_t)h * hs, kb, (size_t)kv_dim, rows,
                               hs, att + h * att_len + s0);
     }
     const float scale = sqrtf(hs); /* run.c divides each score by sqrtf(head_size) */
-    for (int h = 0; h < kv_mul; h++)
-        matvec_softmax(ctx->isa, att + h * att_len, n_pos, scale);
-    memset(xb, 0, (size_t)kv_mul * hs * sizeof(float));
-    for (int s0 = 0; s0 < n_pos; s0 += bs) {
-        int rows = n_pos - s0 < bs ? n_pos - s0 : bs;
+    for (int h = 0; h < nq; h++)
+        matvec_softmax(ctx->isa, att + h * att_len, n_lo + h / kv_mul, scale);
+    float *y = nt > 1 ? ybuf : ctx->xb + (size_t)t0 * dim + (size_t)g * kv_mul * hs;
+    memset(y, 0, (size_t)nq * hs * sizeof(float));
+    for (int s0 = 0; s0 < n_hi; s0 += bs) {
+        int rows = n_hi - s0 < bs ? n_hi - s0 : bs;
         const float *vb =
             kvcache_block_data(j->kv, j->layer, blocks[s0 / bs]) + (size_t)bs * kv_dim + koff;
-        matvec_values(ctx->isa, xb, kv_mul, att + s0, att_len, vb, (size_t)kv_dim, rows, hs);
+        /* rows [s0, s0 + shared) are every token's; then token u's own up to n_lo + u */
+        int shared = n_lo - s0 < rows ? n_lo - s0 : rows;
+        if (shared > 0)
+            matvec_values(ctx->isa, y, nq, att + s0, att_len, vb, (size_t)kv_dim, shared, hs);
+        for (int u = 1; u < nt; u++) {
+            int r0 = shared > 0 ? shared : 0, r1 = n_lo + u - s0 < rows ? n_lo + u - s0 : rows;
+            if (r1 > r0)
+                matvec_values(ctx->isa, y + (size_t)u * kv_mul * hs, kv_mul,
+                              att + (size_t)u * kv_mul * att_len + s0 + r0, att_len,
+                              vb + (size_t)r0 * kv_dim, (size_t)kv_dim, r1 - r0, hs);
+        }
     }
+    if (nt > 1)
+        for (int u = 0; u < nt; u++)
+            memcpy(ctx->xb + (size_t)(t0 + u) * dim + (size_t)g * kv_mul * hs,
+                   y + (size_t)u * kv_mul * hs, (size_t)kv_mul * hs * sizeof(float));
 }
 
 static void att_worker(void *arg, int ti, int nth)
 {
     att_job *j = arg;
-    const model_config *c = &j->ctx->m->cfg;
-    const int n_kv = c->n_kv_head;
-    float *att = j->ctx->att + (size_t)ti * j->ctx->att_len;
+    const model_ctx_t *ctx = j->ctx;
+    const int n_kv = ctx->m->cfg.n_kv_head;
+    float *att = ctx->att + (size_t)ti * ctx->att_len;
     for (;;) {
         int ch = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (ch >= j->n_chunks)
             break;
+        /* (token, KV head) pairs [p0, p1); a pair whose token starts a run (its index in
+         * its item a multiple of nt_max) does the whole run, the others nothing */
         int p0 = ch * j->per_chunk, p1 = p0 + j->per_chunk;
         if (p1 > j->T * n_kv)
             p1 = j->T * n_kv;
-        for (int p = p0; p < p1; p++)
-            att_group(j, p / n_kv, p % n_kv, att);
+        for (int p = p0; p < p1; p++) {
+            int t = p / n_kv, g = p % n_kv;
+            const model_seq_batch *b = &j->batch[ctx->tok_item[t]];
+            int k = ctx->tok_pos[t] - b->pos;
+            if (k % j->nt_max)
+                continue;
+            int nt = b->n_tokens - k < j->nt_max ? b->n_tokens - k : j->nt_max;
+            att_group(j, t, nt, g, att);
+        }
     }
 }
 
@@ -315,6 +361,12 @@ static void attention(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *ba
     long work = 0;
     for (int t = 0; t < T; t++)
         work += (long)(ctx->tok_pos[t] + 1) * c->dim * 2;
+    /* tokens per run: a thread's score rows (model.c: n_head rows of n_ctx) hold n_kv_head
+     * tokens' kv_mul heads; its query heads fit qbuf */
+    const int kv_mul = c->n_head / c->n_kv_head;
+    j.nt_max = c->n_kv_head < ATT_TOKENS ? c->n_kv_head : ATT_TOKENS;
+    while (j.nt_max > 1 && j.nt_max * kv_mul * c->head_dim > ATT_QBUF)
+        j.nt_max--;
     int groups = T * c->n_kv_head;
     int want = ctx->n_threads * CHUNKS_PER_THREAD;
     j.per_chunk = (groups + want - 1) / want;

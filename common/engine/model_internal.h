@@ -69,7 +69,7 @@ struct model_ctx {
     float *q_d;              /* (max_tokens, max(dim, hidden_dim) / 32) Q8 activation scales */
     int8_t *q_s;             /* (max_tokens, max(dim, hidden_dim)) Q8 activation values */
     float *att;              /* (n_threads, att_len) attention scores of one thread */
-    size_t att_len;          /* kv_mul * n_ctx: scores of the query heads of one KV head */
+    size_t att_len;          /* n_head * n_ctx: scores of the kv_mul query heads of one KV head for up to n_kv_head tokens */
     float *scratch;          /* (n_threads, scratch_len) kernel scratch */
     size_t scratch_len;
     float *rope;     /* (max_tokens, head_dim): cos, sin per pair */

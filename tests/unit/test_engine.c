@@ -1577,24 +1577,26 @@ static void test_threadpool(void **state)
 
 /* matvec (the packed row-vectorised EXACT kernel) against kern_dot_exact_f32, bit for bit:
  * row counts that are not multiples of 8, row ranges starting on and off a group, the
- * AVX2 kernel (when the CPU has it) and the portable one, T = 1..5; the packed layout
- * itself (a known element, zero padding); the attention scores of matvec_scores_exact
+ * AVX2 kernel (when the CPU has it) and the portable one, T = 1..8 (every mix of its
+ * 3-, 2- and 1-token passes) on 1..512 rows (its 8-, 4-, 2- and 1-group tiles, partial
+ * last groups); the packed layout itself (a known element, zero padding); the attention scores of matvec_scores_exact
  * (head sizes with and without the AVX2 path, row counts off a multiple of 8), the
  * weighted sums of matvec_values and the scaled softmax of matvec_softmax against run.c's
  * loops. */
 static void test_matvec_vs_reference(void **state)
 {
-    const int shapes[][2] = {{1, 8}, {7, 1}, {8, 64}, {13, 172}, {33, 37}, {172, 64}, {64, 172}};
+    const int shapes[][2] = {{1, 8},    {7, 1},    {8, 64},   {13, 172}, {33, 37},
+                             {172, 64}, {64, 172}, {120, 9},  {512, 64}, {200, 5}};
     const int ranges[][2] = {{0, 1 << 20}, {8, 1 << 20}, {0, 5}, {16, 40}, {3, 30}, {24, 25}};
     const kern_isa isas[] = {KERN_ISA_SCALAR, KERN_ISA_AVX2};
     const int have_avx2 = kern_isa_detect() >= KERN_ISA_AVX2;
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
-        const int rows = shapes[si][0], n = shapes[si][1], Tmax = 5;
+        const int rows = shapes[si][0], n = shapes[si][1], Tmax = 8;
         float *w = malloc((size_t)rows * n * sizeof(float));
         float *wp = aligned_alloc(32, matvec_packed_floats(rows, n) * sizeof(float) + 32);
         float *x = malloc((size_t)Tmax * n * sizeof(float));
         float *got = malloc((size_t)Tmax * rows * sizeof(float));
-        float *outp[5];
+        float *outp[8];
         assert_non_null(w);
         assert_non_null(wp);
         assert_non_null(x);
@@ -1735,6 +1737,63 @@ static void test_matvec_vs_reference(void **state)
                 if (memcmp(sr, sg, sizeof(float) * n) != 0)
                     fail_msg("softmax %s n %d kind %d differs", kern_isa_name(isas[ii]), n, kind);
             }
+    }
+}
+
+/* matvec_expf against the C library's expf, bit for bit: a sweep of every 4093rd bit
+ * pattern (both signs, NaNs and infinities included), the boundaries of glibc's special
+ * cases (|x| near 88, the underflow below -103.97) and the softmax range [-30, 0] densely,
+ * in calls of lengths 1..17 (vector body and scalar tail), in place too; with glibc on
+ * x86-64 the AVX2 isa must take the vector path. (Over all 2^32 inputs on the machine
+ * where it was written, glibc 2.36: no difference.) */
+static void test_matvec_expf(void **state)
+{
+    const kern_isa isas[] = {KERN_ISA_SCALAR, KERN_ISA_AVX2};
+    enum { N = 1 << 16 };
+    static float x[N], y[N];
+    for (size_t ii = 0; ii < 2; ii++) {
+        if (isas[ii] == KERN_ISA_AVX2 && kern_isa_detect() < KERN_ISA_AVX2)
+            continue;
+#if defined(__GLIBC__) && defined(__x86_64__)
+        /* glibc's expf is the algorithm the vector path copies: it must be taken */
+        assert_int_equal(matvec_expf_vector(isas[ii]), isas[ii] == KERN_ISA_AVX2);
+#endif
+        long bad = 0;
+        for (uint64_t base = 0; base < (1ULL << 32); base += (uint64_t)N * 4093) {
+            int m = 0;
+            for (; m < N && base + (uint64_t)m * 4093 < (1ULL << 32); m++) {
+                uint32_t b = (uint32_t)(base + (uint64_t)m * 4093);
+                memcpy(&x[m], &b, sizeof(float));
+            }
+            for (int pass = 0; pass < 3; pass++) {
+                if (pass == 1) /* the special-case boundaries and the softmax range */
+                    for (int i = 0; i < m; i++)
+                        x[i] = i % 2 ? -30.0f * (float)i / (float)m
+                                     : (i % 4 ? 1.0f : -1.0f) * (87.5f + 17.0f * (float)i / (float)m);
+                if (pass == 2) /* short calls: 1..17 elements */
+                    for (int i0 = 0, len = 1; i0 < m; i0 += len, len = len % 17 + 1)
+                        matvec_expf(isas[ii], x + i0, y + i0, i0 + len <= m ? len : m - i0);
+                else
+                    matvec_expf(isas[ii], x, y, m);
+                for (int i = 0; i < m; i++) {
+                    float want = expf(x[i]);
+                    if (memcmp(&want, &y[i], sizeof(float)) != 0 && !(isnan(want) && isnan(y[i])))
+                        if (bad++ < 4)
+                            print_message("expf %s %a: %a, want %a\n", kern_isa_name(isas[ii]),
+                                          x[i], y[i], want);
+                }
+            }
+        }
+        /* in place */
+        for (int i = 0; i < 100; i++)
+            x[i] = y[i] = -0.37f * (float)i;
+        matvec_expf(isas[ii], y, y, 100);
+        for (int i = 0; i < 100; i++) {
+            float want = expf(x[i]);
+            bad += memcmp(&want, &y[i], sizeof(float)) != 0;
+        }
+        if (bad)
+            fail_msg("matvec_expf %s: %ld results differ from expf", kern_isa_name(isas[ii]), bad);
     }
 }
 
@@ -2242,6 +2301,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_kernels_q8_format),
         cmocka_unit_test(test_threadpool),
         cmocka_unit_test(test_matvec_vs_reference),
+        cmocka_unit_test(test_matvec_expf),
         cmocka_unit_test(test_model_small_t_paths),
         cmocka_unit_test(test_model_threads_isa),
         cmocka_unit_test(test_model_fast_greedy),
