@@ -701,6 +701,35 @@ class FakeWorkerTest(unittest.TestCase):
         self.assertIn("dropped message 1 of a BUNDLE from 'w-a'", log)
         self.assertIn("dropped HEARTBEAT in a BUNDLE from 'w-a'", log)
 
+    def test_malformed_bundles_are_logged_and_dropped(self):
+        """An empty BUNDLE, a BUNDLE inside a BUNDLE, an empty frame and frames beyond
+        PROTO_BUNDLE_MAX (256) are logged and dropped; the request they interleave with
+        gets exactly its own tokens."""
+        a = self.worker("w-a")
+        res = self.start({"prompt": "hi", "max_tokens": 5, "temperature": 0})
+        rid = self.prefill(a)["rid"]
+        a.send_bundle([])
+        a.send_bundle([{"t": TOKENS, "rid": rid, "index": 0, "tokens": ids_of("He")},
+                       {"t": BUNDLE},
+                       b""])
+        # 256 frames are handled; the 257th and later (here a repeat, then the rest of
+        # the answer) are dropped
+        over = [{"t": TOKENS, "rid": rid, "index": 0, "tokens": ids_of("He")}] * 256
+        a.send_bundle(over + [{"t": TOKENS, "rid": rid, "index": 2, "tokens": ids_of("zzz")},
+                              {"t": FINISH, "rid": rid, "reason": 2}])
+        a.send_bundle([{"t": TOKENS, "rid": rid, "index": 2, "tokens": ids_of("llo")},
+                       {"t": FINISH, "rid": rid, "reason": 2}])
+        st, _, data = res()
+        self.assertEqual(st, 200, data)
+        self.assertEqual(json.loads(data)["choices"][0]["text"], "Hello")
+        log = self.gw.read_log()
+        self.assertIn("empty BUNDLE from 'w-a': dropped", log)
+        self.assertIn("dropped BUNDLE in a BUNDLE from 'w-a'", log)
+        self.assertIn("dropped message 2 of a BUNDLE from 'w-a'", log)
+        self.assertIn("BUNDLE from 'w-a' holds 258 messages (at most 256): the last 2 dropped",
+                      log)
+        self.assertEqual(self.gw.request("GET", "/health")[0], 200)
+
     def test_dead_worker_requests_rerun(self):
         a = self.worker("w-a")
         res = self.start({"prompt": "hi", "max_tokens": 4, "stream": True})
