@@ -679,5 +679,36 @@ class BenchTest(unittest.TestCase):
         self.assertFalse(os.path.exists(png))
 
 
+ENGINE = os.path.join(ROOT, BUILD, "tests", "bench_engine")  # built by make bench
+TINY = os.path.join(ROOT, BUILD, "models", "stories260K.gguf")
+
+
+@unittest.skipUnless(os.path.exists(ENGINE) and os.path.exists(TINY),
+                     "needs %s (make bench) and %s" % (ENGINE, TINY))
+class BenchEngineArgs(unittest.TestCase):
+    """bench_engine refuses what it cannot run with its usage (exit 2) instead of running
+    something else or nothing: no model, a bad --threads, --kernel or --isa value, a flag
+    taken as a value, two modes, models with --kern."""
+
+    def test_bad_arguments(self):
+        for args in ([], ["--pp"], ["--batched"], ["--tg", "--threads", "2"],
+                     ["--threads", "abc", "--pp", TINY], ["--threads", "-3", "--pp", TINY],
+                     ["--threads", "2x", "--pp", TINY], ["--threads", "100000", "--pp", TINY],
+                     ["--threads", "--pp", TINY], ["--threads"],
+                     ["--kernel", "bogus", "--pp", TINY], ["--isa", "avx9", "--pp", TINY],
+                     ["--pp", "--tg", TINY], ["--kern", TINY]):
+            p = subprocess.run([ENGINE] + args, capture_output=True, text=True, timeout=60)
+            self.assertEqual(p.returncode, 2, (args, p.stdout, p.stderr))
+            self.assertEqual(p.stdout, "", args)
+            self.assertIn("usage: bench_engine", p.stderr, args)
+
+    def test_good_arguments(self):
+        for args in (["--threads", "1", "--kernel", "exact", "--isa", "avx512", "--pp", TINY],
+                     ["--threads", "0", "--isa", "scalar", "--kernel", "auto", "--pp", TINY]):
+            p = subprocess.run([ENGINE] + args, capture_output=True, text=True, timeout=120)
+            self.assertEqual(p.returncode, 0, (args, p.stderr))
+            self.assertRegex(p.stdout, r"^pp \S+ [0-9.]+\n$")
+
+
 if __name__ == "__main__":
     unittest.main()
