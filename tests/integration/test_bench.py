@@ -680,7 +680,7 @@ class BenchTest(unittest.TestCase):
 
 
 ENGINE = os.path.join(ROOT, BUILD, "tests", "bench_engine")  # built by make bench
-TINY = os.path.join(ROOT, BUILD, "models", "stories260K.gguf")
+TINY = os.path.join(ROOT, os.environ.get("TIDEPOOL_TEST_MODEL", "build/models/stories260K.gguf"))
 
 
 @unittest.skipUnless(os.path.exists(ENGINE) and os.path.exists(TINY),
