@@ -710,5 +710,43 @@ class BenchEngineArgs(unittest.TestCase):
             self.assertRegex(p.stdout, r"^pp \S+ [0-9.]+\n$")
 
 
+SERVE_PEER = os.path.join(ROOT, "tools", "bench", "serve-peer.sh")
+
+
+@unittest.skipUnless(os.path.exists(os.path.join(ROOT, BUILD, "bin", "gateway")) and
+                     os.path.exists(TINY), "needs the gateway and %s" % TINY)
+class ServePeerFailure(unittest.TestCase):
+    """serve-peer.sh with a setting tidepool refuses (SERVE_THREADS=x) stops at once with
+    the worker's message (not after its 30 s start-up wait) and leaves no process behind
+    (here a stub llama-server that records its pid)."""
+
+    def test_bad_setting_fails_fast_and_cleans_up(self):
+        tmp = tempfile.mkdtemp()
+        try:
+            os.makedirs(os.path.join(tmp, "llama", "bin"))
+            stub = os.path.join(tmp, "llama", "bin", "llama-server")
+            with open(stub, "w") as f:
+                f.write("#!/bin/sh\necho $$ >> %s/pids\nexec sleep 60\n" % tmp)
+            os.chmod(stub, 0o755)
+            env = dict(os.environ, LLAMA_CPP_DIR=os.path.join(tmp, "llama"), BUILD=BUILD,
+                       SERVE_THREADS="x", SERVE_LOG_DIR=os.path.join(tmp, "logs"))
+            t0 = time.monotonic()
+            p = subprocess.run([SERVE_PEER], env=env, capture_output=True, text=True,
+                               timeout=60)
+            took = time.monotonic() - t0
+            self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+            self.assertIn("serving peer: tidepool did not start", p.stdout)
+            self.assertIn("invalid value 'x' for threads", p.stdout + p.stderr)
+            self.assertLess(took, 15)
+            with open(os.path.join(tmp, "pids")) as f:
+                pids = [int(x) for x in f.read().split()]
+            self.assertEqual(len(pids), 2)
+            for pid in pids:
+                with self.assertRaises(ProcessLookupError):
+                    os.kill(pid, 0)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 if __name__ == "__main__":
     unittest.main()
