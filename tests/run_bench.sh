@@ -138,6 +138,17 @@ peer_batched() {
     return $rc
 }
 
+# a filter that selects nothing is an error (a typo, or the benchmarks not built)
+n_match=0
+for b in "$BUILD"/tests/bench_* serve; do
+    [ "$b" = serve ] || [ -x "$b" ] || continue
+    case "$b" in *"$filter"*) n_match=$((n_match + 1)) ;; esac
+done
+if [ "$n_match" -eq 0 ]; then
+    echo "run_bench.sh: no benchmark matches '$filter' (have: $(cd "$BUILD/tests" 2>/dev/null &&
+        ls -d bench_* 2>/dev/null | tr '\n' ' ')serve; make bench builds them)" >&2
+    exit 2
+fi
 status=0
 for b in "$BUILD"/tests/bench_*; do
     [ -x "$b" ] || continue

@@ -748,5 +748,17 @@ class ServePeerFailure(unittest.TestCase):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+class RunBenchFilter(unittest.TestCase):
+    """tests/run_bench.sh with a filter that matches no benchmark says so (exit 2) instead
+    of printing nothing and exiting 0."""
+
+    def test_unknown_filter(self):
+        p = subprocess.run([os.path.join(ROOT, "tests", "run_bench.sh"), "no-such-bench"],
+                           env=dict(os.environ, BUILD=BUILD), capture_output=True, text=True,
+                           timeout=60)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn("run_bench.sh: no benchmark matches 'no-such-bench'", p.stderr)
+
+
 if __name__ == "__main__":
     unittest.main()
