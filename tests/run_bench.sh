@@ -198,7 +198,14 @@ case serve in *"$filter"*)
     t0=$SECONDS
     if [ -n "${LLAMA_CPP_DIR:-}" ]; then
         [ -f "$MODELS/stories260K.gguf" ] || make --no-print-directory BUILD="$BUILD" model >/dev/null
-        BUILD=$BUILD tools/bench/serve-peer.sh || status=1
+        # in the background, so that a TERM or INT to this script reaches it (it stops
+        # its servers) instead of leaving it running to its end
+        BUILD=$BUILD tools/bench/serve-peer.sh &
+        peer=$!
+        trap 'kill "$peer" 2>/dev/null; wait "$peer"; exit 130' INT
+        trap 'kill "$peer" 2>/dev/null; wait "$peer"; exit 143' TERM
+        wait "$peer" || status=1
+        trap - INT TERM
     else
         echo "serving peer: skipped (set LLAMA_CPP_DIR to a llama.cpp build with llama-server)"
     fi

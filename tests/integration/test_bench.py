@@ -760,5 +760,73 @@ class RunBenchFilter(unittest.TestCase):
         self.assertIn("run_bench.sh: no benchmark matches 'no-such-bench'", p.stderr)
 
 
+STUB_LLAMA_SERVER = """#!/usr/bin/env python3
+# a llama-server stand-in: /health answers ok, a completion hangs
+import http.server, os, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+with open(os.path.join(%r, "pids"), "a") as f:
+    f.write("%%d\\n" %% os.getpid())
+class H(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "15")
+        self.end_headers()
+        self.wfile.write(b'{"status":"ok"}')
+    def do_POST(self):
+        time.sleep(120)
+http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+@unittest.skipUnless(os.path.exists(os.path.join(ROOT, BUILD, "bin", "gateway")) and
+                     os.path.exists(TINY), "needs the gateway and %s" % TINY)
+class RunBenchServeStops(unittest.TestCase):
+    """A TERM to tests/run_bench.sh during the serving benchmark stops serve-peer.sh, its
+    servers and its tidepool-bench at once (they ran on to the benchmark's end)."""
+
+    def test_term_stops_everything(self):
+        tmp = tempfile.mkdtemp()
+        try:
+            os.makedirs(os.path.join(tmp, "llama", "bin"))
+            stub = os.path.join(tmp, "llama", "bin", "llama-server")
+            with open(stub, "w") as f:
+                f.write(STUB_LLAMA_SERVER % tmp)
+            os.chmod(stub, 0o755)
+            logs = os.path.join(tmp, "logs")
+            env = dict(os.environ, LLAMA_CPP_DIR=os.path.join(tmp, "llama"), BUILD=BUILD,
+                       SERVE_LOG_DIR=logs, SERVE_STREAMS="1", SERVE_REPS="1")
+            p = subprocess.Popen([os.path.join(ROOT, "tests", "run_bench.sh"), "serve"],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            try:
+                # the warm-up against tidepool, then a run against a stub that hangs
+                deadline = time.monotonic() + 60
+                while (not os.path.exists(os.path.join(logs, "warmup.json.txt")) or
+                       not subprocess.run(["pgrep", "-g", str(p.pid), "-f", "llama-1slot|"
+                                           "tidepool-bench.*--url"], capture_output=True
+                                          ).stdout) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                time.sleep(1)
+                group = subprocess.run(["pgrep", "-g", str(p.pid)], capture_output=True,
+                                       text=True).stdout.split()
+                self.assertGreaterEqual(len(group), 6, group)  # script, peer, 4 servers
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=20)
+                time.sleep(0.5)
+                left = subprocess.run(["ps", "-o", "pid,args", "-g", str(p.pid)],
+                                      capture_output=True, text=True).stdout
+                self.assertEqual(left.strip().count("\n"), 0, left)
+            finally:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.communicate()
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 if __name__ == "__main__":
     unittest.main()

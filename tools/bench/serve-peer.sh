@@ -54,12 +54,12 @@ for b in gateway decode_worker tidepool-bench; do
 done
 [ -f "$MODEL" ] || { echo "serving peer: $MODEL missing (make model)"; exit 1; }
 
-PIDS=()
+PIDS=() BENCH_PID=""
 stop_all() {
     local p
-    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
-    for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null; done
-    PIDS=()
+    for p in $BENCH_PID "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
+    for p in $BENCH_PID "${PIDS[@]}"; do wait "$p" 2>/dev/null; done
+    PIDS=() BENCH_PID=""
 }
 trap 'stop_all' EXIT
 trap 'exit 130' INT TERM
@@ -131,7 +131,10 @@ run() {
     "$BUILD/bin/tidepool-bench" --url "http://127.0.0.1:${SIDE_PORT[$side]}" \
         --num-prompts "$n" --concurrency "$c" --input-len "$WORDS" --output-len "$OUTPUT" \
         --ignore-eos --prompt-tokenizer "$MODEL" --no-progress --timeout-s 300 \
-        --result-json "$out" >"$out.txt" 2>&1
+        --result-json "$out" >"$out.txt" 2>&1 &
+    BENCH_PID=$! # waited for in the background: a TERM or INT runs the trap now, not after
+    wait "$BENCH_PID"
+    BENCH_PID=""
     t1=$(cpu_ticks ${SIDE_PIDS[$side]})
     python3 - "$out" "$side" "$c" $((t1 - t0)) "$HZ" <<'EOF' >>"$LOGS/runs.txt" || echo "$side $c FAILED" >>"$LOGS/runs.txt"
 import json, sys
