@@ -203,11 +203,13 @@ static char *dup_n(const char *s, size_t n)
 // --- prompt / messages
 
 /* A token-id prompt: a non-empty array of integers in [0, API_MAX_TOKEN_ID]. 1 if v is one
- * (r->prompt_ids set), 0 if v is not an array of integers, -1 with e set. */
+ * (r->prompt_ids set), 0 if v is not meant as one (empty, or a string or array first), -1
+ * with e set (an element not such an integer: 1.5, true and null too, named as such). */
 static int parse_prompt_ids(json_t *v, api_request *r, api_error *e)
 {
     size_t n = json_array_size(v);
-    if (n == 0 || !json_is_integer(json_array_get(v, 0)))
+    json_t *first = json_array_get(v, 0);
+    if (n == 0 || json_is_string(first) || json_is_array(first))
         return 0;
     if (n > API_MAX_PROMPT_IDS)
         return api_error_set(e, 400, INVALID, "prompt", "invalid_value",

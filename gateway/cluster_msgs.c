@@ -379,10 +379,18 @@ static void handle_error(cluster_t *c, worker_t *w, const proto_msg *m)
 
 /* BUNDLE: the TOKENS and FINISH messages a worker gathered in one loop iteration, each a
  * header of its own in a payload frame, decoded and validated like a message and handled in
- * order. Anything else in a bundle is malformed: logged and dropped (the rest is kept). */
+ * order. Anything else in a bundle is malformed: logged and dropped (the rest is kept), and
+ * so are frames past PROTO_BUNDLE_MAX. */
 static void handle_bundle(cluster_t *c, worker_t *w, const unsigned char *id, size_t id_len)
 {
     int n = wire_envelope_n_frames(c->env);
+    if (n == 0)
+        log_warn("empty BUNDLE from '%.*s': dropped", (int)id_len, (const char *)id);
+    if (n > PROTO_BUNDLE_MAX) { /* a worker never sends more: handle the first ones */
+        log_warn("BUNDLE from '%.*s' holds %d messages (at most %d): the last %d dropped",
+                 (int)id_len, (const char *)id, n, PROTO_BUNDLE_MAX, n - PROTO_BUNDLE_MAX);
+        n = PROTO_BUNDLE_MAX;
+    }
     for (int i = 0; i < n; i++) {
         zmq_msg_t *f = wire_envelope_frame(c->env, i);
         proto_msg m;

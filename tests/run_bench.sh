@@ -138,6 +138,17 @@ peer_batched() {
     return $rc
 }
 
+# a filter that selects nothing is an error (a typo, or the benchmarks not built)
+n_match=0
+for b in "$BUILD"/tests/bench_* serve; do
+    [ "$b" = serve ] || [ -x "$b" ] || continue
+    case "$b" in *"$filter"*) n_match=$((n_match + 1)) ;; esac
+done
+if [ "$n_match" -eq 0 ]; then
+    echo "run_bench.sh: no benchmark matches '$filter' (have: $(cd "$BUILD/tests" 2>/dev/null &&
+        ls -d bench_* 2>/dev/null | tr '\n' ' ')serve; make bench builds them)" >&2
+    exit 2
+fi
 status=0
 for b in "$BUILD"/tests/bench_*; do
     [ -x "$b" ] || continue
@@ -187,7 +198,14 @@ case serve in *"$filter"*)
     t0=$SECONDS
     if [ -n "${LLAMA_CPP_DIR:-}" ]; then
         [ -f "$MODELS/stories260K.gguf" ] || make --no-print-directory BUILD="$BUILD" model >/dev/null
-        BUILD=$BUILD tools/bench/serve-peer.sh || status=1
+        # in the background, so that a TERM or INT to this script reaches it (it stops
+        # its servers) instead of leaving it running to its end
+        BUILD=$BUILD tools/bench/serve-peer.sh &
+        peer=$!
+        trap 'kill "$peer" 2>/dev/null; wait "$peer"; exit 130' INT
+        trap 'kill "$peer" 2>/dev/null; wait "$peer"; exit 143' TERM
+        wait "$peer" || status=1
+        trap - INT TERM
     else
         echo "serving peer: skipped (set LLAMA_CPP_DIR to a llama.cpp build with llama-server)"
     fi

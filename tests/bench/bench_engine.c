@@ -36,6 +36,7 @@
  * the same matrices (the MTP verify shape: time over the GGUF T = 1 time); and the prefill
  * kernel (T = 64) in both layouts.
  */
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -536,41 +537,70 @@ static int bench_tokenizer(const char *path, size_t n)
     return 0;
 }
 
+static int usage(void)
+{
+    fprintf(stderr, "usage: bench_engine [--threads N] [--kernel auto|exact|fast] "
+                    "[--isa scalar|avx2|avx512] [--quick | --tg | --pp | --batched] "
+                    "MODEL.gguf... | --kern\n");
+    return 2;
+}
+
+/* One of names (NULL-ended) as its index, or -1. */
+static int pick(const char *s, const char *const *names)
+{
+    for (int i = 0; names[i]; i++)
+        if (strcmp(s, names[i]) == 0)
+            return i;
+    return -1;
+}
+
 int main(int argc, char **argv)
 {
     model_ctx_params cp = model_ctx_default_params();
     int quick = 0, tg = 0, pp = 0, kern = 0, batched = 0;
     int first = 1;
+    static const char *const kernels[] = {"auto", "exact", "fast", NULL};
+    static const char *const isas[] = {"auto", "scalar", "avx2", "avx512", NULL};
+    static const model_kernel kernel_of[] = {MODEL_KERNEL_AUTO, MODEL_KERNEL_EXACT,
+                                             MODEL_KERNEL_FAST};
+    static const model_isa isa_of[] = {MODEL_ISA_AUTO, MODEL_ISA_SCALAR, MODEL_ISA_AVX2,
+                                       MODEL_ISA_AVX512};
     for (; first < argc && strncmp(argv[first], "--", 2) == 0; first++) {
-        if (strcmp(argv[first], "--quick") == 0) {
+        const char *o = argv[first], *v = first + 1 < argc ? argv[first + 1] : NULL;
+        if (strcmp(o, "--quick") == 0) {
             quick = 1;
-        } else if (strcmp(argv[first], "--tg") == 0) {
+        } else if (strcmp(o, "--tg") == 0) {
             tg = 1;
-        } else if (strcmp(argv[first], "--batched") == 0) {
+        } else if (strcmp(o, "--batched") == 0) {
             batched = 1;
-        } else if (strcmp(argv[first], "--pp") == 0) {
+        } else if (strcmp(o, "--pp") == 0) {
             pp = 1;
-        } else if (strcmp(argv[first], "--kern") == 0) {
+        } else if (strcmp(o, "--kern") == 0) {
             kern = 1;
-        } else if (strcmp(argv[first], "--threads") == 0 && first + 1 < argc) {
-            cp.n_threads = atoi(argv[++first]);
-        } else if (strcmp(argv[first], "--isa") == 0 && first + 1 < argc) {
-            const char *k = argv[++first];
-            cp.max_isa = strcmp(k, "scalar") == 0 ? MODEL_ISA_SCALAR
-                         : strcmp(k, "avx2") == 0 ? MODEL_ISA_AVX2
-                                                  : MODEL_ISA_AUTO;
-        } else if (strcmp(argv[first], "--kernel") == 0 && first + 1 < argc) {
-            const char *k = argv[++first];
-            cp.kernel = strcmp(k, "exact") == 0  ? MODEL_KERNEL_EXACT
-                        : strcmp(k, "fast") == 0 ? MODEL_KERNEL_FAST
-                                                 : MODEL_KERNEL_AUTO;
+        } else if (strcmp(o, "--threads") == 0 && v) {
+            char *end;
+            errno = 0;
+            long n = strtol(v, &end, 10);
+            if (end == v || *end || errno || n < 0 || n > 1024) { /* 0: one a CPU */
+                fprintf(stderr, "bench_engine: --threads '%s': not a count in [0, 1024]\n", v);
+                return usage();
+            }
+            cp.n_threads = (int)n;
+            first++;
+        } else if (strcmp(o, "--isa") == 0 && v && pick(v, isas) >= 0) {
+            cp.max_isa = isa_of[pick(v, isas)];
+            first++;
+        } else if (strcmp(o, "--kernel") == 0 && v && pick(v, kernels) >= 0) {
+            cp.kernel = kernel_of[pick(v, kernels)];
+            first++;
         } else {
-            fprintf(stderr, "usage: bench_engine [--threads N] [--kernel auto|exact|fast] "
-                            "[--isa scalar|avx2|avx512] [--quick | --tg | --pp | --batched] "
-                            "MODEL.gguf... | --kern\n");
-            return 2;
+            if (v && (strcmp(o, "--isa") == 0 || strcmp(o, "--kernel") == 0))
+                fprintf(stderr, "bench_engine: %s '%s': unknown\n", o, v);
+            return usage();
         }
     }
+    if (quick + tg + pp + batched + kern > 1 || (kern ? first < argc : first == argc))
+        return usage(); /* one mode; models, or --kern alone */
     if (kern)
         return bench_kern(cp.n_threads > 0 ? cp.n_threads : threadpool_default_threads());
     int rc = 0;

@@ -679,5 +679,154 @@ class BenchTest(unittest.TestCase):
         self.assertFalse(os.path.exists(png))
 
 
+ENGINE = os.path.join(ROOT, BUILD, "tests", "bench_engine")  # built by make bench
+TINY = os.path.join(ROOT, os.environ.get("TIDEPOOL_TEST_MODEL", "build/models/stories260K.gguf"))
+
+
+@unittest.skipUnless(os.path.exists(ENGINE) and os.path.exists(TINY),
+                     "needs %s (make bench) and %s" % (ENGINE, TINY))
+class BenchEngineArgs(unittest.TestCase):
+    """bench_engine refuses what it cannot run with its usage (exit 2) instead of running
+    something else or nothing: no model, a bad --threads, --kernel or --isa value, a flag
+    taken as a value, two modes, models with --kern."""
+
+    def test_bad_arguments(self):
+        for args in ([], ["--pp"], ["--batched"], ["--tg", "--threads", "2"],
+                     ["--threads", "abc", "--pp", TINY], ["--threads", "-3", "--pp", TINY],
+                     ["--threads", "2x", "--pp", TINY], ["--threads", "100000", "--pp", TINY],
+                     ["--threads", "--pp", TINY], ["--threads"],
+                     ["--kernel", "bogus", "--pp", TINY], ["--isa", "avx9", "--pp", TINY],
+                     ["--pp", "--tg", TINY], ["--kern", TINY]):
+            p = subprocess.run([ENGINE] + args, capture_output=True, text=True, timeout=60)
+            self.assertEqual(p.returncode, 2, (args, p.stdout, p.stderr))
+            self.assertEqual(p.stdout, "", args)
+            self.assertIn("usage: bench_engine", p.stderr, args)
+
+    def test_good_arguments(self):
+        for args in (["--threads", "1", "--kernel", "exact", "--isa", "avx512", "--pp", TINY],
+                     ["--threads", "0", "--isa", "scalar", "--kernel", "auto", "--pp", TINY]):
+            p = subprocess.run([ENGINE] + args, capture_output=True, text=True, timeout=120)
+            self.assertEqual(p.returncode, 0, (args, p.stderr))
+            self.assertRegex(p.stdout, r"^pp \S+ [0-9.]+\n$")
+
+
+SERVE_PEER = os.path.join(ROOT, "tools", "bench", "serve-peer.sh")
+
+
+@unittest.skipUnless(os.path.exists(os.path.join(ROOT, BUILD, "bin", "gateway")) and
+                     os.path.exists(TINY), "needs the gateway and %s" % TINY)
+class ServePeerFailure(unittest.TestCase):
+    """serve-peer.sh with a setting tidepool refuses (SERVE_THREADS=x) stops at once with
+    the worker's message (not after its 30 s start-up wait) and leaves no process behind
+    (here a stub llama-server that records its pid)."""
+
+    def test_bad_setting_fails_fast_and_cleans_up(self):
+        tmp = tempfile.mkdtemp()
+        try:
+            os.makedirs(os.path.join(tmp, "llama", "bin"))
+            stub = os.path.join(tmp, "llama", "bin", "llama-server")
+            with open(stub, "w") as f:
+                f.write("#!/bin/sh\necho $$ >> %s/pids\nexec sleep 60\n" % tmp)
+            os.chmod(stub, 0o755)
+            env = dict(os.environ, LLAMA_CPP_DIR=os.path.join(tmp, "llama"), BUILD=BUILD,
+                       SERVE_THREADS="x", SERVE_LOG_DIR=os.path.join(tmp, "logs"))
+            t0 = time.monotonic()
+            p = subprocess.run([SERVE_PEER], env=env, capture_output=True, text=True,
+                               timeout=60)
+            took = time.monotonic() - t0
+            self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
+            self.assertIn("serving peer: tidepool did not start", p.stdout)
+            self.assertIn("invalid value 'x' for threads", p.stdout + p.stderr)
+            self.assertLess(took, 15)
+            with open(os.path.join(tmp, "pids")) as f:
+                pids = [int(x) for x in f.read().split()]
+            self.assertEqual(len(pids), 2)
+            for pid in pids:
+                with self.assertRaises(ProcessLookupError):
+                    os.kill(pid, 0)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+class RunBenchFilter(unittest.TestCase):
+    """tests/run_bench.sh with a filter that matches no benchmark says so (exit 2) instead
+    of printing nothing and exiting 0."""
+
+    def test_unknown_filter(self):
+        p = subprocess.run([os.path.join(ROOT, "tests", "run_bench.sh"), "no-such-bench"],
+                           env=dict(os.environ, BUILD=BUILD), capture_output=True, text=True,
+                           timeout=60)
+        self.assertEqual(p.returncode, 2, p.stdout + p.stderr)
+        self.assertIn("run_bench.sh: no benchmark matches 'no-such-bench'", p.stderr)
+
+
+STUB_LLAMA_SERVER = """#!/usr/bin/env python3
+# a llama-server stand-in: /health answers ok, a completion hangs
+import http.server, os, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+with open(os.path.join(%r, "pids"), "a") as f:
+    f.write("%%d\\n" %% os.getpid())
+class H(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "15")
+        self.end_headers()
+        self.wfile.write(b'{"status":"ok"}')
+    def do_POST(self):
+        time.sleep(120)
+http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+@unittest.skipUnless(os.path.exists(os.path.join(ROOT, BUILD, "bin", "gateway")) and
+                     os.path.exists(TINY), "needs the gateway and %s" % TINY)
+class RunBenchServeStops(unittest.TestCase):
+    """A TERM to tests/run_bench.sh during the serving benchmark stops serve-peer.sh, its
+    servers and its tidepool-bench at once (they ran on to the benchmark's end)."""
+
+    def test_term_stops_everything(self):
+        tmp = tempfile.mkdtemp()
+        try:
+            os.makedirs(os.path.join(tmp, "llama", "bin"))
+            stub = os.path.join(tmp, "llama", "bin", "llama-server")
+            with open(stub, "w") as f:
+                f.write(STUB_LLAMA_SERVER % tmp)
+            os.chmod(stub, 0o755)
+            logs = os.path.join(tmp, "logs")
+            env = dict(os.environ, LLAMA_CPP_DIR=os.path.join(tmp, "llama"), BUILD=BUILD,
+                       SERVE_LOG_DIR=logs, SERVE_STREAMS="1", SERVE_REPS="1")
+            p = subprocess.Popen([os.path.join(ROOT, "tests", "run_bench.sh"), "serve"],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            try:
+                # the warm-up against tidepool, then a run against a stub that hangs
+                deadline = time.monotonic() + 60
+                while (not os.path.exists(os.path.join(logs, "warmup.json.txt")) or
+                       not subprocess.run(["pgrep", "-g", str(p.pid), "-f", "llama-1slot|"
+                                           "tidepool-bench.*--url"], capture_output=True
+                                          ).stdout) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                time.sleep(1)
+                group = subprocess.run(["pgrep", "-g", str(p.pid)], capture_output=True,
+                                       text=True).stdout.split()
+                self.assertGreaterEqual(len(group), 6, group)  # script, peer, 4 servers
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=20)
+                time.sleep(0.5)
+                left = subprocess.run(["ps", "-o", "pid,args", "-g", str(p.pid)],
+                                      capture_output=True, text=True).stdout
+                self.assertEqual(left.strip().count("\n"), 0, left)
+            finally:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.communicate()
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -701,6 +701,73 @@ class FakeWorkerTest(unittest.TestCase):
         self.assertIn("dropped message 1 of a BUNDLE from 'w-a'", log)
         self.assertIn("dropped HEARTBEAT in a BUNDLE from 'w-a'", log)
 
+    def test_malformed_bundles_are_logged_and_dropped(self):
+        """An empty BUNDLE, a BUNDLE inside a BUNDLE, an empty frame and frames beyond
+        PROTO_BUNDLE_MAX (256) are logged and dropped; the request they interleave with
+        gets exactly its own tokens."""
+        a = self.worker("w-a")
+        res = self.start({"prompt": "hi", "max_tokens": 5, "temperature": 0})
+        rid = self.prefill(a)["rid"]
+        a.send_bundle([])
+        a.send_bundle([{"t": TOKENS, "rid": rid, "index": 0, "tokens": ids_of("He")},
+                       {"t": BUNDLE},
+                       b""])
+        # 256 frames are handled; the 257th and later (here a repeat, then the rest of
+        # the answer) are dropped
+        over = [{"t": TOKENS, "rid": rid, "index": 0, "tokens": ids_of("He")}] * 256
+        a.send_bundle(over + [{"t": TOKENS, "rid": rid, "index": 2, "tokens": ids_of("zzz")},
+                              {"t": FINISH, "rid": rid, "reason": 2}])
+        a.send_bundle([{"t": TOKENS, "rid": rid, "index": 2, "tokens": ids_of("llo")},
+                       {"t": FINISH, "rid": rid, "reason": 2}])
+        st, _, data = res()
+        self.assertEqual(st, 200, data)
+        self.assertEqual(json.loads(data)["choices"][0]["text"], "Hello")
+        log = self.gw.read_log()
+        self.assertIn("empty BUNDLE from 'w-a': dropped", log)
+        self.assertIn("dropped BUNDLE in a BUNDLE from 'w-a'", log)
+        self.assertIn("dropped message 2 of a BUNDLE from 'w-a'", log)
+        self.assertIn("BUNDLE from 'w-a' holds 258 messages (at most 256): the last 2 dropped",
+                      log)
+        self.assertEqual(self.gw.request("GET", "/health")[0], 200)
+
+    def test_stream_text_every_byte_class(self):
+        """Byte-fallback tokens of every class (controls, quotes, backslashes, U+2028, DEL,
+        invalid and truncated UTF-8, a character split over two TOKENS messages): every
+        data: line is strict JSON and the streamed text is the non-streamed text."""
+        a = self.worker("w-a")
+        cases = [[b'a"b\\c', b"\x01\x1f\x7f\t\n"], [b"\xe2\x80\xa8\xe2\x80\xa9"],
+                 [b"\xff", b"ok"], [b"x\xc3"], [b"\xc3(", b"\xc0\xaf"], [b"\xed\xa0\x80"],
+                 [b"\xf4\x90\x80\x80z"], [b"\xe2\x82", b"\xac!"], [b"\xf0\x9f", b"\x98", b"\x80"],
+                 [b"\x00a"], [b"</script>\r\n\r\ndata: [DONE]\n\n"]]
+        for parts in cases:
+            texts = []
+            for stream in (False, True):
+                n = sum(len(p) for p in parts)
+                res = self.start({"prompt": "hi", "max_tokens": n, "temperature": 0,
+                                  "stream": stream})
+                rid = self.prefill(a)["rid"]
+                index = 0
+                for p in parts:
+                    ids = [BYTE0 + b for b in p]
+                    a.send(TOKENS, rid=rid, index=index, tokens=ids)
+                    index += len(ids)
+                a.send(FINISH, rid=rid, reason=2)
+                st, _, data = res()
+                self.assertEqual(st, 200, (parts, data))
+                if not stream:
+                    texts.append(json.loads(data)["choices"][0]["text"])
+                    continue
+                text = ""
+                events = data.decode().split("\n\n")
+                self.assertEqual(events[-1], "", (parts, data))
+                for e in events[:-1]:
+                    self.assertTrue(e.startswith("data: ") and "\n" not in e, (parts, e))
+                    if e != "data: [DONE]":
+                        text += json.loads(e[6:])["choices"][0]["text"]
+                self.assertEqual(events[-2], "data: [DONE]")
+                texts.append(text)
+            self.assertEqual(texts[0], texts[1], parts)
+
     def test_dead_worker_requests_rerun(self):
         a = self.worker("w-a")
         res = self.start({"prompt": "hi", "max_tokens": 4, "stream": True})

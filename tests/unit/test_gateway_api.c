@@ -254,6 +254,17 @@ static void test_prompt_ids(void **state)
     assert_int_equal(api_check_length(&r, 1, 512, &e), 0);
     assert_int_equal(r.max_tokens, 511);
     api_request_free(&r);
+    /* an id array whose first element is not an integer is named as such, not as a batch */
+    static const char *bad[] = {"{\"prompt\": [1.5, 2]}", "{\"prompt\": [true, 2]}",
+                                "{\"prompt\": [null, 2]}", "{\"prompt\": [[1.0, 2]]}",
+                                "{\"prompt\": [-3]}"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        assert_int_equal(api_parse(API_COMPLETIONS, bad[i], strlen(bad[i]), &r, &e), -1);
+        assert_int_equal(e.status, 400);
+        assert_string_equal(e.code, "invalid_value");
+        assert_non_null(strstr(e.message, "token ids must hold integers in [0, 2147483647]; "
+                                          "element 0 is not one"));
+    }
 }
 
 /* api_format_text_chunk (the per-token path) gives api_format_chunk's bytes exactly:

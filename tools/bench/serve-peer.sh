@@ -54,12 +54,12 @@ for b in gateway decode_worker tidepool-bench; do
 done
 [ -f "$MODEL" ] || { echo "serving peer: $MODEL missing (make model)"; exit 1; }
 
-PIDS=()
+PIDS=() BENCH_PID=""
 stop_all() {
     local p
-    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
-    for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null; done
-    PIDS=()
+    for p in $BENCH_PID "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
+    for p in $BENCH_PID "${PIDS[@]}"; do wait "$p" 2>/dev/null; done
+    PIDS=() BENCH_PID=""
 }
 trap 'stop_all' EXIT
 trap 'exit 130' INT TERM
@@ -67,14 +67,25 @@ trap 'exit 130' INT TERM
 free_port() {
     python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
-# wait_up URL PATTERN: until GET URL answers with PATTERN in its body (30 s)
+# wait_up URL PATTERN PID...: until GET URL answers with PATTERN in its body (30 s); fails
+# at once when one of the PIDs has exited (a setting it refused: its log says why)
 wait_up() {
-    local i
+    local url=$1 pattern=$2 i p
+    shift 2
     for i in $(seq 300); do
-        curl -sf "$1" 2>/dev/null | grep -q "$2" && return 0
+        curl -sf "$url" 2>/dev/null | grep -q "$pattern" && return 0
+        for p in "$@"; do kill -0 "$p" 2>/dev/null || return 1; done
         sleep 0.1
     done
     return 1
+}
+# not_up SIDE LOG...: the failure message, with the end of each log
+not_up() {
+    local side=$1 f
+    shift
+    echo "serving peer: $side did not start (logs in $LOGS)"
+    for f in "$@"; do tail -n 3 "$f" | sed "s|^|  $(basename "$f"): |"; done
+    exit 1
 }
 
 # --- the servers (SIDE_NAME, SIDE_PORT, SIDE_PIDS: the pids whose CPU time a side counts)
@@ -99,11 +110,11 @@ start_llama() { # side slots
 }
 start_llama llama-1slot 1
 start_llama "llama-${SLOTS}slot" "$SLOTS"
-wait_up "http://127.0.0.1:${SIDE_PORT[tidepool]}/health" '"mixed":1' ||
-    { echo "serving peer: tidepool did not start (logs in $LOGS)"; exit 1; }
+wait_up "http://127.0.0.1:${SIDE_PORT[tidepool]}/health" '"mixed":1' ${SIDE_PIDS[tidepool]} ||
+    not_up tidepool "$LOGS/gateway.log" "$LOGS/mixed-0.log"
 for s in llama-1slot "llama-${SLOTS}slot"; do
-    wait_up "http://127.0.0.1:${SIDE_PORT[$s]}/health" ok ||
-        { echo "serving peer: $s did not start (logs in $LOGS)"; exit 1; }
+    wait_up "http://127.0.0.1:${SIDE_PORT[$s]}/health" ok ${SIDE_PIDS[$s]} ||
+        not_up "$s" "$LOGS/$s.log"
 done
 
 cpu_ticks() { # pids...: user + system clock ticks of every thread
@@ -120,7 +131,10 @@ run() {
     "$BUILD/bin/tidepool-bench" --url "http://127.0.0.1:${SIDE_PORT[$side]}" \
         --num-prompts "$n" --concurrency "$c" --input-len "$WORDS" --output-len "$OUTPUT" \
         --ignore-eos --prompt-tokenizer "$MODEL" --no-progress --timeout-s 300 \
-        --result-json "$out" >"$out.txt" 2>&1
+        --result-json "$out" >"$out.txt" 2>&1 &
+    BENCH_PID=$! # waited for in the background: a TERM or INT runs the trap now, not after
+    wait "$BENCH_PID"
+    BENCH_PID=""
     t1=$(cpu_ticks ${SIDE_PIDS[$side]})
     python3 - "$out" "$side" "$c" $((t1 - t0)) "$HZ" <<'EOF' >>"$LOGS/runs.txt" || echo "$side $c FAILED" >>"$LOGS/runs.txt"
 import json, sys
