@@ -209,7 +209,7 @@ $(MODEL_GGUF): $(BUILD)/bin/tidepool-convert
 	$(BUILD)/bin/tidepool-convert --checkpoint $(MODEL_DIR)/stories260K.bin \
 	    --tokenizer $(MODEL_DIR)/tok512.bin --name stories260K --out $@
 
-test: all
+test: all $(BENCHES)
 	BUILD=$(BUILD) tests/run_tests.sh
 
 # Container image, compose and Kubernetes manifests (podman as root; tools/install-deps.sh
