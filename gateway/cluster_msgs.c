@@ -293,6 +293,20 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
         }
         return;
     }
+    for (int i = 0; c->p.n_vocab > 0 && i < m->n_tokens; i++) {
+        if (m->tokens[i] < 0 || m->tokens[i] >= c->p.n_vocab) {
+            /* a worker that produces ids outside the model's vocabulary is broken (the
+             * registration check makes a wrong model unlikely): never turn them into text,
+             * re-run the request elsewhere from what is known */
+            char why[160];
+            snprintf(why, sizeof(why), "TOKENS from %s hold id %d at %d, outside the vocabulary "
+                     "of %d: dropped", w ? w->id : "unknown worker", m->tokens[i], i,
+                     c->p.n_vocab);
+            log_warn("%s", why);
+            cluster_req_retry(c, r, 1, why);
+            return;
+        }
+    }
     if (w == r->pw && !r->p_started) {
         r->p_started = 1;
         w->pending_qtok -= r->p_qtok;

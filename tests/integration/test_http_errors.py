@@ -677,6 +677,27 @@ class FakeWorkerTest(unittest.TestCase):
         a.send(FINISH, rid=rid, reason=1)
         self.assertEqual(self.gw.request("GET", "/health")[0], 200)
 
+    def test_out_of_vocabulary_ids_rerun_elsewhere(self):
+        """TOKENS holding an id outside the model's vocabulary (512 for stories260K) are never
+        turned into text: dropped, logged, and the attempt re-run from what is known."""
+        a = self.worker("w-a")
+        res = self.start({"prompt": "hi", "max_tokens": 5, "temperature": 0})
+        m = self.prefill(a)
+        rid, n_prompt = m["rid"], len(m["tokens"])
+        want = ids_of("Hello")
+        a.send(TOKENS, rid=rid, index=0, tokens=want[:2])
+        a.send(TOKENS, rid=rid, index=2, tokens=[want[2], 512])
+        m2 = self.prefill(a)  # the only worker: the re-run comes back to it
+        b = a
+        self.assertEqual(m2["rid"], rid + 1)
+        self.assertEqual(m2["tokens"][n_prompt:], want[:2])  # the bad message added nothing
+        b.send(TOKENS, rid=m2["rid"], index=0, tokens=want[2:5])
+        b.send(FINISH, rid=m2["rid"], reason=2)
+        st, _, data = res()
+        self.assertEqual(st, 200, data)
+        self.assertEqual(json.loads(data)["choices"][0]["text"], "Hello")
+        self.assertIn("hold id 512 at 1, outside the vocabulary of 512", self.gw.read_log())
+
     def test_bundle_frames_are_validated_one_by_one(self):
         """A BUNDLE's frames are handled in order, each decoded like a message: a malformed
         one and a type that may not be bundled are logged and dropped, the others count."""
