@@ -1010,3 +1010,50 @@ class FakeWorkerTest(unittest.TestCase):
         a.send(TOKENS, rid=rid, index=0, tokens=ids_of("x"))
         s.close()
         self.assertEqual(a.recv(5, want=(CANCEL,))["rid"], rid)
+
+
+ROLE = 10
+
+
+@unittest.skipUnless(zmq and os.path.exists(GATEWAY) and os.path.exists(MODEL),
+                     "needs python3-zmq, %s and %s" % (GATEWAY, MODEL))
+class TidalDemandTest(unittest.TestCase):
+    """The tidal policy counts a request as decode demand from dispatch on: it holds a decode
+    slot while its prompt waits at a prefill worker, so a burst of prompts on one decode
+    worker of 8 slots moves a prefill worker to decode before any prefill starts."""
+
+    def test_reserved_decode_slots_are_decode_demand(self):
+        ctl = free_port()
+        gw = Gateway("--ctl-bind", "tcp://127.0.0.1:%d" % ctl, "--heartbeat-ms", "100",
+                     "--dead-after-ms", "5000", "--request-timeout-ms", "60000", "--tidal",
+                     "--tidal-min-role-s", "0", "--smooth-s", "0", "--drain-timeout-ms", "200")
+        ctx = zmq.Context()
+        workers = []
+        try:
+            for wid, role in (("w-p1", 1), ("w-p2", 1), ("w-d", 2)):
+                w = FakeWorker(ctx, "tcp://127.0.0.1:%d" % ctl, wid, gw.fingerprint())
+                w.register(role, "tcp://127.0.0.1:1" if role == 2 else "")
+                self.assertIsNotNone(w.recv(want=(REGISTER_ACK,)))
+                workers.append(w)
+            import threading
+            for _ in range(8):  # the decode worker's 8 slots, all held by prompts
+                threading.Thread(target=gw.request, daemon=True,
+                                 args=("POST", CMPL, {"prompt": "hi", "max_tokens": 4}),
+                                 kwargs={"timeout": 30}).start()
+            got, deadline = None, time.time() + 10
+            while got is None and time.time() < deadline:
+                for w in workers:
+                    w.send(HEARTBEAT, wid=w.wid, role=2 if w.wid == "w-d" else 1, state=1,
+                           running=0, queued=0, qtok=0, kv_total=1000, kv_free=1000,
+                           tok_in=0, tok_out=0)
+                for w in workers[:2]:
+                    m = w.recv(0.05, want=(ROLE,))
+                    if m:
+                        got = (w.wid, m)
+            self.assertIsNotNone(got, "no prefill worker was moved: " + gw.read_log()[-2000:])
+            self.assertEqual(got[1]["role"], 2)  # to decode
+        finally:
+            for w in workers:
+                w.close()
+            ctx.term()
+            gw.stop()
