@@ -297,12 +297,67 @@ static void reap_dead(cluster_t *c)
 
 // --- routing
 
+static int bad_peer_slot(const worker_t *p, const worker_t *d)
+{
+    for (int i = 0; i < CLUSTER_BAD_PEERS; i++)
+        if (p->bad_peer[i].id_len == d->id_len && !memcmp(p->bad_peer[i].id, d->id, d->id_len))
+            return i;
+    return -1;
+}
+
+void cluster_pair_failed(cluster_t *c, worker_t *p, const worker_t *d)
+{
+    (void)c;
+    int i = bad_peer_slot(p, d);
+    if (i < 0) { /* a free slot, else the one whose penalty ends first */
+        i = 0;
+        for (int j = 0; j < CLUSTER_BAD_PEERS; j++) {
+            if (!p->bad_peer[j].id_len) {
+                i = j;
+                break;
+            }
+            if (p->bad_peer[j].until_us < p->bad_peer[i].until_us)
+                i = j;
+        }
+        memcpy(p->bad_peer[i].id, d->id, d->id_len);
+        p->bad_peer[i].id_len = d->id_len;
+        p->bad_peer[i].fails = 0;
+    }
+    int fails = ++p->bad_peer[i].fails;
+    int64_t pen = CLUSTER_PAIR_PENALTY_US;
+    for (int k = 1; k < fails && pen < CLUSTER_PAIR_PENALTY_MAX_US; k++)
+        pen *= 2;
+    if (pen > CLUSTER_PAIR_PENALTY_MAX_US)
+        pen = CLUSTER_PAIR_PENALTY_MAX_US;
+    p->bad_peer[i].until_us = proto_now_us() + pen;
+    log_warn("KV hand-off %s -> %s failed (%d in a row): the pair is avoided for %lld ms when "
+             "another can serve", p->id, d->id, fails, (long long)(pen / 1000));
+}
+
+void cluster_pair_ok(worker_t *p, const worker_t *d)
+{
+    int i = bad_peer_slot(p, d);
+    if (i >= 0) {
+        p->bad_peer[i].id_len = 0;
+        p->bad_peer[i].fails = 0;
+    }
+}
+
+static int pair_avoided(const worker_t *p, const worker_t *d, int64_t now)
+{
+    if (p == d)
+        return 0;
+    int i = bad_peer_slot(p, d);
+    return i >= 0 && p->bad_peer[i].until_us > now;
+}
+
 /* Choose (prefill, decode) for r: the decode/mixed worker must have room (KV blocks free
  * per its last heartbeat minus blocks promised since, a free sequence slot); among the
  * prefill workers that can feed it (pure prefill workers, or the mixed worker itself),
  * the one with the least queued prompt tokens wins; ties go to the decode worker with
  * the most free blocks. Returns 0 or -1 (nothing fits now). */
-static int pick(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw, int *never)
+static int pick_pass(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw, int *never,
+                     int avoid, int *n_avoided)
 {
     long best_load = -1, best_free = -1;
     int total = r->n_prompt + r->n_gen;
@@ -332,6 +387,10 @@ static int pick(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw, int 
                 continue;
             if (p->n_ctx > 0 && total >= p->n_ctx)
                 continue;
+            if (avoid && pair_avoided(p, d, now)) {
+                (*n_avoided)++;
+                continue;
+            }
             long load = p->qtok > p->pending_qtok ? p->qtok : p->pending_qtok;
             if (best_load < 0 || load < best_load ||
                 (load == best_load && free_blocks > best_free)) {
@@ -345,6 +404,18 @@ static int pick(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw, int 
     /* no decode worker could ever hold it, even empty: waiting would never end */
     *never = n_decoders > 0 && n_could_fit == 0;
     return best_load < 0 ? -1 : 0;
+}
+
+/* pick_pass avoiding pairs whose KV hand-offs failed lately; when only such pairs could
+ * take r, one of them (a link may have healed; waiting would only delay the request). */
+static int pick(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw, int *never)
+{
+    int n_avoided = 0;
+    if (pick_pass(c, r, pw, dw, never, 1, &n_avoided) == 0)
+        return 0;
+    if (!n_avoided)
+        return -1;
+    return pick_pass(c, r, pw, dw, never, 0, &n_avoided);
 }
 
 /* Try to start an attempt for queued request r. Returns 1 when assigned, 0 when nothing

@@ -75,6 +75,9 @@ typedef struct {
     uint64_t model_fingerprint; /* the model's (model_config.fingerprint); 0 = not checked */
     int kv_block_size;      /* tokens per KV block every worker must use; 0 = pinned by the
                              * first worker accepted, released when no worker is registered */
+    int n_vocab;            /* token ids a worker may send are in [0, n_vocab): a TOKENS
+                             * message with any other id is dropped, logged and its attempt
+                             * re-run elsewhere; 0 = not checked */
 } cluster_params;
 
 /* Defaults matching the gateway's flags. */

@@ -21,6 +21,10 @@
 
 #define N_BUCKETS 4096
 
+#define CLUSTER_BAD_PEERS 8               /* failed KV links remembered per prefill worker */
+#define CLUSTER_PAIR_PENALTY_US 1000000   /* first avoidance of a failed pair: 1 s, doubling */
+#define CLUSTER_PAIR_PENALTY_MAX_US 30000000
+
 typedef struct worker {
     struct worker *next;
     char id[PROTO_ID_LEN]; /* worker id == ZeroMQ routing id */
@@ -50,6 +54,15 @@ typedef struct worker {
     uint64_t n_role_changes; /* last heartbeat */
     int64_t role_change_us;  /* last heartbeat: its last change's duration */
     proto_mig_counters mig;  /* last heartbeat: live migrations */
+    /* Decode workers this prefill worker recently failed to hand KV to (their link may be
+     * down while both still reach the gateway): pick avoids the pair until `until_us`
+     * when another pair can take the request (cluster_pair_failed / cluster_pair_ok). */
+    struct {
+        char id[PROTO_ID_LEN];
+        size_t id_len; /* 0: free slot */
+        int fails;     /* consecutive failures: the penalty doubles with each */
+        int64_t until_us;
+    } bad_peer[CLUSTER_BAD_PEERS];
 } worker_t;
 
 typedef struct req {
@@ -289,6 +302,11 @@ void cluster_req_end_error(cluster_t *c, req_t *r, int status, const char *type,
                            const char *code, const char *msg);
 /* End r with on_finish(reason), cancelling it on its workers if cancel; frees r. */
 void cluster_req_end_finish(cluster_t *c, req_t *r, int reason, int cancel);
+/* A KV hand-off from prefill worker p to decode worker d failed: avoid the pair for a
+ * while (1 s, doubling per consecutive failure up to 30 s) when another pair can serve. */
+void cluster_pair_failed(cluster_t *c, worker_t *p, const worker_t *d);
+/* A hand-off from p to d succeeded: forget its failures. */
+void cluster_pair_ok(worker_t *p, const worker_t *d);
 /* The current attempt failed: re-queue r (at the head) to re-run from prompt + tokens so
  * far, or end it (max_retries reached when counts, or nothing left to generate). */
 void cluster_req_retry(cluster_t *c, req_t *r, int counts, const char *why);

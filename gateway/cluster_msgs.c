@@ -293,12 +293,28 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
         }
         return;
     }
+    for (int i = 0; c->p.n_vocab > 0 && i < m->n_tokens; i++) {
+        if (m->tokens[i] < 0 || m->tokens[i] >= c->p.n_vocab) {
+            /* a worker that produces ids outside the model's vocabulary is broken (the
+             * registration check makes a wrong model unlikely): never turn them into text,
+             * re-run the request elsewhere from what is known */
+            char why[160];
+            snprintf(why, sizeof(why), "TOKENS from %s hold id %d at %d, outside the vocabulary "
+                     "of %d: dropped", w ? w->id : "unknown worker", m->tokens[i], i,
+                     c->p.n_vocab);
+            log_warn("%s", why);
+            cluster_req_retry(c, r, 1, why);
+            return;
+        }
+    }
     if (w == r->pw && !r->p_started) {
         r->p_started = 1;
         w->pending_qtok -= r->p_qtok;
     }
     if (w == r->dw && !r->d_started) {
         r->d_started = 1;
+        if (r->pw && r->pw != w)
+            cluster_pair_ok(r->pw, w); /* its KV arrived: the link works */
         w->pending_blocks -= r->d_blocks;
     }
     if (w == r->dw && r->mw) { /* the new decode worker has it: the move is over */
@@ -351,6 +367,14 @@ static void handle_finish(cluster_t *c, worker_t *w, const proto_msg *m)
     cluster_req_end_finish(c, r, m->reason, w != r->dw);
 }
 
+/* Codes a prefill worker's KV transfer ends with when the link to its decode worker (not
+ * the request, not the prefill worker itself) is at fault. */
+static int kv_link_error(int code)
+{
+    return code == PROTO_ERR_TIMEOUT || code == PROTO_ERR_UNAVAILABLE ||
+           code == PROTO_ERR_CHECKSUM || code == PROTO_ERR_PROTOCOL;
+}
+
 static void handle_error(cluster_t *c, worker_t *w, const proto_msg *m)
 {
     req_t *r = attempt_of(c, m->rid, w);
@@ -368,6 +392,8 @@ static void handle_error(cluster_t *c, worker_t *w, const proto_msg *m)
             r->dw->full = 1;
             cluster_req_retry(c, r, 0, why);
         } else {
+            if (w == r->pw && r->dw && r->dw != w && !r->d_started && kv_link_error(m->code))
+                cluster_pair_failed(c, w, r->dw); /* the prefill worker could not hand it over */
             cluster_req_retry(c, r, 1, why);
         }
     } else if (m->code == PROTO_ERR_BAD_REQUEST) {

@@ -84,7 +84,9 @@ void cluster_policy_tick(cluster_t *c, int64_t now)
         if (r->offline && !r->promoted)
             continue;
         cl->online_running++;
-        decoding += r->p_started || r->d_started;
+        /* every assigned request holds a decode slot and KV from dispatch on, before its
+         * prefill starts: that is decode demand (a prompt burst otherwise hides it) */
+        decoding++;
     }
     /* A request waits here only when no decode worker has room, unless there is no prefill
      * worker at all: only then is it a prefill shortage (docs/scheduler.md). */

@@ -436,6 +436,7 @@ int main(int argc, char **argv)
     cp.policy.min_per_role = (int)opt_tidal_min_per_role;
     cp.tidal = opt_tidal;
     cp.model_fingerprint = fingerprint;
+    cp.n_vocab = tokenizer_vocab_size(tok);
     cp.kv_block_size = (int)opt_kv_block_size;
     if (policy_params_check(&cp.policy, err, sizeof(err)) < 0) {
         log_error("%s", err);

@@ -96,6 +96,7 @@ static int add_vec(conv *cv, const char *name, const float *data, uint64_t n)
 
 int main(int argc, char **argv)
 {
+    gguf_writer_cleanup_on_signals(); /* no stray <out>.tmp.<pid> when interrupted */
     const char *ckpt_path = NULL, *tok_path = NULL, *out_path = NULL, *name = NULL;
     int f16 = 0;
     for (int i = 1; i < argc; i++) {

@@ -187,6 +187,7 @@ static int parse_args(int argc, char **argv, mk_opts *o)
 
 int main(int argc, char **argv)
 {
+    gguf_writer_cleanup_on_signals(); /* no stray <out>.tmp.<pid> when interrupted */
     mk_opts o;
     if (parse_args(argc, argv, &o) != 0)
         return 2;

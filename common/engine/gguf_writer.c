@@ -4,6 +4,7 @@
  * data with stdio (GGUF v3, little-endian, tensors aligned to the file's alignment).
  */
 #include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -220,6 +221,40 @@ static int write_pad(FILE *f, uint64_t pos, uint32_t align)
     return 0;
 }
 
+/* The temporary file being written, for the signal handler (one write at a time per
+ * process: the tools that install the handler write one file at a time). */
+static char g_tmp_path[4096];
+static volatile sig_atomic_t g_tmp_live;
+
+static void on_fatal_signal(int sig)
+{
+    if (g_tmp_live)
+        unlink(g_tmp_path); /* async-signal-safe */
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+int gguf_writer_cleanup_on_signals(void)
+{
+    static const int sigs[] = {SIGINT, SIGTERM, SIGHUP};
+    for (size_t i = 0; i < sizeof(sigs) / sizeof(sigs[0]); i++) {
+        struct sigaction sa;
+        memset(&sa, 0, sizeof(sa));
+        sa.sa_handler = on_fatal_signal;
+        sigemptyset(&sa.sa_mask);
+        if (sigaction(sigs[i], &sa, NULL) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+static void tmp_forget(const char *tmp, int remove)
+{
+    g_tmp_live = 0;
+    if (remove)
+        unlink(tmp);
+}
+
 int gguf_writer_write(gguf_writer_t *w, const char *path, char *err, size_t errlen)
 {
     char tmp[4096];
@@ -229,8 +264,12 @@ int gguf_writer_write(gguf_writer_t *w, const char *path, char *err, size_t errl
         return -1;
     }
     snprintf(tmp, sizeof(tmp), "%s.tmp.%ld", path, (long)getpid());
+    g_tmp_live = 0;
+    memcpy(g_tmp_path, tmp, sizeof(g_tmp_path));
+    g_tmp_live = 1; /* before the file exists: a signal now finds nothing to remove */
     f = fopen(tmp, "wb");
     if (!f) {
+        g_tmp_live = 0;
         snprintf(err, errlen, "%s: cannot create %s: %s", path, tmp, strerror(errno));
         return -1;
     }
@@ -271,13 +310,14 @@ int gguf_writer_write(gguf_writer_t *w, const char *path, char *err, size_t errl
         ok = 0;
     if (!ok) {
         snprintf(err, errlen, "%s: write to %s failed: %s", path, tmp, strerror(errno));
-        unlink(tmp);
+        tmp_forget(tmp, 1);
         return -1;
     }
     if (rename(tmp, path) != 0) {
         snprintf(err, errlen, "%s: rename from %s failed: %s", path, tmp, strerror(errno));
-        unlink(tmp);
+        tmp_forget(tmp, 1);
         return -1;
     }
+    tmp_forget(tmp, 0);
     return 0;
 }

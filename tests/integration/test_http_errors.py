@@ -527,8 +527,8 @@ class FakeWorker:
         fields.update(t=t, v=1)
         self.sock.send(mp_pack(fields))
 
-    def register(self):
-        self.send(REGISTER, wid=self.wid, role=3, kvep="", fp=self.fp, pid=os.getpid(),
+    def register(self, role=3, kvep=""):
+        self.send(REGISTER, wid=self.wid, role=role, kvep=kvep, fp=self.fp, pid=os.getpid(),
                   n_ctx=N_CTX,
                   bs=16, max_seqs=8, kv_total=1000, kv_free=1000)
 
@@ -583,9 +583,9 @@ class FakeWorkerTest(unittest.TestCase):
         self.ctx.term()
         self.assertEqual(self.gw.stop(), 0)
 
-    def worker(self, wid):
+    def worker(self, wid, role=3, kvep=""):
         w = FakeWorker(self.ctx, "tcp://127.0.0.1:%d" % self.ctl_port, wid, self.gw.fingerprint())
-        w.register()
+        w.register(role, kvep)
         self.assertEqual(w.recv(want=(REGISTER_ACK,))["hb_ms"], 100)
         self.workers.append(w)
         return w
@@ -676,6 +676,72 @@ class FakeWorkerTest(unittest.TestCase):
         a.send(TOKENS, rid=rid, index=3, tokens=ids_of("zz"))
         a.send(FINISH, rid=rid, reason=1)
         self.assertEqual(self.gw.request("GET", "/health")[0], 200)
+
+    def test_out_of_vocabulary_ids_rerun_elsewhere(self):
+        """TOKENS holding an id outside the model's vocabulary (512 for stories260K) are never
+        turned into text: dropped, logged, and the attempt re-run from what is known."""
+        a = self.worker("w-a")
+        res = self.start({"prompt": "hi", "max_tokens": 5, "temperature": 0})
+        m = self.prefill(a)
+        rid, n_prompt = m["rid"], len(m["tokens"])
+        want = ids_of("Hello")
+        a.send(TOKENS, rid=rid, index=0, tokens=want[:2])
+        a.send(TOKENS, rid=rid, index=2, tokens=[want[2], 512])
+        m2 = self.prefill(a)  # the only worker: the re-run comes back to it
+        b = a
+        self.assertEqual(m2["rid"], rid + 1)
+        self.assertEqual(m2["tokens"][n_prompt:], want[:2])  # the bad message added nothing
+        b.send(TOKENS, rid=m2["rid"], index=0, tokens=want[2:5])
+        b.send(FINISH, rid=m2["rid"], reason=2)
+        st, _, data = res()
+        self.assertEqual(st, 200, data)
+        self.assertEqual(json.loads(data)["choices"][0]["text"], "Hello")
+        self.assertIn("hold id 512 at 1, outside the vocabulary of 512", self.gw.read_log())
+
+    def test_failed_kv_link_is_avoided(self):
+        """A prefill worker whose KV hand-off to a decode worker failed (the link is down
+        while both reach the gateway): the re-run and the next requests go to another
+        decode worker while the pair is avoided; with no other pair the failed one is
+        tried again rather than waiting."""
+        p = self.worker("w-p", role=1)
+        d = {x: self.worker(x, role=2, kvep="tcp://127.0.0.1:1") for x in ("w-d1", "w-d2")}
+        res = self.start({"prompt": "hi", "max_tokens": 3, "temperature": 0})
+        m = p.recv(want=(PREFILL,))
+        bad = m["dw"]
+        good = ({"w-d1", "w-d2"} - {bad}).pop()
+        p.send(ERROR, rid=m["rid"], code=4, retry=1,
+               msg="KV transfer to tcp://127.0.0.1:1 failed: lease expired")
+        m2 = p.recv(want=(PREFILL,))
+        self.assertIsNotNone(m2)
+        self.assertEqual(m2["dw"], good)
+        d[good].send(TOKENS, rid=m2["rid"], index=0, tokens=ids_of("Hey"))
+        d[good].send(FINISH, rid=m2["rid"], reason=2)
+        st, _, data = res()
+        self.assertEqual(st, 200, data)
+        self.assertEqual(json.loads(data)["choices"][0]["text"], "Hey")
+        self.assertIn("KV hand-off w-p -> %s failed (1 in a row)" % bad, self.gw.read_log())
+        # the next request, within the penalty (1 s), avoids the pair too
+        res = self.start({"prompt": "hi", "max_tokens": 1, "temperature": 0})
+        m3 = p.recv(want=(PREFILL,))
+        self.assertEqual(m3["dw"], good)
+        p.send(TOKENS, rid=m3["rid"], index=0, tokens=ids_of("H"))
+        p.send(FINISH, rid=m3["rid"], reason=2)
+        self.assertEqual(res()[0], 200)
+        # only the failed pair left: it is used again (and fails again: 2 in a row)
+        d[good].send(BYE, wid=good)
+        time.sleep(0.2)
+        res = self.start({"prompt": "hi", "max_tokens": 2, "temperature": 0})
+        m4 = p.recv(want=(PREFILL,))
+        self.assertEqual(m4["dw"], bad)
+        p.send(ERROR, rid=m4["rid"], code=4, retry=1, msg="KV transfer failed: lease expired")
+        m5 = p.recv(want=(PREFILL,))
+        self.assertEqual(m5["dw"], bad)
+        d[bad].send(TOKENS, rid=m5["rid"], index=0, tokens=ids_of("Ho"))
+        d[bad].send(FINISH, rid=m5["rid"], reason=2)
+        st, _, data = res()
+        self.assertEqual(st, 200, data)
+        self.assertEqual(json.loads(data)["choices"][0]["text"], "Ho")
+        self.assertIn("KV hand-off w-p -> %s failed (2 in a row)" % bad, self.gw.read_log())
 
     def test_bundle_frames_are_validated_one_by_one(self):
         """A BUNDLE's frames are handled in order, each decoded like a message: a malformed
@@ -944,3 +1010,50 @@ class FakeWorkerTest(unittest.TestCase):
         a.send(TOKENS, rid=rid, index=0, tokens=ids_of("x"))
         s.close()
         self.assertEqual(a.recv(5, want=(CANCEL,))["rid"], rid)
+
+
+ROLE = 10
+
+
+@unittest.skipUnless(zmq and os.path.exists(GATEWAY) and os.path.exists(MODEL),
+                     "needs python3-zmq, %s and %s" % (GATEWAY, MODEL))
+class TidalDemandTest(unittest.TestCase):
+    """The tidal policy counts a request as decode demand from dispatch on: it holds a decode
+    slot while its prompt waits at a prefill worker, so a burst of prompts on one decode
+    worker of 8 slots moves a prefill worker to decode before any prefill starts."""
+
+    def test_reserved_decode_slots_are_decode_demand(self):
+        ctl = free_port()
+        gw = Gateway("--ctl-bind", "tcp://127.0.0.1:%d" % ctl, "--heartbeat-ms", "100",
+                     "--dead-after-ms", "5000", "--request-timeout-ms", "60000", "--tidal",
+                     "--tidal-min-role-s", "0", "--smooth-s", "0", "--drain-timeout-ms", "200")
+        ctx = zmq.Context()
+        workers = []
+        try:
+            for wid, role in (("w-p1", 1), ("w-p2", 1), ("w-d", 2)):
+                w = FakeWorker(ctx, "tcp://127.0.0.1:%d" % ctl, wid, gw.fingerprint())
+                w.register(role, "tcp://127.0.0.1:1" if role == 2 else "")
+                self.assertIsNotNone(w.recv(want=(REGISTER_ACK,)))
+                workers.append(w)
+            import threading
+            for _ in range(8):  # the decode worker's 8 slots, all held by prompts
+                threading.Thread(target=gw.request, daemon=True,
+                                 args=("POST", CMPL, {"prompt": "hi", "max_tokens": 4}),
+                                 kwargs={"timeout": 30}).start()
+            got, deadline = None, time.time() + 10
+            while got is None and time.time() < deadline:
+                for w in workers:
+                    w.send(HEARTBEAT, wid=w.wid, role=2 if w.wid == "w-d" else 1, state=1,
+                           running=0, queued=0, qtok=0, kv_total=1000, kv_free=1000,
+                           tok_in=0, tok_out=0)
+                for w in workers[:2]:
+                    m = w.recv(0.05, want=(ROLE,))
+                    if m:
+                        got = (w.wid, m)
+            self.assertIsNotNone(got, "no prefill worker was moved: " + gw.read_log()[-2000:])
+            self.assertEqual(got[1]["role"], 2)  # to decode
+        finally:
+            for w in workers:
+                w.close()
+            ctx.term()
+            gw.stop()

@@ -725,6 +725,78 @@ static sim_cluster_worker_info toy_worker(const sim_cluster *c, int w)
     return x;
 }
 
+/* Runs of decode steps (one event up to the next finish, cut by joins, preemptions and
+ * role changes) give the same figures, bit for bit, as one event per step: tidal with
+ * migration and with draining, offline preemption, reservation at dispatch, a static split;
+ * a phase-shifting workload at 70% and 130% of capacity on the a100 preset. */
+static void test_cluster_step_runs_exact(void **state)
+{
+    (void)state;
+    costmodel cm;
+    assert_int_equal(costmodel_preset("a100-llama3-8b", &cm), 0);
+    struct {
+        int n, tidal, drain, dispatch;
+        double rate;
+    } cases[] = {
+        {16, 1, 0, 0, 60}, {16, 1, 1, 0, 60}, {16, 1, 0, 1, 110}, {12, 0, 0, 0, 90},
+        {24, 1, 0, 0, 160}, {16, 1, 0, 0, 250}, {8, 1, 0, 1, 150}, {8, 1, 0, 0, 400},
+    };
+    int64_t preempted = 0;
+    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+        sim_cluster_figures f[2];
+        int64_t steps[2] = {0, 0};
+        for (int single = 0; single < 2; single++) {
+            sim_workload wl;
+            sim_workload_phase_shift(&wl, cases[k].rate, 120, 30, 0.2, 7 + k);
+            sim_cluster_params p = sim_cluster_default_params();
+            p.n_workers = cases[k].n;
+            p.n_prefill = cases[k].n / 2;
+            p.tidal = cases[k].tidal;
+            p.drain = cases[k].drain;
+            p.reserve_dispatch = cases[k].dispatch;
+            p.policy.min_role_ms = 5000;
+            p.hard_end_ms = 400e3;
+            p.single_steps = single;
+            sim_cluster *c = sim_cluster_new(&cm, &p);
+            sim_workload_arrival a;
+            if (sim_workload_next(&wl, &a))
+                sim_cluster_submit(c, &a);
+            while (sim_cluster_run(c)) {
+                if (sim_workload_next(&wl, &a))
+                    sim_cluster_submit(c, &a);
+                else
+                    sim_cluster_arrivals_done(c);
+            }
+            sim_cluster_figures_get(c, &f[single]);
+            for (int w = 0; w < p.n_workers; w++) {
+                sim_cluster_worker_info x;
+                assert_int_equal(sim_cluster_worker_get(c, w, &x), 0);
+                steps[single] += x.steps;
+            }
+            sim_cluster_destroy(&c);
+            sim_workload_free(&wl);
+        }
+        assert_true(f[0].n_finished > 1000);
+        assert_int_equal(f[0].n_finished, f[1].n_finished);
+        assert_int_equal(f[0].n_good, f[1].n_good);
+        assert_int_equal(f[0].n_offline_done, f[1].n_offline_done);
+        assert_int_equal(f[0].offline_tokens, f[1].offline_tokens);
+        assert_int_equal(f[0].changes, f[1].changes);
+        assert_int_equal(f[0].preemptions, f[1].preemptions);
+        assert_int_equal(f[0].final_prefill, f[1].final_prefill);
+        assert_true(f[0].end_ms == f[1].end_ms);
+        assert_true(f[0].ttft_mean_ms == f[1].ttft_mean_ms);
+        assert_true(f[0].ttft_p99_ms == f[1].ttft_p99_ms);
+        assert_true(f[0].tpot_mean_ms == f[1].tpot_mean_ms);
+        assert_true(f[0].tpot_p99_ms == f[1].tpot_p99_ms);
+        assert_int_equal(steps[0], steps[1]);
+        if (cases[k].tidal)
+            assert_true(f[0].changes > 0);
+        preempted += f[0].preemptions;
+    }
+    assert_true(preempted > 0); /* the preemption cut is exercised */
+}
+
 /* One request, prompt 100, output 11, on one prefill and one decode worker:
  *   prefill [0, 100 + 1e-6 * 5050 + 5 = 105.00505]: TTFT 105.00505 ms;
  *   KV of 101 tokens (the first output token's included): transfer 0.5 + 5e-4 * 101 =
@@ -896,6 +968,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_trace_load),
         cmocka_unit_test(test_trace_errors),
         cmocka_unit_test(test_shape_stats),
+        cmocka_unit_test(test_cluster_step_runs_exact),
         cmocka_unit_test(test_cluster_one_request),
         cmocka_unit_test(test_cluster_prefill_batches),
         cmocka_unit_test(test_cluster_decode_placement),

@@ -253,6 +253,8 @@ static void begin_change(sim_cluster *s, int w, int to)
 {
     sworker *x = &s->w[w];
     ASSERT(x->role != to && !x->changing);
+    if (x->role == POLICY_ROLE_DECODE)
+        sim_cluster_cut(s, w); /* the next boundary migrates or drains */
     x->changing = 1;
     x->target = to;
     s->changes++;
@@ -292,6 +294,7 @@ static void preempt(sim_cluster *s, int k)
         if (r->epoch != epoch || r->state != SIM_CLUSTER_RQ_RUNNING || !r->offline)
             continue;
         int w = r->worker;
+        sim_cluster_cut(s, w); /* its batch changes at the boundary in progress */
         sim_cluster_take_out(s, id);
         r->state = SIM_CLUSTER_RQ_QUEUED;
         sim_ideque_push_front(&s->q_off, id);
@@ -322,6 +325,7 @@ static void on_tick(sim_cluster *s)
         p->target_role = x->changing ? x->target : 0;
         p->role_age_ms = (int64_t)(s->now - x->role_since_ms);
         if (x->role == POLICY_ROLE_DECODE) {
+            sim_cluster_settle(s, i); /* last_step_ms: the step in progress now */
             p->running = x->running + x->incoming.n;
             p->kv_blocks_used = (int)(x->kv_reserved / 16);
             p->kv_blocks_total = (int)(s->kv_cap / 16);
@@ -516,7 +520,7 @@ int sim_cluster_run(sim_cluster *s)
             sim_cluster_on_xfer_done(s, e.id, e.epoch);
             break;
         case SIM_CLUSTER_EV_STEP_DONE:
-            sim_cluster_on_step_done(s, e.id);
+            sim_cluster_on_step_done(s, e.id, e.epoch);
             break;
         case SIM_CLUSTER_EV_SWITCH_DONE:
             on_switch_done(s, e.id);
@@ -598,6 +602,7 @@ sim_cluster *sim_cluster_new(const costmodel *cm, const sim_cluster_params *p)
     int n_workers = p->n_workers;
     s->n_workers = n_workers;
     s->drain = p->drain;
+    s->single_steps = p->single_steps;
     s->reserve_dispatch = p->reserve_dispatch;
     s->tick_ms = p->tick_ms;
     s->switch_ms = p->switch_ms;

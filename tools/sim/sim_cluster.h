@@ -72,6 +72,10 @@ typedef struct {
                            * unfinished then count as missed); INFINITY = none */
     uint64_t seed;        /* the placement's random choices (a stream apart from the
                            * workload's) */
+    int single_steps;     /* 1: one event per decode step; 0 (default): one event per run
+                           * of steps between batch changes. Same figures bit for bit (the
+                           * runs repeat the steps' sums); 1 is the reference the tests
+                           * compare the runs against. */
 
     sim_cluster_tick_fn on_tick; /* NULL: none */
     void *tick_ctx;              /* passed to on_tick */

@@ -5,7 +5,12 @@
  * a cluster with no room anywhere is not scanned again until room appears); a worker steps
  * its batch with costmodel_decode_step_ms, sequences joining at step boundaries; each
  * worker's finish heap gives the step after which a sequence has all its tokens, so a step
- * costs O(log n) per finished sequence, not O(batch).
+ * costs O(log n) per finished sequence, not O(batch). Between two changes of a batch (a
+ * sequence finishing, joining or leaving; a role change) its steps are known, so one event
+ * stands for the run of steps up to the next finish: the run's end time is the same sum of
+ * step times the step-by-step events made, and an event that changes the batch mid-run cuts
+ * it at the next boundary (sim_cluster_cut). 2x fewer events at 10,000 workers; the figures
+ * are bit-identical to one event per step (tested).
  */
 #include <stdint.h>
 
@@ -147,6 +152,37 @@ void sim_cluster_dec_list_remove(sim_cluster *s, int w)
 
 // --- decode steps --------------------------------------------------------------------------
 
+/* Longest run of steps one event stands for (bounds the work of a settle). */
+#define MAX_RUN 4096
+
+void sim_cluster_settle(sim_cluster *s, int w)
+{
+    sworker *x = &s->w[w];
+    if (!x->stepping || x->step + 1 >= x->step_end)
+        return;
+    /* the same sums the step-by-step events made: t_(j+1) = t_j + step_ms(j) */
+    while (x->step + 1 < x->step_end) {
+        double t = x->step_t0 + x->last_step_ms;
+        if (!(t < s->now))
+            break;
+        x->step_t0 = t;
+        x->step++;
+        x->ctx_sum += x->running;
+        x->last_step_ms = costmodel_decode_step_ms(s->cm, x->running, (double)x->ctx_sum);
+    }
+}
+
+void sim_cluster_cut(sim_cluster *s, int w)
+{
+    sworker *x = &s->w[w];
+    sim_cluster_settle(s, w);
+    if (!x->stepping || x->step + 1 >= x->step_end)
+        return;
+    x->step_end = x->step + 1;
+    sim_heap_push(&s->ev, x->step_t0 + x->last_step_ms, SIM_CLUSTER_EV_STEP_DONE, w,
+                  ++x->step_epoch);
+}
+
 static void start_step(sim_cluster *s, int w)
 {
     sworker *x = &s->w[w];
@@ -165,8 +201,25 @@ static void start_step(sim_cluster *s, int w)
     }
     x->incoming.n = 0;
     if (x->running > 0) {
+        /* the steps up to the next sequence's finish are known: one event for the run (a
+         * join, a preemption or a role change cuts it short: sim_cluster_cut) */
+        int64_t run = x->fin.n > 0 ? x->fin.v[0].step - x->step : 1;
+        if (run < 1)
+            run = 1;
+        if (run > MAX_RUN)
+            run = MAX_RUN;
+        if (s->single_steps)
+            run = 1;
         x->last_step_ms = costmodel_decode_step_ms(s->cm, x->running, (double)x->ctx_sum);
-        sim_heap_push(&s->ev, s->now + x->last_step_ms, SIM_CLUSTER_EV_STEP_DONE, w, 0);
+        x->step_t0 = s->now;
+        x->step_end = x->step + run;
+        double t = s->now + x->last_step_ms;
+        int64_t ctx = x->ctx_sum;
+        for (int64_t j = 1; j < run; j++) {
+            ctx += x->running;
+            t += costmodel_decode_step_ms(s->cm, x->running, (double)ctx);
+        }
+        sim_heap_push(&s->ev, t, SIM_CLUSTER_EV_STEP_DONE, w, ++x->step_epoch);
         x->stepping = 1;
     } else {
         x->stepping = 0;
@@ -216,9 +269,15 @@ void sim_cluster_migrate_all(sim_cluster *s, int w)
     sim_cluster_switch_start(s, w, t_acc);
 }
 
-void sim_cluster_on_step_done(sim_cluster *s, int w)
+void sim_cluster_on_step_done(sim_cluster *s, int w, uint32_t epoch)
 {
     sworker *x = &s->w[w];
+    if (epoch != x->step_epoch || !x->stepping)
+        return; /* a run that was cut short */
+    /* the run's boundaries before this one changed nothing but the counts */
+    int64_t mid = x->step_end - 1 - x->step;
+    x->step += mid;
+    x->ctx_sum += mid * x->running;
     x->step++;
     x->ctx_sum += x->running;
     int freed = 0;
@@ -264,6 +323,7 @@ void sim_cluster_on_xfer_done(sim_cluster *s, int id, uint32_t epoch)
         return;
     }
     r->state = SIM_CLUSTER_RQ_INCOMING;
+    sim_cluster_cut(s, w); /* it joins at the next boundary */
     sim_ivec_push(&s->w[w].incoming, id);
     if (!s->w[w].stepping)
         start_step(s, w);

@@ -73,7 +73,15 @@ typedef struct {
     int64_t kv_reserved;   /* tokens */
     sim_heap_fin fin;
     sim_ivec incoming;
-    double last_step_ms;
+    double last_step_ms; /* the step in progress */
+    /* Runs of steps (sim_cluster_decode.c): between two events that change a batch (a
+     * sequence finishing, joining or leaving, a role change) its steps are known in
+     * advance, so one STEP_DONE event stands for a run of them. step_t0 is when the step in
+     * progress began (the last boundary passed), step_end the step count at the pending
+     * event, step_epoch that event's epoch (a run cut short leaves a stale one). */
+    double step_t0;
+    int64_t step_end;
+    uint32_t step_epoch;
 } sworker;
 
 struct sim_cluster {
@@ -82,6 +90,7 @@ struct sim_cluster {
     policy_params pp;
     int n_workers;
     int drain;            /* --role-change drain */
+    int single_steps;     /* sim_cluster_params.single_steps */
     int reserve_dispatch; /* --decode-reserve dispatch */
     double tick_ms, switch_ms, ttft_slo_ms, tpot_slo_ms, kv_cap, hard_end_ms;
     sim_cluster_tick_fn on_tick;
@@ -191,7 +200,13 @@ void sim_cluster_take_out(sim_cluster *s, int id);
 void sim_cluster_migrate_all(sim_cluster *s, int w);
 
 /* Events: decode worker w finished a step; request id's KV (from its epoch) arrived. */
-void sim_cluster_on_step_done(sim_cluster *s, int w);
+void sim_cluster_on_step_done(sim_cluster *s, int w, uint32_t epoch);
+/* Bring decode worker w's step count, context and step time up to the last step boundary
+ * before now (the run of steps stays pending). */
+void sim_cluster_settle(sim_cluster *s, int w);
+/* settle, then end w's run at the boundary after now: the batch is about to change (a
+ * sequence joins or leaves, a role change), which the next boundary must see. */
+void sim_cluster_cut(sim_cluster *s, int w);
 void sim_cluster_on_xfer_done(sim_cluster *s, int id, uint32_t epoch);
 
 #endif
