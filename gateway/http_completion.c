@@ -126,9 +126,10 @@ static void sse_send(gw_req *g, const char *payload)
 /* Streaming: one chunk of text, the per-token path: formatted straight into one buffer
  * (api_format_text_chunk: the bytes api_format_chunk gives, without jansson), on the
  * stack unless the text is long. */
-static void sink_text(void *ud, const completion_t *c, const char *text, size_t len)
+static void sink_text(void *ud, const completion_t *c, int index, const char *text, size_t len)
 {
     api_response_info info = completion_info(c);
+    info.index = index;
     size_t cap = api_text_chunk_bound(&info, len) + 8;
     char stack[4096], *ev = cap <= sizeof(stack) ? stack : malloc(cap);
     if (!ev)
@@ -159,24 +160,34 @@ static int sink_check(void *ud, const completion_t *c, api_error *e)
     return -1;
 }
 
-/* The end of the answer: the last chunks and [DONE], or the whole JSON body. Always 0: a
- * body that cannot be formatted is answered 500 but counted as finished, as it was. */
-static int sink_done(void *ud, const completion_t *c, const char *finish_reason, api_error *e)
+/* Streaming: a choice's end is its finish chunk (the others may still stream). */
+static void sink_choice_end(void *ud, const completion_t *c, int index, const char *finish_reason)
+{
+    gw_req *g = ud;
+    if (!completion_streaming(c))
+        return;
+    api_response_info info = completion_info(c);
+    info.index = index;
+    char *chunk = api_format_chunk(&info, info.kind == API_CHAT ? NULL : "", 0, finish_reason, 0);
+    if (chunk)
+        sse_send(g, chunk);
+    free(chunk);
+}
+
+/* The end of the answer: the usage chunk when asked and [DONE], or the whole JSON body.
+ * Always 0: a body that cannot be formatted is answered 500 but counted as finished, as it
+ * was. */
+static int sink_done(void *ud, const completion_t *c, api_error *e)
 {
     gw_req *g = ud;
     (void)e;
     settle(g, c);
     api_response_info info = completion_info(c);
     if (completion_streaming(c)) {
-        char *chunk =
-            api_format_chunk(&info, info.kind == API_CHAT ? NULL : "", 0, finish_reason, 0);
-        if (chunk)
-            sse_send(g, chunk);
-        free(chunk);
         if (info.include_usage) {
             int n_prompt, n_completion;
             completion_usage(c, &n_prompt, &n_completion);
-            chunk = api_format_usage_chunk(&info, n_prompt, n_completion);
+            char *chunk = api_format_usage_chunk(&info, n_prompt, n_completion);
             if (chunk)
                 sse_send(g, chunk);
             free(chunk);
@@ -185,7 +196,7 @@ static int sink_done(void *ud, const completion_t *c, const char *finish_reason,
         evhttp_connection_set_closecb(g->conn, NULL, NULL);
         evhttp_send_reply_end(g->req);
     } else {
-        char *body = completion_format_response(c, finish_reason);
+        char *body = completion_format_response(c);
         evhttp_connection_set_closecb(g->conn, NULL, NULL);
         if (body)
             http_reply_json(g->req, 200, body);
@@ -218,8 +229,13 @@ static stats_end_t sink_fail(void *ud, const completion_t *c, const api_error *e
     return STATS_END_FAILED;
 }
 
-static const completion_sink sink = {sink_text, sink_check, sink_done,
-                                     sink_fail, req_free,   sink_admit};
+static const completion_sink sink = {.text = sink_text,
+                                     .check = sink_check,
+                                     .choice_end = sink_choice_end,
+                                     .done = sink_done,
+                                     .fail = sink_fail,
+                                     .release = req_free,
+                                     .admit = sink_admit};
 
 /* The client went away: cancel wherever the request is and forget it. */
 static void on_close(struct evhttp_connection *conn, void *arg)
@@ -313,12 +329,14 @@ void http_completion_handle(http_server_t *s, struct evhttp_request *req, api_ki
     evhttp_add_header(h, "Content-Type", "text/event-stream");
     evhttp_add_header(h, "Cache-Control", "no-cache");
     evhttp_send_reply_start(req, 200, "OK");
-    if (kind == API_CHAT) {
+    if (kind == API_CHAT) { /* each choice's first delta: its role */
         api_response_info info = completion_info(g->c);
-        char *chunk = api_format_chunk(&info, NULL, 0, NULL, 1);
-        if (chunk)
-            sse_send(g, chunk);
-        free(chunk);
+        for (info.index = 0; info.index < completion_n_choices(g->c); info.index++) {
+            char *chunk = api_format_chunk(&info, NULL, 0, NULL, 1);
+            if (chunk)
+                sse_send(g, chunk);
+            free(chunk);
+        }
     }
 }
 

@@ -51,6 +51,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         check_error(&e);
         return 0;
     }
+    /* every prompt of a batch: text (valid UTF-8, non-empty) or ids (>= 1, none negative) */
+    FUZZ_CHECK(r.n_prompts >= 1 && r.n_prompts <= API_MAX_PROMPTS && r.n >= 1 &&
+               r.n * r.n_prompts <= API_MAX_CHOICES);
+    for (int i = 1; i < r.n_prompts; i++) {
+        api_prompt p = api_request_prompt(&r, i);
+        FUZZ_CHECK(p.text ? p.len >= 1 && api_utf8_valid(p.text, p.len) && !p.ids
+                          : p.ids && p.n_ids >= 1);
+        for (int k = 0; p.ids && k < p.n_ids; k++)
+            FUZZ_CHECK(p.ids[k] >= 0);
+    }
     if (r.prompt_ids) { /* a token-id prompt: ids only, at least one, none negative */
         FUZZ_CHECK(r.prompt == NULL && r.prompt_len == 0 && r.n_prompt_ids >= 1);
         for (int i = 0; i < r.n_prompt_ids; i++)
