@@ -99,6 +99,7 @@ void api_request_free(api_request *r)
         free(r->prompts_rest[i].ids);
     }
     free(r->prompts_rest);
+    free(r->instructions);
     for (int i = 0; i < r->n_stop; i++)
         free(r->stop[i]);
     memset(r, 0, sizeof(*r));
@@ -478,6 +479,8 @@ static int parse_input(json_t *root, api_request *r, api_error *e)
         return type_error(e, "instructions", "a string", ins);
     const char *is = ins ? json_string_value(ins) : NULL;
     size_t il = ins ? json_string_length(ins) : 0;
+    if (is && !(r->instructions = dup_n(is, il)))
+        return api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
     if (json_is_string(in)) {
         if (json_string_length(in) == 0)
             return api_error_set(e, 400, INVALID, "input", "invalid_value",

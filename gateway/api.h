@@ -56,6 +56,8 @@ typedef struct {
     int n;                    /* "n": choices per prompt, 1..API_MAX_N (n x n_prompts <=
                                * API_MAX_CHOICES); "best_of", if given, equals it */
     int store;                /* responses: "store" (accepted; nothing is ever stored) */
+    char *instructions;       /* responses: "instructions" (NUL-terminated; NULL = absent),
+                               * also rendered into prompt as a system message */
     int max_tokens;           /* >= 1, or -1 when absent (api_check_length fills it) */
     double temperature;       /* [0, 2]; default 1 */
     double top_p;             /* (0, 1]; default 1 */

@@ -49,6 +49,7 @@ struct completion {
     choice_t *choices;        /* [n_choices], in index order */
     char id[48];
     int64_t created; /* unix seconds */
+    completion_params params; /* as asked (instructions owned) */
 };
 
 int completion_max_piece(const tokenizer_t *tok)
@@ -156,6 +157,7 @@ static void completion_free(completion_t *c)
     if (!c->failed)
         owner_release(c);
     choices_free(c);
+    free((char *)c->params.instructions);
     free(c);
 }
 
@@ -385,7 +387,7 @@ static void name_prompt(api_error *e, const api_request *r, int i)
  * settled max_tokens in n[] and max_tokens[] (r->n_prompts each, the caller's), or NULL
  * with e set. */
 static int **admissible(const completion_env *env, api_kind_t kind, const char *body, size_t len,
-                        api_request *r, int **n, int **max_tokens, api_error *e)
+                        api_request *r, int **n, int **max_tokens, int *asked, api_error *e)
 {
     if (len > env->max_body) {
         api_error_set(e, 413, "invalid_request_error", NULL, "request_too_large",
@@ -403,6 +405,7 @@ static int **admissible(const completion_env *env, api_kind_t kind, const char *
     }
     const char *pkey = kind == API_CHAT ? "messages" : kind == API_RESPONSES ? "input" : "prompt";
     int np = r->n_prompts, max_asked = r->max_tokens;
+    *asked = max_asked;
     int **toks = calloc((size_t)np, sizeof(int *));
     *n = calloc((size_t)np, sizeof(int));
     *max_tokens = calloc((size_t)np, sizeof(int));
@@ -472,7 +475,8 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
     completion_status_t rc = COMPLETION_ERR;
     completion_t *c = NULL;
     int *n = NULL, *max_tokens = NULL, np = 0;
-    int **tokens = admissible(env, kind, body, len, &r, &n, &max_tokens, e);
+    int max_asked = -1; /* max_tokens as asked (-1: absent), before admissible settles it */
+    int **tokens = admissible(env, kind, body, len, &r, &n, &max_tokens, &max_asked, e);
     if (!tokens)
         goto refused;
     np = r.n_prompts;
@@ -500,7 +504,13 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
         .n_choices = np * r.n,
         .n_per_prompt = r.n,
         .created = (int64_t)time(NULL),
+        .params = {.temperature = r.temperature,
+                   .top_p = r.top_p,
+                   .max_tokens = max_asked,
+                   .store = r.store,
+                   .instructions = r.instructions},
     };
+    r.instructions = NULL; /* c's now */
     c->choices = calloc((size_t)c->n_choices, sizeof(choice_t));
     if (!c->choices)
         goto oom;
@@ -552,11 +562,13 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
     }
     c->n_running = c->n_choices;
     uint64_t rid = c->choices[0].rid;
-    const char *prefix = kind == API_CHAT ? "chatcmpl" : kind == API_RESPONSES ? "resp" : "cmpl";
+    const char *prefix = kind == API_CHAT        ? "chatcmpl-"
+                         : kind == API_RESPONSES ? "resp_" /* OpenAI's spelling */
+                                                 : "cmpl-";
     if (env->batch_line)
-        snprintf(c->id, sizeof(c->id), "%s-%016llx", prefix, (unsigned long long)rid);
+        snprintf(c->id, sizeof(c->id), "%s%016llx", prefix, (unsigned long long)rid);
     else
-        snprintf(c->id, sizeof(c->id), "%s-%016llx%llx", prefix, (unsigned long long)env->id_nonce,
+        snprintf(c->id, sizeof(c->id), "%s%016llx%llx", prefix, (unsigned long long)env->id_nonce,
                  (unsigned long long)rid);
     log_rdebug(rid,
                "admitted: %d prompt tokens, max_tokens %d, temperature %.3g, %s%s; %d prompts x "
@@ -585,6 +597,7 @@ oom:
 refused:
     if (c) {
         choices_free(c);
+        free((char *)c->params.instructions);
         free(c);
     }
     for (int i = 0; tokens && i < np; i++)
@@ -647,6 +660,11 @@ const char *completion_id(const completion_t *c)
 int completion_streaming(const completion_t *c)
 {
     return c->streaming;
+}
+
+completion_params completion_request_params(const completion_t *c)
+{
+    return c->params;
 }
 
 int completion_n_choices(const completion_t *c)

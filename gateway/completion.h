@@ -144,6 +144,17 @@ completion_t *completion_next(const completion_t *c);
 /* The cluster's request id of the first choice (logs). */
 uint64_t completion_rid(const completion_t *c);
 
+/* What the request asked for, as the Responses API echoes it back. */
+typedef struct {
+    double temperature, top_p;
+    int max_tokens;           /* as asked (max_tokens / max_output_tokens); -1: absent */
+    int store;                /* responses: "store" (nothing is stored either way) */
+    const char *instructions; /* responses: "instructions"; NULL: absent (borrowed from c) */
+} completion_params;
+
+/* The request's parameters (strings borrowed from c). */
+completion_params completion_request_params(const completion_t *c);
+
 /* The choices (prompts x n, >= 1). */
 int completion_n_choices(const completion_t *c);
 

@@ -38,6 +38,7 @@ typedef struct {
 
 #define C API_COMPLETIONS
 #define CH API_CHAT
+#define R API_RESPONSES
 static const vcase cases[] = {
     /* body shape */
     {"not json", C, "{\"prompt\": \"hi\"", 400, NULL, "invalid_json"},
@@ -85,6 +86,31 @@ static const vcase cases[] = {
     {"message image part", CH,
      "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}", 400,
      "messages", "invalid_value"},
+    /* the Responses API */
+    {"responses string", R, "{\"input\": \"hi\", \"store\": false}", 0, NULL, NULL},
+    {"responses parts", R,
+     "{\"input\": [{\"type\": \"message\", \"role\": \"user\", \"content\": [{\"type\": "
+     "\"input_text\", \"text\": \"a\"}]}]}",
+     0, NULL, NULL},
+    {"responses chat part", R,
+     "{\"input\": [{\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": \"a\"}]}]}",
+     400, "input", "invalid_value"},
+    {"responses no input", R, "{\"instructions\": \"x\"}", 400, "input",
+     "missing_required_parameter"},
+    {"responses empty list", R, "{\"input\": []}", 400, "input", "invalid_value"},
+    {"responses tool item", R, "{\"input\": [{\"type\": \"function_call\"}]}", 400, "input",
+     "unsupported_value"},
+    {"responses previous id", R, "{\"input\": \"x\", \"previous_response_id\": \"r\"}", 400,
+     "previous_response_id", "unsupported_parameter"},
+    {"responses tools", R, "{\"input\": \"x\", \"tools\": [{}]}", 400, "tools",
+     "unsupported_parameter"},
+    {"responses empty tools", R, "{\"input\": \"x\", \"tools\": []}", 0, NULL, NULL},
+    {"responses max_output_tokens 0", R, "{\"input\": \"x\", \"max_output_tokens\": 0}", 400,
+     "max_output_tokens", "invalid_value"},
+    {"responses text format", R, "{\"input\": \"x\", \"text\": {\"format\": {\"type\": "
+     "\"json_object\"}}}", 400, "text", "unsupported_parameter"},
+    {"responses store string", R, "{\"input\": \"x\", \"store\": 1}", 400, "store",
+     "invalid_type"},
     /* max_tokens */
     {"max_tokens -1", C, "{\"prompt\": \"hi\", \"max_tokens\": -1}", 400, "max_tokens",
      "invalid_value"},
@@ -286,6 +312,29 @@ static void test_prompt_ids(void **state)
 
 /* A batch of prompts: every prompt in order (text or ids), n and best_of; the answer with
  * several choices, and chunks naming their choice. */
+/* The Responses API's input and instructions render with the chat template. */
+static void test_responses_input(void **state)
+{
+    (void)state;
+    api_request r;
+    api_error e;
+    static const char body[] = "{\"input\": [{\"role\": \"user\", \"content\": \"U\"}, "
+                               "{\"role\": \"assistant\", \"content\": [{\"type\": "
+                               "\"output_text\", \"text\": \"A\"}]}], \"instructions\": \"S\", "
+                               "\"max_output_tokens\": 9, \"n\": 3}";
+    assert_int_equal(api_parse(API_RESPONSES, body, strlen(body), &r, &e), 0);
+    assert_string_equal(r.prompt, "system: S\nuser: U\nassistant: A\nassistant:");
+    assert_string_equal(r.instructions, "S");
+    assert_int_equal(r.max_tokens, 9);
+    assert_int_equal(r.n, 1); /* not a Responses field: ignored */
+    assert_int_equal(r.store, 1);
+    api_request_free(&r);
+    assert_int_equal(api_parse(API_RESPONSES, "{\"input\": \"hi\"}", 15, &r, &e), 0);
+    assert_string_equal(r.prompt, "user: hi\nassistant:");
+    assert_null(r.instructions);
+    api_request_free(&r);
+}
+
 static void test_batched_prompts_and_n(void **state)
 {
     (void)state;
@@ -856,6 +905,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_invalid_utf8),
         cmocka_unit_test(test_prompt_ids),
         cmocka_unit_test(test_batched_prompts_and_n),
+        cmocka_unit_test(test_responses_input),
         cmocka_unit_test(test_text_chunk_matches_jansson),
         cmocka_unit_test(test_utf8_trim),
         cmocka_unit_test(test_error_quotes_cut_at_a_character),
