@@ -933,7 +933,7 @@ static char *put(char *dst, const char *s, size_t n)
 size_t api_text_chunk_bound(const api_response_info *info, size_t len)
 {
     size_t st = info->service_tier ? strlen(info->service_tier) : 0;
-    return 192 + 6 * (strlen(info->id) + strlen(info->model) + st + len);
+    return 224 + 6 * (strlen(info->id) + strlen(info->model) + st + len);
 }
 
 size_t api_format_text_chunk(const api_response_info *info, const char *text, size_t len,
