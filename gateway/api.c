@@ -94,6 +94,12 @@ void api_request_free(api_request *r)
     free(r->model);
     free(r->prompt);
     free(r->prompt_ids);
+    for (int i = 0; i + 1 < r->n_prompts && r->prompts_rest; i++) {
+        free(r->prompts_rest[i].text);
+        free(r->prompts_rest[i].ids);
+    }
+    free(r->prompts_rest);
+    free(r->instructions);
     for (int i = 0; i < r->n_stop; i++)
         free(r->stop[i]);
     memset(r, 0, sizeof(*r));
@@ -203,17 +209,21 @@ static char *dup_n(const char *s, size_t n)
 // --- prompt / messages
 
 /* A token-id prompt: a non-empty array of integers in [0, API_MAX_TOKEN_ID]. 1 if v is one
- * (r->prompt_ids set), 0 if v is not meant as one (empty, or a string or array first), -1
- * with e set (an element not such an integer: 1.5, true and null too, named as such). */
-static int parse_prompt_ids(json_t *v, api_request *r, api_error *e)
+ * (*out filled), 0 if v is not meant as one (empty, or a string or array first), -1 with e
+ * set (an element not such an integer: 1.5, true and null too, named as such). which: the
+ * prompt's place in a batch (-1: not batched), for the messages. */
+static int parse_prompt_ids(json_t *v, int which, api_prompt *out, api_error *e)
 {
     size_t n = json_array_size(v);
     json_t *first = json_array_get(v, 0);
     if (n == 0 || json_is_string(first) || json_is_array(first))
         return 0;
+    char where[32] = "";
+    if (which >= 0)
+        snprintf(where, sizeof(where), " (prompt %d)", which);
     if (n > API_MAX_PROMPT_IDS)
         return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
-                             "'prompt' holds %zu token ids; at most %d are accepted.", n,
+                             "'prompt' holds %zu token ids%s; at most %d are accepted.", n, where,
                              API_MAX_PROMPT_IDS);
     int *ids = malloc(n * sizeof(int));
     if (!ids)
@@ -225,50 +235,106 @@ static int parse_prompt_ids(json_t *v, api_request *r, api_error *e)
             free(ids);
             return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
                                  "'prompt' as token ids must hold integers in [0, %d]; "
-                                 "element %zu is not one.",
-                                 API_MAX_TOKEN_ID, i);
+                                 "element %zu%s is not one.",
+                                 API_MAX_TOKEN_ID, i, where);
         }
         ids[i] = (int)id;
     }
-    r->prompt_ids = ids;
-    r->n_prompt_ids = (int)n;
+    out->ids = ids;
+    out->n_ids = (int)n;
     return 1;
 }
 
+/* One prompt: a non-empty string, or (in an array) a non-empty array of token ids. */
+static int parse_one_prompt(json_t *v, int which, api_prompt *out, api_error *e)
+{
+    if (json_is_array(v)) {
+        int rc = parse_prompt_ids(v, which, out, e);
+        if (rc)
+            return rc < 0 ? -1 : 0;
+        if (which < 0)
+            return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
+                                 "'prompt' must not be empty.");
+        return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
+                             "'prompt[%d]' must be a non-empty string or a non-empty array of "
+                             "token ids.",
+                             which);
+    }
+    if (!json_is_string(v)) {
+        if (which < 0)
+            return type_error(e, "prompt", "a string", v);
+        return api_error_set(e, 400, INVALID, "prompt", "invalid_type",
+                             "'prompt' must be a string, an array of token ids, or an array of "
+                             "these; element %d is %s.",
+                             which, json_type_name(v));
+    }
+    if (json_string_length(v) == 0) {
+        if (which < 0)
+            return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
+                                 "'prompt' must not be empty.");
+        return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
+                             "'prompt[%d]' must not be empty.", which);
+    }
+    out->text = dup_n(json_string_value(v), json_string_length(v));
+    if (!out->text)
+        return api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+    out->len = json_string_length(v);
+    return 0;
+}
+
+/* "prompt": a string, an array of token ids, or an array of 1..API_MAX_PROMPTS of these
+ * (a batch: one choice, or n, per prompt). */
 static int parse_prompt(json_t *root, api_request *r, api_error *e)
 {
     json_t *v = field(root, "prompt");
     if (!v)
         return api_error_set(e, 400, INVALID, "prompt", "missing_required_parameter",
                              "Missing required parameter: 'prompt'.");
-    if (json_is_array(v)) {
-        int rc = parse_prompt_ids(v, r, e); /* [ids] */
-        if (rc)
-            return rc < 0 ? -1 : 0;
-        if (json_array_size(v) != 1)
-            return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
-                                 "'prompt' as an array must hold exactly one string or one "
-                                 "array of token ids (batched prompts are not supported), "
-                                 "got %zu elements.",
-                                 json_array_size(v));
-        v = json_array_get(v, 0);
-        if (json_is_array(v) && (rc = parse_prompt_ids(v, r, e)) != 0) /* [[ids]] */
-            return rc < 0 ? -1 : 0;
-        if (!json_is_string(v))
-            return api_error_set(e, 400, INVALID, "prompt", "invalid_type",
-                                 "'prompt' must be a string, an array of token ids, or an "
-                                 "array of one of these.");
+    api_prompt first = {0};
+    r->n_prompts = 1;
+    if (!json_is_array(v)) {
+        if (parse_one_prompt(v, -1, &first, e) < 0)
+            return -1;
+    } else {
+        int rc = parse_prompt_ids(v, -1, &first, e); /* [ids] */
+        if (rc < 0)
+            return -1;
+        if (rc == 0) {
+            size_t n = json_array_size(v);
+            if (n == 0)
+                return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
+                                     "'prompt' must not be empty.");
+            if (n > API_MAX_PROMPTS)
+                return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
+                                     "'prompt' holds %zu prompts; at most %d are accepted in "
+                                     "one request.",
+                                     n, API_MAX_PROMPTS);
+            if (n > 1 && !(r->prompts_rest = calloc(n - 1, sizeof(api_prompt))))
+                return api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+            for (size_t i = 0; i < n; i++) {
+                api_prompt *p = i == 0 ? &first : &r->prompts_rest[i - 1];
+                if (parse_one_prompt(json_array_get(v, i), n > 1 ? (int)i : -1, p, e) < 0) {
+                    free(first.text);
+                    free(first.ids);
+                    return -1; /* (prompts_rest: api_request_free) */
+                }
+                r->n_prompts = (int)i + 1;
+            }
+        }
     }
-    if (!json_is_string(v))
-        return type_error(e, "prompt", "a string", v);
-    if (json_string_length(v) == 0)
-        return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
-                             "'prompt' must not be empty.");
-    r->prompt = dup_n(json_string_value(v), json_string_length(v));
-    if (!r->prompt)
-        return api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
-    r->prompt_len = json_string_length(v);
+    r->prompt = first.text;
+    r->prompt_len = first.len;
+    r->prompt_ids = first.ids;
+    r->n_prompt_ids = first.n_ids;
     return 0;
+}
+
+api_prompt api_request_prompt(const api_request *r, int i)
+{
+    if (i > 0)
+        return r->prompts_rest[i - 1];
+    api_prompt p = {r->prompt, r->prompt_len, r->prompt_ids, r->n_prompt_ids};
+    return p;
 }
 
 /* Append n bytes to a growing buffer. */
@@ -295,31 +361,41 @@ static int buf_add(buf_t *b, const char *s, size_t n)
     return 0;
 }
 
-/* The chat template (docs/api.md): "<role>: <content>\n" per message, then "assistant:". */
-static int parse_messages(json_t *root, api_request *r, api_error *e)
+/* The chat template (docs/api.md): "<role>: <content>\n" per message, then "assistant:".
+ * msgs: chat's "messages" or the Responses API's "input" list (param names it); parts of
+ * a content array are {"type": "text"} (chat) or "input_text" / "output_text"
+ * (responses). instructions (responses; may be NULL) comes first as a system message. */
+static int render_messages(json_t *msgs, const char *param, const char *instructions,
+                           size_t instructions_len, api_request *r, api_error *e)
 {
     static const char *roles[] = {"system", "developer", "user", "assistant"};
-    json_t *msgs = field(root, "messages");
-    if (!msgs)
-        return api_error_set(e, 400, INVALID, "messages", "missing_required_parameter",
-                             "Missing required parameter: 'messages'.");
-    if (!json_is_array(msgs))
-        return type_error(e, "messages", "an array", msgs);
-    if (json_array_size(msgs) == 0)
-        return api_error_set(e, 400, INVALID, "messages", "invalid_value",
-                             "'messages' must contain at least one message.");
+    int responses = r->kind == API_RESPONSES;
     buf_t b = {0};
     size_t i;
     json_t *m;
     int oom = 0;
+    if (instructions) {
+        oom |= buf_add(&b, "system: ", 8);
+        oom |= buf_add(&b, instructions, instructions_len);
+        oom |= buf_add(&b, "\n", 1);
+    }
     json_array_foreach(msgs, i, m)
     {
         if (!json_is_object(m)) {
             free(b.p);
-            return api_error_set(e, 400, INVALID, "messages", "invalid_type",
-                                 "Invalid type for 'messages[%zu]': expected an object, but "
+            return api_error_set(e, 400, INVALID, param, "invalid_type",
+                                 "Invalid type for '%s[%zu]': expected an object, but "
                                  "got %s instead.",
-                                 i, json_type_name(m));
+                                 param, i, json_type_name(m));
+        }
+        json_t *type = json_object_get(m, "type");
+        if (responses && type &&
+            !(json_is_string(type) && strcmp(json_string_value(type), "message") == 0)) {
+            free(b.p);
+            return api_error_set(e, 400, INVALID, param, "unsupported_value",
+                                 "'%s[%zu].type' must be 'message': other input items (tool "
+                                 "calls, files, images) are not supported by this server.",
+                                 param, i);
         }
         json_t *role = json_object_get(m, "role");
         size_t k;
@@ -328,10 +404,10 @@ static int parse_messages(json_t *root, api_request *r, api_error *e)
                 break;
         if (!role || !json_is_string(role) || k == 4) {
             free(b.p);
-            return api_error_set(e, 400, INVALID, "messages", "invalid_value",
-                                 "'messages[%zu].role' must be one of 'system', 'developer', "
+            return api_error_set(e, 400, INVALID, param, "invalid_value",
+                                 "'%s[%zu].role' must be one of 'system', 'developer', "
                                  "'user', 'assistant'.",
-                                 i);
+                                 param, i);
         }
         json_t *content = json_object_get(m, "content");
         oom |= buf_add(&b, json_string_value(role), strlen(json_string_value(role)));
@@ -343,24 +419,26 @@ static int parse_messages(json_t *root, api_request *r, api_error *e)
             json_t *part;
             json_array_foreach(content, j, part)
             {
-                json_t *type = json_object_get(part, "type");
+                json_t *pt = json_object_get(part, "type");
                 json_t *text = json_object_get(part, "text");
-                if (!json_is_object(part) || !json_is_string(type) ||
-                    strcmp(json_string_value(type), "text") != 0 || !json_is_string(text)) {
+                const char *t = json_is_string(pt) ? json_string_value(pt) : "";
+                int ok = responses ? strcmp(t, "input_text") == 0 || strcmp(t, "output_text") == 0
+                                   : strcmp(t, "text") == 0;
+                if (!json_is_object(part) || !ok || !json_is_string(text)) {
                     free(b.p);
-                    return api_error_set(e, 400, INVALID, "messages", "invalid_value",
-                                         "'messages[%zu].content[%zu]' must be a text part "
-                                         "{\"type\": \"text\", \"text\": ...}.",
-                                         i, j);
+                    return api_error_set(e, 400, INVALID, param, "invalid_value",
+                                         "'%s[%zu].content[%zu]' must be a text part "
+                                         "{\"type\": \"%s\", \"text\": ...}.",
+                                         param, i, j, responses ? "input_text" : "text");
                 }
                 oom |= buf_add(&b, json_string_value(text), json_string_length(text));
             }
         } else {
             free(b.p);
-            return api_error_set(e, 400, INVALID, "messages", "invalid_type",
-                                 "'messages[%zu].content' must be a string or an array of "
+            return api_error_set(e, 400, INVALID, param, "invalid_type",
+                                 "'%s[%zu].content' must be a string or an array of "
                                  "text parts.",
-                                 i);
+                                 param, i);
         }
         oom |= buf_add(&b, "\n", 1);
     }
@@ -371,7 +449,87 @@ static int parse_messages(json_t *root, api_request *r, api_error *e)
     }
     r->prompt = b.p;
     r->prompt_len = b.len;
+    r->n_prompts = 1;
     return 0;
+}
+
+static int parse_messages(json_t *root, api_request *r, api_error *e)
+{
+    json_t *msgs = field(root, "messages");
+    if (!msgs)
+        return api_error_set(e, 400, INVALID, "messages", "missing_required_parameter",
+                             "Missing required parameter: 'messages'.");
+    if (!json_is_array(msgs))
+        return type_error(e, "messages", "an array", msgs);
+    if (json_array_size(msgs) == 0)
+        return api_error_set(e, 400, INVALID, "messages", "invalid_value",
+                             "'messages' must contain at least one message.");
+    return render_messages(msgs, "messages", NULL, 0, r, e);
+}
+
+/* The Responses API's "input" (a string: one user message; or a list of messages) and
+ * "instructions" (a system message first), rendered with the chat template. */
+static int parse_input(json_t *root, api_request *r, api_error *e)
+{
+    json_t *in = field(root, "input"), *ins = field(root, "instructions");
+    if (!in)
+        return api_error_set(e, 400, INVALID, "input", "missing_required_parameter",
+                             "Missing required parameter: 'input'.");
+    if (ins && !json_is_string(ins))
+        return type_error(e, "instructions", "a string", ins);
+    const char *is = ins ? json_string_value(ins) : NULL;
+    size_t il = ins ? json_string_length(ins) : 0;
+    if (is && !(r->instructions = dup_n(is, il)))
+        return api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+    if (json_is_string(in)) {
+        if (json_string_length(in) == 0)
+            return api_error_set(e, 400, INVALID, "input", "invalid_value",
+                                 "'input' must not be empty.");
+        json_t *msgs = json_pack("[{s:s, s:O}]", "role", "user", "content", in);
+        if (!msgs)
+            return api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+        int rc = render_messages(msgs, "input", is, il, r, e);
+        json_decref(msgs);
+        return rc;
+    }
+    if (!json_is_array(in))
+        return type_error(e, "input", "a string or an array of messages", in);
+    if (json_array_size(in) == 0)
+        return api_error_set(e, 400, INVALID, "input", "invalid_value",
+                             "'input' must contain at least one message.");
+    return render_messages(in, "input", is, il, r, e);
+}
+
+/* The Responses API fields this server does not serve: a clear 400 each. */
+static int check_responses_fields(json_t *root, api_request *r, api_error *e)
+{
+    json_t *v;
+    if (field(root, "previous_response_id"))
+        return api_error_set(e, 400, INVALID, "previous_response_id", "unsupported_parameter",
+                             "'previous_response_id' is not supported by this server: responses "
+                             "are not stored; send the whole conversation in 'input'.");
+    if (field(root, "conversation"))
+        return api_error_set(e, 400, INVALID, "conversation", "unsupported_parameter",
+                             "'conversation' is not supported by this server: send the whole "
+                             "conversation in 'input'.");
+    if ((v = field(root, "tools")) && !(json_is_array(v) && json_array_size(v) == 0))
+        return api_error_set(e, 400, INVALID, "tools", "unsupported_parameter",
+                             "'tools' is not supported by this server.");
+    if (is_set(field(root, "background")))
+        return api_error_set(e, 400, INVALID, "background", "unsupported_parameter",
+                             "'background' is not supported by this server.");
+    if ((v = field(root, "text"))) {
+        json_t *f = json_is_object(v) ? json_object_get(v, "format") : NULL;
+        json_t *t = f && json_is_object(f) ? json_object_get(f, "type") : NULL;
+        if (!json_is_object(v) ||
+            (f && !json_is_null(f) &&
+             !(json_is_string(t) && strcmp(json_string_value(t), "text") == 0)))
+            return api_error_set(e, 400, INVALID, "text", "unsupported_parameter",
+                                 "Only plain text output ('text': {'format': {'type': 'text'}}) "
+                                 "is supported by this server.");
+    }
+    r->store = 1; /* OpenAI's default; nothing is stored either way (docs/api.md) */
+    return get_bool(root, "store", &r->store, e);
 }
 
 static int parse_stop(json_t *root, api_request *r, api_error *e)
@@ -423,11 +581,15 @@ static int parse_fields(json_t *root, api_request *r, api_error *e)
         if (!r->model)
             return api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
     }
-    if (r->kind == API_COMPLETIONS ? parse_prompt(root, r, e) : parse_messages(root, r, e))
+    int rc = r->kind == API_COMPLETIONS ? parse_prompt(root, r, e)
+             : r->kind == API_CHAT      ? parse_messages(root, r, e)
+                                        : parse_input(root, r, e);
+    if (rc || (r->kind == API_RESPONSES && check_responses_fields(root, r, e)))
         return -1;
 
-    /* max_tokens; chat also takes max_completion_tokens (which wins when both are given) */
-    const char *mt_key = "max_tokens";
+    /* max_tokens; chat also takes max_completion_tokens (which wins when both are given);
+     * the Responses API max_output_tokens */
+    const char *mt_key = r->kind == API_RESPONSES ? "max_output_tokens" : "max_tokens";
     if (r->kind == API_CHAT && field(root, "max_completion_tokens"))
         mt_key = "max_completion_tokens";
     r->max_tokens = -1;
@@ -494,11 +656,22 @@ static int parse_fields(json_t *root, api_request *r, api_error *e)
                                  "'mtp_depth' must be 0, 1 or 2, got %lld.", (long long)iv);
         r->mtp_depth = (int)iv;
     }
-    if (get_int(root, "n", &iv, &present, e))
+    r->n = 1;
+    if (r->kind != API_RESPONSES && get_int(root, "n", &iv, &present, e))
         return -1;
-    if (present && iv != 1)
-        return api_error_set(e, 400, INVALID, "n", "invalid_value",
-                             "Only n = 1 is supported, got %lld.", (long long)iv);
+    if (r->kind != API_RESPONSES && present) {
+        if (iv < 1 || iv > API_MAX_N)
+            return api_error_set(e, 400, INVALID, "n", "invalid_value",
+                                 "'n' must be an integer from 1 to %d, got %lld.", API_MAX_N,
+                                 (long long)iv);
+        r->n = (int)iv;
+        if ((long long)r->n * r->n_prompts > API_MAX_CHOICES)
+            return api_error_set(e, 400, INVALID, "n", "invalid_value",
+                                 "%d prompts with n = %d ask for %lld choices; at most %d are "
+                                 "served in one request.",
+                                 r->n_prompts, r->n, (long long)r->n * r->n_prompts,
+                                 API_MAX_CHOICES);
+    }
     if ((v = field(root, "user")) && !json_is_string(v))
         return type_error(e, "user", "a string", v);
     double pen = 0;
@@ -516,11 +689,19 @@ static int parse_fields(json_t *root, api_request *r, api_error *e)
             return api_error_set(e, 400, INVALID, unsupported[i], "unsupported_parameter",
                                  "'%s' is not supported by this server.", unsupported[i]);
     }
+    /* best_of (completions): the best n of best_of sequences by cumulative log-probability,
+     * which needs the log-probabilities; without them only best_of == n is served. */
     if (get_int(root, "best_of", &iv, &present, e))
         return -1;
-    if (present && iv != 1)
+    if (present && iv < r->n)
+        return api_error_set(e, 400, INVALID, "best_of", "invalid_value",
+                             "'best_of' must be at least 'n' (%d), got %lld.", r->n, (long long)iv);
+    if (present && iv > r->n)
         return api_error_set(e, 400, INVALID, "best_of", "unsupported_parameter",
-                             "Only best_of = 1 is supported, got %lld.", (long long)iv);
+                             "'best_of' greater than 'n' is not supported by this server (it "
+                             "ranks sequences by log-probability, which is not computed); "
+                             "got best_of = %lld with n = %d.",
+                             (long long)iv, r->n);
     return 0;
 }
 
@@ -563,7 +744,9 @@ int api_check_model(const api_request *r, const char *served_model, api_error *e
 
 int api_check_length(api_request *r, int n_prompt, int n_ctx, api_error *err)
 {
-    const char *pkey = r->kind == API_CHAT ? "messages" : "prompt";
+    const char *pkey = r->kind == API_CHAT        ? "messages"
+                       : r->kind == API_RESPONSES ? "input"
+                                                  : "prompt";
     if (r->prompt_ids ? n_prompt < 1 : (r->prompt_len == 0 || n_prompt <= 1))
         return api_error_set(err, 400, INVALID, pkey, "invalid_value",
                              "The prompt must not be empty.");
@@ -579,7 +762,9 @@ int api_check_length(api_request *r, int n_prompt, int n_ctx, api_error *err)
     }
     if ((long long)n_prompt + r->max_tokens > n_ctx)
         return api_error_set(err, 400, INVALID,
-                             r->kind == API_CHAT ? "max_completion_tokens" : "max_tokens",
+                             r->kind == API_CHAT        ? "max_completion_tokens"
+                             : r->kind == API_RESPONSES ? "max_output_tokens"
+                                                        : "max_tokens",
                              "context_length_exceeded",
                              "This model's maximum context length is %d tokens. However, you "
                              "requested %lld tokens (%d in the prompt, %d for the completion). "
@@ -620,28 +805,46 @@ static json_t *text_or_null(const char *text, size_t len)
     return text ? json_stringn(text, len) : json_null();
 }
 
-char *api_format_response(const api_response_info *info, const char *text, size_t len,
-                          const char *finish_reason, int n_prompt, int n_completion)
+char *api_format_response_n(const api_response_info *info, const api_choice *choices, int n,
+                            int n_prompt, int n_completion)
 {
-    json_t *t = json_stringn(text ? text : "", text ? len : 0);
-    if (!t)
+    json_t *arr = json_array();
+    if (!arr)
         return NULL;
-    json_t *choice;
-    if (info->kind == API_CHAT)
-        choice = json_pack("{s:i, s:{s:s, s:o}, s:n, s:s}", "index", 0, "message", "role",
-                           "assistant", "content", t, "logprobs", "finish_reason", finish_reason);
-    else
-        choice = json_pack("{s:i, s:o, s:n, s:s}", "index", 0, "text", t, "logprobs",
-                           "finish_reason", finish_reason);
-    if (!choice)
-        return NULL;
-    json_t *root = json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o}", "id", info->id, "object",
+    for (int i = 0; i < n; i++) {
+        const api_choice *ch = &choices[i];
+        json_t *t = json_stringn(ch->text ? ch->text : "", ch->text ? ch->len : 0);
+        if (!t) {
+            json_decref(arr);
+            return NULL;
+        }
+        json_t *choice;
+        if (info->kind == API_CHAT)
+            choice = json_pack("{s:i, s:{s:s, s:o}, s:n, s:s}", "index", i, "message", "role",
+                               "assistant", "content", t, "logprobs", "finish_reason",
+                               ch->finish_reason);
+        else
+            choice = json_pack("{s:i, s:o, s:n, s:s}", "index", i, "text", t, "logprobs",
+                               "finish_reason", ch->finish_reason);
+        if (!choice || json_array_append_new(arr, choice) < 0) {
+            json_decref(arr);
+            return NULL;
+        }
+    }
+    json_t *root = json_pack("{s:s, s:s, s:I, s:s, s:o, s:o}", "id", info->id, "object",
                              info->kind == API_CHAT ? "chat.completion" : "text_completion",
-                             "created", (json_int_t)info->created, "model", info->model,
-                             "choices", choice, "usage", usage_obj(n_prompt, n_completion));
+                             "created", (json_int_t)info->created, "model", info->model, "choices",
+                             arr, "usage", usage_obj(n_prompt, n_completion));
     if (root && info->service_tier)
         json_object_set_new(root, "service_tier", json_string(info->service_tier));
     return dump(root);
+}
+
+char *api_format_response(const api_response_info *info, const char *text, size_t len,
+                          const char *finish_reason, int n_prompt, int n_completion)
+{
+    api_choice ch = {text, len, finish_reason};
+    return api_format_response_n(info, &ch, 1, n_prompt, n_completion);
 }
 
 char *api_format_chunk(const api_response_info *info, const char *text, size_t len,
@@ -663,13 +866,13 @@ char *api_format_chunk(const api_response_info *info, const char *text, size_t l
             }
             json_object_set_new(delta, "content", t);
         }
-        choice = json_pack("{s:i, s:o, s:n, s:s?}", "index", 0, "delta", delta, "logprobs",
-                           "finish_reason", finish_reason);
+        choice = json_pack("{s:i, s:o, s:n, s:s?}", "index", info->index, "delta", delta,
+                           "logprobs", "finish_reason", finish_reason);
     } else {
         json_t *t = text_or_null(text ? text : "", text ? len : 0);
         if (!t)
             return NULL;
-        choice = json_pack("{s:i, s:o, s:n, s:s?}", "index", 0, "text", t, "logprobs",
+        choice = json_pack("{s:i, s:o, s:n, s:s?}", "index", info->index, "text", t, "logprobs",
                            "finish_reason", finish_reason);
     }
     if (!choice)
@@ -730,7 +933,7 @@ static char *put(char *dst, const char *s, size_t n)
 size_t api_text_chunk_bound(const api_response_info *info, size_t len)
 {
     size_t st = info->service_tier ? strlen(info->service_tier) : 0;
-    return 192 + 6 * (strlen(info->id) + strlen(info->model) + st + len);
+    return 224 + 6 * (strlen(info->id) + strlen(info->model) + st + len);
 }
 
 size_t api_format_text_chunk(const api_response_info *info, const char *text, size_t len,
@@ -747,8 +950,9 @@ size_t api_format_text_chunk(const api_response_info *info, const char *text, si
     d += sprintf(d, "%" PRId64, info->created);
     d = PUT_LIT(d, ",\"model\":");
     d = put_json_string(d, info->model, strlen(info->model));
-    d = chat ? PUT_LIT(d, ",\"choices\":[{\"index\":0,\"delta\":{\"content\":")
-             : PUT_LIT(d, ",\"choices\":[{\"index\":0,\"text\":");
+    d = PUT_LIT(d, ",\"choices\":[{\"index\":");
+    d += sprintf(d, "%d", info->index);
+    d = chat ? PUT_LIT(d, ",\"delta\":{\"content\":") : PUT_LIT(d, ",\"text\":");
     d = put_json_string(d, text, len);
     if (chat)
         *d++ = '}';

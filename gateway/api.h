@@ -20,11 +20,24 @@
 #define API_MAX_STOP_BYTES 256 /* bytes per stop string */
 #define API_MAX_PROMPT_IDS 1048576 /* token ids of one token-id prompt */
 #define API_MAX_TOKEN_ID 0x7fffffff /* largest id parsed (the vocabulary is checked later) */
+#define API_MAX_N 128          /* "n": choices per prompt (OpenAI's limit) */
+#define API_MAX_PROMPTS 256    /* prompts of one batched completions request */
+#define API_MAX_CHOICES 256    /* prompts x n: sequences one request runs */
 
 typedef enum {
     API_COMPLETIONS = 0, /* POST /v1/completions */
     API_CHAT = 1,        /* POST /v1/chat/completions */
+    API_RESPONSES = 2,   /* POST /v1/responses (text; responses.h formats its answers) */
 } api_kind_t;
+
+/* One prompt of a batched completions request: text (BOS added at tokenization) or token
+ * ids (used as given), as api_request's first-prompt fields. */
+typedef struct {
+    char *text;   /* NULL for a token-id prompt */
+    size_t len;   /* bytes of text */
+    int *ids;     /* NULL for a text prompt */
+    int n_ids;
+} api_prompt;
 
 /* A validated request. Strings are owned (free with api_request_free). */
 typedef struct {
@@ -36,6 +49,15 @@ typedef struct {
                                * used as given (no BOS added, ids >= 0; their range is
                                * checked against the vocabulary at admission); NULL = text */
     int n_prompt_ids;         /* ids in prompt_ids (>= 1 when set) */
+    int n_prompts;            /* prompts (>= 1): the one above, then prompts_rest[0..n-2]
+                               * (completions with "prompt" an array of several strings or
+                               * token-id arrays); read them with api_request_prompt */
+    api_prompt *prompts_rest; /* owned; NULL when n_prompts == 1 */
+    int n;                    /* "n": choices per prompt, 1..API_MAX_N (n x n_prompts <=
+                               * API_MAX_CHOICES); "best_of", if given, equals it */
+    int store;                /* responses: "store" (accepted; nothing is ever stored) */
+    char *instructions;       /* responses: "instructions" (NUL-terminated; NULL = absent),
+                               * also rendered into prompt as a system message */
     int max_tokens;           /* >= 1, or -1 when absent (api_check_length fills it) */
     double temperature;       /* [0, 2]; default 1 */
     double top_p;             /* (0, 1]; default 1 */
@@ -81,6 +103,9 @@ void api_utf8_trim(char *s);
  * are rendered into out->prompt with the plain template of docs/api.md. */
 int api_parse(api_kind_t kind, const char *body, size_t len, api_request *out, api_error *err);
 
+/* Prompt i (0 <= i < r->n_prompts) of r as a view into r (borrowed, valid while r is). */
+api_prompt api_request_prompt(const api_request *r, int i);
+
 /* Free the strings of r and zero it. Takes an already-freed (zeroed) request. */
 void api_request_free(api_request *r);
 
@@ -106,7 +131,15 @@ typedef struct {
     const char *model; /* served model name */
     int include_usage; /* streaming: chunks carry "usage": null, then a usage chunk */
     const char *service_tier; /* "flex" / "default" in every body and chunk; NULL = none */
+    int index;         /* chunks: the choice's "index" (n x prompt + i); 0 for one choice */
 } api_response_info;
+
+/* One choice of a non-streaming answer: len bytes of valid UTF-8 text, its finish reason. */
+typedef struct {
+    const char *text;
+    size_t len;
+    const char *finish_reason;
+} api_choice;
 
 /* finish reasons as OpenAI spells them */
 #define API_FINISH_STOP "stop"
@@ -117,7 +150,11 @@ typedef struct {
 char *api_format_response(const api_response_info *info, const char *text, size_t len,
                           const char *finish_reason, int n_prompt, int n_completion);
 
-/* One SSE chunk payload (without "data: "). text may be NULL (no content); finish_reason
+/* The same body with n >= 1 choices, "index" 0..n-1 in order (batched prompts, "n"). */
+char *api_format_response_n(const api_response_info *info, const api_choice *choices, int n,
+                            int n_prompt, int n_completion);
+
+/* One SSE chunk payload (without "data: ") for choice info->index. text may be NULL (no content); finish_reason
  * NULL while streaming; role_chunk = 1 gives chat's first delta {"role":"assistant",
  * "content":""}. malloc'd; NULL on OOM or invalid UTF-8. */
 char *api_format_chunk(const api_response_info *info, const char *text, size_t len,

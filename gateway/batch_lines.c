@@ -84,10 +84,10 @@ static void line_release(void *ud)
 }
 
 /* Finished: the output line, whose body is exactly the non-streaming response. */
-static int line_done(void *ud, const completion_t *c, const char *finish_reason, api_error *e)
+static int line_done(void *ud, const completion_t *c, api_error *e)
 {
     line_t *l = ud;
-    char *body = completion_format_response(c, finish_reason);
+    char *body = completion_format_response(c);
     json_t *jb = body ? json_loads(body, 0, NULL) : NULL;
     free(body);
     if (!jb) {
@@ -119,7 +119,8 @@ static stats_end_t line_fail(void *ud, const completion_t *c, const api_error *e
 }
 
 /* Lines never stream (completion_env.batch_line): no text callback is ever made. */
-static const completion_sink line_sink = {NULL, NULL, line_done, line_fail, line_release, NULL};
+static const completion_sink line_sink = {
+    .done = line_done, .fail = line_fail, .release = line_release};
 
 /* Parse line i and check custom_id, method, url and body. Returns the parsed root (the
  * caller's; NULL when the line is not a JSON object) with *custom_id borrowed from it

@@ -19,24 +19,37 @@
 #include "sampler.h"
 #include "stream.h"
 
+/* One sequence of a request: a prompt's choice i, its own cluster request. */
+typedef struct {
+    struct completion *c;      /* the parent */
+    int index;                 /* the choice's "index": n x prompt + i */
+    uint64_t rid;              /* 0 until submitted */
+    stream_t *stream;          /* its text and token count */
+    int n_prompt, max_tokens;  /* tokens (BOS included); settled max_tokens */
+    const char *finish_reason; /* static; NULL while it runs */
+    int64_t t_first_us;        /* first tokens at the gateway (0 = none yet) */
+    int64_t t_last_us;         /* latest tokens at the gateway */
+    cluster_req_timing timing; /* filled by the cluster */
+} choice_t;
+
 struct completion {
     struct completion *prev, *next; /* in list */
     completion_list *list;          /* the owner's requests in flight (borrowed) */
     const completion_env *env;      /* borrowed */
     const completion_sink *sink;
     void *ud; /* the sink's; owned from admission on (sink->release) */
-    uint64_t rid;
     api_kind_t kind;
     int streaming, include_usage;
-    int offline; /* runs in the offline tier (flex, batch lines) */
-    int flex;    /* asked for service_tier "flex": reported in every body */
-    stream_t *stream;
-    int n_prompt, max_tokens;
+    int offline;              /* runs in the offline tier (flex, batch lines) */
+    int flex;                 /* asked for service_tier "flex": reported in every body */
+    int n_choices, n_running; /* sequences; those not ended yet */
+    int n_per_prompt;         /* "n" */
+    int failed;               /* a choice failed: answered, and out of its owner's hands
+                               * (list, sink); the rest end as the cluster reports them */
+    choice_t *choices;        /* [n_choices], in index order */
     char id[48];
-    int64_t created;           /* unix seconds */
-    int64_t t_first_us;        /* first tokens at the gateway (0 = none yet) */
-    int64_t t_last_us;         /* latest tokens at the gateway */
-    cluster_req_timing timing; /* filled by the cluster */
+    int64_t created; /* unix seconds */
+    completion_params params; /* as asked (instructions owned) */
 };
 
 int completion_max_piece(const tokenizer_t *tok)
@@ -62,24 +75,25 @@ static const char *ms_str(char *buf, size_t cap, double ms)
     return buf;
 }
 
-/* The request ends: count it in the stats and (HTTP) log its one summary line (INFO) with
+/* A sequence ends: count it in the stats and (HTTP) log its one summary line (INFO) with
  * the phases of its time to first token (docs/stats.md). how: the finish reason (FINISHED)
  * or the error message. */
-static void log_end(const completion_t *c, int status, stats_end_t end, const char *how)
+static void log_end(const choice_t *ch, int status, stats_end_t end, const char *how)
 {
+    const completion_t *c = ch->c;
     int64_t now = proto_now_us();
-    int n_out = c->stream ? stream_n_tokens(c->stream) : 0;
-    stats_request sr = {.rid = c->rid,
+    int n_out = ch->stream ? stream_n_tokens(ch->stream) : 0;
+    stats_request sr = {.rid = ch->rid,
                         .how = end,
                         .finish_reason = end == STATS_END_FINISHED ? how : NULL,
                         .status = status,
                         .error = end == STATS_END_FAILED ? how : NULL,
-                        .n_prompt = c->n_prompt,
+                        .n_prompt = ch->n_prompt,
                         .n_output = n_out,
-                        .t_first_us = c->t_first_us,
-                        .t_last_us = c->t_last_us,
+                        .t_first_us = ch->t_first_us,
+                        .t_last_us = ch->t_last_us,
                         .t_end_us = now,
-                        .timing = &c->timing,
+                        .timing = &ch->timing,
                         .offline = c->offline};
     stats_breakdown b;
     if (c->env->stats)
@@ -88,32 +102,42 @@ static void log_end(const completion_t *c, int status, stats_end_t end, const ch
         stats_breakdown_of(&sr, &b);
     if (c->env->batch_line)
         return;
-    char q[24], p[24], x[24], d[24], t[24], e[24];
-    log_rinfo(c->rid,
-              "request end: %s %s status=%d finish=%s prompt_tokens=%d output_tokens=%d "
+    char q[24], p[24], x[24], d[24], t[24], e[24], idx[32] = "";
+    if (c->n_choices > 1)
+        snprintf(idx, sizeof(idx), " choice=%d/%d", ch->index, c->n_choices);
+    log_rinfo(ch->rid,
+              "request end: %s %s%s status=%d finish=%s prompt_tokens=%d output_tokens=%d "
               "queue_ms=%s prefill_ms=%s transfer_ms=%s first_decode_ms=%s ttft_ms=%s "
               "e2e_ms=%s prefill=%s decode=%s attempts=%d%s%s%s",
-              c->kind == API_CHAT ? "/v1/chat/completions" : "/v1/completions",
-              c->streaming ? "stream" : "json", status,
+              c->kind == API_CHAT        ? "/v1/chat/completions"
+              : c->kind == API_RESPONSES ? "/v1/responses"
+                                         : "/v1/completions",
+              c->streaming ? "stream" : "json", idx, status,
               end == STATS_END_FINISHED    ? how
               : end == STATS_END_CANCELLED ? "abort"
                                            : "error",
-              c->n_prompt, n_out, ms_str(q, sizeof(q), b.queue_ms),
+              ch->n_prompt, n_out, ms_str(q, sizeof(q), b.queue_ms),
               ms_str(p, sizeof(p), b.prefill_ms), ms_str(x, sizeof(x), b.transfer_ms),
               ms_str(d, sizeof(d), b.first_decode_ms), ms_str(t, sizeof(t), b.ttft_ms),
               ms_str(e, sizeof(e), b.e2e_ms),
-              c->timing.prefill_worker[0] ? c->timing.prefill_worker : "-",
-              c->timing.decode_worker[0] ? c->timing.decode_worker : "-", c->timing.attempts,
+              ch->timing.prefill_worker[0] ? ch->timing.prefill_worker : "-",
+              ch->timing.decode_worker[0] ? ch->timing.decode_worker : "-", ch->timing.attempts,
               end == STATS_END_FINISHED ? "" : " reason=\"", end == STATS_END_FINISHED ? "" : how,
               end == STATS_END_FINISHED ? "" : "\"");
 }
 
-/* The one place an admitted completion is freed: out of its list, then the sink's state
- * goes last. */
-static void completion_free(completion_t *c)
+/* Free the choices' streams and the array (also for a request never admitted). */
+static void choices_free(completion_t *c)
 {
-    const completion_sink *sink = c->sink;
-    void *ud = c->ud;
+    for (int i = 0; c->choices && i < c->n_choices; i++)
+        stream_destroy(&c->choices[i].stream);
+    free(c->choices);
+    c->choices = NULL;
+}
+
+/* Out of the owner's list, then the sink's state goes (sink->release). */
+static void owner_release(completion_t *c)
+{
     if (c->prev)
         c->prev->next = c->next;
     else
@@ -121,79 +145,150 @@ static void completion_free(completion_t *c)
     if (c->next)
         c->next->prev = c->prev;
     c->list->n--;
-    stream_destroy(&c->stream);
+    c->prev = c->next = NULL;
+    c->sink->release(c->ud);
+    c->ud = NULL;
+}
+
+/* The one place an admitted completion is freed: out of its list, then the sink's state
+ * goes last (already gone for a failed request, see fail_with). */
+static void completion_free(completion_t *c)
+{
+    if (!c->failed)
+        owner_release(c);
+    choices_free(c);
+    free((char *)c->params.instructions);
     free(c);
-    sink->release(ud);
+}
+
+/* The sequences still running are cancelled in the cluster and, when why is not NULL,
+ * counted as cancelled with status. Only from outside the cluster's callbacks (the
+ * cluster may be walking its lists then). */
+static void cancel_running(completion_t *c, int status, const char *why)
+{
+    for (int i = 0; i < c->n_choices; i++) {
+        choice_t *ch = &c->choices[i];
+        if (ch->finish_reason || !ch->rid)
+            continue;
+        if (c->env->cluster)
+            cluster_cancel(c->env->cluster, ch->rid);
+        if (why)
+            log_end(ch, status, STATS_END_CANCELLED, why);
+        ch->finish_reason = API_FINISH_STOP; /* (ended: not cancelled twice) */
+    }
+    c->n_running = 0;
+}
+
+/* A choice of a failed request reports (ch is ended by the cluster, or, from on_tokens,
+ * cancelled by it on our return of 1): counted as cancelled; the last one frees c. */
+static void zombie_end(choice_t *ch)
+{
+    completion_t *c = ch->c;
+    log_end(ch, 499, STATS_END_CANCELLED, "another choice of the request failed");
+    ch->finish_reason = API_FINISH_STOP;
+    if (--c->n_running == 0)
+        completion_free(c);
 }
 
 /* Streaming: hand the text the stream released to the sink. Collecting: it stays in the
  * stream for completion_format_response. */
-static void flush_text(completion_t *c)
+static void flush_text(choice_t *ch)
 {
+    completion_t *c = ch->c;
     size_t len;
-    const char *out = stream_out(c->stream, &len);
+    const char *out = stream_out(ch->stream, &len);
     if (!c->streaming || len == 0)
         return;
-    c->sink->text(c->ud, c, out, len);
-    stream_out_clear(c->stream);
+    c->sink->text(c->ud, c, ch->index, out, len);
+    stream_out_clear(ch->stream);
 }
 
-/* The request is complete: the rest of the text, then the end of the answer; freed. */
-static void finish(completion_t *c, const char *finish_reason)
+/* A sequence is complete: the rest of its text, its end (streaming); when it was the last,
+ * the end of the answer, and the request is freed. */
+static void finish(choice_t *ch, const char *finish_reason)
 {
-    flush_text(c);
+    completion_t *c = ch->c;
+    flush_text(ch);
+    ch->finish_reason = finish_reason;
+    c->n_running--;
+    if (c->sink->choice_end)
+        c->sink->choice_end(c->ud, c, ch->index, finish_reason);
+    if (c->n_running > 0) {
+        log_end(ch, 200, STATS_END_FINISHED, finish_reason);
+        return;
+    }
     api_error e;
-    if (c->sink->done(c->ud, c, finish_reason, &e) == 0)
-        log_end(c, 200, STATS_END_FINISHED, finish_reason);
+    if (c->sink->done(c->ud, c, &e) == 0)
+        log_end(ch, 200, STATS_END_FINISHED, finish_reason);
     else
-        log_end(c, e.status, STATS_END_FAILED, e.message);
+        log_end(ch, e.status, STATS_END_FAILED, e.message);
     completion_free(c);
 }
 
-/* The request failed after admission: the sink reports e; freed. */
-static void fail_with(completion_t *c, const api_error *e)
+/* A sequence failed after admission (its retries spent): the sink reports e for the whole
+ * request. The other choices cannot be cancelled here (this is a cluster callback, maybe
+ * inside a walk of its lists): the request leaves its owner now and lives on until each
+ * of them reports, which ends it (zombie_end: cancelled at its next tokens). */
+static void fail_with(choice_t *ch, const api_error *e)
 {
+    completion_t *c = ch->c;
+    if (c->failed) {
+        zombie_end(ch);
+        return;
+    }
+    ch->finish_reason = API_FINISH_STOP;
+    c->n_running--;
     stats_end_t how = c->sink->fail(c->ud, c, e);
-    log_end(c, e->status, how, e->message);
-    completion_free(c);
+    log_end(ch, e->status, how, e->message);
+    if (c->n_running == 0) {
+        completion_free(c);
+        return;
+    }
+    owner_release(c);
+    c->failed = 1;
 }
 
-// --- cluster callbacks
+// --- cluster callbacks (ud: the choice_t)
 
 static int on_tokens(void *ud, const int *tokens, int n)
 {
-    completion_t *c = ud;
+    choice_t *ch = ud;
+    completion_t *c = ch->c;
+    if (c->failed) {
+        zombie_end(ch);
+        return 1; /* the cluster cancels it */
+    }
     stats_t *stats = c->env->stats;
     int64_t now = proto_now_us();
-    if (!c->t_first_us) {
-        c->t_first_us = now;
+    if (!ch->t_first_us) {
+        ch->t_first_us = now;
         if (stats && !c->offline) /* offline waits stay out of the online figures */
-            stats_first_token(stats, &c->timing, now);
+            stats_first_token(stats, &ch->timing, now);
     } else if (stats && !c->offline) {
-        stats_tokens(stats, &c->timing, (double)(now - c->t_last_us) / 1e6, now);
+        stats_tokens(stats, &ch->timing, (double)(now - ch->t_last_us) / 1e6, now);
     }
-    c->t_last_us = now;
+    ch->t_last_us = now;
     api_error e;
     for (int i = 0; i < n; i++) {
-        stream_status_t st = stream_push(c->stream, tokens[i]);
+        stream_status_t st = stream_push(ch->stream, tokens[i]);
         if (st == STREAM_STOP) {
-            finish(c, API_FINISH_STOP);
+            finish(ch, API_FINISH_STOP);
             return 1;
         }
         if (st == STREAM_ERR) {
             api_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
-            fail_with(c, &e);
+            fail_with(ch, &e);
             return 1;
         }
     }
-    if (stream_n_tokens(c->stream) >= c->max_tokens) {
-        stream_status_t st = stream_finish(c->stream);
-        finish(c, st == STREAM_STOP ? API_FINISH_STOP : API_FINISH_LENGTH);
+    if (stream_n_tokens(ch->stream) >= ch->max_tokens) {
+        stream_status_t st = stream_finish(ch->stream);
+        finish(ch, st == STREAM_STOP ? API_FINISH_STOP : API_FINISH_LENGTH);
         return 1;
     }
-    flush_text(c);
+    flush_text(ch);
     if (c->sink->check && c->sink->check(c->ud, c, &e) < 0) {
-        fail_with(c, &e);
+        fail_with(ch, &e);
         return 1;
     }
     return 0;
@@ -201,9 +296,13 @@ static int on_tokens(void *ud, const int *tokens, int n)
 
 static void on_finish(void *ud, int reason)
 {
-    completion_t *c = ud;
-    stream_status_t st = stream_finish(c->stream);
-    finish(c,
+    choice_t *ch = ud;
+    if (ch->c->failed) {
+        zombie_end(ch);
+        return;
+    }
+    stream_status_t st = stream_finish(ch->stream);
+    finish(ch,
            st == STREAM_STOP || reason == PROTO_FINISH_STOP ? API_FINISH_STOP : API_FINISH_LENGTH);
 }
 
@@ -223,19 +322,19 @@ const cluster_callbacks *completion_callbacks(void)
 
 // --- admission
 
-/* Tokenize the prompt (BOS + text; a token-id prompt: its ids, each checked against the
+/* Tokenize prompt p (BOS + text; a token-id prompt: its ids, each checked against the
  * vocabulary). malloc'd ids and their count, or NULL (out of memory, tokenizer failure, an
  * id out of the vocabulary) with e set. */
-static int *tokenize(const tokenizer_t *tok, const api_request *r, int *n_out, api_error *e)
+static int *tokenize(const tokenizer_t *tok, const api_prompt *p, int *n_out, api_error *e)
 {
-    if (r->prompt_ids) {
-        int n = r->n_prompt_ids, vocab = tokenizer_vocab_size(tok);
+    if (p->ids) {
+        int n = p->n_ids, vocab = tokenizer_vocab_size(tok);
         for (int i = 0; i < n; i++)
-            if (r->prompt_ids[i] >= vocab) {
+            if (p->ids[i] >= vocab) {
                 api_error_set(e, 400, "invalid_request_error", "prompt", "invalid_value",
                               "token id %d (element %d of 'prompt') is not in the model's "
                               "vocabulary of %d tokens.",
-                              r->prompt_ids[i], i, vocab);
+                              p->ids[i], i, vocab);
                 return NULL;
             }
         int *ids = malloc((size_t)n * sizeof(int));
@@ -243,17 +342,17 @@ static int *tokenize(const tokenizer_t *tok, const api_request *r, int *n_out, a
             api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
             return NULL;
         }
-        memcpy(ids, r->prompt_ids, (size_t)n * sizeof(int));
+        memcpy(ids, p->ids, (size_t)n * sizeof(int));
         *n_out = n;
         return ids;
     }
-    int cap = (int)r->prompt_len + 8, needed = 0;
+    int cap = (int)p->len + 8, needed = 0;
     int *tokens = malloc((size_t)cap * sizeof(int));
     if (!tokens) {
         api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
         return NULL;
     }
-    int n = tokenizer_encode(tok, r->prompt, r->prompt_len, 1, tokens, cap, &needed);
+    int n = tokenizer_encode(tok, p->text, p->len, 1, tokens, cap, &needed);
     if (n < 0 && needed > cap) {
         int *t = realloc(tokens, (size_t)needed * sizeof(int));
         if (!t) {
@@ -262,7 +361,7 @@ static int *tokenize(const tokenizer_t *tok, const api_request *r, int *n_out, a
             return NULL;
         }
         tokens = t;
-        n = tokenizer_encode(tok, r->prompt, r->prompt_len, 1, tokens, needed, &needed);
+        n = tokenizer_encode(tok, p->text, p->len, 1, tokens, needed, &needed);
     }
     if (n < 0) {
         free(tokens);
@@ -273,10 +372,22 @@ static int *tokenize(const tokenizer_t *tok, const api_request *r, int *n_out, a
     return tokens;
 }
 
-/* Validate, tokenize and check r against env: the prompt's ids (malloc'd) and count, or
- * NULL with e set. */
-static int *admissible(const completion_env *env, api_kind_t kind, const char *body, size_t len,
-                       api_request *r, int *n, api_error *e)
+/* In a batch, say which prompt an error is about. */
+static void name_prompt(api_error *e, const api_request *r, int i)
+{
+    if (r->n_prompts < 2)
+        return;
+    size_t n = strlen(e->message);
+    snprintf(e->message + n, sizeof(e->message) - n, " (prompt %d of the batch)", i);
+}
+
+/* Validate, tokenize and check every prompt of r against env, all of them before anything
+ * is admitted (a batch with one prompt too long is refused as a whole): r->n_prompts
+ * malloc'd token arrays (each freed by the caller, then the array) with their counts and
+ * settled max_tokens in n[] and max_tokens[] (r->n_prompts each, the caller's), or NULL
+ * with e set. */
+static int **admissible(const completion_env *env, api_kind_t kind, const char *body, size_t len,
+                        api_request *r, int **n, int **max_tokens, int *asked, api_error *e)
 {
     if (len > env->max_body) {
         api_error_set(e, 413, "invalid_request_error", NULL, "request_too_large",
@@ -292,29 +403,66 @@ static int *admissible(const completion_env *env, api_kind_t kind, const char *b
                       "'stream' is not supported in a batch.");
         return NULL;
     }
-    /* A token spells at least one byte and at most max_piece bytes, so a prompt this long
-     * cannot fit; refuse it before spending time on tokenizing it. */
-    if (r->prompt_len / (size_t)env->max_piece >= (size_t)env->n_ctx) {
-        api_error_set(e, 400, "invalid_request_error", kind == API_CHAT ? "messages" : "prompt",
-                      "context_length_exceeded",
-                      "This model's maximum context length is %d tokens, but the prompt is at "
-                      "least %zu tokens.",
-                      env->n_ctx, r->prompt_len / (size_t)env->max_piece + 1);
-        return NULL;
+    const char *pkey = kind == API_CHAT ? "messages" : kind == API_RESPONSES ? "input" : "prompt";
+    int np = r->n_prompts, max_asked = r->max_tokens;
+    *asked = max_asked;
+    int **toks = calloc((size_t)np, sizeof(int *));
+    *n = calloc((size_t)np, sizeof(int));
+    *max_tokens = calloc((size_t)np, sizeof(int));
+    if (!toks || !*n || !*max_tokens) {
+        api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+        goto fail;
     }
-    int *tokens = tokenize(env->tok, r, n, e);
-    if (!tokens)
-        return NULL;
-    if (api_check_length(r, *n, env->n_ctx, e) < 0) {
-        free(tokens);
-        return NULL;
+    for (int i = 0; i < np; i++) {
+        api_prompt p = api_request_prompt(r, i);
+        /* A token spells at least one byte and at most max_piece bytes, so a prompt this
+         * long cannot fit; refuse it before spending time on tokenizing it. */
+        if (p.len / (size_t)env->max_piece >= (size_t)env->n_ctx) {
+            api_error_set(e, 400, "invalid_request_error", pkey, "context_length_exceeded",
+                          "This model's maximum context length is %d tokens, but the prompt "
+                          "is at least %zu tokens.",
+                          env->n_ctx, p.len / (size_t)env->max_piece + 1);
+            name_prompt(e, r, i);
+            goto fail;
+        }
+        if (!(toks[i] = tokenize(env->tok, &p, &(*n)[i], e))) {
+            name_prompt(e, r, i);
+            goto fail;
+        }
+        /* api_check_length reads the prompt of r and settles r->max_tokens: a view of
+         * prompt i with the max_tokens asked */
+        api_request v = *r;
+        v.prompt = p.text, v.prompt_len = p.len, v.prompt_ids = p.ids, v.n_prompt_ids = p.n_ids;
+        v.max_tokens = max_asked;
+        if (api_check_length(&v, (*n)[i], env->n_ctx, e) < 0) {
+            name_prompt(e, r, i);
+            goto fail;
+        }
+        (*max_tokens)[i] = v.max_tokens;
     }
+    r->max_tokens = (*max_tokens)[0];
     if (!env->cluster) {
         api_error_set(e, 503, "server_error", NULL, "not_ready", "the server is starting");
-        free(tokens);
-        return NULL;
+        goto fail;
     }
-    return tokens;
+    return toks;
+fail:
+    for (int i = 0; toks && i < np; i++)
+        free(toks[i]);
+    free(toks);
+    free(*n);
+    free(*max_tokens);
+    *n = *max_tokens = NULL;
+    return NULL;
+}
+
+/* A seed of its own for each sequence without one asked for. */
+static uint64_t random_seed(const void *salt)
+{
+    uint64_t seed;
+    if (getrandom(&seed, sizeof(seed), 0) != (ssize_t)sizeof(seed))
+        seed = (uint64_t)proto_now_us() ^ ((uint64_t)(uintptr_t)salt << 17);
+    return seed;
 }
 
 completion_status_t completion_start(const completion_env *env, api_kind_t kind, const char *body,
@@ -326,11 +474,19 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
     memset(&r, 0, sizeof(r));
     completion_status_t rc = COMPLETION_ERR;
     completion_t *c = NULL;
-    int n = 0;
-    int *tokens = admissible(env, kind, body, len, &r, &n, e);
+    int *n = NULL, *max_tokens = NULL, np = 0;
+    int max_asked = -1; /* max_tokens as asked (-1: absent), before admissible settles it */
+    int **tokens = admissible(env, kind, body, len, &r, &n, &max_tokens, &max_asked, e);
     if (!tokens)
         goto refused;
-    if (sink->admit && sink->admit(ud, n, r.max_tokens, e) < 0)
+    np = r.n_prompts;
+    long long sum_prompt = 0, sum_max = 0;
+    for (int i = 0; i < np; i++) {
+        sum_prompt += n[i];
+        sum_max += (long long)max_tokens[i] * r.n;
+    }
+    if (sink->admit && sink->admit(ud, (int)(sum_prompt > INT32_MAX ? INT32_MAX : sum_prompt),
+                                   (int)(sum_max > INT32_MAX ? INT32_MAX : sum_max), e) < 0)
         goto refused;
     c = malloc(sizeof(*c));
     if (!c)
@@ -345,57 +501,93 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
         .include_usage = r.stream && r.include_usage,
         .offline = env->batch_line || r.offline,
         .flex = r.offline,
-        .stream = stream_new(env->tok, tokens[n - 1], tokenizer_eos(env->tok),
-                             (const char *const *)r.stop, r.n_stop),
-        .n_prompt = n,
-        .max_tokens = r.max_tokens,
+        .n_choices = np * r.n,
+        .n_per_prompt = r.n,
         .created = (int64_t)time(NULL),
+        .params = {.temperature = r.temperature,
+                   .top_p = r.top_p,
+                   .max_tokens = max_asked,
+                   .store = r.store,
+                   .instructions = r.instructions},
     };
-    if (!c->stream)
+    r.instructions = NULL; /* c's now */
+    c->choices = calloc((size_t)c->n_choices, sizeof(choice_t));
+    if (!c->choices)
         goto oom;
-
-    uint64_t seed = r.seed;
-    if (!r.has_seed && getrandom(&seed, sizeof(seed), 0) != (ssize_t)sizeof(seed))
-        seed = (uint64_t)proto_now_us() ^ ((uint64_t)(uintptr_t)c << 17);
-    cluster_job job = {
-        .tokens = tokens,
-        .n_tokens = n,
-        .max_tokens = r.max_tokens,
-        .temperature = (float)r.temperature,
-        .top_p = (float)r.top_p,
-        .top_k = r.top_k,
-        .rng = sampler_seed_state(seed),
-        .mtp_depth = r.mtp_depth >= 0 ? r.mtp_depth + 1 : 0,
-        .timing = &c->timing,
-        .offline = c->offline,
-        .cb = &callbacks,
-    };
-    cluster_status_t st = cluster_submit(env->cluster, &job, c, &c->rid);
-    if (st == CLUSTER_FULL) {
-        api_error_set(e, 429, "rate_limit_error", NULL, "rate_limit_exceeded",
-                      "The server is at capacity (the queue is full); retry later.");
-        rc = COMPLETION_FULL;
-        goto refused;
+    for (int k = 0; k < c->n_choices; k++) {
+        int p = k / r.n;
+        choice_t *ch = &c->choices[k];
+        ch->c = c;
+        ch->index = k;
+        ch->n_prompt = n[p];
+        ch->max_tokens = max_tokens[p];
+        ch->stream = stream_new(env->tok, tokens[p][n[p] - 1], tokenizer_eos(env->tok),
+                                (const char *const *)r.stop, r.n_stop);
+        if (!ch->stream)
+            goto oom;
     }
-    if (st != CLUSTER_OK)
+
+    /* Choice i of every prompt samples with seed + i (docs/api.md "seed"): a batch gives
+     * each prompt what it gets alone, and n choices are distinct and reproducible. */
+    for (int k = 0; k < c->n_choices; k++) {
+        choice_t *ch = &c->choices[k];
+        int p = k / r.n, i = k % r.n;
+        uint64_t seed = r.has_seed ? r.seed + (uint64_t)i : random_seed(ch);
+        cluster_job job = {
+            .tokens = tokens[p],
+            .n_tokens = n[p],
+            .max_tokens = max_tokens[p],
+            .temperature = (float)r.temperature,
+            .top_p = (float)r.top_p,
+            .top_k = r.top_k,
+            .rng = sampler_seed_state(seed),
+            .mtp_depth = r.mtp_depth >= 0 ? r.mtp_depth + 1 : 0,
+            .timing = &ch->timing,
+            .offline = c->offline,
+            .cb = &callbacks,
+        };
+        cluster_status_t st = cluster_submit(env->cluster, &job, ch, &ch->rid);
+        if (st == CLUSTER_OK)
+            continue;
+        ch->rid = 0;
+        for (int j = 0; j < k; j++) /* all or nothing: take back those submitted */
+            cluster_cancel(env->cluster, c->choices[j].rid);
+        if (st == CLUSTER_FULL) {
+            api_error_set(e, 429, "rate_limit_error", NULL, "rate_limit_exceeded",
+                          "The server is at capacity (the queue is full); retry later.");
+            rc = COMPLETION_FULL;
+            goto refused;
+        }
         goto oom;
-    const char *prefix = kind == API_CHAT ? "chatcmpl" : "cmpl";
+    }
+    c->n_running = c->n_choices;
+    uint64_t rid = c->choices[0].rid;
+    const char *prefix = kind == API_CHAT        ? "chatcmpl-"
+                         : kind == API_RESPONSES ? "resp_" /* OpenAI's spelling */
+                                                 : "cmpl-";
     if (env->batch_line)
-        snprintf(c->id, sizeof(c->id), "%s-%016llx", prefix, (unsigned long long)c->rid);
+        snprintf(c->id, sizeof(c->id), "%s%016llx", prefix, (unsigned long long)rid);
     else
-        snprintf(c->id, sizeof(c->id), "%s-%016llx%llx", prefix, (unsigned long long)env->id_nonce,
-                 (unsigned long long)c->rid);
-    log_rdebug(c->rid, "admitted: %d prompt tokens, max_tokens %d, temperature %.3g, %s%s", n,
-               r.max_tokens, r.temperature, r.stream ? "stream" : "json",
-               r.offline ? ", offline (flex)" : "");
+        snprintf(c->id, sizeof(c->id), "%s%016llx%llx", prefix, (unsigned long long)env->id_nonce,
+                 (unsigned long long)rid);
+    log_rdebug(rid,
+               "admitted: %d prompt tokens, max_tokens %d, temperature %.3g, %s%s; %d prompts x "
+               "n %d (rids from %llu)",
+               n[0], max_tokens[0], r.temperature, r.stream ? "stream" : "json",
+               r.offline ? ", offline (flex)" : "", np, r.n, (unsigned long long)rid);
     if (env->stats)
-        stats_request_received(env->stats);
+        for (int k = 0; k < c->n_choices; k++)
+            stats_request_received(env->stats);
     c->next = list->head;
     if (list->head)
         list->head->prev = c;
     list->head = c;
     list->n++;
+    for (int i = 0; i < np; i++)
+        free(tokens[i]);
     free(tokens);
+    free(n);
+    free(max_tokens);
     api_request_free(&r);
     *out = c;
     return COMPLETION_OK;
@@ -404,10 +596,15 @@ oom:
     api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
 refused:
     if (c) {
-        stream_destroy(&c->stream);
+        choices_free(c);
+        free((char *)c->params.instructions);
         free(c);
     }
+    for (int i = 0; tokens && i < np; i++)
+        free(tokens[i]);
     free(tokens);
+    free(n);
+    free(max_tokens);
     api_request_free(&r);
     if (env->stats && !env->batch_line) {
         stats_request_received(env->stats);
@@ -424,10 +621,7 @@ static void drop(completion_t **pc, int status, const char *why)
         return;
     completion_t *c = *pc;
     *pc = NULL;
-    if (c->env->cluster)
-        cluster_cancel(c->env->cluster, c->rid);
-    if (why)
-        log_end(c, status, STATS_END_CANCELLED, why);
+    cancel_running(c, status, why);
     completion_free(c);
 }
 
@@ -455,7 +649,7 @@ completion_t *completion_next(const completion_t *c)
 
 uint64_t completion_rid(const completion_t *c)
 {
-    return c->rid;
+    return c->choices[0].rid;
 }
 
 const char *completion_id(const completion_t *c)
@@ -466,6 +660,16 @@ const char *completion_id(const completion_t *c)
 int completion_streaming(const completion_t *c)
 {
     return c->streaming;
+}
+
+completion_params completion_request_params(const completion_t *c)
+{
+    return c->params;
+}
+
+int completion_n_choices(const completion_t *c)
+{
+    return c->n_choices;
 }
 
 api_response_info completion_info(const completion_t *c)
@@ -483,15 +687,37 @@ api_response_info completion_info(const completion_t *c)
 
 void completion_usage(const completion_t *c, int *n_prompt, int *n_completion)
 {
-    *n_prompt = c->n_prompt;
-    *n_completion = stream_n_tokens(c->stream);
+    *n_prompt = *n_completion = 0;
+    for (int k = 0; k < c->n_choices; k++) {
+        const choice_t *ch = &c->choices[k];
+        if (k % c->n_per_prompt == 0) /* a prompt counts once, whatever its n */
+            *n_prompt += ch->n_prompt;
+        *n_completion += stream_n_tokens(ch->stream);
+    }
 }
 
-char *completion_format_response(const completion_t *c, const char *finish_reason)
+const char *completion_choice_text(const completion_t *c, int index, size_t *len,
+                                   const char **finish_reason)
 {
-    size_t len;
-    const char *text = stream_out(c->stream, &len);
+    const choice_t *ch = &c->choices[index];
+    if (finish_reason)
+        *finish_reason = ch->finish_reason;
+    return stream_out(ch->stream, len);
+}
+
+char *completion_format_response(const completion_t *c)
+{
+    api_choice stack[8],
+        *chs = c->n_choices <= 8 ? stack : calloc((size_t)c->n_choices, sizeof(api_choice));
+    if (!chs)
+        return NULL;
+    for (int k = 0; k < c->n_choices; k++)
+        chs[k].text = completion_choice_text(c, k, &chs[k].len, &chs[k].finish_reason);
+    int n_prompt, n_completion;
+    completion_usage(c, &n_prompt, &n_completion);
     api_response_info info = completion_info(c);
-    return api_format_response(&info, text, len, finish_reason, c->n_prompt,
-                               stream_n_tokens(c->stream));
+    char *body = api_format_response_n(&info, chs, c->n_choices, n_prompt, n_completion);
+    if (chs != stack)
+        free(chs);
+    return body;
 }

@@ -6,6 +6,13 @@
  *   validate (size, api_parse, model) -> tokenize (BOS + text) -> check the context ->
  *   admit into the cluster -> stream or collect the text -> finish
  *
+ * A request is a parent with one sequence (a choice) per prompt and per "n": a batch of
+ * prompts and n > 1 run prompts x n sequences, each its own cluster request (retried on a
+ * worker failure as any), choice index n x prompt + i, seed + i (docs/api.md). Every prompt
+ * is checked before any is admitted, and all are submitted or none; the answer is
+ * assembled from them (streamed: each chunk names its choice) and ends when the last one
+ * ends; one that fails for good fails the request and cancels the others.
+ *
  * Generated text goes through a stream_t (stream.h): only whole UTF-8 characters come out
  * and stop strings are honoured. A streaming request hands its text to the sink as it is
  * released; any other collects it, and the sink formats the whole answer at the end
@@ -14,9 +21,9 @@
  * an error and the release of the transport's own state. The end of every admitted request
  * is counted in the stats (stats_request_end) here, once.
  *
- * One completion_t per admitted request; it is the cluster's ud (completion_callbacks()),
- * and it is freed in exactly one place when the request ends: finished, failed, cancelled
- * by its owner or destroyed. Loop thread only.
+ * One completion_t per admitted request (its choices are the cluster's uds,
+ * completion_callbacks()), and it is freed in exactly one place when the request ends: finished,
+ * failed, cancelled by its owner or destroyed. Loop thread only.
  */
 #ifndef TP_GW_COMPLETION_H
 #define TP_GW_COMPLETION_H
@@ -53,17 +60,20 @@ typedef struct {
 /* How a completion reaches its transport. Every callback gets the sink's ud and the
  * completion (borrowed for the call: read it with the accessors below). */
 typedef struct {
-    /* Streaming requests only: len >= 1 bytes of text the stream released (whole UTF-8
-     * characters). */
-    void (*text)(void *ud, const completion_t *c, const char *text, size_t len);
+    /* Streaming requests only: len >= 1 bytes of text that choice index's stream released
+     * (whole UTF-8 characters). */
+    void (*text)(void *ud, const completion_t *c, int index, const char *text, size_t len);
     /* Optional (NULL: none). After each message of tokens that leaves the request running:
      * return 0, or -1 to end it with the error *e (the sink fills it; e.g. a client that
      * reads too slowly). */
     int (*check)(void *ud, const completion_t *c, api_error *e);
-    /* The request finished with finish_reason (API_FINISH_STOP / _LENGTH): deliver the
-     * end of the stream, or the whole answer (completion_format_response). Return 0, or -1
-     * with *e set when the answer could not be delivered (then counted as failed with e). */
-    int (*done)(void *ud, const completion_t *c, const char *finish_reason, api_error *e);
+    /* Optional (NULL: none). Choice index ended with finish_reason (API_FINISH_STOP /
+     * _LENGTH), its text all given to text() when streaming; others may still run. */
+    void (*choice_end)(void *ud, const completion_t *c, int index, const char *finish_reason);
+    /* Every choice finished (after the last choice_end): deliver the end of the stream, or
+     * the whole answer (completion_format_response). Return 0, or -1 with *e set when the
+     * answer could not be delivered (then the last choice is counted as failed with e). */
+    int (*done)(void *ud, const completion_t *c, api_error *e);
     /* The request failed after admission with e (cluster errors, out of memory, check()):
      * report it. Return STATS_END_FAILED, or STATS_END_CANCELLED when the failure is not
      * the request's (a batch line left for the next start): counted as cancelled. */
@@ -72,7 +82,8 @@ typedef struct {
      * (after done or fail, or from completion_cancel / completion_destroy). */
     void (*release)(void *ud);
     /* Optional (NULL: none). Inside completion_start, once the request is valid and before
-     * it is submitted: n_prompt tokens (BOS included) and max_tokens (settled). Return 0 to
+     * it is submitted: n_prompt tokens (BOS included) and max_tokens (settled), summed over
+     * its prompts and choices (max_tokens x n per prompt). Return 0 to
      * admit it, or -1 with *e set to refuse it (completion_start then returns
      * COMPLETION_ERR with that error; e.g. a 429 for an API key over its tokens/s limit). */
     int (*admit)(void *ud, int n_prompt, int max_tokens, api_error *e);
@@ -130,10 +141,30 @@ void *completion_ud(const completion_t *c);
 /* The next request in c's list (NULL after the last). */
 completion_t *completion_next(const completion_t *c);
 
-/* The cluster's request id (logs, cancel). */
+/* The cluster's request id of the first choice (logs). */
 uint64_t completion_rid(const completion_t *c);
 
-/* The response id ("cmpl-..." / "chatcmpl-..."). */
+/* What the request asked for, as the Responses API echoes it back. */
+typedef struct {
+    double temperature, top_p;
+    int max_tokens;           /* as asked (max_tokens / max_output_tokens); -1: absent */
+    int store;                /* responses: "store" (nothing is stored either way) */
+    const char *instructions; /* responses: "instructions"; NULL: absent (borrowed from c) */
+} completion_params;
+
+/* The request's parameters (strings borrowed from c). */
+completion_params completion_request_params(const completion_t *c);
+
+/* The choices (prompts x n, >= 1). */
+int completion_n_choices(const completion_t *c);
+
+/* Choice index's text so far (collected: all of it at the end; streaming: what is not yet
+ * given to text()), len bytes of valid UTF-8, and its finish reason (NULL while it runs;
+ * finish_reason may be NULL). Borrowed from c. */
+const char *completion_choice_text(const completion_t *c, int index, size_t *len,
+                                   const char **finish_reason);
+
+/* The response id ("cmpl-..." / "chatcmpl-..." / "resp-..."). */
 const char *completion_id(const completion_t *c);
 
 /* 1 when the request asked for a stream ("stream": true): text goes to sink->text. */
@@ -143,11 +174,13 @@ int completion_streaming(const completion_t *c);
  * its env). */
 api_response_info completion_info(const completion_t *c);
 
-/* The usage figures: prompt tokens (BOS included) and completion tokens so far. */
+/* The usage figures: prompt tokens (BOS included; each prompt once, whatever its n) and
+ * completion tokens so far (all choices). */
 void completion_usage(const completion_t *c, int *n_prompt, int *n_completion);
 
-/* The non-streaming response body with the text collected so far and finish_reason
- * (api_format_response). malloc'd (the caller frees); NULL on out of memory. */
-char *completion_format_response(const completion_t *c, const char *finish_reason);
+/* The non-streaming response body (completions, chat) with every choice's text collected
+ * and finish reason (api_format_response_n). malloc'd (the caller frees); NULL on out of
+ * memory. */
+char *completion_format_response(const completion_t *c);
 
 #endif

@@ -372,6 +372,9 @@ static void on_request(struct evhttp_request *req, void *arg)
     } else if (strcmp(path, "/v1/chat/completions") == 0) {
         allow = "POST";
         kind = API_CHAT;
+    } else if (strcmp(path, "/v1/responses") == 0) { /* responses.h */
+        allow = "POST";
+        kind = API_RESPONSES;
     } else if (strcmp(path, "/v1/models") == 0 || strncmp(path, "/v1/models/", 11) == 0 ||
                strcmp(path, "/health") == 0 || strcmp(path, "/workers") == 0 ||
                strcmp(path, "/metrics") == 0) {

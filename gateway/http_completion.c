@@ -1,4 +1,5 @@
-/* http_completion: POST /v1/completions and /v1/chat/completions (http.h).
+/* http_completion: POST /v1/completions, /v1/chat/completions and /v1/responses (http.h;
+ * a response's bodies and events are responses.h's).
  *
  * Each admitted request has one gw_req, the sink of its completion (completion.h), which
  * owns it and frees it in exactly one place (req_free, the sink's release) when the
@@ -27,6 +28,7 @@
 #include "http_internal.h"
 #include "log.h"
 #include "protocol.h"
+#include "responses.h"
 
 #define SLOW_CLIENT_BYTES (8u << 20) /* unsent SSE bytes before a client is dropped */
 
@@ -41,6 +43,12 @@ typedef struct gw_req {
     int max_tokens;         /* of the request, as charged */
     int retry_after_s;      /* admit refused the request: its Retry-After */
     struct evbuffer *sse;   /* streaming: the buffer each event goes out through (or NULL) */
+    /* POST /v1/responses, streaming (responses.h): the next event's sequence_number and
+     * the text sent so far (the .done events repeat it) */
+    int seq;
+    char *text;
+    size_t text_len, text_cap;
+    char item_id[56]; /* "msg_" + the response id's hex */
 } gw_req;
 
 // --- the key's tokens/s limit
@@ -94,6 +102,7 @@ static void req_free(void *ud)
         event_free(g->close_ev);
     if (g->sse)
         evbuffer_free(g->sse);
+    free(g->text);
     free(g);
 }
 
@@ -123,12 +132,112 @@ static void sse_send(gw_req *g, const char *payload)
         free(ev);
 }
 
+/* One named SSE event "event: <name>\ndata: <payload>\n\n" (the Responses API); takes
+ * payload (malloc'd, may be NULL: nothing sent). */
+static void sse_send_named(gw_req *g, const char *name, char *payload)
+{
+    if (!payload)
+        return;
+    if (!g->sse && !(g->sse = evbuffer_new())) {
+        free(payload);
+        return;
+    }
+    if (evbuffer_add_printf(g->sse, "event: %s\ndata: %s\n\n", name, payload) > 0)
+        evhttp_send_reply_chunk(g->req, g->sse);
+    evbuffer_drain(g->sse, evbuffer_get_length(g->sse));
+    free(payload);
+}
+
+/* The Responses API's view of c (strings borrowed from c and g). */
+static responses_info resp_info(gw_req *g, const completion_t *c)
+{
+    api_response_info ai = completion_info(c);
+    completion_params p = completion_request_params(c);
+    if (!g->item_id[0])
+        snprintf(g->item_id, sizeof(g->item_id), "msg_%s", ai.id + 5 /* after "resp_" */);
+    responses_info ri = {.id = ai.id,
+                         .item_id = g->item_id,
+                         .created_at = ai.created,
+                         .model = ai.model,
+                         .instructions = p.instructions,
+                         .max_output_tokens = p.max_tokens,
+                         .temperature = p.temperature,
+                         .top_p = p.top_p,
+                         .store = p.store,
+                         .service_tier = ai.service_tier};
+    return ri;
+}
+
+/* Streaming a response: the events before any text. */
+static void resp_stream_start(gw_req *g, const completion_t *c)
+{
+    responses_info ri = resp_info(g, c);
+    sse_send_named(g, "response.created",
+                   responses_event_response(&ri, "response.created", g->seq++,
+                                            RESPONSES_IN_PROGRESS, NULL, 0, 0, 0, NULL));
+    sse_send_named(g, "response.in_progress",
+                   responses_event_response(&ri, "response.in_progress", g->seq++,
+                                            RESPONSES_IN_PROGRESS, NULL, 0, 0, 0, NULL));
+    sse_send_named(g, "response.output_item.added",
+                   responses_event_item(&ri, RESPONSES_IN_PROGRESS, g->seq++, NULL, 0));
+    sse_send_named(g, "response.content_part.added",
+                   responses_event_part(&ri, 0, g->seq++, NULL, 0));
+}
+
+/* Streaming a response: one piece of text, kept for the .done events. */
+static void resp_stream_text(gw_req *g, const completion_t *c, const char *text, size_t len)
+{
+    if (g->text_len + len > g->text_cap) {
+        size_t cap = g->text_cap ? g->text_cap * 2 : 1024;
+        while (cap < g->text_len + len)
+            cap *= 2;
+        char *t = realloc(g->text, cap);
+        if (!t)
+            return;
+        g->text = t;
+        g->text_cap = cap;
+    }
+    memcpy(g->text + g->text_len, text, len);
+    g->text_len += len;
+    responses_info ri = resp_info(g, c);
+    sse_send_named(g, "response.output_text.delta",
+                   responses_event_text(&ri, 0, g->seq++, text, len));
+}
+
+/* Streaming a response: the events after the text, the last one with the usage. */
+static void resp_stream_end(gw_req *g, const completion_t *c)
+{
+    responses_info ri = resp_info(g, c);
+    const char *finish;
+    size_t rest;
+    completion_choice_text(c, 0, &rest, &finish);
+    const char *status = responses_status(finish);
+    int n_in, n_out;
+    completion_usage(c, &n_in, &n_out);
+    sse_send_named(g, "response.output_text.done",
+                   responses_event_text(&ri, 1, g->seq++, g->text, g->text_len));
+    sse_send_named(g, "response.content_part.done",
+                   responses_event_part(&ri, 1, g->seq++, g->text, g->text_len));
+    sse_send_named(g, "response.output_item.done",
+                   responses_event_item(&ri, status, g->seq++, g->text, g->text_len));
+    const char *type = strcmp(status, RESPONSES_INCOMPLETE) == 0 ? "response.incomplete"
+                                                                  : "response.completed";
+    sse_send_named(g, type,
+                   responses_event_response(&ri, type, g->seq++, status, g->text, g->text_len,
+                                            n_in, n_out, NULL));
+}
+
 /* Streaming: one chunk of text, the per-token path: formatted straight into one buffer
  * (api_format_text_chunk: the bytes api_format_chunk gives, without jansson), on the
  * stack unless the text is long. */
-static void sink_text(void *ud, const completion_t *c, const char *text, size_t len)
+static void sink_text(void *ud, const completion_t *c, int index, const char *text, size_t len)
 {
+    if (completion_info(c).kind == API_RESPONSES) {
+        resp_stream_text(ud, c, text, len);
+        return;
+    }
     api_response_info info = completion_info(c);
+    info.index = index;
     size_t cap = api_text_chunk_bound(&info, len) + 8;
     char stack[4096], *ev = cap <= sizeof(stack) ? stack : malloc(cap);
     if (!ev)
@@ -159,24 +268,38 @@ static int sink_check(void *ud, const completion_t *c, api_error *e)
     return -1;
 }
 
-/* The end of the answer: the last chunks and [DONE], or the whole JSON body. Always 0: a
- * body that cannot be formatted is answered 500 but counted as finished, as it was. */
-static int sink_done(void *ud, const completion_t *c, const char *finish_reason, api_error *e)
+/* Streaming: a choice's end is its finish chunk (the others may still stream). */
+static void sink_choice_end(void *ud, const completion_t *c, int index, const char *finish_reason)
+{
+    gw_req *g = ud;
+    if (!completion_streaming(c) || completion_info(c).kind == API_RESPONSES)
+        return; /* (a response ends in sink_done: it has one choice) */
+    api_response_info info = completion_info(c);
+    info.index = index;
+    char *chunk = api_format_chunk(&info, info.kind == API_CHAT ? NULL : "", 0, finish_reason, 0);
+    if (chunk)
+        sse_send(g, chunk);
+    free(chunk);
+}
+
+/* The end of the answer: the usage chunk when asked and [DONE], or the whole JSON body.
+ * Always 0: a body that cannot be formatted is answered 500 but counted as finished, as it
+ * was. */
+static int sink_done(void *ud, const completion_t *c, api_error *e)
 {
     gw_req *g = ud;
     (void)e;
     settle(g, c);
     api_response_info info = completion_info(c);
-    if (completion_streaming(c)) {
-        char *chunk =
-            api_format_chunk(&info, info.kind == API_CHAT ? NULL : "", 0, finish_reason, 0);
-        if (chunk)
-            sse_send(g, chunk);
-        free(chunk);
+    if (info.kind == API_RESPONSES && completion_streaming(c)) {
+        resp_stream_end(g, c);
+        evhttp_connection_set_closecb(g->conn, NULL, NULL);
+        evhttp_send_reply_end(g->req);
+    } else if (completion_streaming(c)) {
         if (info.include_usage) {
             int n_prompt, n_completion;
             completion_usage(c, &n_prompt, &n_completion);
-            chunk = api_format_usage_chunk(&info, n_prompt, n_completion);
+            char *chunk = api_format_usage_chunk(&info, n_prompt, n_completion);
             if (chunk)
                 sse_send(g, chunk);
             free(chunk);
@@ -185,7 +308,18 @@ static int sink_done(void *ud, const completion_t *c, const char *finish_reason,
         evhttp_connection_set_closecb(g->conn, NULL, NULL);
         evhttp_send_reply_end(g->req);
     } else {
-        char *body = completion_format_response(c, finish_reason);
+        char *body;
+        if (info.kind == API_RESPONSES) {
+            responses_info ri = resp_info(g, c);
+            size_t len;
+            const char *finish, *text = completion_choice_text(c, 0, &len, &finish);
+            int n_in, n_out;
+            completion_usage(c, &n_in, &n_out);
+            body = responses_format_object(&ri, responses_status(finish), text, len, n_in, n_out,
+                                           NULL);
+        } else {
+            body = completion_format_response(c);
+        }
         evhttp_connection_set_closecb(g->conn, NULL, NULL);
         if (body)
             http_reply_json(g->req, 200, body);
@@ -203,7 +337,14 @@ static stats_end_t sink_fail(void *ud, const completion_t *c, const api_error *e
     gw_req *g = ud;
     settle(g, c);
     evhttp_connection_set_closecb(g->conn, NULL, NULL);
-    if (completion_streaming(c)) {
+    if (completion_streaming(c) && completion_info(c).kind == API_RESPONSES) {
+        responses_info ri = resp_info(g, c);
+        sse_send_named(g, "error", responses_event_error(g->seq++, e));
+        sse_send_named(g, "response.failed",
+                       responses_event_response(&ri, "response.failed", g->seq++,
+                                                RESPONSES_FAILED, NULL, 0, 0, 0, e));
+        evhttp_send_reply_end(g->req);
+    } else if (completion_streaming(c)) {
         /* headers are out: report in the stream, then end it as usual */
         char *body = api_error_json(e);
         if (body)
@@ -218,8 +359,13 @@ static stats_end_t sink_fail(void *ud, const completion_t *c, const api_error *e
     return STATS_END_FAILED;
 }
 
-static const completion_sink sink = {sink_text, sink_check, sink_done,
-                                     sink_fail, req_free,   sink_admit};
+static const completion_sink sink = {.text = sink_text,
+                                     .check = sink_check,
+                                     .choice_end = sink_choice_end,
+                                     .done = sink_done,
+                                     .fail = sink_fail,
+                                     .release = req_free,
+                                     .admit = sink_admit};
 
 /* The client went away: cancel wherever the request is and forget it. */
 static void on_close(struct evhttp_connection *conn, void *arg)
@@ -313,12 +459,16 @@ void http_completion_handle(http_server_t *s, struct evhttp_request *req, api_ki
     evhttp_add_header(h, "Content-Type", "text/event-stream");
     evhttp_add_header(h, "Cache-Control", "no-cache");
     evhttp_send_reply_start(req, 200, "OK");
-    if (kind == API_CHAT) {
+    if (kind == API_RESPONSES)
+        resp_stream_start(g, g->c);
+    if (kind == API_CHAT) { /* each choice's first delta: its role */
         api_response_info info = completion_info(g->c);
-        char *chunk = api_format_chunk(&info, NULL, 0, NULL, 1);
-        if (chunk)
-            sse_send(g, chunk);
-        free(chunk);
+        for (info.index = 0; info.index < completion_n_choices(g->c); info.index++) {
+            char *chunk = api_format_chunk(&info, NULL, 0, NULL, 1);
+            if (chunk)
+                sse_send(g, chunk);
+            free(chunk);
+        }
     }
 }
 

@@ -4,7 +4,9 @@
 # libncurses-dev: tidepool-top. libsqlite3-dev: the gateway's Batch API state (--state-db).
 # libsodium-dev: the gateway's API keys (hashed, compared in constant time).
 # python3-msgpack: the stats-socket tests. clang, libclang-rt-14-dev: libFuzzer for `make fuzz`
-# (tests/fuzz/; the replay in `make test` needs neither). prometheus: only for
+# (tests/fuzz/; the replay in `make test` needs neither).
+# nodejs (and npm, Debian's own package when no npm is on PATH): the official OpenAI Node
+# SDK test (tests/integration/test_openai_sdk.py; skipped without them). prometheus: only for
 # promtool, which checks GET /metrics in the tests (~23 MB download; on a host with systemd
 # its server service starts too: `systemctl disable --now prometheus` if unwanted).
 #
@@ -20,7 +22,8 @@ set -eu
 PKGS=(build-essential pkg-config libzmq3-dev libmsgpack-dev libevent-dev libjansson-dev
       libxxhash-dev libcmocka-dev libinih-dev libcurl4-openssl-dev curl iproute2 python3 python3-zmq
       tmux libncurses-dev python3-msgpack prometheus libsqlite3-dev libsodium-dev clang
-      libclang-rt-14-dev)
+      libclang-rt-14-dev nodejs)
+command -v npm >/dev/null 2>&1 || PKGS+=(npm)
 DEPLOY_PKGS=(podman runc catatonit podman-compose debootstrap debian-archive-keyring)
 case "${1:-}" in
 --deploy)

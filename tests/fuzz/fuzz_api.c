@@ -3,8 +3,8 @@
  * /v1/chat/completions, then what the gateway does next (api_check_model, api_check_length,
  * the response and chunk bodies) and, on every error, the OpenAI error object.
  *
- * Input: byte 0 picks the endpoint (bit 0) and the figures given to api_check_length; the
- * rest is the body. Properties: every error has a 4xx status, a type, and an error body
+ * Input: byte 0 picks the endpoint (bit 0: chat, else bit 4: responses) and the figures
+ * given to api_check_length; the rest is the body. Properties: every error has a 4xx status, a type, and an error body
  * that is valid JSON whose message is the error's (never the "out of memory" fallback);
  * a parsed request's prompt is valid UTF-8 of prompt_len bytes (or token ids, none
  * negative) and formats into a response and a chunk, and api_format_text_chunk gives that
@@ -39,7 +39,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size < 1)
         return 0;
-    api_kind_t kind = (data[0] & 1) ? API_CHAT : API_COMPLETIONS;
+    api_kind_t kind = (data[0] & 1)    ? API_CHAT
+                      : (data[0] & 16) ? API_RESPONSES
+                                       : API_COMPLETIONS;
     int n_ctx = 1 + ((data[0] >> 1) & 7) * 73;
     const char *body = (const char *)data + 1;
     size_t len = size - 1;
@@ -50,6 +52,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         FUZZ_CHECK(r.prompt == NULL && r.model == NULL && r.n_stop == 0);
         check_error(&e);
         return 0;
+    }
+    /* every prompt of a batch: text (valid UTF-8, non-empty) or ids (>= 1, none negative) */
+    FUZZ_CHECK(r.n_prompts >= 1 && r.n_prompts <= API_MAX_PROMPTS && r.n >= 1 &&
+               r.n * r.n_prompts <= API_MAX_CHOICES);
+    for (int i = 1; i < r.n_prompts; i++) {
+        api_prompt p = api_request_prompt(&r, i);
+        FUZZ_CHECK(p.text ? p.len >= 1 && api_utf8_valid(p.text, p.len) && !p.ids
+                          : p.ids && p.n_ids >= 1);
+        for (int k = 0; p.ids && k < p.n_ids; k++)
+            FUZZ_CHECK(p.ids[k] >= 0);
     }
     if (r.prompt_ids) { /* a token-id prompt: ids only, at least one, none negative */
         FUZZ_CHECK(r.prompt == NULL && r.prompt_len == 0 && r.n_prompt_ids >= 1);

@@ -39,7 +39,7 @@ BAD = [
     ("prompt int", CMPL, {"prompt": 5}, 400, "prompt", "invalid_type"),
     ("prompt missing", CMPL, {"max_tokens": 5}, 400, "prompt", "missing_required_parameter"),
     ("prompt empty", CMPL, {"prompt": ""}, 400, "prompt", "invalid_value"),
-    ("prompt two strings", CMPL, {"prompt": ["a", "b"]}, 400, "prompt", "invalid_value"),
+    ("prompt batch with an int", CMPL, {"prompt": ["a", 5]}, 400, "prompt", "invalid_type"),
     ("messages string", CHAT, {"messages": "hi"}, 400, "messages", "invalid_type"),
     ("messages missing", CHAT, {"prompt": "hi"}, 400, "messages", "missing_required_parameter"),
     ("messages empty", CHAT, {"messages": []}, 400, "messages", "invalid_value"),
@@ -72,7 +72,7 @@ BAD = [
      "context_length_exceeded"),
     ("chat over context", CHAT, {"messages": [{"role": "user", "content": "a b c " * 400}]},
      400, "messages", "context_length_exceeded"),
-    ("n 2", CMPL, {"prompt": "hi", "n": 2}, 400, "n", "invalid_value"),
+    ("n 129", CMPL, {"prompt": "hi", "n": 129}, 400, "n", "invalid_value"),
     ("unknown model", CMPL, {"prompt": "hi", "model": "gpt-4"}, 404, "model", "model_not_found"),
     ("chat unknown model", CHAT, {"messages": MSG, "model": "gpt-4"}, 404, "model",
      "model_not_found"),
@@ -1011,6 +1011,50 @@ class FakeWorkerTest(unittest.TestCase):
         s.close()
         self.assertEqual(a.recv(5, want=(CANCEL,))["rid"], rid)
 
+    def test_batch_choice_retried(self):
+        """A batch of two prompts: the first one's attempt fails (retryable) and is re-run;
+        the client gets both choices in order, once."""
+        a = self.worker("w-a")
+        res = self.start({"prompt": ["hi", "yo"], "max_tokens": 2})
+        m0, m1 = self.prefill(a), self.prefill(a)
+        a.send(ERROR, rid=m0["rid"], code=7, msg="injected", retry=1)
+        a.send(TOKENS, rid=m1["rid"], index=0, tokens=ids_of("cd"))
+        m0b = self.prefill(a)  # the re-run (a new attempt id)
+        self.assertNotIn(m0b["rid"], (m0["rid"], m1["rid"]))
+        a.send(TOKENS, rid=m0b["rid"], index=0, tokens=ids_of("ab"))
+        st, _, data = res()
+        self.assertEqual(st, 200, data)
+        body = json.loads(data)
+        self.assertEqual([(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]],
+                         [(0, "ab", "length"), (1, "cd", "length")])
+        self.assertEqual(body["usage"]["completion_tokens"], 4)
+
+    def test_batch_choice_failure_fails_the_request(self):
+        """n = 2: one choice fails for good (not retryable): the request is answered with
+        its error, and the other choice is cancelled at its next tokens."""
+        a = self.worker("w-a")
+        for stream in (False, True):
+            res = self.start({"prompt": "hi", "max_tokens": 8, "n": 2, "stream": stream})
+            m0, m1 = self.prefill(a), self.prefill(a)
+            a.send(ERROR, rid=m0["rid"], code=8, msg="bad token", retry=0)
+            st, _, data = res()
+            if stream:
+                self.assertEqual(st, 200)
+                events = [e[6:] for e in data.decode().split("\n\n") if e]
+                self.assertEqual(events[-1], "[DONE]")
+                self.assertEqual(json.loads(events[-2])["error"]["code"], "bad_request")
+            else:
+                self.assertEqual(st, 400, data)
+                self.assertEqual(json.loads(data)["error"]["code"], "bad_request")
+            a.send(TOKENS, rid=m1["rid"], index=0, tokens=ids_of("x"))
+            cancelled, deadline = set(), time.time() + 5  # (m0's attempt is cancelled too)
+            while m1["rid"] not in cancelled and time.time() < deadline:
+                m = a.recv(0.5, want=(CANCEL,))
+                if m:
+                    cancelled.add(m["rid"])
+            self.assertIn(m1["rid"], cancelled)
+        st, _, data = self.gw.request("GET", "/health")
+        self.assertEqual(json.loads(data)["running"], 0)
 
 ROLE = 10
 

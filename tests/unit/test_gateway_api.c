@@ -38,6 +38,7 @@ typedef struct {
 
 #define C API_COMPLETIONS
 #define CH API_CHAT
+#define R API_RESPONSES
 static const vcase cases[] = {
     /* body shape */
     {"not json", C, "{\"prompt\": \"hi\"", 400, NULL, "invalid_json"},
@@ -52,7 +53,15 @@ static const vcase cases[] = {
     {"prompt int", C, "{\"prompt\": 5}", 400, "prompt", "invalid_type"},
     {"prompt empty", C, "{\"prompt\": \"\"}", 400, "prompt", "invalid_value"},
     {"prompt object", C, "{\"prompt\": {}}", 400, "prompt", "invalid_type"},
-    {"prompt two strings", C, "{\"prompt\": [\"a\", \"b\"]}", 400, "prompt", "invalid_value"},
+    {"prompt two strings", C, "{\"prompt\": [\"a\", \"b\"]}", 0, NULL, NULL},
+    {"prompt batch string and ids", C, "{\"prompt\": [\"a\", [5, 6]]}", 0, NULL, NULL},
+    {"prompt batch int element", C, "{\"prompt\": [\"a\", 5]}", 400, "prompt", "invalid_type"},
+    {"prompt batch empty string", C, "{\"prompt\": [\"a\", \"\"]}", 400, "prompt",
+     "invalid_value"},
+    {"prompt batch empty ids", C, "{\"prompt\": [[5], []]}", 400, "prompt", "invalid_value"},
+    {"prompt batch bad id", C, "{\"prompt\": [[5], [6, -1]]}", 400, "prompt", "invalid_value"},
+    {"prompt batch nested too deep", C, "{\"prompt\": [[5], [[6]]]}", 400, "prompt",
+     "invalid_value"},
     {"prompt empty array", C, "{\"prompt\": []}", 400, "prompt", "invalid_value"},
     {"prompt token ids", C, "{\"prompt\": [5, 7, 1]}", 0, NULL, NULL},
     {"prompt nested token ids", C, "{\"prompt\": [[5, 7]]}", 0, NULL, NULL},
@@ -61,8 +70,8 @@ static const vcase cases[] = {
     {"prompt token id huge", C, "{\"prompt\": [4294967296]}", 400, "prompt", "invalid_value"},
     {"prompt token ids and string", C, "{\"prompt\": [5, \"a\"]}", 400, "prompt",
      "invalid_value"},
-    {"prompt two id arrays", C, "{\"prompt\": [[5], [6]]}", 400, "prompt", "invalid_value"},
-    {"prompt empty id array", C, "{\"prompt\": [[]]}", 400, "prompt", "invalid_type"},
+    {"prompt two id arrays", C, "{\"prompt\": [[5], [6]]}", 0, NULL, NULL},
+    {"prompt empty id array", C, "{\"prompt\": [[]]}", 400, "prompt", "invalid_value"},
     {"prompt array empty string", C, "{\"prompt\": [\"\"]}", 400, "prompt", "invalid_value"},
     {"messages missing", CH, "{\"prompt\": \"hi\"}", 400, "messages", "missing_required_parameter"},
     {"messages string", CH, "{\"messages\": \"hi\"}", 400, "messages", "invalid_type"},
@@ -77,6 +86,31 @@ static const vcase cases[] = {
     {"message image part", CH,
      "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}", 400,
      "messages", "invalid_value"},
+    /* the Responses API */
+    {"responses string", R, "{\"input\": \"hi\", \"store\": false}", 0, NULL, NULL},
+    {"responses parts", R,
+     "{\"input\": [{\"type\": \"message\", \"role\": \"user\", \"content\": [{\"type\": "
+     "\"input_text\", \"text\": \"a\"}]}]}",
+     0, NULL, NULL},
+    {"responses chat part", R,
+     "{\"input\": [{\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": \"a\"}]}]}",
+     400, "input", "invalid_value"},
+    {"responses no input", R, "{\"instructions\": \"x\"}", 400, "input",
+     "missing_required_parameter"},
+    {"responses empty list", R, "{\"input\": []}", 400, "input", "invalid_value"},
+    {"responses tool item", R, "{\"input\": [{\"type\": \"function_call\"}]}", 400, "input",
+     "unsupported_value"},
+    {"responses previous id", R, "{\"input\": \"x\", \"previous_response_id\": \"r\"}", 400,
+     "previous_response_id", "unsupported_parameter"},
+    {"responses tools", R, "{\"input\": \"x\", \"tools\": [{}]}", 400, "tools",
+     "unsupported_parameter"},
+    {"responses empty tools", R, "{\"input\": \"x\", \"tools\": []}", 0, NULL, NULL},
+    {"responses max_output_tokens 0", R, "{\"input\": \"x\", \"max_output_tokens\": 0}", 400,
+     "max_output_tokens", "invalid_value"},
+    {"responses text format", R, "{\"input\": \"x\", \"text\": {\"format\": {\"type\": "
+     "\"json_object\"}}}", 400, "text", "unsupported_parameter"},
+    {"responses store string", R, "{\"input\": \"x\", \"store\": 1}", 400, "store",
+     "invalid_type"},
     /* max_tokens */
     {"max_tokens -1", C, "{\"prompt\": \"hi\", \"max_tokens\": -1}", 400, "max_tokens",
      "invalid_value"},
@@ -116,7 +150,16 @@ static const vcase cases[] = {
     {"stream int", C, "{\"prompt\": \"hi\", \"stream\": 1}", 400, "stream", "invalid_type"},
     {"stream_options string", C, "{\"prompt\": \"hi\", \"stream_options\": \"x\"}", 400,
      "stream_options", "invalid_type"},
-    {"n 2", C, "{\"prompt\": \"hi\", \"n\": 2}", 400, "n", "invalid_value"},
+    {"n 2", C, "{\"prompt\": \"hi\", \"n\": 2}", 0, NULL, NULL},
+    {"n 128", CH, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"n\": 128}", 0,
+     NULL, NULL},
+    {"n 129", C, "{\"prompt\": \"hi\", \"n\": 129}", 400, "n", "invalid_value"},
+    {"n 1.5", C, "{\"prompt\": \"hi\", \"n\": 1.5}", 400, "n", "invalid_type"},
+    {"n x prompts over 256", C, "{\"prompt\": [\"a\", \"b\", \"c\"], \"n\": 100}", 400, "n",
+     "invalid_value"},
+    {"best_of n", C, "{\"prompt\": \"hi\", \"n\": 3, \"best_of\": 3}", 0, NULL, NULL},
+    {"best_of below n", C, "{\"prompt\": \"hi\", \"n\": 3, \"best_of\": 2}", 400, "best_of",
+     "invalid_value"},
     {"n 0", C, "{\"prompt\": \"hi\", \"n\": 0}", 400, "n", "invalid_value"},
     {"model int", C, "{\"prompt\": \"hi\", \"model\": 5}", 400, "model", "invalid_type"},
     {"user int", C, "{\"prompt\": \"hi\", \"user\": 5}", 400, "user", "invalid_type"},
@@ -267,6 +310,90 @@ static void test_prompt_ids(void **state)
     }
 }
 
+/* A batch of prompts: every prompt in order (text or ids), n and best_of; the answer with
+ * several choices, and chunks naming their choice. */
+/* The Responses API's input and instructions render with the chat template. */
+static void test_responses_input(void **state)
+{
+    (void)state;
+    api_request r;
+    api_error e;
+    static const char body[] = "{\"input\": [{\"role\": \"user\", \"content\": \"U\"}, "
+                               "{\"role\": \"assistant\", \"content\": [{\"type\": "
+                               "\"output_text\", \"text\": \"A\"}]}], \"instructions\": \"S\", "
+                               "\"max_output_tokens\": 9, \"n\": 3}";
+    assert_int_equal(api_parse(API_RESPONSES, body, strlen(body), &r, &e), 0);
+    assert_string_equal(r.prompt, "system: S\nuser: U\nassistant: A\nassistant:");
+    assert_string_equal(r.instructions, "S");
+    assert_int_equal(r.max_tokens, 9);
+    assert_int_equal(r.n, 1); /* not a Responses field: ignored */
+    assert_int_equal(r.store, 1);
+    api_request_free(&r);
+    assert_int_equal(api_parse(API_RESPONSES, "{\"input\": \"hi\"}", 15, &r, &e), 0);
+    assert_string_equal(r.prompt, "user: hi\nassistant:");
+    assert_null(r.instructions);
+    api_request_free(&r);
+}
+
+static void test_batched_prompts_and_n(void **state)
+{
+    (void)state;
+    api_request r;
+    api_error e;
+    static const char body[] = "{\"prompt\": [\"ab\", [7, 8, 9], \"c\"], \"n\": 2, \"best_of\": 2}";
+    assert_int_equal(api_parse(API_COMPLETIONS, body, strlen(body), &r, &e), 0);
+    assert_int_equal(r.n_prompts, 3);
+    assert_int_equal(r.n, 2);
+    api_prompt p0 = api_request_prompt(&r, 0), p1 = api_request_prompt(&r, 1),
+               p2 = api_request_prompt(&r, 2);
+    assert_string_equal(p0.text, "ab");
+    assert_int_equal(p0.len, 2);
+    assert_null(p0.ids);
+    assert_null(p1.text);
+    assert_int_equal(p1.n_ids, 3);
+    assert_int_equal(p1.ids[0], 7);
+    assert_int_equal(p1.ids[2], 9);
+    assert_string_equal(p2.text, "c");
+    api_request_free(&r);
+    /* one prompt: n defaults to 1 */
+    assert_int_equal(api_parse(API_COMPLETIONS, "{\"prompt\": \"x\"}", 15, &r, &e), 0);
+    assert_int_equal(r.n_prompts, 1);
+    assert_int_equal(r.n, 1);
+    assert_null(r.prompts_rest);
+    api_request_free(&r);
+    /* 257 prompts */
+    char big[4096] = "{\"prompt\": [";
+    for (int i = 0; i < 257; i++)
+        strcat(big, i ? ",\"a\"" : "\"a\"");
+    strcat(big, "]}");
+    assert_int_equal(api_parse(API_COMPLETIONS, big, strlen(big), &r, &e), -1);
+    assert_string_equal(e.message, "'prompt' holds 257 prompts; at most 256 are accepted in one "
+                                   "request.");
+    /* a bad element is named */
+    static const char bad[] = "{\"prompt\": [\"a\", [1, 2.5]]}";
+    assert_int_equal(api_parse(API_COMPLETIONS, bad, strlen(bad), &r, &e), -1);
+    assert_string_equal(e.message, "'prompt' as token ids must hold integers in [0, 2147483647]; "
+                                   "element 1 (prompt 1) is not one.");
+
+    api_response_info info = {API_COMPLETIONS, "cmpl-1", 7, "m", 0, NULL, 0};
+    api_choice ch[2] = {{"x", 1, API_FINISH_STOP}, {"yz", 2, API_FINISH_LENGTH}};
+    char *s = api_format_response_n(&info, ch, 2, 5, 3);
+    assert_string_equal(s, "{\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"created\":7,"
+                           "\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"x\",\"logprobs\":"
+                           "null,\"finish_reason\":\"stop\"},{\"index\":1,\"text\":\"yz\","
+                           "\"logprobs\":null,\"finish_reason\":\"length\"}],\"usage\":{"
+                           "\"prompt_tokens\":5,\"completion_tokens\":3,\"total_tokens\":8}}");
+    free(s);
+    info.index = 3;
+    info.kind = API_CHAT;
+    s = api_format_chunk(&info, "q", 1, NULL, 0);
+    assert_non_null(strstr(s, "\"choices\":[{\"index\":3,\"delta\":{\"content\":\"q\"}"));
+    char fast[512];
+    assert_int_equal(api_format_text_chunk(&info, "q", 1, fast), strlen(s));
+    assert_string_equal(fast, s);
+    free(s);
+}
+
 /* api_format_text_chunk (the per-token path) gives api_format_chunk's bytes exactly:
  * every byte value alone and inside text, escapes, multi-byte characters, long text, both
  * endpoints, with and without service_tier and usage; invalid UTF-8 gives 0 (NULL). */
@@ -316,7 +443,7 @@ static void test_text_chunk_matches_jansson(void **state)
     char big[5000];
     for (size_t i = 0; i < sizeof(big); i++)
         big[i] = (char)(i % 7 == 0 ? '"' : i % 11 == 0 ? '\n' : 'a' + (char)(i % 26));
-    api_response_info info = {API_COMPLETIONS, "cmpl-big", 5, "m", 1, "default"};
+    api_response_info info = {API_COMPLETIONS, "cmpl-big", 5, "m", 1, "default", 0};
     check_text_chunk(&info, big, sizeof(big));
 }
 
@@ -504,7 +631,7 @@ static void test_length_checks(void **state)
 static void test_formats(void **state)
 {
     (void)state;
-    api_response_info info = {API_COMPLETIONS, "cmpl-1", 1700000000, "m", 0, NULL};
+    api_response_info info = {API_COMPLETIONS, "cmpl-1", 1700000000, "m", 0, NULL, 0};
     char *s = api_format_response(&info, "caf\xC3\xA9", 5, API_FINISH_LENGTH, 3, 4);
     json_t *j = json_loads(s, 0, NULL);
     assert_non_null(j);
@@ -777,6 +904,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_validation_table),
         cmocka_unit_test(test_invalid_utf8),
         cmocka_unit_test(test_prompt_ids),
+        cmocka_unit_test(test_batched_prompts_and_n),
+        cmocka_unit_test(test_responses_input),
         cmocka_unit_test(test_text_chunk_matches_jansson),
         cmocka_unit_test(test_utf8_trim),
         cmocka_unit_test(test_error_quotes_cut_at_a_character),

@@ -1,0 +1,145 @@
+"""POST /v1/responses (the Responses API, text) end to end, over plain HTTP: the response
+object and the streamed events equal the chat completion of the same conversation
+(instructions as a system message first), every event numbered in order; the refusals
+(stateful and tool features, bad input) are 400s naming the field."""
+
+import json
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import Cluster  # noqa: E402
+
+INSTR = "You tell short stories."
+
+
+class ResponsesTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.c = Cluster(roles=("mixed",))
+        cls.c.start()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.c.stop()
+        assert not cls.c.sanitizer_reports(), cls.c.sanitizer_reports()
+
+    def chat(self, msgs, max_tokens):
+        status, b = self.c.request("POST", "/v1/chat/completions",
+                                   {"messages": msgs, "max_tokens": max_tokens, "temperature": 0})
+        self.assertEqual(status, 200, b)
+        return b
+
+    def test_object(self):
+        ref = self.chat([{"role": "system", "content": INSTR},
+                         {"role": "user", "content": "Tell me a story."}], 20)
+        text = ref["choices"][0]["message"]["content"]
+        for inp in ("Tell me a story.",
+                    [{"role": "user", "content": "Tell me a story."}],
+                    [{"type": "message", "role": "user",
+                      "content": [{"type": "input_text", "text": "Tell me "},
+                                  {"type": "input_text", "text": "a story."}]}]):
+            status, r = self.c.request("POST", "/v1/responses", {
+                "input": inp, "instructions": INSTR, "max_output_tokens": 20, "temperature": 0,
+                "store": False})
+            self.assertEqual(status, 200, r)
+            self.assertTrue(r["id"].startswith("resp_"))
+            self.assertEqual((r["object"], r["status"], r["incomplete_details"], r["store"],
+                              r["instructions"], r["max_output_tokens"], r["model"]),
+                             ("response", "incomplete", {"reason": "max_output_tokens"}, False,
+                              INSTR, 20, "stories260K"))
+            self.assertEqual(len(r["output"]), 1)
+            msg = r["output"][0]
+            self.assertEqual((msg["type"], msg["role"], msg["id"]),
+                             ("message", "assistant", "msg_" + r["id"][5:]))
+            self.assertEqual(msg["content"], [{"type": "output_text", "text": text,
+                                               "annotations": [], "logprobs": []}])
+            self.assertEqual(r["usage"]["input_tokens"], ref["usage"]["prompt_tokens"])
+            self.assertEqual(r["usage"]["output_tokens"], 20)
+            self.assertEqual(r["usage"]["total_tokens"], ref["usage"]["total_tokens"])
+
+    def test_completed_status(self):
+        """A response that ends before max_output_tokens (EOS) is "completed"."""
+        status, r = self.c.request("POST", "/v1/responses", {
+            "input": "Tell me a story.", "temperature": 0})
+        self.assertEqual(status, 200, r)
+        ref = self.chat([{"role": "user", "content": "Tell me a story."}], None)
+        want = "completed" if ref["choices"][0]["finish_reason"] == "stop" else "incomplete"
+        self.assertEqual(r["status"], want)
+        self.assertEqual(r["output"][0]["content"][0]["text"],
+                         ref["choices"][0]["message"]["content"])
+        self.assertEqual(r["store"], True)  # OpenAI's default, echoed (nothing is stored)
+
+    def test_stream(self):
+        ref = self.chat([{"role": "user", "content": "Tell me a story."}], 16)
+        text = ref["choices"][0]["message"]["content"]
+        body = {"input": "Tell me a story.", "max_output_tokens": 16, "temperature": 0,
+                "stream": True}
+        conn = self.c.conn()
+        conn.request("POST", "/v1/responses", body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        self.assertEqual(resp.status, 200)
+        self.assertEqual(resp.getheader("Content-Type"), "text/event-stream")
+        raw = resp.read().decode()
+        conn.close()
+        events = []
+        for block in raw.split("\n\n"):
+            if not block:
+                continue
+            name, data = block.split("\n")
+            self.assertTrue(name.startswith("event: ") and data.startswith("data: "), block)
+            ev = json.loads(data[6:])
+            self.assertEqual(ev["type"], name[7:])
+            events.append(ev)
+        types = [e["type"] for e in events]
+        self.assertEqual(types[:4], ["response.created", "response.in_progress",
+                                     "response.output_item.added", "response.content_part.added"])
+        self.assertEqual(types[-4:], ["response.output_text.done", "response.content_part.done",
+                                      "response.output_item.done", "response.incomplete"])
+        self.assertEqual(set(types[4:-4]), {"response.output_text.delta"})
+        self.assertEqual([e["sequence_number"] for e in events], list(range(len(events))))
+        self.assertEqual(events[0]["response"]["status"], "in_progress")
+        self.assertEqual(events[0]["response"]["output"], [])
+        self.assertEqual("".join(e["delta"] for e in events[4:-4]), text)
+        self.assertEqual(events[-4]["text"], text)
+        self.assertEqual(events[-2]["item"]["content"][0]["text"], text)
+        final = events[-1]["response"]
+        self.assertEqual(final["output"][0]["content"][0]["text"], text)
+        self.assertEqual(final["usage"]["output_tokens"], 16)
+        self.assertEqual(final["usage"]["input_tokens"], ref["usage"]["prompt_tokens"])
+        self.assertEqual(len({e["response"]["id"] for e in (events[0], events[-1])}), 1)
+
+    def test_refusals(self):
+        cases = [
+            ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id",
+             "unsupported_parameter"),
+            ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools",
+             "unsupported_parameter"),
+            ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text",
+             "unsupported_parameter"),
+            ({"input": "x", "background": True}, "background", "unsupported_parameter"),
+            ({"max_output_tokens": 5}, "input", "missing_required_parameter"),
+            ({"input": ""}, "input", "invalid_value"),
+            ({"input": 5}, "input", "invalid_type"),
+            ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input",
+             "invalid_value"),
+            ({"input": [{"type": "function_call_output", "output": "1"}]}, "input",
+             "unsupported_value"),
+            ({"input": "x", "instructions": 3}, "instructions", "invalid_type"),
+            ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
+            ({"input": "x", "max_output_tokens": 600}, "max_output_tokens",
+             "context_length_exceeded"),
+            ({"input": "x", "store": "no"}, "store", "invalid_type"),
+        ]
+        for body, param, code in cases:
+            status, b = self.c.request("POST", "/v1/responses", body)
+            self.assertEqual(status, 400, (body, b))
+            self.assertEqual((b["error"]["param"], b["error"]["code"]), (param, code), body)
+        status, b = self.c.request("GET", "/v1/responses")
+        self.assertEqual(status, 405, b)
+
+
+if __name__ == "__main__":
+    unittest.main()
