@@ -88,8 +88,8 @@ peer_llama() {
 
 # peer_batched MODEL...: aggregate decode at batch 1, 8 and 32 side by side with
 # llama-batched-bench on the same GGUF files: PEER_REPS (3) alternating runs of
-# `bench_engine --batched` (every sequence at context 64, 64 steps; 7 and 3 steps on the
-# 1B-class models) and `llama-batched-bench -npp 64 -ntg N -npl 1,8,32` (its decode rate
+# `bench_engine --batched` (every sequence at context 64, batch 1, 8 and 32 time-sliced:
+# 64 rounds of 32 tokens of each, 2 on the 1B-class models; tokens / wall) and `llama-batched-bench -npp 64 -ntg N -npl 1,8,32` (its decode rate
 # speed_tg over N = 64 steps, 16 on the 1B-class models, after prompts of 64 tokens) per
 # model and per thread count of PEER_THREADS, medians, and the ratio tidepool/llama.cpp.
 peer_batched() {

@@ -28,6 +28,8 @@
  * head) pairs in parallel, the query heads of a KV head together so each K/V row is read
  * once for all of them. Small steps (stories260K-sized) run on the calling thread: waking
  * a thread costs more than they do; then each matrix is one kernel call, not chunks.
+ * Medium ones (model_forward.c's PAR_WAKE_WORK) do too when no worker is awake: on a
+ * busy machine a woken worker preempts the caller.
  *
  * EXACT-order F32 models (stories260K) have their matrices packed per context for matvec
  * (ctx_pack_mv; models up to MODEL_MV_MAX_BYTES): their products run with 8 output rows

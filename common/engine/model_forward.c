@@ -44,6 +44,23 @@ static void rope_rows(float *v, const float *rp, int hs, int a, int b)
 
 /* Below this many multiply-adds a step runs on the calling thread. */
 #define PAR_MIN_WORK (1 << 20)
+/* Below this many, a step runs on the pool only when a worker is awake (spinning after
+ * the previous step): waking a sleeping one costs more than such a step saves. On a
+ * machine whose other CPU is busy the woken worker preempts the caller on its own CPU:
+ * stories260K at batch 32 (only the classifier reaches PAR_MIN_WORK, once per forward
+ * pass, ~2 ms apart, so the worker is always asleep by then) had every step preempted
+ * against half of them on one thread, and ran at x0.55-0.65 of its 1-thread rate
+ * (bench_engine --batched, docs/bench.md). The 1B-class models' products are above it:
+ * their first step wakes the workers and the next ones find them spinning. */
+#define PAR_WAKE_WORK (1L << 22)
+
+/* 1: run a step of `work` multiply-adds on the calling thread. */
+static int run_inline(const model_ctx_t *ctx, long work)
+{
+    if (ctx->n_threads == 1 || work < PAR_MIN_WORK)
+        return 1;
+    return work < PAR_WAKE_WORK && threadpool_awake(ctx->pool) == 0;
+}
 /* Chunks per thread a step is cut into (load balance on a shared machine). */
 #define CHUNKS_PER_THREAD 8
 #define CHUNK_ROW_ALIGN 16 /* rows; even (RoPE pairs) and a multiple of kernel tiles */
@@ -177,7 +194,7 @@ static void mm_run(mm_job *j)
     for (int i = 0; i < j->n_seg; i++)
         work += (long)j->seg[i].rows * j->act->n * j->act->T * (j->seg[i].w_up ? 2 : 1);
     atomic_init(&j->next, 0);
-    if (j->ctx->n_threads == 1 || work < PAR_MIN_WORK) {
+    if (run_inline(j->ctx, work)) {
         /* one thread: each matrix whole, in one kernel call (the token-lane kernel
          * transposes its activation tile once per call: chunks would repeat that) */
         for (int i = 0; i < j->n_seg; i++)
@@ -241,7 +258,7 @@ static void prep(model_ctx_t *ctx, kern_act *a, const float *src, const float *n
         return;
     prep_job j = {.ctx = ctx, .act = a, .src = src, .norm_w = norm_w, .dst = dst, .quant = quant};
     atomic_init(&j.next, 0);
-    if (ctx->n_threads == 1 || (long)T * n < PAR_MIN_WORK / 8)
+    if (run_inline(ctx, (long)T * n * 8) /* its work: 1/8 of a product's per element */)
         prep_worker(&j, 0, 1);
     else
         threadpool_run(ctx->pool, prep_worker, &j);
@@ -372,7 +389,7 @@ static void attention(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *ba
     j.per_chunk = (groups + want - 1) / want;
     j.n_chunks = (groups + j.per_chunk - 1) / j.per_chunk;
     atomic_init(&j.next, 0);
-    if (ctx->n_threads == 1 || work < PAR_MIN_WORK)
+    if (run_inline(ctx, work))
         att_worker(&j, 0, 1);
     else
         threadpool_run(ctx->pool, att_worker, &j);

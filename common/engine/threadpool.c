@@ -15,6 +15,8 @@
  * next step of a forward pass usually follows within that) and then block on a
  * condition variable; every check-then-sleep happens under the mutex, and every change a
  * sleeper waits for is followed by a signal under the same mutex, so no wake-up is lost.
+ * threadpool_awake reads the sleeper count without the lock: a hint for callers that
+ * would rather run a short job inline than wake a thread for it.
  */
 #include "threadpool.h"
 
@@ -37,7 +39,7 @@ struct threadpool {
     _Atomic uint64_t closed; /* last generation closed to new workers */
     atomic_int active;       /* workers announced for the current job */
     atomic_int stop;
-    int n_sleeping; /* workers blocked on cv_start (under mu) */
+    atomic_int n_sleeping; /* workers blocked on cv_start (changed under mu) */
     int caller_sleeping;
     threadpool_fn fn; /* current job, published by the release of gen */
     void *arg;
@@ -82,9 +84,9 @@ static uint64_t wait_job(threadpool_t *pool, uint64_t seen)
     uint64_t g;
     while ((g = atomic_load_explicit(&pool->gen, memory_order_acquire)) == seen &&
            !atomic_load_explicit(&pool->stop, memory_order_acquire)) {
-        pool->n_sleeping++;
+        atomic_fetch_add_explicit(&pool->n_sleeping, 1, memory_order_relaxed);
         pthread_cond_wait(&pool->cv_start, &pool->mu);
-        pool->n_sleeping--;
+        atomic_fetch_sub_explicit(&pool->n_sleeping, 1, memory_order_relaxed);
     }
     pthread_mutex_unlock(&pool->mu);
     return atomic_load_explicit(&pool->stop, memory_order_acquire) ? 0 : g;
@@ -135,6 +137,7 @@ threadpool_t *threadpool_new(int n_threads)
     atomic_init(&pool->closed, 0);
     atomic_init(&pool->active, 0);
     atomic_init(&pool->stop, 0);
+    atomic_init(&pool->n_sleeping, 0);
     pthread_mutex_init(&pool->mu, NULL);
     pthread_cond_init(&pool->cv_start, NULL);
     pthread_cond_init(&pool->cv_done, NULL);
@@ -185,6 +188,14 @@ int threadpool_size(const threadpool_t *pool)
     return pool->n_threads;
 }
 
+int threadpool_awake(const threadpool_t *pool)
+{
+    if (pool->n_threads == 1)
+        return 0;
+    int asleep = atomic_load_explicit(&((threadpool_t *)pool)->n_sleeping, memory_order_relaxed);
+    return pool->n_threads - 1 - asleep;
+}
+
 void threadpool_run(threadpool_t *pool, threadpool_fn fn, void *arg)
 {
     if (pool->n_threads == 1) {
@@ -196,7 +207,7 @@ void threadpool_run(threadpool_t *pool, threadpool_fn fn, void *arg)
     uint64_t g = atomic_load_explicit(&pool->gen, memory_order_relaxed) + 1;
     atomic_store_explicit(&pool->gen, g, memory_order_seq_cst);
     pthread_mutex_lock(&pool->mu);
-    if (pool->n_sleeping)
+    if (atomic_load_explicit(&pool->n_sleeping, memory_order_relaxed))
         pthread_cond_broadcast(&pool->cv_start);
     pthread_mutex_unlock(&pool->mu);
 

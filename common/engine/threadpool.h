@@ -37,6 +37,15 @@ void threadpool_destroy(threadpool_t **pool);
 /* Threads in the pool, counting the caller. */
 int threadpool_size(const threadpool_t *pool);
 
+/* Workers (not counting the caller) not blocked on the pool's condition variable right
+ * now: spinning between jobs, inside one, or on their way to sleep; 0 for a pool of 1.
+ * Read without the lock, so a hint that may be stale by the time it is used. Waking a
+ * sleeping worker on a machine whose other CPUs are busy usually preempts the caller
+ * (the woken thread is placed on the caller's CPU): below some job size that costs more
+ * than the job, so callers run short jobs inline when no worker is awake (model_forward's
+ * PAR_WAKE_WORK). Thread-safe. */
+int threadpool_awake(const threadpool_t *pool);
+
 /* Run fn on the caller and the workers that start in time (see above); on return no
  * thread is inside fn and none will enter it. The pool is owned by one thread at a time:
  * calls to threadpool_run on one pool must not overlap. */

@@ -6,10 +6,13 @@
  *   bench_engine [--threads N] --kern
  *
  * For each model: prefill of one 128-token prompt, and of four 128-token prompts in one
- * call (best of a few runs), and of one 512-token prompt (one run on the 1B-class models); decode steps at batch 1, 8 and 32 with every sequence at
- * context ~64 (the 64-token context is prefilled once and its KV blocks copied to the
- * other sequences, so setting up batch 32 costs one prefill; rate from the median step);
- * batch 8 again on one thread (thread scaling); the read-bandwidth roofline of batch-1
+ * call (best of a few runs), and of one 512-token prompt (one run on the 1B-class models);
+ * batch-1 decode at context ~64 (rate from the median step); aggregate decode at batch 1, 8
+ * and 32 with every sequence at context 64, time-sliced (bench_decode_mix: chunks of 32
+ * tokens of each batch size in turn, tokens / wall summed over each size's chunks, with the
+ * CPU time per token and the fraction of steps preempted; the 64-token context is
+ * prefilled once and its KV blocks copied to the other sequences, so setting up costs one
+ * prefill); batch 8 again on one thread (thread scaling); the read-bandwidth roofline of batch-1
  * decode, which only reads the weights: the read bandwidth (read_bandwidth: the engine's
  * thread count streaming through a 1 GiB buffer, best of 5, measured just before the
  * batch-1 run) divided by the weight bytes a step reads (model_matmul_bytes), and the
@@ -22,9 +25,9 @@
  * median of 32 steps, 64 for small models, at context 64 as above), for the side-by-side
  * runs against llama-bench in tests/run_bench.sh.
  *
- * --batched: aggregate decode only, lines "bd MODEL B TOK/S" for B = 1, 8, 32 (the
- * decode rows above), for the side-by-side runs against llama-batched-bench
- * (tests/run_bench.sh peer_batched).
+ * --batched: aggregate decode only, lines "bd MODEL B TOK/S cpu_us_per_token US preempted
+ * F" for B = 1, 8, 32 (the time-sliced decode rows above), for the side-by-side runs
+ * against llama-batched-bench (tests/run_bench.sh peer_batched).
  *
  * --pp: prefill of one 512-token prompt only, "pp MODEL TOK/S" (after an 8-token warm-up;
  * best of 3, one run for the 1B-class models), for the pp512 side by side.
@@ -482,6 +485,104 @@ static double bench_decode(bench *b, model_ctx_t *ctx, int B, int steps, double 
     return (double)B / times[steps / 2];
 }
 
+/* Aggregate decode at the batch sizes Bs[0..nB) (each <= MIX_MAX_B), time-sliced: `rounds`
+ * rounds, each one chunk of MIX_MAX_B / B steps (MIX_MAX_B tokens) of every size in turn,
+ * every step at context CTX exactly (the sequences are cut back to CTX before each step,
+ * which then rewrites position CTX). rate[i]: tokens / the wall time summed over size i's
+ * chunks; cpu_us[i]: CPU microseconds (all threads) per token; preempt[i]: the fraction of
+ * its steps during which the calling thread was switched out involuntarily. Chunks of about
+ * equal length share the machine's load of the moment alike; a median step does not: a
+ * batch-32 step of stories260K (~2 ms) is longer than a scheduler slice, so on a shared
+ * machine most such steps contain a preemption and almost no batch-1 step (~0.07 ms) does,
+ * and the median-step rate fell from batch 8 to 32 while the CPU time per token did not
+ * (docs/bench.md). 0, or -1 when the cache or a forward pass fails. */
+#define MIX_MAX_B 32
+static int bench_decode_mix(bench *b, model_ctx_t *ctx, const int *Bs, int nB, int rounds,
+                            double *rate, double *cpu_us, double *preempt)
+{
+    int seqs[3 * MIX_MAX_B], first[4], n_seq = 0;
+    int L = b->c->n_layer;
+    if (nB > 3)
+        return -1;
+    for (int i = 0; i < nB; i++) {
+        if (Bs[i] < 1 || Bs[i] > MIX_MAX_B)
+            return -1;
+        first[i] = n_seq;
+        n_seq += Bs[i];
+    }
+    first[nB] = n_seq;
+    int rc = -1, made = 0;
+    for (; made < n_seq; made++) {
+        seqs[made] = kvcache_seq_new(b->kv);
+        if (seqs[made] < 0)
+            goto out;
+        if (kvcache_seq_reserve(b->kv, seqs[made], CTX + 1) != KVCACHE_OK) {
+            made++;
+            goto out;
+        }
+    }
+    /* one prefilled context, copied block by block into the others */
+    for (int i = 0; i < CTX; i++)
+        b->toks[i] = rand_tok(b->c->vocab_size);
+    model_seq_batch p = {seqs[0], 0, CTX, b->toks, 0, b->logits, NULL, 0, NULL};
+    if (model_forward(ctx, b->kv, &p, 1, NULL, NULL) != 0)
+        goto out;
+    const int *src = kvcache_seq_blocks(b->kv, seqs[0], NULL);
+    int used = kvcache_blocks_for(b->kv, CTX);
+    for (int s = 1; s < n_seq; s++) {
+        const int *dst = kvcache_seq_blocks(b->kv, seqs[s], NULL);
+        for (int l = 0; l < L; l++)
+            for (int k = 0; k < used; k++)
+                memcpy(kvcache_block_data(b->kv, l, dst[k]), kvcache_block_data(b->kv, l, src[k]),
+                       kvcache_block_bytes(b->kv));
+        kvcache_seq_set_len(b->kv, seqs[s], CTX);
+    }
+    double wall[3] = {0}, cpu[3] = {0};
+    long steps[3] = {0}, cut[3] = {0};
+    model_seq_batch items[MIX_MAX_B];
+    int tok[MIX_MAX_B];
+    for (int r = -1; r < rounds; r++) { /* round -1: warm-up, not counted */
+        for (int i = 0; i < nB; i++) {
+            const int B = Bs[i], k_steps = MIX_MAX_B / B;
+            for (int k = 0; k < k_steps; k++) {
+                for (int s = 0; s < B; s++) {
+                    int sq = seqs[first[i] + s];
+                    kvcache_seq_set_len(b->kv, sq, CTX);
+                    tok[s] = rand_tok(b->c->vocab_size);
+                    items[s] = (model_seq_batch){
+                        sq,   CTX, 1, &tok[s], 0, b->logits + (size_t)s * b->c->vocab_size,
+                        NULL, 0,   NULL};
+                }
+                struct rusage ru0, ru1;
+                getrusage(RUSAGE_THREAD, &ru0);
+                double t0 = now_s(), c0 = cpu_s();
+                if (model_forward(ctx, b->kv, items, B, NULL, NULL) != 0)
+                    goto out;
+                double dw = now_s() - t0, dc = cpu_s() - c0;
+                getrusage(RUSAGE_THREAD, &ru1);
+                if (r < 0)
+                    continue;
+                wall[i] += dw;
+                cpu[i] += dc;
+                steps[i]++;
+                cut[i] += ru1.ru_nivcsw != ru0.ru_nivcsw;
+            }
+        }
+    }
+    for (int i = 0; i < nB; i++) {
+        double toks = (double)steps[i] * Bs[i];
+        rate[i] = toks / wall[i];
+        cpu_us[i] = cpu[i] * 1e6 / toks;
+        preempt[i] = (double)cut[i] / (double)steps[i];
+    }
+    rc = 0;
+out:
+    for (int s = 0; s < made; s++)
+        if (seqs[s] >= 0)
+            kvcache_seq_free(b->kv, seqs[s]);
+    return rc;
+}
+
 static const char *weight_type(const model_t *m, const model_config *c)
 {
     /* by bytes per weight of the matrices */
@@ -618,7 +719,7 @@ int main(int argc, char **argv)
         const model_config *c = b.c;
         int big = model_matmul_bytes(m) > ((uint64_t)256 << 20);
         cp.max_tokens = 4 * PROMPT;
-        kvcache_params kp = {c->n_layer, c->n_kv_head, c->head_dim, 16, 0, 40, c->n_ctx};
+        kvcache_params kp = {c->n_layer, c->n_kv_head, c->head_dim, 16, 0, 48, c->n_ctx};
         kp.n_blocks = 4 * PROMPT / 16 + 32 * ((CTX + 64) / 16 + 1);
         b.kv = kvcache_new(&kp);
         b.ctx = model_ctx_new_params(m, &cp);
@@ -659,16 +760,15 @@ int main(int argc, char **argv)
             double cores;
             bench_prefill(&b, 1, 8, 1, &cores); /* warm-up */
             const int Bs[] = {1, 8, 32};
-            for (int i = 0; i < 3; i++) {
-                int steps = big ? (Bs[i] == 32 ? 3 : 7) : 64;
-                double d = bench_decode(&b, b.ctx, Bs[i], steps, &cores);
-                if (d < 0) {
-                    fprintf(stderr, "bench_engine: %s: forward pass failed\n", argv[a]);
-                    rc = 1;
-                    break;
-                }
-                printf("bd %s %d %.3f\n", argv[a], Bs[i], d);
+            double r[3], cpu[3], cut[3];
+            if (bench_decode_mix(&b, b.ctx, Bs, 3, big ? 2 : 64, r, cpu, cut) != 0) {
+                fprintf(stderr, "bench_engine: %s: forward pass failed\n", argv[a]);
+                rc = 1;
+                goto next;
             }
+            for (int i = 0; i < 3; i++)
+                printf("bd %s %d %.3f cpu_us_per_token %.2f preempted %.2f\n", argv[a], Bs[i],
+                       r[i], cpu[i], cut[i]);
             goto next;
         }
         printf("\n%s: %s, %s weights (%.1f MB read per forward pass), dim %d, %d layers, "
@@ -676,8 +776,7 @@ int main(int argc, char **argv)
                argv[a], c->name, weight_type(m, c), bytes / 1e6, c->dim, c->n_layer,
                model_ctx_kernel_name(b.ctx), model_ctx_n_threads(b.ctx), t_load);
         int reps = quick ? 1 : big ? 2 : 5;
-        int dsteps1 = big ? (quick ? 3 : 15) : 64, dsteps8 = big ? (quick ? 3 : 7) : 64;
-        int dsteps32 = big ? (quick ? 1 : 3) : 64;
+        int dsteps1 = big ? (quick ? 3 : 15) : 64;
         /* warm-up: page in the weights, grow the threads' stacks */
         double cu[7] = {0};
         bench_prefill(&b, 1, 8, 1, &cu[0]);
@@ -688,18 +787,22 @@ int main(int argc, char **argv)
          * shared: its bandwidth changes by the minute) */
         double bw = read_bandwidth(model_ctx_n_threads(b.ctx));
         double d1 = bench_decode(&b, b.ctx, 1, dsteps1, &cu[2]);
-        double d8 = bench_decode(&b, b.ctx, 8, dsteps8, &cu[3]);
-        double d32 = bench_decode(&b, b.ctx, 32, dsteps32, &cu[4]);
+        /* aggregate decode, time-sliced (bench_decode_mix): batch 1, 8, 32 side by side */
+        const int Bs[] = {1, 8, 32};
+        double mr[3], mcpu[3], mcut[3];
+        int rounds = big ? (quick ? 1 : 2) : (quick ? 16 : 64);
+        int mix = bench_decode_mix(&b, b.ctx, Bs, 3, rounds, mr, mcpu, mcut);
         /* thread scaling where it is compute-bound: batch 8 on one thread */
-        double d8_1 = -1;
+        double d8_1 = -1, c8_1 = 0, x8_1 = 0;
         if (model_ctx_n_threads(b.ctx) > 1) {
             model_ctx_params one = cp;
             one.n_threads = 1;
             model_ctx_t *c1 = model_ctx_new_params(m, &one);
-            d8_1 = c1 ? bench_decode(&b, c1, 8, dsteps8, &cu[5]) : -1;
+            if (!c1 || bench_decode_mix(&b, c1, &Bs[1], 1, rounds, &d8_1, &c8_1, &x8_1) != 0)
+                d8_1 = -1;
             model_ctx_destroy(&c1);
         }
-        if (p1 < 0 || p4 < 0 || p512 < 0 || d1 < 0 || d8 < 0 || d32 < 0) {
+        if (p1 < 0 || p4 < 0 || p512 < 0 || d1 < 0 || mix != 0) {
             fprintf(stderr, "bench_engine: %s: forward pass failed\n", argv[a]);
             rc = 1;
             goto next;
@@ -714,18 +817,19 @@ int main(int argc, char **argv)
             PROMPT, p4, p4 / p1, cu[1]);
         printf("  prefill 1 x %d tokens          : %9.1f tok/s  %21s [%.1f cores]\n", PP_LONG, p512,
                "", cu[6]);
-        printf("  decode batch  1, ctx %d        : %9.1f tok/s  %21s [%.1f cores]\n", CTX, d1, "",
-               cu[2]);
-        printf(
-            "  decode batch  8, ctx %d        : %9.1f tok/s  (%5.2fx of batch 1)   [%.1f cores]\n",
-            CTX, d8, d8 / d1, cu[3]);
-        printf(
-            "  decode batch 32, ctx %d        : %9.1f tok/s  (%5.2fx of batch 1)   [%.1f cores]\n",
-            CTX, d32, d32 / d1, cu[4]);
+        printf("  decode batch  1, ctx %d        : %9.1f tok/s  (median step) %7s [%.1f cores]\n",
+               CTX, d1, "", cu[2]);
+        printf("  (decode batch 1 / 8 / 32 time-sliced, tokens / wall: chunks of 32 tokens of "
+               "each in turn, %d rounds)\n",
+               rounds);
+        for (int i = 0; i < 3; i++)
+            printf("  decode batch %2d, ctx %d        : %9.1f tok/s  (%5.2fx of batch 1)   "
+                   "[%.1f us CPU/token, %.0f%% of steps preempted]\n",
+                   Bs[i], CTX, mr[i], mr[i] / mr[0], mcpu[i], 100.0 * mcut[i]);
         if (d8_1 > 0)
             printf("  decode batch  8, 1 thread      : %9.1f tok/s  (%d threads: %4.2fx)    [%.1f "
-                   "cores]\n",
-                   d8_1, model_ctx_n_threads(b.ctx), d8 / d8_1, cu[5]);
+                   "us CPU/token]\n",
+                   d8_1, model_ctx_n_threads(b.ctx), mr[1] / d8_1, c8_1);
         printf("  batch-1 decode read roofline   : %9.1f tok/s  (%.2f GB/s read / %.1f MB); "
                "achieved %.0f%%\n",
                bound, bw / 1e9, bytes / 1e6, 100.0 * d1 / bound);

@@ -1565,6 +1565,15 @@ static void test_threadpool(void **state)
         }
         if (sizes[si] > 1)
             assert_true(helped > 0); /* the workers do take part */
+        /* threadpool_awake: never more than the workers; 0 once they have all fallen
+         * asleep (they spin some tens of microseconds after a job, then block) */
+        int awake = threadpool_awake(p), waited_ms = 0;
+        assert_true(awake >= 0 && awake <= sizes[si] - 1);
+        while ((awake = threadpool_awake(p)) != 0 && waited_ms < 5000) {
+            usleep(1000);
+            waited_ms++;
+        }
+        assert_int_equal(awake, 0);
         threadpool_destroy(&p);
         assert_null(p);
         threadpool_destroy(&p);
