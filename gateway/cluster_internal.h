@@ -50,6 +50,7 @@ typedef struct worker {
     uint64_t n_role_changes; /* last heartbeat */
     int64_t role_change_us;  /* last heartbeat: its last change's duration */
     proto_mig_counters mig;  /* last heartbeat: live migrations */
+    uint64_t pc_queries, pc_hits; /* last heartbeat: prefix cache tokens looked up / found */
 } worker_t;
 
 typedef struct req {
