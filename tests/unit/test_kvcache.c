@@ -73,11 +73,20 @@ static void assert_all_free(kvcache_t *kv)
     assert_int_equal(kvcache_n_free_blocks(kv), n);
     for (int b = 0; b < n; b++)
         assert_int_equal(kvcache_block_refcount(kv, b), 0);
-    int s = kvcache_seq_new(kv);
-    assert_int_equal(kvcache_seq_reserve(kv, s, n * kvcache_get_params(kv)->block_size),
-                     KVCACHE_OK);
+    const kvcache_params *p = kvcache_get_params(kv);
+    int seqs[8], n_seqs = 0, left = n;
+    while (left > 0) { /* sequences of at most max_seq_len tokens take every block */
+        int take = left * p->block_size < p->max_seq_len ? left * p->block_size : p->max_seq_len;
+        assert_true(n_seqs < 8);
+        seqs[n_seqs] = kvcache_seq_new(kv);
+        assert_true(seqs[n_seqs] >= 0);
+        assert_int_equal(kvcache_seq_reserve(kv, seqs[n_seqs], take), KVCACHE_OK);
+        left -= kvcache_blocks_for(kv, take);
+        n_seqs++;
+    }
     assert_int_equal(kvcache_n_free_blocks(kv), 0);
-    kvcache_seq_free(kv, s);
+    for (int i = 0; i < n_seqs; i++)
+        kvcache_seq_free(kv, seqs[i]);
     assert_int_equal(kvcache_n_free_blocks(kv), n);
 }
 
@@ -294,6 +303,101 @@ static void test_prefix_duplicate_private(void **state)
     kvcache_destroy(&kv);
 }
 
+/* Random sequences of attach / reserve / write / commit / truncate / free over prompts that
+ * share prefixes, with 64-bit, 2-bit and 0-bit hashes: after every operation the refcounts
+ * equal the block tables' entries, the free count is exact, and every attached block holds
+ * the KV written for exactly the tokens it is shared for (each slot's first K float is
+ * its token id, the second its position: a collision that slipped through would show). */
+static uint64_t rnd_state;
+static unsigned rnd(unsigned n)
+{
+    rnd_state = rnd_state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (unsigned)(rnd_state >> 33) % n;
+}
+
+static void check_invariants(kvcache_t *kv, int max_seqs)
+{
+    int nb = kvcache_n_blocks(kv), used = 0;
+    int refs[64] = {0};
+    for (int s = 0; s < max_seqs; s++) {
+        if (!kvcache_seq_active(kv, s))
+            continue;
+        int n = 0;
+        const int *b = kvcache_seq_blocks(kv, s, &n);
+        for (int i = 0; i < n; i++)
+            refs[b[i]]++;
+    }
+    for (int b = 0; b < nb; b++) {
+        assert_int_equal(kvcache_block_refcount(kv, b), refs[b]);
+        used += refs[b] > 0;
+    }
+    assert_int_equal(kvcache_n_free_blocks(kv) + used, nb);
+    assert_true(kvcache_n_lru_blocks(kv) <= kvcache_n_cached_blocks(kv));
+    assert_true(kvcache_n_lru_blocks(kv) <= kvcache_n_free_blocks(kv));
+}
+
+static void test_prefix_random_ops(void **state)
+{
+    (void)state;
+    enum { BSZ = 4, NB = 24, NS = 5, LEN = 20 };
+    static const int bits[] = {64, 2, 0};
+    for (int round = 0; round < 3; round++) {
+        kvcache_t *kv = cache(BSZ, NB, NS);
+        kvcache_set_hash_bits(kv, bits[round]);
+        rnd_state = 42 + (uint64_t)round;
+        int tok[NS][LEN], len[NS] = {0};
+        long hits = 0;
+        for (int op = 0; op < 4000; op++) {
+            int s = (int)rnd(NS);
+            if (!kvcache_seq_active(kv, s)) {
+                /* a new prompt: one of 3 stems, then random tokens from a tiny vocabulary */
+                int stem = (int)rnd(3), n = 6 + (int)rnd(LEN - 6);
+                for (int i = 0; i < n; i++)
+                    tok[s][i] = i < 8 ? stem * 10 + i : (int)rnd(3);
+                int got = kvcache_seq_new(kv);
+                if (got < 0)
+                    continue;
+                s = got;
+                for (int i = 0; i < n; i++) /* seq_new may give another slot: copy again */
+                    tok[s][i] = i < 8 ? stem * 10 + i : (int)rnd(3);
+                len[s] = n;
+                int la = (int)rnd(2);
+                int hit = kvcache_seq_attach_prefix(kv, s, SEED, la, tok[s], n, n - 1);
+                assert_true(hit >= 0 && hit % BSZ == 0 && hit <= n - 1);
+                hits += hit;
+                for (int p = 0; p < hit; p++) { /* the shared KV is this prompt's */
+                    assert_true(kvcache_k(kv, 1, s, p)[0] == (float)tok[s][p]);
+                    assert_true(kvcache_k(kv, 1, s, p)[1] == (float)p);
+                }
+                if (kvcache_seq_reserve(kv, s, n) != KVCACHE_OK) {
+                    kvcache_seq_free(kv, s);
+                    check_invariants(kv, NS);
+                    continue;
+                }
+                for (int p = hit; p < n; p++) { /* "compute" the rest */
+                    kvcache_k(kv, 1, s, p)[0] = (float)tok[s][p];
+                    kvcache_k(kv, 1, s, p)[1] = (float)p;
+                }
+                kvcache_seq_set_len(kv, s, n);
+                if (rnd(4))
+                    assert_true(kvcache_seq_commit_prefix(kv, s, SEED, la, tok[s], n) >= 0);
+            } else if (rnd(3) == 0) {
+                kvcache_seq_free(kv, s);
+            } else if (rnd(2) == 0) { /* grow past the prompt, then roll back to it */
+                if (kvcache_seq_reserve(kv, s, len[s] + BSZ) == KVCACHE_OK)
+                    kvcache_seq_truncate(kv, s, len[s]);
+            }
+            check_invariants(kv, NS);
+        }
+        assert_true(hits > 1000); /* the test shares blocks (and fills the cache) */
+        for (int s = 0; s < NS; s++)
+            kvcache_seq_free(kv, s);
+        check_invariants(kv, NS);
+        assert_all_free(kv);
+        kvcache_destroy(&kv);
+    }
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -302,6 +406,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_prefix_collision_confirmed),
         cmocka_unit_test(test_prefix_lookahead_and_seed),
         cmocka_unit_test(test_prefix_duplicate_private),
+        cmocka_unit_test(test_prefix_random_ops),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);
