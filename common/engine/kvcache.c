@@ -54,12 +54,12 @@ struct kvcache {
     size_t block_floats; /* 2 * block_size * kv_dim */
     int *free_stack;     /* (n_blocks,) plain free block ids; top is free_stack[n_free - 1] */
     int n_free;          /* plain free blocks */
-    kv_seq *seqs;    /* (max_seqs,) */
-    int *seq_tables; /* (max_seqs, max_blocks_per_seq) backing store of the tables */
-    kv_block *blk;   /* (n_blocks,) */
-    int *keys;       /* (n_blocks, key_stride) token ids of each hashed block's key */
-    int key_stride;  /* block_size + KVCACHE_MAX_LOOKAHEAD */
-    int *buckets;    /* (n_buckets,) first block of each hash chain, -1 */
+    kv_seq *seqs;        /* (max_seqs,) */
+    int *seq_tables;     /* (max_seqs, max_blocks_per_seq) backing store of the tables */
+    kv_block *blk;       /* (n_blocks,) */
+    int *keys;           /* (n_blocks, key_stride) token ids of each hashed block's key */
+    int key_stride;      /* block_size + KVCACHE_MAX_LOOKAHEAD */
+    int *buckets;        /* (n_buckets,) first block of each hash chain, -1 */
     uint64_t n_buckets;
     uint64_t hash_mask; /* kept bits of block hashes */
     int lru_head, lru_tail, n_lru;
