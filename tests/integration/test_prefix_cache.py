@@ -78,6 +78,24 @@ def prompt_tokens_computed(c, want=None, timeout=10):
         time.sleep(0.05)
 
 
+def spec_counters(c, timeout=10):
+    """(drafts, draft tokens, accepted tokens) summed over the workers, once two reads a
+    heartbeat apart agree."""
+    names = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+             "spec_decode_num_accepted_tokens_total")
+    last, deadline = None, time.time() + timeout
+    while True:
+        time.sleep(0.15)
+        status, text = c.request("GET", "/metrics")
+        assert status == 200
+        samples, _, _ = parse_metrics(text)
+        now = tuple(sum(v for (n, _), v in samples.items()
+                        if re.fullmatch(r"tidepool[:_]" + f, n)) for f in names)
+        if now == last or time.time() > deadline:
+            return now
+        last = now
+
+
 def metric_values(c, family):
     status, text = c.request("GET", "/metrics")
     assert status == 200
@@ -89,7 +107,7 @@ def metric_values(c, family):
 
 
 class PrefixCache(unittest.TestCase):
-    def run_both(self, roles, extra=()):
+    def run_both(self, roles, extra=(), spec=False):
         """The conversation with the cache off, then on: identical texts; returns the
         sizes, the on-cluster's (queries, hits) and the tokens each side computed."""
         args = FAST_HB + list(extra)
@@ -98,6 +116,7 @@ class PrefixCache(unittest.TestCase):
             q_off, h_off = counters(c, 0)
             self.assertEqual((q_off, h_off), (0, 0))
             computed_off = prompt_tokens_computed(c, sum(sizes))
+            spec_off = spec_counters(c)
         self.assertEqual(computed_off, sum(sizes))
         self.assertEqual(len(set(want)), len(want), "the turns must differ")
         with Cluster(roles=roles, worker_args=args) as c:
@@ -109,6 +128,9 @@ class PrefixCache(unittest.TestCase):
             self.assertEqual(q, sum(sizes))
             computed_on = prompt_tokens_computed(c, q - h)
             self.assertEqual(computed_on, q - h)
+            if spec:  # the MTP modules' K/V of cached blocks is right: the same drafts pass
+                self.assertEqual(spec_counters(c), spec_off)
+                self.assertGreater(spec_off[0], 0)
             self.assertEqual(metric_values(c, "prefix_cache_queries_total"), q)
             self.assertEqual(metric_values(c, "prefix_cache_hits_total"), h)
             # cached blocks are free blocks: the cache holds them, nothing is leaked
@@ -122,13 +144,18 @@ class PrefixCache(unittest.TestCase):
         return sizes, (q, h)
 
     def test_disaggregated_mtp(self):
-        self.run_both(("prefill", "decode"))
+        # a fixed depth (no adaptive lowering, which depends on timing): drafts and
+        # acceptances must be the same with the cache on and off
+        self.run_both(("prefill", "decode"), ["--mtp-adaptive", "false"], spec=True)
 
     def test_disaggregated_no_mtp_chunked(self):
         self.run_both(("prefill", "decode"),
                       ["--mtp-depth", "0", "--prefill-chunk-tokens", "7"])
 
     def test_mixed(self):
+        self.run_both(("mixed",), ["--mtp-adaptive", "false"], spec=True)
+
+    def test_mixed_adaptive(self):
         self.run_both(("mixed",))
 
     def test_mixed_chunked_no_mtp(self):
@@ -157,6 +184,31 @@ class PrefixCache(unittest.TestCase):
                 self.assertEqual(st, 200, third)
                 m = third["usage"]["prompt_tokens"]
                 self.assertEqual(counters(c, 2 * n + m), (2 * n + m, hit))
+
+    def test_mtp_lookahead(self):
+        """Token-id prompts: A (33 tokens), then B = A's first 32 tokens and 8 others. With
+        MTP (depth 2) a block's key holds the 2 tokens after it, so A registers only its
+        first block (32 + 2 > 33: the modules' K/V at positions 30 and 31 is not A's to
+        write) and B hits 16 tokens; without MTP A registers both full blocks and B hits 32
+        (at most 39). Texts match a cache-off cluster either way."""
+        a = [1] + [(37 * i) % 480 + 20 for i in range(1, 33)]
+        b = a[:32] + [(53 * i) % 470 + 30 for i in range(8)]
+        self.assertNotEqual(b[32], a[32])
+        for extra, want_hit in ((["--mtp-adaptive", "false"], 16), (["--mtp-depth", "0"], 32)):
+            texts = {}
+            for cache in ("true", "false"):
+                args = FAST_HB + extra + ["--prefix-cache", cache]
+                with Cluster(roles=("prefill", "decode"), worker_args=args) as c:
+                    out = []
+                    for prompt in (a, b):
+                        st, body = c.complete(prompt, max_tokens=12)
+                        self.assertEqual(st, 200, body)
+                        out.append(body["choices"][0]["text"])
+                    self.assertEqual(body["usage"]["prompt_tokens"], 40)
+                    texts[cache] = out
+                    if cache == "true":
+                        self.assertEqual(counters(c, 73), (73, want_hit))
+            self.assertEqual(texts["true"], texts["false"])
 
 
 if __name__ == "__main__":
