@@ -112,6 +112,8 @@ static const field_t fields[] = {
     FLD("role_us", F_I64, role_change_us, 0, INT64_MAX, 0, T(PROTO_HEARTBEAT)),
     FLD("n_role", F_U64, n_role_changes, 0, 0, 0, T(PROTO_HEARTBEAT)),
     FLD("mig", F_U64S, mig, 0, 0, 0, T(PROTO_HEARTBEAT)),
+    FLD("pc_q", F_U64, prefix_queries, 0, 0, 0, T(PROTO_HEARTBEAT)),
+    FLD("pc_hit", F_U64, prefix_hits, 0, 0, 0, T(PROTO_HEARTBEAT)),
 };
 #define N_FIELDS (sizeof(fields) / sizeof(fields[0]))
 _Static_assert(sizeof(proto_kvx_counters) == 7 * sizeof(uint64_t), "counters are a u64 array");

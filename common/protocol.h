@@ -164,6 +164,9 @@ typedef struct {
                                           * duration (ROLE received -> switched), us */
     uint64_t n_role_changes;             /* HEARTBEAT, optional: role changes since start */
     proto_mig_counters mig;              /* HEARTBEAT, optional: live migrations */
+    uint64_t prefix_queries;             /* HEARTBEAT, optional: prompt tokens looked up in the
+                                          * prefix cache since start */
+    uint64_t prefix_hits;                /* HEARTBEAT, optional: of those, tokens found cached */
 
     /* request (PREFILL, TOKENS, KV_BEGIN) */
     int *tokens;                         /* PREFILL: prompt ids; TOKENS: generated ids */

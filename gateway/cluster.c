@@ -839,6 +839,7 @@ void cluster_foreach_worker(const cluster_t *c,
             .n_role_changes = w->n_role_changes,
             .role_change_ms = (double)w->role_change_us / 1000.0,
             .mig = w->mig,
+            .prefix_cache_queries = w->pc_queries, .prefix_cache_hits = w->pc_hits,
         };
         fn(&info, ud);
     }

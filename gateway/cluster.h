@@ -203,6 +203,9 @@ typedef struct {
     uint64_t n_role_changes;      /* from its heartbeat: role changes since it started */
     double role_change_ms;        /* from its heartbeat: its last change (0 = none) */
     proto_mig_counters mig;       /* from its heartbeat: live migrations out and in */
+    uint64_t prefix_cache_queries; /* from its heartbeat: prompt tokens looked up in its
+                                    * prefix cache since it started */
+    uint64_t prefix_cache_hits;    /* of those, tokens found cached (not computed) */
 } cluster_worker_info;
 
 /* Call fn for every alive worker, in registration order. */

@@ -54,6 +54,7 @@ typedef struct worker {
     uint64_t n_role_changes; /* last heartbeat */
     int64_t role_change_us;  /* last heartbeat: its last change's duration */
     proto_mig_counters mig;  /* last heartbeat: live migrations */
+    uint64_t pc_queries, pc_hits; /* last heartbeat: prefix cache tokens looked up / found */
     /* Decode workers this prefill worker recently failed to hand KV to (their link may be
      * down while both still reach the gateway): pick avoids the pair until `until_us`
      * when another pair can take the request (cluster_pair_failed / cluster_pair_ok). */

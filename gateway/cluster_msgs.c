@@ -237,6 +237,8 @@ static void handle_heartbeat(cluster_t *c, worker_t *w, const proto_msg *m, cons
     w->kvx_rx = m->kvx_rx;
     w->spec = m->spec;
     w->mig = m->mig;
+    w->pc_queries = m->prefix_queries;
+    w->pc_hits = m->prefix_hits;
     w->running = m->running;
     w->moved_in = 0; /* its running count includes what arrived */
     w->queued = m->queued;

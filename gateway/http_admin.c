@@ -45,6 +45,11 @@ static void add_worker_json(const cluster_worker_info *w, void *ud)
         "kv_blocks_free", w->kv_blocks_free, "running", w->running, "queued", w->queued,
         "queued_prompt_tokens", w->queued_prompt_tokens, "assigned", w->n_assigned,
         "last_seen_ms_ago", (json_int_t)(w->last_seen_ms_ago + 0.5));
+    if (o) { /* prompt tokens looked up in the worker's prefix cache, and found there */
+        json_object_set_new(o, "prefix_cache_queries",
+                            json_integer((json_int_t)w->prefix_cache_queries));
+        json_object_set_new(o, "prefix_cache_hits", json_integer((json_int_t)w->prefix_cache_hits));
+    }
     if (o && w->state == PROTO_STATE_CHANGING)
         json_object_set_new(o, "state", json_string("changing"));
     if (o && w->changing)

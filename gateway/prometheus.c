@@ -64,6 +64,8 @@ typedef enum {
     W_SPEC_DRAFTS,
     W_SPEC_DRAFT_TOKENS,
     W_SPEC_ACCEPTED,
+    W_PC_QUERIES,
+    W_PC_HITS,
 } wfield_t;
 
 static double wvalue(const cluster_worker_info *w, wfield_t f)
@@ -89,6 +91,10 @@ static double wvalue(const cluster_worker_info *w, wfield_t f)
         return (double)w->spec.n_draft_tokens;
     case W_SPEC_ACCEPTED:
         return (double)w->spec.n_accepted_tokens;
+    case W_PC_QUERIES:
+        return (double)w->prefix_cache_queries;
+    case W_PC_HITS:
+        return (double)w->prefix_cache_hits;
     }
     return 0;
 }
@@ -305,6 +311,11 @@ void prometheus_write(const stats_t *s, const cluster_t *c, FILE *f)
                      "Prompt tokens the worker prefilled since it started.", W_TOK_IN, 0);
     write_per_worker(f, s, &l, "worker_generation_tokens_total", "counter",
                      "Tokens the worker generated since it started.", W_TOK_OUT, 0);
+    write_per_worker(f, s, &l, "prefix_cache_queries_total", "counter",
+                     "Prefix cache queries, in terms of number of queried tokens.", W_PC_QUERIES,
+                     0);
+    write_per_worker(f, s, &l, "prefix_cache_hits_total", "counter",
+                     "Prefix cache hits, in terms of number of cached tokens.", W_PC_HITS, 0);
     write_per_worker(f, s, &l, "spec_decode_num_drafts_total", "counter",
                      "Number of spec decoding drafts.", W_SPEC_DRAFTS, 1);
     write_per_worker(f, s, &l, "spec_decode_num_draft_tokens_total", "counter",

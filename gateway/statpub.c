@@ -247,7 +247,7 @@ static void pk_worker(msgpack_packer *pk, const stats_t *stats, const cluster_wo
     stats_worker_figures f;
     stats_get_worker(stats, w->id, now_us, &f);
     int used = w->kv_blocks_total - w->kv_blocks_free;
-    msgpack_pack_map(pk, 24);
+    msgpack_pack_map(pk, 26);
     pk_str(pk, "id", w->id);
     pk_role(pk, "role", w->role);
     pk_str(pk, "state", stats_state_str(w->state));
@@ -263,6 +263,8 @@ static void pk_worker(msgpack_packer *pk, const stats_t *stats, const cluster_wo
     pk_dbl(pk, "kv_usage", w->kv_blocks_total > 0 ? (double)used / w->kv_blocks_total : 0.0);
     pk_u64(pk, "tokens_in_total", w->tokens_in);
     pk_u64(pk, "tokens_out_total", w->tokens_out);
+    pk_u64(pk, "prefix_cache_queries_total", w->prefix_cache_queries);
+    pk_u64(pk, "prefix_cache_hits_total", w->prefix_cache_hits);
     pk_dbl(pk, "tokens_in_per_s", f.tokens_in_per_s);
     pk_dbl(pk, "tokens_out_per_s", f.tokens_out_per_s);
     pk_pct(pk, "ttft_ms", &f.ttft);

@@ -19,6 +19,18 @@
  * reserves the worst case (prompt + max_tokens - 1, capped at the context), so a running
  * sequence never runs out of blocks mid-generation.
  *
+ * Automatic prefix caching (--prefix-cache, docs/prefix-cache.md): at admission the
+ * prompt's longest run of cached full blocks (kvcache_seq_attach_prefix) is shared with
+ * its sequence and computing starts after it (n_done = the cached tokens; at least the last
+ * prompt token is always computed, for its logits, so a shared block is never written).
+ * The transfer still sends every block, cached ones with the first chunk, so the decode
+ * side is unchanged. Once the prompt is computed its full blocks are registered
+ * (kvcache_seq_commit_prefix). The key of a block is seeded by the model's fingerprint and,
+ * when the MTP modules ran over the prompt, their fingerprint and depth: a module's K/V at
+ * position t depends on the token t + k, so such a block's key also holds the depth tokens
+ * after it (lookahead), and the prompt computes at least its last two tokens (the module
+ * pass must see position n_prompt - 2 for the hand-off state).
+ *
  * The step allocates nothing: the batch arrays, the logits (max_items, vocab) and the
  * forward pass's scratch are sized at attach and start-up, a chunk's bookkeeping lives in
  * its request (n_done, n_chunk, blk_sent, blk_upto), and message headers are encoded on
@@ -53,23 +65,55 @@ static int blocks_complete(const prefill_role *p, const preq *r)
                                : done / p->rt->cp.block_size;
 }
 
+/* The prefix cache's key of r's blocks: the chain seed and the lookahead (tokens after a
+ * block that its KV depends on: the MTP depth the module pass writes). */
+static uint64_t prefix_key(const prefill_role *p, const preq *r, int *lookahead)
+{
+    const worker_compute *cp = &p->rt->cp;
+    int depth = r->mtp_depth < cp->n_mtp ? r->mtp_depth : cp->n_mtp;
+    if (!cp->mtp || depth < 0)
+        depth = 0;
+    *lookahead = depth;
+    uint64_t salt = depth ? mtp_fingerprint(cp->mtp) + (uint64_t)depth : 0;
+    return kvcache_prefix_seed(cp->mc->fingerprint, salt);
+}
+
 /* Admit r into the batch: a sequence with room for its prompt (and, when decoded here, for
- * every token it may generate). Returns 0, or -1 when the cache is full now. */
+ * every token it may generate), its cached prefix shared (r->n_done = the cached tokens).
+ * Returns 0, or -1 when the cache is full now. */
 static int admit(prefill_role *p, preq *r)
 {
-    kvcache_t *kv = p->rt->cp.kv;
+    runtime_t *rt = p->rt;
+    kvcache_t *kv = rt->cp.kv;
     int local = r->dep[0] == 0;
     long long need = local ? (long long)r->n_prompt + r->max_tokens - 1 : r->n_prompt;
-    if (need > p->rt->cp.mc->n_ctx)
-        need = p->rt->cp.mc->n_ctx;
+    if (need > rt->cp.mc->n_ctx)
+        need = rt->cp.mc->n_ctx;
     int seq = kvcache_seq_new(kv);
     if (seq < 0)
         return -1;
+    int cached = 0;
+    if (rt->set.prefix_cache) {
+        int la = 0;
+        uint64_t seed = prefix_key(p, r, &la);
+        /* the last token (the logits) and, with MTP, the one before are computed */
+        int max_cached = r->n_prompt - 1 - (la > 0);
+        cached = kvcache_seq_attach_prefix(kv, seq, seed, la, r->prompt, r->n_prompt, max_cached);
+        if (cached < 0)
+            cached = 0;
+    }
     if (kvcache_seq_reserve(kv, seq, (int)need) != KVCACHE_OK) {
-        kvcache_seq_free(kv, seq);
+        kvcache_seq_free(kv, seq); /* shared blocks go back to the cache */
         return -1;
     }
     r->seq = seq;
+    r->n_done = cached;
+    if (rt->set.prefix_cache) {
+        rt->prefix_queries += (uint64_t)r->n_prompt;
+        rt->prefix_hits += (uint64_t)cached;
+        if (cached)
+            log_rdebug(r->rid, "prefix cache: %d of %d prompt tokens cached", cached, r->n_prompt);
+    }
     return 0;
 }
 
@@ -157,6 +201,11 @@ static void prompt_done(prefill_role *p, preq *r, float *logits)
 {
     runtime_t *rt = p->rt;
     const worker_compute *cp = &rt->cp;
+    if (rt->set.prefix_cache) { /* the prompt's full blocks are final: later prompts share them */
+        int la = 0;
+        uint64_t seed = prefix_key(p, r, &la);
+        kvcache_seq_commit_prefix(cp->kv, r->seq, seed, la, r->prompt, r->n_prompt);
+    }
     int first = sampler_sample(cp->sampler, &r->sp, &r->rng, logits);
     runtime_timing t = {.queue_us = r->t_start_us - r->t_recv_us,
                         .prefill_us = proto_now_us() - r->t_start_us};
@@ -217,8 +266,7 @@ int prefill_step(void *st)
                 p->blocked_free = kvcache_n_free_blocks(cp->kv);
                 continue;
             }
-            r->n_done = 0;
-            r->blk_sent = 0;
+            r->blk_sent = 0; /* cached blocks, if any, go with the first chunk */
         } else if (r->state != PREQ_PREFILLING) {
             continue;
         }

@@ -49,7 +49,24 @@
  * request has ended and every flight is torn down. */
 static void bench_pump(bench *b)
 {
-    while (!b->stopping && b->n_sent < b->n_arrived &&
+    if (bench_workload_multi_turn(&b->a)) {
+        /* a turn goes once it arrived and the previous turn of its conversation ended;
+         * later conversations may overtake a waiting one */
+        while (b->next_unsent < b->n_arrived && b->recs[b->next_unsent].state != 0)
+            b->next_unsent++;
+        for (size_t i = b->next_unsent; !b->stopping && i < b->n_arrived &&
+                                        (b->a.concurrency == 0 ||
+                                         b->in_flight < (size_t)b->a.concurrency);
+             i++) {
+            long long dep = bench_workload_after(&b->a, i);
+            if (b->recs[i].state != BENCH_REC_NOT_SENT ||
+                (dep >= 0 && (b->recs[dep].state == BENCH_REC_NOT_SENT ||
+                              b->recs[dep].state == BENCH_REC_RUNNING)))
+                continue;
+            bench_flight_start(b, i, bench_pump);
+        }
+    }
+    while (!bench_workload_multi_turn(&b->a) && !b->stopping && b->n_sent < b->n_arrived &&
            (b->a.concurrency == 0 || b->in_flight < (size_t)b->a.concurrency))
         bench_flight_start(b, b->n_sent, bench_pump);
     if (b->n_done == b->n_sent && b->n_live == 0 && (b->n_sent == b->n || b->stopping))
@@ -262,10 +279,14 @@ static int bench_check_args(bench *b)
 {
     const bench_args *a = &b->a;
     const char *e = NULL;
-    if (strcmp(a->workload, "synthetic") != 0 && strcmp(a->workload, "phase-shift") != 0)
-        e = "--workload: want synthetic or phase-shift";
-    else if (a->dataset && strcmp(a->workload, "phase-shift") == 0)
-        e = "--dataset and --workload phase-shift exclude each other";
+    if (strcmp(a->workload, "synthetic") != 0 && strcmp(a->workload, "phase-shift") != 0 &&
+        !bench_workload_multi_turn(a) && !bench_workload_shared_prefix(a))
+        e = "--workload: want synthetic, phase-shift, multi-turn or shared-prefix";
+    else if (a->dataset && strcmp(a->workload, "synthetic") != 0)
+        e = "--dataset gives the prompts: it goes with --workload synthetic only";
+    else if (a->prompt_tokenizer && bench_workload_multi_turn(a))
+        e = "--prompt-tokenizer and --workload multi-turn exclude each other (replies are "
+            "text)";
     else if (a->dataset && (a->set_input_len || a->input_range[0] >= 0))
         e = "--dataset gives the prompts: drop --input-len / --input-len-range";
     else if (a->set_input_len && a->input_range[0] >= 0)
@@ -295,6 +316,13 @@ static int bench_check_args(bench *b)
         return -1;
     }
     return 0;
+}
+
+/* bench_args.reply_of: the reply request idx received (multi-turn history). */
+static const char *bench_reply_of(void *ctx, size_t idx)
+{
+    const bench *b = ctx;
+    return idx < b->n && b->recs[idx].state == BENCH_REC_OK ? b->recs[idx].reply : NULL;
 }
 
 static tokenizer_t *prompt_tok; /* --prompt-tokenizer's, NULL without it */
@@ -337,7 +365,7 @@ static void bench_free(bench *b)
 {
     if (b->recs)
         for (size_t i = 0; i < b->n; i++)
-            free(b->recs[i].error);
+            free(b->recs[i].error), free(b->recs[i].reply);
     free(b->recs);
     free(b->itl_pool);
     free(b->model);
@@ -378,7 +406,9 @@ int main(int argc, char **argv)
         return 2;
     }
     signal(SIGPIPE, SIG_IGN);
-    b->n = (size_t)b->a.num_prompts;
+    b->n = bench_workload_n_requests(&b->a);
+    b->a.reply_of = bench_reply_of;
+    b->a.reply_ctx = b;
     int exit_code = 1;
     b->base = event_base_new();
     b->recs = calloc(b->n, sizeof(bench_rec));

@@ -249,6 +249,8 @@ static void send_heartbeat(runtime_t *rt)
     m.kv_blocks_free = kvcache_n_free_blocks(rt->cp.kv);
     m.tokens_in = rt->tokens_in;
     m.tokens_out = rt->tokens_out;
+    m.prefix_queries = rt->prefix_queries;
+    m.prefix_hits = rt->prefix_hits;
     m.spec = rt->spec;
     m.mig = rt->mig;
     if (rt->sender)

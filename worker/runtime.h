@@ -126,6 +126,8 @@ struct runtime {
     curve_zap_t *zap;
     /* counters since start (HEARTBEAT), kept across role changes */
     uint64_t tokens_in, tokens_out; /* prompt tokens computed, tokens generated */
+    uint64_t prefix_queries;        /* prompt tokens looked up in the prefix cache */
+    uint64_t prefix_hits;           /* of those, tokens found cached (not computed) */
     proto_mig_counters mig;         /* live migrations out and in (decode role) */
     proto_spec_counters spec;       /* speculative decoding (decode role; zeros without MTP) */
 

@@ -8,8 +8,21 @@
  * (n_layer, n_blocks, 2, block_size, kv_dim).
  *
  * A sequence is a slot id in [0, max_seqs) with a block table (list of block ids) and a
- * length (tokens whose KV is valid). Every block is either free or owned by exactly one
- * sequence. Not thread-safe: one owner thread.
+ * length (tokens whose KV is valid). Not thread-safe: one owner thread.
+ *
+ * Automatic prefix caching (vLLM's design, docs/prefix-cache.md): a full block that
+ * kvcache_seq_commit_prefix() registers gets a hash, H(parent block's hash, its token ids),
+ * XXH3-64 chained from a caller's seed (the model fingerprint, so that different models
+ * never share), and keeps its token ids, its parent and the seed, so a hash match is
+ * confirmed on the token ids and the whole chain (a collision never leaks another
+ * request's KV). Blocks carry reference counts: kvcache_seq_attach_prefix() shares the
+ * longest cached run of a new prompt's full blocks with a new sequence. A block is either
+ * plain free, cached-but-free (refcount 0, hashed: on an LRU list, still reusable), or in
+ * use by one or more sequences; a shared block is never written (only full prefix blocks
+ * are shared, and the caller computes at least the last prompt token). Allocation takes
+ * plain free blocks first, then evicts the least recently used cached-but-free block.
+ * kvcache_n_free_blocks() counts both kinds of free blocks. Without commits nothing is
+ * hashed and the cache behaves exactly as a plain paged pool.
  */
 #ifndef TP_KVCACHE_H
 #define TP_KVCACHE_H
@@ -35,6 +48,10 @@ typedef struct {
     int max_seq_len; /* tokens per sequence at most (the model context) */
 } kvcache_params;
 
+/* Tokens past a block's end that its KV may depend on, at most (kvcache_seq_*_prefix
+ * lookahead: the MTP modules' K/V at position t read the token t + k). */
+#define KVCACHE_MAX_LOOKAHEAD 4
+
 /* Allocate the pool (zeroed). Returns NULL on bad params or out of memory. */
 kvcache_t *kvcache_new(const kvcache_params *p);
 /* Free the cache; takes NULL; sets *kv to NULL. */
@@ -55,7 +72,10 @@ void kvcache_seq_set_len(kvcache_t *kv, int seq, int n_tokens);
 int kvcache_seq_len(const kvcache_t *kv, int seq);
 /* Token slots the sequence's blocks hold (n_blocks * block_size). */
 int kvcache_seq_capacity(const kvcache_t *kv, int seq);
-/* Release the sequence's blocks and slot. Idempotent for a free slot. */
+/* Release the sequence's blocks and slot: each block's refcount drops; a block no longer
+ * used goes back to the free blocks (a hashed one to the most recent end of the LRU, the
+ * sequence's last block first, so a chain's tail is evicted before its head). Idempotent
+ * for a free slot. */
 void kvcache_seq_free(kvcache_t *kv, int seq);
 /* Whether the slot is in use. */
 int kvcache_seq_active(const kvcache_t *kv, int seq);
@@ -72,9 +92,61 @@ size_t kvcache_block_bytes(const kvcache_t *kv);
 float *kvcache_k(kvcache_t *kv, int layer, int seq, int pos);
 float *kvcache_v(kvcache_t *kv, int layer, int seq, int pos);
 
+/* Blocks an allocation can take now: plain free plus cached-but-free (evictable). */
 int kvcache_n_free_blocks(const kvcache_t *kv);
 int kvcache_n_blocks(const kvcache_t *kv);
 /* Blocks needed for n_tokens tokens: ceil(n_tokens / block_size). */
 int kvcache_blocks_for(const kvcache_t *kv, int n_tokens);
+
+// --- automatic prefix caching
+
+/* The first parent hash of a chain: XXH3-64 of (model fingerprint, salt), where salt tells
+ * apart caches of one model whose blocks hold different layers (the MTP modules' layers
+ * written or not, and to which depth). */
+uint64_t kvcache_prefix_seed(uint64_t model_fingerprint, uint64_t salt);
+
+/* The longest run of cached full blocks that holds tokens[0, n) for n <= max_cached
+ * (n a multiple of block_size), block k matching only if tokens has `lookahead` tokens past
+ * its end (block k's key is tokens[k*bs, (k+1)*bs + lookahead)). Writes the block ids to
+ * blocks (room for n / block_size ids; may be NULL) and returns n (0 = nothing cached).
+ * Touches nothing. lookahead in [0, KVCACHE_MAX_LOOKAHEAD]. */
+int kvcache_prefix_lookup(const kvcache_t *kv, uint64_t seed, int lookahead, const int *tokens,
+                          int n_tokens, int max_cached, int *blocks);
+
+/* Give the new sequence `seq` (active, no blocks) the cached prefix kvcache_prefix_lookup()
+ * finds: its blocks are shared (refcount + 1; a cached-but-free one leaves the LRU), and
+ * the sequence's length is set to the tokens they hold. Returns those tokens (a multiple of
+ * block_size, <= max_cached), 0 when nothing is cached, -1 for a bad argument. The caller
+ * computes tokens from there on; blocks past them come from kvcache_seq_reserve(). */
+int kvcache_seq_attach_prefix(kvcache_t *kv, int seq, uint64_t seed, int lookahead,
+                              const int *tokens, int n_tokens, int max_cached);
+
+/* Register the full blocks of `seq` whose KV is now final, so later prompts can share
+ * them: block k when (k+1)*bs + lookahead <= n_tokens and (k+1)*bs <= the sequence's
+ * length, tokens[0, n_tokens) being the tokens the sequence holds. A block already
+ * registered (attached) is skipped; one whose content another block already caches stays
+ * private. Call it only once the blocks are written for good. Returns the blocks newly
+ * registered, or -1 for a bad argument. */
+int kvcache_seq_commit_prefix(kvcache_t *kv, int seq, uint64_t seed, int lookahead,
+                              const int *tokens, int n_tokens);
+
+/* Forget every cached block: cached-but-free ones become plain free, hashed ones in use
+ * become private (plain free once released). Returns the blocks that lost their hash. */
+int kvcache_prefix_flush(kvcache_t *kv);
+
+/* Testing: keep only `bits` bits (0..64; 0 = every hash is 0) of every block hash from now
+ * on, which forces collisions that the token-id confirmation must catch. Flushes the cache
+ * first. */
+void kvcache_set_hash_bits(kvcache_t *kv, int bits);
+
+/* Blocks that carry a hash (cached-but-free plus in use). */
+int kvcache_n_cached_blocks(const kvcache_t *kv);
+/* Blocks cached-but-free (on the LRU), a subset of kvcache_n_free_blocks(). */
+int kvcache_n_lru_blocks(const kvcache_t *kv);
+/* References to `block` (sequences whose table holds it); 0 when free. */
+int kvcache_block_refcount(const kvcache_t *kv, int block);
+/* The LRU of cached-but-free blocks, least recently used first, into out (room for n);
+ * returns how many were written. For tests and debugging. */
+int kvcache_lru_blocks(const kvcache_t *kv, int *out, int n);
 
 #endif

@@ -28,7 +28,9 @@ LONG = ("Once upon a time, there was a little girl named Lily. She loved to play
         "with their moms and dads. After dinner, Lily took a bath and put on her pajamas. "
         "She got into bed with her teddy bear and her mom read her a story about a dog")
 MAX_TOKENS = 40
-CHUNK = ["--prefill-chunk-tokens", "7", "--block-size", "16"]
+# The prompt is sent several times: the prefix cache is off so that every run computes it
+# whole in chunks (test_prefix_cache.py runs chunked prefill with the cache on).
+CHUNK = ["--prefill-chunk-tokens", "7", "--block-size", "16", "--prefix-cache", "false"]
 
 
 def greedy(c, prompt=LONG, max_tokens=MAX_TOKENS):

@@ -626,6 +626,105 @@ static json_t *body_of(const bench_args *a, const bench_dataset_t *ds, int chat,
     return j;
 }
 
+static const char *fake_reply(void *ctx, size_t idx)
+{
+    (void)ctx;
+    static const char *r[] = {" R0", " R1", " R2", " R3", " R4", " R5"};
+    return idx < 6 ? r[idx] : NULL;
+}
+
+static const char *msg_text(const json_t *msgs, size_t i, const char *role)
+{
+    const json_t *m = json_array_get(msgs, i);
+    assert_string_equal(json_string_value(json_object_get(m, "role")), role);
+    return json_string_value(json_object_get(m, "content"));
+}
+
+/* Multi-turn: request idx is turn idx / C of conversation idx % C; it waits for the turn
+ * before; its messages are the shared system prompt, the earlier user messages (the same
+ * text in every later turn) and replies (reply_of, else synthetic), then its own. */
+static void test_workload_multi_turn(void **state)
+{
+    (void)state;
+    bench_args a = default_args();
+    a.workload = "multi-turn";
+    a.conversations = 2;
+    a.turns = 3;
+    a.system_len = 4;
+    a.input_len = 3;
+    a.output_len = 5;
+    assert_int_equal(bench_workload_n_requests(&a), 6);
+    assert_int_equal(bench_workload_after(&a, 0), -1);
+    assert_int_equal(bench_workload_after(&a, 1), -1);
+    assert_int_equal(bench_workload_after(&a, 2), 0);
+    assert_int_equal(bench_workload_after(&a, 5), 3);
+    a.reply_of = fake_reply;
+    bench_workload_shape shape;
+    json_t *t0 = body_of(&a, NULL, 1, 1, BENCH_WORKLOAD_PHASE_NONE, &shape); /* conv 1 turn 0 */
+    json_t *t2 = body_of(&a, NULL, 1, 5, BENCH_WORKLOAD_PHASE_NONE, &shape); /* conv 1 turn 2 */
+    json_t *o0 = body_of(&a, NULL, 1, 0, BENCH_WORKLOAD_PHASE_NONE, &shape); /* conv 0 turn 0 */
+    const json_t *m0 = json_object_get(t0, "messages"), *m2 = json_object_get(t2, "messages");
+    assert_int_equal(json_array_size(m0), 2);
+    assert_int_equal(json_array_size(m2), 6);
+    assert_int_equal(count_list_words(msg_text(m0, 0, "system")), 4);
+    assert_string_equal(msg_text(m2, 0, "system"), msg_text(m0, 0, "system"));
+    assert_string_equal(msg_text(json_object_get(o0, "messages"), 0, "system"),
+                        msg_text(m0, 0, "system"));
+    assert_string_equal(msg_text(m2, 1, "user"), msg_text(m0, 1, "user"));
+    assert_int_equal(count_list_words(msg_text(m0, 1, "user")), 3);
+    assert_string_equal(msg_text(m2, 2, "assistant"), " R1"); /* turn 0 of conv 1 = idx 1 */
+    assert_string_equal(msg_text(m2, 4, "assistant"), " R3");
+    assert_int_equal(count_list_words(msg_text(m2, 5, "user")), 3);
+    assert_int_equal(shape.prompt_words, 4 + 3);
+    assert_true(strcmp(msg_text(json_object_get(o0, "messages"), 1, "user"),
+                       msg_text(m0, 1, "user")) != 0);
+    /* completions: one text that the next turn's text extends */
+    json_t *c1 = body_of(&a, NULL, 0, 3, BENCH_WORKLOAD_PHASE_NONE, &shape); /* conv 1 turn 1 */
+    json_t *c2 = body_of(&a, NULL, 0, 5, BENCH_WORKLOAD_PHASE_NONE, &shape);
+    const char *p1 = json_string_value(json_object_get(c1, "prompt"));
+    const char *p2 = json_string_value(json_object_get(c2, "prompt"));
+    assert_non_null(p1);
+    assert_true(strncmp(p2, p1, strlen(p1)) == 0);
+    assert_true(strncmp(p2 + strlen(p1), " R3\n\nUser: ", 11) == 0);
+    assert_true(strlen(p2) > 12 && strcmp(p2 + strlen(p2) - 11, "\nAssistant:") == 0);
+    /* no reply recorded: a synthetic one of output_len words */
+    a.reply_of = NULL;
+    json_t *s2 = body_of(&a, NULL, 1, 5, BENCH_WORKLOAD_PHASE_NONE, &shape);
+    assert_int_equal(count_list_words(msg_text(json_object_get(s2, "messages"), 2, "assistant")),
+                     5);
+    json_decref(t0), json_decref(t2), json_decref(o0), json_decref(c1), json_decref(c2);
+    json_decref(s2);
+}
+
+/* Shared-prefix: every prompt starts with the same prefix words, then its own. */
+static void test_workload_shared_prefix(void **state)
+{
+    (void)state;
+    bench_args a = default_args();
+    a.workload = "shared-prefix";
+    a.prefix_len = 6;
+    a.input_len = 2;
+    bench_workload_shape shape;
+    json_t *b0 = body_of(&a, NULL, 0, 0, BENCH_WORKLOAD_PHASE_NONE, &shape);
+    assert_int_equal(shape.prompt_words, 8);
+    json_t *b1 = body_of(&a, NULL, 0, 1, BENCH_WORKLOAD_PHASE_NONE, &shape);
+    const char *p0 = json_string_value(json_object_get(b0, "prompt"));
+    const char *p1 = json_string_value(json_object_get(b1, "prompt"));
+    assert_int_equal(count_list_words(p0), 8);
+    const char *e0 = p0, *e1 = p1;
+    for (int k = 0; k < 6; k++)
+        e0 = strchr(e0, ' ') + 1, e1 = strchr(e1, ' ') + 1;
+    assert_int_equal(e0 - p0, e1 - p1);
+    assert_true(strncmp(p0, p1, (size_t)(e0 - p0)) == 0);
+    assert_true(strcmp(p0, p1) != 0);
+    json_t *c0 = body_of(&a, NULL, 1, 0, BENCH_WORKLOAD_PHASE_NONE, &shape);
+    const json_t *m = json_object_get(c0, "messages");
+    assert_int_equal(json_array_size(m), 2);
+    assert_true(strncmp(msg_text(m, 0, "system"), p0, (size_t)(e0 - p0 - 1)) == 0);
+    assert_int_equal(count_list_words(msg_text(m, 1, "user")), 2);
+    json_decref(b0), json_decref(b1), json_decref(c0);
+}
+
 /* Synthetic bodies: lengths in their ranges, every value of both ranges reached (the range
  * is inclusive), words from the list, the shape matching the body, the request fields,
  * the same body for the same (seed, index), phases overriding one side only, chat. */
@@ -1172,6 +1271,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_workload_next_arrival),
         cmocka_unit_test(test_workload_phase_rates),
         cmocka_unit_test(test_workload_bodies),
+        cmocka_unit_test(test_workload_multi_turn),
+        cmocka_unit_test(test_workload_shared_prefix),
         cmocka_unit_test(test_dataset),
         cmocka_unit_test(test_report_compute),
         cmocka_unit_test(test_flight_records),

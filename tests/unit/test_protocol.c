@@ -78,6 +78,8 @@ static void fill(proto_msg *m, proto_type_t t)
     m->emulated = 1;
     m->role_change_us = 250000;
     m->n_role_changes = 3;
+    m->prefix_queries = (1ull << 36) + 7;
+    m->prefix_hits = 4096;
     m->mig = (proto_mig_counters){4, 1, 9000, 2};
     m->n_gen = 12;
     /* CURVE public keys (Z85): REGISTER "kvpk", PREFILL/MIGRATE "dpk" */
@@ -166,6 +168,8 @@ static void test_roundtrip_all_types(void **state)
         assert_int_equal(out.emulated, t == PROTO_REGISTER || t == PROTO_HEARTBEAT);
         assert_true(out.role_change_us == (t == PROTO_HEARTBEAT ? 250000 : 0));
         assert_true(out.n_role_changes == (t == PROTO_HEARTBEAT ? 3u : 0u));
+        assert_true(out.prefix_queries == (t == PROTO_HEARTBEAT ? (1ull << 36) + 7 : 0u));
+        assert_true(out.prefix_hits == (t == PROTO_HEARTBEAT ? 4096u : 0u));
         assert_int_equal(out.ts_us, -5);
         free(buf);
         proto_msg_clear(&out);
@@ -768,11 +772,69 @@ static void test_counter_arrays(void **state)
     msgpack_sbuffer_destroy(&sb);
 }
 
+/* A HEARTBEAT with one more key `key` whose value val packs (the prefix cache counters are
+ * left out of the encoded map first). Returns proto_decode's result. */
+static int decode_heartbeat_key(const char *key, void (*val)(msgpack_packer *), char *err,
+                                size_t errlen, proto_msg *out)
+{
+    proto_msg m;
+    fill(&m, PROTO_HEARTBEAT);
+    m.prefix_queries = m.prefix_hits = 0; /* zero counters are not on the wire */
+    unsigned char *buf;
+    size_t len;
+    assert_int_equal(proto_encode(&m, &buf, &len), 0);
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_unpacked up;
+    msgpack_unpacked_init(&up);
+    size_t off = 0;
+    assert_int_equal(msgpack_unpack_next(&up, (const char *)buf, len, &off),
+                     MSGPACK_UNPACK_SUCCESS);
+    const msgpack_object_map *map = &up.data.via.map;
+    msgpack_pack_map(&pk, map->size + 1);
+    for (uint32_t i = 0; i < map->size; i++) {
+        assert_false(map->ptr[i].key.via.str.size == strlen(key) &&
+                     memcmp(map->ptr[i].key.via.str.ptr, key, strlen(key)) == 0);
+        msgpack_pack_object(&pk, map->ptr[i].key);
+        msgpack_pack_object(&pk, map->ptr[i].val);
+    }
+    kv(&pk, key);
+    val(&pk);
+    msgpack_unpacked_destroy(&up);
+    free(buf);
+    int rc = proto_decode(sb.data, sb.size, out, err, errlen);
+    msgpack_sbuffer_destroy(&sb);
+    return rc;
+}
+
+static void v_negative(msgpack_packer *pk) { msgpack_pack_int(pk, -1); }
+static void v_string(msgpack_packer *pk) { kv(pk, "12"); }
+static void v_big(msgpack_packer *pk) { msgpack_pack_uint64(pk, UINT64_MAX); }
+
+/* HEARTBEAT pc_q / pc_hit (prefix cache counters): u64, absent = 0, anything else refused. */
+static void test_prefix_cache_counters(void **state)
+{
+    (void)state;
+    char err[128] = "";
+    proto_msg out;
+    assert_int_equal(decode_heartbeat_key("pc_q", v_big, err, sizeof(err), &out), 0);
+    assert_true(out.prefix_queries == UINT64_MAX);
+    assert_true(out.prefix_hits == 0);
+    proto_msg_clear(&out);
+    assert_int_equal(decode_heartbeat_key("pc_hit", v_negative, err, sizeof(err), &out), -1);
+    assert_non_null(strstr(err, "pc_hit"));
+    assert_int_equal(decode_heartbeat_key("pc_q", v_string, err, sizeof(err), &out), -1);
+    assert_non_null(strstr(err, "pc_q"));
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip_all_types),
         cmocka_unit_test(test_malformed_headers),
+        cmocka_unit_test(test_prefix_cache_counters),
         cmocka_unit_test(test_any_key_order),
         cmocka_unit_test(test_truncated_and_garbage),
         cmocka_unit_test(test_encode_rejects),

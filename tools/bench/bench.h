@@ -62,6 +62,7 @@ typedef struct {
     uint8_t output_from_usage; /* output_tokens came from usage */
     uint8_t fail_kind;         /* bench_fail_t, when FAILED */
     char *error;               /* when FAILED: message (malloc'd), NULL on OOM */
+    char *reply;               /* multi-turn, when OK: the streamed text (malloc'd) */
 } bench_rec;
 
 /* Failures of one cause. */
@@ -99,6 +100,7 @@ typedef struct bench {
     /* dispatch */
     size_t n_arrived, n_sent, n_done, n_ok, n_failed, in_flight, peak_in_flight;
     size_t n_live;            /* flights allocated and not yet torn down */
+    size_t next_unsent;       /* multi-turn: every request before it was sent */
     struct event *arrival_ev, *progress_ev, *sigint_ev, *sigterm_ev;
     int stopping;             /* interrupted: send nothing more */
     int64_t t0_ns, t_end_ns;  /* start; last request end (bench_now_ns) */

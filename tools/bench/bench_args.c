@@ -74,7 +74,19 @@ static const arg_entry arg_table[] = {
     {"dataset", ARG_STRING, ARG_OFF(dataset), NULL, 0, 0, "FILE",
      "JSONL prompts: {\"prompt\": ..., \"max_tokens\": N} or {\"messages\": [...]} per line"},
     {"workload", ARG_STRING, ARG_OFF(workload), "synthetic", 0, 0, "NAME",
-     "synthetic | phase-shift (alternating prefill-heavy / decode-heavy phases)"},
+     "synthetic | phase-shift (alternating prefill-heavy / decode-heavy phases) | "
+     "multi-turn (chats that resend their history: --conversations, --turns, "
+     "--system-len) | shared-prefix (prompts sharing --prefix-len words)"},
+    {"conversations", ARG_INT, ARG_OFF(conversations), "8", 1, 100000, "N",
+     "multi-turn: N conversations run side by side (the run has N x --turns requests)"},
+    {"turns", ARG_INT, ARG_OFF(turns), "5", 1, 10000, "T",
+     "multi-turn: user turns per conversation; turn t is sent once turn t - 1 of its "
+     "conversation ended and resends the conversation so far, replies included"},
+    {"system-len", ARG_INT, ARG_OFF(system_len), "64", 0, 10000000, "N",
+     "multi-turn: words of the system prompt every conversation starts with (0 = none)"},
+    {"prefix-len", ARG_INT, ARG_OFF(prefix_len), "256", 1, 10000000, "N",
+     "shared-prefix: words of the prefix every prompt starts with (each then has "
+     "--input-len words of its own)"},
     {"phase-seconds", ARG_DOUBLE, ARG_OFF(phase_s), "10", 0.001, 1e6, "S",
      "phase-shift: length of each phase"},
     {"phase-short-len", ARG_INT, ARG_OFF(phase_short_len), "16", 1, 10000000, "N",

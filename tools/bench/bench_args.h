@@ -39,7 +39,11 @@ typedef struct {
     long long input_range[2];  /* [0] < 0: unset */
     long long output_range[2];
     const char *dataset;
-    const char *workload;    /* "synthetic" | "phase-shift" */
+    const char *workload;    /* "synthetic" | "phase-shift" | "multi-turn" | "shared-prefix" */
+    long long conversations; /* multi-turn: conversations at once */
+    long long turns;         /* multi-turn: user turns per conversation */
+    long long system_len;    /* multi-turn: words of the system prompt all conversations share */
+    long long prefix_len;    /* shared-prefix: words of the prefix every prompt starts with */
     double phase_s;
     long long phase_short_len;
     double decode_rate;      /* phase-shift: requests/s of decode-heavy phases; 0 = request_rate */
@@ -59,6 +63,11 @@ typedef struct {
      * caller frees). 0, or -1 (out of memory, tokenizer failure). */
     int (*tokenize)(void *ctx, const char *text, size_t len, int **ids, size_t *n);
     void *tokenize_ctx;
+    /* Not a flag: set by the program for the multi-turn workload. The reply text request
+     * idx received (borrowed, valid until the run ends), or NULL when it has none (failed,
+     * not finished): the workload then puts a synthetic reply in the history. */
+    const char *(*reply_of)(void *ctx, size_t idx);
+    void *reply_ctx;
 } bench_args;
 
 /* The name of SLO k (BENCH_ARGS_SLO_*) as written in --goodput: "ttft", "tpot" or "e2el";

@@ -49,6 +49,8 @@ typedef struct bench_flight {
     int done_seen, finish_seen;
     char errbody[BENCH_FLIGHT_ERRBODY_MAX + 1];
     size_t n_errbody;
+    char *text; /* multi-turn: the content streamed so far (n_text of cap_text bytes) */
+    size_t n_text, cap_text;
 } flight;
 
 /* Equal when digits are skipped: "closed after 2 events" and "... 7 events" are one
@@ -96,6 +98,25 @@ static void bench_note_error(bench *b, size_t idx, int kind, int status, const c
     snprintf(g->msg, sizeof(g->msg), "%s", msg);
 }
 
+/* Append n bytes of streamed content to fl->text (NUL-terminated). 0, or -1 on OOM. */
+static int flight_add_text(flight *fl, const char *s, size_t n)
+{
+    if (fl->n_text + n + 1 > fl->cap_text) {
+        size_t c = fl->cap_text ? fl->cap_text : 256;
+        while (c < fl->n_text + n + 1)
+            c *= 2;
+        char *nt = realloc(fl->text, c);
+        if (!nt)
+            return -1;
+        fl->text = nt;
+        fl->cap_text = c;
+    }
+    memcpy(fl->text + fl->n_text, s, n);
+    fl->n_text += n;
+    fl->text[fl->n_text] = 0;
+    return 0;
+}
+
 /* End a flight, once: fill its record, count it, schedule the teardown. ok = 1 for a
  * success (kind and fmt ignored). */
 static void flight_end(flight *fl, int ok, bench_fail_t kind, const char *fmt, ...)
@@ -115,6 +136,10 @@ static void flight_end(flight *fl, int ok, bench_fail_t kind, const char *fmt, .
     r->output_tokens = r->output_from_usage ? fl->usage_completion : fl->n_chunks;
     r->prompt_from_usage = fl->usage_prompt >= 0;
     r->prompt_tokens = r->prompt_from_usage ? fl->usage_prompt : r->prompt_words;
+    if (ok && fl->text) { /* the reply goes into the conversation's next turn */
+        r->reply = fl->text;
+        fl->text = NULL;
+    }
     /* Move the ITL samples to the pool (bounded). */
     r->itl_off = b->n_itl_pool;
     if (fl->n_itl > 0 && b->n_itl_pool + fl->n_itl <= BENCH_ITL_POOL_MAX) {
@@ -178,6 +203,7 @@ static void flight_reap_cb(evutil_socket_t fd, short what, void *arg)
     event_free(fl->reap);
     bench_sse_destroy(&fl->sse);
     free(fl->itl);
+    free(fl->text);
     free(fl);
     b->n_live--;
     on_freed(b);
@@ -273,6 +299,12 @@ static int flight_on_event(void *ctx, const char *event, const char *data, size_
             }
             fl->t_last_ns = fl->t_chunk_ns;
             fl->n_chunks++;
+            if (bench_workload_multi_turn(&fl->b->a) &&
+                flight_add_text(fl, json_string_value(text), json_string_length(text)) < 0) {
+                flight_end(fl, 0, BENCH_FAIL_LOCAL, "out of memory");
+                json_decref(j);
+                return 1;
+            }
         }
         if (json_is_string(json_object_get(c0, "finish_reason")))
             fl->finish_seen = 1;

@@ -48,7 +48,14 @@ static long long rng_range(rng_t *r, long long lo, long long hi)
     return lo + (long long)(rng_next(r) % span);
 }
 
-enum { RNG_STREAM_REQUEST = 1, RNG_STREAM_ARRIVALS = 2 };
+enum {
+    RNG_STREAM_REQUEST = 1,
+    RNG_STREAM_ARRIVALS = 2,
+    RNG_STREAM_SYSTEM = 3, /* multi-turn: the shared system prompt */
+    RNG_STREAM_USER = 4,   /* multi-turn: user message j of conversation c */
+    RNG_STREAM_REPLY = 5,  /* multi-turn: a synthetic reply (when the real one is missing) */
+    RNG_STREAM_PREFIX = 6, /* shared-prefix: the prefix */
+};
 
 // --- synthetic prompts
 
@@ -121,6 +128,120 @@ static long long json_words(const json_t *obj)
         }
     }
     return n;
+}
+
+// --- multi-turn and shared-prefix prompts
+
+int bench_workload_multi_turn(const bench_args *a)
+{
+    return strcmp(a->workload, "multi-turn") == 0;
+}
+
+int bench_workload_shared_prefix(const bench_args *a)
+{
+    return strcmp(a->workload, "shared-prefix") == 0;
+}
+
+size_t bench_workload_n_requests(const bench_args *a)
+{
+    if (bench_workload_multi_turn(a))
+        return (size_t)a->conversations * (size_t)a->turns;
+    return (size_t)a->num_prompts;
+}
+
+long long bench_workload_after(const bench_args *a, size_t idx)
+{
+    if (!bench_workload_multi_turn(a) || idx < (size_t)a->conversations)
+        return -1;
+    return (long long)(idx - (size_t)a->conversations);
+}
+
+/* Words of one multi-turn user message: --input-len, or drawn from --input-len-range. */
+static long long user_len(const bench_args *a, rng_t *r)
+{
+    return a->input_range[0] >= 0 ? rng_range(r, a->input_range[0], a->input_range[1])
+                                  : a->input_len;
+}
+
+/* A json string of n words from stream (stream, index); NULL on OOM. */
+static json_t *words_json(const bench_args *a, uint64_t stream, uint64_t index, long long n)
+{
+    rng_t r = rng_stream((uint64_t)a->seed, stream, index);
+    size_t len;
+    char *t = words_text(&r, n, &len);
+    json_t *s = t ? json_stringn(t, len) : NULL;
+    free(t);
+    return s;
+}
+
+/* The messages of multi-turn request idx (turn t = idx / C of conversation c = idx % C):
+ * the system prompt, then user and assistant messages of turns 0..t-1 (the replies those
+ * requests received, via a->reply_of, else synthetic ones of max_tokens words), then user
+ * message t. NULL on OOM. */
+static json_t *multi_turn_messages(const bench_args *a, size_t idx, long long out)
+{
+    size_t C = (size_t)a->conversations, t = idx / C, c = idx % C;
+    json_t *msgs = json_array();
+    if (!msgs)
+        return NULL;
+    int ok = 1;
+    if (a->system_len > 0)
+        ok &= json_array_append_new(msgs, json_pack("{s:s, s:o*}", "role", "system", "content",
+                                                    words_json(a, RNG_STREAM_SYSTEM, 0,
+                                                               a->system_len))) == 0;
+    for (size_t j = 0; ok && j <= t; j++) {
+        uint64_t key = (uint64_t)c * (uint64_t)a->turns + j;
+        rng_t lr = rng_stream((uint64_t)a->seed, RNG_STREAM_USER + 16, key);
+        json_t *u = words_json(a, RNG_STREAM_USER, key, user_len(a, &lr));
+        ok &= json_array_append_new(msgs, json_pack("{s:s, s:o*}", "role", "user", "content", u)) ==
+              0;
+        if (j == t)
+            break;
+        const char *reply = a->reply_of ? a->reply_of(a->reply_ctx, j * C + c) : NULL;
+        json_t *rs = reply ? json_string(reply) : words_json(a, RNG_STREAM_REPLY, key, out);
+        ok &= json_array_append_new(msgs, json_pack("{s:s, s:o*}", "role", "assistant",
+                                                    "content", rs)) == 0;
+    }
+    if (!ok) {
+        json_decref(msgs);
+        return NULL;
+    }
+    return msgs;
+}
+
+/* messages as one completion prompt: the system text, then "\n\nUser: ..." and
+ * "\nAssistant:" + the reply for each turn, ending with "\nAssistant:". NULL on OOM. */
+static json_t *messages_prompt(const json_t *msgs)
+{
+    size_t cap = 256, n = 0, i;
+    char *s = malloc(cap);
+    const json_t *m;
+    if (!s)
+        return NULL;
+    s[0] = 0;
+    json_array_foreach(msgs, i, m) {
+        const char *role = json_string_value(json_object_get(m, "role"));
+        const char *text = json_string_value(json_object_get(m, "content"));
+        const char *pre = strcmp(role, "system") == 0 ? ""
+                          : strcmp(role, "user") == 0 ? (i ? "\n\nUser: " : "User: ")
+                                                      : "\nAssistant:";
+        size_t need = n + strlen(pre) + strlen(text) + 16;
+        if (need > cap) {
+            while (cap < need)
+                cap *= 2;
+            char *ns = realloc(s, cap);
+            if (!ns) {
+                free(s);
+                return NULL;
+            }
+            s = ns;
+        }
+        n += (size_t)sprintf(s + n, "%s%s", pre, text);
+    }
+    strcpy(s + n, "\nAssistant:");
+    json_t *j = json_string(s);
+    free(s);
+    return j;
 }
 
 // --- arrivals
@@ -196,6 +317,22 @@ char *bench_workload_body(const bench_args *a, const bench_dataset_t *ds, const 
             }
             json_object_del(body, "prompt");
         }
+    } else if (bench_workload_multi_turn(a)) {
+        json_t *msgs = multi_turn_messages(a, idx, out);
+        if (!msgs)
+            return NULL;
+        body = json_pack("{s:o}", "messages", msgs);
+        if (!body)
+            return NULL;
+        shape->prompt_words = json_words(body);
+        if (!chat) {
+            json_t *p = messages_prompt(msgs);
+            if (!p || json_object_set_new(body, "prompt", p) < 0) {
+                json_decref(body);
+                return NULL;
+            }
+            json_object_del(body, "messages");
+        }
     } else {
         size_t len;
         char *text = words_text(&r, in, &len);
@@ -204,8 +341,31 @@ char *bench_workload_body(const bench_args *a, const bench_dataset_t *ds, const 
         shape->prompt_words = in;
         json_t *s = json_stringn(text, len);
         free(text);
-        body = chat ? json_pack("{s:[{s:s, s:o}]}", "messages", "role", "user", "content", s)
-                    : json_pack("{s:o}", "prompt", s);
+        json_t *pre = NULL;
+        if (bench_workload_shared_prefix(a)) { /* the prefix, then the request's own words */
+            pre = words_json(a, RNG_STREAM_PREFIX, 0, a->prefix_len);
+            shape->prompt_words += a->prefix_len;
+            if (pre && s && !chat) {
+                size_t n = json_string_length(pre) + json_string_length(s) + 2;
+                char *both = malloc(n);
+                if (both)
+                    snprintf(both, n, "%s %s", json_string_value(pre), json_string_value(s));
+                json_decref(s);
+                s = both ? json_string(both) : NULL;
+                free(both);
+                json_decref(pre);
+                pre = NULL;
+            } else if (!pre) {
+                json_decref(s);
+                return NULL;
+            }
+        }
+        if (pre) /* chat: the prefix is a system message */
+            body = json_pack("{s:[{s:s, s:o}, {s:s, s:o*}]}", "messages", "role", "system",
+                             "content", pre, "role", "user", "content", s);
+        else
+            body = chat ? json_pack("{s:[{s:s, s:o*}]}", "messages", "role", "user", "content", s)
+                        : json_pack("{s:o*}", "prompt", s);
         if (!body)
             return NULL;
     }

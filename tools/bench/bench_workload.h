@@ -14,6 +14,16 @@
  * prefill-heavy one (prompts as configured, max_tokens --phase-short-len), then a
  * decode-heavy one (prompts of --phase-short-len words, max_tokens as configured); with
  * --decode-rate the arrival rate differs in the decode-heavy phases.
+ *
+ * The multi-turn workload (prefix caching, docs/prefix-cache.md) runs --conversations
+ * chats of --turns user turns: request idx is turn idx / C of conversation idx % C (C =
+ * --conversations), and it is sent only once turn - 1 of its conversation ended
+ * (bench_workload_after); it resends the conversation so far: a system prompt of
+ * --system-len words shared by every conversation, the user messages (--input-len words
+ * each, fixed per conversation and turn) and the replies the earlier turns received
+ * (a->reply_of), then the new user message. On the completions endpoint the messages are
+ * joined as "User: ...\nAssistant:<reply>" text. The shared-prefix workload prefixes every
+ * synthetic prompt with the same --prefix-len words (on chat, as a system message).
  */
 #ifndef TP_BENCH_WORKLOAD_H
 #define TP_BENCH_WORKLOAD_H
@@ -35,6 +45,17 @@ typedef struct {
     long long prompt_words; /* words in the prompt (the estimate of its tokens) */
     long long max_tokens;   /* -1 when the body does not set it */
 } bench_workload_shape;
+
+/* Whether a->workload is "multi-turn" / "shared-prefix". */
+int bench_workload_multi_turn(const bench_args *a);
+int bench_workload_shared_prefix(const bench_args *a);
+
+/* Requests in a run: --conversations x --turns for multi-turn, else --num-prompts. */
+size_t bench_workload_n_requests(const bench_args *a);
+
+/* The request idx must wait for (multi-turn: the previous turn of its conversation,
+ * idx - conversations), or -1 when it waits for none. */
+long long bench_workload_after(const bench_args *a, size_t idx);
 
 /* Whether a->workload is "phase-shift". */
 int bench_workload_phase_shift(const bench_args *a);
