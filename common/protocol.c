@@ -112,6 +112,8 @@ static const field_t fields[] = {
     FLD("role_us", F_I64, role_change_us, 0, INT64_MAX, 0, T(PROTO_HEARTBEAT)),
     FLD("n_role", F_U64, n_role_changes, 0, 0, 0, T(PROTO_HEARTBEAT)),
     FLD("mig", F_U64S, mig, 0, 0, 0, T(PROTO_HEARTBEAT)),
+    FLD("npre", F_U64, n_preemptions, 0, 0, 0, T(PROTO_HEARTBEAT)),
+    FLD("pri", F_INT, priority, 0, 1, 0, T(PROTO_PREFILL) | T(PROTO_KV_BEGIN)),
 };
 #define N_FIELDS (sizeof(fields) / sizeof(fields[0]))
 _Static_assert(sizeof(proto_kvx_counters) == 7 * sizeof(uint64_t), "counters are a u64 array");
@@ -146,7 +148,7 @@ const char *proto_err_str(int code)
 {
     static const char *names[] = {"none",     "no_space",  "layout_mismatch", "checksum",
                                   "timeout",  "protocol",  "cancelled",       "internal",
-                                  "bad_request", "unavailable"};
+                                  "bad_request", "unavailable", "preempted"};
     if (code < 0 || code >= (int)(sizeof(names) / sizeof(names[0])))
         return "unknown";
     return names[code];

@@ -200,6 +200,8 @@ typedef struct {
     uint64_t n_role_changes;      /* from its heartbeat: role changes since it started */
     double role_change_ms;        /* from its heartbeat: its last change (0 = none) */
     proto_mig_counters mig;       /* from its heartbeat: live migrations out and in */
+    uint64_t n_preemptions;       /* from its heartbeat: sequences it preempted for KV blocks
+                                   * (vLLM's num_preemptions) */
 } cluster_worker_info;
 
 /* Call fn for every alive worker, in registration order. */

@@ -64,6 +64,7 @@ typedef enum {
     W_SPEC_DRAFTS,
     W_SPEC_DRAFT_TOKENS,
     W_SPEC_ACCEPTED,
+    W_PREEMPTIONS,
 } wfield_t;
 
 static double wvalue(const cluster_worker_info *w, wfield_t f)
@@ -89,6 +90,8 @@ static double wvalue(const cluster_worker_info *w, wfield_t f)
         return (double)w->spec.n_draft_tokens;
     case W_SPEC_ACCEPTED:
         return (double)w->spec.n_accepted_tokens;
+    case W_PREEMPTIONS:
+        return (double)w->n_preemptions;
     }
     return 0;
 }
@@ -311,6 +314,10 @@ void prometheus_write(const stats_t *s, const cluster_t *c, FILE *f)
                      "Number of draft tokens.", W_SPEC_DRAFT_TOKENS, 1);
     write_per_worker(f, s, &l, "spec_decode_num_accepted_tokens_total", "counter",
                      "Number of accepted tokens.", W_SPEC_ACCEPTED, 1);
+    write_per_worker(f, s, &l, "num_preemptions_total", "counter",
+                     "Cumulative number of preemptions: sequences a decode worker freed for KV "
+                     "blocks, re-run by recomputation.",
+                     W_PREEMPTIONS, 1);
     NAME(full, "spec_decode_num_accepted_tokens_per_pos_total");
     metrics_write_header(f, full, "counter", "Accepted tokens per draft position.");
     for (int i = 0; i < l.n; i++) {
