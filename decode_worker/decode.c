@@ -358,9 +358,12 @@ static void preempt(decode_role *d, dreq *r, int need_blocks)
 {
     runtime_t *rt = d->rt;
     rt->n_preemptions++;
-    log_rinfo(r->rid, "preempted (%s, %d tokens in seq %d, %d generated): %d KV blocks needed, "
-                      "%d free",
-              r->priority ? "offline" : "online", r->pos, r->seq, r->n_gen, need_blocks,
+    int n_off = 0; /* offline sequences still running (0 when an online one goes) */
+    for (int i = 0; i < d->n_reqs; i++)
+        n_off += d->reqs[i] != r && d->reqs[i]->state == DREQ_RUNNING && d->reqs[i]->priority;
+    log_rinfo(r->rid, "preempted (%s, %d tokens in seq %d, %d generated; %d offline running): "
+                      "%d KV blocks needed, %d free",
+              r->priority ? "offline" : "online", r->pos, r->seq, r->n_gen, n_off, need_blocks,
               kvcache_n_free_blocks(rt->cp.kv));
     runtime_send_error(rt, r->rid, PROTO_ERR_PREEMPTED, 1,
                        "KV cache full: preempted, re-run from its tokens so far");

@@ -135,6 +135,47 @@ class OnDemand(unittest.TestCase):
               file=sys.stderr)
 
 
+class Tiers(unittest.TestCase):
+    def test_offline_sequences_are_preempted_first(self):
+        # offline (service_tier flex) requests start first and fill the cache; online ones
+        # come in and grow: the decode worker frees offline sequences before any online one,
+        # and every text of both tiers is exact
+        ref = reference({p: body(p, max_tokens=300) for p in PROMPTS})
+        with Cluster(roles=("prefill", "decode"), gateway_args=["--heartbeat-ms", "50"],
+                     worker_args=["--kv-blocks", "96", "--debug-step-delay-ms", "2"]) as c:
+            time.sleep(0.3)
+            base = {k: w["kv_blocks_free"] for k, w in worker_figures(c).items()}
+            bodies = [body(p, max_tokens=300, service_tier="flex") for p in PROMPTS]
+            out = [None] * 16
+
+            def one(i, b):
+                out[i] = c.request("POST", "/v1/completions", b, timeout=300)
+
+            threads = [threading.Thread(target=one, args=(i, b)) for i, b in enumerate(bodies)]
+            for t in threads:
+                t.start()
+            time.sleep(0.3)
+            online = [threading.Thread(target=one, args=(8 + i, body(p, max_tokens=300)))
+                      for i, p in enumerate(PROMPTS)]
+            for t in online:
+                t.start()
+            for t in threads + online:
+                t.join(300)
+            got = texts(out)
+            for i in range(16):
+                self.assertEqual(got[i], ref[PROMPTS[i % 8]], "request %d" % i)
+            wait_kv_free(c, base)
+            log = c.log("decode-1")
+            pre = re.findall(r"preempted \((online|offline), .*?; (\d+) offline running\)", log)
+            tiers = [tier for tier, n in pre]
+            print("preempted: %d offline, %d online" % (tiers.count("offline"),
+                                                        tiers.count("online")), file=sys.stderr)
+            self.assertIn("offline", tiers)
+            for tier, n_off in pre:  # an online one only when no offline one was left
+                if tier == "online":
+                    self.assertEqual(n_off, "0")
+
+
 class Seeded(unittest.TestCase):
     def test_seeded_sampling_goes_on_across_preemption(self):
         # plain decoding (MTP off): a seeded request's text depends on its seed alone, so a
