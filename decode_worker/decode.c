@@ -409,7 +409,8 @@ again:;
                 depth = room > 0 ? room : 0;
         }
         if (st == KVCACHE_NOSPACE) {
-            dreq *v = preempt_victim(d); /* not NULL: r itself is running */
+            dreq *v = preempt_victim(d);
+            ASSERT(v != NULL); /* r itself is running */
             int blocks = kvcache_blocks_for(cp->kv, r->pos + 1) -
                          kvcache_blocks_for(cp->kv, kvcache_seq_capacity(cp->kv, r->seq));
             preempt(d, v, blocks);

@@ -232,16 +232,17 @@ class Limits(unittest.TestCase):
 
 
 class Faults(unittest.TestCase):
-    def test_cancels_and_a_killed_prefill_worker_under_preemption(self):
-        # streams cancelled by their clients mid-way and a prefill worker killed while
-        # sequences are preempted and recomputed: the others finish exactly, no block leaks
+    def test_cancels_and_killed_workers_under_preemption(self):
+        # streams cancelled by their clients mid-way, a prefill worker killed (transfers in
+        # flight) and then a decode worker killed while sequences are preempted and
+        # recomputed: every other request finishes exactly, no block leaks on the survivors
         ref = reference({p: body(p, max_tokens=200) for p in PROMPTS})
-        with Cluster(roles=("prefill", "prefill", "decode"),
+        with Cluster(roles=("prefill", "prefill", "decode", "decode"),
                      gateway_args=["--heartbeat-ms", "50"],
                      worker_args=["--kv-blocks", "48", "--debug-step-delay-ms", "1"]) as c:
             time.sleep(0.3)
             base = {k: w["kv_blocks_free"] for k, w in worker_figures(c).items()
-                    if k != "prefill-0"}
+                    if k not in ("prefill-0", "decode-2")}
             prompts = PROMPTS * 3
             results = [None] * len(prompts)
 
@@ -265,6 +266,8 @@ class Faults(unittest.TestCase):
                 t.start()
             time.sleep(0.4)
             c.kill("prefill-0")
+            time.sleep(0.4)
+            c.kill("decode-2")
             for t in threads:
                 t.join(300)
             for i, r in enumerate(results):
@@ -272,7 +275,8 @@ class Faults(unittest.TestCase):
                     continue
                 self.assertEqual(texts([r])[0], ref[prompts[i]], "request %d" % i)
             figs = wait_kv_free(c, base, timeout=10)
-            self.assertGreater(figs["decode-2"]["num_preemptions"], 0)
+            self.assertGreater(figs["decode-3"]["num_preemptions"], 0)
+            self.assertIn("retrying", c.log("gateway"))  # the killed workers' requests
 
 
 if __name__ == "__main__":
