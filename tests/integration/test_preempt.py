@@ -28,6 +28,10 @@ N_CTX = 512
 BS = 16
 WORST_BLOCKS = N_CTX // BS     # one sequence's worst case with max_tokens unset
 SMALL_CACHE = 16 * WORST_BLOCKS  # room for 16 worst-case sequences
+# heartbeats every 50 ms (the peak running count is read from them); a worker busy in a long
+# recomputing prefill (a sanitizer build on a loaded machine) must not be declared dead
+GW = ["--heartbeat-ms", "50", "--dead-after-ms", "10000"]
+QUICK_GW = ["--heartbeat-ms", "50", "--dead-after-ms", "3000"]  # killed workers found
 
 
 def run_concurrent(c, bodies, poll_worker=None):
@@ -95,7 +99,7 @@ class OnDemand(unittest.TestCase):
 
     def check_run(self, roles, n_requests, kv_blocks, decode_name, min_peak):
         prompts = (PROMPTS * (n_requests // len(PROMPTS) + 1))[:n_requests]
-        with Cluster(roles=roles, gateway_args=["--heartbeat-ms", "50"],
+        with Cluster(roles=roles, gateway_args=GW,
                      worker_args=["--kv-blocks", str(kv_blocks)]) as c:
             time.sleep(0.3)
             base = {k: w["kv_blocks_free"] for k, w in worker_figures(c).items()}
@@ -141,7 +145,7 @@ class Tiers(unittest.TestCase):
         # come in and grow: the decode worker frees offline sequences before any online one,
         # and every text of both tiers is exact
         ref = reference({p: body(p, max_tokens=300) for p in PROMPTS})
-        with Cluster(roles=("prefill", "decode"), gateway_args=["--heartbeat-ms", "50"],
+        with Cluster(roles=("prefill", "decode"), gateway_args=GW,
                      worker_args=["--kv-blocks", "96", "--debug-step-delay-ms", "2"]) as c:
             time.sleep(0.3)
             base = {k: w["kv_blocks_free"] for k, w in worker_figures(c).items()}
@@ -184,7 +188,7 @@ class Seeded(unittest.TestCase):
         bodies = {(p, s): body(p, temperature=0.9, seed=s, max_tokens=300)
                   for p in PROMPTS[:4] for s in (1, 2, 3, 4)}
         ref = reference(bodies, args)
-        with Cluster(roles=("prefill", "decode"), gateway_args=["--heartbeat-ms", "50"],
+        with Cluster(roles=("prefill", "decode"), gateway_args=GW,
                      worker_args=args + ["--kv-blocks", "160"]) as c:
             time.sleep(0.3)
             base = {k: w["kv_blocks_free"] for k, w in worker_figures(c).items()}
@@ -202,7 +206,7 @@ class Limits(unittest.TestCase):
         # 4 blocks * 16 = 64 slots. max_tokens 200 used to be refused (400); it now runs
         # until its sequence fills the whole cache, then ends as at the context's end
         # ("length") with exactly the tokens a cache of 64 slots holds
-        with Cluster(roles=("prefill", "decode"), gateway_args=["--heartbeat-ms", "50"],
+        with Cluster(roles=("prefill", "decode"), gateway_args=GW,
                      worker_args=["--kv-blocks", "4"]) as c:
             time.sleep(0.3)
             base = {k: w["kv_blocks_free"] for k, w in worker_figures(c).items()}
@@ -238,7 +242,7 @@ class Faults(unittest.TestCase):
         # recomputed: every other request finishes exactly, no block leaks on the survivors
         ref = reference({p: body(p, max_tokens=200) for p in PROMPTS})
         with Cluster(roles=("prefill", "prefill", "decode", "decode"),
-                     gateway_args=["--heartbeat-ms", "50"],
+                     gateway_args=QUICK_GW,
                      worker_args=["--kv-blocks", "48", "--debug-step-delay-ms", "1"]) as c:
             time.sleep(0.3)
             base = {k: w["kv_blocks_free"] for k, w in worker_figures(c).items()
