@@ -114,6 +114,8 @@ static const field_t fields[] = {
     FLD("mig", F_U64S, mig, 0, 0, 0, T(PROTO_HEARTBEAT)),
     FLD("pc_q", F_U64, prefix_queries, 0, 0, 0, T(PROTO_HEARTBEAT)),
     FLD("pc_hit", F_U64, prefix_hits, 0, 0, 0, T(PROTO_HEARTBEAT)),
+    FLD("npre", F_U64, n_preemptions, 0, 0, 0, T(PROTO_HEARTBEAT)),
+    FLD("pri", F_INT, priority, 0, 1, 0, T(PROTO_PREFILL) | T(PROTO_KV_BEGIN)),
 };
 #define N_FIELDS (sizeof(fields) / sizeof(fields[0]))
 _Static_assert(sizeof(proto_kvx_counters) == 7 * sizeof(uint64_t), "counters are a u64 array");
@@ -148,7 +150,7 @@ const char *proto_err_str(int code)
 {
     static const char *names[] = {"none",     "no_space",  "layout_mismatch", "checksum",
                                   "timeout",  "protocol",  "cancelled",       "internal",
-                                  "bad_request", "unavailable"};
+                                  "bad_request", "unavailable", "preempted"};
     if (code < 0 || code >= (int)(sizeof(names) / sizeof(names[0])))
         return "unknown";
     return names[code];

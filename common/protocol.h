@@ -93,6 +93,9 @@ typedef enum {
     PROTO_ERR_INTERNAL = 7,
     PROTO_ERR_BAD_REQUEST = 8, /* request invalid for this worker (too long, bad token) */
     PROTO_ERR_UNAVAILABLE = 9, /* peer unreachable, draining, or shutting down (retryable) */
+    PROTO_ERR_PREEMPTED = 10,  /* ERROR: the decode worker ran out of KV blocks mid-generation
+                                * and freed this sequence (retryable: the gateway re-runs it
+                                * from prompt + tokens so far, not counted as a failure) */
 } proto_err_t;
 
 typedef enum { PROTO_DTYPE_F32 = 0, PROTO_DTYPE_F16 = 1 } proto_dtype_t;
@@ -167,6 +170,8 @@ typedef struct {
     uint64_t prefix_queries;             /* HEARTBEAT, optional: prompt tokens looked up in the
                                           * prefix cache since start */
     uint64_t prefix_hits;                /* HEARTBEAT, optional: of those, tokens found cached */
+    uint64_t n_preemptions;              /* HEARTBEAT, optional: sequences this worker
+                                          * preempted since start (ERROR PREEMPTED) */
 
     /* request (PREFILL, TOKENS, KV_BEGIN) */
     int *tokens;                         /* PREFILL: prompt ids; TOKENS: generated ids */
@@ -177,6 +182,9 @@ typedef struct {
     int top_k;
     uint64_t rng;                        /* sampler state (sampler.h) */
     char decode_worker[PROTO_ID_LEN];    /* PREFILL: chosen decode worker ("" = local) */
+    int priority;                        /* PREFILL, KV_BEGIN, optional: the request's tier,
+                                          * 0 = online, 1 = offline (preempted first when a
+                                          * decode worker runs out of KV blocks) */
     int mtp_depth;                       /* PREFILL, KV_BEGIN, optional: the request's MTP
                                           * depth + 1 (1..3 = depth 0..2); 0 = not set (the
                                           * worker's --mtp-depth) */

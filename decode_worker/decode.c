@@ -13,9 +13,15 @@
  * the tokens it emitted to the gateway (TOKENS), in order, up to EOS, max_tokens or the
  * context's end.
  *
- * KV reservations are made by the sender's KV_BEGIN (the receiver reserves the worst case,
- * prompt + max_tokens - 1, capped at the context), so a running sequence never runs out of
- * blocks mid-generation. The step allocates nothing (the batch arrays are sized at attach).
+ * KV blocks on demand (vLLM's rule, docs/kvtransfer.md "Reservations"): a sequence joins
+ * with blocks for its transferred tokens plus the first step's (KV_BEGIN, a local prefill,
+ * a migration; new ones leave --kv-watermark free), and before every step each sequence of
+ * the batch reserves what this step's verify writes, 1 + its MTP depth tokens. When the
+ * cache cannot give them, the step preempts: the newest offline sequence, else the newest
+ * online one, is freed and reported as ERROR PREEMPTED (retryable), after the TOKENS it
+ * emitted; the gateway re-runs it from prompt + tokens so far with the sampler state of
+ * the last TOKENS (recomputation: greedy and seeded output go on unchanged) and counts no
+ * failure. The step allocates nothing (the batch arrays are sized at attach).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -153,6 +159,7 @@ static void on_accepted(decode_role *d, const kvx_event *ev)
     r->n_gen = 1;
     r->n_sent = 0; /* the first TOKENS repeats the first token at index 0 */
     r->max_tokens = ev->max_tokens;
+    r->priority = ev->priority;
     int migrated = ev->n_gen > 0;
     if (migrated) { /* tokens [0, n_gen) were reported by the other worker */
         r->n_gen = ev->n_gen;
@@ -205,6 +212,7 @@ static void adopt(void *st, runtime_handoff *h)
     r->n_gen = 1;
     r->n_sent = 1; /* the prefill reported the first token */
     r->max_tokens = h->max_tokens;
+    r->priority = h->priority;
     r->sp = h->sp;
     r->rng = h->rng;
     r->mtp_req = h->mtp_req;
@@ -333,33 +341,107 @@ static void emit(decode_role *d, dreq *r, const specdec_item *x)
     }
 }
 
-/* One decode step over every running sequence. Returns 1 if it did work. */
-static int step(void *st)
+/* The sequence to preempt when blocks run out: the newest running offline one, else the
+ * newest running online one (vLLM preempts the lowest priority, then the latest arrival). */
+static dreq *preempt_victim(const decode_role *d)
 {
-    decode_role *d = st;
+    for (int pri = 1; pri >= 0; pri--)
+        for (int i = d->n_reqs - 1; i >= 0; i--)
+            if (d->reqs[i]->state == DREQ_RUNNING && (d->reqs[i]->priority ? 1 : 0) == pri)
+                return d->reqs[i];
+    return NULL;
+}
+
+/* Free r's KV and hand it back to the gateway to be re-run by recomputation (ERROR
+ * PREEMPTED, retryable; everything it generated was reported by earlier steps). */
+static void preempt(decode_role *d, dreq *r, int need_blocks)
+{
+    runtime_t *rt = d->rt;
+    rt->n_preemptions++;
+    int n_off = 0; /* offline sequences still running (0 when an online one goes) */
+    for (int i = 0; i < d->n_reqs; i++)
+        n_off += d->reqs[i] != r && d->reqs[i]->state == DREQ_RUNNING && d->reqs[i]->priority;
+    log_rinfo(r->rid, "preempted (%s, %d tokens in seq %d, %d generated; %d offline running): "
+                      "%d KV blocks needed, %d free",
+              r->priority ? "offline" : "online", r->pos, r->seq, r->n_gen, n_off, need_blocks,
+              kvcache_n_free_blocks(rt->cp.kv));
+    runtime_send_error(rt, r->rid, PROTO_ERR_PREEMPTED, 1,
+                       "KV cache full: preempted, re-run from its tokens so far");
+    decode_req_remove(d, r);
+}
+
+/* Before a step: every sequence of the batch (the first max_items running ones) reserves
+ * the KV this step writes, pos + 1 + its depth tokens (capped at the context); short of
+ * blocks it drafts less, and when even [last] does not fit, sequences are preempted
+ * (preempt_victim) until it fits or it was preempted itself. d->step_depth[] gets each
+ * one's depth. Returns the batch size b (0 = nothing runs). */
+static int reserve_step(decode_role *d)
+{
     const worker_compute *cp = &d->rt->cp;
+    const int n_ctx = cp->mc->n_ctx;
+again:;
     int b = 0;
     for (int i = 0; i < d->n_reqs && b < cp->max_items; i++)
         b += d->reqs[i]->state == DREQ_RUNNING;
-    if (b == 0)
-        return 0;
-    /* each sequence's MTP depth: its controller's (its acceptance, the batch size), or its
-     * cap when not adaptive; no drafts past max_tokens (a step emits up to depth + 1) */
     int n = 0;
     for (int i = 0; i < d->n_reqs && n < cp->max_items; i++) {
         dreq *r = d->reqs[i];
         if (r->state != DREQ_RUNNING)
             continue;
+        /* its MTP depth: its controller's (its acceptance, the batch size), or its cap
+         * when not adaptive; no drafts past max_tokens (a step emits up to depth + 1) */
         int depth =
             cp->mtp_adaptive ? specdec_ctl_depth_at(&r->ctl, &cp->sd_costs, b, r->pos)
                              : r->ctl.max_depth;
         if (depth > r->max_tokens - r->n_gen - 1)
             depth = r->max_tokens - r->n_gen - 1;
+        if (depth < 0)
+            depth = 0;
+        int need = r->pos + 1 + depth > n_ctx ? n_ctx : r->pos + 1 + depth;
+        kvcache_status_t st = kvcache_seq_reserve(cp->kv, r->seq, need);
+        if (st == KVCACHE_NOSPACE && depth > 0) {
+            /* drafts are optional: verify only [last] (and the drafts the blocks it has
+             * hold) before preempting anyone; greedy output is the same at any depth */
+            int need0 = r->pos + 1 > n_ctx ? n_ctx : r->pos + 1;
+            st = kvcache_seq_reserve(cp->kv, r->seq, need0);
+            int room = kvcache_seq_capacity(cp->kv, r->seq) - r->pos - 1;
+            if (st == KVCACHE_OK && room < depth)
+                depth = room > 0 ? room : 0;
+        }
+        if (st == KVCACHE_NOSPACE) {
+            dreq *v = preempt_victim(d);
+            ASSERT(v != NULL); /* r itself is running */
+            int blocks = kvcache_blocks_for(cp->kv, r->pos + 1) -
+                         kvcache_blocks_for(cp->kv, kvcache_seq_capacity(cp->kv, r->seq));
+            preempt(d, v, blocks);
+            goto again; /* the batch changed (its size sets the depths): start over; what
+                         * the others reserved stays theirs */
+        }
+        if (st != KVCACHE_OK) /* beyond the context: the forward pass refuses it */
+            depth = 0;
+        d->step_depth[n++] = depth;
+    }
+    return n;
+}
+
+/* One decode step over every running sequence. Returns 1 if it did work. */
+static int step(void *st)
+{
+    decode_role *d = st;
+    const worker_compute *cp = &d->rt->cp;
+    int b = reserve_step(d);
+    if (b == 0)
+        return 0;
+    int n = 0;
+    for (int i = 0; i < d->n_reqs && n < cp->max_items; i++) {
+        dreq *r = d->reqs[i];
+        if (r->state != DREQ_RUNNING)
+            continue;
         d->batch_reqs[n] = r;
         d->items[n] = (specdec_item){.seq = r->seq,
                                      .pos = r->pos,
                                      .last = r->last,
-                                     .depth = depth > 0 ? depth : 0,
+                                     .depth = d->step_depth[n],
                                      .sp = &r->sp,
                                      .rng = &r->rng};
         n++;
@@ -431,6 +513,7 @@ static void detach(void **pst)
     d->rt->kv_endpoint[0] = 0;
     free(d->batch_reqs);
     free(d->items);
+    free(d->step_depth);
     free(d);
     *pst = NULL;
 }
@@ -450,6 +533,8 @@ static int open_receiver(decode_role *d)
         rp.n_hidden = specdec_hand_floats(cp->sd);
         rp.n_hidden_mig = specdec_state_floats(cp->sd);
     }
+    rp.headroom_tokens = RUNTIME_KV_HEADROOM_TOKENS;
+    rp.watermark_blocks = runtime_kv_watermark_blocks(rt);
     rp.curve = rt->curve_on ? &rt->curve : NULL; /* senders admitted by rt's ZAP handler */
     d->receiver = kvx_receiver_new(rt->zctx, cp->kv, rt->set.kv_bind, &rp);
     if (!d->receiver)
@@ -474,9 +559,10 @@ static void *attach(runtime_t *rt)
     d->rt = rt;
     d->batch_reqs = calloc((size_t)rt->cp.max_items, sizeof(*d->batch_reqs));
     d->items = calloc((size_t)rt->cp.max_items, sizeof(*d->items));
-    if (!d->batch_reqs || !d->items)
+    d->step_depth = calloc((size_t)rt->cp.max_items, sizeof(*d->step_depth));
+    if (!d->batch_reqs || !d->items || !d->step_depth)
         log_error("out of memory allocating the decode batch");
-    if (!d->batch_reqs || !d->items || open_receiver(d) < 0) {
+    if (!d->batch_reqs || !d->items || !d->step_depth || open_receiver(d) < 0) {
         void *st = d;
         detach(&st);
         return NULL;

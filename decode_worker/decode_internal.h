@@ -30,6 +30,7 @@ typedef struct {
     int n_gen;      /* tokens generated so far, first included */
     int n_sent;     /* generated tokens this worker reported (next TOKENS index) */
     int max_tokens; /* generated tokens in total, first included */
+    int priority;   /* 0 online, 1 offline (PREFILL / KV_BEGIN "pri"): preempted first */
     sampler_params sp;
     uint64_t rng;                 /* sampler state */
     char dep[PROTO_ENDPOINT_LEN]; /* DREQ_MIGRATING: where it is moving */
@@ -72,6 +73,7 @@ typedef struct {
         char dpk[PROTO_KEY_LEN]; /* its CURVE public key ("" = none) */
     } mig_pending[DECODE_MIG_PENDING];
     int next_mig_pending;
+    int *step_depth; /* (max_items,) the step's MTP depths, before the batch is built */
 } decode_role;
 
 // --- decode.c

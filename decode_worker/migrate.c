@@ -49,6 +49,7 @@ static int migrate_start(decode_role *d, dreq *r, const char *dep, const char *d
                            .n_hidden = n_state,
                            .mtp = r->mtp_req,
                            .n_gen = r->n_gen,
+                           .priority = r->priority,
                            .server_key = dpk};
     uint64_t xfer = kvx_send_begin(rt->sender, dep, &bp);
     if (!xfer) {

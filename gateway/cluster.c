@@ -354,12 +354,16 @@ static int pair_avoided(const worker_t *p, const worker_t *d, int64_t now)
 /* Choose (prefill, decode) for r: the decode/mixed worker must have room (KV blocks free
  * per its last heartbeat minus blocks promised since, a free sequence slot); among the
  * prefill workers that can feed it (pure prefill workers, or the mixed worker itself),
- * the one with the least queued prompt tokens wins; ties go to the decode worker with
- * the most free blocks. Returns 0 or -1 (nothing fits now). */
+ * the one with the least queued prompt tokens wins; ties go to the decode worker with the
+ * fewest sequences assigned, then the most free blocks (blocks are taken on demand: what a
+ * worker has free now says little about what its sequences will take, and a burst of
+ * requests would all go to the emptiest one until its next heartbeat). Returns 0 or -1
+ * (nothing fits now). */
 static int pick_pass(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw, int *never,
                      int avoid, int *n_avoided)
 {
     long best_load = -1, best_free = -1;
+    int best_seqs = -1;
     int total = r->n_prompt + r->n_gen;
     int n_decoders = 0, n_could_fit = 0;
     int64_t now = proto_now_us();
@@ -393,8 +397,10 @@ static int pick_pass(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw,
             }
             long load = p->qtok > p->pending_qtok ? p->qtok : p->pending_qtok;
             if (best_load < 0 || load < best_load ||
-                (load == best_load && free_blocks > best_free)) {
+                (load == best_load && d->n_decode < best_seqs) ||
+                (load == best_load && d->n_decode == best_seqs && free_blocks > best_free)) {
                 best_load = load;
+                best_seqs = d->n_decode;
                 best_free = free_blocks;
                 *pw = p;
                 *dw = d;
@@ -420,7 +426,8 @@ static int pick(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw, int 
 
 /* Try to start an attempt for queued request r. Returns 1 when assigned, 0 when nothing
  * fits now, -1 when the PREFILL could not be sent (the worker is flagged dead; r stays
- * queued), -2 when r needs more KV blocks than any decode worker has in total. */
+ * queued), -2 when r's prompt and tokens so far need more KV blocks than any decode worker
+ * has in total. */
 static int try_assign(cluster_t *c, req_t *r)
 {
     worker_t *pw = NULL, *dw = NULL;
@@ -439,6 +446,7 @@ static int try_assign(cluster_t *c, req_t *r)
     m.top_k = r->top_k;
     m.rng = r->rng;
     m.mtp_depth = r->mtp_depth;
+    m.priority = r->offline && !r->promoted; /* preempted first on the decode worker */
     snprintf(m.decode_worker, sizeof(m.decode_worker), "%s", dw->id);
     snprintf(m.decode_endpoint, sizeof(m.decode_endpoint), "%s", pw == dw ? "" : dw->kvep);
     snprintf(m.decode_pubkey, sizeof(m.decode_pubkey), "%s", pw == dw ? "" : dw->kvpk);
@@ -483,6 +491,15 @@ static void dispatch_list(cluster_t *c, rlist_t *l, int offline)
         if (offline && c->n_off_running >= c->offline_max_running)
             break;
         int rc = try_assign(c, r);
+        if (rc == -2 && r->n_gen > 0) {
+            /* preempted once it had outgrown every decode worker's whole cache: like the
+             * context's end, it ends with what it generated */
+            log_rinfo(r->rid, "%d prompt + %d generated tokens no longer fit any decode "
+                              "worker's KV cache: finished (length)",
+                      r->n_prompt, r->n_gen);
+            cluster_req_end_finish(c, r, PROTO_FINISH_LENGTH, 1);
+            continue;
+        }
         if (rc == -2) {
             char msg[256];
             int most = 0, bs = 16;
@@ -493,11 +510,10 @@ static void dispatch_list(cluster_t *c, rlist_t *l, int offline)
                     bs = d->block_size > 0 ? d->block_size : 16;
                 }
             snprintf(msg, sizeof(msg),
-                     "This request needs KV cache for %d tokens (prompt %d + max_tokens %d - 1), "
-                     "but the largest decode worker holds %d tokens (%d blocks of %d). Lower "
-                     "max_tokens or the prompt length.",
-                     r->n_prompt + r->max_tokens - 1, r->n_prompt, r->max_tokens, most * bs, most,
-                     bs);
+                     "This request's prompt of %d tokens needs KV cache for %d tokens, but the "
+                     "largest decode worker holds %d tokens (%d blocks of %d). Shorten the "
+                     "prompt.",
+                     r->n_prompt, r->n_prompt + KV_HEADROOM_TOKENS, most * bs, most, bs);
             cluster_req_end_error(c, r, 400, "invalid_request_error", "kv_cache_capacity_exceeded",
                                   msg);
             continue;
@@ -840,6 +856,7 @@ void cluster_foreach_worker(const cluster_t *c,
             .role_change_ms = (double)w->role_change_us / 1000.0,
             .mig = w->mig,
             .prefix_cache_queries = w->pc_queries, .prefix_cache_hits = w->pc_hits,
+            .n_preemptions = w->n_preemptions,
         };
         fn(&info, ud);
     }

@@ -206,6 +206,8 @@ typedef struct {
     uint64_t prefix_cache_queries; /* from its heartbeat: prompt tokens looked up in its
                                     * prefix cache since it started */
     uint64_t prefix_cache_hits;    /* of those, tokens found cached (not computed) */
+    uint64_t n_preemptions;       /* from its heartbeat: sequences it preempted for KV blocks
+                                   * (vLLM's num_preemptions) */
 } cluster_worker_info;
 
 /* Call fn for every alive worker, in registration order. */

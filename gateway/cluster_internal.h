@@ -64,6 +64,7 @@ typedef struct worker {
         int fails;     /* consecutive failures: the penalty doubles with each */
         int64_t until_us;
     } bad_peer[CLUSTER_BAD_PEERS];
+    uint64_t n_preemptions;  /* last heartbeat: sequences it preempted (ERROR PREEMPTED) */
 } worker_t;
 
 typedef struct req {
@@ -273,12 +274,18 @@ static inline int routable(const cluster_t *c, const worker_t *w, int64_t now_us
     return usable(w) && now_us - w->last_seen_us <= quiet_ms * 1000;
 }
 
-/* KV blocks decode worker d reserves for r: the worst case, prompt + max_tokens - 1
- * tokens capped at the context, exactly as the worker reserves it (kvtransfer). */
+/* Tokens a decode worker reserves for a sequence on top of the KV it receives: its first
+ * step's verify, 1 + the deepest MTP draft (the worker's RUNTIME_KV_HEADROOM_TOKENS). */
+#define KV_HEADROOM_TOKENS 3
+
+/* KV blocks decode worker d reserves for r when it joins: its prompt and the tokens
+ * generated so far plus the first step's headroom, capped at the context, as the worker
+ * reserves it (kvtransfer; blocks on demand: it takes more as it generates, and preempts
+ * when they run out, docs/kvtransfer.md "Reservations"). */
 static inline int blocks_needed(const req_t *r, const worker_t *d)
 {
     int bs = d->block_size > 0 ? d->block_size : 16;
-    int tokens = r->n_prompt + r->max_tokens - 1;
+    int tokens = r->n_prompt + r->n_gen + KV_HEADROOM_TOKENS;
     if (d->n_ctx > 0 && tokens > d->n_ctx)
         tokens = d->n_ctx;
     return (tokens + bs - 1) / bs;

@@ -239,6 +239,7 @@ static void handle_heartbeat(cluster_t *c, worker_t *w, const proto_msg *m, cons
     w->mig = m->mig;
     w->pc_queries = m->prefix_queries;
     w->pc_hits = m->prefix_hits;
+    w->n_preemptions = m->n_preemptions;
     w->running = m->running;
     w->moved_in = 0; /* its running count includes what arrived */
     w->queued = m->queued;
@@ -392,6 +393,14 @@ static void handle_error(cluster_t *c, worker_t *w, const proto_msg *m)
             cluster_req_retry(c, r, 0, why); /* a prompt handed back by a role change */
         } else if (m->code == PROTO_ERR_NOSPACE) { /* load, not failure: wait for room */
             r->dw->full = 1;
+            cluster_req_retry(c, r, 0, why);
+        } else if (m->code == PROTO_ERR_PREEMPTED && w == r->dw) {
+            /* the decode worker ran out of KV blocks and freed it: re-run by recomputation
+             * from prompt + tokens so far, first in its queue, no failure counted; no new
+             * decode work there until its next heartbeat shows what is free */
+            log_rinfo(r->rid, "preempted by %s after %d generated tokens: re-queued", w->id,
+                      r->n_gen);
+            w->full = 1;
             cluster_req_retry(c, r, 0, why);
         } else {
             if (w == r->pw && r->dw && r->dw != w && !r->d_started && kv_link_error(m->code))

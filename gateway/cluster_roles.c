@@ -23,8 +23,9 @@ static void notify_role(cluster_t *c, const worker_t *w, int role, int old_role,
 }
 
 /* The worker to move r to from w (live migration): a ready decode or mixed worker other than
- * w with a kv endpoint, room for r's worst case (as pick() counts it) and a free sequence
- * slot by its own running count; the most free blocks wins. NULL when none has room now (r then finishes on w). */
+ * w with a kv endpoint, room for r's KV as pick() counts it (its tokens so far plus the
+ * first step's headroom) and a free sequence slot by its own running count; the most free
+ * blocks wins. NULL when none has room now (r then finishes on w). */
 static worker_t *migration_target(cluster_t *c, const req_t *r, const worker_t *w)
 {
     worker_t *best = NULL;

@@ -68,6 +68,8 @@ static void add_worker_json(const cluster_worker_info *w, void *ud)
             o, "migration_ms_mean",
             json_real(w->mig.n_out ? (double)w->mig.out_us / 1000.0 / (double)w->mig.n_out : 0.0));
     }
+    if (o && (w->role != PROTO_ROLE_PREFILL || w->n_preemptions))
+        json_object_set_new(o, "num_preemptions", json_integer((json_int_t)w->n_preemptions));
     /* KV transfers sent and failed (rejected, timed out, aborted): a sender that cannot
      * reach its decode workers (one that does not list its CURVE key, say) shows here */
     const proto_kvx_counters *k = &w->kvx_tx;

@@ -66,6 +66,7 @@ typedef enum {
     W_SPEC_ACCEPTED,
     W_PC_QUERIES,
     W_PC_HITS,
+    W_PREEMPTIONS,
 } wfield_t;
 
 static double wvalue(const cluster_worker_info *w, wfield_t f)
@@ -95,6 +96,8 @@ static double wvalue(const cluster_worker_info *w, wfield_t f)
         return (double)w->prefix_cache_queries;
     case W_PC_HITS:
         return (double)w->prefix_cache_hits;
+    case W_PREEMPTIONS:
+        return (double)w->n_preemptions;
     }
     return 0;
 }
@@ -322,6 +325,10 @@ void prometheus_write(const stats_t *s, const cluster_t *c, FILE *f)
                      "Number of draft tokens.", W_SPEC_DRAFT_TOKENS, 1);
     write_per_worker(f, s, &l, "spec_decode_num_accepted_tokens_total", "counter",
                      "Number of accepted tokens.", W_SPEC_ACCEPTED, 1);
+    write_per_worker(f, s, &l, "num_preemptions_total", "counter",
+                     "Cumulative number of preemptions: sequences a decode worker freed for KV "
+                     "blocks, re-run by recomputation.",
+                     W_PREEMPTIONS, 1);
     NAME(full, "spec_decode_num_accepted_tokens_per_pos_total");
     metrics_write_header(f, full, "counter", "Accepted tokens per draft position.");
     for (int i = 0; i < l.n; i++) {

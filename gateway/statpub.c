@@ -247,7 +247,7 @@ static void pk_worker(msgpack_packer *pk, const stats_t *stats, const cluster_wo
     stats_worker_figures f;
     stats_get_worker(stats, w->id, now_us, &f);
     int used = w->kv_blocks_total - w->kv_blocks_free;
-    msgpack_pack_map(pk, 26);
+    msgpack_pack_map(pk, 27);
     pk_str(pk, "id", w->id);
     pk_role(pk, "role", w->role);
     pk_str(pk, "state", stats_state_str(w->state));
@@ -277,6 +277,7 @@ static void pk_worker(msgpack_packer *pk, const stats_t *stats, const cluster_wo
     pk_kvx(pk, "recv", &w->kvx_rx);
     pk_dbl(pk, "last_seen_ms", w->last_seen_ms_ago);
     pk_i64(pk, "max_seqs", w->max_seqs);
+    pk_u64(pk, "num_preemptions", w->n_preemptions);
 }
 
 static void pk_gateway(msgpack_packer *pk, const stats_gateway_figures *g)
@@ -311,6 +312,7 @@ static void pk_cluster(msgpack_packer *pk, const stats_t *stats, const wlist *l,
     long running = 0, queued = 0, qtok = 0, kv_total = 0, kv_free = 0;
     proto_kvx_counters tx = {0}, rx = {0};
     proto_spec_counters spec = {0};
+    uint64_t n_preempt = 0;
     for (int i = 0; i < l->n; i++) {
         const cluster_worker_info *w = &l->v[i].info;
         if (w->state != PROTO_STATE_READY)
@@ -325,11 +327,12 @@ static void pk_cluster(msgpack_packer *pk, const stats_t *stats, const wlist *l,
         kvx_add(&tx, &w->kvx_tx);
         kvx_add(&rx, &w->kvx_rx);
         spec_add(&spec, &w->spec);
+        n_preempt += w->n_preemptions;
     }
     stats_worker_figures f;
     stats_get_cluster(stats, now_us, &f);
     pk_key(pk, "cluster");
-    msgpack_pack_map(pk, 14);
+    msgpack_pack_map(pk, 15);
     pk_key(pk, "workers");
     msgpack_pack_map(pk, 4);
     for (int r = PROTO_ROLE_PREFILL; r <= PROTO_ROLE_MIXED; r++)
@@ -341,6 +344,7 @@ static void pk_cluster(msgpack_packer *pk, const stats_t *stats, const wlist *l,
     pk_i64(pk, "kv_blocks_total", kv_total);
     pk_i64(pk, "kv_blocks_used", kv_total - kv_free);
     pk_i64(pk, "kv_blocks_free", kv_free);
+    pk_u64(pk, "num_preemptions", n_preempt);
     pk_dbl(pk, "tokens_in_per_s", f.tokens_in_per_s);
     pk_dbl(pk, "tokens_out_per_s", f.tokens_out_per_s);
     pk_pct(pk, "ttft_ms", &f.ttft);

@@ -63,8 +63,9 @@ typedef enum {
 } kvx_event_type_t;
 
 /* One event. code is a proto_err_t. The ACCEPTED fields describe the arrived sequence:
- * seq is a sequence of the receiver's kvcache with length n_kv_tokens and capacity for the
- * worst case (min(n_kv_tokens + max_tokens - 1, max_seq_len) tokens). */
+ * seq is a sequence of the receiver's kvcache with length n_kv_tokens and capacity for
+ * min(n_kv_tokens + headroom_tokens, max_seq_len) tokens (kvx_receiver_params): the caller
+ * reserves more as the sequence grows. */
 typedef struct {
     kvx_event_type_t type;
     uint64_t rid;
@@ -96,6 +97,8 @@ typedef struct {
      * the tokens the request's attempt generated before it moved, first_token included
      * (first_token is then the token to feed next, already reported at index n_gen - 1) */
     int n_gen;
+    /* KVX_EV_ACCEPTED: KV_BEGIN's "pri": 0 online, 1 offline (preempted first) */
+    int priority;
 } kvx_event;
 
 // --- sender
@@ -153,6 +156,7 @@ typedef struct {
      * generated so far, KV_END's first_token included; max_tokens then counts the tokens
      * still to generate, first_token included (docs/kvtransfer.md "Migration") */
     int n_gen;
+    int priority; /* the request's tier (KV_BEGIN "pri"): 0 online, 1 offline */
     /* CURVE: the receiver's public key (Z85, as its REGISTER advertised it; NULL or "" =
      * none). Required by a CURVE sender, which refuses (logged) to send to a receiver
      * without one; ignored by a plain sender. */
@@ -255,6 +259,12 @@ typedef struct {
     /* a migrated sequence (KV_BEGIN gen > 0) may carry instead the whole module state of
      * its decoding, n_hidden_mig floats (specdec_state_floats()); 0 = not accepted */
     int n_hidden_mig;
+    /* KV reservation at KV_BEGIN (docs/kvtransfer.md "Reservations"): the transferred
+     * tokens plus headroom_tokens (capped at the context), refused (NOSPACE) when fewer
+     * than watermark_blocks blocks would stay free, unless the cache holds nothing else
+     * (so a sequence that fits an empty cache is always admitted). Default 0 and 0. */
+    int headroom_tokens;
+    int watermark_blocks;
     /* NULL (default): a plain ROUTER. Else (borrowed for kvx_receiver_new only) a CURVE
      * server with this key pair's secret key and ZAP domain CURVE_ZAP_DOMAIN_KV: the
      * process's ZAP handler (curve_zap_start, on the same zmq context) decides which

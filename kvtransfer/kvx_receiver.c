@@ -33,6 +33,7 @@ typedef struct kvx_rx {
     int n_hidden; /* floats of the hand-off state KV_END carries (0 = none) */
     int mtp;      /* the request's MTP depth + 1 (0 = not set) */
     int n_gen;    /* KV_BEGIN "gen" (0 = a prefill hand-off; > 0 = a migrated sequence) */
+    int priority; /* KV_BEGIN "pri" */
     int n_got;    /* blocks received, every layer counted (complete: n_layer * n_blocks) */
     uint8_t *got; /* bitmap (n_layer * n_blocks bits): bit l * n_blocks + b = block b of
                    * layer l arrived */
@@ -269,17 +270,23 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
         r->st.n_rejected++;
         return;
     }
-    /* Worst case: the transferred tokens plus the KV of every generated token but the last. */
-    long long want = (long long)m->n_kv_tokens + m->max_tokens - 1;
+    /* On demand (vLLM's rule): the transferred tokens plus the first decode step's headroom;
+     * the decode role reserves the rest step by step and preempts when blocks run out. The
+     * watermark keeps room for the running sequences to grow, except in an empty cache. */
+    long long want = (long long)m->n_kv_tokens + r->p.headroom_tokens;
     int n_tokens = want > kp->max_seq_len ? kp->max_seq_len : (int)want;
-    int seq = kvcache_seq_new(r->kv);
+    int n_free = kvcache_n_free_blocks(r->kv);
+    int wm = n_free < kvcache_n_blocks(r->kv) &&
+             n_free - kvcache_blocks_for(r->kv, n_tokens) < r->p.watermark_blocks;
+    int seq = wm ? -1 : kvcache_seq_new(r->kv);
     kvcache_status_t st = seq < 0 ? KVCACHE_NOSPACE : kvcache_seq_reserve(r->kv, seq, n_tokens);
     if (st != KVCACHE_OK) {
         if (seq >= 0)
             kvcache_seq_free(r->kv, seq);
-        snprintf(why, sizeof(why), "%s: %d tokens need %d blocks, %d free",
-                 seq < 0 ? "no free sequence slot" : kvcache_status_str(st), n_tokens,
-                 kvcache_blocks_for(r->kv, n_tokens), kvcache_n_free_blocks(r->kv));
+        snprintf(why, sizeof(why), "%s: %d tokens need %d blocks, %d free (watermark %d)",
+                 wm ? "below the watermark"
+                    : seq < 0 ? "no free sequence slot" : kvcache_status_str(st),
+                 n_tokens, kvcache_blocks_for(r->kv, n_tokens), n_free, r->p.watermark_blocks);
         code = st == KVCACHE_ERR ? PROTO_ERR_BAD_REQUEST : PROTO_ERR_NOSPACE;
         log_rinfo(m->rid, "kvx: KV_BEGIN xfer=%llx rejected: %s", (unsigned long long)m->xfer, why);
         rx_reply(r, id, id_len, PROTO_KV_BEGIN_ACK, m->rid, m->xfer, 0, code, why, NULL);
@@ -314,6 +321,7 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
     x->n_hidden = m->n_hidden;
     x->mtp = m->mtp_depth;
     x->n_gen = m->n_gen;
+    x->priority = m->priority;
     /* MTP module layers and the hand-off state are kept when they are what our modules
      * would compute; otherwise they are received (checksummed) and dropped, and the
      * sequence decodes without MTP */
@@ -473,6 +481,7 @@ static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, wire_envelo
     ev.n_bytes = x->n_bytes;
     ev.mtp = x->mtp;
     ev.n_gen = x->n_gen;
+    ev.priority = x->priority;
     if (x->keep_mtp && hsrc) {
         ev.hidden = malloc(hbytes);
         if (ev.hidden) { /* out of memory: the sequence just decodes without MTP */

@@ -109,7 +109,9 @@ static void on_prefill(prefill_role *p, proto_msg *m)
                            "no decode endpoint given and this worker does not decode");
         return;
     }
-    long long need = local ? (long long)m->n_tokens + m->max_tokens - 1 : m->n_tokens;
+    /* decoded here, the sequence grows block by block as it generates (preempted when the
+     * cache runs out): only its prompt and the first step's tokens must fit */
+    long long need = local ? (long long)m->n_tokens + RUNTIME_KV_HEADROOM_TOKENS : m->n_tokens;
     if (need > mc->n_ctx)
         need = mc->n_ctx;
     if (kvcache_blocks_for(rt->cp.kv, (int)need) > kvcache_n_blocks(rt->cp.kv)) {
@@ -147,6 +149,7 @@ static void on_prefill(prefill_role *p, proto_msg *m)
     r->sp.top_k = m->top_k;
     /* a zero state would stall xorshift: derive one from the request id */
     r->rng = m->rng ? m->rng : sampler_seed_state(rid);
+    r->priority = m->priority;
     r->mtp_req = m->mtp_depth;
     r->mtp_depth = compute_req_depth(&rt->cp, m->mtp_depth);
     if (r->mtp_depth > 0 &&

@@ -16,8 +16,9 @@
  * (their K/V, and the hand-off state the decode side's first draft needs).
  *
  * KV reservations: a transferred prompt reserves its prompt's blocks; one decoded here
- * reserves the worst case (prompt + max_tokens - 1, capped at the context), so a running
- * sequence never runs out of blocks mid-generation.
+ * reserves its prompt plus the first decode step's tokens (RUNTIME_KV_HEADROOM_TOKENS) and
+ * leaves --kv-watermark free: the decode role takes blocks as it generates and preempts
+ * when they run out (decode_worker/decode.c).
  *
  * Automatic prefix caching (--prefix-cache, docs/prefix-cache.md): at admission the
  * prompt's longest run of cached full blocks (kvcache_seq_attach_prefix) is shared with
@@ -79,16 +80,21 @@ static uint64_t prefix_key(const prefill_role *p, const preq *r, int *lookahead)
 }
 
 /* Admit r into the batch: a sequence with room for its prompt (and, when decoded here, for
- * every token it may generate), its cached prefix shared (r->n_done = the cached tokens).
- * Returns 0, or -1 when the cache is full now. */
+ * its first decode step, leaving --kv-watermark free unless the cache is otherwise empty:
+ * the decode role takes more blocks as it generates), its cached prefix shared (r->n_done =
+ * the cached tokens). Returns 0, or -1 when the cache is full now. */
 static int admit(prefill_role *p, preq *r)
 {
     runtime_t *rt = p->rt;
     kvcache_t *kv = rt->cp.kv;
     int local = r->dep[0] == 0;
-    long long need = local ? (long long)r->n_prompt + r->max_tokens - 1 : r->n_prompt;
+    long long need = local ? (long long)r->n_prompt + RUNTIME_KV_HEADROOM_TOKENS : r->n_prompt;
     if (need > rt->cp.mc->n_ctx)
         need = rt->cp.mc->n_ctx;
+    int n_free = kvcache_n_free_blocks(kv);
+    if (local && n_free < kvcache_n_blocks(kv) &&
+        n_free - kvcache_blocks_for(kv, (int)need) < runtime_kv_watermark_blocks(rt))
+        return -1;
     int seq = kvcache_seq_new(kv);
     if (seq < 0)
         return -1;
@@ -184,6 +190,7 @@ static int transfer_begin(prefill_role *p, preq *r)
                            .mtp_fp = mtp ? mtp_fingerprint(cp->mtp) : 0,
                            .n_hidden = mtp ? specdec_hand_floats(cp->sd) : 0,
                            .mtp = r->mtp_req,
+                           .priority = r->priority,
                            .server_key = r->dpk};
     r->xfer = kvx_send_begin(p->rt->sender, r->dep, &bp);
     if (r->xfer)
@@ -236,6 +243,7 @@ static void prompt_done(prefill_role *p, preq *r, float *logits)
                              .rng = r->rng,
                              .mtp_req = r->mtp_req,
                              .mtp_depth = r->mtp_depth,
+                             .priority = r->priority,
                              .hand = r->hand};
         r->seq = -1;
         r->hand = NULL;

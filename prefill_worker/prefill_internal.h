@@ -46,6 +46,7 @@ typedef struct {
     int64_t t_start_us;           /* its first prefill chunk started */
     int mtp_req;                  /* the request's MTP depth + 1 (0 = not set) */
     int mtp_depth;                /* drafts it may make per step: 0 = no module work */
+    int priority;                 /* PREFILL "pri": 0 online, 1 offline (KV_BEGIN "pri") */
     float *hand; /* (2, dim) MTP hand-off state, filled by the module pass (owned; NULL when
                   * mtp_depth is 0) */
 } preq;

@@ -253,6 +253,7 @@ static void send_heartbeat(runtime_t *rt)
     m.prefix_hits = rt->prefix_hits;
     m.spec = rt->spec;
     m.mig = rt->mig;
+    m.n_preemptions = rt->n_preemptions;
     if (rt->sender)
         kvx_sender_get_stats(rt->sender, &m.kvx_tx);
     m.emulated = rt->cp.emu_on;
@@ -437,6 +438,11 @@ int runtime_open_sender(runtime_t *rt)
 int runtime_decodes_locally(const runtime_t *rt)
 {
     return rt->decode != NULL;
+}
+
+int runtime_kv_watermark_blocks(const runtime_t *rt)
+{
+    return (int)(rt->set.kv_watermark * kvcache_n_blocks(rt->cp.kv));
 }
 
 void runtime_handoff_local(runtime_t *rt, runtime_handoff *h)

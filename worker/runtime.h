@@ -38,6 +38,12 @@ typedef struct runtime runtime_t;
  * not restart a worker that exited with it (a restart would be refused again). */
 #define RUNTIME_EXIT_REFUSED 78
 
+/* KV blocks on demand (docs/kvtransfer.md "Reservations"): a sequence joining a decode role
+ * (KV_BEGIN, a local prefill, a migration) reserves its transferred tokens plus this many,
+ * what its first decode step verifies at most (1 + the deepest MTP draft); every later
+ * step reserves what it needs itself, and preempts when blocks run out. */
+#define RUNTIME_KV_HEADROOM_TOKENS (1 + SPECDEC_MAX_DEPTH)
+
 /* A sequence whose prompt was computed here and that is decoded here (mixed worker): what
  * the prefill role hands the decode role. The KV sequence and `hand` move with it. */
 typedef struct {
@@ -50,6 +56,7 @@ typedef struct {
     uint64_t rng;  /* sampler state after the first token */
     int mtp_req;   /* the request's MTP depth + 1 (0 = not set) */
     int mtp_depth; /* drafts it may make per step (0 = no module work) */
+    int priority;  /* PREFILL "pri": 0 online, 1 offline (preempted first) */
     float *hand;   /* (2, dim) MTP hand-off state (owned from here; NULL without MTP) */
 } runtime_handoff;
 
@@ -129,6 +136,8 @@ struct runtime {
     uint64_t prefix_queries;        /* prompt tokens looked up in the prefix cache */
     uint64_t prefix_hits;           /* of those, tokens found cached (not computed) */
     proto_mig_counters mig;         /* live migrations out and in (decode role) */
+    uint64_t n_preemptions;         /* sequences preempted for KV blocks (decode role;
+                                     * HEARTBEAT "npre", vLLM's num_preemptions) */
     proto_spec_counters spec;       /* speculative decoding (decode role; zeros without MTP) */
 
     /* runtime only */
@@ -204,6 +213,9 @@ int runtime_decodes_locally(const runtime_t *rt);
  * *h is left empty). Without a decode role the request fails with a retryable error and
  * its KV is freed. */
 void runtime_handoff_local(runtime_t *rt, runtime_handoff *h);
+
+/* KV blocks of --kv-watermark: int(watermark * the cache's blocks), as vLLM counts it. */
+int runtime_kv_watermark_blocks(const runtime_t *rt);
 
 // --- the program (worker.c drives these)
 

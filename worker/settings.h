@@ -9,6 +9,8 @@ typedef struct {
     char *gateway, *model_path, *worker_id, *role_name, *kv_bind, *kv_advertise, *log_level;
     long long kv_blocks, block_size, max_seqs, max_batch_tokens, heartbeat_ms, lease_ms;
     long long debug_step_delay_ms;
+    double kv_watermark; /* --kv-watermark: fraction of the KV blocks a new sequence must
+                          * leave free (vLLM's watermark) */
     long long prefill_chunk_tokens; /* prompt tokens per sequence per forward pass */
     long long threads;              /* compute threads (0 = CPUs available) */
     char *emulate;                  /* --emulate: cost-model preset ("" = real compute) */

@@ -70,6 +70,10 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
          "decode/mixed: kv endpoint announced to the gateway (unset: the bound one)"},
         {"kv-blocks", CONFIG_INT, &set->kv_blocks, "0", 0, 1e9,
          "KV cache blocks (0 = max-seqs full contexts)"},
+        {"kv-watermark", CONFIG_DOUBLE, &set->kv_watermark, "0.01", 0, 0.5,
+         "decode/mixed: fraction of the KV blocks a new sequence must leave free when it "
+         "joins (vLLM's watermark), so that running sequences can grow before anything is "
+         "preempted"},
         {"block-size", CONFIG_INT, &set->block_size, "16", 1, 4096, "tokens per KV block"},
         {"max-seqs", CONFIG_INT, &set->max_seqs, "64", 1, 65536,
          "sequences in the KV cache (running plus in transfer) and per batch"},

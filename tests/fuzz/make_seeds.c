@@ -82,6 +82,7 @@ static int sample(proto_type_t t, proto_msg *m)
         m->emulated = 1;
         m->role_change_us = 1500;
         m->n_role_changes = 2;
+        m->n_preemptions = 6;
         break;
     case PROTO_REGISTER_ACK:
         m->heartbeat_ms = 500;
@@ -97,6 +98,7 @@ static int sample(proto_type_t t, proto_msg *m)
         m->top_k = 40;
         m->rng = 99;
         m->mtp_depth = 3;
+        m->priority = 1; /* PREFILL only */
         snprintf(m->decode_worker, sizeof(m->decode_worker), "decode-1");
         snprintf(m->decode_endpoint, sizeof(m->decode_endpoint), "tcp://127.0.0.1:5560");
         m->queue_us = 10;
@@ -145,6 +147,7 @@ static int sample(proto_type_t t, proto_msg *m)
         m->lease_ms = 5000;
         m->pad_bytes = 4096;
         m->mtp_depth = 2;
+        m->priority = 1;
         break;
     case PROTO_KV_BEGIN_ACK:
     case PROTO_KV_RESULT:

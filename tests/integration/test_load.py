@@ -39,8 +39,9 @@ class Load(unittest.TestCase):
                 self.assertEqual(text, REF[prompts[i]], "request %d" % i)
 
     def test_kv_exhaustion_requests_wait(self):
-        # 16 blocks of 16 tokens: each request needs ceil((5 + 48 - 1) / 16) = 4 blocks, so
-        # at most 4 run at once on the decode worker; 24 requests must all still complete.
+        # 16 blocks of 16 tokens: each request grows to ceil((5 + 48 - 1) / 16) = 4 blocks, so
+        # at most 4 can finish side by side on the decode worker (more start, blocks taken on
+        # demand; the rest are preempted and recomputed); 24 requests must all complete.
         with Cluster(roles=("prefill", "decode"),
                      worker_args=["--kv-blocks", "16", "--debug-step-delay-ms", "2"]) as c:
             time.sleep(0.5)
@@ -54,11 +55,12 @@ class Load(unittest.TestCase):
             wait_kv_free(c, base)
 
     def test_request_that_can_never_fit(self):
-        # 4 blocks * 16 tokens = 64 slots; a 200-token request can never fit: clean error
+        # 4 blocks * 16 tokens = 64 slots; a 90-token prompt can never fit: clean error (a
+        # 200-token max_tokens alone is admitted: test_preempt.py)
         with Cluster(roles=("prefill", "decode"), worker_args=["--kv-blocks", "4"]) as c:
-            status, body = c.complete("Once upon a time", max_tokens=200)
-            self.assertGreaterEqual(status, 400, body)
-            self.assertIn("error", body)
+            status, body = c.complete("Once upon a time " * 18, max_tokens=8)
+            self.assertEqual(status, 400, body)
+            self.assertEqual(body["error"]["code"], "kv_cache_capacity_exceeded")
             status, body = c.complete("Once upon a time", max_tokens=48)
             self.assertEqual(status, 200, body)
             self.assertEqual(body["choices"][0]["text"], REF["Once upon a time"])

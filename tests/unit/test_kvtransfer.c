@@ -33,6 +33,7 @@
 #define NBLK 32 /* blocks per cache */
 #define MAXSEQ 8
 #define MAXLEN 64
+#define HEADROOM 3 /* receiver headroom_tokens, as a worker sets it (1 + MTP depth 2) */
 #define FP 0x1234abcd5678ef01ull
 
 static int endpoint_counter;
@@ -75,17 +76,24 @@ static kvx_sender_t *mk_sender(fx_t *f, kvcache_t *kv, int lease_ms)
     return s;
 }
 
-/* (Re)create the receiver on a fresh endpoint. */
-static void mk_receiver(fx_t *f, uint64_t fp, int lease_ms)
+/* (Re)create the receiver on a fresh endpoint, keeping watermark_blocks free. */
+static void mk_receiver_wm(fx_t *f, uint64_t fp, int lease_ms, int watermark_blocks)
 {
     kvx_receiver_destroy(&f->r);
     snprintf(f->ep, sizeof(f->ep), "inproc://kvx-test-%d", ++endpoint_counter);
     kvx_receiver_params p = kvx_receiver_default_params();
     p.fingerprint = fp;
     p.lease_ms = lease_ms;
+    p.headroom_tokens = HEADROOM;
+    p.watermark_blocks = watermark_blocks;
     f->r = kvx_receiver_new(f->zctx, f->kvr, f->ep, &p);
     assert_non_null(f->r);
     assert_string_equal(kvx_receiver_endpoint(f->r), f->ep);
+}
+
+static void mk_receiver(fx_t *f, uint64_t fp, int lease_ms)
+{
+    mk_receiver_wm(f, fp, lease_ms, 0);
 }
 
 static int setup(void **state)
@@ -431,7 +439,8 @@ static void transfer_ok(fx_t *f, int n_kv, int max_tokens, const int *order)
     int nb = kvcache_blocks_for(f->kvr, n_kv);
     assert_true(seq_holds(f->kvr, ev.seq, seed, nb));
     assert_int_equal(kvcache_seq_len(f->kvr, ev.seq), n_kv);
-    int want = n_kv + max_tokens - 1 > MAXLEN ? MAXLEN : n_kv + max_tokens - 1;
+    /* on demand: the transferred tokens and the first step's headroom, not max_tokens */
+    int want = n_kv + HEADROOM > MAXLEN ? MAXLEN : n_kv + HEADROOM;
     assert_int_equal(kvcache_seq_capacity(f->kvr, ev.seq), kvcache_blocks_for(f->kvr, want) * BS);
     assert_int_equal(kvx_receiver_n_active(f->r), 0); /* handed over */
     kvx_event sev;
@@ -459,7 +468,7 @@ static void test_exact_block_multiple(void **state)
 
 static void test_capacity_capped_at_context(void **state)
 {
-    transfer_ok(*state, 50, 1000, NULL);
+    transfer_ok(*state, 62, 1000, NULL); /* 62 + 3 > 64: 16 blocks */
 }
 
 static void test_layers_out_of_order(void **state)
@@ -503,7 +512,7 @@ static void test_reject_nospace(void **state)
 {
     fx_t *f = *state;
     int s1 = make_seq(f->kvs, 60, 1), s2 = make_seq(f->kvs, 60, 2), s3 = make_seq(f->kvs, 4, 3);
-    uint64_t x1 = begin(f, f->s, 1, s1, 60, 5); /* 64 tokens: 16 blocks */
+    uint64_t x1 = begin(f, f->s, 1, s1, 60, 5); /* 60 + 3 tokens: 16 blocks */
     uint64_t x2 = begin(f, f->s, 2, s2, 60, 5); /* the other 16 */
     pump(f);
     assert_int_equal(kvcache_n_free_blocks(f->kvr), 0);
@@ -511,6 +520,31 @@ static void test_reject_nospace(void **state)
     expect_failed(f, f->s, x3, PROTO_ERR_NOSPACE);
     assert_int_equal(kvx_receiver_n_active(f->r), 2);
     kvx_send_abort(f->s, x1);
+    kvx_send_abort(f->s, x2);
+    assert_all_free(f);
+}
+
+/* The watermark: a new sequence must leave watermark_blocks free, except in an empty cache
+ * (there it is admitted whatever it leaves, so a prompt that fits is never refused for
+ * good); max_tokens plays no part. */
+static void test_reject_watermark(void **state)
+{
+    fx_t *f = *state;
+    mk_receiver_wm(f, FP, 2000, 20);
+    int s1 = make_seq(f->kvs, 60, 1), s2 = make_seq(f->kvs, 4, 2);
+    uint64_t x1 = begin(f, f->s, 1, s1, 60, 100000); /* 16 blocks of 32: 16 left < 20 */
+    pump(f);
+    assert_int_equal(kvcache_n_free_blocks(f->kvr), NBLK - 16);
+    uint64_t x2 = begin(f, f->s, 2, s2, 4, 1); /* 2 blocks: 14 would be left */
+    expect_failed(f, f->s, x2, PROTO_ERR_NOSPACE);
+    assert_int_equal(kvx_receiver_n_active(f->r), 1);
+    kvx_send_abort(f->s, x1);
+    assert_all_free(f);
+    /* with x1 gone the cache is empty again: the same request is admitted */
+    s2 = make_seq(f->kvs, 4, 2);
+    x2 = begin(f, f->s, 3, s2, 4, 1);
+    pump(f);
+    assert_int_equal(kvcache_n_free_blocks(f->kvr), NBLK - 2);
     kvx_send_abort(f->s, x2);
     assert_all_free(f);
 }
@@ -1855,6 +1889,7 @@ int main(int argc, char **argv)
         T(test_layers_out_of_order),
         T(test_concurrent_transfers),
         T(test_reject_nospace),
+        T(test_reject_watermark),
         T(test_reject_no_sequence_slot),
         T(test_reject_fingerprint),
         T(test_reject_layout_n_layer),

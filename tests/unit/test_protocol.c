@@ -82,6 +82,8 @@ static void fill(proto_msg *m, proto_type_t t)
     m->prefix_hits = 4096;
     m->mig = (proto_mig_counters){4, 1, 9000, 2};
     m->n_gen = 12;
+    m->priority = 1;
+    m->n_preemptions = 1ull << 35;
     /* CURVE public keys (Z85): REGISTER "kvpk", PREFILL/MIGRATE "dpk" */
     snprintf(m->kv_pubkey, sizeof(m->kv_pubkey), "%s", "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7");
     snprintf(m->decode_pubkey, sizeof(m->decode_pubkey), "%s",
@@ -129,6 +131,9 @@ static void test_roundtrip_all_types(void **state)
         assert_true(out.mig.n_out == (t == PROTO_HEARTBEAT ? 4u : 0u));
         assert_true(out.mig.out_us == (t == PROTO_HEARTBEAT ? 9000u : 0u));
         assert_true(out.mig.n_in == (t == PROTO_HEARTBEAT ? 2u : 0u));
+        /* on-demand KV: the tier on PREFILL / KV_BEGIN, preemptions on HEARTBEAT */
+        assert_int_equal(out.priority, t == PROTO_PREFILL || t == PROTO_KV_BEGIN ? 1 : 0);
+        assert_true(out.n_preemptions == (t == PROTO_HEARTBEAT ? 1ull << 35 : 0u));
         if (t == PROTO_MIGRATE) {
             assert_int_equal(out.rid, 42);
             assert_string_equal(out.decode_worker, "decode-host-1");
@@ -341,6 +346,25 @@ static void b_prefill_mtp(msgpack_packer *pk, int mtp)
     kv(pk, "dep"); kv(pk, "");
     kv(pk, "mtp"); msgpack_pack_int(pk, mtp);
 }
+static void b_prefill_pri(msgpack_packer *pk, int pri)
+{
+    msgpack_pack_map(pk, 12);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_PREFILL);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "rid"); msgpack_pack_int(pk, 1);
+    kv(pk, "tokens"); msgpack_pack_array(pk, 1); msgpack_pack_int(pk, 1);
+    kv(pk, "max_tokens"); msgpack_pack_int(pk, 4);
+    kv(pk, "temp"); msgpack_pack_float(pk, 0.0f);
+    kv(pk, "top_p"); msgpack_pack_float(pk, 1.0f);
+    kv(pk, "top_k"); msgpack_pack_int(pk, 0);
+    kv(pk, "rng"); msgpack_pack_int(pk, 7);
+    kv(pk, "dw"); kv(pk, "d");
+    kv(pk, "dep"); kv(pk, "");
+    kv(pk, "pri"); msgpack_pack_int(pk, pri);
+}
+static void b_pri_out_of_range(msgpack_packer *pk) { b_prefill_pri(pk, 2); }
+static void b_pri_negative(msgpack_packer *pk) { b_prefill_pri(pk, -1); }
+static void b_pri_offline(msgpack_packer *pk) { b_prefill_pri(pk, 1); }
 static void b_mtp_out_of_range(msgpack_packer *pk) { b_prefill_mtp(pk, 4); }
 static void b_mtp_negative(msgpack_packer *pk) { b_prefill_mtp(pk, -1); }
 static void b_mtp_ok(msgpack_packer *pk) { b_prefill_mtp(pk, 1); }
@@ -437,6 +461,9 @@ static void test_malformed_headers(void **state)
         {"mtp out of range", b_mtp_out_of_range, -1, "mtp"},
         {"mtp negative", b_mtp_negative, -1, "mtp"},
         {"mtp depth 0", b_mtp_ok, 0, ""},
+        {"pri out of range", b_pri_out_of_range, -1, "pri"},
+        {"pri negative", b_pri_negative, -1, "pri"},
+        {"pri offline", b_pri_offline, 0, ""},
         {"pad negative", b_pad_negative, -1, "pad"},
         {"pad too large", b_pad_too_large, -1, "pad"},
         {"valid with unknown key", b_ok_cancel, 0, ""},
@@ -533,6 +560,45 @@ static void test_optional_fields_unset(void **state)
     assert_int_equal(out.code, PROTO_ERR_NOSPACE);
     assert_int_equal(out.lease_ms, 0);
     assert_int_equal(out.message[0], 0);
+    free(buf);
+}
+
+/* ERROR PREEMPTED (a decode worker freed the sequence for KV blocks): code 10, retryable,
+ * named "preempted"; the next code is unknown. An online PREFILL carries no "pri". */
+static void test_error_preempted(void **state)
+{
+    (void)state;
+    proto_msg m, out;
+    unsigned char *buf;
+    size_t len;
+    char err[128];
+    proto_msg_init(&m, PROTO_ERROR);
+    m.rid = 77;
+    m.code = PROTO_ERR_PREEMPTED;
+    m.retryable = 1;
+    snprintf(m.message, sizeof(m.message), "KV cache full: preempted");
+    assert_int_equal(proto_encode(&m, &buf, &len), 0);
+    if (proto_decode(buf, len, &out, err, sizeof(err)) != 0)
+        fail_msg("%s", err);
+    assert_int_equal(out.code, 10);
+    assert_int_equal(out.retryable, 1);
+    assert_string_equal(proto_err_str(out.code), "preempted");
+    assert_string_equal(proto_err_str(11), "unknown");
+    free(buf);
+    int tok = 5;
+    proto_msg_init(&m, PROTO_PREFILL);
+    m.rid = 78;
+    m.tokens = &tok;
+    m.n_tokens = 1;
+    m.max_tokens = 2;
+    m.rng = 1;
+    snprintf(m.decode_worker, sizeof(m.decode_worker), "d");
+    assert_int_equal(proto_encode(&m, &buf, &len), 0);
+    assert_null(memmem(buf, len, "pri", 3));
+    if (proto_decode(buf, len, &out, err, sizeof(err)) != 0)
+        fail_msg("%s", err);
+    assert_int_equal(out.priority, 0);
+    proto_msg_clear(&out);
     free(buf);
 }
 
@@ -842,6 +908,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_send_recv_frames),
         cmocka_unit_test(test_send_header_sizes),
         cmocka_unit_test(test_optional_fields_unset),
+        cmocka_unit_test(test_error_preempted),
         cmocka_unit_test(test_send_dontwait_no_peer),
         cmocka_unit_test(test_counter_arrays),
     };
