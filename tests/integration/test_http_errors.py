@@ -369,7 +369,7 @@ class RawErrorsTest(unittest.TestCase):
         # counted like every reply
         _, _, metrics = self.gw.request("GET", "/metrics")
         got = {int(m.group(1)): int(float(m.group(2))) for m in re.finditer(
-            r'(?m)^tidepool:http_responses_total\{[^}]*code="(\d+)"\} (\S+)$',
+            r'(?m)^tidepool_http_responses_total\{[^}]*code="(\d+)"\} (\S+)$',
             metrics.decode())}
         for status in (400, 413, 417, 501):
             want = sum(1 for case in RAW_ERRORS if case[2] == status)

@@ -207,13 +207,13 @@ class RoleChange(unittest.TestCase):
             conn.request("GET", "/metrics")
             samples = parse_metrics(conn.getresponse().read().decode())[0]
             conn.close()
-            self.assertEqual(metric(samples, "tidepool:worker_migrations_total", worker=busy,
+            self.assertEqual(metric(samples, "tidepool_worker_migrations_total", worker=busy,
                                     direction="out", result="ok"), figs[busy]["migrated_out"])
-            self.assertEqual(metric(samples, "tidepool:worker_migrations_total", worker=other,
+            self.assertEqual(metric(samples, "tidepool_worker_migrations_total", worker=other,
                                     direction="in", result="ok"), figs[busy]["migrated_out"])
-            self.assertEqual(metric(samples, "tidepool:role_changes_total"), 1)
-            self.assertGreater(metric(samples, "tidepool:role_change_last_seconds"), 0)
-            self.assertEqual(metric(samples, "tidepool:workers", role="decode",
+            self.assertEqual(metric(samples, "tidepool_role_changes_total"), 1)
+            self.assertGreater(metric(samples, "tidepool_role_change_last_seconds"), 0)
+            self.assertEqual(metric(samples, "tidepool_workers", role="decode",
                                     state="changing"), 0)
 
     def test_failed_migration_loses_nothing(self):
