@@ -73,7 +73,7 @@ static const field_t fields[] = {
     FLD("dep", F_STR, decode_endpoint, 0, 0, T(PROTO_PREFILL) | T(PROTO_MIGRATE), 0),
     FLD("dpk", F_KEY, decode_pubkey, 0, 0, 0, T(PROTO_PREFILL) | T(PROTO_MIGRATE)),
     FLD("mtp", F_INT, mtp_depth, 0, PROTO_SPEC_MAX_POS + 1, 0,
-        T(PROTO_PREFILL) | T(PROTO_KV_BEGIN)),
+        T(PROTO_PREFILL) | T(PROTO_KV_BEGIN) | T(PROTO_REGISTER)),
     FLD("reason", F_INT, reason, 1, 2, T(PROTO_FINISH), 0),
     FLD("code", F_INT, code, 0, 100, T(PROTO_ERROR), T(PROTO_KV_BEGIN_ACK) |
         T(PROTO_KV_RESULT) | T(PROTO_KV_ABORT) | T(PROTO_REGISTER_ACK)),

@@ -176,7 +176,9 @@ typedef struct {
     char decode_worker[PROTO_ID_LEN];    /* PREFILL: chosen decode worker ("" = local) */
     int mtp_depth;                       /* PREFILL, KV_BEGIN, optional: the request's MTP
                                           * depth + 1 (1..3 = depth 0..2); 0 = not set (the
-                                          * worker's --mtp-depth) */
+                                          * worker's --mtp-depth). REGISTER, optional: the
+                                          * depth the worker serves + 1 (1 = no MTP; 0 =
+                                          * not reported) */
     char decode_endpoint[PROTO_ENDPOINT_LEN];
     char decode_pubkey[PROTO_KEY_LEN];   /* PREFILL, MIGRATE, optional: the CURVE public key
                                           * of the kv ROUTER at decode_endpoint (Z85; "" =

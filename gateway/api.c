@@ -775,9 +775,16 @@ char *api_format_usage_chunk(const api_response_info *info, int n_prompt, int n_
     return dump(root);
 }
 
-char *api_format_models(const char *model, int64_t created, int n_ctx)
+json_t *api_model_card(const char *model, int64_t created, int n_ctx, int mtp_depth)
 {
-    return dump(json_pack("{s:s, s:[{s:s, s:s, s:I, s:s, s:i}]}", "object", "list", "data", "id",
-                          model, "object", "model", "created", (json_int_t)created, "owned_by",
-                          "tidepool", "max_model_len", n_ctx));
+    return json_pack("{s:s, s:s, s:I, s:s, s:s, s:i, s:o}", "id", model, "object", "model",
+                     "created", (json_int_t)created, "owned_by", "tidepool", "root", model,
+                     "max_model_len", n_ctx, "mtp_depth",
+                     mtp_depth < 0 ? json_null() : json_integer(mtp_depth));
+}
+
+char *api_format_models(const char *model, int64_t created, int n_ctx, int mtp_depth)
+{
+    json_t *card = api_model_card(model, created, n_ctx, mtp_depth);
+    return dump(card ? json_pack("{s:s, s:[o]}", "object", "list", "data", card) : NULL);
 }

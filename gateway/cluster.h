@@ -197,6 +197,8 @@ typedef struct {
     int changing;                 /* 1: a role change is in progress (ROLE sent) */
     int target_role;              /* when changing: proto_role_t it moves to */
     int emulated;                 /* 1: emulated accelerator (--emulate) */
+    int mtp_depth;                /* from REGISTER: the MTP depth it serves (0 = none);
+                                   * -1 = not reported */
     uint64_t n_role_changes;      /* from its heartbeat: role changes since it started */
     double role_change_ms;        /* from its heartbeat: its last change (0 = none) */
     proto_mig_counters mig;       /* from its heartbeat: live migrations out and in */

@@ -47,6 +47,7 @@ typedef struct worker {
     int changing, target_role;
     int64_t change_us;      /* when ROLE was sent */
     int emulated;           /* REGISTER / HEARTBEAT "emu" */
+    int mtp_depth;          /* REGISTER "mtp": the depth it serves + 1; 0 = not reported */
     uint64_t n_role_changes; /* last heartbeat */
     int64_t role_change_us;  /* last heartbeat: its last change's duration */
     proto_mig_counters mig;  /* last heartbeat: live migrations */

@@ -546,11 +546,15 @@ static void test_formats(void **state)
         json_integer_value(json_object_get(json_object_get(j, "usage"), "completion_tokens")), 3);
     json_decref(j);
     free(s);
-    s = api_format_models("m", 1, 512);
+    s = api_format_models("m", 1, 512, 2);
+    assert_string_equal(s, "{\"object\":\"list\",\"data\":[{\"id\":\"m\",\"object\":\"model\","
+                           "\"created\":1,\"owned_by\":\"tidepool\",\"root\":\"m\","
+                           "\"max_model_len\":512,\"mtp_depth\":2}]}");
+    free(s);
+    s = api_format_models("m", 1, 512, -1);
     j = json_loads(s, 0, NULL);
-    assert_string_equal(
-        json_string_value(json_object_get(json_array_get(json_object_get(j, "data"), 0), "id")),
-        "m");
+    assert_true(json_is_null(json_object_get(json_array_get(json_object_get(j, "data"), 0),
+                                             "mtp_depth")));
     json_decref(j);
     free(s);
 }

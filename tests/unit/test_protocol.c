@@ -117,8 +117,10 @@ static void test_roundtrip_all_types(void **state)
         assert_true(out.pad_bytes == (t == PROTO_KV_BEGIN ? PROTO_MAX_PAD : 0));
         /* blk0: optional, KV_LAYER only */
         assert_int_equal(out.blk0, t == PROTO_KV_LAYER ? 3 : 0);
-        /* MTP: the request's depth on PREFILL and KV_BEGIN; the module layout on KV_BEGIN */
-        assert_int_equal(out.mtp_depth, t == PROTO_PREFILL || t == PROTO_KV_BEGIN ? 3 : 0);
+        /* MTP: the request's depth on PREFILL and KV_BEGIN, the served one on REGISTER; the
+         * module layout on KV_BEGIN */
+        assert_int_equal(out.mtp_depth,
+                         t == PROTO_PREFILL || t == PROTO_KV_BEGIN || t == PROTO_REGISTER ? 3 : 0);
         assert_int_equal(out.n_mtp, t == PROTO_KV_BEGIN ? 2 : 0);
         assert_true(out.mtp_fp == (t == PROTO_KV_BEGIN ? in.mtp_fp : 0));
         assert_int_equal(out.n_hidden, t == PROTO_KV_BEGIN ? 128 : 0);
