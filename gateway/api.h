@@ -16,6 +16,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "protocol.h" /* proto_sampling */
+
 #define API_MAX_STOP 4         /* stop strings per request (OpenAI's limit) */
 #define API_MAX_STOP_BYTES 256 /* bytes per stop string */
 #define API_MAX_PROMPT_IDS 1048576 /* token ids of one token-id prompt */
@@ -48,6 +50,11 @@ typedef struct {
     int include_usage; /* stream_options.include_usage */
     int offline;       /* service_tier "flex": the offline tier ("auto", "default": online) */
     int mtp_depth;     /* extension "mtp_depth": 0..2 MTP drafts per step at most; -1 absent */
+    proto_sampling *samp; /* presence_penalty, frequency_penalty, repetition_penalty,
+                           * logit_bias, min_tokens, stop_token_ids (docs/api.md "Sampling
+                           * controls"); owned; NULL when none is set (all defaults). Token
+                           * ids are >= 0; their range is checked against the vocabulary at
+                           * admission (api_check_sampling) */
 } api_request;
 
 /* An error reply: HTTP status and the fields of OpenAI's {"error": {...}} object.
@@ -94,6 +101,10 @@ int api_check_model(const api_request *r, const char *served_model, api_error *e
  * (empty prompt, prompt >= n_ctx, n_prompt + max_tokens > n_ctx; the message names the
  * numbers). */
 int api_check_length(api_request *r, int n_prompt, int n_ctx, api_error *err);
+
+/* Check r's token ids in logit_bias and stop_token_ids against the vocabulary (vocab ids).
+ * 0, or -1 with a 400 invalid_value naming the field and the id in *err. */
+int api_check_sampling(const api_request *r, int vocab, api_error *err);
 
 /* The error body {"error":{"message","type","param","code"}}. malloc'd; NULL on OOM. */
 char *api_error_json(const api_error *e);

@@ -121,6 +121,8 @@ typedef struct {
     int top_k;
     uint64_t rng; /* initial sampler state (sampler_seed_state) */
     int mtp_depth; /* the request's MTP depth + 1 (1..3 = depth 0..2); 0 = the workers' */
+    const proto_sampling *samp; /* optional (NULL = none): logit processors, copied; the
+                                 * workers decode such a request at MTP depth 0 */
     cluster_req_timing *timing; /* optional (NULL): borrowed until the request ends (its
                                  * on_finish / on_error, or cluster_cancel); zeroed and
                                  * filled by the cluster */

@@ -305,7 +305,8 @@ static int *admissible(const completion_env *env, api_kind_t kind, const char *b
     int *tokens = tokenize(env->tok, r, n, e);
     if (!tokens)
         return NULL;
-    if (api_check_length(r, *n, env->n_ctx, e) < 0) {
+    if (api_check_length(r, *n, env->n_ctx, e) < 0 ||
+        api_check_sampling(r, tokenizer_vocab_size(env->tok), e) < 0) {
         free(tokens);
         return NULL;
     }
@@ -366,6 +367,7 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
         .top_k = r.top_k,
         .rng = sampler_seed_state(seed),
         .mtp_depth = r.mtp_depth >= 0 ? r.mtp_depth + 1 : 0,
+        .samp = r.samp,
         .timing = &c->timing,
         .offline = c->offline,
         .cb = &callbacks,

@@ -96,6 +96,12 @@ typedef struct {
      * the tokens the request's attempt generated before it moved, first_token included
      * (first_token is then the token to feed next, already reported at index n_gen - 1) */
     int n_gen;
+    /* KVX_EV_ACCEPTED: KV_BEGIN's sampling controls ("samp") and the sequence's ids so far
+     * ("tokens": prompt then generated, first_token not included; n_hist of them), both
+     * malloc'd and owned by whoever pops the event (free them); NULL / 0 when none */
+    proto_sampling *samp;
+    int *hist;
+    int n_hist;
 } kvx_event;
 
 // --- sender
@@ -153,6 +159,12 @@ typedef struct {
      * generated so far, KV_END's first_token included; max_tokens then counts the tokens
      * still to generate, first_token included (docs/kvtransfer.md "Migration") */
     int n_gen;
+    /* sampling controls (optional, NULL = none; borrowed for the call): carried in KV_BEGIN
+     * with the sequence's ids so far (hist, n_hist: prompt then generated, KV_END's
+     * first_token not included), which the receiver's penalties count */
+    const proto_sampling *samp;
+    const int *hist;
+    int n_hist;
     /* CURVE: the receiver's public key (Z85, as its REGISTER advertised it; NULL or "" =
      * none). Required by a CURVE sender, which refuses (logged) to send to a receiver
      * without one; ignored by a plain sender. */

@@ -48,6 +48,7 @@ typedef struct {
     int mtp_depth;                /* drafts it may make per step: 0 = no module work */
     float *hand; /* (2, dim) MTP hand-off state, filled by the module pass (owned; NULL when
                   * mtp_depth is 0) */
+    seqpen_t *pen; /* PREFILL "samp": its sampling controls and ids (owned; NULL = none) */
 } preq;
 
 typedef struct {
