@@ -767,10 +767,8 @@ int proto_decode(const void *buf, size_t len, proto_msg *m, char *err, size_t er
     rc = 0;
 done:
     msgpack_unpacked_destroy(&up);
-    if (rc < 0) {
-        free(m->tokens);
-        memset(m, 0, sizeof(*m));
-    }
+    if (rc < 0)
+        proto_msg_clear(m); /* what the fields decoded so far allocated */
     return rc;
 }
 
