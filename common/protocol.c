@@ -15,7 +15,8 @@
 
 /* F_KEY: a CURVE public key, exactly 40 characters of Z85 (RFC 32) decoding to 32 bytes,
  * in a char[PROTO_KEY_LEN] */
-typedef enum { F_U64, F_I64, F_INT, F_FLOAT, F_STR, F_TOKENS, F_U64S, F_KEY } field_kind_t;
+/* F_SAMP: proto_msg.samp, a proto_sampling (protocol.h) */
+typedef enum { F_U64, F_I64, F_INT, F_FLOAT, F_STR, F_TOKENS, F_U64S, F_KEY, F_SAMP } field_kind_t;
 
 #define MAX_U64S 64 /* F_U64S: longest array accepted; elements past the known ones are ignored */
 
@@ -62,7 +63,8 @@ static const field_t fields[] = {
     FLD("tok_in", F_U64, tokens_in, 0, 0, T(PROTO_HEARTBEAT), 0),
     FLD("tok_out", F_U64, tokens_out, 0, 0, T(PROTO_HEARTBEAT), 0),
     FLD("hb_ms", F_INT, heartbeat_ms, 1, 3600000, T(PROTO_REGISTER_ACK), 0),
-    FLD("tokens", F_TOKENS, tokens, 0, 0, T(PROTO_PREFILL) | T(PROTO_TOKENS), 0),
+    FLD("tokens", F_TOKENS, tokens, 0, 0, T(PROTO_PREFILL) | T(PROTO_TOKENS), T(PROTO_KV_BEGIN)),
+    FLD("samp", F_SAMP, samp, 0, 0, 0, T(PROTO_PREFILL) | T(PROTO_KV_BEGIN)),
     FLD("index", F_INT, index, 0, INT32_MAX, T(PROTO_TOKENS), 0),
     FLD("max_tokens", F_INT, max_tokens, 1, 1 << 24, T(PROTO_PREFILL) | T(PROTO_KV_BEGIN), 0),
     FLD("temp", F_FLOAT, temperature, 0, 100, T(PROTO_PREFILL) | T(PROTO_KV_BEGIN), 0),
@@ -73,7 +75,7 @@ static const field_t fields[] = {
     FLD("dep", F_STR, decode_endpoint, 0, 0, T(PROTO_PREFILL) | T(PROTO_MIGRATE), 0),
     FLD("dpk", F_KEY, decode_pubkey, 0, 0, 0, T(PROTO_PREFILL) | T(PROTO_MIGRATE)),
     FLD("mtp", F_INT, mtp_depth, 0, PROTO_SPEC_MAX_POS + 1, 0,
-        T(PROTO_PREFILL) | T(PROTO_KV_BEGIN)),
+        T(PROTO_PREFILL) | T(PROTO_KV_BEGIN) | T(PROTO_REGISTER)),
     FLD("reason", F_INT, reason, 1, 2, T(PROTO_FINISH), 0),
     FLD("code", F_INT, code, 0, 100, T(PROTO_ERROR), T(PROTO_KV_BEGIN_ACK) |
         T(PROTO_KV_RESULT) | T(PROTO_KV_ABORT) | T(PROTO_REGISTER_ACK)),
@@ -190,6 +192,7 @@ void proto_msg_init(proto_msg *m, proto_type_t type)
 void proto_msg_clear(proto_msg *m)
 {
     free(m->tokens);
+    free(m->samp);
     memset(m, 0, sizeof(*m));
 }
 
@@ -247,6 +250,8 @@ static int field_encoded(const field_t *f, const proto_msg *m, uint64_t bit)
         return p[0] != 0;
     case F_TOKENS:
         return m->n_tokens > 0;
+    case F_SAMP:
+        return m->samp != NULL;
     case F_U64S:
         for (size_t k = 0; k < f->size / sizeof(uint64_t); k++)
             if (((const uint64_t *)p)[k] != 0)
@@ -308,6 +313,28 @@ static int encode_header(const proto_msg *m, msgpack_packer *pk)
             for (int k = 0; k < m->n_tokens && rc == 0; k++)
                 rc |= msgpack_pack_int(pk, m->tokens[k]);
             break;
+        case F_SAMP: {
+            const proto_sampling *sa = m->samp;
+            if (sa->n_bias < 0 || sa->n_bias > PROTO_MAX_BIAS || sa->n_stop < 0 ||
+                sa->n_stop > PROTO_MAX_STOP_IDS) {
+                rc = -1;
+                break;
+            }
+            rc |= msgpack_pack_array(pk, 8);
+            rc |= msgpack_pack_float(pk, sa->presence) | msgpack_pack_float(pk, sa->frequency);
+            rc |= msgpack_pack_float(pk, sa->repetition);
+            rc |= msgpack_pack_int(pk, sa->min_tokens) | msgpack_pack_int(pk, sa->n_gen);
+            rc |= msgpack_pack_array(pk, (size_t)sa->n_bias);
+            for (int k = 0; k < sa->n_bias && rc == 0; k++)
+                rc |= msgpack_pack_int(pk, sa->bias_ids[k]);
+            rc |= msgpack_pack_array(pk, (size_t)sa->n_bias);
+            for (int k = 0; k < sa->n_bias && rc == 0; k++)
+                rc |= msgpack_pack_float(pk, sa->bias[k]);
+            rc |= msgpack_pack_array(pk, (size_t)sa->n_stop);
+            for (int k = 0; k < sa->n_stop && rc == 0; k++)
+                rc |= msgpack_pack_int(pk, sa->stop_ids[k]);
+            break;
+        }
         case F_U64S:
             rc |= msgpack_pack_array(pk, f->size / sizeof(uint64_t));
             for (size_t k = 0; k < f->size / sizeof(uint64_t) && rc == 0; k++)
@@ -411,6 +438,76 @@ static int obj_int64(const msgpack_object *o, int64_t *v)
     return -1;
 }
 
+/* A number into *d (float or integer). 0 or -1. */
+static int obj_num(const msgpack_object *o, double *d)
+{
+    int64_t iv;
+    if (o->type == MSGPACK_OBJECT_FLOAT32 || o->type == MSGPACK_OBJECT_FLOAT64)
+        *d = o->via.f64;
+    else if (obj_int64(o, &iv) == 0)
+        *d = (double)iv;
+    else
+        return -1;
+    return isfinite(*d) ? 0 : -1;
+}
+
+/* "samp" (protocol.h proto_sampling) into a malloc'd struct. 0, or -1 with err. */
+static int decode_samp(const msgpack_object *o, proto_msg *m, char *err, size_t errlen)
+{
+    if (o->type != MSGPACK_OBJECT_ARRAY || o->via.array.size != 8)
+        return fail(err, errlen, "field 'samp': want an array of 8");
+    const msgpack_object *a = o->via.array.ptr;
+    double d[3];
+    int64_t iv[2];
+    for (int k = 0; k < 3; k++)
+        if (obj_num(&a[k], &d[k]) < 0)
+            return fail(err, errlen, "field 'samp': element %d is not a number", k);
+    if (d[0] < -2 || d[0] > 2 || d[1] < -2 || d[1] > 2 || d[2] < 0 || d[2] > 2)
+        return fail(err, errlen, "field 'samp': a penalty out of range");
+    for (int k = 0; k < 2; k++)
+        if (obj_int64(&a[3 + k], &iv[k]) < 0 || iv[k] < 0 || iv[k] > 1 << 24)
+            return fail(err, errlen, "field 'samp': element %d: want an integer in [0, 2^24]",
+                        3 + k);
+    for (int k = 5; k < 8; k++)
+        if (a[k].type != MSGPACK_OBJECT_ARRAY)
+            return fail(err, errlen, "field 'samp': element %d is not an array", k);
+    uint32_t nb = a[5].via.array.size, ns = a[7].via.array.size;
+    if (nb > PROTO_MAX_BIAS || a[6].via.array.size != nb || ns > PROTO_MAX_STOP_IDS)
+        return fail(err, errlen, "field 'samp': %u bias ids, %u biases, %u stop ids (at most "
+                    "%d, equal counts, %d)", nb, a[6].via.array.size, ns, PROTO_MAX_BIAS,
+                    PROTO_MAX_STOP_IDS);
+    proto_sampling *sa = calloc(1, sizeof(*sa));
+    if (!sa)
+        return fail(err, errlen, "out of memory");
+    sa->presence = (float)d[0];
+    sa->frequency = (float)d[1];
+    sa->repetition = d[2] > 0 ? (float)d[2] : 1.0f;
+    sa->min_tokens = (int)iv[0];
+    sa->n_gen = (int)iv[1];
+    sa->n_bias = (int)nb;
+    sa->n_stop = (int)ns;
+    for (uint32_t k = 0; k < nb + ns; k++) {
+        int64_t id;
+        double b = 0;
+        const msgpack_object *x = k < nb ? &a[5].via.array.ptr[k] : &a[7].via.array.ptr[k - nb];
+        if (obj_int64(x, &id) < 0 || id < 0 || id > INT32_MAX ||
+            (k < nb && (obj_num(&a[6].via.array.ptr[k], &b) < 0 || b < -100 || b > 100))) {
+            free(sa);
+            return fail(err, errlen, "field 'samp': bad %s %u", k < nb ? "bias" : "stop id",
+                        k < nb ? k : k - nb);
+        }
+        if (k < nb) {
+            sa->bias_ids[k] = (int)id;
+            sa->bias[k] = (float)b;
+        } else {
+            sa->stop_ids[k - nb] = (int)id;
+        }
+    }
+    free(m->samp);
+    m->samp = sa;
+    return 0;
+}
+
 static int decode_field(const field_t *f, const msgpack_object *o, proto_msg *m, char *err,
                         size_t errlen)
 {
@@ -486,6 +583,8 @@ static int decode_field(const field_t *f, const msgpack_object *o, proto_msg *m,
         m->n_tokens = (int)n;
         return 0;
     }
+    case F_SAMP:
+        return decode_samp(o, m, err, errlen);
     case F_U64S: {
         if (o->type != MSGPACK_OBJECT_ARRAY)
             return fail(err, errlen, "field '%s': want an array", f->key);
@@ -672,10 +771,8 @@ int proto_decode(const void *buf, size_t len, proto_msg *m, char *err, size_t er
     rc = 0;
 done:
     msgpack_unpacked_destroy(&up);
-    if (rc < 0) {
-        free(m->tokens);
-        memset(m, 0, sizeof(*m));
-    }
+    if (rc < 0)
+        proto_msg_clear(m); /* what the fields decoded so far allocated */
     return rc;
 }
 

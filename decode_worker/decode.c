@@ -74,6 +74,7 @@ void decode_req_remove(decode_role *d, dreq *r)
         }
     }
     free(r->hand);
+    seqpen_destroy(&r->pen);
     free(r);
 }
 
@@ -142,16 +143,33 @@ static void on_accepted(decode_role *d, const kvx_event *ev)
     if (tombstoned(d, ev->rid)) { /* cancelled before its KV arrived: nothing to decode */
         log_rinfo(ev->rid, "KV arrived for a cancelled request: freed");
         free(ev->hidden);
+        free(ev->samp);
+        free(ev->hist);
         kvcache_seq_free(cp->kv, ev->seq);
         return;
     }
     dreq *r = req_new(d, ev->rid);
-    if (!r) {
+    seqpen_t *pen = NULL;
+    int has_samp = ev->samp != NULL;
+    if (r && has_samp) { /* its ids so far, then the token KV_END carried */
+        pen = seqpen_new(ev->samp, ev->hist, ev->n_hist, ev->samp->n_gen,
+                         ev->n_hist + 1 + ev->max_tokens + ev->n_gen, cp->mc->eos_id);
+        if (pen)
+            seqpen_push(pen, ev->first_token);
+    }
+    free(ev->samp); /* copied into pen */
+    free(ev->hist);
+    if (!r || (has_samp && !pen)) {
         free(ev->hidden);
+        if (r) {
+            r->seq = -1;
+            decode_req_remove(d, r);
+        }
         kvcache_seq_free(cp->kv, ev->seq);
         runtime_send_error(rt, ev->rid, PROTO_ERR_INTERNAL, 1, "out of memory");
         return;
     }
+    r->pen = pen;
     r->seq = ev->seq; /* ownership moves from kvx to this request */
     r->pos = ev->n_kv_tokens;
     r->first = ev->first_token;
@@ -174,7 +192,8 @@ static void on_accepted(decode_role *d, const kvx_event *ev)
     r->mtp_req = ev->mtp;
     r->hand = ev->hidden; /* taken: NULL when the transfer had no (usable) module state */
     r->hand_state = ev->mtp_ok && migrated && ev->n_hidden == specdec_state_floats(cp->sd);
-    r->mtp_depth = ev->mtp_ok && (ev->n_hidden == specdec_hand_floats(cp->sd) || r->hand_state)
+    r->mtp_depth = ev->mtp_ok && !pen &&
+                           (ev->n_hidden == specdec_hand_floats(cp->sd) || r->hand_state)
                        ? compute_req_depth(cp, ev->mtp)
                        : 0;
     r->state = DREQ_RUNNING;
@@ -202,6 +221,7 @@ static void adopt(void *st, runtime_handoff *h)
     if (!r) {
         kvcache_seq_free(d->rt->cp.kv, h->seq);
         free(h->hand);
+        seqpen_destroy(&h->pen);
         runtime_send_error(d->rt, h->rid, PROTO_ERR_INTERNAL, 1, "out of memory");
         memset(h, 0, sizeof(*h));
         return;
@@ -216,8 +236,9 @@ static void adopt(void *st, runtime_handoff *h)
     r->sp = h->sp;
     r->rng = h->rng;
     r->mtp_req = h->mtp_req;
-    r->mtp_depth = h->mtp_depth;
+    r->mtp_depth = h->pen ? 0 : h->mtp_depth;
     r->hand = h->hand;
+    r->pen = h->pen;
     memset(h, 0, sizeof(*h));
     start_decode(d, r);
 }
@@ -329,6 +350,13 @@ static void emit(decode_role *d, dreq *r, const specdec_item *x)
         r->n_gen++;
         rt->tokens_out++;
         r->last = t;
+        if (r->pen) {
+            seqpen_push(r->pen, t);
+            if (seqpen_is_stop(r->pen, t)) { /* a stop_token_id: sent, then the end */
+                reason = PROTO_FINISH_STOP;
+                break;
+            }
+        }
         if (r->n_gen >= r->max_tokens || r->pos >= mc->n_ctx)
             reason = PROTO_FINISH_LENGTH;
     }
@@ -339,6 +367,12 @@ static void emit(decode_role *d, dreq *r, const specdec_item *x)
         runtime_send_finish(rt, r->rid, reason, k ? NULL : tp);
         decode_req_remove(d, r);
     }
+}
+
+/* specdec_item.penalize: a sequence's sampling controls (ud: its seqpen_t). */
+static void penalize(void *ud, sampler_t *s, float *logits)
+{
+    seqpen_apply(ud, s, logits);
 }
 
 /* The sequence to preempt when blocks run out: the newest running offline one, else the
@@ -395,6 +429,8 @@ again:;
                              : r->ctl.max_depth;
         if (depth > r->max_tokens - r->n_gen - 1)
             depth = r->max_tokens - r->n_gen - 1;
+        if (r->pen)
+            depth = 0; /* penalties: the verifier's one token per step (docs/mtp.md) */
         if (depth < 0)
             depth = 0;
         int need = r->pos + 1 + depth > n_ctx ? n_ctx : r->pos + 1 + depth;
@@ -443,7 +479,9 @@ static int step(void *st)
                                      .last = r->last,
                                      .depth = d->step_depth[n],
                                      .sp = &r->sp,
-                                     .rng = &r->rng};
+                                     .rng = &r->rng,
+                                     .penalize = r->pen ? penalize : NULL,
+                                     .penalize_ud = r->pen};
         n++;
     }
     /* draft with the modules, verify every sequence's [last, d1, d2] in one pass */

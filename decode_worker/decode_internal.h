@@ -48,6 +48,8 @@ typedef struct {
                       * MTP), or, when hand_state, a migrated sequence's whole module state */
     int hand_state;  /* hand is specdec_state_floats() of specdec_seq_export (migrated) */
     specdec_ctl ctl; /* its depth controller (acceptance EWMAs) */
+    seqpen_t *pen;   /* sampling controls and its ids so far, r->last included (owned; NULL =
+                      * none): such a sequence decodes at depth 0 (docs/mtp.md) */
 } dreq;
 
 #define DECODE_TOMBSTONES 256 /* cancelled rids remembered (a ring) */

@@ -51,6 +51,11 @@ static int migrate_start(decode_role *d, dreq *r, const char *dep, const char *d
                            .n_gen = r->n_gen,
                            .priority = r->priority,
                            .server_key = dpk};
+    proto_sampling samp;
+    if (r->pen) { /* its ids so far, but r->last: KV_END carries that one */
+        seqpen_export(r->pen, 1, &samp, &bp.hist, &bp.n_hist);
+        bp.samp = &samp;
+    }
     uint64_t xfer = kvx_send_begin(rt->sender, dep, &bp);
     if (!xfer) {
         free(state);

@@ -3,6 +3,7 @@
  * in "code" (invalid_type, invalid_value, missing_required_parameter, ...). */
 #include "api.h"
 
+#include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
 #include <math.h>
@@ -102,6 +103,7 @@ void api_request_free(api_request *r)
     free(r->instructions);
     for (int i = 0; i < r->n_stop; i++)
         free(r->stop[i]);
+    free(r->samp);
     memset(r, 0, sizeof(*r));
 }
 
@@ -568,6 +570,110 @@ static int parse_stop(json_t *root, api_request *r, api_error *e)
     return 0;
 }
 
+/* The sampling controls (docs/api.md "Sampling controls") into r->samp, allocated when one
+ * differs from its default. vLLM's ranges: presence and frequency [-2, 2], repetition
+ * (0, 2], logit_bias values [-100, 100] (OpenAI's), min_tokens >= 0 and <= max_tokens. */
+static int parse_sampling(json_t *root, api_request *r, api_error *e)
+{
+    proto_sampling s = {.repetition = 1.0f};
+    double pres = 0, freq = 0, rep = 1;
+    json_int_t iv;
+    int present;
+    if (get_number(root, "presence_penalty", -2, 0, 2, &pres, e) ||
+        get_number(root, "frequency_penalty", -2, 0, 2, &freq, e) ||
+        get_number(root, "repetition_penalty", 0, 1, 2, &rep, e))
+        return -1;
+    s.presence = (float)pres;
+    s.frequency = (float)freq;
+    s.repetition = (float)rep;
+    if (get_int(root, "min_tokens", &iv, &present, e))
+        return -1;
+    if (present) {
+        if (iv < 0 || (r->max_tokens > 0 && iv > r->max_tokens) || iv > 1 << 24)
+            return api_error_set(e, 400, INVALID, "min_tokens", "invalid_value",
+                                 "'min_tokens' must be >= 0 and at most max_tokens, got %lld.",
+                                 (long long)iv);
+        s.min_tokens = (int)iv;
+    }
+    json_t *v = field(root, "logit_bias");
+    if (v) {
+        if (!json_is_object(v))
+            return type_error(e, "logit_bias", "an object mapping token ids to numbers", v);
+        if (json_object_size(v) > PROTO_MAX_BIAS)
+            return api_error_set(e, 400, INVALID, "logit_bias", "invalid_value",
+                                 "'logit_bias' may hold at most %d entries, got %zu.",
+                                 PROTO_MAX_BIAS, json_object_size(v));
+        const char *key;
+        json_t *b;
+        json_object_foreach(v, key, b)
+        {
+            char *end = NULL;
+            errno = 0;
+            long long id = strtoll(key, &end, 10);
+            if (!*key || *end || errno || id < 0 || id > API_MAX_TOKEN_ID || key[0] == '+' ||
+                key[0] == '-' || key[0] == ' ')
+                return api_error_set(e, 400, INVALID, "logit_bias", "invalid_value",
+                                     "'logit_bias' keys must be token ids (decimal integers "
+                                     ">= 0), got '%.32s'.",
+                                     key);
+            double d = json_is_number(b) ? json_number_value(b) : NAN;
+            if (!isfinite(d) || d < -100 || d > 100)
+                return api_error_set(e, 400, INVALID, "logit_bias", "invalid_value",
+                                     "'logit_bias' values must be numbers in [-100, 100]; token "
+                                     "%lld has %s.",
+                                     id, json_is_number(b) ? "one out of range" : "no number");
+            s.bias_ids[s.n_bias] = (int)id;
+            s.bias[s.n_bias++] = (float)d;
+        }
+    }
+    if ((v = field(root, "stop_token_ids"))) {
+        if (!json_is_array(v))
+            return type_error(e, "stop_token_ids", "an array of token ids", v);
+        if (json_array_size(v) > PROTO_MAX_STOP_IDS)
+            return api_error_set(e, 400, INVALID, "stop_token_ids", "invalid_value",
+                                 "'stop_token_ids' may hold at most %d ids, got %zu.",
+                                 PROTO_MAX_STOP_IDS, json_array_size(v));
+        size_t i;
+        json_t *x;
+        json_array_foreach(v, i, x)
+        {
+            if (!json_is_integer(x) || json_integer_value(x) < 0 ||
+                json_integer_value(x) > API_MAX_TOKEN_ID)
+                return api_error_set(e, 400, INVALID, "stop_token_ids", "invalid_value",
+                                     "'stop_token_ids[%zu]' must be a token id (an integer >= "
+                                     "0).",
+                                     i);
+            s.stop_ids[s.n_stop++] = (int)json_integer_value(x);
+        }
+    }
+    if (s.presence == 0 && s.frequency == 0 && s.repetition == 1.0f && s.min_tokens == 0 &&
+        s.n_bias == 0 && s.n_stop == 0)
+        return 0;
+    r->samp = malloc(sizeof(*r->samp));
+    if (!r->samp)
+        return api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+    *r->samp = s;
+    return 0;
+}
+
+int api_check_sampling(const api_request *r, int vocab, api_error *err)
+{
+    if (!r->samp)
+        return 0;
+    for (int i = 0; i < r->samp->n_bias; i++)
+        if (r->samp->bias_ids[i] >= vocab)
+            return api_error_set(err, 400, INVALID, "logit_bias", "invalid_value",
+                                 "'logit_bias' names token %d; the vocabulary has %d tokens.",
+                                 r->samp->bias_ids[i], vocab);
+    for (int i = 0; i < r->samp->n_stop; i++)
+        if (r->samp->stop_ids[i] >= vocab)
+            return api_error_set(err, 400, INVALID, "stop_token_ids", "invalid_value",
+                                 "'stop_token_ids' names token %d; the vocabulary has %d "
+                                 "tokens.",
+                                 r->samp->stop_ids[i], vocab);
+    return 0;
+}
+
 static int parse_fields(json_t *root, api_request *r, api_error *e)
 {
     json_t *v;
@@ -674,14 +780,12 @@ static int parse_fields(json_t *root, api_request *r, api_error *e)
     }
     if ((v = field(root, "user")) && !json_is_string(v))
         return type_error(e, "user", "a string", v);
-    double pen = 0;
-    if (get_number(root, "presence_penalty", -2, 0, 2, &pen, e) ||
-        get_number(root, "frequency_penalty", -2, 0, 2, &pen, e))
+    if (parse_sampling(root, r, e))
         return -1;
 
     /* Features we cannot honour are refused rather than silently ignored. */
-    static const char *unsupported[] = {"logprobs", "top_logprobs", "echo",      "suffix",
-                                        "tools",    "functions",    "logit_bias"};
+    static const char *unsupported[] = {"logprobs", "top_logprobs", "echo",
+                                        "suffix",   "tools",        "functions"};
     for (size_t i = 0; i < sizeof(unsupported) / sizeof(unsupported[0]); i++) {
         v = json_object_get(root, unsupported[i]);
         if (is_set(v) && !(json_is_object(v) && json_object_size(v) == 0) &&
@@ -979,9 +1083,16 @@ char *api_format_usage_chunk(const api_response_info *info, int n_prompt, int n_
     return dump(root);
 }
 
-char *api_format_models(const char *model, int64_t created, int n_ctx)
+json_t *api_model_card(const char *model, int64_t created, int n_ctx, int mtp_depth)
 {
-    return dump(json_pack("{s:s, s:[{s:s, s:s, s:I, s:s, s:i}]}", "object", "list", "data", "id",
-                          model, "object", "model", "created", (json_int_t)created, "owned_by",
-                          "tidepool", "max_model_len", n_ctx));
+    return json_pack("{s:s, s:s, s:I, s:s, s:s, s:i, s:o}", "id", model, "object", "model",
+                     "created", (json_int_t)created, "owned_by", "tidepool", "root", model,
+                     "max_model_len", n_ctx, "mtp_depth",
+                     mtp_depth < 0 ? json_null() : json_integer(mtp_depth));
+}
+
+char *api_format_models(const char *model, int64_t created, int n_ctx, int mtp_depth)
+{
+    json_t *card = api_model_card(model, created, n_ctx, mtp_depth);
+    return dump(card ? json_pack("{s:s, s:[o]}", "object", "list", "data", card) : NULL);
 }

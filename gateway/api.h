@@ -16,6 +16,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "protocol.h" /* proto_sampling */
+
 #define API_MAX_STOP 4         /* stop strings per request (OpenAI's limit) */
 #define API_MAX_STOP_BYTES 256 /* bytes per stop string */
 #define API_MAX_PROMPT_IDS 1048576 /* token ids of one token-id prompt */
@@ -70,6 +72,11 @@ typedef struct {
     int include_usage; /* stream_options.include_usage */
     int offline;       /* service_tier "flex": the offline tier ("auto", "default": online) */
     int mtp_depth;     /* extension "mtp_depth": 0..2 MTP drafts per step at most; -1 absent */
+    proto_sampling *samp; /* presence_penalty, frequency_penalty, repetition_penalty,
+                           * logit_bias, min_tokens, stop_token_ids (docs/api.md "Sampling
+                           * controls"); owned; NULL when none is set (all defaults). Token
+                           * ids are >= 0; their range is checked against the vocabulary at
+                           * admission (api_check_sampling) */
 } api_request;
 
 /* An error reply: HTTP status and the fields of OpenAI's {"error": {...}} object.
@@ -119,6 +126,10 @@ int api_check_model(const api_request *r, const char *served_model, api_error *e
  * (empty prompt, prompt >= n_ctx, n_prompt + max_tokens > n_ctx; the message names the
  * numbers). */
 int api_check_length(api_request *r, int n_prompt, int n_ctx, api_error *err);
+
+/* Check r's token ids in logit_bias and stop_token_ids against the vocabulary (vocab ids).
+ * 0, or -1 with a 400 invalid_value naming the field and the id in *err. */
+int api_check_sampling(const api_request *r, int vocab, api_error *err);
 
 /* The error body {"error":{"message","type","param","code"}}. malloc'd; NULL on OOM. */
 char *api_error_json(const api_error *e);
@@ -172,7 +183,14 @@ size_t api_format_text_chunk(const api_response_info *info, const char *text, si
 /* The final usage chunk (choices: [], usage: {...}). malloc'd; NULL on OOM. */
 char *api_format_usage_chunk(const api_response_info *info, int n_prompt, int n_completion);
 
-/* GET /v1/models body listing one model. malloc'd; NULL on OOM. */
-char *api_format_models(const char *model, int64_t created, int n_ctx);
+/* The model card of GET /v1/models/{id} (and each entry of the list): id, object, created
+ * (unix seconds), owned_by, root, max_model_len (the context length, tokens, as vLLM's
+ * card) and mtp_depth (the MTP drafts per step the workers serve at most; mtp_depth < 0
+ * gives null: no worker reported one). A new jansson object (the caller's); NULL on OOM. */
+struct json_t;
+struct json_t *api_model_card(const char *model, int64_t created, int n_ctx, int mtp_depth);
+
+/* GET /v1/models body listing one model (api_model_card). malloc'd; NULL on OOM. */
+char *api_format_models(const char *model, int64_t created, int n_ctx, int mtp_depth);
 
 #endif

@@ -447,6 +447,10 @@ static int try_assign(cluster_t *c, req_t *r)
     m.rng = r->rng;
     m.mtp_depth = r->mtp_depth;
     m.priority = r->offline && !r->promoted; /* preempted first on the decode worker */
+    if (r->samp) { /* the penalties count what earlier attempts generated, too */
+        r->samp->n_gen = r->n_gen;
+        m.samp = r->samp;
+    }
     snprintf(m.decode_worker, sizeof(m.decode_worker), "%s", dw->id);
     snprintf(m.decode_endpoint, sizeof(m.decode_endpoint), "%s", pw == dw ? "" : dw->kvep);
     snprintf(m.decode_pubkey, sizeof(m.decode_pubkey), "%s", pw == dw ? "" : dw->kvpk);
@@ -722,6 +726,15 @@ cluster_status_t cluster_submit(cluster_t *c, const cluster_job *job, void *ud, 
         return CLUSTER_ERR;
     }
     memcpy(r->tokens, job->tokens, (size_t)job->n_tokens * sizeof(int));
+    if (job->samp) {
+        if (!(r->samp = malloc(sizeof(*r->samp)))) {
+            free(r->tokens);
+            free(r);
+            return CLUSTER_ERR;
+        }
+        *r->samp = *job->samp;
+        r->samp->n_gen = 0;
+    }
     r->rid = c->next_rid++;
     r->ud = ud;
     r->n_prompt = job->n_tokens;
@@ -852,6 +865,7 @@ void cluster_foreach_worker(const cluster_t *c,
             .tokens_in = w->tok_in, .tokens_out = w->tok_out,
             .kvx_tx = w->kvx_tx, .kvx_rx = w->kvx_rx, .spec = w->spec,
             .changing = w->changing, .target_role = w->target_role, .emulated = w->emulated,
+            .mtp_depth = w->mtp_depth - 1,
             .n_role_changes = w->n_role_changes,
             .role_change_ms = (double)w->role_change_us / 1000.0,
             .mig = w->mig,

@@ -124,6 +124,8 @@ typedef struct {
     int top_k;
     uint64_t rng; /* initial sampler state (sampler_seed_state) */
     int mtp_depth; /* the request's MTP depth + 1 (1..3 = depth 0..2); 0 = the workers' */
+    const proto_sampling *samp; /* optional (NULL = none): logit processors, copied; the
+                                 * workers decode such a request at MTP depth 0 */
     cluster_req_timing *timing; /* optional (NULL): borrowed until the request ends (its
                                  * on_finish / on_error, or cluster_cancel); zeroed and
                                  * filled by the cluster */
@@ -200,6 +202,8 @@ typedef struct {
     int changing;                 /* 1: a role change is in progress (ROLE sent) */
     int target_role;              /* when changing: proto_role_t it moves to */
     int emulated;                 /* 1: emulated accelerator (--emulate) */
+    int mtp_depth;                /* from REGISTER: the MTP depth it serves (0 = none);
+                                   * -1 = not reported */
     uint64_t n_role_changes;      /* from its heartbeat: role changes since it started */
     double role_change_ms;        /* from its heartbeat: its last change (0 = none) */
     proto_mig_counters mig;       /* from its heartbeat: live migrations out and in */

@@ -51,6 +51,7 @@ typedef struct worker {
     int changing, target_role;
     int64_t change_us;      /* when ROLE was sent */
     int emulated;           /* REGISTER / HEARTBEAT "emu" */
+    int mtp_depth;          /* REGISTER "mtp": the depth it serves + 1; 0 = not reported */
     uint64_t n_role_changes; /* last heartbeat */
     int64_t role_change_us;  /* last heartbeat: its last change's duration */
     proto_mig_counters mig;  /* last heartbeat: live migrations */
@@ -78,6 +79,8 @@ typedef struct req {
     int top_k;
     uint64_t rng;
     int mtp_depth; /* PREFILL "mtp": depth + 1, 0 = not set */
+    proto_sampling *samp; /* PREFILL "samp" (owned; NULL = none); its n_gen is set to n_gen
+                           * at each PREFILL (a retry's generated tokens) */
     worker_t *pw, *dw; /* current attempt (NULL while queued) */
     worker_t *mw;      /* live migration: the decode worker moving it to dw (MIGRATE sent),
                         * until dw reports a token or mw changed role; NULL otherwise */
@@ -225,6 +228,7 @@ static inline req_t *req_find(cluster_t *c, uint64_t rid)
 static inline void req_free(req_t *r)
 {
     free(r->tokens);
+    free(r->samp);
     free(r);
 }
 

@@ -162,6 +162,7 @@ static void handle_register(cluster_t *c, const proto_msg *m, const unsigned cha
     w->changing = 0;
     w->target_role = 0;
     w->emulated = m->emulated;
+    w->mtp_depth = m->mtp_depth;
     w->pid = m->pid;
     snprintf(w->kvep, sizeof(w->kvep), "%s", m->kv_endpoint);
     snprintf(w->kvpk, sizeof(w->kvpk), "%s", m->kv_pubkey);

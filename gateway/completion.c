@@ -440,6 +440,8 @@ static int **admissible(const completion_env *env, api_kind_t kind, const char *
         }
         (*max_tokens)[i] = v.max_tokens;
     }
+    if (api_check_sampling(r, tokenizer_vocab_size(env->tok), e) < 0)
+        goto fail;
     r->max_tokens = (*max_tokens)[0];
     if (!env->cluster) {
         api_error_set(e, 503, "server_error", NULL, "not_ready", "the server is starting");
@@ -542,6 +544,7 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
             .top_k = r.top_k,
             .rng = sampler_seed_state(seed),
             .mtp_depth = r.mtp_depth >= 0 ? r.mtp_depth + 1 : 0,
+            .samp = r.samp,
             .timing = &ch->timing,
             .offline = c->offline,
             .cb = &callbacks,

@@ -107,7 +107,7 @@ void evhttp_send_error(struct evhttp_request *req, int error, const char *reason
     struct evkeyvalq *h = evhttp_request_get_output_headers(req);
     evhttp_clear_headers(h);
     evhttp_add_header(h, "Connection", "close");
-    if (error_server) /* counted in tidepool:http_responses_total like every reply */
+    if (error_server) /* counted in tidepool_http_responses_total like every reply */
         evhttp_request_set_on_complete_cb(req, on_reply_done, error_server);
     api_error e;
     api_error_set(&e, error, "invalid_request_error", NULL, code, "%s", msg);
@@ -375,6 +375,8 @@ static void on_request(struct evhttp_request *req, void *arg)
     } else if (strcmp(path, "/v1/responses") == 0) { /* responses.h */
         allow = "POST";
         kind = API_RESPONSES;
+    } else if (strcmp(path, "/tokenize") == 0 || strcmp(path, "/detokenize") == 0) {
+        allow = "POST"; /* vLLM's paths, outside /v1 */
     } else if (strcmp(path, "/v1/models") == 0 || strncmp(path, "/v1/models/", 11) == 0 ||
                strcmp(path, "/health") == 0 || strcmp(path, "/workers") == 0 ||
                strcmp(path, "/metrics") == 0) {
@@ -396,7 +398,9 @@ static void on_request(struct evhttp_request *req, void *arg)
     }
     need_t need = wid[0] || strcmp(path, "/workers") == 0 || strcmp(path, "/metrics") == 0
                       ? NEED_ADMIN
-                  : strncmp(path, "/v1/", 4) == 0 ? NEED_KEY
+                  : strncmp(path, "/v1/", 4) == 0 || strcmp(path, "/tokenize") == 0 ||
+                          strcmp(path, "/detokenize") == 0
+                      ? NEED_KEY
                                                   : NEED_NONE; /* /health */
     auth_key *key = NULL;
     if (need != NEED_NONE && auth_n_keys(s->auth) > 0 && authorize(s, req, need, &key) < 0)
@@ -420,6 +424,10 @@ static void on_request(struct evhttp_request *req, void *arg)
         http_admin_workers(s, req);
     else if (strcmp(path, "/metrics") == 0)
         http_admin_metrics(s, req);
+    else if (strcmp(path, "/tokenize") == 0)
+        http_admin_tokenize(s, req);
+    else if (strcmp(path, "/detokenize") == 0)
+        http_admin_detokenize(s, req);
     else
         http_admin_models(s, req, path[10] == '/' ? path + 11 : NULL);
 }

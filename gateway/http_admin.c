@@ -1,7 +1,8 @@
 /* http_admin: the operators' and the models' endpoints of the HTTP server (http.h):
  * GET /health, GET /workers, POST /workers/{id}/role, GET /metrics (prometheus.h) and
- * GET /v1/models[/{id}]. Each reads the cluster and the stats when asked and answers at
- * once with one JSON (or Prometheus text) body; none keeps state of its own. */
+ * GET /v1/models[/{id}], POST /tokenize and POST /detokenize (vLLM's, with the served
+ * tokenizer). Each reads the cluster and the stats when asked and answers at once with one
+ * JSON (or Prometheus text) body; none keeps state of its own. */
 #include <event2/buffer.h>
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
@@ -200,6 +201,23 @@ void http_admin_metrics(http_server_t *s, struct evhttp_request *req)
     free(text);
 }
 
+static void max_mtp_depth(const cluster_worker_info *w, void *ud)
+{
+    int *d = ud;
+    if ((w->role == PROTO_ROLE_DECODE || w->role == PROTO_ROLE_MIXED) && w->mtp_depth > *d)
+        *d = w->mtp_depth;
+}
+
+/* The MTP depth the cluster serves: the largest of its decoding workers' (REGISTER "mtp"),
+ * -1 when none reported one. */
+static int served_mtp_depth(http_server_t *s)
+{
+    int d = -1;
+    if (s->cx.cluster)
+        cluster_foreach_worker(s->cx.cluster, max_mtp_depth, &d);
+    return d;
+}
+
 void http_admin_models(http_server_t *s, struct evhttp_request *req, const char *which)
 {
     if (which) { /* GET /v1/models/{id} */
@@ -210,16 +228,332 @@ void http_admin_models(http_server_t *s, struct evhttp_request *req, const char 
             http_reply_error(req, &e);
             return;
         }
-        json_t *m =
-            json_pack("{s:s, s:s, s:I, s:s, s:i}", "id", s->model, "object", "model", "created",
-                      (json_int_t)s->started, "owned_by", "tidepool", "max_model_len", s->cx.n_ctx);
+        json_t *m = api_model_card(s->model, s->started, s->cx.n_ctx, served_mtp_depth(s));
         char *body = m ? json_dumps(m, JSON_COMPACT) : NULL;
         json_decref(m);
         http_reply_json(req, 200, body);
         free(body);
         return;
     }
-    char *body = api_format_models(s->model, s->started, s->cx.n_ctx);
+    char *body = api_format_models(s->model, s->started, s->cx.n_ctx, served_mtp_depth(s));
     http_reply_json(req, 200, body);
     free(body);
+}
+
+// --- POST /tokenize, POST /detokenize (vLLM's shapes)
+
+static const char *json_type_name(const json_t *v)
+{
+    switch (json_typeof(v)) {
+    case JSON_OBJECT:
+        return "an object";
+    case JSON_ARRAY:
+        return "an array";
+    case JSON_STRING:
+        return "a string";
+    case JSON_INTEGER:
+        return "an integer";
+    case JSON_REAL:
+        return "a number";
+    case JSON_TRUE:
+    case JSON_FALSE:
+        return "a boolean";
+    case JSON_NULL:
+        return "null";
+    }
+    return "?";
+}
+
+/* The body of req as a JSON object, or NULL after answering the error (413 over the
+ * limit, 400 not JSON / not an object). */
+static json_t *read_json_object(http_server_t *s, struct evhttp_request *req)
+{
+    struct evbuffer *in = evhttp_request_get_input_buffer(req);
+    size_t len = evbuffer_get_length(in);
+    api_error e;
+    if (len > s->cx.max_body) {
+        api_error_set(&e, 413, "invalid_request_error", NULL, "request_too_large",
+                      "The request body is %zu bytes; the limit is %zu bytes.", len,
+                      s->cx.max_body);
+        http_reply_error(req, &e);
+        return NULL;
+    }
+    const char *body = len ? (const char *)evbuffer_pullup(in, (ev_ssize_t)len) : "";
+    json_error_t jerr;
+    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
+    if (!root) {
+        api_error_set(&e, 400, "invalid_request_error", NULL, "invalid_json",
+                      "We could not parse the JSON body of your request (%s at line %d, "
+                      "column %d).",
+                      jerr.text, jerr.line, jerr.column);
+        http_reply_error(req, &e);
+        return NULL;
+    }
+    if (!json_is_object(root)) {
+        api_error_set(&e, 400, "invalid_request_error", NULL, "invalid_type",
+                      "The request body must be a JSON object, got %s.", json_type_name(root));
+        json_decref(root);
+        http_reply_error(req, &e);
+        return NULL;
+    }
+    return root;
+}
+
+/* A boolean field of root into *out (absent or null: unchanged). 0, or -1 with *e. */
+static int bool_field(json_t *root, const char *key, int *out, api_error *e)
+{
+    json_t *v = json_object_get(root, key);
+    if (!v || json_is_null(v))
+        return 0;
+    if (!json_is_boolean(v))
+        return api_error_set(e, 400, "invalid_request_error", key, "invalid_type",
+                             "Invalid type for '%s': expected a boolean, but got %s instead.",
+                             key, json_type_name(v));
+    *out = json_is_true(v);
+    return 0;
+}
+
+/* The rendered prompt of a tokenize body: "prompt" (a string, as given) or "messages"
+ * (the chat template of api_parse, its trailing generation prompt "assistant:" dropped
+ * when add_generation_prompt is false). malloc'd text and its length, or NULL with *e. */
+static char *tokenize_text(json_t *root, size_t *len, api_error *e)
+{
+    json_t *prompt = json_object_get(root, "prompt");
+    json_t *msgs = json_object_get(root, "messages");
+    if (prompt && json_is_null(prompt))
+        prompt = NULL;
+    if (msgs && json_is_null(msgs))
+        msgs = NULL;
+    if (!!prompt == !!msgs) {
+        api_error_set(e, 400, "invalid_request_error", prompt ? "messages" : "prompt",
+                      prompt ? "invalid_value" : "missing_required_parameter",
+                      "Give exactly one of 'prompt' (a string) and 'messages'.");
+        return NULL;
+    }
+    if (prompt) {
+        if (!json_is_string(prompt)) {
+            api_error_set(e, 400, "invalid_request_error", "prompt", "invalid_type",
+                          "Invalid type for 'prompt': expected a string, but got %s instead.",
+                          json_type_name(prompt));
+            return NULL;
+        }
+        *len = json_string_length(prompt);
+        if (memchr(json_string_value(prompt), 0, *len)) {
+            api_error_set(e, 400, "invalid_request_error", "prompt", "invalid_value",
+                          "'prompt' must not contain NUL characters.");
+            return NULL;
+        }
+        char *t = malloc(*len + 1);
+        if (!t) {
+            api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+            return NULL;
+        }
+        memcpy(t, json_string_value(prompt), *len + 1);
+        return t;
+    }
+    int gen_prompt = 1;
+    if (bool_field(root, "add_generation_prompt", &gen_prompt, e))
+        return NULL;
+    /* the chat completion's own parser and template, so the ids are the ones it computes */
+    json_t *only = json_pack("{s:O}", "messages", msgs);
+    char *body = only ? json_dumps(only, JSON_COMPACT) : NULL;
+    json_decref(only);
+    if (!body) {
+        api_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+        return NULL;
+    }
+    api_request r;
+    int rc = api_parse(API_CHAT, body, strlen(body), &r, e);
+    free(body);
+    if (rc)
+        return NULL;
+    char *t = r.prompt;
+    *len = r.prompt_len;
+    r.prompt = NULL;
+    api_request_free(&r);
+    static const char gen[] = "assistant:";
+    if (!gen_prompt && *len >= sizeof(gen) - 1 &&
+        memcmp(t + *len - (sizeof(gen) - 1), gen, sizeof(gen) - 1) == 0) {
+        *len -= sizeof(gen) - 1;
+        t[*len] = 0;
+    }
+    return t;
+}
+
+void http_admin_tokenize(http_server_t *s, struct evhttp_request *req)
+{
+    json_t *root = read_json_object(s, req);
+    if (!root)
+        return;
+    api_error e;
+    api_request mr = {0};
+    json_t *model = json_object_get(root, "model");
+    char *text = NULL;
+    int *ids = NULL;
+    int add_special = 1;
+    if (model && !json_is_null(model) && !json_is_string(model)) {
+        api_error_set(&e, 400, "invalid_request_error", "model", "invalid_type",
+                      "Invalid type for 'model': expected a string, but got %s instead.",
+                      json_type_name(model));
+        goto fail;
+    }
+    mr.model = model && json_is_string(model) ? (char *)json_string_value(model) : NULL;
+    if (api_check_model(&mr, s->model, &e) || bool_field(root, "add_special_tokens", &add_special, &e))
+        goto fail;
+    size_t len = 0;
+    if (!(text = tokenize_text(root, &len, &e)))
+        goto fail;
+    int needed = 0, cap = (int)(len < 64 ? 64 : len + 2);
+    ids = malloc((size_t)cap * sizeof(*ids));
+    int n = ids ? tokenizer_encode(s->cx.tok, text, len, add_special, ids, cap, &needed) : -1;
+    if (n < 0) {
+        api_error_set(&e, 500, "server_error", NULL, NULL, "tokenizer failure (out of memory)");
+        goto fail;
+    }
+    json_t *arr = json_array();
+    for (int i = 0; arr && i < n; i++)
+        if (json_array_append_new(arr, json_integer(ids[i])) < 0) {
+            json_decref(arr);
+            arr = NULL;
+        }
+    json_t *out = arr ? json_pack("{s:i, s:i, s:o, s:n}", "count", n, "max_model_len",
+                                  s->cx.n_ctx, "tokens", arr, "token_strs")
+                      : NULL;
+    char *body = out ? json_dumps(out, JSON_COMPACT) : NULL;
+    json_decref(out);
+    if (!body) {
+        api_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
+        goto fail;
+    }
+    http_reply_json(req, 200, body);
+    free(body);
+    free(ids);
+    free(text);
+    json_decref(root);
+    return;
+fail:
+    http_reply_error(req, &e);
+    free(ids);
+    free(text);
+    json_decref(root);
+}
+
+/* n bytes of s as valid UTF-8: every byte that starts no well-formed sequence becomes
+ * U+FFFD (as Hugging Face's decode does). malloc'd, NUL-terminated, its length in *out_len;
+ * NULL on out of memory. */
+static char *utf8_lossy(const char *s, size_t n, size_t *out_len)
+{
+    char *b = malloc(n * 3 + 1);
+    if (!b)
+        return NULL;
+    size_t len = 0;
+    for (size_t i = 0; i < n;) {
+        size_t k = 1;
+        while (k <= 4 && i + k <= n && !api_utf8_valid(s + i, k))
+            k++;
+        if (k <= 4 && i + k <= n) {
+            memcpy(b + len, s + i, k);
+            len += k;
+            i += k;
+        } else {
+            memcpy(b + len, "\xEF\xBF\xBD", 3);
+            len += 3;
+            i++;
+        }
+    }
+    b[len] = 0;
+    *out_len = len;
+    return b;
+}
+
+void http_admin_detokenize(http_server_t *s, struct evhttp_request *req)
+{
+    json_t *root = read_json_object(s, req);
+    if (!root)
+        return;
+    api_error e;
+    api_request mr = {0};
+    char *text = NULL;
+    size_t len = 0, cap = 0;
+    json_t *model = json_object_get(root, "model");
+    if (model && !json_is_null(model) && !json_is_string(model)) {
+        api_error_set(&e, 400, "invalid_request_error", "model", "invalid_type",
+                      "Invalid type for 'model': expected a string, but got %s instead.",
+                      json_type_name(model));
+        goto fail;
+    }
+    mr.model = model && json_is_string(model) ? (char *)json_string_value(model) : NULL;
+    if (api_check_model(&mr, s->model, &e))
+        goto fail;
+    json_t *toks = json_object_get(root, "tokens");
+    if (!toks || json_is_null(toks)) {
+        api_error_set(&e, 400, "invalid_request_error", "tokens", "missing_required_parameter",
+                      "Missing required parameter: 'tokens'.");
+        goto fail;
+    }
+    if (!json_is_array(toks)) {
+        api_error_set(&e, 400, "invalid_request_error", "tokens", "invalid_type",
+                      "Invalid type for 'tokens': expected an array of token ids, but got %s "
+                      "instead.",
+                      json_type_name(toks));
+        goto fail;
+    }
+    int vocab = tokenizer_vocab_size(s->cx.tok), prev = -1;
+    size_t i;
+    json_t *v;
+    char *raw = NULL; /* the pieces' bytes: a character may span byte tokens */
+    json_array_foreach(toks, i, v)
+    {
+        if (!json_is_integer(v) || json_integer_value(v) < 0 ||
+            json_integer_value(v) >= vocab) {
+            char got[32];
+            if (json_is_integer(v))
+                snprintf(got, sizeof(got), "%lld", (long long)json_integer_value(v));
+            else
+                snprintf(got, sizeof(got), "%s", json_type_name(v));
+            api_error_set(&e, 400, "invalid_request_error", "tokens", "invalid_value",
+                          "'tokens[%zu]' must be a token id in [0, %d), got %s.", i, vocab, got);
+            free(raw);
+            goto fail;
+        }
+        int id = (int)json_integer_value(v);
+        size_t n;
+        const char *p = tokenizer_piece(s->cx.tok, prev, id, &n);
+        if (len + n + 1 > cap) {
+            size_t nc = (len + n + 1) * 2;
+            char *q = realloc(raw, nc);
+            if (!q) {
+                free(raw);
+                api_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
+                goto fail;
+            }
+            raw = q;
+            cap = nc;
+        }
+        memcpy(raw + len, p, n);
+        len += n;
+        prev = id;
+    }
+    text = utf8_lossy(raw ? raw : "", len, &len);
+    free(raw);
+    if (!text) {
+        api_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
+        goto fail;
+    }
+    json_t *out = json_pack("{s:s%}", "prompt", text, len);
+    char *body = out ? json_dumps(out, JSON_COMPACT) : NULL;
+    json_decref(out);
+    if (!body) {
+        api_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
+        goto fail;
+    }
+    http_reply_json(req, 200, body);
+    free(body);
+    free(text);
+    json_decref(root);
+    return;
+fail:
+    http_reply_error(req, &e);
+    free(text);
+    json_decref(root);
 }

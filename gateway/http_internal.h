@@ -2,7 +2,7 @@
  * http_internal: what the files of the HTTP server (http.h) share: http.c (the listener,
  * routing, limits, error replies and the server's life), http_completion.c (the completion
  * endpoints: the completion's sink, SSE, client disconnects) and http_admin.c (/health,
- * /workers, POST /workers/{id}/role, /metrics, /v1/models). Not a public interface.
+ * /workers, POST /workers/{id}/role, /metrics, /v1/models, /tokenize, /detokenize). Not a public interface.
  */
 #ifndef TP_GW_HTTP_INTERNAL_H
 #define TP_GW_HTTP_INTERNAL_H
@@ -66,5 +66,13 @@ void http_admin_worker_role(http_server_t *s, struct evhttp_request *req, const 
 void http_admin_metrics(http_server_t *s, struct evhttp_request *req);
 /* GET /v1/models (which NULL) or GET /v1/models/{which}. */
 void http_admin_models(http_server_t *s, struct evhttp_request *req, const char *which);
+/* POST /tokenize (vLLM's): {"prompt": text} or {"messages": [...]} (the chat template;
+ * "add_generation_prompt", default true), "add_special_tokens" (BOS; default true, as the
+ * completion endpoints compute) -> {"count", "max_model_len", "tokens", "token_strs": null};
+ * 400 on a bad body, 404 for another model, 413 over the body limit. */
+void http_admin_tokenize(http_server_t *s, struct evhttp_request *req);
+/* POST /detokenize (vLLM's): {"tokens": [ids]} -> {"prompt": text} (BOS/EOS give no text,
+ * bytes that form no UTF-8 character give U+FFFD); 400 for an id outside the vocabulary. */
+void http_admin_detokenize(http_server_t *s, struct evhttp_request *req);
 
 #endif

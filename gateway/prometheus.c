@@ -299,7 +299,7 @@ void prometheus_write(const stats_t *s, const cluster_t *c, FILE *f)
             metrics_write_sample(f, full, NULL, lb, 3, n);
         }
     }
-    write_per_worker(f, s, &l, "kv_cache_usage_perc", "gauge",
+    write_per_worker(f, s, &l, "kv_cache_usage_ratio", "gauge",
                      "KV-cache usage of the worker. 1 means 100 percent usage.", W_KV_USAGE, 0);
     write_per_worker(f, s, &l, "worker_num_requests_running", "gauge",
                      "Sequences the worker holds (prefilling, transferring or decoding), as "

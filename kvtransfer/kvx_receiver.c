@@ -34,6 +34,9 @@ typedef struct kvx_rx {
     int mtp;      /* the request's MTP depth + 1 (0 = not set) */
     int n_gen;    /* KV_BEGIN "gen" (0 = a prefill hand-off; > 0 = a migrated sequence) */
     int priority; /* KV_BEGIN "pri" */
+    proto_sampling *samp; /* KV_BEGIN "samp" (copied; NULL = none) */
+    int *hist;            /* KV_BEGIN "tokens" with samp (copied), n_hist ids */
+    int n_hist;
     int n_got;    /* blocks received, every layer counted (complete: n_layer * n_blocks) */
     uint8_t *got; /* bitmap (n_layer * n_blocks bits): bit l * n_blocks + b = block b of
                    * layer l arrived */
@@ -112,6 +115,8 @@ static void rx_free(kvx_receiver_t *r, kvx_rx *x, int free_seq)
     if (x->hash)
         XXH64_freeState(x->hash);
     free(x->got);
+    free(x->samp);
+    free(x->hist);
     free(x);
 }
 
@@ -127,8 +132,11 @@ void kvx_receiver_destroy(kvx_receiver_t **rp)
         rx_free(r, x, 1);
     }
     kvx_event ev;
-    while (kvx_evq_pop(&r->events, &ev)) /* events nobody popped: their hand-off states */
+    while (kvx_evq_pop(&r->events, &ev)) { /* events nobody popped: what they own */
         free(ev.hidden);
+        free(ev.samp);
+        free(ev.hist);
+    }
     wire_envelope_destroy(&r->env);
     free(r->events.v);
     free(r);
@@ -333,6 +341,21 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
                   "%016llx, %d hand-off floats) do not match ours (%d, %016llx, %d): dropped",
                   (unsigned long long)m->xfer, m->n_mtp, (unsigned long long)m->mtp_fp,
                   m->n_hidden, r->p.n_mtp, (unsigned long long)r->p.mtp_fp, r->p.n_hidden);
+    if (m->samp) { /* the sequence's penalties count its tokens so far */
+        x->samp = malloc(sizeof(*x->samp));
+        x->hist = m->n_tokens ? malloc((size_t)m->n_tokens * sizeof(int)) : NULL;
+        if (!x->samp || (m->n_tokens && !x->hist)) {
+            rx_reply(r, id, id_len, PROTO_KV_BEGIN_ACK, m->rid, m->xfer, 0, PROTO_ERR_INTERNAL,
+                     "out of memory", NULL);
+            r->st.n_rejected++;
+            rx_free(r, x, 1);
+            return;
+        }
+        memcpy(x->samp, m->samp, sizeof(*x->samp));
+        if (m->n_tokens)
+            memcpy(x->hist, m->tokens, (size_t)m->n_tokens * sizeof(int));
+        x->n_hist = m->n_tokens;
+    }
     x->max_tokens = m->max_tokens;
     x->temperature = m->temperature;
     x->top_p = m->top_p;
@@ -482,6 +505,11 @@ static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, wire_envelo
     ev.mtp = x->mtp;
     ev.n_gen = x->n_gen;
     ev.priority = x->priority;
+    ev.samp = x->samp; /* moved to the event */
+    ev.hist = x->hist;
+    ev.n_hist = x->n_hist;
+    x->samp = NULL;
+    x->hist = NULL;
     if (x->keep_mtp && hsrc) {
         ev.hidden = malloc(hbytes);
         if (ev.hidden) { /* out of memory: the sequence just decodes without MTP */
@@ -497,6 +525,8 @@ static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, wire_envelo
                (unsigned long long)x->xfer, x->seq, x->n_kv_tokens);
     if (kvx_evq_push(&r->events, &ev) < 0) {
         free(ev.hidden);
+        free(ev.samp);
+        free(ev.hist);
         rx_unlink(r, x);
         rx_free(r, x, 1);
         return;

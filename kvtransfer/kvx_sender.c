@@ -411,6 +411,9 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
     m.temperature = bp->temperature;
     m.top_p = bp->top_p;
     m.top_k = bp->top_k;
+    m.samp = (proto_sampling *)bp->samp; /* borrowed for the send */
+    m.tokens = bp->samp ? (int *)bp->hist : NULL;
+    m.n_tokens = bp->samp && bp->hist ? bp->n_hist : 0;
     m.lease_ms = s->p.lease_ms;
     m.pad_bytes = (int64_t)pad;
     m.ts_us = proto_wall_us();

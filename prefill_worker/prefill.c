@@ -67,6 +67,7 @@ void prefill_req_remove(prefill_role *p, preq *r)
     p->blocked = 0; /* resources were freed: the queue may move again */
     free(r->prompt);
     free(r->hand);
+    seqpen_destroy(&r->pen);
     free(r);
 }
 
@@ -151,7 +152,21 @@ static void on_prefill(prefill_role *p, proto_msg *m)
     r->rng = m->rng ? m->rng : sampler_seed_state(rid);
     r->priority = m->priority;
     r->mtp_req = m->mtp_depth;
-    r->mtp_depth = compute_req_depth(&rt->cp, m->mtp_depth);
+    if (m->samp) {
+        /* penalties count the prompt and what earlier attempts generated (the last
+         * samp.n_gen ids); such a sequence decodes at depth 0 (docs/mtp.md) */
+        r->pen = seqpen_new(m->samp, r->prompt, r->n_prompt, m->samp->n_gen,
+                            r->n_prompt + r->max_tokens, rt->cp.mc->eos_id);
+        if (!r->pen) {
+            int bad = m->samp->n_gen > r->n_prompt;
+            runtime_send_error(rt, rid, bad ? PROTO_ERR_BAD_REQUEST : PROTO_ERR_INTERNAL, !bad,
+                               bad ? "samp: more generated tokens than tokens" : "out of memory");
+            prefill_req_remove(p, r);
+            return;
+        }
+        r->mtp_req = 1;
+    }
+    r->mtp_depth = compute_req_depth(&rt->cp, r->mtp_req);
     if (r->mtp_depth > 0 &&
         !(r->hand = calloc((size_t)specdec_hand_floats(rt->cp.sd), sizeof(float))))
         r->mtp_depth = 0; /* out of memory: this request runs without MTP */

@@ -192,6 +192,11 @@ static int transfer_begin(prefill_role *p, preq *r)
                            .mtp = r->mtp_req,
                            .priority = r->priority,
                            .server_key = r->dpk};
+    proto_sampling samp;
+    if (r->pen) { /* the decode worker's penalties count the prompt (+ earlier attempts) */
+        seqpen_export(r->pen, 0, &samp, &bp.hist, &bp.n_hist);
+        bp.samp = &samp;
+    }
     r->xfer = kvx_send_begin(p->rt->sender, r->dep, &bp);
     if (r->xfer)
         return 0;
@@ -213,6 +218,8 @@ static void prompt_done(prefill_role *p, preq *r, float *logits)
         uint64_t seed = prefix_key(p, r, &la);
         kvcache_seq_commit_prefix(cp->kv, r->seq, seed, la, r->prompt, r->n_prompt);
     }
+    if (r->pen)
+        seqpen_apply(r->pen, cp->sampler, logits);
     int first = sampler_sample(cp->sampler, &r->sp, &r->rng, logits);
     runtime_timing t = {.queue_us = r->t_start_us - r->t_recv_us,
                         .prefill_us = proto_now_us() - r->t_start_us};
@@ -225,7 +232,12 @@ static void prompt_done(prefill_role *p, preq *r, float *logits)
     }
     runtime_send_tokens(rt, r->rid, 0, &first, 1, r->rng, &t);
     rt->tokens_out++;
-    if (r->max_tokens <= 1) {
+    if (r->pen)
+        seqpen_push(r->pen, first);
+    if (r->pen && seqpen_is_stop(r->pen, first)) { /* a stop_token_id: sent, then the end */
+        runtime_send_finish(rt, r->rid, PROTO_FINISH_STOP, NULL);
+        prefill_req_remove(p, r);
+    } else if (r->max_tokens <= 1) {
         runtime_send_finish(rt, r->rid, PROTO_FINISH_LENGTH, NULL);
         prefill_req_remove(p, r);
     } else if (r->xfer) {
@@ -244,9 +256,11 @@ static void prompt_done(prefill_role *p, preq *r, float *logits)
                              .mtp_req = r->mtp_req,
                              .mtp_depth = r->mtp_depth,
                              .priority = r->priority,
-                             .hand = r->hand};
+                             .hand = r->hand,
+                             .pen = r->pen};
         r->seq = -1;
         r->hand = NULL;
+        r->pen = NULL;
         prefill_req_remove(p, r);
         runtime_handoff_local(rt, &h);
     }

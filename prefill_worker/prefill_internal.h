@@ -49,6 +49,7 @@ typedef struct {
     int priority;                 /* PREFILL "pri": 0 online, 1 offline (KV_BEGIN "pri") */
     float *hand; /* (2, dim) MTP hand-off state, filled by the module pass (owned; NULL when
                   * mtp_depth is 0) */
+    seqpen_t *pen; /* PREFILL "samp": its sampling controls and ids (owned; NULL = none) */
 } preq;
 
 typedef struct {

@@ -383,7 +383,7 @@ if offline and tidal:
     b = json.load(open(os.path.join(x["dir"], "batch.json")))
     metrics = open(os.path.join(x["dir"], "metrics.txt")).read()
     def metric(name):
-        m = re.search(r"^tidepool:%s(?:\{[^}]*\})? ([0-9.e+]+)$" % name, metrics, re.M)
+        m = re.search(r"^tidepool_%s(?:\{[^}]*\})? ([0-9.e+]+)$" % name, metrics, re.M)
         return float(m.group(1)) if m else 0.0
     dur = x["r"]["duration"]
     print()

@@ -224,6 +224,7 @@ static int send_register(runtime_t *rt)
     m.kv_blocks_total = kvcache_n_blocks(cp->kv);
     m.kv_blocks_free = kvcache_n_free_blocks(cp->kv);
     m.emulated = cp->emu_on;
+    m.mtp_depth = (cp->mtp ? cp->mtp_depth : 0) + 1;
     m.ts_us = proto_wall_us();
     int rc = ctl_send(rt, &m);
     if (rc < 0)

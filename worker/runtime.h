@@ -30,6 +30,7 @@
 #include "kvtransfer.h"
 #include "protocol.h"
 #include "sampler.h"
+#include "seqpen.h"
 
 typedef struct runtime runtime_t;
 
@@ -58,6 +59,8 @@ typedef struct {
     int mtp_depth; /* drafts it may make per step (0 = no module work) */
     int priority;  /* PREFILL "pri": 0 online, 1 offline (preempted first) */
     float *hand;   /* (2, dim) MTP hand-off state (owned from here; NULL without MTP) */
+    seqpen_t *pen; /* sampling controls and ids so far, first included (owned from here;
+                    * NULL = none) */
 } runtime_handoff;
 
 /* A role's operations. Every one runs on the loop thread and gets the state its attach

@@ -20,7 +20,9 @@ typedef struct {
 
 struct sampler {
     int vocab_size;
-    cand *c; /* (vocab_size,) */
+    cand *c;      /* (vocab_size,) */
+    int *counts;  /* (vocab_size,) sampler_penalize: 0 between calls */
+    uint8_t *seen; /* (vocab_size,) sampler_penalize: 0 between calls */
 };
 
 sampler_t *sampler_new(int vocab_size)
@@ -32,8 +34,10 @@ sampler_t *sampler_new(int vocab_size)
         return NULL;
     s->vocab_size = vocab_size;
     s->c = calloc((size_t)vocab_size, sizeof(cand));
-    if (!s->c) {
-        free(s);
+    s->counts = calloc((size_t)vocab_size, sizeof(int));
+    s->seen = calloc((size_t)vocab_size, 1);
+    if (!s->c || !s->counts || !s->seen) {
+        sampler_destroy(&s);
         return NULL;
     }
     return s;
@@ -44,6 +48,8 @@ void sampler_destroy(sampler_t **sp)
     if (!sp || !*sp)
         return;
     free((*sp)->c);
+    free((*sp)->counts);
+    free((*sp)->seen);
     free(*sp);
     *sp = NULL;
 }
@@ -231,6 +237,51 @@ int sampler_sample(sampler_t *s, const sampler_params *p, uint64_t *rng, float *
             return c[i].id;
     }
     return c[last].id;
+}
+
+void sampler_penalize(sampler_t *s, const sampler_penalties *pen, const int *hist, int n_hist,
+                      int n_gen, float *logits)
+{
+    const int n = s->vocab_size;
+    if (n_gen > n_hist)
+        n_gen = n_hist;
+    if (n_gen < 0)
+        n_gen = 0;
+    for (int i = 0; i < pen->n_bias; i++)
+        if (pen->bias_ids[i] >= 0 && pen->bias_ids[i] < n)
+            logits[pen->bias_ids[i]] += pen->bias[i];
+    if (n_gen < pen->min_tokens) {
+        if (pen->eos_id >= 0 && pen->eos_id < n)
+            logits[pen->eos_id] = -INFINITY;
+        for (int i = 0; i < pen->n_stop; i++)
+            if (pen->stop_ids[i] >= 0 && pen->stop_ids[i] < n)
+                logits[pen->stop_ids[i]] = -INFINITY;
+    }
+    int rep = pen->repetition > 0.0f && pen->repetition != 1.0f;
+    if (!rep && pen->presence == 0.0f && pen->frequency == 0.0f)
+        return;
+    /* seen: 1 in the prompt, 2 generated (either one: repetition); counts: generated */
+    const int p0 = n_hist - n_gen;
+    for (int i = 0; i < n_hist; i++) {
+        int t = hist[i];
+        if (t < 0 || t >= n)
+            continue;
+        s->seen[t] |= i < p0 ? 1 : 2;
+        s->counts[t] += i >= p0;
+    }
+    for (int i = 0; i < n_hist; i++) {
+        int t = hist[i];
+        if (t < 0 || t >= n || !s->seen[t])
+            continue; /* each id once: its marks are cleared below */
+        float l = logits[t];
+        if (rep)
+            l = l > 0.0f ? l / pen->repetition : l * pen->repetition;
+        if (s->counts[t] > 0)
+            l -= pen->frequency * (float)s->counts[t] + pen->presence;
+        logits[t] = l;
+        s->seen[t] = 0;
+        s->counts[t] = 0;
+    }
 }
 
 float sampler_uniform(uint64_t *rng)

@@ -23,9 +23,36 @@ typedef struct {
     int top_k;         /* 0 = off */
 } sampler_params;
 
+/* The logit processors of one sequence, applied by sampler_penalize before sampling
+ * (greedy too), in vLLM's order: logit_bias, the min_tokens mask, then the penalties.
+ * Arrays are borrowed for the call. Every member zero (repetition 0 or 1) = nothing. */
+typedef struct {
+    float presence;    /* OpenAI's: logit[j] -= presence * (c[j] > 0), c = counts of j among
+                        * the generated tokens; [-2, 2] */
+    float frequency;   /* OpenAI's: logit[j] -= frequency * c[j]; [-2, 2] */
+    float repetition;  /* vLLM's (CTRL's): every j in the prompt or the generated tokens:
+                        * logit / repetition when > 0, else logit * repetition; > 0, 1 (or
+                        * 0) = off */
+    int min_tokens;    /* while fewer tokens were generated, eos_id and stop_ids get -inf */
+    int eos_id;        /* the model's EOS (-1: none) */
+    const int *bias_ids; /* (n_bias,) token ids, each in [0, vocab) */
+    const float *bias;   /* (n_bias,) added to their logits (OpenAI's logit_bias) */
+    int n_bias;
+    const int *stop_ids; /* (n_stop,) stop_token_ids: masked like EOS below min_tokens */
+    int n_stop;
+} sampler_penalties;
+
 /* Scratch for one thread, for a vocabulary of vocab_size. NULL on out of memory. */
 sampler_t *sampler_new(int vocab_size);
 void sampler_destroy(sampler_t **s);
+
+/* Apply pen to logits (vocab_size floats, in place) for a sequence whose tokens so far are
+ * hist (n_hist ids: the prompt, then its n_gen generated tokens, the last n_gen of hist;
+ * ids outside [0, vocab) are ignored). Uses the sampler's scratch counts (one thread);
+ * O(n_hist + n_bias + n_stop), never allocates. Deterministic: the same hist gives the
+ * same logits, so a retry or a migration that carries the tokens reproduces it. */
+void sampler_penalize(sampler_t *s, const sampler_penalties *pen, const int *hist, int n_hist,
+                      int n_gen, float *logits);
 
 /* Initial random state for a seed (splitmix64 of the seed; never 0). */
 uint64_t sampler_seed_state(uint64_t seed);

@@ -487,8 +487,8 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
             room = c->n_ctx - x->pos - 1;
         if (d > room)
             d = room;
-        if (d < 0)
-            d = 0;
+        if (d < 0 || x->penalize)
+            d = 0; /* penalised sequences: the plain step (specdec.h) */
         if (md > 0 && st->c1 + st->n_rows != x->pos)
             return -1; /* the caller moved the sequence behind our back */
         sd->depth[i] = d;
@@ -574,6 +574,8 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
         float *vl = sd->vl + (size_t)i * VT * V;
         const int *vt = sd->vt + (size_t)i * VT;
         if (d == 0) {
+            if (x->penalize)
+                x->penalize(x->penalize_ud, sd->sampler, vl);
             x->tokens[0] = sampler_sample(sd->sampler, x->sp, x->rng, vl);
         } else if (sd->sampling == SPECDEC_SAMPLE_ONEHOT && !is_greedy(x->sp)) {
             specdec_accept_onehot(sd->sampler, sd->vocab, x->sp, x->rng, vt + 1, d, vl, x->tokens,

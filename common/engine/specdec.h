@@ -145,6 +145,12 @@ typedef struct {
     int depth; /* drafts wanted (capped at the sequence's max depth); 0 = plain step */
     const sampler_params *sp;
     uint64_t *rng;
+    /* optional (NULL = none): the sequence's logit processors (penalties, logit_bias,
+     * min_tokens), called on the verifier's logits (vocab floats, in place) with the step's
+     * sampler before the token is sampled; such an item must have depth 0 (the drafts'
+     * acceptance would not see them) and is stepped at depth 0 */
+    void (*penalize)(void *ud, sampler_t *s, float *logits);
+    void *penalize_ud;
     /* out */
     int tokens[SPECDEC_MAX_DEPTH + 1]; /* emitted: accepted drafts, then the main model's */
     int n_tokens;                      /* 1 + n_accepted */

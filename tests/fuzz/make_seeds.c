@@ -50,6 +50,11 @@ static void put_mode(const char *harness, const char *name, int mode, const char
 // --- protocol and wire
 
 static int g_toks[5] = {1, 403, 2, 0, 511};
+/* sampling controls (PREFILL / KV_BEGIN "samp") */
+static proto_sampling g_samp = {.presence = 0.5f, .frequency = -1.25f, .repetition = 1.5f,
+                                .min_tokens = 4, .n_gen = 2, .n_bias = 2,
+                                .bias_ids = {432, 7}, .bias = {-100.0f, 2.5f},
+                                .n_stop = 2, .stop_ids = {2, 13}};
 
 static int sample(proto_type_t t, proto_msg *m)
 {
@@ -83,6 +88,8 @@ static int sample(proto_type_t t, proto_msg *m)
         m->role_change_us = 1500;
         m->n_role_changes = 2;
         m->n_preemptions = 6;
+        if (t == PROTO_REGISTER)
+            m->mtp_depth = 3; /* the depth it serves + 1 */
         break;
     case PROTO_REGISTER_ACK:
         m->heartbeat_ms = 500;
@@ -103,6 +110,8 @@ static int sample(proto_type_t t, proto_msg *m)
         snprintf(m->decode_endpoint, sizeof(m->decode_endpoint), "tcp://127.0.0.1:5560");
         m->queue_us = 10;
         m->prefill_us = 2000;
+        if (t == PROTO_PREFILL)
+            m->samp = &g_samp;
         break;
     case PROTO_MIGRATE:
         snprintf(m->decode_worker, sizeof(m->decode_worker), "decode-2");
@@ -148,6 +157,9 @@ static int sample(proto_type_t t, proto_msg *m)
         m->pad_bytes = 4096;
         m->mtp_depth = 2;
         m->priority = 1;
+        m->samp = &g_samp;
+        m->tokens = g_toks; /* the sequence's ids so far, with samp */
+        m->n_tokens = 5;
         break;
     case PROTO_KV_BEGIN_ACK:
     case PROTO_KV_RESULT:

@@ -205,7 +205,7 @@ class AuthTest(unittest.TestCase):
         for key in (ADMIN, FLAG_ADMIN):
             status, h, text = self.call("GET", "/metrics", key)
             self.assertEqual(status, 200)
-            self.assertTrue(text.startswith("# HELP tidepool:"), text[:200])
+            self.assertTrue(text.startswith("# HELP tidepool_"), text[:200])
             status, _, got = self.call("GET", "/workers", key)
             self.assertEqual(status, 200)
             self.assertEqual([w["id"] for w in got["workers"]], ["mixed-0"])

@@ -85,7 +85,7 @@ def file_lines(c, file_id):
 def metric(c, name):
     status, text = c.request("GET", "/metrics")
     for l in text.splitlines():
-        if l.startswith("tidepool:" + name + "{") or l.startswith("tidepool:" + name + " "):
+        if l.startswith("tidepool_" + name + "{") or l.startswith("tidepool_" + name + " "):
             return float(l.rsplit(" ", 1)[1])
     raise AssertionError("metric %s not found" % name)
 

@@ -46,10 +46,10 @@ class BenchAgainstTidepool(unittest.TestCase):
             self.assertEqual(res["completed"], 24)
             self.assertEqual(res["failed"], 0)
             _, after = c.request("GET", "/metrics")
-            gen = metric(after, "tidepool:generation_tokens_total") - \
-                metric(before, "tidepool:generation_tokens_total")
-            prompt = metric(after, "tidepool:prompt_tokens_total") - \
-                metric(before, "tidepool:prompt_tokens_total")
+            gen = metric(after, "tidepool_generation_tokens_total") - \
+                metric(before, "tidepool_generation_tokens_total")
+            prompt = metric(after, "tidepool_prompt_tokens_total") - \
+                metric(before, "tidepool_prompt_tokens_total")
             self.assertEqual(res["total_output_tokens"], int(gen))
             self.assertEqual(res["total_input_tokens"], int(prompt))
             per_req = sum(r["output_tokens"] for r in res["requests"])

@@ -50,21 +50,21 @@ class EmulatedKvBytes(unittest.TestCase):
             want = prompt_tokens * KV_BYTES_PER_TOKEN
             # per request (decode worker's TOKENS xfer_bytes): exact at once
             s = metrics(c)
-            self.assertEqual(metric(s, "tidepool:kv_transfer_bytes_count"), 2)
-            self.assertEqual(metric(s, "tidepool:kv_transfer_bytes_sum"), want)
+            self.assertEqual(metric(s, "tidepool_kv_transfer_bytes_count"), 2)
+            self.assertEqual(metric(s, "tidepool_kv_transfer_bytes_sum"), want)
             # per worker (heartbeat counters, which lag): both sides, exactly
             deadline = time.time() + 10
             while True:
                 s = metrics(c)
-                tx = metric(s, "tidepool:worker_kv_transfer_bytes_total", worker="prefill-0",
+                tx = metric(s, "tidepool_worker_kv_transfer_bytes_total", worker="prefill-0",
                             side="send")
-                rx = metric(s, "tidepool:worker_kv_transfer_bytes_total", worker="decode-1",
+                rx = metric(s, "tidepool_worker_kv_transfer_bytes_total", worker="decode-1",
                             side="recv")
                 if (tx, rx) == (want, want) or time.time() > deadline:
                     break
                 time.sleep(0.2)
             self.assertEqual((tx, rx), (want, want))
-            self.assertEqual(metric(s, "tidepool:kv_transfers_total", worker="decode-1",
+            self.assertEqual(metric(s, "tidepool_kv_transfers_total", worker="decode-1",
                                     side="recv", result="aborted"), 0)
 
 

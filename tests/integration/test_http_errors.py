@@ -79,6 +79,37 @@ BAD = [
     ("logprobs", CMPL, {"prompt": "hi", "logprobs": 1}, 400, "logprobs",
      "unsupported_parameter"),
     ("body over limit", CMPL, {"prompt": "x" * (MAX_BODY + 10)}, 413, None, "request_too_large"),
+    # sampling controls (docs/api.md "Sampling controls"): vLLM's ranges
+    ("frequency_penalty low", CMPL, {"prompt": "hi", "frequency_penalty": -2.5}, 400,
+     "frequency_penalty", "invalid_value"),
+    ("repetition_penalty 0", CMPL, {"prompt": "hi", "repetition_penalty": 0}, 400,
+     "repetition_penalty", "invalid_value"),
+    ("repetition_penalty high", CHAT, {"messages": MSG, "repetition_penalty": 2.5}, 400,
+     "repetition_penalty", "invalid_value"),
+    ("logit_bias list", CMPL, {"prompt": "hi", "logit_bias": [1, 2]}, 400, "logit_bias",
+     "invalid_type"),
+    ("logit_bias key", CMPL, {"prompt": "hi", "logit_bias": {"dog": 5}}, 400, "logit_bias",
+     "invalid_value"),
+    ("logit_bias key negative", CMPL, {"prompt": "hi", "logit_bias": {"-3": 5}}, 400,
+     "logit_bias", "invalid_value"),
+    ("logit_bias value", CMPL, {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias",
+     "invalid_value"),
+    ("logit_bias string value", CMPL, {"prompt": "hi", "logit_bias": {"5": "1"}}, 400,
+     "logit_bias", "invalid_value"),
+    ("logit_bias out of vocabulary", CHAT, {"messages": MSG, "logit_bias": {"512": 1}}, 400,
+     "logit_bias", "invalid_value"),
+    ("min_tokens negative", CMPL, {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens",
+     "invalid_value"),
+    ("min_tokens over max_tokens", CMPL, {"prompt": "hi", "min_tokens": 9, "max_tokens": 8},
+     400, "min_tokens", "invalid_value"),
+    ("min_tokens float", CMPL, {"prompt": "hi", "min_tokens": 1.5}, 400, "min_tokens",
+     "invalid_type"),
+    ("stop_token_ids int", CMPL, {"prompt": "hi", "stop_token_ids": 2}, 400, "stop_token_ids",
+     "invalid_type"),
+    ("stop_token_ids negative", CMPL, {"prompt": "hi", "stop_token_ids": [2, -1]}, 400,
+     "stop_token_ids", "invalid_value"),
+    ("stop_token_ids out of vocabulary", CMPL, {"prompt": "hi", "stop_token_ids": [512]}, 400,
+     "stop_token_ids", "invalid_value"),
 ]
 
 
@@ -369,7 +400,7 @@ class RawErrorsTest(unittest.TestCase):
         # counted like every reply
         _, _, metrics = self.gw.request("GET", "/metrics")
         got = {int(m.group(1)): int(float(m.group(2))) for m in re.finditer(
-            r'(?m)^tidepool:http_responses_total\{[^}]*code="(\d+)"\} (\S+)$',
+            r'(?m)^tidepool_http_responses_total\{[^}]*code="(\d+)"\} (\S+)$',
             metrics.decode())}
         for status in (400, 413, 417, 501):
             want = sum(1 for case in RAW_ERRORS if case[2] == status)

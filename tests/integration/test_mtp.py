@@ -59,7 +59,7 @@ def spec_counters(c, timeout=3.0, want_drafts=None):
         assert status == 200
         tot = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "pos0": 0, "pos1": 0}
         for line in text.split("\n"):
-            m = re.match(r"tidepool:spec_decode_num_(\w+)_total\{([^}]*)\} (\d+)", line)
+            m = re.match(r"tidepool_spec_decode_num_(\w+)_total\{([^}]*)\} (\d+)", line)
             if not m:
                 continue
             name, labels, v = m.group(1), m.group(2), int(m.group(3))

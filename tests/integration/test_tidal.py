@@ -157,7 +157,11 @@ class RoleChange(unittest.TestCase):
             prompts = list(REF)[:4]
 
             def params(i):
-                return {"temperature": 0.9, "seed": 100 + i} if i % 2 else {}
+                # and with sampling controls: their counts move with the sequence (KV_BEGIN
+                # "samp" and "tokens"; such a sequence decodes at depth 0)
+                pen = {2: {"frequency_penalty": 0.8, "repetition_penalty": 1.2},
+                       3: {"presence_penalty": 0.6, "logit_bias": {"432": -4}}}.get(i % 4, {})
+                return dict({"temperature": 0.9, "seed": 100 + i} if i % 2 else {}, **pen)
 
             want = {i: c.complete(prompts[i % len(prompts)], max_tokens=160, **params(i))[1]
                     ["choices"][0]["text"] for i in range(8)}
@@ -207,13 +211,13 @@ class RoleChange(unittest.TestCase):
             conn.request("GET", "/metrics")
             samples = parse_metrics(conn.getresponse().read().decode())[0]
             conn.close()
-            self.assertEqual(metric(samples, "tidepool:worker_migrations_total", worker=busy,
+            self.assertEqual(metric(samples, "tidepool_worker_migrations_total", worker=busy,
                                     direction="out", result="ok"), figs[busy]["migrated_out"])
-            self.assertEqual(metric(samples, "tidepool:worker_migrations_total", worker=other,
+            self.assertEqual(metric(samples, "tidepool_worker_migrations_total", worker=other,
                                     direction="in", result="ok"), figs[busy]["migrated_out"])
-            self.assertEqual(metric(samples, "tidepool:role_changes_total"), 1)
-            self.assertGreater(metric(samples, "tidepool:role_change_last_seconds"), 0)
-            self.assertEqual(metric(samples, "tidepool:workers", role="decode",
+            self.assertEqual(metric(samples, "tidepool_role_changes_total"), 1)
+            self.assertGreater(metric(samples, "tidepool_role_change_last_seconds"), 0)
+            self.assertEqual(metric(samples, "tidepool_workers", role="decode",
                                     state="changing"), 0)
 
     def test_failed_migration_loses_nothing(self):
@@ -317,13 +321,19 @@ class Failover(unittest.TestCase):
         """A decode worker SIGKILLed mid-stream: the gateway re-runs its requests elsewhere
         from their tokens so far and from the sampler state the workers reported with them
         (TOKENS "rng"), so a seeded sampled stream (plain decoding) ends with exactly the
-        text of an undisturbed run, like a greedy one."""
+        text of an undisturbed run, like a greedy one; penalised ones too (their counts come
+        from the prompt plus the tokens so far, which the re-run carries)."""
         with Cluster(roles=("prefill", "decode", "decode"),
                      worker_args=["--debug-step-delay-ms", "25"]) as c:
             wait_roles(c, {"prefill-0": "prefill", "decode-1": "decode", "decode-2": "decode"})
             prompt = next(iter(REF))
             kinds = [{"temperature": 0.9, "seed": 7, "mtp_depth": 0},
-                     {"temperature": 0.8, "seed": 11, "top_p": 0.9, "mtp_depth": 0}, {}]
+                     {"temperature": 0.8, "seed": 11, "top_p": 0.9, "mtp_depth": 0}, {},
+                     # sampling controls: the re-run counts the tokens generated before
+                     {"frequency_penalty": 0.8, "presence_penalty": 0.4,
+                      "repetition_penalty": 1.2, "logit_bias": {"432": -3}},
+                     {"temperature": 0.9, "seed": 5, "frequency_penalty": 0.5,
+                      "min_tokens": 110, "stop_token_ids": [2, 13]}]
             want = [c.complete(prompt, max_tokens=120, **k)[1]["choices"][0]["text"]
                     for k in kinds]
             results = [None] * len(kinds)

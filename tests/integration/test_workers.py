@@ -121,7 +121,7 @@ class Refusal(unittest.TestCase):
             self.assertEqual(health["workers"],
                              {"prefill": 1, "decode": 1, "mixed": 0, "draining": 0})
             metrics = c.request("GET", "/metrics")[1]
-            self.assertRegex(metrics, r"(?m)^tidepool:workers_refused_total\{[^}]*\} 4$")
+            self.assertRegex(metrics, r"(?m)^tidepool_workers_refused_total\{[^}]*\} 4$")
 
             for i in range(6):
                 prompt = ("Once upon a time", "Tom and Sue went to the")[i % 2]

@@ -653,7 +653,7 @@ class MultiHost(unittest.TestCase):
         out = {"received": 0, "success": 0, "failure": 0}
         names = {"requests_received_total": "received", "request_success_total": "success",
                  "request_failure_total": "failure"}
-        for m in re.finditer(r"^tidepool:(\w+)\{[^}]*\} (\S+)$", text, re.M):
+        for m in re.finditer(r"^tidepool_(\w+)\{[^}]*\} (\S+)$", text, re.M):
             if m.group(1) in names:
                 out[names[m.group(1)]] += int(float(m.group(2)))
         return out

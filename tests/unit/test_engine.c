@@ -2083,6 +2083,69 @@ static void test_model_quantized(void **state)
 }
 
 /* ------------------------------------------------------------------------------------- */
+/* sampler_penalize on a crafted 8-token vocabulary: every value exact (binary fractions) */
+static void test_sampler_penalties(void **state)
+{
+    (void)state;
+    enum { V = 8 };
+    sampler_t *s = sampler_new(V);
+    assert_non_null(s);
+    /* prompt [1 2 2], generated [3 3 3 2 5]: generated counts c3 = 3, c2 = 1, c5 = 1 */
+    const int hist[] = {1, 2, 2, 3, 3, 3, 2, 5};
+    const float base[V] = {4.0f, 2.0f, -2.0f, 3.0f, 1.0f, 0.5f, 6.0f, 0.0f};
+    float l[V];
+
+    /* frequency 0.5, presence 0.25 (OpenAI's): only generated tokens */
+    sampler_penalties pen = {.presence = 0.25f, .frequency = 0.5f, .eos_id = 7};
+    memcpy(l, base, sizeof(l));
+    sampler_penalize(s, &pen, hist, 8, 5, l);
+    const float want_fp[V] = {4.0f, 2.0f, -2.75f, 1.25f, 1.0f, -0.25f, 6.0f, 0.0f};
+    assert_memory_equal(l, want_fp, sizeof(l));
+    /* the scratch is clean again: the same call gives the same result */
+    memcpy(l, base, sizeof(l));
+    sampler_penalize(s, &pen, hist, 8, 5, l);
+    assert_memory_equal(l, want_fp, sizeof(l));
+
+    /* repetition 2 (vLLM's): prompt and generated tokens, / when > 0, * when <= 0 */
+    sampler_penalties rp = {.repetition = 2.0f, .eos_id = -1};
+    memcpy(l, base, sizeof(l));
+    sampler_penalize(s, &rp, hist, 8, 5, l);
+    const float want_rp[V] = {4.0f, 1.0f, -4.0f, 1.5f, 1.0f, 0.25f, 6.0f, 0.0f};
+    assert_memory_equal(l, want_rp, sizeof(l));
+
+    /* logit_bias -100 on the argmax (6): the runner-up (0) is greedy's choice */
+    const int bid[] = {6, 4};
+    const float bv[] = {-100.0f, 0.5f};
+    sampler_penalties lb = {.eos_id = -1, .bias_ids = bid, .bias = bv, .n_bias = 2};
+    memcpy(l, base, sizeof(l));
+    sampler_penalize(s, &lb, hist, 8, 5, l);
+    assert_true(l[6] == -94.0f && l[4] == 1.5f && l[0] == 4.0f);
+    sampler_params greedy = {0.0f, 1.0f, 0};
+    uint64_t rng = 1;
+    assert_int_equal(sampler_sample(s, &greedy, &rng, l), 0);
+
+    /* min_tokens 6: EOS (7) and the stop ids (6) masked while 5 < 6 generated; not at 6 */
+    const int stop[] = {6};
+    sampler_penalties mt = {.min_tokens = 6, .eos_id = 7, .stop_ids = stop, .n_stop = 1};
+    memcpy(l, base, sizeof(l));
+    l[7] = 9.0f;
+    sampler_penalize(s, &mt, hist, 8, 5, l);
+    assert_true(isinf(l[7]) && l[7] < 0 && isinf(l[6]) && l[6] < 0 && l[0] == 4.0f);
+    assert_int_equal(sampler_sample(s, &greedy, &rng, l), 0);
+    memcpy(l, base, sizeof(l));
+    sampler_penalize(s, &mt, hist, 8, 6, l); /* 6 generated: nothing masked */
+    assert_memory_equal(l, base, sizeof(l));
+
+    /* no history, nothing set: unchanged; out-of-range ids are ignored */
+    const int odd[] = {-1, 9, 3};
+    memcpy(l, base, sizeof(l));
+    sampler_penalize(s, &pen, odd, 3, 3, l);
+    assert_true(l[3] == 3.0f - 0.5f - 0.25f);
+    l[3] = base[3];
+    assert_memory_equal(l, base, sizeof(l));
+    sampler_destroy(&s);
+}
+
 /* sampler */
 
 static void test_sampler(void **state)
@@ -2316,6 +2379,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_model_fast_greedy),
         cmocka_unit_test(test_model_quantized),
         cmocka_unit_test(test_sampler),
+        cmocka_unit_test(test_sampler_penalties),
         cmocka_unit_test(test_convert_other_models),
         cmocka_unit_test(test_convert_errors),
     };

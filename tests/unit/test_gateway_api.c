@@ -498,6 +498,45 @@ static void test_parsed_values(void **state)
     api_request_free(&r);
 }
 
+/* The sampling controls parse into one proto_sampling, exactly; defaults leave none. */
+static void test_sampling_controls(void **state)
+{
+    (void)state;
+    api_request r;
+    api_error e;
+    const char *body = "{\"prompt\": \"hi\", \"max_tokens\": 8, \"presence_penalty\": 0.5, "
+                       "\"frequency_penalty\": -1.25, \"repetition_penalty\": 1.5, "
+                       "\"logit_bias\": {\"432\": -100, \"7\": 2.5}, \"min_tokens\": 8, "
+                       "\"stop_token_ids\": [13, 0]}";
+    assert_int_equal(api_parse(API_COMPLETIONS, body, strlen(body), &r, &e), 0);
+    assert_non_null(r.samp);
+    assert_true(r.samp->presence == 0.5f && r.samp->frequency == -1.25f &&
+                r.samp->repetition == 1.5f);
+    assert_int_equal(r.samp->min_tokens, 8);
+    assert_int_equal(r.samp->n_gen, 0);
+    assert_int_equal(r.samp->n_bias, 2);
+    assert_int_equal(r.samp->bias_ids[0], 432); /* jansson keeps insertion order */
+    assert_true(r.samp->bias[0] == -100.0f);
+    assert_int_equal(r.samp->bias_ids[1], 7);
+    assert_true(r.samp->bias[1] == 2.5f);
+    assert_int_equal(r.samp->n_stop, 2);
+    assert_int_equal(r.samp->stop_ids[0], 13);
+    assert_int_equal(r.samp->stop_ids[1], 0);
+    assert_int_equal(api_check_sampling(&r, 512, &e), 0);
+    assert_int_equal(api_check_sampling(&r, 432, &e), -1);
+    assert_int_equal(e.status, 400);
+    assert_string_equal(e.param, "logit_bias");
+    assert_string_equal(e.message, "'logit_bias' names token 432; the vocabulary has 432 tokens.");
+    api_request_free(&r);
+    /* every default (and an empty logit_bias / stop_token_ids): no controls */
+    body = "{\"prompt\": \"hi\", \"presence_penalty\": 0, \"frequency_penalty\": 0, "
+           "\"repetition_penalty\": 1, \"logit_bias\": {}, \"min_tokens\": 0, "
+           "\"stop_token_ids\": []}";
+    assert_int_equal(api_parse(API_COMPLETIONS, body, strlen(body), &r, &e), 0);
+    assert_null(r.samp);
+    api_request_free(&r);
+}
+
 static void test_chat_template(void **state)
 {
     (void)state;
@@ -673,11 +712,15 @@ static void test_formats(void **state)
         json_integer_value(json_object_get(json_object_get(j, "usage"), "completion_tokens")), 3);
     json_decref(j);
     free(s);
-    s = api_format_models("m", 1, 512);
+    s = api_format_models("m", 1, 512, 2);
+    assert_string_equal(s, "{\"object\":\"list\",\"data\":[{\"id\":\"m\",\"object\":\"model\","
+                           "\"created\":1,\"owned_by\":\"tidepool\",\"root\":\"m\","
+                           "\"max_model_len\":512,\"mtp_depth\":2}]}");
+    free(s);
+    s = api_format_models("m", 1, 512, -1);
     j = json_loads(s, 0, NULL);
-    assert_string_equal(
-        json_string_value(json_object_get(json_array_get(json_object_get(j, "data"), 0), "id")),
-        "m");
+    assert_true(json_is_null(json_object_get(json_array_get(json_object_get(j, "data"), 0),
+                                             "mtp_depth")));
     json_decref(j);
     free(s);
 }
@@ -910,6 +953,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_utf8_trim),
         cmocka_unit_test(test_error_quotes_cut_at_a_character),
         cmocka_unit_test(test_parsed_values),
+        cmocka_unit_test(test_sampling_controls),
         cmocka_unit_test(test_chat_template),
         cmocka_unit_test(test_model_check),
         cmocka_unit_test(test_length_checks),

@@ -86,8 +86,8 @@ static void test_bucket_sets_and_bad_bounds(void **state)
 static void write_hist(FILE *f, void *ud)
 {
     metrics_label l[2] = {{"model_name", "m"}, {"worker", "a\"b\\c\nd"}};
-    metrics_write_header(f, "tidepool:x_seconds", "histogram", "Help with \\ and\nnewline.");
-    metrics_write_histogram(f, "tidepool:x_seconds", l, 2, ud);
+    metrics_write_header(f, "tidepool_x_seconds", "histogram", "Help with \\ and\nnewline.");
+    metrics_write_histogram(f, "tidepool_x_seconds", l, 2, ud);
 }
 
 /* The text format: cumulative buckets with le, +Inf, _sum, _count; escapes. */
@@ -103,13 +103,13 @@ static void test_exposition_text(void **state)
     metrics_histogram_observe(&h, 3.0);
     char *text = capture(write_hist, &h);
     const char *want =
-        "# HELP tidepool:x_seconds Help with \\\\ and\\nnewline.\n"
-        "# TYPE tidepool:x_seconds histogram\n"
-        "tidepool:x_seconds_bucket{model_name=\"m\",worker=\"a\\\"b\\\\c\\nd\",le=\"0.1\"} 2\n"
-        "tidepool:x_seconds_bucket{model_name=\"m\",worker=\"a\\\"b\\\\c\\nd\",le=\"1\"} 3\n"
-        "tidepool:x_seconds_bucket{model_name=\"m\",worker=\"a\\\"b\\\\c\\nd\",le=\"+Inf\"} 4\n"
-        "tidepool:x_seconds_sum{model_name=\"m\",worker=\"a\\\"b\\\\c\\nd\"} 3.65\n"
-        "tidepool:x_seconds_count{model_name=\"m\",worker=\"a\\\"b\\\\c\\nd\"} 4\n";
+        "# HELP tidepool_x_seconds Help with \\\\ and\\nnewline.\n"
+        "# TYPE tidepool_x_seconds histogram\n"
+        "tidepool_x_seconds_bucket{model_name=\"m\",worker=\"a\\\"b\\\\c\\nd\",le=\"0.1\"} 2\n"
+        "tidepool_x_seconds_bucket{model_name=\"m\",worker=\"a\\\"b\\\\c\\nd\",le=\"1\"} 3\n"
+        "tidepool_x_seconds_bucket{model_name=\"m\",worker=\"a\\\"b\\\\c\\nd\",le=\"+Inf\"} 4\n"
+        "tidepool_x_seconds_sum{model_name=\"m\",worker=\"a\\\"b\\\\c\\nd\"} 3.65\n"
+        "tidepool_x_seconds_count{model_name=\"m\",worker=\"a\\\"b\\\\c\\nd\"} 4\n";
     assert_string_equal(text, want);
     free(text);
 }
@@ -254,30 +254,30 @@ static void test_stats_exposition(void **state)
     stats_http_response(s, 200);
     stats_http_response(s, 400);
     char *text = capture(write_stats, s);
-    assert_true(sample_value(text, "tidepool:prompt_tokens_total{model_name=\"tiny\"}") == 18);
-    assert_true(sample_value(text, "tidepool:generation_tokens_total{model_name=\"tiny\"}") == 9);
-    assert_true(sample_value(text, "tidepool:request_success_total{model_name=\"tiny\","
+    assert_true(sample_value(text, "tidepool_prompt_tokens_total{model_name=\"tiny\"}") == 18);
+    assert_true(sample_value(text, "tidepool_generation_tokens_total{model_name=\"tiny\"}") == 9);
+    assert_true(sample_value(text, "tidepool_request_success_total{model_name=\"tiny\","
                                    "finished_reason=\"stop\"}") == 1);
-    assert_true(sample_value(text, "tidepool:request_success_total{model_name=\"tiny\","
+    assert_true(sample_value(text, "tidepool_request_success_total{model_name=\"tiny\","
                                    "finished_reason=\"length\"}") == 2);
-    assert_true(sample_value(text, "tidepool:requests_received_total{model_name=\"tiny\"}") == 4);
-    assert_true(sample_value(text, "tidepool:request_failure_total{model_name=\"tiny\"}") == 1);
-    assert_true(sample_value(text, "tidepool:http_responses_total{model_name=\"tiny\","
+    assert_true(sample_value(text, "tidepool_requests_received_total{model_name=\"tiny\"}") == 4);
+    assert_true(sample_value(text, "tidepool_request_failure_total{model_name=\"tiny\"}") == 1);
+    assert_true(sample_value(text, "tidepool_http_responses_total{model_name=\"tiny\","
                                    "code=\"400\"}") == 1);
-    assert_true(sample_value(text, "tidepool:time_to_first_token_seconds_count{model_name="
+    assert_true(sample_value(text, "tidepool_time_to_first_token_seconds_count{model_name="
                                    "\"tiny\"}") == 3);
-    assert_true(sample_value(text, "tidepool:time_to_first_token_seconds_bucket{model_name="
+    assert_true(sample_value(text, "tidepool_time_to_first_token_seconds_bucket{model_name="
                                    "\"tiny\",le=\"0.02\"}") == 0);
-    assert_true(sample_value(text, "tidepool:time_to_first_token_seconds_bucket{model_name="
+    assert_true(sample_value(text, "tidepool_time_to_first_token_seconds_bucket{model_name="
                                    "\"tiny\",le=\"0.04\"}") == 3);
-    assert_true(sample_value(text, "tidepool:inter_token_latency_seconds_count{model_name="
+    assert_true(sample_value(text, "tidepool_inter_token_latency_seconds_count{model_name="
                                    "\"tiny\"}") == 6);
-    assert_true(sample_value(text, "tidepool:kv_transfer_bytes_bucket{model_name=\"tiny\","
+    assert_true(sample_value(text, "tidepool_kv_transfer_bytes_bucket{model_name=\"tiny\","
                                    "le=\"65536\"}") == 3);
-    assert_true(fabs(sample_value(text, "tidepool:request_queue_time_seconds_sum{model_name="
+    assert_true(fabs(sample_value(text, "tidepool_request_queue_time_seconds_sum{model_name="
                                         "\"tiny\"}") -
                      0.0045) < 1e-12);
-    assert_true(fabs(sample_value(text, "tidepool:request_time_per_output_token_seconds_sum{"
+    assert_true(fabs(sample_value(text, "tidepool_request_time_per_output_token_seconds_sum{"
                                         "model_name=\"tiny\"}") -
                      0.06) < 1e-12);
     /* every sample's family has HELP and TYPE before it */

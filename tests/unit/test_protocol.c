@@ -84,6 +84,12 @@ static void fill(proto_msg *m, proto_type_t t)
     m->n_gen = 12;
     m->priority = 1;
     m->n_preemptions = 1ull << 35;
+    /* sampling controls: PREFILL / KV_BEGIN "samp" */
+    static proto_sampling samp = {.presence = -2.0f, .frequency = 0.5f, .repetition = 1.25f,
+                                  .min_tokens = 3, .n_gen = 2, .n_bias = 2,
+                                  .bias_ids = {6, 100000}, .bias = {-100.0f, 2.5f},
+                                  .n_stop = 3, .stop_ids = {13, 0, 2}};
+    m->samp = &samp;
     /* CURVE public keys (Z85): REGISTER "kvpk", PREFILL/MIGRATE "dpk" */
     snprintf(m->kv_pubkey, sizeof(m->kv_pubkey), "%s", "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7");
     snprintf(m->decode_pubkey, sizeof(m->decode_pubkey), "%s",
@@ -107,9 +113,17 @@ static void test_roundtrip_all_types(void **state)
         if (rc != 0)
             fail_msg("%s: %s", proto_type_str(t), err);
         assert_int_equal(out.type, t);
-        if (t == PROTO_PREFILL || t == PROTO_TOKENS) {
+        if (t == PROTO_PREFILL || t == PROTO_TOKENS || t == PROTO_KV_BEGIN) {
             assert_int_equal(out.n_tokens, 5);
             assert_memory_equal(out.tokens, in.tokens, 5 * sizeof(int));
+        } else {
+            assert_int_equal(out.n_tokens, 0);
+        }
+        if (t == PROTO_PREFILL || t == PROTO_KV_BEGIN) {
+            assert_non_null(out.samp);
+            assert_memory_equal(out.samp, in.samp, sizeof(*in.samp));
+        } else {
+            assert_null(out.samp);
         }
         if (t == PROTO_KV_END) {
             assert_int_equal(out.rid, 42);
@@ -121,8 +135,10 @@ static void test_roundtrip_all_types(void **state)
         assert_true(out.pad_bytes == (t == PROTO_KV_BEGIN ? PROTO_MAX_PAD : 0));
         /* blk0: optional, KV_LAYER only */
         assert_int_equal(out.blk0, t == PROTO_KV_LAYER ? 3 : 0);
-        /* MTP: the request's depth on PREFILL and KV_BEGIN; the module layout on KV_BEGIN */
-        assert_int_equal(out.mtp_depth, t == PROTO_PREFILL || t == PROTO_KV_BEGIN ? 3 : 0);
+        /* MTP: the request's depth on PREFILL and KV_BEGIN, the served one on REGISTER; the
+         * module layout on KV_BEGIN */
+        assert_int_equal(out.mtp_depth,
+                         t == PROTO_PREFILL || t == PROTO_KV_BEGIN || t == PROTO_REGISTER ? 3 : 0);
         assert_int_equal(out.n_mtp, t == PROTO_KV_BEGIN ? 2 : 0);
         assert_true(out.mtp_fp == (t == PROTO_KV_BEGIN ? in.mtp_fp : 0));
         assert_int_equal(out.n_hidden, t == PROTO_KV_BEGIN ? 128 : 0);
@@ -432,6 +448,41 @@ static void b_key_charset(msgpack_packer *pk) { b_register_key(pk, "rq:rM>}U?@Ln
 /* "#####" is 85^5 - 1 > 2^32 - 1: no 4 bytes */
 static void b_key_overflow(msgpack_packer *pk) { b_register_key(pk, "#####>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"); }
 static void b_key_not_string(msgpack_packer *pk) { b_register_key(pk, NULL); }
+/* KV_BEGIN with a "samp" of kind k: 0 too short, 1 presence 3, 2 bias 101, 3 counts
+ * differ, 4 negative stop id, 5 a string penalty, 6 min_tokens negative */
+static void b_samp(msgpack_packer *pk, int k)
+{
+    msgpack_pack_map(pk, 3);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_KV_BEGIN);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "samp");
+    msgpack_pack_array(pk, k == 0 ? 7 : 8);
+    if (k == 5)
+        kv(pk, "x");
+    else
+        msgpack_pack_float(pk, k == 1 ? 3.0f : 0.0f);
+    msgpack_pack_float(pk, 0.0f);
+    msgpack_pack_float(pk, 1.0f);
+    msgpack_pack_int(pk, k == 6 ? -1 : 0);
+    msgpack_pack_int(pk, 0);
+    msgpack_pack_array(pk, 1);
+    msgpack_pack_int(pk, 5);
+    msgpack_pack_array(pk, k == 3 ? 2 : 1);
+    msgpack_pack_float(pk, k == 2 ? 101.0f : 1.0f);
+    if (k == 3)
+        msgpack_pack_float(pk, 1.0f);
+    if (k == 0)
+        return;
+    msgpack_pack_array(pk, 1);
+    msgpack_pack_int(pk, k == 4 ? -3 : 2);
+}
+static void b_samp_short(msgpack_packer *pk) { b_samp(pk, 0); }
+static void b_samp_presence(msgpack_packer *pk) { b_samp(pk, 1); }
+static void b_samp_bias(msgpack_packer *pk) { b_samp(pk, 2); }
+static void b_samp_counts(msgpack_packer *pk) { b_samp(pk, 3); }
+static void b_samp_stop(msgpack_packer *pk) { b_samp(pk, 4); }
+static void b_samp_string(msgpack_packer *pk) { b_samp(pk, 5); }
+static void b_samp_min(msgpack_packer *pk) { b_samp(pk, 6); }
 static void b_ok_cancel(msgpack_packer *pk)
 {
     msgpack_pack_map(pk, 4);
@@ -473,6 +524,13 @@ static void test_malformed_headers(void **state)
         {"curve key charset", b_key_charset, -1, "kvpk"},
         {"curve key overflow", b_key_overflow, -1, "kvpk"},
         {"curve key not a string", b_key_not_string, -1, "kvpk"},
+        {"samp short", b_samp_short, -1, "samp"},
+        {"samp presence 3", b_samp_presence, -1, "samp"},
+        {"samp bias 101", b_samp_bias, -1, "samp"},
+        {"samp counts differ", b_samp_counts, -1, "samp"},
+        {"samp negative stop id", b_samp_stop, -1, "samp"},
+        {"samp string penalty", b_samp_string, -1, "samp"},
+        {"samp min_tokens negative", b_samp_min, -1, "samp"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         char err[160] = "";
