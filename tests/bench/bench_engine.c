@@ -217,6 +217,17 @@ static uint64_t rng_state = 0x5eed;
 
 /* --- the Q8_0 batch-1 kernel alone, GGUF vs Q8X8 layout, side by side ---------------- */
 
+/* Random bytes for Q8_0 blocks, never 0x80: quants in [-127, 127] as a quantizer writes
+ * them (kern_q8x8_pack refuses -128); the callers then set the scales. */
+static void rand_q8(uint8_t *w, size_t bytes)
+{
+    for (size_t i = 0; i < bytes; i++) {
+        w[i] = (uint8_t)((rng_state = rng_state * 6364136223846793005ULL + 1) >> 56);
+        if (w[i] == 0x80)
+            w[i] = 0x81;
+    }
+}
+
 typedef struct {
     const kern_mat *w;
     const kern_act *a;
@@ -273,8 +284,7 @@ static int bench_kern_pp(int n_threads)
         return 1;
     for (int t = 0; t < T; t++)
         outp[t] = o + (size_t)t * rows;
-    for (size_t i = 0; i < bytes; i++)
-        w[i] = (uint8_t)((rng_state = rng_state * 6364136223846793005ULL + 1) >> 56);
+    rand_q8(w, bytes);
     for (int r = 0; r < rows * nb; r++) {
         uint16_t h = gguf_fp32_to_fp16(0.01f);
         memcpy(w + (size_t)r * 34, &h, 2);
@@ -283,7 +293,8 @@ static int bench_kern_pp(int n_threads)
         x[i] = (float)(i % 17) - 8.0f;
     kern_quantize_act(kern_isa_detect(), x, T, n, qd, qs);
     kern_mat mg = {w, GGUF_TENSOR_Q8_0, rows, n, KERN_LAYOUT_GGUF}, mx;
-    kern_q8x8_pack(&mg, wx, 0, rows / 8, &mx);
+    if (kern_q8x8_pack(&mg, wx, 0, rows / 8, &mx) != 0)
+        return 1;
     kern_act a = {.x = x, .q_d = qd, .q_s = qs, .T = T, .n = n};
     enum { REPS = 21 };
     double t[2][REPS];
@@ -337,8 +348,7 @@ static int bench_kern(int n_threads)
         uint64_t *rb = aligned_alloc(64, (bytes + 63) / 64 * 64);
         if (!w || !wx || !x || !qd || !qs || !o || !rb)
             return 1;
-        for (size_t i = 0; i < bytes; i++)
-            w[i] = (uint8_t)((rng_state = rng_state * 6364136223846793005ULL + 1) >> 56);
+        rand_q8(w, bytes);
         for (int r = 0; r < rows; r++)
             for (int b = 0; b < nb; b++) {
                 uint16_t h = gguf_fp32_to_fp16(0.01f);
