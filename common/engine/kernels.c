@@ -69,7 +69,8 @@ kern_isa kern_isa_detect(void)
     return KERN_ISA_SCALAR;
 }
 
-/* AVX-512 scratch: PACK_T tokens packed in pairs (floats, or Q8 bytes + pair scales). */
+/* AVX-512 scratch: PACK_T tokens packed in pairs (floats, or Q8 bytes + pair scales);
+ * AVX2 F16 prefill: PACK_T rows widened to floats. */
 size_t kern_scratch_floats(int n)
 {
     size_t f = (size_t)PACK_T * (size_t)n; /* float pairs */
@@ -452,7 +453,7 @@ void kern_matmul(kern_isa isa, kern_order order, const kern_mat *w, const kern_a
         else if (q8)
             kern_x86_matmul_q8_avx2(w, a, r0, r1, out);
         else
-            kern_x86_matmul_fast_avx2(w, a, r0, r1, out);
+            kern_x86_matmul_fast_avx2(w, a, r0, r1, out, scratch);
         return;
     }
 #endif

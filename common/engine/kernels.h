@@ -58,7 +58,9 @@ typedef enum {
  * first, block b's 8 f16 scales (row 0 .. 7) at 16 * b, then, from S = that section
  * rounded up to 64 bytes, block b's 8 x 32 quants (row-major) at S + 256 * b. One linear
  * stream per group, 32-byte quant loads, 8 scales in one load (in the spirit of
- * llama.cpp's repacked Q8_0 x4/x8 layouts). The same numbers, so the same results. */
+ * llama.cpp's repacked Q8_0 x4/x8 layouts). The same numbers, so the same results. Its
+ * quants are in [-127, 127] (kern_q8x8_pack refuses -128), which lets the batch-1 tile
+ * sign the weights by the activations. */
 typedef enum {
     KERN_LAYOUT_GGUF = 0,
     KERN_LAYOUT_Q8X8,

@@ -36,6 +36,10 @@
 #define PF_LIN_ROW 4096
 
 #define ROW_BLOCK 16 /* rows per L2-resident block in prefill */
+/* F16 prefill from T = F16_WIDEN_T tokens widens WIDEN_ROWS rows at a time to floats in
+ * the caller's scratch (kern_scratch_floats(n) >= PACK_T * n floats). */
+#define F16_WIDEN_T 8
+#define WIDEN_ROWS PACK_T
 
 #define TGT __attribute__((target("avx2,fma,f16c")))
 #define TILE static inline __attribute__((always_inline)) TGT
@@ -250,12 +254,47 @@ static const fast_fn fast_r1[2][4] = {
 static const q8_fn q8_r4[4] = {NULL, q8_4_1, q8_4_2, q8_4_3};
 static const q8_fn q8_r1[4] = {NULL, q8_1_1, q8_1_2, q8_1_3};
 
+/* F16 rows [r0, r0 + nr) of width n widened to floats at dst (nr * n floats): exact. */
+static TGT void widen_rows_f16(const uint8_t *w, size_t ws, int nr, int n, float *dst)
+{
+    for (int r = 0; r < nr; r++) {
+        const uint16_t *h = (const uint16_t *)(const void *)(w + (size_t)r * ws);
+        float *d = dst + (size_t)r * n;
+        int j = 0;
+        for (; j + 8 <= n; j += 8)
+            _mm256_storeu_ps(d + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))));
+        for (; j < n; j++)
+            d[j] = _cvtsh_ss(h[j]);
+    }
+}
+
 TGT void kern_x86_matmul_fast_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
-                                   float *const *out)
+                                   float *const *out, float *scratch)
 {
     const int n = a->n, T = a->T, f16 = w->type == GGUF_TENSOR_F16;
     const size_t ws = kern_row_bytes(w);
     const uint8_t *base = w->data;
+    if (f16 && T >= F16_WIDEN_T && scratch) {
+        /* prefill of F16 weights: WIDEN_ROWS rows widened to floats once, in the scratch
+         * (L2), then every token tile runs the F32 tiles over them, instead of converting
+         * each weight vector again for every 3 tokens; the same floats in the same order */
+        const size_t fs = (size_t)n * sizeof(float);
+        for (int rb = r0; rb < r1; rb += WIDEN_ROWS) {
+            int re = rb + WIDEN_ROWS < r1 ? rb + WIDEN_ROWS : r1;
+            widen_rows_f16(base + (size_t)rb * ws, ws, re - rb, n, scratch);
+            const uint8_t *sw = (const uint8_t *)scratch;
+            for (int t = 0; t < T; t += 3) {
+                int nt = T - t < 3 ? T - t : 3;
+                const float *xt = a->x + (size_t)t * n;
+                int i = rb;
+                for (; i + 4 <= re; i += 4)
+                    fast_r4[0][nt](sw + (size_t)(i - rb) * fs, fs, xt, n, out + t, i);
+                for (; i < re; i++)
+                    fast_r1[0][nt](sw + (size_t)(i - rb) * fs, fs, xt, n, out + t, i);
+            }
+        }
+        return;
+    }
     if (T == 1) {
         int i = r0;
         for (; i + 8 <= r1; i += 8)
