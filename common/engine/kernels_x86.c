@@ -9,7 +9,8 @@
  * is used NT times, each activation vector R times); the tile shape changes which dot
  * products run side by side, never the operations of one dot product. For prefill the
  * rows are taken in blocks of ROW_BLOCK that stay in L2 while every token tile passes
- * over them, so each weight byte comes from memory once per call.
+ * over them, so each weight byte comes from memory once per call; F16 rows are widened
+ * to floats once per block (8 rows, in the caller's scratch) from T = 8 on.
  *
  * Q8_0 matrices repacked at load (KERN_LAYOUT_Q8X8, kernels.h) have their own tiles
  * (tile_q8x8): a group of 8 rows is one linear stream, its 8 scales one load per block.
