@@ -69,7 +69,8 @@ kern_isa kern_isa_detect(void)
     return KERN_ISA_SCALAR;
 }
 
-/* AVX-512 scratch: PACK_T tokens packed in pairs (floats, or Q8 bytes + pair scales). */
+/* AVX-512 scratch: PACK_T tokens packed in pairs (floats, or Q8 bytes + pair scales);
+ * AVX2 F16 prefill: PACK_T rows widened to floats. */
 size_t kern_scratch_floats(int n)
 {
     size_t f = (size_t)PACK_T * (size_t)n; /* float pairs */
@@ -146,6 +147,13 @@ int kern_q8x8_pack(const kern_mat *src, void *dst, int g0, int g1, kern_mat *out
     const int nb = src->cols / KERN_Q8_BLOCK;
     const size_t ws = kern_row_bytes(src), gs = kern_q8x8_gbytes(nb), so = kern_q8x8_sbytes(nb);
     for (int g = g0; g < g1; g++) {
+        /* no quant -128 (0x80): the Q8X8 kernels negate weights (kernels.h) */
+        for (int r = 0; r < 8; r++) {
+            const uint8_t *row = (const uint8_t *)src->data + ((size_t)g * 8 + r) * ws;
+            for (int b = 0; b < nb; b++)
+                if (memchr(row + (size_t)b * KERN_Q8_BLOCK_BYTES + 2, 0x80, KERN_Q8_BLOCK))
+                    return -1;
+        }
         uint8_t *o = (uint8_t *)dst + (size_t)g * gs;
         memset(o + (size_t)nb * 16, 0, so - (size_t)nb * 16); /* padding */
         for (int r = 0; r < 8; r++) {
@@ -445,7 +453,7 @@ void kern_matmul(kern_isa isa, kern_order order, const kern_mat *w, const kern_a
         else if (q8)
             kern_x86_matmul_q8_avx2(w, a, r0, r1, out);
         else
-            kern_x86_matmul_fast_avx2(w, a, r0, r1, out);
+            kern_x86_matmul_fast_avx2(w, a, r0, r1, out, scratch);
         return;
     }
 #endif

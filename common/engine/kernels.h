@@ -58,7 +58,9 @@ typedef enum {
  * first, block b's 8 f16 scales (row 0 .. 7) at 16 * b, then, from S = that section
  * rounded up to 64 bytes, block b's 8 x 32 quants (row-major) at S + 256 * b. One linear
  * stream per group, 32-byte quant loads, 8 scales in one load (in the spirit of
- * llama.cpp's repacked Q8_0 x4/x8 layouts). The same numbers, so the same results. */
+ * llama.cpp's repacked Q8_0 x4/x8 layouts). The same numbers, so the same results. Its
+ * quants are in [-127, 127] (kern_q8x8_pack refuses -128), which lets the batch-1 tile
+ * sign the weights by the activations. */
 typedef enum {
     KERN_LAYOUT_GGUF = 0,
     KERN_LAYOUT_Q8X8,
@@ -128,7 +130,11 @@ size_t kern_q8x8_group_bytes(int cols);
 /* Repack rows [g0 * 8, g1 * 8) of src (Q8_0, GGUF layout) into dst (kern_q8x8_bytes of
  * the whole matrix, 64-byte aligned for aligned loads, the caller's), and describe the
  * result in *out (data = dst, layout Q8X8). Thread-safe for disjoint group ranges.
- * Returns 0, -1 when src has no Q8X8 form (nothing written). */
+ * Returns 0, -1 when src has no Q8X8 form (*out untouched, dst's bytes undefined): the
+ * wrong type or shape, or a quant of -128 in those rows (llama.cpp's and
+ * kern_quantize_q8_0's quants are in [-127, 127]; the Q8X8 kernels multiply each weight
+ * by the activation's sign, which -128 would overflow, so such a matrix keeps the GGUF
+ * layout). */
 int kern_q8x8_pack(const kern_mat *src, void *dst, int g0, int g1, kern_mat *out);
 
 /* Row i of w in the file (GGUF) layout, from either layout, into dst (the caller's:

@@ -31,12 +31,13 @@ static inline size_t kern_q8x8_gbytes(int nb)
 }
 
 #ifdef KERN_HAVE_X86
-/* AVX2: EXACT-order F32 (scratch: kern_scratch_floats(n) floats), FAST-order F32/F16 and
- * Q8_0 products of rows [r0, r1), all T tokens. */
+/* AVX2: EXACT-order F32 (scratch: kern_scratch_floats(n) floats), FAST-order F32/F16
+ * (scratch: the same, or NULL: F16 prefill then converts per token tile) and Q8_0
+ * products of rows [r0, r1), all T tokens. */
 void kern_x86_matmul_exact_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
                                 float *const *out, float *scratch);
 void kern_x86_matmul_fast_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
-                               float *const *out);
+                               float *const *out, float *scratch);
 void kern_x86_matmul_q8_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
                              float *const *out);
 /* The same products for a KERN_LAYOUT_Q8X8 matrix. */

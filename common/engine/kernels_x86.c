@@ -9,7 +9,8 @@
  * is used NT times, each activation vector R times); the tile shape changes which dot
  * products run side by side, never the operations of one dot product. For prefill the
  * rows are taken in blocks of ROW_BLOCK that stay in L2 while every token tile passes
- * over them, so each weight byte comes from memory once per call.
+ * over them, so each weight byte comes from memory once per call; F16 rows are widened
+ * to floats once per block (8 rows, in the caller's scratch) from T = 8 on.
  *
  * Q8_0 matrices repacked at load (KERN_LAYOUT_Q8X8, kernels.h) have their own tiles
  * (tile_q8x8): a group of 8 rows is one linear stream, its 8 scales one load per block.
@@ -36,6 +37,10 @@
 #define PF_LIN_ROW 4096
 
 #define ROW_BLOCK 16 /* rows per L2-resident block in prefill */
+/* F16 prefill from T = F16_WIDEN_T tokens widens WIDEN_ROWS rows at a time to floats in
+ * the caller's scratch (kern_scratch_floats(n) >= PACK_T * n floats). */
+#define F16_WIDEN_T 8
+#define WIDEN_ROWS PACK_T
 
 #define TGT __attribute__((target("avx2,fma,f16c")))
 #define TILE static inline __attribute__((always_inline)) TGT
@@ -250,12 +255,47 @@ static const fast_fn fast_r1[2][4] = {
 static const q8_fn q8_r4[4] = {NULL, q8_4_1, q8_4_2, q8_4_3};
 static const q8_fn q8_r1[4] = {NULL, q8_1_1, q8_1_2, q8_1_3};
 
+/* F16 rows [r0, r0 + nr) of width n widened to floats at dst (nr * n floats): exact. */
+static TGT void widen_rows_f16(const uint8_t *w, size_t ws, int nr, int n, float *dst)
+{
+    for (int r = 0; r < nr; r++) {
+        const uint16_t *h = (const uint16_t *)(const void *)(w + (size_t)r * ws);
+        float *d = dst + (size_t)r * n;
+        int j = 0;
+        for (; j + 8 <= n; j += 8)
+            _mm256_storeu_ps(d + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))));
+        for (; j < n; j++)
+            d[j] = _cvtsh_ss(h[j]);
+    }
+}
+
 TGT void kern_x86_matmul_fast_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
-                                   float *const *out)
+                                   float *const *out, float *scratch)
 {
     const int n = a->n, T = a->T, f16 = w->type == GGUF_TENSOR_F16;
     const size_t ws = kern_row_bytes(w);
     const uint8_t *base = w->data;
+    if (f16 && T >= F16_WIDEN_T && scratch) {
+        /* prefill of F16 weights: WIDEN_ROWS rows widened to floats once, in the scratch
+         * (L2), then every token tile runs the F32 tiles over them, instead of converting
+         * each weight vector again for every 3 tokens; the same floats in the same order */
+        const size_t fs = (size_t)n * sizeof(float);
+        for (int rb = r0; rb < r1; rb += WIDEN_ROWS) {
+            int re = rb + WIDEN_ROWS < r1 ? rb + WIDEN_ROWS : r1;
+            widen_rows_f16(base + (size_t)rb * ws, ws, re - rb, n, scratch);
+            const uint8_t *sw = (const uint8_t *)scratch;
+            for (int t = 0; t < T; t += 3) {
+                int nt = T - t < 3 ? T - t : 3;
+                const float *xt = a->x + (size_t)t * n;
+                int i = rb;
+                for (; i + 4 <= re; i += 4)
+                    fast_r4[0][nt](sw + (size_t)(i - rb) * fs, fs, xt, n, out + t, i);
+                for (; i < re; i++)
+                    fast_r1[0][nt](sw + (size_t)(i - rb) * fs, fs, xt, n, out + t, i);
+            }
+        }
+        return;
+    }
     if (T == 1) {
         int i = r0;
         for (; i + 8 <= r1; i += 8)
@@ -320,7 +360,15 @@ TGT void kern_x86_matmul_q8_avx2(const kern_mat *w, const kern_act *a, int r0, i
  * R rows (8: a whole group; 4: half of one, from row rr; 1) x NT tokens of the group at g
  * (quants from so). Per block step one load and one conversion give the 8 rows' scales;
  * they are multiplied by each token's activation scale once (dd: d_w * d_x, the product
- * the reference rounds) and broadcast per row from there. Products and order are tile_q8's:
+ * the reference rounds) and broadcast per row from there. At NT = 1 the integer products
+ * are |x| * (w with the sign of x), |x| taken once per block for all R rows (tile_q8 takes
+ * |w| per row): the same exact w * x, so the same p[k], one instruction fewer per row and
+ * block (6 -> 5; `bench_engine --kern`, T = 1, 2048-wide: 1.35x the GGUF kernel's rate
+ * instead of 1.19x, two alternating runs); maddubs pairs cannot saturate and the sign
+ * cannot overflow because x and (kern_q8x8_pack) w are in [-127, 127]. At NT = 2, 3 the
+ * 3 extra |x| registers spill (the 4 x 3 tile already uses 16): prefill measured 0.90-1.06x
+ * the GGUF kernel with it against 0.99-1.25x without, so those tiles keep |w|. Order as
+ * tile_q8's:
  * acc[k] = fma(d_w * d_x, (float)p[k], acc[k]) block by block. PF: software prefetch
  * distance in bytes along the group's linear stream (0: none). */
 TILE void tile_q8x8(const int R, const int NT, const int PF, const uint8_t *g, size_t so, int rr,
@@ -336,12 +384,14 @@ TILE void tile_q8x8(const int R, const int NT, const int PF, const uint8_t *g, s
         for (int t = 0; t < NT; t++)
             acc[r][t] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m256i xv[3];
+        __m256i xv[3], ax[3];
         const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + (size_t)b * 16)));
 #pragma GCC unroll 3
         for (int t = 0; t < NT; t++) {
             xv[t] = _mm256_loadu_si256(
                 (const __m256i *)(xs + (size_t)t * n + (size_t)b * KERN_Q8_BLOCK));
+            if (NT == 1)
+                ax[t] = _mm256_sign_epi8(xv[t], xv[t]);
             _mm256_store_ps(dd[t], _mm256_mul_ps(dv, _mm256_broadcast_ss(xd + (size_t)t * nb + b)));
         }
         const uint8_t *q = g + so + (size_t)b * 256 + 32 * (size_t)rr;
@@ -355,10 +405,11 @@ TILE void tile_q8x8(const int R, const int NT, const int PF, const uint8_t *g, s
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             __m256i wv = _mm256_loadu_si256((const __m256i *)(q + 32 * r));
-            __m256i aw = _mm256_sign_epi8(wv, wv);
+            __m256i aw = NT == 1 ? wv : _mm256_sign_epi8(wv, wv);
 #pragma GCC unroll 3
             for (int t = 0; t < NT; t++) {
-                __m256i p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[t], wv));
+                __m256i p16 = NT == 1 ? _mm256_maddubs_epi16(ax[t], _mm256_sign_epi8(wv, xv[t]))
+                                      : _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[t], wv));
                 __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
                 acc[r][t] = _mm256_fmadd_ps(_mm256_broadcast_ss(&dd[t][rr + r]), p, acc[r][t]);
             }

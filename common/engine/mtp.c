@@ -251,10 +251,13 @@ int mtp_set_draft_vocab(mtp_t *mt, int n)
             return -1;
         }
         kern_mat packed;
-        kern_q8x8_pack(&head, q, 0, n / 8, &packed);
-        head = packed;
-        free(mem);
-        mem = q;
+        if (kern_q8x8_pack(&head, q, 0, n / 8, &packed) == 0) {
+            head = packed;
+            free(mem);
+            mem = q;
+        } else {
+            free(q); /* a quant of -128: the rows keep the file layout */
+        }
     }
     float *mv = NULL;
     size_t mvf = matvec_packed_floats(n, out->cols);

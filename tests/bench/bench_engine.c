@@ -2,7 +2,8 @@
  * bench_engine: throughput of the engine's forward pass, in-process, per model file.
  *
  *   bench_engine [--threads N] [--kernel auto|exact|fast] [--isa scalar|avx2|avx512]
- *                [--quick | --tg | --pp | --batched] MODEL.gguf...
+ *                [--quick | --tg | --pp | --batched | --roof]
+ *                MODEL.gguf...
  *   bench_engine [--threads N] --kern
  *
  * For each model: prefill of one 128-token prompt, and of four 128-token prompts in one
@@ -12,11 +13,12 @@
  * tokens of each batch size in turn, tokens / wall summed over each size's chunks, with the
  * CPU time per token and the fraction of steps preempted; the 64-token context is
  * prefilled once and its KV blocks copied to the other sequences, so setting up costs one
- * prefill); batch 8 again on one thread (thread scaling); the read-bandwidth roofline of batch-1
- * decode, which only reads the weights: the read bandwidth (read_bandwidth: the engine's
- * thread count streaming through a 1 GiB buffer, best of 5, measured just before the
- * batch-1 run) divided by the weight bytes a step reads (model_matmul_bytes), and the
- * fraction of that bound achieved. Numbers are
+ * prefill); batch 8 again on one thread (thread scaling); the read-bandwidth roofline of
+ * batch-1 decode, which only reads the weights: the read bandwidth (read_pass: the engine's
+ * thread count streaming through a 1 GiB buffer; on the 1B-class models one pass before
+ * each batch-1 step and their median, side by side with the steps; on small models, whose
+ * weights stay in cache, the best of 5 just before the run) divided by the weight bytes a
+ * step reads (model_matmul_bytes), and the fraction of that bound achieved. Numbers are
  * for comparing within one run on one machine: the ratios are the result, not the
  * absolute rates. Prompts are random token ids (seeded); the model's output is not
  * checked here (the unit tests do that).
@@ -28,6 +30,11 @@
  * --batched: aggregate decode only, lines "bd MODEL B TOK/S cpu_us_per_token US preempted
  * F" for B = 1, 8, 32 (the time-sliced decode rows above), for the side-by-side runs
  * against llama-batched-bench (tests/run_bench.sh peer_batched).
+ *
+ * --roof: batch-1 decode only, each step preceded by a streaming read of 1 GiB with the
+ * engine's thread count (32 steps, 64 for small models), one line per model "roof MODEL
+ * TOK/S tok/s, bound B tok/s (...): F%": medians of both, and the fraction of the read
+ * bound the forward pass reaches, measured side by side.
  *
  * --pp: prefill of one 512-token prompt only, "pp MODEL TOK/S" (after an 8-token warm-up;
  * best of 3, one run for the 1B-class models), for the pp512 side by side.
@@ -140,51 +147,67 @@ static void *rb_thread(void *arg)
     return NULL;
 }
 
-/* Read bandwidth in bytes/s with n_threads threads (the engine's count): a streaming
- * read of a 1 GiB buffer, each thread summing its contiguous slice with wide loads; the
- * time runs from the threads' common start to the last one's end; best of RB_REPS.
- * Returns 0 when the buffer cannot be had; exits when a thread cannot be started. */
-static double read_bandwidth(int n_threads)
+/* A 1 GiB buffer for read_pass, paged in with distinct values; NULL when out of memory. */
+static uint64_t *rb_buffer(void)
 {
-    if (n_threads < 1)
-        n_threads = 1;
-    if (n_threads > 64)
-        n_threads = 64;
     uint64_t *buf = aligned_alloc(64, RB_BYTES);
-    if (!buf)
-        return 0;
+    if (buf)
+        for (size_t i = 0; i < RB_BYTES / sizeof(uint64_t); i++)
+            buf[i] = i;
+    return buf;
+}
+
+/* One streaming read of buf (rb_buffer) by n_threads threads (1..64), each summing its
+ * contiguous slice with wide loads; the time runs from the threads' common start to the
+ * last one's end. Returns the rate in bytes/s; exits when a thread cannot be started. */
+static double read_pass(const uint64_t *buf, int n_threads)
+{
     const size_t words = RB_BYTES / sizeof(uint64_t), per = words / (size_t)n_threads / 16 * 16;
-    for (size_t i = 0; i < words; i++) /* page in, distinct values */
-        buf[i] = i;
-    double best = 1e30;
     uint64_t total = 0;
-    for (int r = 0; r < RB_REPS; r++) {
-        pthread_barrier_t start;
-        pthread_barrier_init(&start, NULL, (unsigned)n_threads + 1);
-        rb_slice sl[64];
-        pthread_t th[64];
-        for (int i = 0; i < n_threads; i++) {
-            sl[i] = (rb_slice){buf + (size_t)i * per, per, &start, 0};
-            if (pthread_create(&th[i], NULL, rb_thread, &sl[i]) != 0) {
-                fprintf(stderr, "bench_engine: cannot start a thread\n");
-                exit(1); /* the ones started wait at the barrier: end the process */
-            }
+    pthread_barrier_t start;
+    pthread_barrier_init(&start, NULL, (unsigned)n_threads + 1);
+    rb_slice sl[64];
+    pthread_t th[64];
+    for (int i = 0; i < n_threads; i++) {
+        sl[i] = (rb_slice){buf + (size_t)i * per, per, &start, 0};
+        if (pthread_create(&th[i], NULL, rb_thread, &sl[i]) != 0) {
+            fprintf(stderr, "bench_engine: cannot start a thread\n");
+            exit(1); /* the ones started wait at the barrier: end the process */
         }
-        pthread_barrier_wait(&start);
-        double t0 = now_s();
-        for (int i = 0; i < n_threads; i++) {
-            pthread_join(th[i], NULL);
-            total += sl[i].sum;
-        }
-        double dt = now_s() - t0;
-        if (dt < best)
-            best = dt;
-        pthread_barrier_destroy(&start);
     }
+    pthread_barrier_wait(&start);
+    double t0 = now_s();
+    for (int i = 0; i < n_threads; i++) {
+        pthread_join(th[i], NULL);
+        total += sl[i].sum;
+    }
+    double dt = now_s() - t0;
+    pthread_barrier_destroy(&start);
     volatile uint64_t sink = total; /* the sums are used */
     (void)sink;
+    return (double)per * n_threads * sizeof(uint64_t) / dt;
+}
+
+static int clamp_threads(int n_threads)
+{
+    return n_threads < 1 ? 1 : n_threads > 64 ? 64 : n_threads;
+}
+
+/* Read bandwidth in bytes/s with n_threads threads (the engine's count): read_pass over a
+ * 1 GiB buffer, best of RB_REPS. Returns 0 when the buffer cannot be had. */
+static double read_bandwidth(int n_threads)
+{
+    uint64_t *buf = rb_buffer();
+    if (!buf)
+        return 0;
+    double best = 0;
+    for (int r = 0; r < RB_REPS; r++) {
+        double bw = read_pass(buf, clamp_threads(n_threads));
+        if (bw > best)
+            best = bw;
+    }
     free(buf);
-    return (double)per * n_threads * sizeof(uint64_t) / best;
+    return best;
 }
 
 static int cmp_double(const void *a, const void *b)
@@ -196,6 +219,17 @@ static int cmp_double(const void *a, const void *b)
 static uint64_t rng_state = 0x5eed;
 
 /* --- the Q8_0 batch-1 kernel alone, GGUF vs Q8X8 layout, side by side ---------------- */
+
+/* Random bytes for Q8_0 blocks, never 0x80: quants in [-127, 127] as a quantizer writes
+ * them (kern_q8x8_pack refuses -128); the callers then set the scales. */
+static void rand_q8(uint8_t *w, size_t bytes)
+{
+    for (size_t i = 0; i < bytes; i++) {
+        w[i] = (uint8_t)((rng_state = rng_state * 6364136223846793005ULL + 1) >> 56);
+        if (w[i] == 0x80)
+            w[i] = 0x81;
+    }
+}
 
 typedef struct {
     const kern_mat *w;
@@ -253,8 +287,7 @@ static int bench_kern_pp(int n_threads)
         return 1;
     for (int t = 0; t < T; t++)
         outp[t] = o + (size_t)t * rows;
-    for (size_t i = 0; i < bytes; i++)
-        w[i] = (uint8_t)((rng_state = rng_state * 6364136223846793005ULL + 1) >> 56);
+    rand_q8(w, bytes);
     for (int r = 0; r < rows * nb; r++) {
         uint16_t h = gguf_fp32_to_fp16(0.01f);
         memcpy(w + (size_t)r * 34, &h, 2);
@@ -263,7 +296,8 @@ static int bench_kern_pp(int n_threads)
         x[i] = (float)(i % 17) - 8.0f;
     kern_quantize_act(kern_isa_detect(), x, T, n, qd, qs);
     kern_mat mg = {w, GGUF_TENSOR_Q8_0, rows, n, KERN_LAYOUT_GGUF}, mx;
-    kern_q8x8_pack(&mg, wx, 0, rows / 8, &mx);
+    if (kern_q8x8_pack(&mg, wx, 0, rows / 8, &mx) != 0)
+        return 1;
     kern_act a = {.x = x, .q_d = qd, .q_s = qs, .T = T, .n = n};
     enum { REPS = 21 };
     double t[2][REPS];
@@ -317,8 +351,7 @@ static int bench_kern(int n_threads)
         uint64_t *rb = aligned_alloc(64, (bytes + 63) / 64 * 64);
         if (!w || !wx || !x || !qd || !qs || !o || !rb)
             return 1;
-        for (size_t i = 0; i < bytes; i++)
-            w[i] = (uint8_t)((rng_state = rng_state * 6364136223846793005ULL + 1) >> 56);
+        rand_q8(w, bytes);
         for (int r = 0; r < rows; r++)
             for (int b = 0; b < nb; b++) {
                 uint16_t h = gguf_fp32_to_fp16(0.01f);
@@ -428,9 +461,15 @@ static double bench_prefill(bench *b, int n_seq, int len, int reps, double *core
 
 /* Decode `steps` steps of B sequences at context CTX (after a one-token warm-up step);
  * returns tokens/s from the median step time (B tokens per step; the median, because the
- * machine may be shared), and in *cores the CPUs used over the timed steps. */
-static double bench_decode(bench *b, model_ctx_t *ctx, int B, int steps, double *cores)
+ * machine may be shared), and in *cores the CPUs used over the timed steps. With rbuf
+ * (rb_buffer), each step is preceded by a read_pass with the context's thread count, and
+ * *bw gets their median rate (bytes/s): the roofline then compares medians of runs taken
+ * side by side, alternating (a best-of read against a median step overstated the bound on
+ * a shared machine); *cores then also counts the read passes. */
+static double bench_decode_rb(bench *b, model_ctx_t *ctx, int B, int steps, double *cores,
+                              const uint64_t *rbuf, double *bw)
 {
+    double rates[64];
     int seqs[32];
     int L = b->c->n_layer;
     double times[64];
@@ -470,6 +509,8 @@ static double bench_decode(bench *b, model_ctx_t *ctx, int B, int steps, double 
                 seqs[s], CTX + step, 1, &tok[s], 0, b->logits + (size_t)s * b->c->vocab_size,
                 NULL,    0,          NULL};
         }
+        if (rbuf && step > 0)
+            rates[step - 1] = read_pass(rbuf, clamp_threads(model_ctx_n_threads(ctx)));
         double t0 = now_s();
         if (model_forward(ctx, b->kv, items, B, NULL, NULL) != 0)
             return -1;
@@ -482,6 +523,10 @@ static double bench_decode(bench *b, model_ctx_t *ctx, int B, int steps, double 
     for (int s = 0; s < B; s++)
         kvcache_seq_free(b->kv, seqs[s]);
     qsort(times, (size_t)steps, sizeof(double), cmp_double);
+    if (rbuf) {
+        qsort(rates, (size_t)steps, sizeof(double), cmp_double);
+        *bw = rates[steps / 2];
+    }
     return (double)B / times[steps / 2];
 }
 
@@ -583,6 +628,11 @@ out:
     return rc;
 }
 
+static double bench_decode(bench *b, model_ctx_t *ctx, int B, int steps, double *cores)
+{
+    return bench_decode_rb(b, ctx, B, steps, cores, NULL, NULL);
+}
+
 static const char *weight_type(const model_t *m, const model_config *c)
 {
     /* by bytes per weight of the matrices */
@@ -641,7 +691,7 @@ static int bench_tokenizer(const char *path, size_t n)
 static int usage(void)
 {
     fprintf(stderr, "usage: bench_engine [--threads N] [--kernel auto|exact|fast] "
-                    "[--isa scalar|avx2|avx512] [--quick | --tg | --pp | --batched] "
+                    "[--isa scalar|avx2|avx512] [--quick | --tg | --pp | --batched | --roof] "
                     "MODEL.gguf... | --kern\n");
     return 2;
 }
@@ -658,7 +708,7 @@ static int pick(const char *s, const char *const *names)
 int main(int argc, char **argv)
 {
     model_ctx_params cp = model_ctx_default_params();
-    int quick = 0, tg = 0, pp = 0, kern = 0, batched = 0;
+    int quick = 0, tg = 0, pp = 0, kern = 0, batched = 0, roof = 0;
     int first = 1;
     static const char *const kernels[] = {"auto", "exact", "fast", NULL};
     static const char *const isas[] = {"auto", "scalar", "avx2", "avx512", NULL};
@@ -678,6 +728,8 @@ int main(int argc, char **argv)
             pp = 1;
         } else if (strcmp(o, "--kern") == 0) {
             kern = 1;
+        } else if (strcmp(o, "--roof") == 0) {
+            roof = 1;
         } else if (strcmp(o, "--threads") == 0 && v) {
             char *end;
             errno = 0;
@@ -700,7 +752,7 @@ int main(int argc, char **argv)
             return usage();
         }
     }
-    if (quick + tg + pp + batched + kern > 1 || (kern ? first < argc : first == argc))
+    if (quick + tg + pp + batched + kern + roof > 1 || (kern ? first < argc : first == argc))
         return usage(); /* one mode; models, or --kern alone */
     if (kern)
         return bench_kern(cp.n_threads > 0 ? cp.n_threads : threadpool_default_threads());
@@ -744,6 +796,21 @@ int main(int argc, char **argv)
             }
             goto next;
         }
+        if (roof) {
+            double cores, bw = 0;
+            bench_prefill(&b, 1, 8, 1, &cores); /* warm-up */
+            uint64_t *rbuf = rb_buffer();
+            double d = rbuf ? bench_decode_rb(&b, b.ctx, 1, big ? 32 : 64, &cores, rbuf, &bw) : -1;
+            free(rbuf);
+            if (d < 0) {
+                fprintf(stderr, "bench_engine: %s: forward pass failed\n", argv[a]);
+                rc = 1;
+            } else {
+                printf("roof %s %.3f tok/s, bound %.3f tok/s (%.2f GB/s read / %.1f MB): %.1f%%\n",
+                       argv[a], d, bw / bytes, bw / 1e9, bytes / 1e6, 100.0 * d * bytes / bw);
+            }
+            goto next;
+        }
         if (tg) {
             double cores;
             bench_prefill(&b, 1, 8, 1, &cores); /* warm-up */
@@ -783,10 +850,15 @@ int main(int argc, char **argv)
         double p1 = bench_prefill(&b, 1, PROMPT, reps, &cu[0]);
         double p4 = bench_prefill(&b, 4, PROMPT, reps, &cu[1]);
         double p512 = bench_prefill(&b, 1, PP_LONG, big ? 1 : reps, &cu[6]);
-        /* the bound is measured next to the batch-1 run it bounds (the machine may be
-         * shared: its bandwidth changes by the minute) */
-        double bw = read_bandwidth(model_ctx_n_threads(b.ctx));
-        double d1 = bench_decode(&b, b.ctx, 1, dsteps1, &cu[2]);
+        /* the bound is measured side by side with the batch-1 run it bounds, a read pass
+         * before each step (the machine may be shared: its bandwidth changes by the
+         * minute); the best-of read rate is printed for reference. A small model's
+         * weights stay in cache: its bound is only that best-of rate. */
+        double bw_best = read_bandwidth(model_ctx_n_threads(b.ctx)), bw = bw_best;
+        uint64_t *rbuf = big ? rb_buffer() : NULL;
+        double d1 = rbuf ? bench_decode_rb(&b, b.ctx, 1, dsteps1, &cu[2], rbuf, &bw)
+                         : bench_decode(&b, b.ctx, 1, dsteps1, &cu[2]);
+        free(rbuf);
         /* aggregate decode, time-sliced (bench_decode_mix): batch 1, 8, 32 side by side */
         const int Bs[] = {1, 8, 32};
         double mr[3], mcpu[3], mcut[3];
@@ -833,9 +905,10 @@ int main(int argc, char **argv)
         printf("  batch-1 decode read roofline   : %9.1f tok/s  (%.2f GB/s read / %.1f MB); "
                "achieved %.0f%%\n",
                bound, bw / 1e9, bytes / 1e6, 100.0 * d1 / bound);
-        printf("  (read bandwidth: %d threads streaming through 1 GiB, best of %d, just before "
-               "the batch-1 run)\n",
-               model_ctx_n_threads(b.ctx), RB_REPS);
+        printf("  (read bandwidth: %d threads streaming through 1 GiB before each batch-1 step, "
+               "median; best of %d before the run: %.2f GB/s, %.0f%%)\n",
+               model_ctx_n_threads(b.ctx), RB_REPS, bw_best / 1e9,
+               100.0 * d1 / (bw_best / bytes));
         bench_tokenizer(argv[a], quick ? 8192 : 32768);
     next:
         free(b.logits);

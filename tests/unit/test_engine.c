@@ -1381,6 +1381,86 @@ static void test_kernels_attention(void **state)
     }
 }
 
+/* Q8_0 quants at the ends of int8: a matrix with a -128 quant has no Q8X8 form
+ * (kern_q8x8_pack refuses it: the Q8X8 kernels negate weights by the activation's sign),
+ * and its GGUF-layout products still match the reference in every isa; with the -128s
+ * made -127, the packed matrix matches the reference with quants of +-127 against
+ * activations of +-127 (the largest maddubs pair sums). */
+static void test_kernels_q8_extremes(void **state)
+{
+    (void)state;
+    enum { ROWS = 24, N = 128, NB = N / 32, TM = 4 };
+    static uint8_t w[ROWS * NB * 34];
+    static uint8_t wx[ROWS * NB * 34 * 2];
+    float x[TM * N], qd[TM * NB], ref[TM * ROWS], got[TM * ROWS];
+    int8_t qs[TM * N];
+    float *outp[TM];
+    float *scratch = malloc(kern_scratch_floats(N) * sizeof(float));
+    assert_non_null(scratch);
+    for (int t = 0; t < TM; t++)
+        outp[t] = got + (size_t)t * ROWS;
+    for (int i = 0; i < TM * N; i++) /* amax +-2 per block: some quants are +-127 */
+        x[i] = i % 32 == 5 ? (i % 64 < 32 ? 2.0f : -2.0f) : frand() * 2.0f;
+    kern_quantize_act(KERN_ISA_SCALAR, x, TM, N, qd, qs);
+    for (int r = 0; r < ROWS; r++)
+        for (int b = 0; b < NB; b++) {
+            uint8_t *blk = w + ((size_t)r * NB + b) * 34;
+            uint16_t h = gguf_fp32_to_fp16(0.01f + 0.001f * (float)(r + b));
+            memcpy(blk, &h, 2);
+            for (int j = 0; j < 32; j++) /* mostly -128, -127 and 127 */
+                blk[2 + j] = (uint8_t)(int8_t)(j % 4 == 0   ? -128
+                                               : j % 4 == 1 ? -127
+                                               : j % 4 == 2 ? 127
+                                                            : (int)(frand() * 127.0f));
+        }
+    kern_mat mq = {w, GGUF_TENSOR_Q8_0, ROWS, N, KERN_LAYOUT_GGUF}, mx = mq;
+    assert_true(kern_q8x8_bytes(ROWS, N) <= sizeof(wx));
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 0) {
+            assert_int_equal(kern_q8x8_pack(&mq, wx, 0, ROWS / 8, &mx), -1);
+            assert_int_equal(mx.layout, KERN_LAYOUT_GGUF);
+        } else {
+            for (size_t i = 0; i < sizeof(w); i++)
+                if (i % 34 >= 2 && w[i] == 0x80)
+                    w[i] = (uint8_t)(int8_t)-127;
+            assert_int_equal(kern_q8x8_pack(&mq, wx, 0, ROWS / 8, &mx), 0);
+            assert_int_equal(mx.layout, KERN_LAYOUT_Q8X8);
+        }
+        const kern_mat *ms[2] = {&mq, &mx};
+        for (int T = 1; T <= TM; T++) {
+            for (int r = 0; r < ROWS; r++)
+                for (int t = 0; t < T; t++)
+                    ref[(size_t)t * ROWS + r] = kern_dot_q8_0(w + (size_t)r * NB * 34,
+                                                              qd + (size_t)t * NB,
+                                                              qs + (size_t)t * N, N);
+            kern_act a = {.x = x, .q_d = qd, .q_s = qs, .T = T, .n = N};
+            for (int mi = 0; mi < 1 + pass; mi++)
+                for (int isa = KERN_ISA_SCALAR; isa <= (int)best_isa(); isa++) {
+                    memset(got, 0xff, sizeof(got));
+                    kern_matmul((kern_isa)isa, KERN_ORDER_FAST, ms[mi], &a, 0, 5, outp, scratch);
+                    kern_matmul((kern_isa)isa, KERN_ORDER_FAST, ms[mi], &a, 5, ROWS, outp,
+                                scratch);
+                    if (memcmp(got, ref, (size_t)T * ROWS * sizeof(float)) != 0)
+                        fail_msg("kernel %s Q8_0%s with extreme quants, T %d, differs",
+                                 kern_isa_name((kern_isa)isa), mi ? " (Q8X8)" : "", T);
+                }
+        }
+    }
+    /* the integer products are exact: a hand check of one row at T = 1 */
+    double e = 0, mag = 0;
+    for (int b = 0; b < NB; b++) {
+        uint16_t h;
+        memcpy(&h, w + (size_t)b * 34, 2);
+        long p = 0;
+        for (int j = 0; j < 32; j++)
+            p += (long)(int8_t)w[(size_t)b * 34 + 2 + j] * qs[b * 32 + j];
+        e += (double)gguf_fp16_to_fp32(h) * qd[b] * (double)p;
+        mag += fabs((double)gguf_fp16_to_fp32(h) * qd[b] * (double)p);
+    }
+    assert_true(fabs(kern_dot_q8_0(w, qd, qs, N) - e) <= 1e-5 * mag + 1e-9);
+    free(scratch);
+}
+
 /* The AVX-512 kernels give the same results from activations packed once by the caller
  * (kern_pack_bind/kern_pack_act) as from their own packing. */
 static void test_kernels_packed(void **state)
@@ -2370,6 +2450,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_kernels_vs_reference),
         cmocka_unit_test(test_kernels_attention),
         cmocka_unit_test(test_kernels_packed),
+        cmocka_unit_test(test_kernels_q8_extremes),
         cmocka_unit_test(test_kernels_q8_format),
         cmocka_unit_test(test_threadpool),
         cmocka_unit_test(test_matvec_vs_reference),
