@@ -109,7 +109,7 @@ void api_request_free(api_request *r)
 
 // --- field helpers
 
-static const char *json_type_name(const json_t *v)
+const char *api_json_type_name(const struct json_t *v)
 {
     switch (json_typeof(v)) {
     case JSON_OBJECT:
@@ -135,7 +135,7 @@ static int type_error(api_error *e, const char *param, const char *want, const j
 {
     return api_error_set(e, 400, INVALID, param, "invalid_type",
                          "Invalid type for '%s': expected %s, but got %s instead.", param, want,
-                         json_type_name(v));
+                         api_json_type_name(v));
 }
 
 /* A present, non-null field, or NULL. */
@@ -268,7 +268,7 @@ static int parse_one_prompt(json_t *v, int which, api_prompt *out, api_error *e)
         return api_error_set(e, 400, INVALID, "prompt", "invalid_type",
                              "'prompt' must be a string, an array of token ids, or an array of "
                              "these; element %d is %s.",
-                             which, json_type_name(v));
+                             which, api_json_type_name(v));
     }
     if (json_string_length(v) == 0) {
         if (which < 0)
@@ -388,7 +388,7 @@ static int render_messages(json_t *msgs, const char *param, const char *instruct
             return api_error_set(e, 400, INVALID, param, "invalid_type",
                                  "Invalid type for '%s[%zu]': expected an object, but "
                                  "got %s instead.",
-                                 param, i, json_type_name(m));
+                                 param, i, api_json_type_name(m));
         }
         json_t *type = json_object_get(m, "type");
         if (responses && type &&
@@ -826,7 +826,7 @@ int api_parse(api_kind_t kind, const char *body, size_t len, api_request *out, a
     int rc = 0;
     if (!json_is_object(root))
         rc = api_error_set(err, 400, INVALID, NULL, "invalid_type",
-                           "The request body must be a JSON object, got %s.", json_type_name(root));
+                           "The request body must be a JSON object, got %s.", api_json_type_name(root));
     else
         rc = parse_fields(root, out, err);
     json_decref(root);

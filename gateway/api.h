@@ -183,11 +183,15 @@ size_t api_format_text_chunk(const api_response_info *info, const char *text, si
 /* The final usage chunk (choices: [], usage: {...}). malloc'd; NULL on OOM. */
 char *api_format_usage_chunk(const api_response_info *info, int n_prompt, int n_completion);
 
+struct json_t;
+/* The JSON type of v as an error message names it ("an object", "a string", "null", ...):
+ * a static string. */
+const char *api_json_type_name(const struct json_t *v);
+
 /* The model card of GET /v1/models/{id} (and each entry of the list): id, object, created
  * (unix seconds), owned_by, root, max_model_len (the context length, tokens, as vLLM's
  * card) and mtp_depth (the MTP drafts per step the workers serve at most; mtp_depth < 0
  * gives null: no worker reported one). A new jansson object (the caller's); NULL on OOM. */
-struct json_t;
 struct json_t *api_model_card(const char *model, int64_t created, int n_ctx, int mtp_depth);
 
 /* GET /v1/models body listing one model (api_model_card). malloc'd; NULL on OOM. */

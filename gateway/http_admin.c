@@ -242,28 +242,6 @@ void http_admin_models(http_server_t *s, struct evhttp_request *req, const char 
 
 // --- POST /tokenize, POST /detokenize (vLLM's shapes)
 
-static const char *json_type_name(const json_t *v)
-{
-    switch (json_typeof(v)) {
-    case JSON_OBJECT:
-        return "an object";
-    case JSON_ARRAY:
-        return "an array";
-    case JSON_STRING:
-        return "a string";
-    case JSON_INTEGER:
-        return "an integer";
-    case JSON_REAL:
-        return "a number";
-    case JSON_TRUE:
-    case JSON_FALSE:
-        return "a boolean";
-    case JSON_NULL:
-        return "null";
-    }
-    return "?";
-}
-
 /* The body of req as a JSON object, or NULL after answering the error (413 over the
  * limit, 400 not JSON / not an object). */
 static json_t *read_json_object(http_server_t *s, struct evhttp_request *req)
@@ -291,7 +269,7 @@ static json_t *read_json_object(http_server_t *s, struct evhttp_request *req)
     }
     if (!json_is_object(root)) {
         api_error_set(&e, 400, "invalid_request_error", NULL, "invalid_type",
-                      "The request body must be a JSON object, got %s.", json_type_name(root));
+                      "The request body must be a JSON object, got %s.", api_json_type_name(root));
         json_decref(root);
         http_reply_error(req, &e);
         return NULL;
@@ -308,7 +286,7 @@ static int bool_field(json_t *root, const char *key, int *out, api_error *e)
     if (!json_is_boolean(v))
         return api_error_set(e, 400, "invalid_request_error", key, "invalid_type",
                              "Invalid type for '%s': expected a boolean, but got %s instead.",
-                             key, json_type_name(v));
+                             key, api_json_type_name(v));
     *out = json_is_true(v);
     return 0;
 }
@@ -334,7 +312,7 @@ static char *tokenize_text(json_t *root, size_t *len, api_error *e)
         if (!json_is_string(prompt)) {
             api_error_set(e, 400, "invalid_request_error", "prompt", "invalid_type",
                           "Invalid type for 'prompt': expected a string, but got %s instead.",
-                          json_type_name(prompt));
+                          api_json_type_name(prompt));
             return NULL;
         }
         *len = json_string_length(prompt);
@@ -394,7 +372,7 @@ void http_admin_tokenize(http_server_t *s, struct evhttp_request *req)
     if (model && !json_is_null(model) && !json_is_string(model)) {
         api_error_set(&e, 400, "invalid_request_error", "model", "invalid_type",
                       "Invalid type for 'model': expected a string, but got %s instead.",
-                      json_type_name(model));
+                      api_json_type_name(model));
         goto fail;
     }
     mr.model = model && json_is_string(model) ? (char *)json_string_value(model) : NULL;
@@ -479,7 +457,7 @@ void http_admin_detokenize(http_server_t *s, struct evhttp_request *req)
     if (model && !json_is_null(model) && !json_is_string(model)) {
         api_error_set(&e, 400, "invalid_request_error", "model", "invalid_type",
                       "Invalid type for 'model': expected a string, but got %s instead.",
-                      json_type_name(model));
+                      api_json_type_name(model));
         goto fail;
     }
     mr.model = model && json_is_string(model) ? (char *)json_string_value(model) : NULL;
@@ -495,7 +473,7 @@ void http_admin_detokenize(http_server_t *s, struct evhttp_request *req)
         api_error_set(&e, 400, "invalid_request_error", "tokens", "invalid_type",
                       "Invalid type for 'tokens': expected an array of token ids, but got %s "
                       "instead.",
-                      json_type_name(toks));
+                      api_json_type_name(toks));
         goto fail;
     }
     int vocab = tokenizer_vocab_size(s->cx.tok), prev = -1;
@@ -510,7 +488,7 @@ void http_admin_detokenize(http_server_t *s, struct evhttp_request *req)
             if (json_is_integer(v))
                 snprintf(got, sizeof(got), "%lld", (long long)json_integer_value(v));
             else
-                snprintf(got, sizeof(got), "%s", json_type_name(v));
+                snprintf(got, sizeof(got), "%s", api_json_type_name(v));
             api_error_set(&e, 400, "invalid_request_error", "tokens", "invalid_value",
                           "'tokens[%zu]' must be a token id in [0, %d), got %s.", i, vocab, got);
             free(raw);
