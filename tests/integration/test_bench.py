@@ -36,9 +36,10 @@ SLACK_MS = 150   # timing tolerance above the ideal (loaded machines, sanitizers
 
 
 def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from cluster import free_port as fp  # below the ephemeral range (cluster.py)
+    return fp()
 
 
 def prompt_words(body):
