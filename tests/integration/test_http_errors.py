@@ -698,6 +698,34 @@ class FakeWorkerTest(unittest.TestCase):
         self.assertEqual(json.loads(data)["choices"][0]["text"], "Hello")
         self.assertIn("hold id 512 at 1, outside the vocabulary of 512", self.gw.read_log())
 
+    def test_malformed_tokens_rerun_at_once(self):
+        """TOKENS the protocol cannot even decode (an id below 0 or past 2^31, alone or in a
+        BUNDLE) are lost like the out-of-vocabulary ones: the attempt is re-run from what is
+        known at once, not after --request-timeout-ms (20 s here) of silence."""
+        a = self.worker("w-a")
+        res = self.start({"prompt": "hi", "max_tokens": 4, "temperature": 0})
+        m = self.prefill(a)
+        rid, n_prompt = m["rid"], len(m["tokens"])
+        a.send(TOKENS, rid=rid, index=0, tokens=ids_of("He"))
+        a.send(TOKENS, rid=rid, index=2, tokens=[-1])
+        m2 = self.prefill(a, timeout=3)
+        self.assertEqual(m2["rid"], rid + 1)
+        self.assertEqual(m2["tokens"][n_prompt:], ids_of("He"))
+        a.send_bundle([{"t": TOKENS, "rid": m2["rid"], "index": 0, "tokens": [2 ** 32]}])
+        m3 = self.prefill(a, timeout=3)
+        self.assertEqual(m3["rid"], rid + 2)
+        self.assertEqual(m3["tokens"][n_prompt:], ids_of("He"))
+        a.send(TOKENS, rid=m3["rid"], index=0, tokens=ids_of("ll"))
+        a.send(FINISH, rid=m3["rid"], reason=2)
+        st, _, data = res()
+        self.assertEqual(st, 200, data)
+        self.assertEqual(json.loads(data)["choices"][0]["text"], "Hell")
+        log = self.gw.read_log()
+        self.assertIn("malformed TOKENS from w-a", log)
+        # a malformed message naming no current attempt changes nothing
+        a.send(TOKENS, rid=rid, index=0, tokens=[-1])
+        self.assertEqual(self.gw.request("GET", "/health")[0], 200)
+
     def test_failed_kv_link_is_avoided(self):
         """A prefill worker whose KV hand-off to a decode worker failed (the link is down
         while both reach the gateway): the re-run and the next requests go to another
