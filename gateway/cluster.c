@@ -512,9 +512,30 @@ static void dispatch_list(cluster_t *c, rlist_t *l, int offline)
     }
 }
 
+/* The requests cluster_cancel_soon gave up on: CANCELled on their workers, forgotten. */
+static void cancel_doomed(cluster_t *c)
+{
+    rlist_t *lists[] = {&c->active, &c->queue, &c->oqueue};
+    c->n_doomed = 0;
+    for (size_t i = 0; i < sizeof(lists) / sizeof(lists[0]); i++) {
+        req_t *next;
+        for (req_t *r = lists[i]->head; r; r = next) {
+            next = r->next;
+            if (!r->doomed)
+                continue;
+            log_rinfo(r->rid, "cancelled by its owner after %d tokens", r->n_gen);
+            cluster_req_detach(c, r, 1);
+            cluster_req_unlink(c, r);
+            req_free(r);
+        }
+    }
+}
+
 /* Online first; offline only when no online request waits. */
 static void dispatch(cluster_t *c)
 {
+    if (c->n_doomed)
+        cancel_doomed(c);
     reap_dead(c);
     dispatch_list(c, &c->queue, 0);
     if (!c->queue.head)
@@ -758,6 +779,40 @@ void cluster_cancel(cluster_t *c, uint64_t rid)
     cluster_req_detach(c, r, 1);
     cluster_req_unlink(c, r);
     req_free(r);
+}
+
+/* The callbacks of a request cluster_cancel_soon gave up on: its next tokens end it. */
+static int dropped_tokens(void *ud, const int *tokens, int n)
+{
+    (void)ud, (void)tokens, (void)n;
+    return 1;
+}
+
+static void dropped_finish(void *ud, int reason)
+{
+    (void)ud, (void)reason;
+}
+
+static void dropped_error(void *ud, int status, const char *type, const char *code,
+                          const char *msg)
+{
+    (void)ud, (void)status, (void)type, (void)code, (void)msg;
+}
+
+static const cluster_callbacks dropped_callbacks = {dropped_tokens, dropped_finish,
+                                                    dropped_error};
+
+void cluster_cancel_soon(cluster_t *c, uint64_t rid)
+{
+    req_t *r = req_find(c, rid);
+    if (!r || r->doomed)
+        return;
+    r->doomed = 1;
+    r->cb = &dropped_callbacks;
+    r->ud = NULL;
+    r->timing = NULL;
+    c->n_doomed++;
+    schedule_dispatch(c);
 }
 
 void cluster_get_stats(const cluster_t *c, cluster_stats *st)

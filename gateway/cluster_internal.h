@@ -93,6 +93,7 @@ typedef struct req {
     int offline;                 /* offline tier */
     int promoted;                /* offline, promoted by aging: queued and run as online */
     int64_t enq_us;              /* admitted (offline aging) */
+    int doomed;                  /* cluster_cancel_soon: cancelled at the next dispatch */
 } req_t;
 
 typedef struct {
@@ -136,6 +137,7 @@ struct cluster {
     rlist_t oqueue;     /* offline requests waiting (promoted ones move to queue) */
     int n_off_running;  /* offline, not promoted, on the active list */
     int n_promoted;     /* promoted by aging and not ended */
+    int n_doomed;       /* cluster_cancel_soon calls since the last dispatch */
     uint64_t next_rid;
     /* the tidal policy (offline admission and preemption) */
     policy_state pstate;

@@ -1059,7 +1059,8 @@ class FakeWorkerTest(unittest.TestCase):
 
     def test_batch_choice_failure_fails_the_request(self):
         """n = 2: one choice fails for good (not retryable): the request is answered with
-        its error, and the other choice is cancelled at its next tokens."""
+        its error, and the other choice is cancelled (see also
+        test_failed_choice_cancels_the_others_at_once)."""
         a = self.worker("w-a")
         for stream in (False, True):
             res = self.start({"prompt": "hi", "max_tokens": 8, "n": 2, "stream": stream})
@@ -1083,6 +1084,33 @@ class FakeWorkerTest(unittest.TestCase):
             self.assertIn(m1["rid"], cancelled)
         st, _, data = self.gw.request("GET", "/health")
         self.assertEqual(json.loads(data)["running"], 0)
+
+    def test_failed_choice_cancels_the_others_at_once(self):
+        """n = 3: one choice fails for good; the others are cancelled on their workers right
+        away, even a stuck one that never sends another token (it must not wait for
+        --request-timeout-ms, 20 s here, and then be re-run for nobody), and nothing is left
+        running."""
+        a = self.worker("w-a")
+        res = self.start({"prompt": "hi", "max_tokens": 8, "n": 3})
+        m0, m1, m2 = self.prefill(a), self.prefill(a), self.prefill(a)
+        a.send(TOKENS, rid=m2["rid"], index=0, tokens=ids_of("x"))
+        a.send(ERROR, rid=m0["rid"], code=8, msg="bad token", retry=0)
+        st, _, data = res()
+        self.assertEqual(st, 400, data)
+        cancelled, deadline = set(), time.time() + 3
+        while not {m1["rid"], m2["rid"]} <= cancelled and time.time() < deadline:
+            m = a.recv(0.2, want=(CANCEL,))
+            if m:
+                cancelled.add(m["rid"])
+        self.assertLessEqual({m1["rid"], m2["rid"]}, cancelled)
+        st, _, data = self.gw.request("GET", "/health")
+        self.assertEqual((json.loads(data)["running"], json.loads(data)["queued"]), (0, 0))
+        # late messages of the cancelled choices change nothing
+        a.send(TOKENS, rid=m1["rid"], index=0, tokens=ids_of("y"))
+        a.send(FINISH, rid=m2["rid"], reason=2)
+        self.assertIsNone(a.recv(0.5, want=(PREFILL,)))
+        self.assertEqual(self.gw.request("GET", "/health")[0], 200)
+
 
 ROLE = 10
 
