@@ -424,19 +424,6 @@ static int render_messages(json_t *msgs, const char *param, const char *instruct
                 const char *t = json_is_string(pt) ? json_string_value(pt) : "";
                 int ok = responses ? strcmp(t, "input_text") == 0 || strcmp(t, "output_text") == 0
                                    : strcmp(t, "text") == 0;
-                /* Responses API images, files, audio: content this server cannot take
-                 * (docs/api.md: 400 unsupported_value) */
-                static const char *media[] = {"input_image", "input_file", "input_audio"};
-                for (size_t k2 = 0; responses && !ok && k2 < sizeof(media) / sizeof(media[0]);
-                     k2++) {
-                    if (strcmp(t, media[k2]) != 0)
-                        continue;
-                    free(b.p);
-                    return api_error_set(e, 400, INVALID, param, "unsupported_value",
-                                         "'%s[%zu].content[%zu]' is an '%s' part: only text "
-                                         "is supported by this server.",
-                                         param, i, j, t);
-                }
                 if (!json_is_object(part) || !ok || !json_is_string(text)) {
                     free(b.p);
                     return api_error_set(e, 400, INVALID, param, "invalid_value",

@@ -62,14 +62,6 @@ static const vcase cases[] = {
     {"prompt batch bad id", C, "{\"prompt\": [[5], [6, -1]]}", 400, "prompt", "invalid_value"},
     {"prompt batch nested too deep", C, "{\"prompt\": [[5], [[6]]]}", 400, "prompt",
      "invalid_value"},
-    {"responses image part", R,
-     "{\"input\": [{\"role\": \"user\", \"content\": [{\"type\": \"input_image\", "
-     "\"image_url\": \"http://x/y.png\"}]}]}",
-     400, "input", "unsupported_value"},
-    {"responses unknown part", R,
-     "{\"input\": [{\"role\": \"user\", \"content\": [{\"type\": \"foo\", \"text\": "
-     "\"x\"}]}]}",
-     400, "input", "invalid_value"},
     {"prompt empty array", C, "{\"prompt\": []}", 400, "prompt", "invalid_value"},
     {"prompt token ids", C, "{\"prompt\": [5, 7, 1]}", 0, NULL, NULL},
     {"prompt nested token ids", C, "{\"prompt\": [[5, 7]]}", 0, NULL, NULL},
