@@ -357,7 +357,7 @@ static int pair_avoided(const worker_t *p, const worker_t *d, int64_t now)
  * the one with the least queued prompt tokens wins; ties go to the decode worker with
  * the most free blocks. Returns 0 or -1 (nothing fits now). */
 static int pick_pass(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw, int *never,
-                     int avoid, int *n_avoided)
+                     int avoid, int *n_avoided, int *n_busy)
 {
     long best_load = -1, best_free = -1;
     int total = r->n_prompt + r->n_gen;
@@ -369,14 +369,15 @@ static int pick_pass(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw,
         n_decoders++;
         if (d->kv_total >= blocks_needed(r, d))
             n_could_fit++;
-        if (d->full || !routable(c, d, now))
+        if (!routable(c, d, now))
             continue;
         if (d->n_ctx > 0 && total >= d->n_ctx)
             continue;
         long free_blocks = (long)d->kv_free - d->pending_blocks;
-        if (free_blocks < blocks_needed(r, d))
-            continue;
-        if (d->max_seqs > 0 && d->n_decode >= d->max_seqs)
+        /* no room now: only counted (pairs not avoided that will take r once it frees) */
+        int busy = d->full || free_blocks < blocks_needed(r, d) ||
+                   (d->max_seqs > 0 && d->n_decode >= d->max_seqs);
+        if (busy && (!avoid || d->kv_total < blocks_needed(r, d)))
             continue;
         for (worker_t *p = c->workers; p; p = p->next) {
             if (!routable(c, p, now))
@@ -388,7 +389,11 @@ static int pick_pass(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw,
             if (p->n_ctx > 0 && total >= p->n_ctx)
                 continue;
             if (avoid && pair_avoided(p, d, now)) {
-                (*n_avoided)++;
+                *n_avoided += !busy;
+                continue;
+            }
+            if (busy) {
+                (*n_busy)++;
                 continue;
             }
             long load = p->qtok > p->pending_qtok ? p->qtok : p->pending_qtok;
@@ -407,15 +412,17 @@ static int pick_pass(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw,
 }
 
 /* pick_pass avoiding pairs whose KV hand-offs failed lately; when only such pairs could
- * take r, one of them (a link may have healed; waiting would only delay the request). */
+ * take r, one of them (a link may have healed; waiting would only delay the request). A
+ * pair not avoided whose decode worker has no room just now is waited for instead: sent
+ * over the failed link, r would likely fail again after a lease and lose a retry. */
 static int pick(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw, int *never)
 {
-    int n_avoided = 0;
-    if (pick_pass(c, r, pw, dw, never, 1, &n_avoided) == 0)
+    int n_avoided = 0, n_busy = 0;
+    if (pick_pass(c, r, pw, dw, never, 1, &n_avoided, &n_busy) == 0)
         return 0;
-    if (!n_avoided)
+    if (!n_avoided || n_busy)
         return -1;
-    return pick_pass(c, r, pw, dw, never, 0, &n_avoided);
+    return pick_pass(c, r, pw, dw, never, 0, &n_avoided, &n_busy);
 }
 
 /* Try to start an attempt for queued request r. Returns 1 when assigned, 0 when nothing

@@ -771,6 +771,44 @@ class FakeWorkerTest(unittest.TestCase):
         self.assertEqual(json.loads(data)["choices"][0]["text"], "Ho")
         self.assertIn("KV hand-off w-p -> %s failed (2 in a row)" % bad, self.gw.read_log())
 
+    def test_avoided_pair_not_used_while_another_is_busy(self):
+        """While a failed pair is avoided, a request that the other pair can take once its
+        decode worker has room again waits for it rather than going over the failed link
+        (where it would likely fail again after a lease and lose a retry)."""
+        p = self.worker("w-p", role=1)
+        d = {x: self.worker(x, role=2, kvep="tcp://127.0.0.1:1") for x in ("w-d1", "w-d2")}
+
+        def beat(free_good):
+            p.send(HEARTBEAT, wid="w-p", role=1, state=1, running=0, queued=0, qtok=0,
+                   kv_total=1000, kv_free=1000, tok_in=0, tok_out=0)
+            for x, w in d.items():
+                w.send(HEARTBEAT, wid=x, role=2, state=1, running=0, queued=0, qtok=0,
+                       kv_total=1000, kv_free=free_good if x == good else 1000, tok_in=0,
+                       tok_out=0)
+        res = self.start({"prompt": "hi", "max_tokens": 2, "temperature": 0})
+        m = p.recv(want=(PREFILL,))
+        bad = m["dw"]
+        good = ({"w-d1", "w-d2"} - {bad}).pop()
+        p.send(ERROR, rid=m["rid"], code=4, retry=1, msg="KV transfer failed: lease expired")
+        m2 = p.recv(want=(PREFILL,))
+        self.assertEqual(m2["dw"], good)
+        beat(0)  # the good decode worker is full for now
+        res2 = self.start({"prompt": "yo", "max_tokens": 2, "temperature": 0})
+        t_end = time.time() + 0.4  # (within the pair's 1 s penalty)
+        while time.time() < t_end:
+            self.assertIsNone(p.recv(0.05, want=(PREFILL,)),
+                              "sent over the avoided pair while the other one was busy")
+            beat(0)
+        beat(1000)
+        m3 = p.recv(2, want=(PREFILL,))
+        self.assertIsNotNone(m3)
+        self.assertEqual(m3["dw"], good)
+        for mm in (m2, m3):
+            d[good].send(TOKENS, rid=mm["rid"], index=0, tokens=ids_of("ok"))
+            d[good].send(FINISH, rid=mm["rid"], reason=2)
+        self.assertEqual(res()[0], 200)
+        self.assertEqual(res2()[0], 200)
+
     def test_bundle_frames_are_validated_one_by_one(self):
         """A BUNDLE's frames are handled in order, each decoded like a message: a malformed
         one and a type that may not be bundled are logged and dropped, the others count."""
