@@ -328,7 +328,9 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
         char why[160];
         snprintf(why, sizeof(why), "TOKENS from %s start at %ld but only %d are known", w->id,
                  start, r->n_gen);
-        cluster_req_retry(c, r, 0, why);
+        /* a counted failure when the attempt brought no token at all: a worker that always
+         * skips ahead would otherwise have the request re-run for ever */
+        cluster_req_retry(c, r, r->n_gen == r->base, why);
         return;
     }
     int skip = (int)(r->n_gen - start);

@@ -726,6 +726,33 @@ class FakeWorkerTest(unittest.TestCase):
         a.send(TOKENS, rid=rid, index=0, tokens=[-1])
         self.assertEqual(self.gw.request("GET", "/health")[0], 200)
 
+    def test_tokens_gap_without_progress_is_a_counted_retry(self):
+        """TOKENS that start past what is known (lost messages) re-run the attempt; one that
+        brought no token at all counts as a failed attempt, so a worker that always skips
+        ahead ends the request with 503 after --max-retries (2) instead of re-running it
+        for ever."""
+        a = self.worker("w-a")
+        res = self.start({"prompt": "hi", "max_tokens": 4})
+        for _ in range(3):
+            m = self.prefill(a)
+            a.send(TOKENS, rid=m["rid"], index=5, tokens=ids_of("x"))
+        st, _, data = res()
+        self.assertEqual(st, 503, data)
+        self.assertEqual(json.loads(data)["error"]["code"], "worker_failure")
+        self.assertIsNone(a.recv(0.1, want=(PREFILL,)))
+        # a gap after progress re-runs without costing a retry: the answer completes
+        a.heartbeat()
+        res = self.start({"prompt": "hi", "max_tokens": 4})
+        for k in range(3):
+            m = self.prefill(a)
+            a.send(TOKENS, rid=m["rid"], index=0, tokens=ids_of("abc"[k]))
+            a.send(TOKENS, rid=m["rid"], index=3, tokens=ids_of("x"))
+        m = self.prefill(a)
+        a.send(TOKENS, rid=m["rid"], index=0, tokens=ids_of("d"))
+        st, _, data = res()
+        self.assertEqual(st, 200, data)
+        self.assertEqual(json.loads(data)["choices"][0]["text"], "abcd")
+
     def test_failed_kv_link_is_avoided(self):
         """A prefill worker whose KV hand-off to a decode worker failed (the link is down
         while both reach the gateway): the re-run and the next requests go to another
