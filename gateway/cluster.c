@@ -388,7 +388,7 @@ static int pick_pass(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw,
                 continue;
             if (p->n_ctx > 0 && total >= p->n_ctx)
                 continue;
-            if (avoid && pair_avoided(p, d, now)) {
+            if (avoid && (pair_avoided(p, d, now) || req_shuns(r, p) || req_shuns(r, d))) {
                 *n_avoided += !busy;
                 continue;
             }
@@ -411,7 +411,8 @@ static int pick_pass(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw,
     return best_load < 0 ? -1 : 0;
 }
 
-/* pick_pass avoiding pairs whose KV hand-offs failed lately; when only such pairs could
+/* pick_pass avoiding pairs whose KV hand-offs failed lately, and the worker whose tokens r
+ * could not use; when only such pairs could
  * take r, one of them (a link may have healed; waiting would only delay the request). A
  * pair not avoided whose decode worker has no room just now is waited for instead: sent
  * over the failed link, r would likely fail again after a lease and lose a retry. */

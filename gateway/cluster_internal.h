@@ -94,6 +94,10 @@ typedef struct req {
     int promoted;                /* offline, promoted by aging: queued and run as online */
     int64_t enq_us;              /* admitted (offline aging) */
     int doomed;                  /* cluster_cancel_soon: cancelled at the next dispatch */
+    /* the worker whose TOKENS it could not use (out of the vocabulary, undecodable): its
+     * re-runs go elsewhere when another pair can take them (pick) */
+    char shun[PROTO_ID_LEN];
+    size_t shun_len;
 } req_t;
 
 typedef struct {
@@ -226,6 +230,17 @@ static inline void req_free(req_t *r)
 {
     free(r->tokens);
     free(r);
+}
+
+static inline void req_shun(req_t *r, const worker_t *w)
+{
+    memcpy(r->shun, w->id, w->id_len);
+    r->shun_len = w->id_len;
+}
+
+static inline int req_shuns(const req_t *r, const worker_t *w)
+{
+    return r->shun_len && r->shun_len == w->id_len && memcmp(r->shun, w->id, w->id_len) == 0;
 }
 
 static inline worker_t *worker_find(cluster_t *c, const void *id, size_t len)

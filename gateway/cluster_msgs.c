@@ -303,6 +303,8 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
                      "of %d: dropped", w ? w->id : "unknown worker", m->tokens[i], i,
                      c->p.n_vocab);
             log_warn("%s", why);
+            if (w)
+                req_shun(r, w);
             cluster_req_retry(c, r, 1, why);
             return;
         }
@@ -369,6 +371,7 @@ static void lost_tokens(cluster_t *c, worker_t *w, proto_type_t type, uint64_t w
     char why[160];
     snprintf(why, sizeof(why), "malformed TOKENS from %s: dropped", w->id);
     log_warn("%s", why);
+    req_shun(r, w);
     cluster_req_retry(c, r, 1, why);
 }
 
