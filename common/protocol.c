@@ -776,6 +776,33 @@ done:
     return rc;
 }
 
+int proto_peek(const void *buf, size_t len, proto_type_t *type, uint64_t *rid)
+{
+    *type = 0;
+    *rid = 0;
+    if (len == 0 || len > PROTO_MAX_HEADER || mp_check(buf, len) < 0)
+        return -1;
+    msgpack_unpacked up;
+    msgpack_unpacked_init(&up);
+    size_t off = 0;
+    if (msgpack_unpack_next(&up, buf, len, &off) == MSGPACK_UNPACK_SUCCESS &&
+        up.data.type == MSGPACK_OBJECT_MAP) {
+        const msgpack_object_map *map = &up.data.via.map;
+        for (uint32_t i = 0; i < map->size; i++) {
+            const msgpack_object *k = &map->ptr[i].key, *v = &map->ptr[i].val;
+            if (k->type != MSGPACK_OBJECT_STR || v->type != MSGPACK_OBJECT_POSITIVE_INTEGER)
+                continue;
+            if (k->via.str.size == 1 && k->via.str.ptr[0] == 't' &&
+                v->via.u64 <= INT32_MAX && type_valid((int)v->via.u64))
+                *type = (proto_type_t)v->via.u64;
+            else if (k->via.str.size == 3 && memcmp(k->via.str.ptr, "rid", 3) == 0)
+                *rid = v->via.u64;
+        }
+    }
+    msgpack_unpacked_destroy(&up);
+    return *type && *rid ? 0 : -1;
+}
+
 int64_t proto_now_us(void)
 {
     struct timespec ts;

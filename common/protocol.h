@@ -286,6 +286,11 @@ int proto_encode(const proto_msg *m, unsigned char **out, size_t *len);
  * into err (errlen bytes). */
 int proto_decode(const void *buf, size_t len, proto_msg *m, char *err, size_t errlen);
 
+/* The type ('t') and request id ('rid') a header names, read leniently from a header
+ * proto_decode refused (a malformed TOKENS must still be known as lost: the gateway re-runs
+ * its attempt). 0 when both were found, else -1 (*type and *rid 0 where not found). */
+int proto_peek(const void *buf, size_t len, proto_type_t *type, uint64_t *rid);
+
 /* Encode the header of m into buf (cap bytes, the caller's: usually on its stack) and
  * return it in *out, *len; when it does not fit, it goes to a malloc'd buffer returned in
  * *heap as well (the caller frees *heap, which is NULL when buf sufficed). Encoding a usual

@@ -254,13 +254,13 @@ static int parse_one_prompt(json_t *v, int which, api_prompt *out, api_error *e)
         int rc = parse_prompt_ids(v, which, out, e);
         if (rc)
             return rc < 0 ? -1 : 0;
-        if (which < 0)
+        if (which < 0 && json_array_size(v) == 0)
             return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
                                  "'prompt' must not be empty.");
         return api_error_set(e, 400, INVALID, "prompt", "invalid_value",
                              "'prompt[%d]' must be a non-empty string or a non-empty array of "
                              "token ids.",
-                             which);
+                             which < 0 ? 0 : which);
     }
     if (!json_is_string(v)) {
         if (which < 0)

@@ -360,7 +360,7 @@ static int pair_avoided(const worker_t *p, const worker_t *d, int64_t now)
  * requests would all go to the emptiest one until its next heartbeat). Returns 0 or -1
  * (nothing fits now). */
 static int pick_pass(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw, int *never,
-                     int avoid, int *n_avoided)
+                     int avoid, int *n_avoided, int *n_busy)
 {
     long best_load = -1, best_free = -1;
     int best_seqs = -1;
@@ -373,14 +373,15 @@ static int pick_pass(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw,
         n_decoders++;
         if (d->kv_total >= blocks_needed(r, d))
             n_could_fit++;
-        if (d->full || !routable(c, d, now))
+        if (!routable(c, d, now))
             continue;
         if (d->n_ctx > 0 && total >= d->n_ctx)
             continue;
         long free_blocks = (long)d->kv_free - d->pending_blocks;
-        if (free_blocks < blocks_needed(r, d))
-            continue;
-        if (d->max_seqs > 0 && d->n_decode >= d->max_seqs)
+        /* no room now: only counted (pairs not avoided that will take r once it frees) */
+        int busy = d->full || free_blocks < blocks_needed(r, d) ||
+                   (d->max_seqs > 0 && d->n_decode >= d->max_seqs);
+        if (busy && (!avoid || d->kv_total < blocks_needed(r, d)))
             continue;
         for (worker_t *p = c->workers; p; p = p->next) {
             if (!routable(c, p, now))
@@ -391,8 +392,12 @@ static int pick_pass(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw,
                 continue;
             if (p->n_ctx > 0 && total >= p->n_ctx)
                 continue;
-            if (avoid && pair_avoided(p, d, now)) {
-                (*n_avoided)++;
+            if (avoid && (pair_avoided(p, d, now) || req_shuns(r, p) || req_shuns(r, d))) {
+                *n_avoided += !busy;
+                continue;
+            }
+            if (busy) {
+                (*n_busy)++;
                 continue;
             }
             long load = p->qtok > p->pending_qtok ? p->qtok : p->pending_qtok;
@@ -412,16 +417,19 @@ static int pick_pass(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw,
     return best_load < 0 ? -1 : 0;
 }
 
-/* pick_pass avoiding pairs whose KV hand-offs failed lately; when only such pairs could
- * take r, one of them (a link may have healed; waiting would only delay the request). */
+/* pick_pass avoiding pairs whose KV hand-offs failed lately, and the worker whose tokens r
+ * could not use; when only such pairs could
+ * take r, one of them (a link may have healed; waiting would only delay the request). A
+ * pair not avoided whose decode worker has no room just now is waited for instead: sent
+ * over the failed link, r would likely fail again after a lease and lose a retry. */
 static int pick(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw, int *never)
 {
-    int n_avoided = 0;
-    if (pick_pass(c, r, pw, dw, never, 1, &n_avoided) == 0)
+    int n_avoided = 0, n_busy = 0;
+    if (pick_pass(c, r, pw, dw, never, 1, &n_avoided, &n_busy) == 0)
         return 0;
-    if (!n_avoided)
+    if (!n_avoided || n_busy)
         return -1;
-    return pick_pass(c, r, pw, dw, never, 0, &n_avoided);
+    return pick_pass(c, r, pw, dw, never, 0, &n_avoided, &n_busy);
 }
 
 /* Try to start an attempt for queued request r. Returns 1 when assigned, 0 when nothing
@@ -532,9 +540,30 @@ static void dispatch_list(cluster_t *c, rlist_t *l, int offline)
     }
 }
 
+/* The requests cluster_cancel_soon gave up on: CANCELled on their workers, forgotten. */
+static void cancel_doomed(cluster_t *c)
+{
+    rlist_t *lists[] = {&c->active, &c->queue, &c->oqueue};
+    c->n_doomed = 0;
+    for (size_t i = 0; i < sizeof(lists) / sizeof(lists[0]); i++) {
+        req_t *next;
+        for (req_t *r = lists[i]->head; r; r = next) {
+            next = r->next;
+            if (!r->doomed)
+                continue;
+            log_rinfo(r->rid, "cancelled by its owner after %d tokens", r->n_gen);
+            cluster_req_detach(c, r, 1);
+            cluster_req_unlink(c, r);
+            req_free(r);
+        }
+    }
+}
+
 /* Online first; offline only when no online request waits. */
 static void dispatch(cluster_t *c)
 {
+    if (c->n_doomed)
+        cancel_doomed(c);
     reap_dead(c);
     dispatch_list(c, &c->queue, 0);
     if (!c->queue.head)
@@ -787,6 +816,40 @@ void cluster_cancel(cluster_t *c, uint64_t rid)
     cluster_req_detach(c, r, 1);
     cluster_req_unlink(c, r);
     req_free(r);
+}
+
+/* The callbacks of a request cluster_cancel_soon gave up on: its next tokens end it. */
+static int dropped_tokens(void *ud, const int *tokens, int n)
+{
+    (void)ud, (void)tokens, (void)n;
+    return 1;
+}
+
+static void dropped_finish(void *ud, int reason)
+{
+    (void)ud, (void)reason;
+}
+
+static void dropped_error(void *ud, int status, const char *type, const char *code,
+                          const char *msg)
+{
+    (void)ud, (void)status, (void)type, (void)code, (void)msg;
+}
+
+static const cluster_callbacks dropped_callbacks = {dropped_tokens, dropped_finish,
+                                                    dropped_error};
+
+void cluster_cancel_soon(cluster_t *c, uint64_t rid)
+{
+    req_t *r = req_find(c, rid);
+    if (!r || r->doomed)
+        return;
+    r->doomed = 1;
+    r->cb = &dropped_callbacks;
+    r->ud = NULL;
+    r->timing = NULL;
+    c->n_doomed++;
+    schedule_dispatch(c);
 }
 
 void cluster_get_stats(const cluster_t *c, cluster_stats *st)

@@ -156,6 +156,10 @@ cluster_status_t cluster_submit(cluster_t *c, const cluster_job *job, void *ud, 
 /* The owner gives up on a request (client gone): CANCEL goes to its workers and it is
  * forgotten; no callback follows. Unknown rid: no-op. */
 void cluster_cancel(cluster_t *c, uint64_t rid);
+/* cluster_cancel for the cluster's own callbacks (which may run inside a walk of its
+ * lists): no callback of rid follows from now on (its ud and timing are forgotten), and
+ * the CANCEL goes out from the event loop right after. Unknown rid: no-op. */
+void cluster_cancel_soon(cluster_t *c, uint64_t rid);
 
 /* 1 when at least one prefill and one decode worker, or one mixed worker, are alive and
  * ready; else 0 with the reason in reason (cap bytes). */

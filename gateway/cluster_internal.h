@@ -98,6 +98,11 @@ typedef struct req {
     int offline;                 /* offline tier */
     int promoted;                /* offline, promoted by aging: queued and run as online */
     int64_t enq_us;              /* admitted (offline aging) */
+    int doomed;                  /* cluster_cancel_soon: cancelled at the next dispatch */
+    /* the worker whose TOKENS it could not use (out of the vocabulary, undecodable): its
+     * re-runs go elsewhere when another pair can take them (pick) */
+    char shun[PROTO_ID_LEN];
+    size_t shun_len;
 } req_t;
 
 typedef struct {
@@ -141,6 +146,7 @@ struct cluster {
     rlist_t oqueue;     /* offline requests waiting (promoted ones move to queue) */
     int n_off_running;  /* offline, not promoted, on the active list */
     int n_promoted;     /* promoted by aging and not ended */
+    int n_doomed;       /* cluster_cancel_soon calls since the last dispatch */
     uint64_t next_rid;
     /* the tidal policy (offline admission and preemption) */
     policy_state pstate;
@@ -230,6 +236,17 @@ static inline void req_free(req_t *r)
     free(r->tokens);
     free(r->samp);
     free(r);
+}
+
+static inline void req_shun(req_t *r, const worker_t *w)
+{
+    memcpy(r->shun, w->id, w->id_len);
+    r->shun_len = w->id_len;
+}
+
+static inline int req_shuns(const req_t *r, const worker_t *w)
+{
+    return r->shun_len && r->shun_len == w->id_len && memcmp(r->shun, w->id, w->id_len) == 0;
 }
 
 static inline worker_t *worker_find(cluster_t *c, const void *id, size_t len)

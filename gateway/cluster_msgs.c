@@ -307,6 +307,8 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
                      "of %d: dropped", w ? w->id : "unknown worker", m->tokens[i], i,
                      c->p.n_vocab);
             log_warn("%s", why);
+            if (w)
+                req_shun(r, w);
             cluster_req_retry(c, r, 1, why);
             return;
         }
@@ -332,7 +334,9 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
         char why[160];
         snprintf(why, sizeof(why), "TOKENS from %s start at %ld but only %d are known", w->id,
                  start, r->n_gen);
-        cluster_req_retry(c, r, 0, why);
+        /* a counted failure when the attempt brought no token at all: a worker that always
+         * skips ahead would otherwise have the request re-run for ever */
+        cluster_req_retry(c, r, r->n_gen == r->base, why);
         return;
     }
     int skip = (int)(r->n_gen - start);
@@ -358,6 +362,21 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
         cluster_req_unlink(c, r);
         req_free(r);
     }
+}
+
+/* A TOKENS message from w that could not be decoded (an id below 0 or past 2^31, a bad
+ * field): its tokens are lost like those of an out-of-vocabulary message, so the attempt it
+ * names is re-run from what is known now, not after --request-timeout-ms of silence. */
+static void lost_tokens(cluster_t *c, worker_t *w, proto_type_t type, uint64_t wire)
+{
+    req_t *r = type == PROTO_TOKENS ? attempt_of(c, wire, w) : NULL;
+    if (!r)
+        return;
+    char why[160];
+    snprintf(why, sizeof(why), "malformed TOKENS from %s: dropped", w->id);
+    log_warn("%s", why);
+    req_shun(r, w);
+    cluster_req_retry(c, r, 1, why);
 }
 
 static void handle_finish(cluster_t *c, worker_t *w, const proto_msg *m)
@@ -436,6 +455,8 @@ static void handle_bundle(cluster_t *c, worker_t *w, const unsigned char *id, si
         if (proto_decode(zmq_msg_data(f), zmq_msg_size(f), &m, err, sizeof(err)) < 0) {
             log_warn("dropped message %d of a BUNDLE from '%.*s': %s", i, (int)id_len,
                      (const char *)id, err);
+            if (proto_peek(zmq_msg_data(f), zmq_msg_size(f), &m.type, &m.rid) == 0)
+                lost_tokens(c, w, m.type, m.rid);
             continue;
         }
         if (m.type == PROTO_TOKENS)
@@ -453,6 +474,16 @@ void cluster_on_ctl(void *sock, void *ud)
 {
     cluster_t *c = ud;
     int rc = wire_recv(sock, 1, c->env, ZMQ_DONTWAIT);
+    if (rc == -1) { /* malformed: dropped; lost tokens of a worker's attempt are re-run */
+        size_t n;
+        const unsigned char *from = wire_envelope_identity(c->env, &n);
+        const proto_msg *lost = wire_envelope_msg(c->env);
+        worker_t *w = n ? worker_find(c, from, n) : NULL;
+        if (w && !w->dead)
+            lost_tokens(c, w, lost->type, lost->rid);
+        wire_envelope_reset(c->env);
+        return;
+    }
     if (rc <= 0) {
         if (rc == -2 && errno != EAGAIN)
             log_error("ctl receive: %s", zmq_strerror(errno));

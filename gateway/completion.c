@@ -44,8 +44,6 @@ struct completion {
     int flex;                 /* asked for service_tier "flex": reported in every body */
     int n_choices, n_running; /* sequences; those not ended yet */
     int n_per_prompt;         /* "n" */
-    int failed;               /* a choice failed: answered, and out of its owner's hands
-                               * (list, sink); the rest end as the cluster reports them */
     choice_t *choices;        /* [n_choices], in index order */
     char id[48];
     int64_t created; /* unix seconds */
@@ -151,11 +149,10 @@ static void owner_release(completion_t *c)
 }
 
 /* The one place an admitted completion is freed: out of its list, then the sink's state
- * goes last (already gone for a failed request, see fail_with). */
+ * goes last. */
 static void completion_free(completion_t *c)
 {
-    if (!c->failed)
-        owner_release(c);
+    owner_release(c);
     choices_free(c);
     free((char *)c->params.instructions);
     free(c);
@@ -177,17 +174,6 @@ static void cancel_running(completion_t *c, int status, const char *why)
         ch->finish_reason = API_FINISH_STOP; /* (ended: not cancelled twice) */
     }
     c->n_running = 0;
-}
-
-/* A choice of a failed request reports (ch is ended by the cluster, or, from on_tokens,
- * cancelled by it on our return of 1): counted as cancelled; the last one frees c. */
-static void zombie_end(choice_t *ch)
-{
-    completion_t *c = ch->c;
-    log_end(ch, 499, STATS_END_CANCELLED, "another choice of the request failed");
-    ch->finish_reason = API_FINISH_STOP;
-    if (--c->n_running == 0)
-        completion_free(c);
 }
 
 /* Streaming: hand the text the stream released to the sink. Collecting: it stays in the
@@ -226,26 +212,28 @@ static void finish(choice_t *ch, const char *finish_reason)
 }
 
 /* A sequence failed after admission (its retries spent): the sink reports e for the whole
- * request. The other choices cannot be cancelled here (this is a cluster callback, maybe
- * inside a walk of its lists): the request leaves its owner now and lives on until each
- * of them reports, which ends it (zombie_end: cancelled at its next tokens). */
+ * request, and the request ends. This is a cluster callback (maybe inside a walk of its
+ * lists): the other choices are cancelled with cluster_cancel_soon, which drops their
+ * callbacks now and sends their CANCELs from the event loop right after, queued or
+ * running, stuck or not. */
 static void fail_with(choice_t *ch, const api_error *e)
 {
     completion_t *c = ch->c;
-    if (c->failed) {
-        zombie_end(ch);
-        return;
-    }
     ch->finish_reason = API_FINISH_STOP;
     c->n_running--;
     stats_end_t how = c->sink->fail(c->ud, c, e);
     log_end(ch, e->status, how, e->message);
-    if (c->n_running == 0) {
-        completion_free(c);
-        return;
+    for (int i = 0; i < c->n_choices && c->n_running > 0; i++) {
+        choice_t *o = &c->choices[i];
+        if (o->finish_reason || !o->rid)
+            continue;
+        if (c->env->cluster)
+            cluster_cancel_soon(c->env->cluster, o->rid);
+        log_end(o, 499, STATS_END_CANCELLED, "another choice of the request failed");
+        o->finish_reason = API_FINISH_STOP;
+        c->n_running--;
     }
-    owner_release(c);
-    c->failed = 1;
+    completion_free(c);
 }
 
 // --- cluster callbacks (ud: the choice_t)
@@ -254,10 +242,6 @@ static int on_tokens(void *ud, const int *tokens, int n)
 {
     choice_t *ch = ud;
     completion_t *c = ch->c;
-    if (c->failed) {
-        zombie_end(ch);
-        return 1; /* the cluster cancels it */
-    }
     stats_t *stats = c->env->stats;
     int64_t now = proto_now_us();
     if (!ch->t_first_us) {
@@ -297,10 +281,6 @@ static int on_tokens(void *ud, const int *tokens, int n)
 static void on_finish(void *ud, int reason)
 {
     choice_t *ch = ud;
-    if (ch->c->failed) {
-        zombie_end(ch);
-        return;
-    }
     stream_status_t st = stream_finish(ch->stream);
     finish(ch,
            st == STREAM_STOP || reason == PROTO_FINISH_STOP ? API_FINISH_STOP : API_FINISH_LENGTH);

@@ -144,12 +144,16 @@ int wire_recv(void *sock, int router, wire_envelope *e, int flags)
     char err[160];
     int more = has_more(sock);
     int rc = proto_decode(zmq_msg_data(&part), zmq_msg_size(&part), &e->msg, err, sizeof(err));
-    zmq_msg_close(&part);
     if (rc < 0) {
+        /* what the header names, for the caller to act on a lost message (before part
+         * is closed: it holds the bytes) */
+        proto_peek(zmq_msg_data(&part), zmq_msg_size(&part), &e->msg.type, &e->msg.rid);
+        zmq_msg_close(&part);
         drain_rest(sock);
         log_warn("dropped malformed message: %s", err);
         return -1;
     }
+    zmq_msg_close(&part);
     while (more) {
         if (e->n_frames == PROTO_MAX_FRAMES) {
             drain_rest(sock);

@@ -47,8 +47,9 @@ zmq_msg_t *wire_envelope_frame(wire_envelope *e, int i);
  * router: 1 if sock is a ROUTER (first frame is the peer identity). flags: 0 or
  * ZMQ_DONTWAIT. Returns 1 for a valid message, 0 when nothing is pending (EAGAIN),
  * -1 when a message was received but malformed (it is logged with the reason and fully
- * consumed; the caller just continues), -2 on socket error (errno set; ETERM on
- * shutdown). */
+ * consumed; the caller just continues; the envelope's identity, and in its message only
+ * the type and rid the header named if proto_peek found them, say what was lost), -2 on
+ * socket error (errno set; ETERM on shutdown). */
 int wire_recv(void *sock, int router, wire_envelope *e, int flags);
 
 #endif

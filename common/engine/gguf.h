@@ -165,7 +165,8 @@ int gguf_writer_write(gguf_writer_t *w, const char *path, char *err, size_t errl
 /* For programs that write a file and may be interrupted: install SIGINT, SIGTERM and
  * SIGHUP handlers that remove the temporary file of a gguf_writer_write() in progress,
  * then die of the signal as they would have (so the caller's exit status still says
- * which). A finished file (renamed) is never removed. 0, or -1 (errno) if sigaction fails. */
+ * which). A finished file (renamed) is never removed; a signal already ignored (nohup)
+ * stays ignored. 0, or -1 (errno) if sigaction fails. */
 int gguf_writer_cleanup_on_signals(void);
 
 #endif

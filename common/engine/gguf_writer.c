@@ -238,7 +238,13 @@ int gguf_writer_cleanup_on_signals(void)
 {
     static const int sigs[] = {SIGINT, SIGTERM, SIGHUP};
     for (size_t i = 0; i < sizeof(sigs) / sizeof(sigs[0]); i++) {
-        struct sigaction sa;
+        struct sigaction sa, old;
+        /* a signal the parent ignores (nohup: SIGHUP; a shell's background job: SIGINT)
+         * stays ignored: it would not have killed the tool, so there is nothing to clean */
+        if (sigaction(sigs[i], NULL, &old) != 0)
+            return -1;
+        if (old.sa_handler == SIG_IGN)
+            continue;
         memset(&sa, 0, sizeof(sa));
         sa.sa_handler = on_fatal_signal;
         sigemptyset(&sa.sa_mask);

@@ -750,6 +750,87 @@ class FakeWorkerTest(unittest.TestCase):
         self.assertEqual(json.loads(data)["choices"][0]["text"], "Hello")
         self.assertIn("hold id 512 at 1, outside the vocabulary of 512", self.gw.read_log())
 
+    def test_out_of_vocabulary_worker_is_avoided_by_the_rerun(self):
+        """With another worker free, the re-run after a worker's out-of-vocabulary or
+        undecodable TOKENS goes there, not back to the worker that produced them (every
+        re-run went to the same idle worker: 503 after --max-retries with a healthy one
+        idle)."""
+        ws = {x: self.worker(x) for x in ("w-a", "w-b")}
+
+        def next_prefill():
+            deadline = time.time() + 3
+            while time.time() < deadline:
+                for w in ws.values():
+                    m = w.recv(0.02, want=(PREFILL,))
+                    if m:
+                        return w, m
+            self.fail("no PREFILL")
+        for bad_ids in ([600], [-1]):
+            res = self.start({"prompt": "hi", "max_tokens": 2, "temperature": 0})
+            bad, m = next_prefill()
+            bad.send(TOKENS, rid=m["rid"], index=0, tokens=bad_ids)
+            good, m2 = next_prefill()
+            self.assertNotEqual(good.wid, bad.wid)
+            good.send(TOKENS, rid=m2["rid"], index=0, tokens=ids_of("ok"))
+            st, _, data = res()
+            self.assertEqual(st, 200, data)
+            self.assertEqual(json.loads(data)["choices"][0]["text"], "ok")
+
+    def test_malformed_tokens_rerun_at_once(self):
+        """TOKENS the protocol cannot even decode (an id below 0 or past 2^31, alone or in a
+        BUNDLE) are lost like the out-of-vocabulary ones: the attempt is re-run from what is
+        known at once, not after --request-timeout-ms (20 s here) of silence."""
+        a = self.worker("w-a")
+        res = self.start({"prompt": "hi", "max_tokens": 4, "temperature": 0})
+        m = self.prefill(a)
+        rid, n_prompt = m["rid"], len(m["tokens"])
+        a.send(TOKENS, rid=rid, index=0, tokens=ids_of("He"))
+        a.send(TOKENS, rid=rid, index=2, tokens=[-1])
+        m2 = self.prefill(a, timeout=3)
+        self.assertEqual(m2["rid"], rid + 1)
+        self.assertEqual(m2["tokens"][n_prompt:], ids_of("He"))
+        a.send_bundle([{"t": TOKENS, "rid": m2["rid"], "index": 0, "tokens": [2 ** 32]}])
+        m3 = self.prefill(a, timeout=3)
+        self.assertEqual(m3["rid"], rid + 2)
+        self.assertEqual(m3["tokens"][n_prompt:], ids_of("He"))
+        a.send(TOKENS, rid=m3["rid"], index=0, tokens=ids_of("ll"))
+        a.send(FINISH, rid=m3["rid"], reason=2)
+        st, _, data = res()
+        self.assertEqual(st, 200, data)
+        self.assertEqual(json.loads(data)["choices"][0]["text"], "Hell")
+        log = self.gw.read_log()
+        self.assertIn("malformed TOKENS from w-a", log)
+        # a malformed message naming no current attempt changes nothing
+        a.send(TOKENS, rid=rid, index=0, tokens=[-1])
+        self.assertEqual(self.gw.request("GET", "/health")[0], 200)
+
+    def test_tokens_gap_without_progress_is_a_counted_retry(self):
+        """TOKENS that start past what is known (lost messages) re-run the attempt; one that
+        brought no token at all counts as a failed attempt, so a worker that always skips
+        ahead ends the request with 503 after --max-retries (2) instead of re-running it
+        for ever."""
+        a = self.worker("w-a")
+        res = self.start({"prompt": "hi", "max_tokens": 4})
+        for _ in range(3):
+            m = self.prefill(a)
+            a.send(TOKENS, rid=m["rid"], index=5, tokens=ids_of("x"))
+        st, _, data = res()
+        self.assertEqual(st, 503, data)
+        self.assertEqual(json.loads(data)["error"]["code"], "worker_failure")
+        self.assertIsNone(a.recv(0.1, want=(PREFILL,)))
+        # a gap after progress re-runs without costing a retry: the answer completes
+        a.heartbeat()
+        res = self.start({"prompt": "hi", "max_tokens": 4})
+        for k in range(3):
+            m = self.prefill(a)
+            a.send(TOKENS, rid=m["rid"], index=0, tokens=ids_of("abc"[k]))
+            a.send(TOKENS, rid=m["rid"], index=3, tokens=ids_of("x"))
+        m = self.prefill(a)
+        a.send(TOKENS, rid=m["rid"], index=0, tokens=ids_of("d"))
+        st, _, data = res()
+        self.assertEqual(st, 200, data)
+        self.assertEqual(json.loads(data)["choices"][0]["text"], "abcd")
+
     def test_failed_kv_link_is_avoided(self):
         """A prefill worker whose KV hand-off to a decode worker failed (the link is down
         while both reach the gateway): the re-run and the next requests go to another
@@ -794,6 +875,47 @@ class FakeWorkerTest(unittest.TestCase):
         self.assertEqual(st, 200, data)
         self.assertEqual(json.loads(data)["choices"][0]["text"], "Ho")
         self.assertIn("KV hand-off w-p -> %s failed (2 in a row)" % bad, self.gw.read_log())
+
+    def test_avoided_pair_not_used_while_another_is_busy(self):
+        """While a failed pair is avoided, a request that the other pair can take once its
+        decode worker has room again waits for it rather than going over the failed link
+        (where it would likely fail again after a lease and lose a retry)."""
+        p = self.worker("w-p", role=1)
+        d = {x: self.worker(x, role=2, kvep="tcp://127.0.0.1:1") for x in ("w-d1", "w-d2")}
+
+        def beat(free_good):
+            p.send(HEARTBEAT, wid="w-p", role=1, state=1, running=0, queued=0, qtok=0,
+                   kv_total=1000, kv_free=1000, tok_in=0, tok_out=0)
+            for x, w in d.items():
+                w.send(HEARTBEAT, wid=x, role=2, state=1, running=0, queued=0, qtok=0,
+                       kv_total=1000, kv_free=free_good if x == good else 1000, tok_in=0,
+                       tok_out=0)
+        res = self.start({"prompt": "hi", "max_tokens": 2, "temperature": 0})
+        m = p.recv(want=(PREFILL,))
+        bad = m["dw"]
+        good = ({"w-d1", "w-d2"} - {bad}).pop()
+        p.send(ERROR, rid=m["rid"], code=4, retry=1, msg="KV transfer failed: lease expired")
+        t_fail = time.time()
+        m2 = p.recv(want=(PREFILL,))
+        self.assertEqual(m2["dw"], good)
+        beat(0)  # the good decode worker is full for now
+        res2 = self.start({"prompt": "yo", "max_tokens": 2, "temperature": 0})
+        t_end = t_fail + 0.7  # (well within the pair's 1 s penalty)
+        if time.time() > t_end - 0.2:
+            self.skipTest("the machine is too slow for the 1 s penalty window")
+        while time.time() < t_end:
+            self.assertIsNone(p.recv(0.05, want=(PREFILL,)),
+                              "sent over the avoided pair while the other one was busy")
+            beat(0)
+        beat(1000)
+        m3 = p.recv(2, want=(PREFILL,))
+        self.assertIsNotNone(m3)
+        self.assertEqual(m3["dw"], good)
+        for mm in (m2, m3):
+            d[good].send(TOKENS, rid=mm["rid"], index=0, tokens=ids_of("ok"))
+            d[good].send(FINISH, rid=mm["rid"], reason=2)
+        self.assertEqual(res()[0], 200)
+        self.assertEqual(res2()[0], 200)
 
     def test_bundle_frames_are_validated_one_by_one(self):
         """A BUNDLE's frames are handled in order, each decoded like a message: a malformed
@@ -1083,7 +1205,8 @@ class FakeWorkerTest(unittest.TestCase):
 
     def test_batch_choice_failure_fails_the_request(self):
         """n = 2: one choice fails for good (not retryable): the request is answered with
-        its error, and the other choice is cancelled at its next tokens."""
+        its error, and the other choice is cancelled (see also
+        test_failed_choice_cancels_the_others_at_once)."""
         a = self.worker("w-a")
         for stream in (False, True):
             res = self.start({"prompt": "hi", "max_tokens": 8, "n": 2, "stream": stream})
@@ -1107,6 +1230,33 @@ class FakeWorkerTest(unittest.TestCase):
             self.assertIn(m1["rid"], cancelled)
         st, _, data = self.gw.request("GET", "/health")
         self.assertEqual(json.loads(data)["running"], 0)
+
+    def test_failed_choice_cancels_the_others_at_once(self):
+        """n = 3: one choice fails for good; the others are cancelled on their workers right
+        away, even a stuck one that never sends another token (it must not wait for
+        --request-timeout-ms, 20 s here, and then be re-run for nobody), and nothing is left
+        running."""
+        a = self.worker("w-a")
+        res = self.start({"prompt": "hi", "max_tokens": 8, "n": 3})
+        m0, m1, m2 = self.prefill(a), self.prefill(a), self.prefill(a)
+        a.send(TOKENS, rid=m2["rid"], index=0, tokens=ids_of("x"))
+        a.send(ERROR, rid=m0["rid"], code=8, msg="bad token", retry=0)
+        st, _, data = res()
+        self.assertEqual(st, 400, data)
+        cancelled, deadline = set(), time.time() + 3
+        while not {m1["rid"], m2["rid"]} <= cancelled and time.time() < deadline:
+            m = a.recv(0.2, want=(CANCEL,))
+            if m:
+                cancelled.add(m["rid"])
+        self.assertLessEqual({m1["rid"], m2["rid"]}, cancelled)
+        st, _, data = self.gw.request("GET", "/health")
+        self.assertEqual((json.loads(data)["running"], json.loads(data)["queued"]), (0, 0))
+        # late messages of the cancelled choices change nothing
+        a.send(TOKENS, rid=m1["rid"], index=0, tokens=ids_of("y"))
+        a.send(FINISH, rid=m2["rid"], reason=2)
+        self.assertIsNone(a.recv(0.5, want=(PREFILL,)))
+        self.assertEqual(self.gw.request("GET", "/health")[0], 200)
+
 
 ROLE = 10
 

@@ -55,6 +55,31 @@ class InterruptedWrite(unittest.TestCase):
     def test_sigint_removes_the_temporary_file(self):
         self.kill_while_writing(signal.SIGINT)
 
+    def test_ignored_signal_stays_ignored(self):
+        # nohup (SIGHUP ignored), a background job of a non-interactive shell (SIGINT
+        # ignored): the cleanup handler must not turn an ignored signal into a fatal one
+        def ignore():
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        p = subprocess.Popen([MKMODEL, "--out", self.out] + BIG, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, preexec_fn=ignore)
+        tmp = "%s.tmp.%d" % (self.out, p.pid)
+        try:
+            deadline = time.time() + 120
+            while not os.path.exists(tmp) and p.poll() is None and time.time() < deadline:
+                time.sleep(0.002)
+            self.assertTrue(os.path.exists(tmp), "the temporary file never appeared")
+            p.send_signal(signal.SIGHUP)
+            p.send_signal(signal.SIGINT)
+            p.wait(120)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stderr.close()
+        self.assertEqual(p.returncode, 0)
+        self.assertEqual(os.listdir(self.dir), ["m.gguf"])
+
     def test_finished_file_is_whole(self):
         small = os.path.join(self.dir, "s.gguf")
         r = subprocess.run([MKMODEL, "--out", small, "--dim", "64", "--hidden-dim", "128",

@@ -308,6 +308,15 @@ static void test_prompt_ids(void **state)
         assert_non_null(strstr(e.message, "token ids must hold integers in [0, 2147483647]; "
                                           "element 0 is not one"));
     }
+    /* one prompt nested too deep is named as that, not as an empty prompt */
+    static const char *deep[] = {"{\"prompt\": [[\"a\"]]}", "{\"prompt\": [[[1]]]}"};
+    for (size_t i = 0; i < sizeof(deep) / sizeof(deep[0]); i++) {
+        assert_int_equal(api_parse(API_COMPLETIONS, deep[i], strlen(deep[i]), &r, &e), -1);
+        assert_int_equal(e.status, 400);
+        assert_string_equal(e.code, "invalid_value");
+        assert_string_equal(e.message, "'prompt[0]' must be a non-empty string or a non-empty "
+                                       "array of token ids.");
+    }
 }
 
 /* A batch of prompts: every prompt in order (text or ids), n and best_of; the answer with

@@ -540,6 +540,41 @@ static void test_malformed_headers(void **state)
     }
 }
 
+/* proto_peek names the type and rid of a header proto_decode refuses (the gateway re-runs
+ * the attempt whose TOKENS were lost), and of a good one; without both it says -1. */
+static void test_peek_refused_header(void **state)
+{
+    (void)state;
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 5); /* tokens before rid, an id past 2^31 */
+    kv(&pk, "v"); msgpack_pack_int(&pk, PROTO_VERSION);
+    kv(&pk, "tokens"); msgpack_pack_array(&pk, 1); msgpack_pack_uint64(&pk, 1ull << 32);
+    kv(&pk, "t"); msgpack_pack_int(&pk, PROTO_TOKENS);
+    kv(&pk, "index"); msgpack_pack_int(&pk, 0);
+    kv(&pk, "rid"); msgpack_pack_uint64(&pk, 0x1234500000001ull);
+    proto_msg m;
+    char err[160];
+    assert_int_equal(proto_decode(sb.data, sb.size, &m, err, sizeof(err)), -1);
+    proto_type_t type;
+    uint64_t rid;
+    assert_int_equal(proto_peek(sb.data, sb.size, &type, &rid), 0);
+    assert_int_equal(type, PROTO_TOKENS);
+    assert_true(rid == 0x1234500000001ull);
+    assert_int_equal(proto_peek(sb.data, sb.size - 1, &type, &rid), -1); /* truncated */
+    assert_int_equal(type, 0);
+    msgpack_sbuffer_clear(&sb);
+    msgpack_pack_map(&pk, 2); /* no rid */
+    kv(&pk, "t"); msgpack_pack_int(&pk, PROTO_TOKENS);
+    kv(&pk, "v"); msgpack_pack_int(&pk, PROTO_VERSION);
+    assert_int_equal(proto_peek(sb.data, sb.size, &type, &rid), -1);
+    assert_int_equal(type, PROTO_TOKENS);
+    assert_true(rid == 0);
+    msgpack_sbuffer_destroy(&sb);
+}
+
 /* Every truncation of a valid header is rejected, never crashes. */
 static void test_truncated_and_garbage(void **state)
 {
@@ -961,6 +996,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_prefix_cache_counters),
         cmocka_unit_test(test_any_key_order),
         cmocka_unit_test(test_truncated_and_garbage),
+        cmocka_unit_test(test_peek_refused_header),
         cmocka_unit_test(test_encode_rejects),
         cmocka_unit_test(test_register_ack_refusal),
         cmocka_unit_test(test_send_recv_frames),
