@@ -148,6 +148,8 @@ class Gateway:
         argv = [GATEWAY, "--host", "127.0.0.1", "--port", str(self.port),
                 "--ctl-bind", "tcp://127.0.0.1:%d" % free_port(), "--model", MODEL,
                 "--max-body-bytes", str(MAX_BODY)] + list(args)
+        if "--state-db" not in args:  # its own: another gateway may hold the default one
+            argv += ["--state-db", os.path.join(self.tmp, "gateway.db")]
         with open(self.log, "ab") as f:
             self.proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.time() + 20
