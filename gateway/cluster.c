@@ -446,6 +446,7 @@ static int try_assign(cluster_t *c, req_t *r)
     m.top_k = r->top_k;
     m.rng = r->rng;
     m.mtp_depth = r->mtp_depth;
+    m.logprobs = r->logprobs;
     m.priority = r->offline && !r->promoted; /* preempted first on the decode worker */
     if (r->samp) { /* the penalties count what earlier attempts generated, too */
         r->samp->n_gen = r->n_gen;
@@ -745,6 +746,8 @@ cluster_status_t cluster_submit(cluster_t *c, const cluster_job *job, void *ud, 
     r->rng = job->rng;
     r->mtp_depth = job->mtp_depth >= 0 && job->mtp_depth <= PROTO_SPEC_MAX_POS + 1 ? job->mtp_depth
                                                                                 : 0;
+    r->logprobs = job->logprobs >= 0 && job->logprobs <= PROTO_MAX_TOP_LOGPROBS + 1 ? job->logprobs
+                                                                                 : 0;
     r->queued = 1;
     r->since_us = proto_now_us();
     r->enq_us = r->since_us;

@@ -30,6 +30,14 @@ typedef struct {
     int64_t t_first_us;        /* first tokens at the gateway (0 = none yet) */
     int64_t t_last_us;         /* latest tokens at the gateway */
     cluster_req_timing timing; /* filled by the cluster */
+    /* log-probabilities (the request asked for them): one entry per counted token, in
+     * order; kept across retries (they came with the tokens) */
+    api_logprob *lpe;
+    int n_lpe, cap_lpe;
+    int prev_token;      /* the token before the next one (its text: tokenizer_piece) */
+    int lp_sent;         /* streaming: entries given to the sink */
+    int lp_offset;       /* streaming: text_offset of lpe[lp_sent] */
+    api_logprobs chunk;  /* streaming: the entries of the text() call in progress */
 } choice_t;
 
 struct completion {
@@ -44,6 +52,7 @@ struct completion {
     int flex;                 /* asked for service_tier "flex": reported in every body */
     int n_choices, n_running; /* sequences; those not ended yet */
     int n_per_prompt;         /* "n" */
+    int logprobs;             /* 0, or alternatives asked for + 1 (api_request.logprobs) */
     int failed;               /* a choice failed: answered, and out of its owner's hands
                                * (list, sink); the rest end as the cluster reports them */
     choice_t *choices;        /* [n_choices], in index order */
@@ -129,8 +138,10 @@ static void log_end(const choice_t *ch, int status, stats_end_t end, const char 
 /* Free the choices' streams and the array (also for a request never admitted). */
 static void choices_free(completion_t *c)
 {
-    for (int i = 0; c->choices && i < c->n_choices; i++)
+    for (int i = 0; c->choices && i < c->n_choices; i++) {
         stream_destroy(&c->choices[i].stream);
+        free(c->choices[i].lpe);
+    }
     free(c->choices);
     c->choices = NULL;
 }
@@ -192,15 +203,50 @@ static void zombie_end(choice_t *ch)
 
 /* Streaming: hand the text the stream released to the sink. Collecting: it stays in the
  * stream for completion_format_response. */
-static void flush_text(choice_t *ch)
+static void flush_text(choice_t *ch, int final)
 {
     completion_t *c = ch->c;
     size_t len;
     const char *out = stream_out(ch->stream, &len);
-    if (!c->streaming || len == 0)
+    /* the log-probabilities of the tokens so far go with the text they released; the last
+     * flush sends what is left even without text (a stop string ate it) */
+    int n_lp = c->logprobs ? ch->n_lpe - ch->lp_sent : 0;
+    if (!c->streaming || (len == 0 && !(final && n_lp > 0)))
         return;
+    ch->chunk = (api_logprobs){.e = ch->lpe + ch->lp_sent,
+                               .n = n_lp,
+                               .top = c->logprobs - 1,
+                               .text_offset = ch->lp_offset};
     c->sink->text(c->ud, c, ch->index, out, len);
+    for (int i = 0; i < n_lp; i++)
+        ch->lp_offset += api_token_chars(ch->chunk.e[i].text, ch->chunk.e[i].len);
+    ch->lp_sent += n_lp;
+    ch->chunk = (api_logprobs){0};
     stream_out_clear(ch->stream);
+}
+
+/* Keep token's log-probabilities (lp, from the worker) as the answer shows them: its text
+ * and its alternatives' follow ch->prev_token. 0, or -1 out of memory. */
+static int keep_logprob(choice_t *ch, int token, const proto_logprob *lp)
+{
+    const tokenizer_t *tok = ch->c->env->tok;
+    if (ch->n_lpe == ch->cap_lpe) {
+        int cap = ch->cap_lpe ? 2 * ch->cap_lpe : 16;
+        api_logprob *p = realloc(ch->lpe, (size_t)cap * sizeof(*p));
+        if (!p)
+            return -1;
+        ch->lpe = p;
+        ch->cap_lpe = cap;
+    }
+    api_logprob *x = &ch->lpe[ch->n_lpe++];
+    x->text = tokenizer_piece(tok, ch->prev_token, token, &x->len);
+    x->logprob = lp->logprob;
+    x->n_top = 0;
+    for (int j = 0; j < lp->n_top && j < API_MAX_TOP_LOGPROBS_CHAT; j++, x->n_top++) {
+        x->top_text[j] = tokenizer_piece(tok, ch->prev_token, lp->top_ids[j], &x->top_len[j]);
+        x->top_logprob[j] = lp->top_logprobs[j];
+    }
+    return 0;
 }
 
 /* A sequence is complete: the rest of its text, its end (streaming); when it was the last,
@@ -208,7 +254,7 @@ static void flush_text(choice_t *ch)
 static void finish(choice_t *ch, const char *finish_reason)
 {
     completion_t *c = ch->c;
-    flush_text(ch);
+    flush_text(ch, 1);
     ch->finish_reason = finish_reason;
     c->n_running--;
     if (c->sink->choice_end)
@@ -250,7 +296,7 @@ static void fail_with(choice_t *ch, const api_error *e)
 
 // --- cluster callbacks (ud: the choice_t)
 
-static int on_tokens(void *ud, const int *tokens, int n)
+static int on_tokens(void *ud, const int *tokens, const proto_logprob *lps, int n)
 {
     choice_t *ch = ud;
     completion_t *c = ch->c;
@@ -270,7 +316,13 @@ static int on_tokens(void *ud, const int *tokens, int n)
     ch->t_last_us = now;
     api_error e;
     for (int i = 0; i < n; i++) {
+        int counted = stream_n_tokens(ch->stream);
         stream_status_t st = stream_push(ch->stream, tokens[i]);
+        /* a token the answer counts (not EOS) has its log-probabilities shown */
+        if (c->logprobs && lps && stream_n_tokens(ch->stream) > counted &&
+            keep_logprob(ch, tokens[i], &lps[i]) < 0)
+            st = STREAM_ERR;
+        ch->prev_token = tokens[i];
         if (st == STREAM_STOP) {
             finish(ch, API_FINISH_STOP);
             return 1;
@@ -286,7 +338,7 @@ static int on_tokens(void *ud, const int *tokens, int n)
         finish(ch, st == STREAM_STOP ? API_FINISH_STOP : API_FINISH_LENGTH);
         return 1;
     }
-    flush_text(ch);
+    flush_text(ch, 0);
     if (c->sink->check && c->sink->check(c->ud, c, &e) < 0) {
         fail_with(ch, &e);
         return 1;
@@ -505,6 +557,7 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
         .flex = r.offline,
         .n_choices = np * r.n,
         .n_per_prompt = r.n,
+        .logprobs = r.logprobs,
         .created = (int64_t)time(NULL),
         .params = {.temperature = r.temperature,
                    .top_p = r.top_p,
@@ -523,6 +576,7 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
         ch->index = k;
         ch->n_prompt = n[p];
         ch->max_tokens = max_tokens[p];
+        ch->prev_token = tokens[p][n[p] - 1];
         ch->stream = stream_new(env->tok, tokens[p][n[p] - 1], tokenizer_eos(env->tok),
                                 (const char *const *)r.stop, r.n_stop);
         if (!ch->stream)
@@ -547,6 +601,7 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
             .samp = r.samp,
             .timing = &ch->timing,
             .offline = c->offline,
+            .logprobs = r.logprobs,
             .cb = &callbacks,
         };
         cluster_status_t st = cluster_submit(env->cluster, &job, ch, &ch->rid);
@@ -714,13 +769,43 @@ char *completion_format_response(const completion_t *c)
         *chs = c->n_choices <= 8 ? stack : calloc((size_t)c->n_choices, sizeof(api_choice));
     if (!chs)
         return NULL;
-    for (int k = 0; k < c->n_choices; k++)
+    api_logprobs lstack[8], *lps = !c->logprobs ? NULL
+                                 : c->n_choices <= 8 ? lstack
+                                                     : calloc((size_t)c->n_choices, sizeof(*lps));
+    if (c->logprobs && !lps) {
+        if (chs != stack)
+            free(chs);
+        return NULL;
+    }
+    for (int k = 0; k < c->n_choices; k++) {
         chs[k].text = completion_choice_text(c, k, &chs[k].len, &chs[k].finish_reason);
+        chs[k].logprobs = NULL;
+        if (lps) {
+            lps[k] = (api_logprobs){.e = c->choices[k].lpe,
+                                    .n = c->choices[k].n_lpe,
+                                    .top = c->logprobs - 1};
+            chs[k].logprobs = &lps[k];
+        }
+    }
     int n_prompt, n_completion;
     completion_usage(c, &n_prompt, &n_completion);
     api_response_info info = completion_info(c);
     char *body = api_format_response_n(&info, chs, c->n_choices, n_prompt, n_completion);
     if (chs != stack)
         free(chs);
+    if (lps && lps != lstack)
+        free(lps);
     return body;
+}
+
+const api_logprobs *completion_chunk_logprobs(const completion_t *c, int index)
+{
+    if (!c->logprobs || index < 0 || index >= c->n_choices)
+        return NULL;
+    return &c->choices[index].chunk;
+}
+
+int completion_logprobs(const completion_t *c)
+{
+    return c->logprobs;
 }

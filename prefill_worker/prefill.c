@@ -151,6 +151,7 @@ static void on_prefill(prefill_role *p, proto_msg *m)
     /* a zero state would stall xorshift: derive one from the request id */
     r->rng = m->rng ? m->rng : sampler_seed_state(rid);
     r->priority = m->priority;
+    r->logprobs = m->logprobs;
     r->mtp_req = m->mtp_depth;
     if (m->samp) {
         /* penalties count the prompt and what earlier attempts generated (the last
@@ -287,6 +288,7 @@ static void detach(void **pst)
     free(p->batch);
     free(p->batch_reqs);
     free(p->logits);
+    free(p->lp_raw);
     free(p->hid);
     free(p->pitems);
     free(p);
@@ -306,9 +308,10 @@ static void *attach(runtime_t *rt)
     p->batch_reqs = calloc((size_t)cp->max_items, sizeof(*p->batch_reqs));
     p->logits = malloc((size_t)cp->max_items * (size_t)cp->mc->vocab_size * sizeof(float));
     p->pitems = calloc((size_t)cp->max_items, sizeof(*p->pitems));
+    p->lp_raw = malloc((size_t)cp->mc->vocab_size * sizeof(float));
     if (cp->mtp)
         p->hid = malloc((size_t)cp->max_tokens * (size_t)cp->mc->dim * sizeof(float));
-    if (!p->batch || !p->batch_reqs || !p->logits || !p->pitems || (cp->mtp && !p->hid)) {
+    if (!p->batch || !p->batch_reqs || !p->logits || !p->pitems || !p->lp_raw || (cp->mtp && !p->hid)) {
         log_error("out of memory allocating the prefill batch");
         void *st = p;
         detach(&st);

@@ -191,6 +191,7 @@ static int transfer_begin(prefill_role *p, preq *r)
                            .n_hidden = mtp ? specdec_hand_floats(cp->sd) : 0,
                            .mtp = r->mtp_req,
                            .priority = r->priority,
+                           .logprobs = r->logprobs,
                            .server_key = r->dpk};
     proto_sampling samp;
     if (r->pen) { /* the decode worker's penalties count the prompt (+ earlier attempts) */
@@ -218,9 +219,16 @@ static void prompt_done(prefill_role *p, preq *r, float *logits)
         uint64_t seed = prefix_key(p, r, &la);
         kvcache_seq_commit_prefix(cp->kv, r->seq, seed, la, r->prompt, r->n_prompt);
     }
+    /* log-probabilities are those of the raw distribution: the logits are kept before
+     * penalties and sampling transform them in place */
+    sampler_logprob lp;
+    if (r->logprobs)
+        memcpy(p->lp_raw, logits, (size_t)cp->mc->vocab_size * sizeof(float));
     if (r->pen)
         seqpen_apply(r->pen, cp->sampler, logits);
     int first = sampler_sample(cp->sampler, &r->sp, &r->rng, logits);
+    if (r->logprobs)
+        sampler_logprobs(p->lp_raw, cp->mc->vocab_size, first, r->logprobs - 1, &lp);
     runtime_timing t = {.queue_us = r->t_start_us - r->t_recv_us,
                         .prefill_us = proto_now_us() - r->t_start_us};
     free(r->prompt);
@@ -230,7 +238,7 @@ static void prompt_done(prefill_role *p, preq *r, float *logits)
         prefill_req_remove(p, r);
         return;
     }
-    runtime_send_tokens(rt, r->rid, 0, &first, 1, r->rng, &t);
+    runtime_send_tokens(rt, r->rid, 0, &first, 1, r->rng, &t, r->logprobs ? &lp : NULL);
     rt->tokens_out++;
     if (r->pen)
         seqpen_push(r->pen, first);
@@ -256,6 +264,7 @@ static void prompt_done(prefill_role *p, preq *r, float *logits)
                              .mtp_req = r->mtp_req,
                              .mtp_depth = r->mtp_depth,
                              .priority = r->priority,
+                             .logprobs = r->logprobs,
                              .hand = r->hand,
                              .pen = r->pen};
         r->seq = -1;

@@ -47,6 +47,7 @@ typedef struct {
     int mtp_req;                  /* the request's MTP depth + 1 (0 = not set) */
     int mtp_depth;                /* drafts it may make per step: 0 = no module work */
     int priority;                 /* PREFILL "pri": 0 online, 1 offline (KV_BEGIN "pri") */
+    int logprobs;                 /* PREFILL "lpk": 0, or k alternatives + 1 (KV_BEGIN "lpk") */
     float *hand; /* (2, dim) MTP hand-off state, filled by the module pass (owned; NULL when
                   * mtp_depth is 0) */
     seqpen_t *pen; /* PREFILL "samp": its sampling controls and ids (owned; NULL = none) */
@@ -63,6 +64,7 @@ typedef struct {
     model_seq_batch *batch;
     preq **batch_reqs;
     float *logits;
+    float *lp_raw; /* (vocab,) a prompt's raw last logits, for its first token's logprobs */
     int n_batch;
     /* MTP: (max_tokens, dim) hidden states h_0 of the batch's prompts, module pass items */
     float *hid;

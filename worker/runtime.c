@@ -158,11 +158,22 @@ static void bundle_add(runtime_t *rt, const proto_msg *m)
     rt->bundle_off[++rt->n_bundle] = used + hlen;
 }
 
+_Static_assert(SAMPLER_MAX_TOP_LOGPROBS == PROTO_MAX_TOP_LOGPROBS, "one limit of alternatives");
+
 void runtime_send_tokens(runtime_t *rt, uint64_t rid, int index, const int *tokens, int n,
-                         uint64_t rng, const runtime_timing *t)
+                         uint64_t rng, const runtime_timing *t, const sampler_logprob *lps)
 {
     proto_msg m;
     proto_msg_init(&m, PROTO_TOKENS);
+    proto_logprob plp[RUNTIME_MAX_LP_TOKENS];
+    ASSERT(!lps || n <= RUNTIME_MAX_LP_TOKENS);
+    for (int i = 0; lps && i < n; i++) {
+        plp[i].logprob = lps[i].logprob;
+        plp[i].n_top = lps[i].n_top;
+        memcpy(plp[i].top_ids, lps[i].top_ids, sizeof(plp[i].top_ids));
+        memcpy(plp[i].top_logprobs, lps[i].top_logprobs, sizeof(plp[i].top_logprobs));
+    }
+    m.lps = lps ? plp : NULL; /* borrowed for sending */
     m.rid = rid;
     m.index = index;
     m.rng = rng;
