@@ -14,7 +14,10 @@
  * ends; one that fails for good fails the request and cancels the others.
  *
  * Generated text goes through a stream_t (stream.h): only whole UTF-8 characters come out
- * and stop strings are honoured. A streaming request hands its text to the sink as it is
+ * and stop strings are honoured. Log-probabilities (when asked for) arrive with their
+ * tokens and are kept per choice, one entry per counted token (so a retry keeps those
+ * already received); a stream hands each text chunk the entries of its tokens
+ * (completion_chunk_logprobs), a collected answer all of them. A streaming request hands its text to the sink as it is
  * released; any other collects it, and the sink formats the whole answer at the end
  * (completion_format_response). What differs between transports, an SSE stream or a JSON
  * reply or a batch output line, is a completion_sink: a few callbacks for text, the end,
