@@ -829,19 +829,27 @@ static int parse_fields(json_t *root, api_request *r, api_error *e)
             return api_error_set(e, 400, INVALID, unsupported[i], "unsupported_parameter",
                                  "'%s' is not supported by this server.", unsupported[i]);
     }
-    /* best_of (completions): the best n of best_of sequences by cumulative log-probability,
-     * which needs the log-probabilities; without them only best_of == n is served. */
-    if (get_int(root, "best_of", &iv, &present, e))
+    /* best_of (completions): best_of sequences per prompt, the n with the highest
+     * cumulative log-probability returned (OpenAI's and vLLM's rule); not streamed */
+    r->best_of = r->n;
+    if (r->kind == API_COMPLETIONS && get_int(root, "best_of", &iv, &present, e))
         return -1;
-    if (present && iv < r->n)
+    if (r->kind != API_COMPLETIONS || !present)
+        return 0;
+    if (iv < r->n)
         return api_error_set(e, 400, INVALID, "best_of", "invalid_value",
                              "'best_of' must be at least 'n' (%d), got %lld.", r->n, (long long)iv);
-    if (present && iv > r->n)
-        return api_error_set(e, 400, INVALID, "best_of", "unsupported_parameter",
-                             "'best_of' greater than 'n' is not supported by this server (it "
-                             "ranks sequences by log-probability, which is not computed); "
-                             "got best_of = %lld with n = %d.",
+    if (iv > API_MAX_N || iv * r->n_prompts > API_MAX_CHOICES)
+        return api_error_set(e, 400, INVALID, "best_of", "invalid_value",
+                             "'best_of' must be at most %d and %d prompts x best_of at most %d; "
+                             "got best_of = %lld.", API_MAX_N, r->n_prompts, API_MAX_CHOICES,
+                             (long long)iv);
+    if (iv > r->n && r->stream)
+        return api_error_set(e, 400, INVALID, "best_of", "invalid_value",
+                             "'best_of' greater than 'n' cannot be streamed (the best choices "
+                             "are known at the end); got best_of = %lld with n = %d.",
                              (long long)iv, r->n);
+    r->best_of = (int)iv;
     return 0;
 }
 

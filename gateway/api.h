@@ -58,7 +58,11 @@ typedef struct {
                                * token-id arrays); read them with api_request_prompt */
     api_prompt *prompts_rest; /* owned; NULL when n_prompts == 1 */
     int n;                    /* "n": choices per prompt, 1..API_MAX_N (n x n_prompts <=
-                               * API_MAX_CHOICES); "best_of", if given, equals it */
+                               * API_MAX_CHOICES) */
+    int best_of;              /* completions "best_of": sequences run per prompt, n..API_MAX_N
+                               * (x n_prompts <= API_MAX_CHOICES; not with stream when > n),
+                               * of which the n with the highest cumulative log-probability
+                               * are returned; = n when absent (and for chat) */
     int store;                /* responses: "store" (accepted; nothing is ever stored) */
     char *instructions;       /* responses: "instructions" (NUL-terminated; NULL = absent),
                                * also rendered into prompt as a system message */

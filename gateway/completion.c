@@ -38,6 +38,7 @@ typedef struct {
     int lp_sent;         /* streaming: entries given to the sink */
     int lp_offset;       /* streaming: text_offset of lpe[lp_sent] */
     api_logprobs chunk;  /* streaming: the entries of the text() call in progress */
+    double cum_logprob;  /* the sum of the kept entries' logprobs (best_of's ranking) */
 } choice_t;
 
 struct completion {
@@ -51,8 +52,12 @@ struct completion {
     int offline;              /* runs in the offline tier (flex, batch lines) */
     int flex;                 /* asked for service_tier "flex": reported in every body */
     int n_choices, n_running; /* sequences; those not ended yet */
-    int n_per_prompt;         /* "n" */
-    int logprobs;             /* 0, or alternatives asked for + 1 (api_request.logprobs) */
+    int n_per_prompt;         /* sequences per prompt: "best_of" (= "n" unless larger) */
+    int n_best;               /* "n": of them, the choices answered (the best by cumulative
+                               * log-probability when fewer than n_per_prompt) */
+    int logprobs;             /* 0, or alternatives shown + 1 (api_request.logprobs) */
+    int lp_asked;             /* 0, or alternatives asked of the workers + 1: logprobs, or 1
+                               * for best_of > n alone */
     int failed;               /* a choice failed: answered, and out of its owner's hands
                                * (list, sink); the rest end as the cluster reports them */
     choice_t *choices;        /* [n_choices], in index order */
@@ -241,6 +246,7 @@ static int keep_logprob(choice_t *ch, int token, const proto_logprob *lp)
     api_logprob *x = &ch->lpe[ch->n_lpe++];
     x->text = tokenizer_piece(tok, ch->prev_token, token, &x->len);
     x->logprob = lp->logprob;
+    ch->cum_logprob += lp->logprob;
     x->n_top = 0;
     for (int j = 0; j < lp->n_top && j < API_MAX_TOP_LOGPROBS_CHAT; j++, x->n_top++) {
         x->top_text[j] = tokenizer_piece(tok, ch->prev_token, lp->top_ids[j], &x->top_len[j]);
@@ -319,7 +325,7 @@ static int on_tokens(void *ud, const int *tokens, const proto_logprob *lps, int 
         int counted = stream_n_tokens(ch->stream);
         stream_status_t st = stream_push(ch->stream, tokens[i]);
         /* a token the answer counts (not EOS) has its log-probabilities shown */
-        if (c->logprobs && lps && stream_n_tokens(ch->stream) > counted &&
+        if (c->lp_asked && lps && stream_n_tokens(ch->stream) > counted &&
             keep_logprob(ch, tokens[i], &lps[i]) < 0)
             st = STREAM_ERR;
         ch->prev_token = tokens[i];
@@ -537,7 +543,7 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
     long long sum_prompt = 0, sum_max = 0;
     for (int i = 0; i < np; i++) {
         sum_prompt += n[i];
-        sum_max += (long long)max_tokens[i] * r.n;
+        sum_max += (long long)max_tokens[i] * r.best_of;
     }
     if (sink->admit && sink->admit(ud, (int)(sum_prompt > INT32_MAX ? INT32_MAX : sum_prompt),
                                    (int)(sum_max > INT32_MAX ? INT32_MAX : sum_max), e) < 0)
@@ -555,9 +561,13 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
         .include_usage = r.stream && r.include_usage,
         .offline = env->batch_line || r.offline,
         .flex = r.offline,
-        .n_choices = np * r.n,
-        .n_per_prompt = r.n,
+        .n_choices = np * r.best_of,
+        .n_per_prompt = r.best_of,
+        .n_best = r.n,
         .logprobs = r.logprobs,
+        /* ranking best_of > n needs every token's log-probability, asked for with none of
+         * the alternatives when the client wants none shown */
+        .lp_asked = r.logprobs ? r.logprobs : r.best_of > r.n ? 1 : 0,
         .created = (int64_t)time(NULL),
         .params = {.temperature = r.temperature,
                    .top_p = r.top_p,
@@ -570,7 +580,7 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
     if (!c->choices)
         goto oom;
     for (int k = 0; k < c->n_choices; k++) {
-        int p = k / r.n;
+        int p = k / r.best_of;
         choice_t *ch = &c->choices[k];
         ch->c = c;
         ch->index = k;
@@ -587,7 +597,7 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
      * each prompt what it gets alone, and n choices are distinct and reproducible. */
     for (int k = 0; k < c->n_choices; k++) {
         choice_t *ch = &c->choices[k];
-        int p = k / r.n, i = k % r.n;
+        int p = k / r.best_of, i = k % r.best_of;
         uint64_t seed = r.has_seed ? r.seed + (uint64_t)i : random_seed(ch);
         cluster_job job = {
             .tokens = tokens[p],
@@ -601,7 +611,7 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
             .samp = r.samp,
             .timing = &ch->timing,
             .offline = c->offline,
-            .logprobs = r.logprobs,
+            .logprobs = c->lp_asked,
             .cb = &callbacks,
         };
         cluster_status_t st = cluster_submit(env->cluster, &job, ch, &ch->rid);
@@ -777,20 +787,38 @@ char *completion_format_response(const completion_t *c)
             free(chs);
         return NULL;
     }
-    for (int k = 0; k < c->n_choices; k++) {
-        chs[k].text = completion_choice_text(c, k, &chs[k].len, &chs[k].finish_reason);
-        chs[k].logprobs = NULL;
-        if (lps) {
-            lps[k] = (api_logprobs){.e = c->choices[k].lpe,
-                                    .n = c->choices[k].n_lpe,
-                                    .top = c->logprobs - 1};
-            chs[k].logprobs = &lps[k];
+    /* each prompt's n_best choices: all its sequences in order, or (best_of > n) the n_best
+     * with the highest cumulative log-probability, best first (ties: the lower index) */
+    int per = c->n_per_prompt, n_out = 0;
+    for (int base = 0; base < c->n_choices; base += per) {
+        int picked[API_MAX_N];
+        for (int r = 0; r < c->n_best; r++) {
+            int best = -1;
+            for (int k = base; k < base + per; k++) {
+                int used = 0;
+                for (int q = 0; q < r; q++)
+                    used |= picked[q] == k;
+                if (!used && (best < 0 || (per > c->n_best &&
+                                           c->choices[k].cum_logprob > c->choices[best].cum_logprob)))
+                    best = k;
+            }
+            picked[r] = best;
+            api_choice *o = &chs[n_out];
+            o->text = completion_choice_text(c, best, &o->len, &o->finish_reason);
+            o->logprobs = NULL;
+            if (lps) {
+                lps[n_out] = (api_logprobs){.e = c->choices[best].lpe,
+                                            .n = c->choices[best].n_lpe,
+                                            .top = c->logprobs - 1};
+                o->logprobs = &lps[n_out];
+            }
+            n_out++;
         }
     }
     int n_prompt, n_completion;
     completion_usage(c, &n_prompt, &n_completion);
     api_response_info info = completion_info(c);
-    char *body = api_format_response_n(&info, chs, c->n_choices, n_prompt, n_completion);
+    char *body = api_format_response_n(&info, chs, n_out, n_prompt, n_completion);
     if (chs != stack)
         free(chs);
     if (lps && lps != lstack)
