@@ -124,6 +124,7 @@ static const field_t fields[] = {
     FLD("lpk", F_INT, logprobs, 0, PROTO_MAX_TOP_LOGPROBS + 1, 0,
         T(PROTO_PREFILL) | T(PROTO_KV_BEGIN)),
     FLD("lp", F_LPS, lps, 0, 0, 0, T(PROTO_TOKENS)),
+    FLD("echo", F_INT, echo, 0, 1, 0, T(PROTO_PREFILL) | T(PROTO_TOKENS)),
 };
 #define N_FIELDS (sizeof(fields) / sizeof(fields[0]))
 _Static_assert(sizeof(proto_kvx_counters) == 7 * sizeof(uint64_t), "counters are a u64 array");

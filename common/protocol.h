@@ -224,6 +224,10 @@ typedef struct {
                                           * them with k alternatives (k <= 20) */
     proto_logprob *lps;                  /* TOKENS, optional ("lp"): (n_tokens,) one per
                                           * token, or NULL; owned like tokens */
+    int echo;                            /* PREFILL, optional: 1 = also report the prompt's
+                                          * own log-probabilities (needs logprobs); TOKENS,
+                                          * optional: 1 = tokens are prompt tokens [index,
+                                          * index + n) with their "lp" (echo), not generated */
     char decode_worker[PROTO_ID_LEN];    /* PREFILL: chosen decode worker ("" = local) */
     int priority;                        /* PREFILL, KV_BEGIN, optional: the request's tier,
                                           * 0 = online, 1 = offline (preempted first when a

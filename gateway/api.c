@@ -700,6 +700,12 @@ static int parse_logprobs(json_t *root, api_request *r, api_error *e)
                                  "'logprobs' must be an integer from 0 to %d, got %lld.",
                                  API_MAX_LOGPROBS_COMPLETIONS, (long long)iv);
         r->logprobs = present ? (int)iv + 1 : 0;
+        if (get_bool(root, "echo", &r->echo, e))
+            return -1;
+        if (r->echo && r->stream)
+            return api_error_set(e, 400, INVALID, "echo", "invalid_value",
+                                 "'echo' cannot be streamed by this server; use it without "
+                                 "'stream'.");
     }
     return 0;
 }
@@ -821,7 +827,8 @@ static int parse_fields(json_t *root, api_request *r, api_error *e)
     static const char *unsupported[] = {"logprobs", "top_logprobs", "echo",
                                         "suffix",   "tools",        "functions"};
     for (size_t i = 0; i < sizeof(unsupported) / sizeof(unsupported[0]); i++) {
-        if ((i == 0 && r->kind != API_RESPONSES) || (i == 1 && r->kind == API_CHAT))
+        if ((i == 0 && r->kind != API_RESPONSES) || (i == 1 && r->kind == API_CHAT) ||
+            (i == 2 && r->kind == API_COMPLETIONS))
             continue;
         v = json_object_get(root, unsupported[i]);
         if (is_set(v) && !(json_is_object(v) && json_object_size(v) == 0) &&
@@ -1045,6 +1052,14 @@ json_t *api_logprobs_json(api_kind_t kind, const api_logprobs *lp)
     int off = lp->text_offset, ok = tokens && lps && tops && offs;
     for (int i = 0; ok && i < lp->n; i++) {
         const api_logprob *x = &lp->e[i];
+        if (x->null_logprob) { /* echo's first prompt token */
+            ok = json_array_append_new(tokens, token_string(x->text, x->len)) == 0 &&
+                 json_array_append_new(lps, json_null()) == 0 &&
+                 json_array_append_new(tops, json_null()) == 0 &&
+                 json_array_append_new(offs, json_integer(off)) == 0;
+            off += api_token_chars(x->text, x->len);
+            continue;
+        }
         json_t *d = json_object();
         for (int j = 0; d && j < x->n_top && j < top; j++) {
             json_t *k = token_string(x->top_text[j], x->top_len[j]);

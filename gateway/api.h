@@ -76,6 +76,8 @@ typedef struct {
     int n_stop;
     int stream;        /* 1: SSE */
     int include_usage; /* stream_options.include_usage */
+    int echo;          /* completions "echo": the prompt (and with logprobs its tokens' log-
+                        * probabilities, the first null) before the completion; not streamed */
     int offline;       /* service_tier "flex": the offline tier ("auto", "default": online) */
     int mtp_depth;     /* extension "mtp_depth": 0..2 MTP drafts per step at most; -1 absent */
     int logprobs;      /* 0: none; k + 1: every generated token's log-probability and its k
@@ -161,6 +163,7 @@ typedef struct {
 typedef struct {
     const char *text;
     size_t len;
+    int null_logprob; /* 1: no value (echo's first prompt token): logprob and top null */
     float logprob;
     int n_top; /* alternatives, most likely first */
     const char *top_text[API_MAX_TOP_LOGPROBS_CHAT];

@@ -447,6 +447,7 @@ static int try_assign(cluster_t *c, req_t *r)
     m.rng = r->rng;
     m.mtp_depth = r->mtp_depth;
     m.logprobs = r->logprobs;
+    m.echo = r->echo;
     m.priority = r->offline && !r->promoted; /* preempted first on the decode worker */
     if (r->samp) { /* the penalties count what earlier attempts generated, too */
         r->samp->n_gen = r->n_gen;
@@ -753,6 +754,7 @@ cluster_status_t cluster_submit(cluster_t *c, const cluster_job *job, void *ud, 
     r->enq_us = r->since_us;
     r->timing = job->timing;
     r->cb = job->cb ? job->cb : &c->cb;
+    r->echo = r->logprobs && job->echo && r->cb->on_prompt_logprobs;
     r->offline = job->offline != 0;
     if (r->timing) {
         memset(r->timing, 0, sizeof(*r->timing));

@@ -91,6 +91,12 @@ typedef struct {
      * string, EOS, enough tokens): the cluster then sends CANCEL to its workers, forgets
      * it, and calls nothing more. */
     int (*on_tokens)(void *ud, const int *tokens, const proto_logprob *lps, int n);
+    /* Optional (NULL: none; a job with echo needs it): the log-probabilities lps (n,
+     * borrowed) of prompt tokens [index, index + n) (tokens: their ids), index >= 1, as the
+     * workers reported them; a retry may report some again (and positions past the original
+     * prompt: the owner ignores what it does not need). */
+    void (*on_prompt_logprobs)(void *ud, int index, const int *tokens, const proto_logprob *lps,
+                               int n);
     /* The request ended normally; reason is proto_finish_t. Forgotten afterwards. */
     void (*on_finish)(void *ud, int reason);
     /* The request failed for good: an HTTP status (4xx/5xx), an OpenAI error type and
@@ -134,6 +140,7 @@ typedef struct {
     int offline;                /* 1: offline tier (flex, batch), see the top comment */
     int logprobs;               /* 0, or log-probabilities with k alternatives + 1 (k <=
                                  * PROTO_MAX_TOP_LOGPROBS): every TOKENS must carry them */
+    int echo;                   /* with logprobs: the prompt's too (cb->on_prompt_logprobs) */
     const cluster_callbacks *cb; /* optional: this request's callbacks instead of the
                                   * cluster's (borrowed; must outlive the request) */
 } cluster_job;

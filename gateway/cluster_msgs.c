@@ -311,6 +311,16 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
             return;
         }
     }
+    if (m->echo) { /* the prompt's log-probabilities (echo): not generated tokens */
+        if (r->echo && m->lps && m->index >= 1) {
+            r->since_us = proto_now_us();
+            r->cb->on_prompt_logprobs(r->ud, m->index, m->tokens, m->lps, m->n_tokens);
+        } else {
+            log_warn("TOKENS echo from %s for request %llu that did not ask for it (or without "
+                     "lp): dropped", w ? w->id : "unknown worker", (unsigned long long)r->rid);
+        }
+        return;
+    }
     if (r->logprobs && !m->lps) {
         /* asked for with the request: a worker that leaves them out is not serving it */
         char why[160];

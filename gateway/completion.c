@@ -39,6 +39,11 @@ typedef struct {
     int lp_offset;       /* streaming: text_offset of lpe[lp_sent] */
     api_logprobs chunk;  /* streaming: the entries of the text() call in progress */
     double cum_logprob;  /* the sum of the kept entries' logprobs (best_of's ranking) */
+    /* echo: the prompt's text and, with logprobs, its tokens' entries (plpe[0] null) */
+    char *echo_text;
+    size_t echo_len;
+    api_logprob *plpe;   /* (n_prompt,) or NULL */
+    int *prompt_ids;     /* (n_prompt,) with plpe */
 } choice_t;
 
 struct completion {
@@ -58,6 +63,7 @@ struct completion {
     int logprobs;             /* 0, or alternatives shown + 1 (api_request.logprobs) */
     int lp_asked;             /* 0, or alternatives asked of the workers + 1: logprobs, or 1
                                * for best_of > n alone */
+    int echo;                 /* completions "echo" */
     int failed;               /* a choice failed: answered, and out of its owner's hands
                                * (list, sink); the rest end as the cluster reports them */
     choice_t *choices;        /* [n_choices], in index order */
@@ -146,6 +152,9 @@ static void choices_free(completion_t *c)
     for (int i = 0; c->choices && i < c->n_choices; i++) {
         stream_destroy(&c->choices[i].stream);
         free(c->choices[i].lpe);
+        free(c->choices[i].echo_text);
+        free(c->choices[i].plpe);
+        free(c->choices[i].prompt_ids);
     }
     free(c->choices);
     c->choices = NULL;
@@ -245,6 +254,7 @@ static int keep_logprob(choice_t *ch, int token, const proto_logprob *lp)
     }
     api_logprob *x = &ch->lpe[ch->n_lpe++];
     x->text = tokenizer_piece(tok, ch->prev_token, token, &x->len);
+    x->null_logprob = 0;
     x->logprob = lp->logprob;
     ch->cum_logprob += lp->logprob;
     x->n_top = 0;
@@ -352,6 +362,32 @@ static int on_tokens(void *ud, const int *tokens, const proto_logprob *lps, int 
     return 0;
 }
 
+/* Echo: prompt tokens [index, index + n)'s log-probabilities; kept as their entries (the
+ * first time a position is reported; positions past the prompt, a retry's generated
+ * tokens, are not the prompt's). */
+static void on_prompt_logprobs(void *ud, int index, const int *tokens, const proto_logprob *lps,
+                               int n)
+{
+    choice_t *ch = ud;
+    if (ch->c->failed || !ch->plpe)
+        return;
+    const tokenizer_t *tok = ch->c->env->tok;
+    for (int i = 0; i < n && index + i < ch->n_prompt; i++) {
+        int pos = index + i;
+        api_logprob *x = &ch->plpe[pos];
+        if (tokens[i] != ch->prompt_ids[pos]) /* not this prompt's token: never trusted */
+            continue;
+        x->null_logprob = 0;
+        x->logprob = lps[i].logprob;
+        x->n_top = 0;
+        for (int j = 0; j < lps[i].n_top && j < API_MAX_TOP_LOGPROBS_CHAT; j++, x->n_top++) {
+            x->top_text[j] = tokenizer_piece(tok, ch->prompt_ids[pos - 1], lps[i].top_ids[j],
+                                             &x->top_len[j]);
+            x->top_logprob[j] = lps[i].top_logprobs[j];
+        }
+    }
+}
+
 static void on_finish(void *ud, int reason)
 {
     choice_t *ch = ud;
@@ -371,7 +407,10 @@ static void on_error(void *ud, int status, const char *type, const char *code, c
     fail_with(ud, &e);
 }
 
-static const cluster_callbacks callbacks = {on_tokens, on_finish, on_error};
+static const cluster_callbacks callbacks = {.on_tokens = on_tokens,
+                                            .on_prompt_logprobs = on_prompt_logprobs,
+                                            .on_finish = on_finish,
+                                            .on_error = on_error};
 
 const cluster_callbacks *completion_callbacks(void)
 {
@@ -379,6 +418,51 @@ const cluster_callbacks *completion_callbacks(void)
 }
 
 // --- admission
+
+/* Echo: ch's prompt text (a text prompt's as given; token ids: their pieces, made valid
+ * UTF-8) and, with logprobs, its entries: each token's text, the first one's value null
+ * (filled by on_prompt_logprobs as the workers report them; a position never reported
+ * stays null). 0, or -1 out of memory. */
+static int echo_setup(choice_t *ch, const tokenizer_t *tok, api_prompt pr, const int *ids, int n,
+                      int logprobs)
+{
+    size_t cap = pr.text ? pr.len : 1;
+    for (int i = 0; !pr.text && i < n; i++) {
+        size_t len;
+        tokenizer_piece(tok, i ? ids[i - 1] : -1, ids[i], &len);
+        cap += len;
+    }
+    if (!(ch->echo_text = malloc(cap + 1)))
+        return -1;
+    if (pr.text) {
+        memcpy(ch->echo_text, pr.text, pr.len);
+        ch->echo_len = pr.len;
+    } else {
+        for (int i = 0; i < n; i++) {
+            size_t len;
+            const char *s = tokenizer_piece(tok, i ? ids[i - 1] : -1, ids[i], &len);
+            memcpy(ch->echo_text + ch->echo_len, s, len);
+            ch->echo_len += len;
+        }
+    }
+    ch->echo_text[ch->echo_len] = 0;
+    if (!pr.text) {
+        api_utf8_trim(ch->echo_text);
+        ch->echo_len = strlen(ch->echo_text);
+    }
+    if (!logprobs)
+        return 0;
+    ch->plpe = calloc((size_t)n, sizeof(*ch->plpe));
+    ch->prompt_ids = malloc((size_t)n * sizeof(int));
+    if (!ch->plpe || !ch->prompt_ids)
+        return -1;
+    memcpy(ch->prompt_ids, ids, (size_t)n * sizeof(int));
+    for (int i = 0; i < n; i++) {
+        ch->plpe[i].text = tokenizer_piece(tok, i ? ids[i - 1] : -1, ids[i], &ch->plpe[i].len);
+        ch->plpe[i].null_logprob = 1;
+    }
+    return 0;
+}
 
 /* Tokenize prompt p (BOS + text; a token-id prompt: its ids, each checked against the
  * vocabulary). malloc'd ids and their count, or NULL (out of memory, tokenizer failure, an
@@ -565,6 +649,7 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
         .n_per_prompt = r.best_of,
         .n_best = r.n,
         .logprobs = r.logprobs,
+        .echo = r.echo,
         /* ranking best_of > n needs every token's log-probability, asked for with none of
          * the alternatives when the client wants none shown */
         .lp_asked = r.logprobs ? r.logprobs : r.best_of > r.n ? 1 : 0,
@@ -591,6 +676,9 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
                                 (const char *const *)r.stop, r.n_stop);
         if (!ch->stream)
             goto oom;
+        if (r.echo && echo_setup(ch, env->tok, api_request_prompt(&r, p), tokens[p], n[p],
+                                 r.logprobs) < 0)
+            goto oom;
     }
 
     /* Choice i of every prompt samples with seed + i (docs/api.md "seed"): a batch gives
@@ -612,6 +700,7 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
             .timing = &ch->timing,
             .offline = c->offline,
             .logprobs = c->lp_asked,
+            .echo = r.echo && r.logprobs,
             .cb = &callbacks,
         };
         cluster_status_t st = cluster_submit(env->cluster, &job, ch, &ch->rid);
@@ -773,6 +862,33 @@ const char *completion_choice_text(const completion_t *c, int index, size_t *len
     return stream_out(ch->stream, len);
 }
 
+/* Echo: o's text becomes the prompt's then the completion's, and lp (when shown) the
+ * prompt's entries then the completion's; the two buffers made go to bufs[0..1] (the
+ * caller frees them). 0, or -1 out of memory. */
+static int echo_join(const choice_t *ch, api_choice *o, api_logprobs *lp, void **bufs)
+{
+    char *t = malloc(ch->echo_len + o->len + 1);
+    if (!t)
+        return -1;
+    memcpy(t, ch->echo_text, ch->echo_len);
+    memcpy(t + ch->echo_len, o->text, o->len);
+    o->text = t;
+    o->len += ch->echo_len;
+    bufs[0] = t;
+    if (!lp || !ch->plpe)
+        return 0;
+    api_logprob *e = malloc((size_t)(ch->n_prompt + ch->n_lpe) * sizeof(*e));
+    if (!e)
+        return -1;
+    memcpy(e, ch->plpe, (size_t)ch->n_prompt * sizeof(*e));
+    if (ch->n_lpe)
+        memcpy(e + ch->n_prompt, ch->lpe, (size_t)ch->n_lpe * sizeof(*e));
+    lp->e = e;
+    lp->n = ch->n_prompt + ch->n_lpe;
+    bufs[1] = e;
+    return 0;
+}
+
 char *completion_format_response(const completion_t *c)
 {
     api_choice stack[8],
@@ -789,8 +905,12 @@ char *completion_format_response(const completion_t *c)
     }
     /* each prompt's n_best choices: all its sequences in order, or (best_of > n) the n_best
      * with the highest cumulative log-probability, best first (ties: the lower index) */
-    int per = c->n_per_prompt, n_out = 0;
-    for (int base = 0; base < c->n_choices; base += per) {
+    int per = c->n_per_prompt, n_out = 0, n_heap = 0, ok = 1;
+    /* echo: each answered choice's joined text and entries (2 buffers each) */
+    void **heap = c->echo ? calloc((size_t)c->n_choices * 2, sizeof(void *)) : NULL;
+    if (c->echo && !heap)
+        ok = 0;
+    for (int base = 0; ok && base < c->n_choices; base += per) {
         int picked[API_MAX_N];
         for (int r = 0; r < c->n_best; r++) {
             int best = -1;
@@ -804,21 +924,26 @@ char *completion_format_response(const completion_t *c)
             }
             picked[r] = best;
             api_choice *o = &chs[n_out];
+            const choice_t *ch = &c->choices[best];
             o->text = completion_choice_text(c, best, &o->len, &o->finish_reason);
             o->logprobs = NULL;
             if (lps) {
-                lps[n_out] = (api_logprobs){.e = c->choices[best].lpe,
-                                            .n = c->choices[best].n_lpe,
-                                            .top = c->logprobs - 1};
+                lps[n_out] = (api_logprobs){.e = ch->lpe, .n = ch->n_lpe, .top = c->logprobs - 1};
                 o->logprobs = &lps[n_out];
             }
+            if (ch->echo_text && echo_join(ch, o, lps ? &lps[n_out] : NULL, &heap[n_heap]) < 0)
+                ok = 0;
+            n_heap += ch->echo_text ? 2 : 0;
             n_out++;
         }
     }
     int n_prompt, n_completion;
     completion_usage(c, &n_prompt, &n_completion);
     api_response_info info = completion_info(c);
-    char *body = api_format_response_n(&info, chs, n_out, n_prompt, n_completion);
+    char *body = ok ? api_format_response_n(&info, chs, n_out, n_prompt, n_completion) : NULL;
+    for (int i = 0; i < n_heap; i++)
+        free(heap[i]);
+    free(heap);
     if (chs != stack)
         free(chs);
     if (lps && lps != lstack)

@@ -99,7 +99,7 @@ static int admit(prefill_role *p, preq *r)
     if (seq < 0)
         return -1;
     int cached = 0;
-    if (rt->set.prefix_cache) {
+    if (rt->set.prefix_cache && !r->echo) { /* echo: every position's logits are needed */
         int la = 0;
         uint64_t seed = prefix_key(p, r, &la);
         /* the last token (the logits) and, with MTP, the one before are computed */
@@ -208,6 +208,23 @@ static int transfer_begin(prefill_role *p, preq *r)
     return -1;
 }
 
+/* Echo: r's chunk of positions [pos, pos + n) is computed with every row's logits in
+ * p->echo_logits: row j gives prompt token pos + j + 1 its log-probabilities (the last
+ * row, the first generated token's, is prompt_done's); report them (TOKENS "echo"). */
+static void echo_chunk(prefill_role *p, const preq *r, int pos, int n)
+{
+    const int vocab = p->rt->cp.mc->vocab_size;
+    int k = 0;
+    for (int j = 0; j < n && pos + j + 1 < r->n_prompt; j++, k++) {
+        sampler_logprob lp;
+        sampler_logprobs(p->echo_logits + (size_t)j * vocab, vocab, r->prompt[pos + j + 1],
+                         r->logprobs - 1, &lp);
+        runtime_logprob_to_proto(&p->echo_lps[k], &lp);
+    }
+    if (k > 0)
+        runtime_send_prompt_logprobs(p->rt, r->rid, pos + 1, r->prompt + pos + 1, k, p->echo_lps);
+}
+
 /* r's whole prompt is computed and its first token sampled from logits: report it, then
  * finish the transfer, hand the sequence to the local decode role, or end the request. */
 static void prompt_done(prefill_role *p, preq *r, float *logits)
@@ -284,11 +301,14 @@ int prefill_step(void *st)
     const int chunk = (int)rt->set.prefill_chunk_tokens;
     int n = 0, budget = (int)rt->set.max_batch_tokens;
     int blocked = prefill_blocked(p);
+    int echo_taken = 0; /* an echo prompt's chunk is in the batch (one at most) */
     /* Prompts being computed continue (they are ahead in arrival order), and queued ones
      * are admitted in order until one does not fit (FIFO: no overtaking) or the budget of
      * tokens is spent. */
     for (int i = 0; i < p->n_reqs && n < cp->max_items && budget > 0; i++) {
         preq *r = p->reqs[i];
+        if (r->echo && echo_taken && (r->state == PREQ_QUEUED || r->state == PREQ_PREFILLING))
+            break; /* the next batch takes it (FIFO: nothing after it either) */
         if (r->state == PREQ_QUEUED) {
             if (blocked)
                 continue;
@@ -303,6 +323,10 @@ int prefill_step(void *st)
         }
         int take = r->n_prompt - r->n_done;
         take = take < chunk ? take : chunk;
+        if (r->echo) {
+            take = take < PREFILL_ECHO_CHUNK ? take : PREFILL_ECHO_CHUNK;
+            echo_taken = 1;
+        }
         take = take < budget ? take : budget;
         r->n_chunk = take;
         budget -= take;
@@ -331,8 +355,9 @@ int prefill_step(void *st)
                                         .pos = r->n_done,
                                         .n_tokens = r->n_chunk,
                                         .tokens = r->prompt + r->n_done,
-                                        .logits_all = 0,
-                                        .logits = p->logits + (size_t)m * vocab};
+                                        .logits_all = r->echo,
+                                        .logits = r->echo ? p->echo_logits
+                                                          : p->logits + (size_t)m * vocab};
         if (r->mtp_depth > 0) { /* h_0 of every position, for the MTP modules */
             p->batch[m].hidden = p->hid + (size_t)hid_rows * cp->mc->dim;
             p->batch[m].hidden_all = 1;
@@ -358,8 +383,13 @@ int prefill_step(void *st)
         r->n_done += r->n_chunk;
         r->blk_sent = r->blk_upto;
         rt->tokens_in += (uint64_t)r->n_chunk;
+        float *last = p->batch[i].logits;
+        if (r->echo) {
+            echo_chunk(p, r, r->n_done - r->n_chunk, r->n_chunk);
+            last = p->echo_logits + (size_t)(r->n_chunk - 1) * vocab;
+        }
         if (r->n_done == r->n_prompt) /* else its next chunk runs in the next iteration */
-            prompt_done(p, r, p->batch[i].logits);
+            prompt_done(p, r, last);
     }
     return 1;
 }

@@ -167,12 +167,8 @@ void runtime_send_tokens(runtime_t *rt, uint64_t rid, int index, const int *toke
     proto_msg_init(&m, PROTO_TOKENS);
     proto_logprob plp[RUNTIME_MAX_LP_TOKENS];
     ASSERT(!lps || n <= RUNTIME_MAX_LP_TOKENS);
-    for (int i = 0; lps && i < n; i++) {
-        plp[i].logprob = lps[i].logprob;
-        plp[i].n_top = lps[i].n_top;
-        memcpy(plp[i].top_ids, lps[i].top_ids, sizeof(plp[i].top_ids));
-        memcpy(plp[i].top_logprobs, lps[i].top_logprobs, sizeof(plp[i].top_logprobs));
-    }
+    for (int i = 0; lps && i < n; i++)
+        runtime_logprob_to_proto(&plp[i], &lps[i]);
     m.lps = lps ? plp : NULL; /* borrowed for sending */
     m.rid = rid;
     m.index = index;
@@ -189,6 +185,29 @@ void runtime_send_tokens(runtime_t *rt, uint64_t rid, int index, const int *toke
         ctl_send_logged(rt, &m);
     else
         bundle_add(rt, &m);
+}
+
+void runtime_logprob_to_proto(proto_logprob *dst, const sampler_logprob *src)
+{
+    dst->logprob = src->logprob;
+    dst->n_top = src->n_top;
+    memcpy(dst->top_ids, src->top_ids, sizeof(dst->top_ids));
+    memcpy(dst->top_logprobs, src->top_logprobs, sizeof(dst->top_logprobs));
+}
+
+void runtime_send_prompt_logprobs(runtime_t *rt, uint64_t rid, int index, const int *tokens, int n,
+                                  const proto_logprob *lps)
+{
+    proto_msg m;
+    proto_msg_init(&m, PROTO_TOKENS);
+    m.rid = rid;
+    m.index = index;
+    m.echo = 1;
+    m.tokens = (int *)tokens; /* borrowed for sending */
+    m.n_tokens = n;
+    m.lps = (proto_logprob *)lps;
+    m.ts_us = proto_wall_us();
+    bundle_add(rt, &m);
 }
 
 void runtime_send_finish(runtime_t *rt, uint64_t rid, int reason, const runtime_timing *t)

@@ -198,6 +198,13 @@ void runtime_send_tokens(runtime_t *rt, uint64_t rid, int index, const int *toke
                          uint64_t rng, const runtime_timing *t, const sampler_logprob *lps);
 /* FINISH with reason PROTO_FINISH_STOP or _LENGTH and durations t (NULL: none). */
 void runtime_send_finish(runtime_t *rt, uint64_t rid, int reason, const runtime_timing *t);
+/* TOKENS "echo": the log-probabilities lps (n, borrowed) of prompt tokens [index, index + n)
+ * of request rid (tokens: those ids, borrowed), gathered like decode TOKENS (so they reach
+ * the gateway before the first generated token, sent at once after them). */
+void runtime_send_prompt_logprobs(runtime_t *rt, uint64_t rid, int index, const int *tokens, int n,
+                                  const proto_logprob *lps);
+/* Copy a sampler's log-probabilities into their wire form. */
+void runtime_logprob_to_proto(proto_logprob *dst, const sampler_logprob *src);
 /* Send the gathered TOKENS and FINISH now: one alone as itself, several as one BUNDLE (its
  * frames in the order they were gathered). The loop calls it before every poll, and every
  * other message to the gateway flushes first. A full or disconnected socket drops them

@@ -122,6 +122,7 @@ static int sample(proto_type_t t, proto_msg *m)
         if (t == PROTO_PREFILL) {
             m->samp = &g_samp;
             m->logprobs = 6;
+            m->echo = 1;
         } else {
             m->lps = g_lps;
         }
@@ -288,6 +289,8 @@ static void seeds_api(void)
         {1, "not-object", "[1,2,3]"},
         {0, "completion-tokens-nested", "{\"prompt\":[[1,403,2,0]],\"stream\":true}"},
         {0, "completion-logprobs", "{\"prompt\":\"Once\",\"logprobs\":5,\"stream\":true}"},
+        {0, "completion-echo", "{\"prompt\":[1,403],\"logprobs\":2,\"echo\":true,\"n\":2,"
+                               "\"best_of\":3}"},
         {1, "chat-logprobs", "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
                              "\"logprobs\":true,\"top_logprobs\":20}"},
     };

@@ -175,6 +175,47 @@ class Logprobs(unittest.TestCase):
         self.assertTrue("".join(a["logprobs"]["tokens"]).startswith(a["text"]))
         self.assertIn("little", "".join(a["logprobs"]["tokens"]))
 
+    def test_echo_known_prompt(self):
+        """echo: a prompt of BOS + "Once upon a time" + its first 140 greedy tokens (ids:
+        three echo chunks of 64): the prompt's entries are those of the reference at the
+        same positions (1e-4, the same top ids), the first one null; then the completion."""
+        n_ref = 140
+        ref = reference(ONCE, n_ref + 1, 5)
+        head = [1, 403, 407, 261, 378]  # BOS + "Once upon a time"
+        ids = head + [t for t, _, _ in ref[:n_ref]]
+        for c in (self.dis, self.mix):
+            st, b = c.complete(ids, max_tokens=1, logprobs=5, echo=True)
+            self.assertEqual(st, 200, b)
+            ch = b["choices"][0]
+            lp = ch["logprobs"]
+            self.assertEqual(len(lp["tokens"]), len(ids) + 1)
+            self.assertEqual(lp["token_logprobs"][0], None)
+            self.assertEqual(lp["top_logprobs"][0], None)
+            self.assertEqual(lp["tokens"][0], "")  # BOS
+            self.assertEqual("".join(lp["tokens"]), ch["text"])
+            for i, (tid, want, top) in enumerate(ref):
+                pos = len(head) + i  # the reference's token i is at this position
+                self.assertAlmostEqual(lp["token_logprobs"][pos], want, delta=TOL, msg=pos)
+                vals = list(lp["top_logprobs"][pos].values())
+                self.assertEqual(len(vals), 5)
+                for (aid, av), gv in zip(top, vals):
+                    self.assertAlmostEqual(gv, av, delta=TOL, msg=pos)
+            for i in range(1, len(ids) + 1):
+                self.assertLessEqual(lp["token_logprobs"][i], 0)
+            self.assertEqual(lp["text_offset"][1:4], [0, 4, 9])  # "Once", " upon", " a"
+        # text prompt: its text as given, then the completion; without logprobs only text
+        st, b = self.dis.complete(ONCE, max_tokens=4, echo=True)
+        st2, b2 = self.dis.complete(ONCE, max_tokens=4)
+        self.assertEqual(b["choices"][0]["text"], ONCE + b2["choices"][0]["text"])
+        self.assertIsNone(b["choices"][0]["logprobs"])
+        st, b = self.dis.complete(ONCE, max_tokens=4, echo=True, logprobs=1)
+        st3, b3 = self.dis.complete(ONCE, max_tokens=4, logprobs=1)
+        lp, gen = b["choices"][0]["logprobs"], b3["choices"][0]["logprobs"]
+        self.assertEqual(lp["tokens"], ["", "Once", " upon", " a", " time"] + gen["tokens"])
+        self.assertEqual(lp["token_logprobs"][5:], gen["token_logprobs"])
+        self.assertEqual(lp["text_offset"][5:], [len(ONCE) + o for o in gen["text_offset"]])
+        self.assertEqual(b["usage"], b2["usage"])
+
     def test_bad_values(self):
         chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
         for path, body, param in [
@@ -186,7 +227,10 @@ class Logprobs(unittest.TestCase):
                  "top_logprobs"),
                 ("/v1/chat/completions", dict(chat, top_logprobs=2), "top_logprobs"),
                 ("/v1/chat/completions", dict(chat, logprobs=1), "logprobs"),
-                ("/v1/responses", {"input": "x", "logprobs": True}, "logprobs")]:
+                ("/v1/responses", {"input": "x", "logprobs": True}, "logprobs"),
+                ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, "echo"),
+                ("/v1/completions", {"prompt": "x", "echo": 1}, "echo"),
+                ("/v1/chat/completions", dict(chat, echo=True), "echo")]:
             st, b = self.dis.request("POST", path, body)
             self.assertEqual(st, 400, (path, body, b))
             self.assertEqual(b["error"]["param"], param, b)

@@ -102,6 +102,7 @@ static void fill(proto_msg *m, proto_type_t t)
         }
     }
     m->lps = lps;
+    m->echo = 1; /* PREFILL: report the prompt's too; TOKENS: these are prompt tokens */
     /* CURVE public keys (Z85): REGISTER "kvpk", PREFILL/MIGRATE "dpk" */
     snprintf(m->kv_pubkey, sizeof(m->kv_pubkey), "%s", "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7");
     snprintf(m->decode_pubkey, sizeof(m->decode_pubkey), "%s",
@@ -139,6 +140,7 @@ static void test_roundtrip_all_types(void **state)
         }
         assert_int_equal(out.logprobs,
                          t == PROTO_PREFILL || t == PROTO_KV_BEGIN ? PROTO_MAX_TOP_LOGPROBS + 1 : 0);
+        assert_int_equal(out.echo, t == PROTO_PREFILL || t == PROTO_TOKENS);
         if (t == PROTO_TOKENS) {
             assert_non_null(out.lps);
             assert_memory_equal(out.lps, in.lps, 5 * sizeof(proto_logprob));
