@@ -16,7 +16,10 @@
 /* F_KEY: a CURVE public key, exactly 40 characters of Z85 (RFC 32) decoding to 32 bytes,
  * in a char[PROTO_KEY_LEN] */
 /* F_SAMP: proto_msg.samp, a proto_sampling (protocol.h) */
-typedef enum { F_U64, F_I64, F_INT, F_FLOAT, F_STR, F_TOKENS, F_U64S, F_KEY, F_SAMP } field_kind_t;
+/* F_LPS: proto_msg.lps, n_tokens proto_logprob (protocol.h) */
+typedef enum {
+    F_U64, F_I64, F_INT, F_FLOAT, F_STR, F_TOKENS, F_U64S, F_KEY, F_SAMP, F_LPS
+} field_kind_t;
 
 #define MAX_U64S 64 /* F_U64S: longest array accepted; elements past the known ones are ignored */
 
@@ -118,6 +121,10 @@ static const field_t fields[] = {
     FLD("pc_hit", F_U64, prefix_hits, 0, 0, 0, T(PROTO_HEARTBEAT)),
     FLD("npre", F_U64, n_preemptions, 0, 0, 0, T(PROTO_HEARTBEAT)),
     FLD("pri", F_INT, priority, 0, 1, 0, T(PROTO_PREFILL) | T(PROTO_KV_BEGIN)),
+    FLD("lpk", F_INT, logprobs, 0, PROTO_MAX_TOP_LOGPROBS + 1, 0,
+        T(PROTO_PREFILL) | T(PROTO_KV_BEGIN)),
+    FLD("lp", F_LPS, lps, 0, 0, 0, T(PROTO_TOKENS)),
+    FLD("echo", F_INT, echo, 0, 1, 0, T(PROTO_PREFILL) | T(PROTO_TOKENS)),
 };
 #define N_FIELDS (sizeof(fields) / sizeof(fields[0]))
 _Static_assert(sizeof(proto_kvx_counters) == 7 * sizeof(uint64_t), "counters are a u64 array");
@@ -193,6 +200,7 @@ void proto_msg_clear(proto_msg *m)
 {
     free(m->tokens);
     free(m->samp);
+    free(m->lps);
     memset(m, 0, sizeof(*m));
 }
 
@@ -252,6 +260,8 @@ static int field_encoded(const field_t *f, const proto_msg *m, uint64_t bit)
         return m->n_tokens > 0;
     case F_SAMP:
         return m->samp != NULL;
+    case F_LPS:
+        return m->lps != NULL && m->n_tokens > 0;
     case F_U64S:
         for (size_t k = 0; k < f->size / sizeof(uint64_t); k++)
             if (((const uint64_t *)p)[k] != 0)
@@ -335,6 +345,23 @@ static int encode_header(const proto_msg *m, msgpack_packer *pk)
                 rc |= msgpack_pack_int(pk, sa->stop_ids[k]);
             break;
         }
+        case F_LPS:
+            rc |= msgpack_pack_array(pk, (size_t)m->n_tokens);
+            for (int k = 0; k < m->n_tokens && rc == 0; k++) {
+                const proto_logprob *lp = &m->lps[k];
+                if (lp->n_top < 0 || lp->n_top > PROTO_MAX_TOP_LOGPROBS || !isfinite(lp->logprob)) {
+                    rc = -1;
+                    break;
+                }
+                rc |= msgpack_pack_array(pk, 3) | msgpack_pack_float(pk, lp->logprob);
+                rc |= msgpack_pack_array(pk, (size_t)lp->n_top);
+                for (int j = 0; j < lp->n_top && rc == 0; j++)
+                    rc |= msgpack_pack_int(pk, lp->top_ids[j]);
+                rc |= msgpack_pack_array(pk, (size_t)lp->n_top);
+                for (int j = 0; j < lp->n_top && rc == 0; j++)
+                    rc |= msgpack_pack_float(pk, lp->top_logprobs[j]);
+            }
+            break;
         case F_U64S:
             rc |= msgpack_pack_array(pk, f->size / sizeof(uint64_t));
             for (size_t k = 0; k < f->size / sizeof(uint64_t) && rc == 0; k++)
@@ -508,8 +535,60 @@ static int decode_samp(const msgpack_object *o, proto_msg *m, char *err, size_t 
     return 0;
 }
 
-static int decode_field(const field_t *f, const msgpack_object *o, proto_msg *m, char *err,
-                        size_t errlen)
+/* A log-probability: finite, <= 0 (a little above 0 from rounding is accepted as 0). */
+static int lp_value(const msgpack_object *o, float *out)
+{
+    double d;
+    if (obj_num(o, &d) < 0 || d > 1e-3 || d < -1e30)
+        return -1;
+    *out = d > 0 ? 0.0f : (float)d;
+    return 0;
+}
+
+/* "lp" (protocol.h proto_logprob, one per token) into a malloc'd array; its length is
+ * checked against "tokens" once the whole header is read. 0, or -1 with err. */
+static int decode_lps(const msgpack_object *o, proto_msg *m, int *n_lps, char *err,
+                      size_t errlen)
+{
+    if (o->type != MSGPACK_OBJECT_ARRAY)
+        return fail(err, errlen, "field 'lp': want an array");
+    uint32_t n = o->via.array.size;
+    if (n == 0 || n > PROTO_MAX_TOKENS)
+        return fail(err, errlen, "field 'lp': %u entries (want 1..%d)", n, PROTO_MAX_TOKENS);
+    proto_logprob *lps = calloc(n, sizeof(*lps));
+    if (!lps)
+        return fail(err, errlen, "out of memory");
+    for (uint32_t k = 0; k < n; k++) {
+        const msgpack_object *e = &o->via.array.ptr[k];
+        if (e->type != MSGPACK_OBJECT_ARRAY || e->via.array.size != 3)
+            goto bad;
+        const msgpack_object *a = e->via.array.ptr;
+        if (lp_value(&a[0], &lps[k].logprob) < 0 || a[1].type != MSGPACK_OBJECT_ARRAY ||
+            a[2].type != MSGPACK_OBJECT_ARRAY || a[1].via.array.size != a[2].via.array.size ||
+            a[1].via.array.size > PROTO_MAX_TOP_LOGPROBS)
+            goto bad;
+        lps[k].n_top = (int)a[1].via.array.size;
+        for (int j = 0; j < lps[k].n_top; j++) {
+            int64_t id;
+            if (obj_int64(&a[1].via.array.ptr[j], &id) < 0 || id < 0 || id > INT32_MAX ||
+                lp_value(&a[2].via.array.ptr[j], &lps[k].top_logprobs[j]) < 0)
+                goto bad;
+            lps[k].top_ids[j] = (int)id;
+        }
+        continue;
+    bad:
+        free(lps);
+        return fail(err, errlen, "field 'lp': entry %u is not [logprob <= 0, [<= %d ids], "
+                    "[as many logprobs]]", k, PROTO_MAX_TOP_LOGPROBS);
+    }
+    free(m->lps);
+    m->lps = lps;
+    *n_lps = (int)n;
+    return 0;
+}
+
+static int decode_field(const field_t *f, const msgpack_object *o, proto_msg *m, int *n_lps,
+                        char *err, size_t errlen)
 {
     char *p = (char *)m + f->off;
     int64_t iv;
@@ -585,6 +664,8 @@ static int decode_field(const field_t *f, const msgpack_object *o, proto_msg *m,
     }
     case F_SAMP:
         return decode_samp(o, m, err, errlen);
+    case F_LPS:
+        return decode_lps(o, m, n_lps, err, errlen);
     case F_U64S: {
         if (o->type != MSGPACK_OBJECT_ARRAY)
             return fail(err, errlen, "field '%s': want an array", f->key);
@@ -735,6 +816,7 @@ int proto_decode(const void *buf, size_t len, proto_msg *m, char *err, size_t er
      * search for a key starts after the field found last and wraps: a header from
      * proto_encode costs one pass over the table, any other order is still found. */
     size_t hint = 0;
+    int n_lps = 0; /* "lp" entries, checked against "tokens" at the end */
     for (uint32_t i = 0; i < map->size; i++) {
         const msgpack_object *k = &map->ptr[i].key;
         if (k->type != MSGPACK_OBJECT_STR) {
@@ -756,7 +838,7 @@ int proto_decode(const void *buf, size_t len, proto_msg *m, char *err, size_t er
                 fail(err, errlen, "%s: duplicate field '%s'", proto_type_str(m->type), f->key);
                 goto done;
             }
-            if (decode_field(f, &map->ptr[i].val, m, err, errlen) < 0)
+            if (decode_field(f, &map->ptr[i].val, m, &n_lps, err, errlen) < 0)
                 goto done;
             seen[fi] = 1;
             break;
@@ -767,6 +849,11 @@ int proto_decode(const void *buf, size_t len, proto_msg *m, char *err, size_t er
             fail(err, errlen, "%s: missing field '%s'", proto_type_str(m->type), fields[fi].key);
             goto done;
         }
+    }
+    if (m->lps && n_lps != m->n_tokens) {
+        fail(err, errlen, "%s: %d 'lp' entries for %d tokens", proto_type_str(m->type), n_lps,
+             m->n_tokens);
+        goto done;
     }
     rc = 0;
 done:

@@ -37,6 +37,7 @@
 #define PROTO_MAX_BIAS 1024        /* "samp": logit_bias entries */
 #define PROTO_MAX_STOP_IDS 64      /* "samp": stop_token_ids */
 #define PROTO_KEY_LEN 41           /* a CURVE public key in Z85 text (40), NUL included */
+#define PROTO_MAX_TOP_LOGPROBS 20  /* "lpk" / "lp": alternatives per token (OpenAI's limit) */
 
 typedef enum {
     PROTO_REGISTER = 1,  /* worker -> gateway: I exist (id, role, capacity, kv endpoint) */
@@ -157,6 +158,18 @@ typedef struct {
     int stop_ids[PROTO_MAX_STOP_IDS];
 } proto_sampling;
 
+/* One generated token's log-probabilities (TOKENS "lp", optional; docs/protocol.md
+ * "Log-probabilities"): log-softmax of the model's raw logits (before any sampling
+ * transform) at the position that produced it: the token's own, and the n_top most likely
+ * tokens, most likely first (ties: the lower id first). On the wire an array
+ * [logprob, [top ids], [top logprobs]]. */
+typedef struct {
+    float logprob;
+    int n_top; /* [0, PROTO_MAX_TOP_LOGPROBS] */
+    int top_ids[PROTO_MAX_TOP_LOGPROBS];
+    float top_logprobs[PROTO_MAX_TOP_LOGPROBS];
+} proto_logprob;
+
 /* One message. Which fields are meaningful depends on type; see the table in protocol.c
  * (and docs/protocol.md). tokens is owned by the struct after proto_decode/wire_recv
  * (free with proto_msg_clear); for sending it is borrowed. */
@@ -206,6 +219,15 @@ typedef struct {
     uint64_t rng;                        /* sampler state (sampler.h) */
     proto_sampling *samp;                /* PREFILL, KV_BEGIN, optional: logit processors
                                           * (NULL = none); owned like tokens */
+    int logprobs;                        /* PREFILL, KV_BEGIN, optional ("lpk"): 0 = no
+                                          * log-probabilities; k + 1 = each TOKENS carries
+                                          * them with k alternatives (k <= 20) */
+    proto_logprob *lps;                  /* TOKENS, optional ("lp"): (n_tokens,) one per
+                                          * token, or NULL; owned like tokens */
+    int echo;                            /* PREFILL, optional: 1 = also report the prompt's
+                                          * own log-probabilities (needs logprobs); TOKENS,
+                                          * optional: 1 = tokens are prompt tokens [index,
+                                          * index + n) with their "lp" (echo), not generated */
     char decode_worker[PROTO_ID_LEN];    /* PREFILL: chosen decode worker ("" = local) */
     int priority;                        /* PREFILL, KV_BEGIN, optional: the request's tier,
                                           * 0 = online, 1 = offline (preempted first when a
@@ -266,7 +288,7 @@ typedef struct {
 
 /* Zero the message (no allocation). */
 void proto_msg_init(proto_msg *m, proto_type_t type);
-/* Free owned arrays (tokens, samp) and zero the struct. */
+/* Free owned arrays (tokens, samp, lps) and zero the struct. */
 void proto_msg_clear(proto_msg *m);
 const char *proto_type_str(int type);
 /* The name of a role ("prefill", "decode", "mixed"; "unknown" otherwise): the one spelling

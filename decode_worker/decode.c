@@ -106,7 +106,7 @@ static void start_decode(decode_role *d, dreq *r)
     }
     if (r->n_gen >= r->max_tokens || r->pos >= cp->mc->n_ctx) {
         if (r->n_sent == 0) {
-            runtime_send_tokens(rt, r->rid, 0, &r->first, 1, r->rng, &t);
+            runtime_send_tokens(rt, r->rid, 0, &r->first, 1, r->rng, &t, NULL);
             r->n_sent = 1;
             runtime_send_finish(rt, r->rid, PROTO_FINISH_LENGTH, NULL);
         } else {
@@ -178,6 +178,9 @@ static void on_accepted(decode_role *d, const kvx_event *ev)
     r->n_sent = 0; /* the first TOKENS repeats the first token at index 0 */
     r->max_tokens = ev->max_tokens;
     r->priority = ev->priority;
+    r->logprobs = ev->logprobs;
+    if (r->logprobs)
+        r->n_sent = 1; /* the prefill's TOKENS carried the first token and its logprobs */
     int migrated = ev->n_gen > 0;
     if (migrated) { /* tokens [0, n_gen) were reported by the other worker */
         r->n_gen = ev->n_gen;
@@ -233,6 +236,7 @@ static void adopt(void *st, runtime_handoff *h)
     r->n_sent = 1; /* the prefill reported the first token */
     r->max_tokens = h->max_tokens;
     r->priority = h->priority;
+    r->logprobs = h->logprobs;
     r->sp = h->sp;
     r->rng = h->rng;
     r->mtp_req = h->mtp_req;
@@ -325,7 +329,8 @@ static void emit(decode_role *d, dreq *r, const specdec_item *x)
 {
     runtime_t *rt = d->rt;
     const model_config *mc = rt->cp.mc;
-    int out[SPECDEC_MAX_DEPTH + 2], k = 0, reason = 0;
+    int out[RUNTIME_MAX_LP_TOKENS], k = 0, reason = 0;
+    sampler_logprob lps[RUNTIME_MAX_LP_TOKENS];
     /* the first decode step reports the transfer and its own latency */
     runtime_timing tm = {0}, *tp = NULL;
     if (r->t_ready_us) {
@@ -346,6 +351,8 @@ static void emit(decode_role *d, dreq *r, const specdec_item *x)
             reason = PROTO_FINISH_STOP;
             break;
         }
+        if (r->logprobs)
+            lps[k] = x->lps[j];
         out[k++] = t;
         r->n_gen++;
         rt->tokens_out++;
@@ -361,7 +368,8 @@ static void emit(decode_role *d, dreq *r, const specdec_item *x)
             reason = PROTO_FINISH_LENGTH;
     }
     if (k)
-        runtime_send_tokens(rt, r->rid, r->n_sent, out, k, r->rng, tp);
+        runtime_send_tokens(rt, r->rid, r->n_sent, out, k, r->rng, tp,
+                            r->logprobs ? lps : NULL);
     r->n_sent += k;
     if (reason) {
         runtime_send_finish(rt, r->rid, reason, k ? NULL : tp);
@@ -481,7 +489,8 @@ static int step(void *st)
                                      .sp = &r->sp,
                                      .rng = &r->rng,
                                      .penalize = r->pen ? penalize : NULL,
-                                     .penalize_ud = r->pen};
+                                     .penalize_ud = r->pen,
+                                     .n_logprobs = r->logprobs};
         n++;
     }
     /* draft with the modules, verify every sequence's [last, d1, d2] in one pass */

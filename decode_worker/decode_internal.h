@@ -31,6 +31,8 @@ typedef struct {
     int n_sent;     /* generated tokens this worker reported (next TOKENS index) */
     int max_tokens; /* generated tokens in total, first included */
     int priority;   /* 0 online, 1 offline (PREFILL / KV_BEGIN "pri"): preempted first */
+    int logprobs;   /* 0, or log-probabilities with k alternatives + 1 (KV_BEGIN "lpk"): each
+                     * TOKENS carries them; the first token's travelled in the prefill's */
     sampler_params sp;
     uint64_t rng;                 /* sampler state */
     char dep[PROTO_ENDPOINT_LEN]; /* DREQ_MIGRATING: where it is moving */

@@ -50,6 +50,7 @@ static int migrate_start(decode_role *d, dreq *r, const char *dep, const char *d
                            .mtp = r->mtp_req,
                            .n_gen = r->n_gen,
                            .priority = r->priority,
+                           .logprobs = r->logprobs,
                            .server_key = dpk};
     proto_sampling samp;
     if (r->pen) { /* its ids so far, but r->last: KV_END carries that one */

@@ -674,6 +674,42 @@ int api_check_sampling(const api_request *r, int vocab, api_error *err)
     return 0;
 }
 
+/* Chat: "logprobs" (boolean) and "top_logprobs" (0..20, only with "logprobs": true);
+ * completions: "logprobs" (0..5). Into r->logprobs (0, or alternatives + 1). */
+static int parse_logprobs(json_t *root, api_request *r, api_error *e)
+{
+    json_int_t iv = 0;
+    int present = 0;
+    if (r->kind == API_CHAT) {
+        int on = 0;
+        if (get_bool(root, "logprobs", &on, e) || get_int(root, "top_logprobs", &iv, &present, e))
+            return -1;
+        if (present && !on)
+            return api_error_set(e, 400, INVALID, "top_logprobs", "invalid_value",
+                                 "'top_logprobs' requires 'logprobs' to be true.");
+        if (present && (iv < 0 || iv > API_MAX_TOP_LOGPROBS_CHAT))
+            return api_error_set(e, 400, INVALID, "top_logprobs", "invalid_value",
+                                 "'top_logprobs' must be an integer from 0 to %d, got %lld.",
+                                 API_MAX_TOP_LOGPROBS_CHAT, (long long)iv);
+        r->logprobs = on ? (int)iv + 1 : 0;
+    } else if (r->kind == API_COMPLETIONS) {
+        if (get_int(root, "logprobs", &iv, &present, e))
+            return -1;
+        if (present && (iv < 0 || iv > API_MAX_LOGPROBS_COMPLETIONS))
+            return api_error_set(e, 400, INVALID, "logprobs", "invalid_value",
+                                 "'logprobs' must be an integer from 0 to %d, got %lld.",
+                                 API_MAX_LOGPROBS_COMPLETIONS, (long long)iv);
+        r->logprobs = present ? (int)iv + 1 : 0;
+        if (get_bool(root, "echo", &r->echo, e))
+            return -1;
+        if (r->echo && r->stream)
+            return api_error_set(e, 400, INVALID, "echo", "invalid_value",
+                                 "'echo' cannot be streamed by this server; use it without "
+                                 "'stream'.");
+    }
+    return 0;
+}
+
 static int parse_fields(json_t *root, api_request *r, api_error *e)
 {
     json_t *v;
@@ -783,29 +819,44 @@ static int parse_fields(json_t *root, api_request *r, api_error *e)
     if (parse_sampling(root, r, e))
         return -1;
 
-    /* Features we cannot honour are refused rather than silently ignored. */
+    if (parse_logprobs(root, r, e))
+        return -1;
+
+    /* Features we cannot honour are refused rather than silently ignored: logprobs are
+     * parsed above for chat and completions (top_logprobs is chat's alone). */
     static const char *unsupported[] = {"logprobs", "top_logprobs", "echo",
                                         "suffix",   "tools",        "functions"};
     for (size_t i = 0; i < sizeof(unsupported) / sizeof(unsupported[0]); i++) {
+        if ((i == 0 && r->kind != API_RESPONSES) || (i == 1 && r->kind == API_CHAT) ||
+            (i == 2 && r->kind == API_COMPLETIONS))
+            continue;
         v = json_object_get(root, unsupported[i]);
         if (is_set(v) && !(json_is_object(v) && json_object_size(v) == 0) &&
             !(json_is_array(v) && json_array_size(v) == 0))
             return api_error_set(e, 400, INVALID, unsupported[i], "unsupported_parameter",
                                  "'%s' is not supported by this server.", unsupported[i]);
     }
-    /* best_of (completions): the best n of best_of sequences by cumulative log-probability,
-     * which needs the log-probabilities; without them only best_of == n is served. */
-    if (get_int(root, "best_of", &iv, &present, e))
+    /* best_of (completions): best_of sequences per prompt, the n with the highest
+     * cumulative log-probability returned (OpenAI's and vLLM's rule); not streamed */
+    r->best_of = r->n;
+    if (r->kind == API_COMPLETIONS && get_int(root, "best_of", &iv, &present, e))
         return -1;
-    if (present && iv < r->n)
+    if (r->kind != API_COMPLETIONS || !present)
+        return 0;
+    if (iv < r->n)
         return api_error_set(e, 400, INVALID, "best_of", "invalid_value",
                              "'best_of' must be at least 'n' (%d), got %lld.", r->n, (long long)iv);
-    if (present && iv > r->n)
-        return api_error_set(e, 400, INVALID, "best_of", "unsupported_parameter",
-                             "'best_of' greater than 'n' is not supported by this server (it "
-                             "ranks sequences by log-probability, which is not computed); "
-                             "got best_of = %lld with n = %d.",
+    if (iv > API_MAX_N || iv * r->n_prompts > API_MAX_CHOICES)
+        return api_error_set(e, 400, INVALID, "best_of", "invalid_value",
+                             "'best_of' must be at most %d and %d prompts x best_of at most %d; "
+                             "got best_of = %lld.", API_MAX_N, r->n_prompts, API_MAX_CHOICES,
+                             (long long)iv);
+    if (iv > r->n && r->stream)
+        return api_error_set(e, 400, INVALID, "best_of", "invalid_value",
+                             "'best_of' greater than 'n' cannot be streamed (the best choices "
+                             "are known at the end); got best_of = %lld with n = %d.",
                              (long long)iv, r->n);
+    r->best_of = (int)iv;
     return 0;
 }
 
@@ -909,6 +960,135 @@ static json_t *text_or_null(const char *text, size_t len)
     return text ? json_stringn(text, len) : json_null();
 }
 
+int api_token_chars(const char *s, size_t n)
+{
+    int chars = 0;
+    for (size_t i = 0; i < n; chars++) {
+        int k = utf8_seq((const unsigned char *)s + i, n - i);
+        i += k > 0 ? (size_t)k : 1;
+    }
+    return chars;
+}
+
+/* A token's bytes as a JSON string: whole characters as they are, every other byte as
+ * U+FFFD. NULL on out of memory. */
+static json_t *token_string(const char *s, size_t n)
+{
+    if (n == 0)
+        return json_string("");
+    char stack[256] = "", *buf = n * 3 <= sizeof(stack) ? stack : malloc(n * 3 + 1);
+    if (!buf)
+        return NULL;
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        int k = utf8_seq((const unsigned char *)s + i, n - i);
+        if (k > 0) {
+            memcpy(buf + o, s + i, (size_t)k);
+            o += (size_t)k;
+            i += (size_t)k;
+        } else {
+            memcpy(buf + o, "\xEF\xBF\xBD", 3);
+            o += 3;
+            i++;
+        }
+    }
+    json_t *t = json_stringn(buf, o);
+    if (buf != stack)
+        free(buf);
+    return t;
+}
+
+static json_t *token_bytes(const char *s, size_t n)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; a && i < n; i++)
+        if (json_array_append_new(a, json_integer((unsigned char)s[i])) < 0) {
+            json_decref(a);
+            return NULL;
+        }
+    return a;
+}
+
+/* A log-probability as JSON: -inf (a token the model gives probability 0) is not JSON;
+ * OpenAI and vLLM show -9999.0 there. */
+static json_t *lp_real(float v)
+{
+    return json_real(isfinite(v) ? (double)v : -9999.0);
+}
+
+/* chat: {token, logprob, bytes} */
+static json_t *chat_token(const char *s, size_t n, float lp)
+{
+    return json_pack("{s:o, s:o, s:o}", "token", token_string(s, n), "logprob", lp_real(lp),
+                     "bytes", token_bytes(s, n));
+}
+
+json_t *api_logprobs_json(api_kind_t kind, const api_logprobs *lp)
+{
+    int top = lp->top;
+    if (kind == API_CHAT) {
+        json_t *content = json_array();
+        for (int i = 0; content && i < lp->n; i++) {
+            const api_logprob *x = &lp->e[i];
+            json_t *alts = json_array();
+            for (int j = 0; alts && j < x->n_top && j < top; j++)
+                if (json_array_append_new(alts, chat_token(x->top_text[j], x->top_len[j],
+                                                           x->top_logprob[j])) < 0) {
+                    json_decref(alts);
+                    alts = NULL;
+                }
+            json_t *one = chat_token(x->text, x->len, x->logprob);
+            if (!one || !alts || json_object_set_new(one, "top_logprobs", alts) < 0 ||
+                json_array_append_new(content, one) < 0) {
+                json_decref(one);
+                json_decref(content);
+                content = NULL;
+            }
+        }
+        return content ? json_pack("{s:o, s:n}", "content", content, "refusal") : NULL;
+    }
+    json_t *tokens = json_array(), *lps = json_array(), *tops = json_array(),
+           *offs = json_array();
+    int off = lp->text_offset, ok = tokens && lps && tops && offs;
+    for (int i = 0; ok && i < lp->n; i++) {
+        const api_logprob *x = &lp->e[i];
+        if (x->null_logprob) { /* echo's first prompt token */
+            ok = json_array_append_new(tokens, token_string(x->text, x->len)) == 0 &&
+                 json_array_append_new(lps, json_null()) == 0 &&
+                 json_array_append_new(tops, json_null()) == 0 &&
+                 json_array_append_new(offs, json_integer(off)) == 0;
+            off += api_token_chars(x->text, x->len);
+            continue;
+        }
+        json_t *d = json_object();
+        for (int j = 0; d && j < x->n_top && j < top; j++) {
+            json_t *k = token_string(x->top_text[j], x->top_len[j]);
+            if (!k || json_object_set_new(d, json_string_value(k), lp_real(x->top_logprob[j])))
+                ok = 0;
+            json_decref(k);
+        }
+        ok = ok && d && json_array_append_new(tokens, token_string(x->text, x->len)) == 0 &&
+             json_array_append_new(lps, lp_real(x->logprob)) == 0 &&
+             json_array_append_new(tops, d) == 0 &&
+             json_array_append_new(offs, json_integer(off)) == 0;
+        off += api_token_chars(x->text, x->len);
+    }
+    if (!ok) {
+        json_decref(tokens);
+        json_decref(lps);
+        json_decref(tops);
+        json_decref(offs);
+        return NULL;
+    }
+    return json_pack("{s:o, s:o, s:o, s:o}", "tokens", tokens, "token_logprobs", lps,
+                     "top_logprobs", tops, "text_offset", offs);
+}
+
+static json_t *logprobs_or_null(api_kind_t kind, const api_logprobs *lp)
+{
+    return lp ? api_logprobs_json(kind, lp) : json_null();
+}
+
 char *api_format_response_n(const api_response_info *info, const api_choice *choices, int n,
                             int n_prompt, int n_completion)
 {
@@ -923,12 +1103,13 @@ char *api_format_response_n(const api_response_info *info, const api_choice *cho
             return NULL;
         }
         json_t *choice;
+        json_t *lp = logprobs_or_null(info->kind, ch->logprobs);
         if (info->kind == API_CHAT)
-            choice = json_pack("{s:i, s:{s:s, s:o}, s:n, s:s}", "index", i, "message", "role",
-                               "assistant", "content", t, "logprobs", "finish_reason",
+            choice = json_pack("{s:i, s:{s:s, s:o}, s:o, s:s}", "index", i, "message", "role",
+                               "assistant", "content", t, "logprobs", lp, "finish_reason",
                                ch->finish_reason);
         else
-            choice = json_pack("{s:i, s:o, s:n, s:s}", "index", i, "text", t, "logprobs",
+            choice = json_pack("{s:i, s:o, s:o, s:s}", "index", i, "text", t, "logprobs", lp,
                                "finish_reason", ch->finish_reason);
         if (!choice || json_array_append_new(arr, choice) < 0) {
             json_decref(arr);
@@ -947,12 +1128,27 @@ char *api_format_response_n(const api_response_info *info, const api_choice *cho
 char *api_format_response(const api_response_info *info, const char *text, size_t len,
                           const char *finish_reason, int n_prompt, int n_completion)
 {
-    api_choice ch = {text, len, finish_reason};
+    api_choice ch = {text, len, finish_reason, NULL};
     return api_format_response_n(info, &ch, 1, n_prompt, n_completion);
 }
 
+static char *format_chunk(const api_response_info *info, const char *text, size_t len,
+                          const char *finish_reason, int role_chunk, const api_logprobs *lp);
+
 char *api_format_chunk(const api_response_info *info, const char *text, size_t len,
                        const char *finish_reason, int role_chunk)
+{
+    return format_chunk(info, text, len, finish_reason, role_chunk, NULL);
+}
+
+char *api_format_chunk_logprobs(const api_response_info *info, const char *text, size_t len,
+                                const char *finish_reason, const api_logprobs *lp)
+{
+    return format_chunk(info, text, len, finish_reason, 0, lp);
+}
+
+static char *format_chunk(const api_response_info *info, const char *text, size_t len,
+                          const char *finish_reason, int role_chunk, const api_logprobs *lp)
 {
     json_t *choice;
     if (info->kind == API_CHAT) {
@@ -970,14 +1166,15 @@ char *api_format_chunk(const api_response_info *info, const char *text, size_t l
             }
             json_object_set_new(delta, "content", t);
         }
-        choice = json_pack("{s:i, s:o, s:n, s:s?}", "index", info->index, "delta", delta,
-                           "logprobs", "finish_reason", finish_reason);
+        choice = json_pack("{s:i, s:o, s:o, s:s?}", "index", info->index, "delta", delta,
+                           "logprobs", logprobs_or_null(info->kind, lp), "finish_reason",
+                           finish_reason);
     } else {
         json_t *t = text_or_null(text ? text : "", text ? len : 0);
         if (!t)
             return NULL;
-        choice = json_pack("{s:i, s:o, s:n, s:s?}", "index", info->index, "text", t, "logprobs",
-                           "finish_reason", finish_reason);
+        choice = json_pack("{s:i, s:o, s:o, s:s?}", "index", info->index, "text", t, "logprobs",
+                           logprobs_or_null(info->kind, lp), "finish_reason", finish_reason);
     }
     if (!choice)
         return NULL;

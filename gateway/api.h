@@ -25,6 +25,8 @@
 #define API_MAX_N 128          /* "n": choices per prompt (OpenAI's limit) */
 #define API_MAX_PROMPTS 256    /* prompts of one batched completions request */
 #define API_MAX_CHOICES 256    /* prompts x n: sequences one request runs */
+#define API_MAX_TOP_LOGPROBS_CHAT 20 /* chat "top_logprobs" (OpenAI's limit) */
+#define API_MAX_LOGPROBS_COMPLETIONS 5 /* completions "logprobs" (OpenAI's limit) */
 
 typedef enum {
     API_COMPLETIONS = 0, /* POST /v1/completions */
@@ -56,7 +58,11 @@ typedef struct {
                                * token-id arrays); read them with api_request_prompt */
     api_prompt *prompts_rest; /* owned; NULL when n_prompts == 1 */
     int n;                    /* "n": choices per prompt, 1..API_MAX_N (n x n_prompts <=
-                               * API_MAX_CHOICES); "best_of", if given, equals it */
+                               * API_MAX_CHOICES) */
+    int best_of;              /* completions "best_of": sequences run per prompt, n..API_MAX_N
+                               * (x n_prompts <= API_MAX_CHOICES; not with stream when > n),
+                               * of which the n with the highest cumulative log-probability
+                               * are returned; = n when absent (and for chat) */
     int store;                /* responses: "store" (accepted; nothing is ever stored) */
     char *instructions;       /* responses: "instructions" (NUL-terminated; NULL = absent),
                                * also rendered into prompt as a system message */
@@ -70,8 +76,13 @@ typedef struct {
     int n_stop;
     int stream;        /* 1: SSE */
     int include_usage; /* stream_options.include_usage */
+    int echo;          /* completions "echo": the prompt (and with logprobs its tokens' log-
+                        * probabilities, the first null) before the completion; not streamed */
     int offline;       /* service_tier "flex": the offline tier ("auto", "default": online) */
     int mtp_depth;     /* extension "mtp_depth": 0..2 MTP drafts per step at most; -1 absent */
+    int logprobs;      /* 0: none; k + 1: every generated token's log-probability and its k
+                        * most likely alternatives (chat "logprobs": true with
+                        * "top_logprobs": k, 0..20; completions "logprobs": k, 0..5) */
     proto_sampling *samp; /* presence_penalty, frequency_penalty, repetition_penalty,
                            * logit_bias, min_tokens, stop_token_ids (docs/api.md "Sampling
                            * controls"); owned; NULL when none is set (all defaults). Token
@@ -145,11 +156,46 @@ typedef struct {
     int index;         /* chunks: the choice's "index" (n x prompt + i); 0 for one choice */
 } api_response_info;
 
+/* One generated token's log-probabilities, as the answer shows them (docs/api.md
+ * "Log-probabilities"). Token texts are the bytes the token adds to the text (borrowed; any
+ * bytes: shown as UTF-8 with U+FFFD for bytes that are no whole character, and as the raw
+ * "bytes" in chat). */
+typedef struct {
+    const char *text;
+    size_t len;
+    int null_logprob; /* 1: no value (echo's first prompt token): logprob and top null */
+    float logprob;
+    int n_top; /* alternatives, most likely first */
+    const char *top_text[API_MAX_TOP_LOGPROBS_CHAT];
+    size_t top_len[API_MAX_TOP_LOGPROBS_CHAT];
+    float top_logprob[API_MAX_TOP_LOGPROBS_CHAT];
+} api_logprob;
+
+/* The log-probabilities of n consecutive tokens of one choice (all of them, or a chunk's). */
+typedef struct {
+    const api_logprob *e; /* (n,) borrowed */
+    int n;
+    int top;              /* alternatives asked for (entries show at most this many) */
+    int text_offset;      /* completions: text_offset of e[0] (characters of the choice's
+                           * text before it) */
+} api_logprobs;
+
+/* The "logprobs" object of a choice for kind: chat {"content": [{token, logprob, bytes,
+ * top_logprobs: [{token, logprob, bytes}]}], "refusal": null}; completions {tokens,
+ * token_logprobs, top_logprobs: [{token: logprob}], text_offset} (OpenAI's shapes). A new
+ * jansson object (the caller's); NULL on out of memory. */
+struct json_t *api_logprobs_json(api_kind_t kind, const api_logprobs *lp);
+
+/* Characters (code points, U+FFFD for each byte that starts no whole character) of n bytes
+ * shown as a token's text: what a token adds to completions' text_offset. */
+int api_token_chars(const char *s, size_t n);
+
 /* One choice of a non-streaming answer: len bytes of valid UTF-8 text, its finish reason. */
 typedef struct {
     const char *text;
     size_t len;
     const char *finish_reason;
+    const api_logprobs *logprobs; /* NULL: "logprobs": null */
 } api_choice;
 
 /* finish reasons as OpenAI spells them */
@@ -177,6 +223,12 @@ char *api_format_chunk(const api_response_info *info, const char *text, size_t l
  * byte, plus the fixed part). NUL-terminated. Returns its length, or 0 when text is not
  * valid UTF-8 (api_format_chunk's NULL; nothing to send). */
 size_t api_text_chunk_bound(const api_response_info *info, size_t len);
+
+/* api_format_chunk with the log-probabilities of the chunk's tokens (lp NULL: null; a chat
+ * chunk with no text and lp set carries an empty delta). malloc'd; NULL on OOM or invalid
+ * UTF-8. */
+char *api_format_chunk_logprobs(const api_response_info *info, const char *text, size_t len,
+                                const char *finish_reason, const api_logprobs *lp);
 size_t api_format_text_chunk(const api_response_info *info, const char *text, size_t len,
                              char *out);
 

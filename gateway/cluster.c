@@ -454,6 +454,8 @@ static int try_assign(cluster_t *c, req_t *r)
     m.top_k = r->top_k;
     m.rng = r->rng;
     m.mtp_depth = r->mtp_depth;
+    m.logprobs = r->logprobs;
+    m.echo = r->echo;
     m.priority = r->offline && !r->promoted; /* preempted first on the decode worker */
     if (r->samp) { /* the penalties count what earlier attempts generated, too */
         r->samp->n_gen = r->n_gen;
@@ -774,11 +776,14 @@ cluster_status_t cluster_submit(cluster_t *c, const cluster_job *job, void *ud, 
     r->rng = job->rng;
     r->mtp_depth = job->mtp_depth >= 0 && job->mtp_depth <= PROTO_SPEC_MAX_POS + 1 ? job->mtp_depth
                                                                                 : 0;
+    r->logprobs = job->logprobs >= 0 && job->logprobs <= PROTO_MAX_TOP_LOGPROBS + 1 ? job->logprobs
+                                                                                 : 0;
     r->queued = 1;
     r->since_us = proto_now_us();
     r->enq_us = r->since_us;
     r->timing = job->timing;
     r->cb = job->cb ? job->cb : &c->cb;
+    r->echo = r->logprobs && job->echo && r->cb->on_prompt_logprobs;
     r->offline = job->offline != 0;
     if (r->timing) {
         memset(r->timing, 0, sizeof(*r->timing));
@@ -819,9 +824,9 @@ void cluster_cancel(cluster_t *c, uint64_t rid)
 }
 
 /* The callbacks of a request cluster_cancel_soon gave up on: its next tokens end it. */
-static int dropped_tokens(void *ud, const int *tokens, int n)
+static int dropped_tokens(void *ud, const int *tokens, const proto_logprob *lps, int n)
 {
-    (void)ud, (void)tokens, (void)n;
+    (void)ud, (void)tokens, (void)lps, (void)n;
     return 1;
 }
 
@@ -836,8 +841,10 @@ static void dropped_error(void *ud, int status, const char *type, const char *co
     (void)ud, (void)status, (void)type, (void)code, (void)msg;
 }
 
-static const cluster_callbacks dropped_callbacks = {dropped_tokens, dropped_finish,
-                                                    dropped_error};
+static const cluster_callbacks dropped_callbacks = {.on_tokens = dropped_tokens,
+                                                    .on_prompt_logprobs = NULL,
+                                                    .on_finish = dropped_finish,
+                                                    .on_error = dropped_error};
 
 void cluster_cancel_soon(cluster_t *c, uint64_t rid)
 {

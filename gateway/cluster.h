@@ -85,10 +85,18 @@ cluster_params cluster_default_params(void);
 
 /* How the cluster reports on a request; ud is the pointer given to cluster_submit. */
 typedef struct {
-    /* n >= 1 new tokens, in order, never repeated. Return 0 to continue, or 1 when the
-     * owner has completed the request itself (stop string, EOS, enough tokens): the
-     * cluster then sends CANCEL to its workers, forgets it, and calls nothing more. */
-    int (*on_tokens)(void *ud, const int *tokens, int n);
+    /* n >= 1 new tokens, in order, never repeated, with their log-probabilities (lps: (n,)
+     * borrowed for the call; NULL unless the job asked for them, and then never NULL).
+     * Return 0 to continue, or 1 when the owner has completed the request itself (stop
+     * string, EOS, enough tokens): the cluster then sends CANCEL to its workers, forgets
+     * it, and calls nothing more. */
+    int (*on_tokens)(void *ud, const int *tokens, const proto_logprob *lps, int n);
+    /* Optional (NULL: none; a job with echo needs it): the log-probabilities lps (n,
+     * borrowed) of prompt tokens [index, index + n) (tokens: their ids), index >= 1, as the
+     * workers reported them; a retry may report some again (and positions past the original
+     * prompt: the owner ignores what it does not need). */
+    void (*on_prompt_logprobs)(void *ud, int index, const int *tokens, const proto_logprob *lps,
+                               int n);
     /* The request ended normally; reason is proto_finish_t. Forgotten afterwards. */
     void (*on_finish)(void *ud, int reason);
     /* The request failed for good: an HTTP status (4xx/5xx), an OpenAI error type and
@@ -130,6 +138,9 @@ typedef struct {
                                  * on_finish / on_error, or cluster_cancel); zeroed and
                                  * filled by the cluster */
     int offline;                /* 1: offline tier (flex, batch), see the top comment */
+    int logprobs;               /* 0, or log-probabilities with k alternatives + 1 (k <=
+                                 * PROTO_MAX_TOP_LOGPROBS): every TOKENS must carry them */
+    int echo;                   /* with logprobs: the prompt's too (cb->on_prompt_logprobs) */
     const cluster_callbacks *cb; /* optional: this request's callbacks instead of the
                                   * cluster's (borrowed; must outlive the request) */
 } cluster_job;

@@ -79,6 +79,8 @@ typedef struct req {
     int top_k;
     uint64_t rng;
     int mtp_depth; /* PREFILL "mtp": depth + 1, 0 = not set */
+    int logprobs;  /* PREFILL "lpk": 0, or alternatives + 1 */
+    int echo;      /* PREFILL "echo" (with logprobs) */
     proto_sampling *samp; /* PREFILL "samp" (owned; NULL = none); its n_gen is set to n_gen
                            * at each PREFILL (a retry's generated tokens) */
     worker_t *pw, *dw; /* current attempt (NULL while queued) */

@@ -313,6 +313,25 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
             return;
         }
     }
+    if (m->echo) { /* the prompt's log-probabilities (echo): not generated tokens */
+        if (r->echo && m->lps && m->index >= 1) {
+            r->since_us = proto_now_us();
+            r->cb->on_prompt_logprobs(r->ud, m->index, m->tokens, m->lps, m->n_tokens);
+        } else {
+            log_warn("TOKENS echo from %s for request %llu that did not ask for it (or without "
+                     "lp): dropped", w ? w->id : "unknown worker", (unsigned long long)r->rid);
+        }
+        return;
+    }
+    if (r->logprobs && !m->lps) {
+        /* asked for with the request: a worker that leaves them out is not serving it */
+        char why[160];
+        snprintf(why, sizeof(why), "TOKENS from %s without the log-probabilities asked for",
+                 w ? w->id : "unknown worker");
+        log_warn("%s", why);
+        cluster_req_retry(c, r, 1, why);
+        return;
+    }
     if (w == r->pw && !r->p_started) {
         r->p_started = 1;
         w->pending_qtok -= r->p_qtok;
@@ -354,7 +373,7 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
      * random stream from here (exact for plain decoding; docs/api.md "seed") */
     if (m->rng && skip + n_new == m->n_tokens)
         r->rng = m->rng;
-    if (r->cb->on_tokens(r->ud, dst, n_new)) {
+    if (r->cb->on_tokens(r->ud, dst, r->logprobs ? m->lps + skip : NULL, n_new)) {
         /* the owner completed it (stop string, EOS, max_tokens). At max_tokens the workers
          * end it by themselves (they count too): a CANCEL would only turn their clean
          * finish into a cancellation in their logs and transfer counters. */

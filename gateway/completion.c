@@ -30,6 +30,20 @@ typedef struct {
     int64_t t_first_us;        /* first tokens at the gateway (0 = none yet) */
     int64_t t_last_us;         /* latest tokens at the gateway */
     cluster_req_timing timing; /* filled by the cluster */
+    /* log-probabilities (the request asked for them): one entry per counted token, in
+     * order; kept across retries (they came with the tokens) */
+    api_logprob *lpe;
+    int n_lpe, cap_lpe;
+    int prev_token;      /* the token before the next one (its text: tokenizer_piece) */
+    int lp_sent;         /* streaming: entries given to the sink */
+    int lp_offset;       /* streaming: text_offset of lpe[lp_sent] */
+    api_logprobs chunk;  /* streaming: the entries of the text() call in progress */
+    double cum_logprob;  /* the sum of the kept entries' logprobs (best_of's ranking) */
+    /* echo: the prompt's text and, with logprobs, its tokens' entries (plpe[0] null) */
+    char *echo_text;
+    size_t echo_len;
+    api_logprob *plpe;   /* (n_prompt,) or NULL */
+    int *prompt_ids;     /* (n_prompt,) with plpe */
 } choice_t;
 
 struct completion {
@@ -43,7 +57,13 @@ struct completion {
     int offline;              /* runs in the offline tier (flex, batch lines) */
     int flex;                 /* asked for service_tier "flex": reported in every body */
     int n_choices, n_running; /* sequences; those not ended yet */
-    int n_per_prompt;         /* "n" */
+    int n_per_prompt;         /* sequences per prompt: "best_of" (= "n" unless larger) */
+    int n_best;               /* "n": of them, the choices answered (the best by cumulative
+                               * log-probability when fewer than n_per_prompt) */
+    int logprobs;             /* 0, or alternatives shown + 1 (api_request.logprobs) */
+    int lp_asked;             /* 0, or alternatives asked of the workers + 1: logprobs, or 1
+                               * for best_of > n alone */
+    int echo;                 /* completions "echo" */
     choice_t *choices;        /* [n_choices], in index order */
     char id[48];
     int64_t created; /* unix seconds */
@@ -127,8 +147,13 @@ static void log_end(const choice_t *ch, int status, stats_end_t end, const char 
 /* Free the choices' streams and the array (also for a request never admitted). */
 static void choices_free(completion_t *c)
 {
-    for (int i = 0; c->choices && i < c->n_choices; i++)
+    for (int i = 0; c->choices && i < c->n_choices; i++) {
         stream_destroy(&c->choices[i].stream);
+        free(c->choices[i].lpe);
+        free(c->choices[i].echo_text);
+        free(c->choices[i].plpe);
+        free(c->choices[i].prompt_ids);
+    }
     free(c->choices);
     c->choices = NULL;
 }
@@ -178,15 +203,52 @@ static void cancel_running(completion_t *c, int status, const char *why)
 
 /* Streaming: hand the text the stream released to the sink. Collecting: it stays in the
  * stream for completion_format_response. */
-static void flush_text(choice_t *ch)
+static void flush_text(choice_t *ch, int final)
 {
     completion_t *c = ch->c;
     size_t len;
     const char *out = stream_out(ch->stream, &len);
-    if (!c->streaming || len == 0)
+    /* the log-probabilities of the tokens so far go with the text they released; the last
+     * flush sends what is left even without text (a stop string ate it) */
+    int n_lp = c->logprobs ? ch->n_lpe - ch->lp_sent : 0;
+    if (!c->streaming || (len == 0 && !(final && n_lp > 0)))
         return;
+    ch->chunk = (api_logprobs){.e = ch->lpe + ch->lp_sent,
+                               .n = n_lp,
+                               .top = c->logprobs - 1,
+                               .text_offset = ch->lp_offset};
     c->sink->text(c->ud, c, ch->index, out, len);
+    for (int i = 0; i < n_lp; i++)
+        ch->lp_offset += api_token_chars(ch->chunk.e[i].text, ch->chunk.e[i].len);
+    ch->lp_sent += n_lp;
+    ch->chunk = (api_logprobs){0};
     stream_out_clear(ch->stream);
+}
+
+/* Keep token's log-probabilities (lp, from the worker) as the answer shows them: its text
+ * and its alternatives' follow ch->prev_token. 0, or -1 out of memory. */
+static int keep_logprob(choice_t *ch, int token, const proto_logprob *lp)
+{
+    const tokenizer_t *tok = ch->c->env->tok;
+    if (ch->n_lpe == ch->cap_lpe) {
+        int cap = ch->cap_lpe ? 2 * ch->cap_lpe : 16;
+        api_logprob *p = realloc(ch->lpe, (size_t)cap * sizeof(*p));
+        if (!p)
+            return -1;
+        ch->lpe = p;
+        ch->cap_lpe = cap;
+    }
+    api_logprob *x = &ch->lpe[ch->n_lpe++];
+    x->text = tokenizer_piece(tok, ch->prev_token, token, &x->len);
+    x->null_logprob = 0;
+    x->logprob = lp->logprob;
+    ch->cum_logprob += lp->logprob;
+    x->n_top = 0;
+    for (int j = 0; j < lp->n_top && j < API_MAX_TOP_LOGPROBS_CHAT; j++, x->n_top++) {
+        x->top_text[j] = tokenizer_piece(tok, ch->prev_token, lp->top_ids[j], &x->top_len[j]);
+        x->top_logprob[j] = lp->top_logprobs[j];
+    }
+    return 0;
 }
 
 /* A sequence is complete: the rest of its text, its end (streaming); when it was the last,
@@ -194,7 +256,7 @@ static void flush_text(choice_t *ch)
 static void finish(choice_t *ch, const char *finish_reason)
 {
     completion_t *c = ch->c;
-    flush_text(ch);
+    flush_text(ch, 1);
     ch->finish_reason = finish_reason;
     c->n_running--;
     if (c->sink->choice_end)
@@ -238,7 +300,7 @@ static void fail_with(choice_t *ch, const api_error *e)
 
 // --- cluster callbacks (ud: the choice_t)
 
-static int on_tokens(void *ud, const int *tokens, int n)
+static int on_tokens(void *ud, const int *tokens, const proto_logprob *lps, int n)
 {
     choice_t *ch = ud;
     completion_t *c = ch->c;
@@ -254,7 +316,13 @@ static int on_tokens(void *ud, const int *tokens, int n)
     ch->t_last_us = now;
     api_error e;
     for (int i = 0; i < n; i++) {
+        int counted = stream_n_tokens(ch->stream);
         stream_status_t st = stream_push(ch->stream, tokens[i]);
+        /* a token the answer counts (not EOS) has its log-probabilities shown */
+        if (c->lp_asked && lps && stream_n_tokens(ch->stream) > counted &&
+            keep_logprob(ch, tokens[i], &lps[i]) < 0)
+            st = STREAM_ERR;
+        ch->prev_token = tokens[i];
         if (st == STREAM_STOP) {
             finish(ch, API_FINISH_STOP);
             return 1;
@@ -270,12 +338,38 @@ static int on_tokens(void *ud, const int *tokens, int n)
         finish(ch, st == STREAM_STOP ? API_FINISH_STOP : API_FINISH_LENGTH);
         return 1;
     }
-    flush_text(ch);
+    flush_text(ch, 0);
     if (c->sink->check && c->sink->check(c->ud, c, &e) < 0) {
         fail_with(ch, &e);
         return 1;
     }
     return 0;
+}
+
+/* Echo: prompt tokens [index, index + n)'s log-probabilities; kept as their entries (the
+ * first time a position is reported; positions past the prompt, a retry's generated
+ * tokens, are not the prompt's). */
+static void on_prompt_logprobs(void *ud, int index, const int *tokens, const proto_logprob *lps,
+                               int n)
+{
+    choice_t *ch = ud;
+    if (!ch->plpe)
+        return;
+    const tokenizer_t *tok = ch->c->env->tok;
+    for (int i = 0; i < n && index + i < ch->n_prompt; i++) {
+        int pos = index + i;
+        api_logprob *x = &ch->plpe[pos];
+        if (tokens[i] != ch->prompt_ids[pos]) /* not this prompt's token: never trusted */
+            continue;
+        x->null_logprob = 0;
+        x->logprob = lps[i].logprob;
+        x->n_top = 0;
+        for (int j = 0; j < lps[i].n_top && j < API_MAX_TOP_LOGPROBS_CHAT; j++, x->n_top++) {
+            x->top_text[j] = tokenizer_piece(tok, ch->prompt_ids[pos - 1], lps[i].top_ids[j],
+                                             &x->top_len[j]);
+            x->top_logprob[j] = lps[i].top_logprobs[j];
+        }
+    }
 }
 
 static void on_finish(void *ud, int reason)
@@ -293,7 +387,10 @@ static void on_error(void *ud, int status, const char *type, const char *code, c
     fail_with(ud, &e);
 }
 
-static const cluster_callbacks callbacks = {on_tokens, on_finish, on_error};
+static const cluster_callbacks callbacks = {.on_tokens = on_tokens,
+                                            .on_prompt_logprobs = on_prompt_logprobs,
+                                            .on_finish = on_finish,
+                                            .on_error = on_error};
 
 const cluster_callbacks *completion_callbacks(void)
 {
@@ -301,6 +398,51 @@ const cluster_callbacks *completion_callbacks(void)
 }
 
 // --- admission
+
+/* Echo: ch's prompt text (a text prompt's as given; token ids: their pieces, made valid
+ * UTF-8) and, with logprobs, its entries: each token's text, the first one's value null
+ * (filled by on_prompt_logprobs as the workers report them; a position never reported
+ * stays null). 0, or -1 out of memory. */
+static int echo_setup(choice_t *ch, const tokenizer_t *tok, api_prompt pr, const int *ids, int n,
+                      int logprobs)
+{
+    size_t cap = pr.text ? pr.len : 1;
+    for (int i = 0; !pr.text && i < n; i++) {
+        size_t len;
+        tokenizer_piece(tok, i ? ids[i - 1] : -1, ids[i], &len);
+        cap += len;
+    }
+    if (!(ch->echo_text = malloc(cap + 1)))
+        return -1;
+    if (pr.text) {
+        memcpy(ch->echo_text, pr.text, pr.len);
+        ch->echo_len = pr.len;
+    } else {
+        for (int i = 0; i < n; i++) {
+            size_t len;
+            const char *s = tokenizer_piece(tok, i ? ids[i - 1] : -1, ids[i], &len);
+            memcpy(ch->echo_text + ch->echo_len, s, len);
+            ch->echo_len += len;
+        }
+    }
+    ch->echo_text[ch->echo_len] = 0;
+    if (!pr.text) {
+        api_utf8_trim(ch->echo_text);
+        ch->echo_len = strlen(ch->echo_text);
+    }
+    if (!logprobs)
+        return 0;
+    ch->plpe = calloc((size_t)n, sizeof(*ch->plpe));
+    ch->prompt_ids = malloc((size_t)n * sizeof(int));
+    if (!ch->plpe || !ch->prompt_ids)
+        return -1;
+    memcpy(ch->prompt_ids, ids, (size_t)n * sizeof(int));
+    for (int i = 0; i < n; i++) {
+        ch->plpe[i].text = tokenizer_piece(tok, i ? ids[i - 1] : -1, ids[i], &ch->plpe[i].len);
+        ch->plpe[i].null_logprob = 1;
+    }
+    return 0;
+}
 
 /* Tokenize prompt p (BOS + text; a token-id prompt: its ids, each checked against the
  * vocabulary). malloc'd ids and their count, or NULL (out of memory, tokenizer failure, an
@@ -465,7 +607,7 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
     long long sum_prompt = 0, sum_max = 0;
     for (int i = 0; i < np; i++) {
         sum_prompt += n[i];
-        sum_max += (long long)max_tokens[i] * r.n;
+        sum_max += (long long)max_tokens[i] * r.best_of;
     }
     if (sink->admit && sink->admit(ud, (int)(sum_prompt > INT32_MAX ? INT32_MAX : sum_prompt),
                                    (int)(sum_max > INT32_MAX ? INT32_MAX : sum_max), e) < 0)
@@ -483,8 +625,14 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
         .include_usage = r.stream && r.include_usage,
         .offline = env->batch_line || r.offline,
         .flex = r.offline,
-        .n_choices = np * r.n,
-        .n_per_prompt = r.n,
+        .n_choices = np * r.best_of,
+        .n_per_prompt = r.best_of,
+        .n_best = r.n,
+        .logprobs = r.logprobs,
+        .echo = r.echo,
+        /* ranking best_of > n needs every token's log-probability, asked for with none of
+         * the alternatives when the client wants none shown */
+        .lp_asked = r.logprobs ? r.logprobs : r.best_of > r.n ? 1 : 0,
         .created = (int64_t)time(NULL),
         .params = {.temperature = r.temperature,
                    .top_p = r.top_p,
@@ -497,15 +645,19 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
     if (!c->choices)
         goto oom;
     for (int k = 0; k < c->n_choices; k++) {
-        int p = k / r.n;
+        int p = k / r.best_of;
         choice_t *ch = &c->choices[k];
         ch->c = c;
         ch->index = k;
         ch->n_prompt = n[p];
         ch->max_tokens = max_tokens[p];
+        ch->prev_token = tokens[p][n[p] - 1];
         ch->stream = stream_new(env->tok, tokens[p][n[p] - 1], tokenizer_eos(env->tok),
                                 (const char *const *)r.stop, r.n_stop);
         if (!ch->stream)
+            goto oom;
+        if (r.echo && echo_setup(ch, env->tok, api_request_prompt(&r, p), tokens[p], n[p],
+                                 r.logprobs) < 0)
             goto oom;
     }
 
@@ -513,7 +665,7 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
      * each prompt what it gets alone, and n choices are distinct and reproducible. */
     for (int k = 0; k < c->n_choices; k++) {
         choice_t *ch = &c->choices[k];
-        int p = k / r.n, i = k % r.n;
+        int p = k / r.best_of, i = k % r.best_of;
         uint64_t seed = r.has_seed ? r.seed + (uint64_t)i : random_seed(ch);
         cluster_job job = {
             .tokens = tokens[p],
@@ -527,6 +679,8 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
             .samp = r.samp,
             .timing = &ch->timing,
             .offline = c->offline,
+            .logprobs = c->lp_asked,
+            .echo = r.echo && r.logprobs,
             .cb = &callbacks,
         };
         cluster_status_t st = cluster_submit(env->cluster, &job, ch, &ch->rid);
@@ -688,19 +842,103 @@ const char *completion_choice_text(const completion_t *c, int index, size_t *len
     return stream_out(ch->stream, len);
 }
 
+/* Echo: o's text becomes the prompt's then the completion's, and lp (when shown) the
+ * prompt's entries then the completion's; the two buffers made go to bufs[0..1] (the
+ * caller frees them). 0, or -1 out of memory. */
+static int echo_join(const choice_t *ch, api_choice *o, api_logprobs *lp, void **bufs)
+{
+    char *t = malloc(ch->echo_len + o->len + 1);
+    if (!t)
+        return -1;
+    memcpy(t, ch->echo_text, ch->echo_len);
+    memcpy(t + ch->echo_len, o->text, o->len);
+    o->text = t;
+    o->len += ch->echo_len;
+    bufs[0] = t;
+    if (!lp || !ch->plpe)
+        return 0;
+    api_logprob *e = malloc((size_t)(ch->n_prompt + ch->n_lpe) * sizeof(*e));
+    if (!e)
+        return -1;
+    memcpy(e, ch->plpe, (size_t)ch->n_prompt * sizeof(*e));
+    if (ch->n_lpe)
+        memcpy(e + ch->n_prompt, ch->lpe, (size_t)ch->n_lpe * sizeof(*e));
+    lp->e = e;
+    lp->n = ch->n_prompt + ch->n_lpe;
+    bufs[1] = e;
+    return 0;
+}
+
 char *completion_format_response(const completion_t *c)
 {
     api_choice stack[8],
         *chs = c->n_choices <= 8 ? stack : calloc((size_t)c->n_choices, sizeof(api_choice));
     if (!chs)
         return NULL;
-    for (int k = 0; k < c->n_choices; k++)
-        chs[k].text = completion_choice_text(c, k, &chs[k].len, &chs[k].finish_reason);
+    api_logprobs lstack[8], *lps = !c->logprobs ? NULL
+                                 : c->n_choices <= 8 ? lstack
+                                                     : calloc((size_t)c->n_choices, sizeof(*lps));
+    if (c->logprobs && !lps) {
+        if (chs != stack)
+            free(chs);
+        return NULL;
+    }
+    /* each prompt's n_best choices: all its sequences in order, or (best_of > n) the n_best
+     * with the highest cumulative log-probability, best first (ties: the lower index) */
+    int per = c->n_per_prompt, n_out = 0, n_heap = 0, ok = 1;
+    /* echo: each answered choice's joined text and entries (2 buffers each) */
+    void **heap = c->echo ? calloc((size_t)c->n_choices * 2, sizeof(void *)) : NULL;
+    if (c->echo && !heap)
+        ok = 0;
+    for (int base = 0; ok && base < c->n_choices; base += per) {
+        int picked[API_MAX_N];
+        for (int r = 0; r < c->n_best; r++) {
+            int best = -1;
+            for (int k = base; k < base + per; k++) {
+                int used = 0;
+                for (int q = 0; q < r; q++)
+                    used |= picked[q] == k;
+                if (!used && (best < 0 || (per > c->n_best &&
+                                           c->choices[k].cum_logprob > c->choices[best].cum_logprob)))
+                    best = k;
+            }
+            picked[r] = best;
+            api_choice *o = &chs[n_out];
+            const choice_t *ch = &c->choices[best];
+            o->text = completion_choice_text(c, best, &o->len, &o->finish_reason);
+            o->logprobs = NULL;
+            if (lps) {
+                lps[n_out] = (api_logprobs){.e = ch->lpe, .n = ch->n_lpe, .top = c->logprobs - 1};
+                o->logprobs = &lps[n_out];
+            }
+            if (ch->echo_text && echo_join(ch, o, lps ? &lps[n_out] : NULL, &heap[n_heap]) < 0)
+                ok = 0;
+            n_heap += ch->echo_text ? 2 : 0;
+            n_out++;
+        }
+    }
     int n_prompt, n_completion;
     completion_usage(c, &n_prompt, &n_completion);
     api_response_info info = completion_info(c);
-    char *body = api_format_response_n(&info, chs, c->n_choices, n_prompt, n_completion);
+    char *body = ok ? api_format_response_n(&info, chs, n_out, n_prompt, n_completion) : NULL;
+    for (int i = 0; i < n_heap; i++)
+        free(heap[i]);
+    free(heap);
     if (chs != stack)
         free(chs);
+    if (lps && lps != lstack)
+        free(lps);
     return body;
+}
+
+const api_logprobs *completion_chunk_logprobs(const completion_t *c, int index)
+{
+    if (!c->logprobs || index < 0 || index >= c->n_choices)
+        return NULL;
+    return &c->choices[index].chunk;
+}
+
+int completion_logprobs(const completion_t *c)
+{
+    return c->logprobs;
 }

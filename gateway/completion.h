@@ -14,7 +14,10 @@
  * ends; one that fails for good fails the request and cancels the others.
  *
  * Generated text goes through a stream_t (stream.h): only whole UTF-8 characters come out
- * and stop strings are honoured. A streaming request hands its text to the sink as it is
+ * and stop strings are honoured. Log-probabilities (when asked for) arrive with their
+ * tokens and are kept per choice, one entry per counted token (so a retry keeps those
+ * already received); a stream hands each text chunk the entries of its tokens
+ * (completion_chunk_logprobs), a collected answer all of them. A streaming request hands its text to the sink as it is
  * released; any other collects it, and the sink formats the whole answer at the end
  * (completion_format_response). What differs between transports, an SSE stream or a JSON
  * reply or a batch output line, is a completion_sink: a few callbacks for text, the end,
@@ -61,7 +64,8 @@ typedef struct {
  * completion (borrowed for the call: read it with the accessors below). */
 typedef struct {
     /* Streaming requests only: len >= 1 bytes of text that choice index's stream released
-     * (whole UTF-8 characters). */
+     * (whole UTF-8 characters); with log-probabilities asked for, len may be 0 at the
+     * choice's end when only entries are left (completion_chunk_logprobs). */
     void (*text)(void *ud, const completion_t *c, int index, const char *text, size_t len);
     /* Optional (NULL: none). After each message of tokens that leaves the request running:
      * return 0, or -1 to end it with the error *e (the sink fills it; e.g. a client that
@@ -177,6 +181,14 @@ api_response_info completion_info(const completion_t *c);
 /* The usage figures: prompt tokens (BOS included; each prompt once, whatever its n) and
  * completion tokens so far (all choices). */
 void completion_usage(const completion_t *c, int *n_prompt, int *n_completion);
+
+/* 0 when the request asked for no log-probabilities, else the alternatives asked for + 1. */
+int completion_logprobs(const completion_t *c);
+
+/* Streaming, inside sink->text for choice index: the log-probabilities of the tokens whose
+ * text this call carries (borrowed for the call; n may be 0); NULL when the request asked
+ * for none. */
+const api_logprobs *completion_chunk_logprobs(const completion_t *c, int index);
 
 /* The non-streaming response body (completions, chat) with every choice's text collected
  * and finish reason (api_format_response_n). malloc'd (the caller frees); NULL on out of

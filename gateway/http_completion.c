@@ -238,6 +238,15 @@ static void sink_text(void *ud, const completion_t *c, int index, const char *te
     }
     api_response_info info = completion_info(c);
     info.index = index;
+    const api_logprobs *lp = completion_chunk_logprobs(c, index);
+    if (lp) { /* the slower path: jansson formats the entries */
+        char *chunk = api_format_chunk_logprobs(&info, len ? text : NULL, len, NULL, lp);
+        if (chunk) {
+            sse_send(ud, chunk);
+            free(chunk);
+        }
+        return;
+    }
     size_t cap = api_text_chunk_bound(&info, len) + 8;
     char stack[4096], *ev = cap <= sizeof(stack) ? stack : malloc(cap);
     if (!ev)

@@ -99,6 +99,8 @@ typedef struct {
     int n_gen;
     /* KVX_EV_ACCEPTED: KV_BEGIN's "pri": 0 online, 1 offline (preempted first) */
     int priority;
+    /* KVX_EV_ACCEPTED: KV_BEGIN's "lpk": 0, or log-probabilities with k alternatives + 1 */
+    int logprobs;
     /* KVX_EV_ACCEPTED: KV_BEGIN's sampling controls ("samp") and the sequence's ids so far
      * ("tokens": prompt then generated, first_token not included; n_hist of them), both
      * malloc'd and owned by whoever pops the event (free them); NULL / 0 when none */
@@ -163,6 +165,7 @@ typedef struct {
      * still to generate, first_token included (docs/kvtransfer.md "Migration") */
     int n_gen;
     int priority; /* the request's tier (KV_BEGIN "pri"): 0 online, 1 offline */
+    int logprobs; /* KV_BEGIN "lpk": 0, or log-probabilities with k alternatives + 1 */
     /* sampling controls (optional, NULL = none; borrowed for the call): carried in KV_BEGIN
      * with the sequence's ids so far (hist, n_hist: prompt then generated, KV_END's
      * first_token not included), which the receiver's penalties count */

@@ -34,6 +34,7 @@ typedef struct kvx_rx {
     int mtp;      /* the request's MTP depth + 1 (0 = not set) */
     int n_gen;    /* KV_BEGIN "gen" (0 = a prefill hand-off; > 0 = a migrated sequence) */
     int priority; /* KV_BEGIN "pri" */
+    int logprobs; /* KV_BEGIN "lpk" */
     proto_sampling *samp; /* KV_BEGIN "samp" (copied; NULL = none) */
     int *hist;            /* KV_BEGIN "tokens" with samp (copied), n_hist ids */
     int n_hist;
@@ -330,6 +331,7 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
     x->mtp = m->mtp_depth;
     x->n_gen = m->n_gen;
     x->priority = m->priority;
+    x->logprobs = m->logprobs;
     /* MTP module layers and the hand-off state are kept when they are what our modules
      * would compute; otherwise they are received (checksummed) and dropped, and the
      * sequence decodes without MTP */
@@ -505,6 +507,7 @@ static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, wire_envelo
     ev.mtp = x->mtp;
     ev.n_gen = x->n_gen;
     ev.priority = x->priority;
+    ev.logprobs = x->logprobs;
     ev.samp = x->samp; /* moved to the event */
     ev.hist = x->hist;
     ev.n_hist = x->n_hist;

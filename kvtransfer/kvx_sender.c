@@ -401,6 +401,7 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
     m.mtp_depth = bp->mtp;
     m.n_gen = bp->n_gen;
     m.priority = bp->priority ? 1 : 0;
+    m.logprobs = bp->logprobs;
     m.n_kv_head = kp->n_kv_head;
     m.head_dim = kp->head_dim;
     m.dtype = PROTO_DTYPE_F32;

@@ -151,6 +151,8 @@ static void on_prefill(prefill_role *p, proto_msg *m)
     /* a zero state would stall xorshift: derive one from the request id */
     r->rng = m->rng ? m->rng : sampler_seed_state(rid);
     r->priority = m->priority;
+    r->logprobs = m->logprobs;
+    r->echo = m->echo && m->logprobs;
     r->mtp_req = m->mtp_depth;
     if (m->samp) {
         /* penalties count the prompt and what earlier attempts generated (the last
@@ -287,6 +289,9 @@ static void detach(void **pst)
     free(p->batch);
     free(p->batch_reqs);
     free(p->logits);
+    free(p->lp_raw);
+    free(p->echo_logits);
+    free(p->echo_lps);
     free(p->hid);
     free(p->pitems);
     free(p);
@@ -306,9 +311,12 @@ static void *attach(runtime_t *rt)
     p->batch_reqs = calloc((size_t)cp->max_items, sizeof(*p->batch_reqs));
     p->logits = malloc((size_t)cp->max_items * (size_t)cp->mc->vocab_size * sizeof(float));
     p->pitems = calloc((size_t)cp->max_items, sizeof(*p->pitems));
+    p->lp_raw = malloc((size_t)cp->mc->vocab_size * sizeof(float));
+    p->echo_logits = malloc((size_t)PREFILL_ECHO_CHUNK * (size_t)cp->mc->vocab_size * sizeof(float));
+    p->echo_lps = calloc(PREFILL_ECHO_CHUNK, sizeof(*p->echo_lps));
     if (cp->mtp)
         p->hid = malloc((size_t)cp->max_tokens * (size_t)cp->mc->dim * sizeof(float));
-    if (!p->batch || !p->batch_reqs || !p->logits || !p->pitems || (cp->mtp && !p->hid)) {
+    if (!p->batch || !p->batch_reqs || !p->logits || !p->pitems || !p->lp_raw || !p->echo_logits || !p->echo_lps || (cp->mtp && !p->hid)) {
         log_error("out of memory allocating the prefill batch");
         void *st = p;
         detach(&st);

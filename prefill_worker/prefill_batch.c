@@ -99,7 +99,7 @@ static int admit(prefill_role *p, preq *r)
     if (seq < 0)
         return -1;
     int cached = 0;
-    if (rt->set.prefix_cache) {
+    if (rt->set.prefix_cache && !r->echo) { /* echo: every position's logits are needed */
         int la = 0;
         uint64_t seed = prefix_key(p, r, &la);
         /* the last token (the logits) and, with MTP, the one before are computed */
@@ -191,6 +191,7 @@ static int transfer_begin(prefill_role *p, preq *r)
                            .n_hidden = mtp ? specdec_hand_floats(cp->sd) : 0,
                            .mtp = r->mtp_req,
                            .priority = r->priority,
+                           .logprobs = r->logprobs,
                            .server_key = r->dpk};
     proto_sampling samp;
     if (r->pen) { /* the decode worker's penalties count the prompt (+ earlier attempts) */
@@ -207,6 +208,23 @@ static int transfer_begin(prefill_role *p, preq *r)
     return -1;
 }
 
+/* Echo: r's chunk of positions [pos, pos + n) is computed with every row's logits in
+ * p->echo_logits: row j gives prompt token pos + j + 1 its log-probabilities (the last
+ * row, the first generated token's, is prompt_done's); report them (TOKENS "echo"). */
+static void echo_chunk(prefill_role *p, const preq *r, int pos, int n)
+{
+    const int vocab = p->rt->cp.mc->vocab_size;
+    int k = 0;
+    for (int j = 0; j < n && pos + j + 1 < r->n_prompt; j++, k++) {
+        sampler_logprob lp;
+        sampler_logprobs(p->echo_logits + (size_t)j * vocab, vocab, r->prompt[pos + j + 1],
+                         r->logprobs - 1, &lp);
+        runtime_logprob_to_proto(&p->echo_lps[k], &lp);
+    }
+    if (k > 0)
+        runtime_send_prompt_logprobs(p->rt, r->rid, pos + 1, r->prompt + pos + 1, k, p->echo_lps);
+}
+
 /* r's whole prompt is computed and its first token sampled from logits: report it, then
  * finish the transfer, hand the sequence to the local decode role, or end the request. */
 static void prompt_done(prefill_role *p, preq *r, float *logits)
@@ -218,9 +236,16 @@ static void prompt_done(prefill_role *p, preq *r, float *logits)
         uint64_t seed = prefix_key(p, r, &la);
         kvcache_seq_commit_prefix(cp->kv, r->seq, seed, la, r->prompt, r->n_prompt);
     }
+    /* log-probabilities are those of the raw distribution: the logits are kept before
+     * penalties and sampling transform them in place */
+    sampler_logprob lp;
+    if (r->logprobs)
+        memcpy(p->lp_raw, logits, (size_t)cp->mc->vocab_size * sizeof(float));
     if (r->pen)
         seqpen_apply(r->pen, cp->sampler, logits);
     int first = sampler_sample(cp->sampler, &r->sp, &r->rng, logits);
+    if (r->logprobs)
+        sampler_logprobs(p->lp_raw, cp->mc->vocab_size, first, r->logprobs - 1, &lp);
     runtime_timing t = {.queue_us = r->t_start_us - r->t_recv_us,
                         .prefill_us = proto_now_us() - r->t_start_us};
     free(r->prompt);
@@ -230,7 +255,7 @@ static void prompt_done(prefill_role *p, preq *r, float *logits)
         prefill_req_remove(p, r);
         return;
     }
-    runtime_send_tokens(rt, r->rid, 0, &first, 1, r->rng, &t);
+    runtime_send_tokens(rt, r->rid, 0, &first, 1, r->rng, &t, r->logprobs ? &lp : NULL);
     rt->tokens_out++;
     if (r->pen)
         seqpen_push(r->pen, first);
@@ -256,6 +281,7 @@ static void prompt_done(prefill_role *p, preq *r, float *logits)
                              .mtp_req = r->mtp_req,
                              .mtp_depth = r->mtp_depth,
                              .priority = r->priority,
+                             .logprobs = r->logprobs,
                              .hand = r->hand,
                              .pen = r->pen};
         r->seq = -1;
@@ -275,11 +301,14 @@ int prefill_step(void *st)
     const int chunk = (int)rt->set.prefill_chunk_tokens;
     int n = 0, budget = (int)rt->set.max_batch_tokens;
     int blocked = prefill_blocked(p);
+    int echo_taken = 0; /* an echo prompt's chunk is in the batch (one at most) */
     /* Prompts being computed continue (they are ahead in arrival order), and queued ones
      * are admitted in order until one does not fit (FIFO: no overtaking) or the budget of
      * tokens is spent. */
     for (int i = 0; i < p->n_reqs && n < cp->max_items && budget > 0; i++) {
         preq *r = p->reqs[i];
+        if (r->echo && echo_taken && (r->state == PREQ_QUEUED || r->state == PREQ_PREFILLING))
+            break; /* the next batch takes it (FIFO: nothing after it either) */
         if (r->state == PREQ_QUEUED) {
             if (blocked)
                 continue;
@@ -294,6 +323,10 @@ int prefill_step(void *st)
         }
         int take = r->n_prompt - r->n_done;
         take = take < chunk ? take : chunk;
+        if (r->echo) {
+            take = take < PREFILL_ECHO_CHUNK ? take : PREFILL_ECHO_CHUNK;
+            echo_taken = 1;
+        }
         take = take < budget ? take : budget;
         r->n_chunk = take;
         budget -= take;
@@ -322,8 +355,9 @@ int prefill_step(void *st)
                                         .pos = r->n_done,
                                         .n_tokens = r->n_chunk,
                                         .tokens = r->prompt + r->n_done,
-                                        .logits_all = 0,
-                                        .logits = p->logits + (size_t)m * vocab};
+                                        .logits_all = r->echo,
+                                        .logits = r->echo ? p->echo_logits
+                                                          : p->logits + (size_t)m * vocab};
         if (r->mtp_depth > 0) { /* h_0 of every position, for the MTP modules */
             p->batch[m].hidden = p->hid + (size_t)hid_rows * cp->mc->dim;
             p->batch[m].hidden_all = 1;
@@ -349,8 +383,13 @@ int prefill_step(void *st)
         r->n_done += r->n_chunk;
         r->blk_sent = r->blk_upto;
         rt->tokens_in += (uint64_t)r->n_chunk;
+        float *last = p->batch[i].logits;
+        if (r->echo) {
+            echo_chunk(p, r, r->n_done - r->n_chunk, r->n_chunk);
+            last = p->echo_logits + (size_t)(r->n_chunk - 1) * vocab;
+        }
         if (r->n_done == r->n_prompt) /* else its next chunk runs in the next iteration */
-            prompt_done(p, r, p->batch[i].logits);
+            prompt_done(p, r, last);
     }
     return 1;
 }

@@ -26,6 +26,10 @@ typedef enum {
  * frees it after the transfer, and the request only names it for the forward pass that
  * fills it. A prompt decoded here leaves with its sequence for the decode role
  * (runtime_handoff_local). */
+/* An echo prompt's chunk at most (tokens): its logits are kept for every position, one
+ * such prompt per batch, and a chunk's prompt log-probabilities are one TOKENS message. */
+#define PREFILL_ECHO_CHUNK 64
+
 typedef struct {
     uint64_t rid;
     preq_state_t state;
@@ -47,6 +51,10 @@ typedef struct {
     int mtp_req;                  /* the request's MTP depth + 1 (0 = not set) */
     int mtp_depth;                /* drafts it may make per step: 0 = no module work */
     int priority;                 /* PREFILL "pri": 0 online, 1 offline (KV_BEGIN "pri") */
+    int logprobs;                 /* PREFILL "lpk": 0, or k alternatives + 1 (KV_BEGIN "lpk") */
+    int echo;                     /* PREFILL "echo" (with logprobs): report the log-probabilities
+                                   * of prompt tokens 1.. too (every position's logits; no
+                                   * prefix cache; chunks of PREFILL_ECHO_CHUNK) */
     float *hand; /* (2, dim) MTP hand-off state, filled by the module pass (owned; NULL when
                   * mtp_depth is 0) */
     seqpen_t *pen; /* PREFILL "samp": its sampling controls and ids (owned; NULL = none) */
@@ -63,6 +71,9 @@ typedef struct {
     model_seq_batch *batch;
     preq **batch_reqs;
     float *logits;
+    float *lp_raw; /* (vocab,) a prompt's raw last logits, for its first token's logprobs */
+    float *echo_logits;      /* (PREFILL_ECHO_CHUNK, vocab): an echo prompt's chunk, all rows */
+    proto_logprob *echo_lps; /* (PREFILL_ECHO_CHUNK,) their log-probabilities, for TOKENS */
     int n_batch;
     /* MTP: (max_tokens, dim) hidden states h_0 of the batch's prompts, module pass items */
     float *hid;

@@ -2,15 +2,19 @@
  * tidepool-generate: run the engine alone, in-process (no gateway, no workers).
  *
  *   tidepool-generate --model GGUF --prompt TEXT --max-tokens N
- *                     [--temperature T] [--top-p P] [--top-k K] [--seed S]
+ *                     [--temperature T] [--top-p P] [--top-k K] [--seed S] [--logprobs K]
  *
  * Prints the completion (the generated text only, not the prompt) to stdout and, on
- * stderr, the prompt token ids, the generated token ids and the decode speed. The prompt
+ * stderr, the prompt token ids, the generated token ids and the decode speed; with
+ * --logprobs K, one line "logprob <id> <lp> <id>:<lp> ..." per generated token first: the
+ * token's log-softmax and the K most likely tokens', computed here in double from the raw
+ * logits (a reference for the served logprobs, tests/integration/test_logprobs.py). The prompt
  * is encoded with BOS and prefilled in one forward pass; decoding then runs one token per
  * pass and stops at EOS or after N tokens. Used to compare against serving through the
  * gateway, which must give the same tokens for the same request.
  */
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,7 +32,9 @@ static void usage(FILE *f)
                "  --temperature  0 = greedy (default 0)\n"
                "  --top-p        nucleus mass in (0, 1] (default 1 = off)\n"
                "  --top-k        keep the K most likely tokens (default 0 = off)\n"
-               "  --seed         random seed (default 0)\n");
+               "  --seed         random seed (default 0)\n"
+               "  --logprobs     print each token's log-probability and the K most likely "
+               "(0..20; default: none)\n");
 }
 
 static double now_s(void)
@@ -36,6 +42,30 @@ static double now_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* "logprob <id> <lp> <id>:<lp> ..." on stderr: log-softmax of logits (n floats) in double,
+ * the token's and the k largest (ties: the lower id first), computed independently of the
+ * sampler's code. */
+static void print_logprobs(const float *logits, int n, int token, int k)
+{
+    double mx = logits[0], sum = 0;
+    for (int i = 1; i < n; i++)
+        mx = logits[i] > mx ? logits[i] : mx;
+    for (int i = 0; i < n; i++)
+        sum += exp((double)logits[i] - mx);
+    double lse = mx + log(sum);
+    fprintf(stderr, "logprob %d %.9g", token, (double)logits[token] - lse);
+    unsigned char used[65536] = {0};
+    for (int j = 0; j < k && j < n && n <= 65536; j++) {
+        int best = -1;
+        for (int i = 0; i < n; i++)
+            if (!used[i] && (best < 0 || logits[i] > logits[best]))
+                best = i;
+        used[best] = 1;
+        fprintf(stderr, " %d:%.9g", best, (double)logits[best] - lse);
+    }
+    fprintf(stderr, "\n");
 }
 
 static int parse_num(const char *flag, const char *s, double lo, double hi, double *out)
@@ -55,7 +85,7 @@ static int parse_num(const char *flag, const char *s, double lo, double hi, doub
 int main(int argc, char **argv)
 {
     const char *model_path = NULL, *prompt = NULL;
-    double max_tokens = -1, temperature = 0, top_p = 1, top_k = 0, seed = 0;
+    double max_tokens = -1, temperature = 0, top_p = 1, top_k = 0, seed = 0, n_lp = -1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -79,6 +109,8 @@ int main(int argc, char **argv)
             bad = parse_num(a, v, 0, 1 << 24, &top_k);
         } else if (strcmp(a, "--seed") == 0) {
             bad = parse_num(a, v, 0, 1.8e19, &seed);
+        } else if (strcmp(a, "--logprobs") == 0) {
+            bad = parse_num(a, v, 0, 20, &n_lp);
         } else {
             bad = 1;
         }
@@ -102,7 +134,7 @@ int main(int argc, char **argv)
     kvcache_t *kv = NULL;
     sampler_t *smp = NULL;
     int *ptoks = NULL, *gen = NULL;
-    float *logits = NULL;
+    float *logits = NULL, *raw = NULL;
 
     m = model_load(model_path, err, sizeof(err));
     if (!m) {
@@ -147,7 +179,8 @@ int main(int argc, char **argv)
     smp = sampler_new(c->vocab_size);
     gen = malloc(((size_t)n_gen + 1) * sizeof(int));
     logits = malloc((size_t)c->vocab_size * sizeof(float));
-    if (!kv || !ctx || !smp || !gen || !logits) {
+    raw = malloc((size_t)c->vocab_size * sizeof(float));
+    if (!kv || !ctx || !smp || !gen || !logits || !raw) {
         fprintf(stderr, "tidepool-generate: out of memory\n");
         goto out;
     }
@@ -171,7 +204,12 @@ int main(int argc, char **argv)
     int n_out = 0, prev = ptoks[n_prompt - 1];
     double t0 = now_s();
     while (n_out < n_gen) {
+        if (n_lp >= 0) { /* the raw logits, before sampling transforms them in place */
+            memcpy(raw, logits, (size_t)c->vocab_size * sizeof(float));
+        }
         int next = sampler_sample(smp, &sp, &rng, logits);
+        if (n_lp >= 0)
+            print_logprobs(raw, c->vocab_size, next, (int)n_lp);
         gen[n_out++] = next;
         if (next == c->eos_id)
             break;
@@ -203,6 +241,7 @@ int main(int argc, char **argv)
     rc = 0;
 out:
     free(logits);
+    free(raw);
     free(gen);
     free(ptoks);
     sampler_destroy(&smp);

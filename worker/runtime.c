@@ -158,11 +158,18 @@ static void bundle_add(runtime_t *rt, const proto_msg *m)
     rt->bundle_off[++rt->n_bundle] = used + hlen;
 }
 
+_Static_assert(SAMPLER_MAX_TOP_LOGPROBS == PROTO_MAX_TOP_LOGPROBS, "one limit of alternatives");
+
 void runtime_send_tokens(runtime_t *rt, uint64_t rid, int index, const int *tokens, int n,
-                         uint64_t rng, const runtime_timing *t)
+                         uint64_t rng, const runtime_timing *t, const sampler_logprob *lps)
 {
     proto_msg m;
     proto_msg_init(&m, PROTO_TOKENS);
+    proto_logprob plp[RUNTIME_MAX_LP_TOKENS];
+    ASSERT(!lps || n <= RUNTIME_MAX_LP_TOKENS);
+    for (int i = 0; lps && i < n; i++)
+        runtime_logprob_to_proto(&plp[i], &lps[i]);
+    m.lps = lps ? plp : NULL; /* borrowed for sending */
     m.rid = rid;
     m.index = index;
     m.rng = rng;
@@ -178,6 +185,29 @@ void runtime_send_tokens(runtime_t *rt, uint64_t rid, int index, const int *toke
         ctl_send_logged(rt, &m);
     else
         bundle_add(rt, &m);
+}
+
+void runtime_logprob_to_proto(proto_logprob *dst, const sampler_logprob *src)
+{
+    dst->logprob = src->logprob;
+    dst->n_top = src->n_top;
+    memcpy(dst->top_ids, src->top_ids, sizeof(dst->top_ids));
+    memcpy(dst->top_logprobs, src->top_logprobs, sizeof(dst->top_logprobs));
+}
+
+void runtime_send_prompt_logprobs(runtime_t *rt, uint64_t rid, int index, const int *tokens, int n,
+                                  const proto_logprob *lps)
+{
+    proto_msg m;
+    proto_msg_init(&m, PROTO_TOKENS);
+    m.rid = rid;
+    m.index = index;
+    m.echo = 1;
+    m.tokens = (int *)tokens; /* borrowed for sending */
+    m.n_tokens = n;
+    m.lps = (proto_logprob *)lps;
+    m.ts_us = proto_wall_us();
+    bundle_add(rt, &m);
 }
 
 void runtime_send_finish(runtime_t *rt, uint64_t rid, int reason, const runtime_timing *t)

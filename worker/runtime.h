@@ -58,6 +58,7 @@ typedef struct {
     int mtp_req;   /* the request's MTP depth + 1 (0 = not set) */
     int mtp_depth; /* drafts it may make per step (0 = no module work) */
     int priority;  /* PREFILL "pri": 0 online, 1 offline (preempted first) */
+    int logprobs;  /* PREFILL "lpk": 0, or log-probabilities with k alternatives + 1 */
     float *hand;   /* (2, dim) MTP hand-off state (owned from here; NULL without MTP) */
     seqpen_t *pen; /* sampling controls and ids so far, first included (owned from here;
                     * NULL = none) */
@@ -190,11 +191,20 @@ typedef struct {
 
 /* TOKENS: generated tokens [index, index + n) of request rid (borrowed), the sampler state
  * rng after the last of them (so that a re-run elsewhere continues the same random stream),
- * and the request's durations t (NULL: none). */
+ * and the request's durations t (NULL: none). lps: NULL, or (n,) the tokens'
+ * log-probabilities (borrowed; TOKENS "lp"), n <= RUNTIME_MAX_LP_TOKENS then. */
+#define RUNTIME_MAX_LP_TOKENS (SPECDEC_MAX_DEPTH + 2)
 void runtime_send_tokens(runtime_t *rt, uint64_t rid, int index, const int *tokens, int n,
-                         uint64_t rng, const runtime_timing *t);
+                         uint64_t rng, const runtime_timing *t, const sampler_logprob *lps);
 /* FINISH with reason PROTO_FINISH_STOP or _LENGTH and durations t (NULL: none). */
 void runtime_send_finish(runtime_t *rt, uint64_t rid, int reason, const runtime_timing *t);
+/* TOKENS "echo": the log-probabilities lps (n, borrowed) of prompt tokens [index, index + n)
+ * of request rid (tokens: those ids, borrowed), gathered like decode TOKENS (so they reach
+ * the gateway before the first generated token, sent at once after them). */
+void runtime_send_prompt_logprobs(runtime_t *rt, uint64_t rid, int index, const int *tokens, int n,
+                                  const proto_logprob *lps);
+/* Copy a sampler's log-probabilities into their wire form. */
+void runtime_logprob_to_proto(proto_logprob *dst, const sampler_logprob *src);
 /* Send the gathered TOKENS and FINISH now: one alone as itself, several as one BUNDLE (its
  * frames in the order they were gathered). The loop calls it before every poll, and every
  * other message to the gateway flushes first. A full or disconnected socket drops them

@@ -322,3 +322,41 @@ void sampler_probs(sampler_t *s, const sampler_params *p, float *logits, float *
     for (int i = 0; i <= last; i++)
         probs[s->c[i].id] = s->c[i].val / cum;
 }
+
+void sampler_logprobs(const float *logits, int vocab_size, int token, int n_top,
+                      sampler_logprob *out)
+{
+    if (n_top < 0)
+        n_top = 0;
+    if (n_top > SAMPLER_MAX_TOP_LOGPROBS)
+        n_top = SAMPLER_MAX_TOP_LOGPROBS;
+    if (n_top > vocab_size)
+        n_top = vocab_size;
+    float mx = -INFINITY;
+    for (int i = 0; i < vocab_size; i++)
+        if (logits[i] > mx)
+            mx = logits[i];
+    double sum = 0;
+    for (int i = 0; i < vocab_size; i++)
+        sum += exp((double)logits[i] - (double)mx);
+    double lse = (double)mx + log(sum);
+    out->logprob = token >= 0 && token < vocab_size ? (float)((double)logits[token] - lse)
+                                                    : -INFINITY;
+    /* the n_top largest by insertion into a sorted list (n_top <= 20): strict > keeps the
+     * lower id first among equal logits */
+    int n = 0;
+    for (int i = 0; i < vocab_size && n_top > 0; i++) {
+        float v = logits[i];
+        if (n == n_top && !(v > logits[out->top_ids[n - 1]]))
+            continue;
+        int j = n < n_top ? n++ : n - 1;
+        while (j > 0 && v > logits[out->top_ids[j - 1]]) {
+            out->top_ids[j] = out->top_ids[j - 1];
+            j--;
+        }
+        out->top_ids[j] = i;
+    }
+    out->n_top = n;
+    for (int j = 0; j < n; j++)
+        out->top_logprobs[j] = (float)((double)logits[out->top_ids[j]] - lse);
+}

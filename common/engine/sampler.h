@@ -68,6 +68,23 @@ int sampler_sample(sampler_t *s, const sampler_params *p, uint64_t *rng, float *
  * greedy params it is one-hot at the argmax. Never allocates; does not draw. */
 void sampler_probs(sampler_t *s, const sampler_params *p, float *logits, float *probs);
 
+#define SAMPLER_MAX_TOP_LOGPROBS 20 /* alternatives sampler_logprobs reports at most */
+
+/* Log-probabilities of one position (OpenAI's logprobs): log-softmax of the raw logits. */
+typedef struct {
+    float logprob;                                /* of the emitted token */
+    int n_top;                                    /* alternatives below */
+    int top_ids[SAMPLER_MAX_TOP_LOGPROBS];        /* most likely first; ties: lower id */
+    float top_logprobs[SAMPLER_MAX_TOP_LOGPROBS];
+} sampler_logprob;
+
+/* Log-softmax of logits (vocab_size floats, read only: call it before any sampling
+ * transform or penalty) at token, and the n_top (clamped to [0, SAMPLER_MAX_TOP_LOGPROBS])
+ * most likely tokens, into *out. The normaliser is summed in double, so the values match a
+ * reference log-softmax to about 1e-6. O(vocab x n_top) at worst; never allocates. */
+void sampler_logprobs(const float *logits, int vocab_size, int token, int n_top,
+                      sampler_logprob *out);
+
 /* One uniform draw in [0, 1) from the sequence's random state (the generator
  * sampler_sample uses; 24-bit resolution), advancing *rng. */
 float sampler_uniform(uint64_t *rng);

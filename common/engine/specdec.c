@@ -57,6 +57,7 @@ struct specdec {
     int *depth;     /* (max_items,) depth used */
     int *run;       /* (max_items,) modules run this step */
     float *scratch; /* (vocab,) */
+    float *lpraw;   /* (VT, vocab): one item's raw verify logits, for its log-probabilities */
     /* prefill scratch */
     float *ph0, *ph1;    /* (max_prefill, dim) */
     model_seq_batch *pb; /* (max_items,) */
@@ -203,10 +204,11 @@ specdec_t *specdec_new(const model_t *m, const mtp_t *mt, int max_seqs, int max_
     sd->depth = calloc(I, sizeof(int));
     sd->run = calloc(I, sizeof(int));
     sd->scratch = malloc(V * sizeof(float));
+    sd->lpraw = malloc(VT * V * sizeof(float));
     sd->pb = calloc(I, sizeof(model_seq_batch));
     sd->pidx = calloc(I, sizeof(int));
     int ok = sd->sampler && sd->seqs && sd->b1 && sd->b2 && sd->bv && sd->vl && sd->vt &&
-             sd->depth && sd->run && sd->scratch && sd->pb && sd->pidx;
+             sd->depth && sd->run && sd->scratch && sd->lpraw && sd->pb && sd->pidx;
     if (ok && mt) { /* module state and scratch only with modules */
         sd->seq_mem = calloc((size_t)max_seqs * (ROWS + 1) * D, sizeof(float));
         sd->h2in = malloc(I * (ROWS + 1) * D * sizeof(float));
@@ -248,6 +250,7 @@ void specdec_destroy(specdec_t **sp)
     free(sd->depth);
     free(sd->run);
     free(sd->scratch);
+    free(sd->lpraw);
     free(sd->ph0);
     free(sd->ph1);
     free(sd->pb);
@@ -573,6 +576,8 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
         int d = sd->depth[i], a = 0;
         float *vl = sd->vl + (size_t)i * VT * V;
         const int *vt = sd->vt + (size_t)i * VT;
+        if (x->n_logprobs > 0) /* the raw distribution, before penalties and sampling */
+            memcpy(sd->lpraw, vl, (size_t)(d + 1) * V * sizeof(float));
         if (d == 0) {
             if (x->penalize)
                 x->penalize(x->penalize_ud, sd->sampler, vl);
@@ -586,6 +591,11 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
         }
         x->n_accepted = a;
         x->n_tokens = a + 1;
+        /* each emitted token's log-probabilities from the verify logits of its own position
+         * (the verifier's distribution, never the drafts') */
+        for (int j = 0; x->n_logprobs > 0 && j <= a; j++)
+            sampler_logprobs(sd->lpraw + (size_t)j * V, V, x->tokens[j], x->n_logprobs - 1,
+                             &x->lps[j]);
         kvcache_seq_set_len(kv, x->seq, x->pos + 1 + a);
         if (!st->active || st->max_depth == 0)
             continue;

@@ -151,6 +151,11 @@ typedef struct {
      * acceptance would not see them) and is stepped at depth 0 */
     void (*penalize)(void *ud, sampler_t *s, float *logits);
     void *penalize_ud;
+    /* log-probabilities: 0 = none; k + 1 = lps[j] gets emitted token j's (sampler_logprobs
+     * with k alternatives, k <= SAMPLER_MAX_TOP_LOGPROBS) from the raw verify logits of its
+     * position, before penalties and sampling: per position at any depth */
+    int n_logprobs;
+    sampler_logprob lps[SPECDEC_MAX_DEPTH + 1]; /* out */
     /* out */
     int tokens[SPECDEC_MAX_DEPTH + 1]; /* emitted: accepted drafts, then the main model's */
     int n_tokens;                      /* 1 + n_accepted */

@@ -56,6 +56,15 @@ static proto_sampling g_samp = {.presence = 0.5f, .frequency = -1.25f, .repetiti
                                 .bias_ids = {432, 7}, .bias = {-100.0f, 2.5f},
                                 .n_stop = 2, .stop_ids = {2, 13}};
 
+/* log-probabilities (TOKENS "lp": one per token of g_toks) */
+static proto_logprob g_lps[5] = {
+    {.logprob = -0.03f, .n_top = 2, .top_ids = {432, 383}, .top_logprobs = {-0.03f, -3.5f}},
+    {.logprob = -0.07f, .n_top = 1, .top_ids = {383}, .top_logprobs = {-0.07f}},
+    {.logprob = -1.5f},
+    {.logprob = -0.0f, .n_top = 3, .top_ids = {0, 1, 2}, .top_logprobs = {-1, -2, -3}},
+    {.logprob = -20.0f, .n_top = 1, .top_ids = {511}, .top_logprobs = {-0.5f}},
+};
+
 static int sample(proto_type_t t, proto_msg *m)
 {
     proto_msg_init(m, t);
@@ -110,8 +119,13 @@ static int sample(proto_type_t t, proto_msg *m)
         snprintf(m->decode_endpoint, sizeof(m->decode_endpoint), "tcp://127.0.0.1:5560");
         m->queue_us = 10;
         m->prefill_us = 2000;
-        if (t == PROTO_PREFILL)
+        if (t == PROTO_PREFILL) {
             m->samp = &g_samp;
+            m->logprobs = 6;
+            m->echo = 1;
+        } else {
+            m->lps = g_lps;
+        }
         break;
     case PROTO_MIGRATE:
         snprintf(m->decode_worker, sizeof(m->decode_worker), "decode-2");
@@ -157,6 +171,7 @@ static int sample(proto_type_t t, proto_msg *m)
         m->pad_bytes = 4096;
         m->mtp_depth = 2;
         m->priority = 1;
+        m->logprobs = 3;
         m->samp = &g_samp;
         m->tokens = g_toks; /* the sequence's ids so far, with samp */
         m->n_tokens = 5;
@@ -273,6 +288,11 @@ static void seeds_api(void)
         {1, "chat-empty", "{\"messages\":[]}"},
         {1, "not-object", "[1,2,3]"},
         {0, "completion-tokens-nested", "{\"prompt\":[[1,403,2,0]],\"stream\":true}"},
+        {0, "completion-logprobs", "{\"prompt\":\"Once\",\"logprobs\":5,\"stream\":true}"},
+        {0, "completion-echo", "{\"prompt\":[1,403],\"logprobs\":2,\"echo\":true,\"n\":2,"
+                               "\"best_of\":3}"},
+        {1, "chat-logprobs", "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+                             "\"logprobs\":true,\"top_logprobs\":20}"},
     };
     for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
         put_mode("api", b[i].name, b[i].chat | (int)(i % 8) << 1, b[i].body);

@@ -6,7 +6,8 @@
   (400) before any of it is admitted;
 - "n" for completions and chat: greedy choices identical, seeded choices seed + i (equal to
   the one-choice answers with seeds seed, seed + 1, ...), distinct and reproducible; index
-  n x prompt + i with batched prompts; best_of > n refused;
+  n x prompt + i with batched prompts; best_of > n: the n of best_of seeded sequences with
+  the highest cumulative log-probability, best first (not streamed);
 - Batch API lines with batched prompts and n go through the same path."""
 
 import json
@@ -159,10 +160,35 @@ class ChoicesTest(unittest.TestCase):
         status, body = self.c.complete("Once upon a time", max_tokens=8, n=2, best_of=2)
         self.assertEqual(status, 200, body)
         self.assertEqual(len(body["choices"]), 2)
-        status, body = self.c.complete("Once upon a time", max_tokens=8, n=1, best_of=3)
+        # best_of > n: the sequences are those of n = best_of (seeds seed + i); the answer
+        # is the n of them with the highest sum of token logprobs, best first, every
+        # sequence counted in usage
+        kw = {"max_tokens": 12, "temperature": 1.0, "mtp_depth": 0, "seed": 3}
+        for prompts in ("Once upon a time", PROMPTS[:2]):
+            np = 1 if isinstance(prompts, str) else len(prompts)
+            status, every = self.c.complete(prompts, n=4, logprobs=0, **kw)
+            self.assertEqual(status, 200, every)
+            chs = every["choices"]
+            want = []
+            for p in range(np):
+                sums = [sum(chs[4 * p + i]["logprobs"]["token_logprobs"]) for i in range(4)]
+                self.assertEqual(len(set(sums)), 4)  # distinct: the ranking is the test
+                order = sorted(range(4), key=lambda i: (-sums[i], i))
+                want += [chs[4 * p + i] for i in order[:2]]
+            status, body = self.c.complete(prompts, n=2, best_of=4, **kw)
+            self.assertEqual(status, 200, body)
+            self.assertEqual([ch["text"] for ch in body["choices"]], [w["text"] for w in want])
+            self.assertEqual([ch["index"] for ch in body["choices"]], list(range(2 * np)))
+            self.assertEqual([ch["logprobs"] for ch in body["choices"]], [None] * 2 * np)
+            self.assertEqual(body["usage"], every["usage"])
+            # with logprobs shown: the chosen sequences' own entries
+            status, body = self.c.complete(prompts, n=2, best_of=4, logprobs=0, **kw)
+            self.assertEqual([ch["logprobs"] for ch in body["choices"]],
+                             [w["logprobs"] for w in want])
+        status, body = self.c.complete("Once upon a time", n=1, best_of=3, stream=True, **kw)
         self.assertEqual(status, 400, body)
         self.assertEqual((body["error"]["param"], body["error"]["code"]),
-                         ("best_of", "unsupported_parameter"))
+                         ("best_of", "invalid_value"))
 
     def test_batch_api_lines(self):
         c = self.c

@@ -77,8 +77,10 @@ BAD = [
     ("unknown model", CMPL, {"prompt": "hi", "model": "gpt-4"}, 404, "model", "model_not_found"),
     ("chat unknown model", CHAT, {"messages": MSG, "model": "gpt-4"}, 404, "model",
      "model_not_found"),
-    ("logprobs", CMPL, {"prompt": "hi", "logprobs": 1}, 400, "logprobs",
-     "unsupported_parameter"),
+    ("logprobs 6", CMPL, {"prompt": "hi", "logprobs": 6}, 400, "logprobs", "invalid_value"),
+    ("chat top_logprobs 21", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs", "invalid_value"),
+    ("best_of 129", CMPL, {"prompt": "hi", "best_of": 129}, 400, "best_of", "invalid_value"),
     ("body over limit", CMPL, {"prompt": "x" * (MAX_BODY + 10)}, 413, None, "request_too_large"),
     # sampling controls (docs/api.md "Sampling controls"): vLLM's ranges
     ("frequency_penalty low", CMPL, {"prompt": "hi", "frequency_penalty": -2.5}, 400,

@@ -107,6 +107,20 @@ class OpenAISdkTest(unittest.TestCase):
         self.assertEqual(got["batch_ids"], [[0, a["choices"][0]["text"]],
                                             [1, ids["choices"][0]["text"]]])
 
+        # log-probabilities: what the SDK returns is the gateway's answer over plain HTTP
+        lp = cmpl("Once upon a time", max_tokens=8, logprobs=2)["choices"][0]["logprobs"]
+        self.assertEqual(got["lp"], lp)
+        self.assertEqual(len(lp["tokens"]), 8)
+        self.assertEqual(got["lp_stream"], lp["token_logprobs"])
+        e = cmpl("Once upon a time", max_tokens=8, logprobs=2, echo=True)["choices"][0]
+        self.assertEqual(got["lp_echo"], {"text": e["text"], "logprobs": e["logprobs"]})
+        self.assertEqual(e["logprobs"]["token_logprobs"][0], None)
+        self.assertEqual(e["logprobs"]["token_logprobs"][5:], lp["token_logprobs"])
+        clp = chat(max_tokens=8, logprobs=True, top_logprobs=3)["choices"][0]["logprobs"]
+        self.assertEqual(got["chat_lp"], clp["content"])
+        self.assertEqual(got["chat_lp_stream"], clp["content"])
+        self.assertEqual([len(x["top_logprobs"]) for x in clp["content"]], [3] * 8)
+
         # the Responses API: the same text as chat with the instructions as a system message
         msgs = [{"role": "system", "content": INSTR}] + MSGS
         rc = self.post(c, "/v1/chat/completions", {"messages": msgs, "max_tokens": 24,

@@ -163,11 +163,57 @@ static const vcase cases[] = {
     {"n 0", C, "{\"prompt\": \"hi\", \"n\": 0}", 400, "n", "invalid_value"},
     {"model int", C, "{\"prompt\": \"hi\", \"model\": 5}", 400, "model", "invalid_type"},
     {"user int", C, "{\"prompt\": \"hi\", \"user\": 5}", 400, "user", "invalid_type"},
-    {"logprobs", C, "{\"prompt\": \"hi\", \"logprobs\": 2}", 400, "logprobs",
+    {"logprobs 2", C, "{\"prompt\": \"hi\", \"logprobs\": 2}", 0, NULL, NULL},
+    {"logprobs 0", C, "{\"prompt\": \"hi\", \"logprobs\": 0}", 0, NULL, NULL},
+    {"logprobs 5", C, "{\"prompt\": \"hi\", \"logprobs\": 5}", 0, NULL, NULL},
+    {"logprobs 6", C, "{\"prompt\": \"hi\", \"logprobs\": 6}", 400, "logprobs",
+     "invalid_value"},
+    {"logprobs -1", C, "{\"prompt\": \"hi\", \"logprobs\": -1}", 400, "logprobs",
+     "invalid_value"},
+    {"logprobs true (completions)", C, "{\"prompt\": \"hi\", \"logprobs\": true}", 400,
+     "logprobs", "invalid_type"},
+    {"top_logprobs (completions)", C, "{\"prompt\": \"hi\", \"top_logprobs\": 2}", 400,
+     "top_logprobs", "unsupported_parameter"},
+    {"chat logprobs", CH, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+     "\"logprobs\": true, \"top_logprobs\": 20}", 0, NULL, NULL},
+    {"chat logprobs false", CH, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+     "\"logprobs\": false}", 0, NULL, NULL},
+    {"chat top_logprobs 21", CH, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+     "\"logprobs\": true, \"top_logprobs\": 21}", 400, "top_logprobs", "invalid_value"},
+    {"chat top_logprobs -1", CH, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+     "\"logprobs\": true, \"top_logprobs\": -1}", 400, "top_logprobs", "invalid_value"},
+    {"chat top_logprobs without logprobs", CH, "{\"messages\": [{\"role\": \"user\", "
+     "\"content\": \"x\"}], \"top_logprobs\": 2}", 400, "top_logprobs", "invalid_value"},
+    {"chat top_logprobs with logprobs false", CH, "{\"messages\": [{\"role\": \"user\", "
+     "\"content\": \"x\"}], \"logprobs\": false, \"top_logprobs\": 2}", 400, "top_logprobs",
+     "invalid_value"},
+    {"chat logprobs 3", CH, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+     "\"logprobs\": 3}", 400, "logprobs", "invalid_type"},
+    {"chat top_logprobs string", CH, "{\"messages\": [{\"role\": \"user\", \"content\": "
+     "\"x\"}], \"logprobs\": true, \"top_logprobs\": \"2\"}", 400, "top_logprobs",
+     "invalid_type"},
+    {"responses logprobs", R, "{\"input\": \"x\", \"logprobs\": true}", 400, "logprobs",
      "unsupported_parameter"},
-    {"echo", C, "{\"prompt\": \"hi\", \"echo\": true}", 400, "echo", "unsupported_parameter"},
-    {"best_of 2", C, "{\"prompt\": \"hi\", \"best_of\": 2}", 400, "best_of",
-     "unsupported_parameter"},
+    {"echo", C, "{\"prompt\": \"hi\", \"echo\": true}", 0, NULL, NULL},
+    {"echo with logprobs", C, "{\"prompt\": \"hi\", \"echo\": true, \"logprobs\": 1}", 0, NULL,
+     NULL},
+    {"echo streamed", C, "{\"prompt\": \"hi\", \"echo\": true, \"stream\": true}", 400, "echo",
+     "invalid_value"},
+    {"echo 1", C, "{\"prompt\": \"hi\", \"echo\": 1}", 400, "echo", "invalid_type"},
+    {"chat echo", CH, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+     "\"echo\": true}", 400, "echo", "unsupported_parameter"},
+    {"best_of 2", C, "{\"prompt\": \"hi\", \"best_of\": 2}", 0, NULL, NULL},
+    {"best_of 128", C, "{\"prompt\": \"hi\", \"best_of\": 128, \"n\": 2}", 0, NULL, NULL},
+    {"best_of 129", C, "{\"prompt\": \"hi\", \"best_of\": 129}", 400, "best_of",
+     "invalid_value"},
+    {"best_of x prompts > 256", C, "{\"prompt\": [\"a\", \"b\", \"c\"], \"best_of\": 100}",
+     400, "best_of", "invalid_value"},
+    {"best_of 2 streamed", C, "{\"prompt\": \"hi\", \"best_of\": 2, \"stream\": true}", 400,
+     "best_of", "invalid_value"},
+    {"best_of = n streamed", C, "{\"prompt\": \"hi\", \"n\": 2, \"best_of\": 2, "
+     "\"stream\": true}", 0, NULL, NULL},
+    {"best_of string", C, "{\"prompt\": \"hi\", \"best_of\": \"2\"}", 400, "best_of",
+     "invalid_type"},
     {"service_tier bad", C, "{\"prompt\": \"hi\", \"service_tier\": \"scale\"}", 400,
      "service_tier", "invalid_value"},
     {"service_tier type", C, "{\"prompt\": \"hi\", \"service_tier\": 1}", 400,
@@ -385,7 +431,7 @@ static void test_batched_prompts_and_n(void **state)
                                    "element 1 (prompt 1) is not one.");
 
     api_response_info info = {API_COMPLETIONS, "cmpl-1", 7, "m", 0, NULL, 0};
-    api_choice ch[2] = {{"x", 1, API_FINISH_STOP}, {"yz", 2, API_FINISH_LENGTH}};
+    api_choice ch[2] = {{"x", 1, API_FINISH_STOP, NULL}, {"yz", 2, API_FINISH_LENGTH, NULL}};
     char *s = api_format_response_n(&info, ch, 2, 5, 3);
     assert_string_equal(s, "{\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"created\":7,"
                            "\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"x\",\"logprobs\":"

@@ -857,6 +857,162 @@ static void test_specdec_greedy_equivalence(void **state)
     rig_free(&r);
 }
 
+/* Reference log-softmax of logits (n floats) in double: the value at token, and the k
+ * largest ids (ties: the lower id) and values. */
+static double ref_logprobs(const float *logits, int n, int token, int k, int *ids, double *vals)
+{
+    double mx = logits[0], sum = 0;
+    for (int i = 1; i < n; i++)
+        mx = logits[i] > mx ? logits[i] : mx;
+    for (int i = 0; i < n; i++)
+        sum += exp((double)logits[i] - mx);
+    double lse = mx + log(sum);
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int i = 0; i < n; i++) {
+            int used = 0;
+            for (int q = 0; q < j; q++)
+                used |= ids[q] == i;
+            if (!used && (best < 0 || logits[i] > logits[best]))
+                best = i;
+        }
+        ids[j] = best;
+        vals[j] = (double)logits[best] - lse;
+    }
+    return (double)logits[token] - lse;
+}
+
+/* specdec_logprobs: +50 on token 7 (ud unused): the sampler picks it, the logprobs must not
+ * see it */
+static void force_7(void *ud, sampler_t *s, float *logits)
+{
+    (void)ud;
+    (void)s;
+    logits[7] += 50.0f;
+}
+
+/* Log-probabilities: sampler_logprobs on model_forward's logits equals a log-softmax in
+ * double (1e-6), and those specdec_step reports for every emitted token, at depth 0 and 2,
+ * equal the reference of plain greedy decoding (model_forward one token per pass) within
+ * 1e-4, with the same top ids: per position, from the verify logits, never the drafts'. A
+ * penalised step reports the raw distribution, not the penalised one. */
+static void test_specdec_logprobs(void **state)
+{
+    const model_config *c = model_get_config(g_model);
+    const int V = c->vocab_size;
+    enum { NG = 40, K = 5 };
+    encode_prompts();
+    const int *pr = g_prompt_toks[0];
+    int np = g_prompt_n[0];
+    /* the reference: plain greedy, one token per pass */
+    int ref_tok[NG], ref_ids[NG][K];
+    double ref_lp[NG], ref_vals[NG][K];
+    float *ref_logits1 = malloc((size_t)V * sizeof(float)); /* logits at the second token */
+    assert_non_null(ref_logits1);
+    {
+        rig r;
+        rig_init(&r, NULL, 1, c->n_ctx);
+        int seq = kvcache_seq_new(r.kv);
+        assert_int_equal(kvcache_seq_reserve(r.kv, seq, np + NG), KVCACHE_OK);
+        model_seq_batch b = {.seq = seq, .n_tokens = np, .tokens = pr, .logits = r.logits};
+        assert_int_equal(model_forward(r.ctx, r.kv, &b, 1, NULL, NULL), 0);
+        for (int n = 0; n < NG; n++) {
+            ref_tok[n] = argmax(r.logits, V);
+            ref_lp[n] = ref_logprobs(r.logits, V, ref_tok[n], K, ref_ids[n], ref_vals[n]);
+            sampler_logprob lp;
+            sampler_logprobs(r.logits, V, ref_tok[n], K, &lp);
+            assert_true(fabs(lp.logprob - ref_lp[n]) <= 1e-6);
+            assert_int_equal(lp.n_top, K);
+            assert_int_equal(lp.top_ids[0], ref_tok[n]); /* greedy: the emitted is the top */
+            for (int j = 0; j < K; j++) {
+                assert_int_equal(lp.top_ids[j], ref_ids[n][j]);
+                assert_true(fabs(lp.top_logprobs[j] - ref_vals[n][j]) <= 1e-6);
+            }
+            if (n == 1)
+                memcpy(ref_logits1, r.logits, (size_t)V * sizeof(float));
+            b = (model_seq_batch){.seq = seq,
+                                  .pos = np + n,
+                                  .n_tokens = 1,
+                                  .tokens = &ref_tok[n],
+                                  .logits = r.logits};
+            assert_int_equal(model_forward(r.ctx, r.kv, &b, 1, NULL, NULL), 0);
+        }
+        rig_free(&r);
+    }
+    assert_true(ref_tok[1] != 7);
+    sampler_params sp = {.temperature = 0.0f, .top_p = 1.0f};
+    for (int d = 0; d <= 2; d += 2) {
+        rig r;
+        rig_init(&r, g_mtp, 1, c->n_ctx);
+        int seq = kvcache_seq_new(r.kv);
+        assert_int_equal(kvcache_seq_reserve(r.kv, seq, np + NG + SPECDEC_MAX_DEPTH), KVCACHE_OK);
+        float hand[2 * 64];
+        assert_true(c->dim <= 64);
+        model_seq_batch pb = {.seq = seq, .n_tokens = np, .tokens = pr, .logits = r.logits,
+                              .hidden = r.h0, .hidden_all = 1};
+        specdec_prefill_item pit = {.seq = seq, .n_tokens = np, .prompt = pr, .n_prompt = np,
+                                    .h0 = r.h0, .depth = 2, .hand = hand};
+        assert_int_equal(model_forward(r.ctx, r.kv, &pb, 1, NULL, NULL), 0);
+        assert_int_equal(specdec_prefill(r.sd, r.ctx, r.kv, &pit, 1), 0);
+        int toks[NG + SPECDEC_MAX_DEPTH + 1], n = 1, pos = np;
+        toks[0] = argmax(r.logits, V);
+        assert_int_equal(toks[0], ref_tok[0]);
+        specdec_seq_start(r.sd, seq, np, toks[0], hand, 2);
+        uint64_t rng = 1;
+        long accepted = 0;
+        while (n < NG) {
+            specdec_item it = {.seq = seq, .pos = pos, .last = toks[n - 1], .depth = d,
+                               .sp = &sp, .rng = &rng, .n_logprobs = K + 1};
+            assert_int_equal(specdec_step(r.sd, r.ctx, r.kv, &it, 1), 0);
+            accepted += it.n_accepted;
+            pos += it.n_tokens;
+            for (int j = 0; j < it.n_tokens && n < NG; j++, n++) {
+                const sampler_logprob *lp = &it.lps[j];
+                toks[n] = it.tokens[j];
+                assert_int_equal(toks[n], ref_tok[n]);
+                if (fabs(lp->logprob - ref_lp[n]) > 1e-4)
+                    fail_msg("depth %d token %d: logprob %.7f, reference %.7f", d, n,
+                             (double)lp->logprob, ref_lp[n]);
+                assert_int_equal(lp->n_top, K);
+                for (int q = 0; q < K; q++) {
+                    assert_int_equal(lp->top_ids[q], ref_ids[n][q]);
+                    assert_true(fabs(lp->top_logprobs[q] - ref_vals[n][q]) <= 1e-4);
+                }
+            }
+        }
+        if (d > 0)
+            assert_true(accepted > 0); /* drafts were accepted: several positions per step */
+        rig_free(&r);
+    }
+    /* penalised (depth 0): the sampler sees +50 on token 7 and emits it; the logprobs are
+     * those of the raw distribution at that position */
+    {
+        rig r;
+        rig_init(&r, NULL, 1, c->n_ctx);
+        int seq = kvcache_seq_new(r.kv);
+        assert_int_equal(kvcache_seq_reserve(r.kv, seq, np + 4), KVCACHE_OK);
+        model_seq_batch b = {.seq = seq, .n_tokens = np, .tokens = pr, .logits = r.logits};
+        assert_int_equal(model_forward(r.ctx, r.kv, &b, 1, NULL, NULL), 0);
+        specdec_seq_start(r.sd, seq, np, ref_tok[0], NULL, 0);
+        uint64_t rng = 1;
+        specdec_item it = {.seq = seq, .pos = np, .last = ref_tok[0], .depth = 0, .sp = &sp,
+                           .rng = &rng, .penalize = force_7, .n_logprobs = 3};
+        assert_int_equal(specdec_step(r.sd, r.ctx, r.kv, &it, 1), 0);
+        assert_int_equal(it.n_tokens, 1);
+        assert_int_equal(it.tokens[0], 7);
+        int ids[2];
+        double vals[2];
+        double want = ref_logprobs(ref_logits1, V, 7, 2, ids, vals);
+        assert_true(fabs(it.lps[0].logprob - want) <= 1e-4);
+        assert_true(it.lps[0].logprob < -1.0f); /* not the penalised ~0 */
+        assert_int_equal(it.lps[0].n_top, 2);
+        assert_int_equal(it.lps[0].top_ids[0], ref_tok[1]);
+        assert_int_equal(it.lps[0].top_ids[1], ids[1]);
+        rig_free(&r);
+    }
+    free(ref_logits1);
+}
+
 /* The draft vocabulary (FR-Spec): the ranking is a permutation with EOS and BOS first; the
  * subset head's logits are bit-identical to the full head's at its tokens (teacher-forced,
  * both modules, every position); greedy output through specdec is plain greedy at any
@@ -1576,6 +1732,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_specdec_state_migration),
         cmocka_unit_test(test_specdec_sampling_distribution),
         cmocka_unit_test(test_specdec_ctl),
+        cmocka_unit_test(test_specdec_logprobs),
         cmocka_unit_test(test_specdec_measure),
     };
     if (argc > 1)

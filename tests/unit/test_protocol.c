@@ -1,5 +1,6 @@
 /* Round-trip and malformed-input tests for every message of common/protocol.h. */
 #include <errno.h>
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -90,6 +91,18 @@ static void fill(proto_msg *m, proto_type_t t)
                                   .bias_ids = {6, 100000}, .bias = {-100.0f, 2.5f},
                                   .n_stop = 3, .stop_ids = {13, 0, 2}};
     m->samp = &samp;
+    /* log-probabilities: PREFILL / KV_BEGIN "lpk", TOKENS "lp" (one per token: 5) */
+    m->logprobs = PROTO_MAX_TOP_LOGPROBS + 1;
+    static proto_logprob lps[5];
+    for (int i = 0; i < 5; i++) {
+        lps[i] = (proto_logprob){.logprob = -0.25f * (float)i, .n_top = i == 4 ? 20 : i};
+        for (int j = 0; j < lps[i].n_top; j++) {
+            lps[i].top_ids[j] = 511 - j;
+            lps[i].top_logprobs[j] = -1.5f * (float)j - 0.125f;
+        }
+    }
+    m->lps = lps;
+    m->echo = 1; /* PREFILL: report the prompt's too; TOKENS: these are prompt tokens */
     /* CURVE public keys (Z85): REGISTER "kvpk", PREFILL/MIGRATE "dpk" */
     snprintf(m->kv_pubkey, sizeof(m->kv_pubkey), "%s", "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7");
     snprintf(m->decode_pubkey, sizeof(m->decode_pubkey), "%s",
@@ -124,6 +137,15 @@ static void test_roundtrip_all_types(void **state)
             assert_memory_equal(out.samp, in.samp, sizeof(*in.samp));
         } else {
             assert_null(out.samp);
+        }
+        assert_int_equal(out.logprobs,
+                         t == PROTO_PREFILL || t == PROTO_KV_BEGIN ? PROTO_MAX_TOP_LOGPROBS + 1 : 0);
+        assert_int_equal(out.echo, t == PROTO_PREFILL || t == PROTO_TOKENS);
+        if (t == PROTO_TOKENS) {
+            assert_non_null(out.lps);
+            assert_memory_equal(out.lps, in.lps, 5 * sizeof(proto_logprob));
+        } else {
+            assert_null(out.lps);
         }
         if (t == PROTO_KV_END) {
             assert_int_equal(out.rid, 42);
@@ -483,6 +505,51 @@ static void b_samp_counts(msgpack_packer *pk) { b_samp(pk, 3); }
 static void b_samp_stop(msgpack_packer *pk) { b_samp(pk, 4); }
 static void b_samp_string(msgpack_packer *pk) { b_samp(pk, 5); }
 static void b_samp_min(msgpack_packer *pk) { b_samp(pk, 6); }
+/* TOKENS with two tokens and an "lp" of kind k: 0 valid, 1 one entry for two tokens, 2 a
+ * positive logprob, 3 21 alternatives, 4 ids and logprobs differ in count, 5 an entry of 2,
+ * 6 a negative id, 7 NaN */
+static void b_lp(msgpack_packer *pk, int k)
+{
+    msgpack_pack_map(pk, 6);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_TOKENS);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "lp"); /* before "tokens": the count is checked once the header is read */
+    int n = k == 1 ? 1 : 2;
+    msgpack_pack_array(pk, (size_t)n);
+    for (int e = 0; e < n; e++) {
+        int top = e == 1 && k == 3 ? 21 : 2;
+        msgpack_pack_array(pk, k == 5 && e == 1 ? 2 : 3);
+        msgpack_pack_float(pk, e == 1 && k == 2 ? 0.5f : e == 1 && k == 7 ? NAN : -0.5f);
+        msgpack_pack_array(pk, (size_t)top);
+        for (int j = 0; j < top; j++)
+            msgpack_pack_int(pk, e == 1 && k == 6 ? -1 : j);
+        if (k == 5 && e == 1)
+            continue;
+        msgpack_pack_array(pk, (size_t)(k == 4 && e == 1 ? top - 1 : top));
+        for (int j = 0; j < (k == 4 && e == 1 ? top - 1 : top); j++)
+            msgpack_pack_float(pk, -1.0f - (float)j);
+    }
+    kv(pk, "rid"); msgpack_pack_int(pk, 1);
+    kv(pk, "tokens"); msgpack_pack_array(pk, 2); msgpack_pack_int(pk, 7); msgpack_pack_int(pk, 8);
+    kv(pk, "index"); msgpack_pack_int(pk, 0);
+}
+static void b_lp_ok(msgpack_packer *pk) { b_lp(pk, 0); }
+static void b_lp_count(msgpack_packer *pk) { b_lp(pk, 1); }
+static void b_lp_positive(msgpack_packer *pk) { b_lp(pk, 2); }
+static void b_lp_21(msgpack_packer *pk) { b_lp(pk, 3); }
+static void b_lp_lengths(msgpack_packer *pk) { b_lp(pk, 4); }
+static void b_lp_short(msgpack_packer *pk) { b_lp(pk, 5); }
+static void b_lp_negative_id(msgpack_packer *pk) { b_lp(pk, 6); }
+static void b_lp_nan(msgpack_packer *pk) { b_lp(pk, 7); }
+/* PREFILL "lpk" out of range (22) */
+static void b_lpk_22(msgpack_packer *pk)
+{
+    msgpack_pack_map(pk, 3);
+    kv(pk, "t"); msgpack_pack_int(pk, PROTO_PREFILL);
+    kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
+    kv(pk, "lpk"); msgpack_pack_int(pk, PROTO_MAX_TOP_LOGPROBS + 2);
+}
+
 static void b_ok_cancel(msgpack_packer *pk)
 {
     msgpack_pack_map(pk, 4);
@@ -531,6 +598,15 @@ static void test_malformed_headers(void **state)
         {"samp negative stop id", b_samp_stop, -1, "samp"},
         {"samp string penalty", b_samp_string, -1, "samp"},
         {"samp min_tokens negative", b_samp_min, -1, "samp"},
+        {"lp valid", b_lp_ok, 0, ""},
+        {"lp one entry for two tokens", b_lp_count, -1, "1 'lp' entries for 2 tokens"},
+        {"lp positive", b_lp_positive, -1, "lp"},
+        {"lp 21 alternatives", b_lp_21, -1, "lp"},
+        {"lp ids and values differ", b_lp_lengths, -1, "lp"},
+        {"lp entry of 2", b_lp_short, -1, "lp"},
+        {"lp negative id", b_lp_negative_id, -1, "lp"},
+        {"lp NaN", b_lp_nan, -1, "lp"},
+        {"lpk 22", b_lpk_22, -1, "lpk"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         char err[160] = "";

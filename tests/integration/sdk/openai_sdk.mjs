@@ -78,6 +78,33 @@ async function main() {
   for await (const chunk of s)
     for (const c of chunk.choices) out.batch_stream[c.index] += c.text;
 
+  // log-probabilities: completions (with echo too), chat, streamed and not
+  r = await client.completions.create({
+    model, prompt: "Once upon a time", max_tokens: 8, temperature: 0, logprobs: 2,
+  });
+  out.lp = r.choices[0].logprobs;
+  r = await client.completions.create({
+    model, prompt: "Once upon a time", max_tokens: 8, temperature: 0, logprobs: 2, echo: true,
+  });
+  out.lp_echo = { text: r.choices[0].text, logprobs: r.choices[0].logprobs };
+  s = await client.completions.create({
+    model, prompt: "Once upon a time", max_tokens: 8, temperature: 0, logprobs: 2, stream: true,
+  });
+  out.lp_stream = [];
+  for await (const chunk of s)
+    for (const c of chunk.choices) if (c.logprobs) out.lp_stream.push(...c.logprobs.token_logprobs);
+  r = await client.chat.completions.create({
+    model, messages, max_tokens: 8, temperature: 0, logprobs: true, top_logprobs: 3,
+  });
+  out.chat_lp = r.choices[0].logprobs.content;
+  s = await client.chat.completions.create({
+    model, messages, max_tokens: 8, temperature: 0, logprobs: true, top_logprobs: 3,
+    stream: true,
+  });
+  out.chat_lp_stream = [];
+  for await (const chunk of s)
+    for (const c of chunk.choices) if (c.logprobs) out.chat_lp_stream.push(...c.logprobs.content);
+
   // the Responses API, not streamed and streamed
   const resp = await client.responses.create({
     model, input: "Tell me a story.", max_output_tokens: 24, temperature: 0,
