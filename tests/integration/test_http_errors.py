@@ -10,11 +10,11 @@ Starts only build/bin/gateway on free loopback ports. Standard library only.
 import http.client
 import json
 import os
-import random
 import re
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import unittest
@@ -116,30 +116,8 @@ BAD = [
 ]
 
 
-def free_port():
-    """A TCP port on 127.0.0.1 that is free now, drawn at random below the kernel's ephemeral
-    range (/proc/sys/net/ipv4/ip_local_port_range): a port the kernel hands out with bind(0)
-    can be taken by any outgoing connection (a client, a ZeroMQ connect) between this check
-    and the server's own bind, which made tests fail with "Address already in use" on a busy
-    machine; random draws also keep test processes running side by side apart."""
-    lo = 32768
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    rng = random.SystemRandom()
-    for _ in range(100):
-        port = rng.randrange(10000, lo) if lo > 11000 else 0
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import free_port  # noqa: E402  (random ports below the ephemeral range)
 
 
 class Gateway:
