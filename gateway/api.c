@@ -702,10 +702,6 @@ static int parse_logprobs(json_t *root, api_request *r, api_error *e)
         r->logprobs = present ? (int)iv + 1 : 0;
         if (get_bool(root, "echo", &r->echo, e))
             return -1;
-        if (r->echo && r->stream)
-            return api_error_set(e, 400, INVALID, "echo", "invalid_value",
-                                 "'echo' cannot be streamed by this server; use it without "
-                                 "'stream'.");
     }
     return 0;
 }

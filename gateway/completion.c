@@ -37,6 +37,7 @@ typedef struct {
     int prev_token;      /* the token before the next one (its text: tokenizer_piece) */
     int lp_sent;         /* streaming: entries given to the sink */
     int lp_offset;       /* streaming: text_offset of lpe[lp_sent] */
+    int echo_sent;       /* streaming: the echo chunk went out (before the answer's text) */
     api_logprobs chunk;  /* streaming: the entries of the text() call in progress */
     double cum_logprob;  /* the sum of the kept entries' logprobs (best_of's ranking) */
     /* echo: the prompt's text and, with logprobs, its tokens' entries (plpe[0] null) */
@@ -203,9 +204,26 @@ static void cancel_running(completion_t *c, int status, const char *why)
 
 /* Streaming: hand the text the stream released to the sink. Collecting: it stays in the
  * stream for completion_format_response. */
+/* Streaming echo: the prompt's text (and, with logprobs, its entries) as the choice's first
+ * chunk, before any of the answer's. Every prompt position's log-probabilities have arrived
+ * by then: the prefill worker sends them before the first token, on the same connection. */
+static void flush_echo(choice_t *ch)
+{
+    completion_t *c = ch->c;
+    ch->echo_sent = 1;
+    int n_lp = c->logprobs && ch->plpe ? ch->n_prompt : 0;
+    ch->chunk = (api_logprobs){.e = ch->plpe, .n = n_lp, .top = c->logprobs - 1, .text_offset = 0};
+    c->sink->text(c->ud, c, ch->index, ch->echo_text, ch->echo_len);
+    for (int i = 0; i < n_lp; i++)
+        ch->lp_offset += api_token_chars(ch->plpe[i].text, ch->plpe[i].len);
+    ch->chunk = (api_logprobs){0};
+}
+
 static void flush_text(choice_t *ch, int final)
 {
     completion_t *c = ch->c;
+    if (c->streaming && ch->echo_text && !ch->echo_sent)
+        flush_echo(ch);
     size_t len;
     const char *out = stream_out(ch->stream, &len);
     /* the log-probabilities of the tokens so far go with the text they released; the last

@@ -216,6 +216,40 @@ class Logprobs(unittest.TestCase):
         self.assertEqual(lp["text_offset"][5:], [len(ONCE) + o for o in gen["text_offset"]])
         self.assertEqual(b["usage"], b2["usage"])
 
+    def test_echo_streamed(self):
+        """echo streamed: the prompt's text (and entries) as each choice's first chunk, then
+        the answer; joined, exactly the non-streamed reply (text, tokens, values, offsets)."""
+        for body in ({"prompt": ONCE, "max_tokens": 6, "temperature": 0, "echo": True},
+                     {"prompt": ONCE, "max_tokens": 6, "temperature": 0, "echo": True,
+                      "logprobs": 2},
+                     {"prompt": ONCE, "max_tokens": 5, "temperature": 0, "echo": True,
+                      "logprobs": 1, "n": 2}):
+            st, b = self.dis.request("POST", "/v1/completions", body)
+            self.assertEqual(st, 200, b)
+            st, events, done = self.dis.stream("/v1/completions", body)
+            self.assertEqual((st, done), (200, True))
+            n = body.get("n", 1)
+            text = [""] * n
+            got = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                   for _ in range(n)]
+            first = [None] * n
+            for e in events:
+                for ch in e.get("choices", []):
+                    i = ch["index"]
+                    if first[i] is None and ch["text"]:
+                        first[i] = ch["text"]
+                    text[i] += ch["text"]
+                    if ch.get("logprobs") is not None:
+                        for key in got[i]:
+                            got[i][key] += ch["logprobs"][key]
+            for i in range(n):
+                want = b["choices"][i]
+                self.assertEqual(first[i], ONCE)  # the echo comes first, whole
+                self.assertEqual(text[i], want["text"])
+                if "logprobs" in body:
+                    self.assertEqual(got[i], want["logprobs"])
+                    self.assertIsNone(got[i]["token_logprobs"][0])  # BOS: no value
+
     def test_bad_values(self):
         chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
         for path, body, param in [
@@ -228,7 +262,6 @@ class Logprobs(unittest.TestCase):
                 ("/v1/chat/completions", dict(chat, top_logprobs=2), "top_logprobs"),
                 ("/v1/chat/completions", dict(chat, logprobs=1), "logprobs"),
                 ("/v1/responses", {"input": "x", "logprobs": True}, "logprobs"),
-                ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, "echo"),
                 ("/v1/completions", {"prompt": "x", "echo": 1}, "echo"),
                 ("/v1/chat/completions", dict(chat, echo=True), "echo")]:
             st, b = self.dis.request("POST", path, body)
