@@ -98,7 +98,10 @@ static void start_decode(decode_role *d, dreq *r)
         specdec_seq_start(cp->sd, r->seq, r->pos, r->first, r->hand, r->hand ? r->mtp_depth : 0);
     }
     specdec_ctl_init(&r->ctl, specdec_seq_max_depth(cp->sd, r->seq), cp->sd_prior);
-    runtime_timing t = {.xfer_us = r->xfer_us, .xfer_bytes = r->xfer_bytes};
+    runtime_timing t = {.queue_us = r->queue_us,
+                        .prefill_us = r->prefill_us,
+                        .xfer_us = r->xfer_us,
+                        .xfer_bytes = r->xfer_bytes};
     if (r->first == cp->mc->eos_id) {
         runtime_send_finish(rt, r->rid, PROTO_FINISH_STOP, &t);
         decode_req_remove(d, r);
@@ -201,6 +204,8 @@ static void on_accepted(decode_role *d, const kvx_event *ev)
                        : 0;
     r->state = DREQ_RUNNING;
     r->xfer_us = migrated ? 0 : ev->xfer_us; /* a move is not the request's hand-off */
+    r->queue_us = migrated ? 0 : ev->queue_us;
+    r->prefill_us = migrated ? 0 : ev->prefill_us;
     r->xfer_bytes = migrated ? 0 : ev->n_bytes;
     if (ev->first_token >= cp->mc->vocab_size) {
         runtime_send_error(rt, r->rid, PROTO_ERR_PROTOCOL, 1, "first token out of vocabulary");
@@ -334,7 +339,9 @@ static void emit(decode_role *d, dreq *r, const specdec_item *x)
     /* the first decode step reports the transfer and its own latency */
     runtime_timing tm = {0}, *tp = NULL;
     if (r->t_ready_us) {
-        tm = (runtime_timing){.xfer_us = r->xfer_us,
+        tm = (runtime_timing){.queue_us = r->queue_us,
+                              .prefill_us = r->prefill_us,
+                              .xfer_us = r->xfer_us,
                               .xfer_bytes = r->xfer_bytes,
                               .step_us = proto_now_us() - r->t_ready_us};
         tp = &tm;

@@ -42,6 +42,7 @@ typedef struct {
                           * first decode step was reported */
     int64_t t_mig_us;    /* DREQ_MIGRATING: MIGRATE received */
     int64_t xfer_us;     /* KV transfer duration on the receiving side (0 = none) */
+    int64_t queue_us, prefill_us; /* the prefill's durations, from KV_END (0 = none) */
     uint64_t xfer_bytes; /* KV payload bytes received */
     /* MTP */
     int mtp_req;     /* the request's MTP depth + 1 (0 = not set) */

@@ -165,6 +165,11 @@ void cluster_req_detach(cluster_t *c, req_t *r, int cancel)
         if (r->dw != r->pw)
             r->dw->n_assigned--;
     }
+    if (!cancel && r->pw && r->dw && r->pw != r->dw && !r->p_started) {
+        /* ended by the decode worker before the prefill worker's TOKENS arrived */
+        c->late[c->next_late] = wire_rid(r);
+        c->next_late = (c->next_late + 1) % LATE_PREFILLS;
+    }
     if (cancel) {
         send_cancel(c, r->pw, wire_rid(r));
         if (r->dw != r->pw)
@@ -174,6 +179,14 @@ void cluster_req_detach(cluster_t *c, req_t *r, int cancel)
     }
     r->pw = r->dw = r->mw = NULL;
     r->p_qtok = r->d_blocks = 0;
+}
+
+int cluster_late_prefill(const cluster_t *c, uint64_t wire)
+{
+    for (int i = 0; wire && i < LATE_PREFILLS; i++)
+        if (c->late[i] == wire)
+            return 1;
+    return 0;
 }
 
 /* Take r out of every table (the caller then reports and frees it). */

@@ -116,6 +116,8 @@ typedef struct {
  * silent) while it may still hold the attempt, which was re-run elsewhere. Kept until that
  * worker registers again (then sent) or the slot is reused. */
 #define OWED_CANCELS 4096
+/* attempts remembered as ended before their prefill worker's TOKENS arrived */
+#define LATE_PREFILLS 256
 typedef struct {
     char id[PROTO_ID_LEN];
     size_t id_len; /* 0: free slot */
@@ -170,6 +172,8 @@ struct cluster {
     uint64_t n_refused;
     owed_cancel owed[OWED_CANCELS]; /* a ring: the oldest is dropped when full */
     int next_owed;
+    uint64_t late[LATE_PREFILLS]; /* wire rids ended before their prefill's TOKENS: a ring */
+    int next_late;
 };
 
 // --- small helpers
@@ -322,6 +326,10 @@ int cluster_send_to(cluster_t *c, worker_t *w, const proto_msg *m);
 /* Undo the attempt's bookkeeping on its workers; cancel: also CANCEL it there (a worker
  * flagged dead is owed the CANCEL until it registers again: cluster_send_owed_cancels). */
 void cluster_req_detach(cluster_t *c, req_t *r, int cancel);
+/* Whether wire (a wire rid) names an attempt that ended without a CANCEL (at max_tokens or
+ * EOS, by its decode worker) before its prefill worker's TOKENS arrived: the prefill
+ * worker's late messages for it are expected, not a sign of a lost CANCEL. */
+int cluster_late_prefill(const cluster_t *c, uint64_t wire);
 /* w registered again as process pid: send it the CANCELs owed to that process (attempts it
  * held when it was declared dead, re-run elsewhere since) and forget those owed to an
  * earlier process with its id. */

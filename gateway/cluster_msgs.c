@@ -270,7 +270,9 @@ static void note_timing(req_t *r, const worker_t *w, const proto_msg *m)
     cluster_req_timing *t = r->timing;
     if (!t)
         return;
-    if (w == r->pw && (m->queue_us || m->prefill_us)) {
+    /* the decode worker forwards the prefill's durations (KV_END): its first TOKENS may
+     * overtake the prefill worker's own, and end the request before that one arrives */
+    if ((w == r->pw || (w == r->dw && !t->prefill_us)) && (m->queue_us || m->prefill_us)) {
         t->worker_queue_us = m->queue_us;
         t->prefill_us = m->prefill_us;
     }
@@ -283,6 +285,14 @@ static void note_timing(req_t *r, const worker_t *w, const proto_msg *m)
 static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
 {
     req_t *r = attempt_of(c, m->rid, w);
+    if (!r && cluster_late_prefill(c, m->rid)) {
+        /* the decode worker's TOKENS (they repeat the first token) ended it first: the
+         * prefill worker ends its part by itself, a CANCEL would only turn its finished
+         * transfer into a cancelled one */
+        log_rdebug(m->rid, "TOKENS from %s after the request ended: ignored",
+                   w ? w->id : "unknown worker");
+        return;
+    }
     if (!r) {
         /* an attempt the gateway gave up on (re-ran elsewhere, finished, or never knew:
          * its CANCEL was lost in a partition): the worker is told to stop it, so its KV is

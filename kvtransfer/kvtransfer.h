@@ -85,6 +85,8 @@ typedef struct {
      * accepted -> KV_END verified) and its payload bytes (padding frames included) */
     int64_t xfer_us;
     uint64_t n_bytes;
+    /* KVX_EV_ACCEPTED: the prefill's durations KV_END carried (kvx_send_timing; 0 = none) */
+    int64_t queue_us, prefill_us;
     /* KVX_EV_ACCEPTED, MTP (docs/kvtransfer.md): mtp is KV_BEGIN's requested depth + 1
      * (0 = not set); mtp_ok = 1 when the module layers were stored and the hand-off state
      * arrived: hidden, (n_hidden,) float32, malloc'd, owned by whoever pops the event (free
@@ -222,6 +224,13 @@ int kvx_send_end(kvx_sender_t *s, uint64_t xfer, int first_token, uint64_t rng);
  * PROTO_ERR_INTERNAL). Same returns as kvx_send_end. */
 int kvx_send_end_mtp(kvx_sender_t *s, uint64_t xfer, int first_token, uint64_t rng,
                      const float *hidden, int n_hidden);
+
+/* Attach the prefill's durations (microseconds: queued on the worker, prompt computed; <= 0
+ * = not known) to the transfer's KV_END, which the receiver reports as KVX_EV_ACCEPTED's
+ * queue_us / prefill_us: the decode worker's first TOKENS then carries the request's whole
+ * breakdown even when it reaches the gateway before the prefill worker's own TOKENS. Call
+ * before kvx_send_end*(). Returns 0, or -1 when the transfer is unknown or no longer open. */
+int kvx_send_timing(kvx_sender_t *s, uint64_t xfer, int64_t queue_us, int64_t prefill_us);
 
 /* Abandon a transfer: send KV_ABORT (code PROTO_ERR_CANCELLED) to the receiver if it is
  * still in progress; no event follows. The sequence is freed by kvx once no frame pins it.

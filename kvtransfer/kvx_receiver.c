@@ -503,6 +503,8 @@ static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, wire_envelo
     ev.top_p = x->top_p;
     ev.top_k = x->top_k;
     ev.xfer_us = proto_now_us() - x->t0_us;
+    ev.queue_us = m->queue_us;
+    ev.prefill_us = m->prefill_us;
     ev.n_bytes = x->n_bytes;
     ev.mtp = x->mtp;
     ev.n_gen = x->n_gen;

@@ -83,6 +83,7 @@ typedef struct kvx_sx {
     int *next_blk;   /* (n_layer,) blocks of each layer sent so far: ranges go in order */
     int n_layer;     /* layers transferred: the first n_layer of the cache */
     int n_hidden;    /* floats of the MTP hand-off state KV_END carries (0 = none) */
+    int64_t queue_us, prefill_us; /* the prefill's durations KV_END carries (0 = none) */
     XXH64_state_t *hash;
     kvx_pin *pin;
     int64_t deadline_us; /* lease (0 = none) */
@@ -574,6 +575,8 @@ int kvx_send_end_mtp(kvx_sender_t *s, uint64_t xfer, int first_token, uint64_t r
     m.first_token = first_token;
     m.checksum = XXH64_digest(x->hash);
     m.rng = rng;
+    m.queue_us = x->queue_us;
+    m.prefill_us = x->prefill_us;
     m.ts_us = proto_wall_us();
     if (kvx_send_msg(x->peer->sock, NULL, 0, &m, n_frames ? &frame : NULL, n_frames) < 0) {
         char msg[PROTO_MESSAGE_LEN];
@@ -584,6 +587,16 @@ int kvx_send_end_mtp(kvx_sender_t *s, uint64_t xfer, int first_token, uint64_t r
     }
     x->state = SX_ENDED;
     x->deadline_us = kvx_deadline_after(s->p.lease_ms);
+    return 0;
+}
+
+int kvx_send_timing(kvx_sender_t *s, uint64_t xfer, int64_t queue_us, int64_t prefill_us)
+{
+    kvx_sx *x = sx_find(s, xfer);
+    if (!x || x->state != SX_OPEN)
+        return -1;
+    x->queue_us = queue_us > 0 ? queue_us : 0;
+    x->prefill_us = prefill_us > 0 ? prefill_us : 0;
     return 0;
 }
 

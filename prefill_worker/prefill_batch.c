@@ -267,6 +267,7 @@ static void prompt_done(prefill_role *p, preq *r, float *logits)
         prefill_req_remove(p, r);
     } else if (r->xfer) {
         r->state = PREQ_SENDING;
+        kvx_send_timing(rt->sender, r->xfer, t.queue_us, t.prefill_us);
         /* failure comes as an event */
         kvx_send_end_mtp(rt->sender, r->xfer, first, r->rng, r->mtp_depth > 0 ? r->hand : NULL,
                          r->mtp_depth > 0 ? specdec_hand_floats(cp->sd) : 0);

@@ -858,6 +858,39 @@ class FakeWorkerTest(unittest.TestCase):
         self.assertEqual(json.loads(data)["choices"][0]["text"], "Ho")
         self.assertIn("KV hand-off w-p -> %s failed (2 in a row)" % bad, self.gw.read_log())
 
+    def test_decode_tokens_overtaking_the_prefill_end_it_cleanly(self):
+        """The decode worker's first TOKENS repeat the first token, so (on a loaded machine)
+        they can reach the gateway, and end a short request at max_tokens, before the
+        prefill worker's own TOKENS. That late message is expected: no CANCEL (it would turn
+        the prefill's finished transfer into a cancelled one in its counters), and the
+        prefill's durations come with the decode worker's TOKENS (KV_END carries them), so
+        the request's prefill-time sample is not lost (the CI run that found it: 11 of 12)."""
+        p = self.worker("w-p", role=1)
+        d = self.worker("w-d", role=2, kvep="tcp://127.0.0.1:1")
+        res = self.start({"prompt": "hi", "max_tokens": 2, "temperature": 0})
+        m = p.recv(want=(PREFILL,))
+        self.assertEqual(m["dw"], "w-d")
+        d.send(TOKENS, rid=m["rid"], index=0, tokens=ids_of("ok"), queue_us=1000,
+               prefill_us=250000, xfer_us=3000, xfer_bytes=4096, step_us=2000)
+        st, _, data = res()
+        self.assertEqual(st, 200, data)
+        self.assertEqual(json.loads(data)["choices"][0]["text"], "ok")
+        p.send(TOKENS, rid=m["rid"], index=0, tokens=ids_of("o"), queue_us=1000,
+               prefill_us=250000)
+        d.send(FINISH, rid=m["rid"], reason=2)
+        p.send(FINISH, rid=m["rid"], reason=2)
+        self.assertIsNone(p.recv(0.5, want=(CANCEL,)), "CANCEL sent for a finished request")
+        self.assertIsNone(d.recv(0.1, want=(CANCEL,)), "CANCEL sent for a finished request")
+        _, _, metrics = self.gw.request("GET", "/metrics")
+        got = dict(re.findall(r"^tidepool_request_prefill_time_seconds_(sum|count)\{[^}]*\} (\S+)$",
+                              metrics.decode(), re.M))
+        self.assertEqual(got, {"count": "1", "sum": "0.25"})
+        # a message of an attempt the gateway never knew still gets its CANCEL
+        p.send(TOKENS, rid=m["rid"] + 5, index=0, tokens=ids_of("o"))
+        c = p.recv(2, want=(CANCEL,))
+        self.assertIsNotNone(c)
+        self.assertEqual(c["rid"], m["rid"] + 5)
+
     def test_avoided_pair_not_used_while_another_is_busy(self):
         """While a failed pair is avoided, a request that the other pair can take once its
         decode worker has room again waits for it rather than going over the failed link

@@ -426,11 +426,17 @@ static void transfer_ok(fx_t *f, int n_kv, int max_tokens, const int *order)
     uint64_t x = begin(f, f->s, 42, seq, n_kv, max_tokens);
     for (int l = 0; l < NL; l++)
         assert_int_equal(kvx_send_layer(f->s, x, order ? order[l] : l), 0);
+    /* the prefill's durations ride on KV_END (even layers only: absent is 0) */
+    if (n_kv % 2 == 0)
+        assert_int_equal(kvx_send_timing(f->s, x, 1234, 56789), 0);
     assert_int_equal(kvx_send_end(f->s, x, 99, 0xfeedull), 0);
+    assert_int_equal(kvx_send_timing(f->s, x, 1, 1), -1); /* ended: no longer open */
     kvx_event ev;
     assert_true(receiver_event(f, &ev));
     assert_int_equal(ev.type, KVX_EV_ACCEPTED);
     assert_true(ev.rid == 42 && ev.xfer == x);
+    assert_true(ev.queue_us == (n_kv % 2 == 0 ? 1234 : 0));
+    assert_true(ev.prefill_us == (n_kv % 2 == 0 ? 56789 : 0));
     assert_int_equal(ev.n_kv_tokens, n_kv);
     assert_int_equal(ev.first_token, 99);
     assert_true(ev.rng == 0xfeedull);
