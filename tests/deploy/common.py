@@ -19,6 +19,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
+import cluster as _cluster  # noqa: E402  (free_port: one copy)
 IMAGE = os.environ.get("TIDEPOOL_IMAGE", "localhost/tidepool:latest")
 MODELS_DIR = os.path.realpath(os.environ.get("TIDEPOOL_MODELS_DIR",
                                              os.path.join(ROOT, "..", "shared", "models")))
@@ -76,23 +78,19 @@ def run_id(kind):
 
 
 def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on 127.0.0.1, drawn below the ephemeral range (tests/integration/
+    cluster.py free_port: bind(0) hands out ports any outgoing connection may take)."""
+    return free_ports(1)[0]
 
 
 def free_ports(n):
-    """n distinct free ports on 127.0.0.1 (held open together so none repeats)."""
-    socks, ports = [], []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct free ports on 127.0.0.1, each drawn at random below the kernel's ephemeral
+    range (as tests/integration/cluster.py free_port does) and checked by binding it."""
+    ports = []
+    while len(ports) < n:
+        p = _cluster.free_port()
+        if p not in ports:
+            ports.append(p)
     return ports
 
 
