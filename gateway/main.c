@@ -39,7 +39,7 @@
 static char *opt_host, *opt_ctl_bind, *opt_model, *opt_served_name, *opt_log_level,
     *opt_stats_bind;
 /* CURVE on the ctl socket (docs/security.md) */
-static char *opt_curve_secret_key, *opt_curve_authorized_keys;
+static char *opt_curve_secret_key, *opt_curve_authorized_keys, *opt_stats_authorized_keys;
 static long long opt_http_timeout_s;
 static long long opt_port, opt_max_body, opt_max_queue, opt_hb_ms, opt_dead_ms, opt_timeout_ms,
     opt_retries, opt_drain_ms, opt_stats_interval_ms, opt_stats_stall_ms, opt_stats_window_s,
@@ -133,6 +133,10 @@ static const config_entry_t settings[] = {
      "encrypted and admits only --curve-authorized-keys (docs/security.md); \"\" = plain"},
     {"curve-authorized-keys", CONFIG_STRING, &opt_curve_authorized_keys, "", 0, 0,
      "CURVE: the worker public keys admitted: a file of keys or a directory of .pub files"},
+    {"stats-authorized-keys", CONFIG_STRING, &opt_stats_authorized_keys, "", 0, 0,
+     "CURVE: the subscribers (tidepool-top, dashboards) admitted to the stats socket, which "
+     "is then encrypted with the gateway's key too: a file of keys or a directory of .pub "
+     "files; \"\" = the --curve-authorized-keys list. Needs --curve-secret-key"},
     {"api-key", CONFIG_SECRET_LIST, &opt_api_keys, NULL, 0, 0,
      "an API key clients must send (Authorization: Bearer KEY) on /v1/; repeatable (the "
      "environment: several, separated by commas); no key at all = open"},
@@ -348,6 +352,12 @@ int main(int argc, char **argv)
         config_free(settings);
         return 2;
     }
+    if (opt_stats_authorized_keys[0] && !curve_auth) {
+        log_error("--stats-authorized-keys needs CURVE (--curve-secret-key and "
+                  "--curve-authorized-keys)");
+        config_free(settings);
+        return 2;
+    }
 
     int exit_code = 1;
     app_t app = {0};
@@ -479,6 +489,18 @@ int main(int argc, char **argv)
         pp.interval_ms = (int)opt_stats_interval_ms;
         pp.stall_ms = (int)opt_stats_stall_ms;
         pp.model_name = served;
+        if (curve.secret_z85[0]) { /* encrypted like the ctl socket, never plain beside it */
+            const char *path =
+                opt_stats_authorized_keys[0] ? opt_stats_authorized_keys : opt_curve_authorized_keys;
+            pp.curve = &curve;
+            pp.curve_auth = curve_authlist_load(path, err, sizeof(err));
+            if (!pp.curve_auth) {
+                log_error("CURVE (--stats-authorized-keys): %s", err);
+                goto out;
+            }
+            log_info("CURVE on the stats socket: %zu subscriber keys admitted (%s)",
+                     curve_authlist_count(pp.curve_auth), path);
+        }
         pub = statpub_new(app.base, &pp, stats, cluster, err, sizeof(err));
         /* dashboards are not worth refusing to serve for: go on without the socket */
         if (!pub)

@@ -35,6 +35,7 @@ struct statpub {
     struct event_base *base;
     struct event *tick, *retry;
     void *zctx, *sock;
+    curve_zap_t *zap; /* CURVE: the ZAP handler of zctx (NULL = plain) */
     stats_t *stats;
     const cluster_t *cluster;
     char *model;
@@ -535,14 +536,22 @@ static void on_tick(evutil_socket_t fd, short what, void *arg)
 statpub_t *statpub_new(struct event_base *base, const statpub_params *prm, stats_t *stats,
                        const cluster_t *c, char *err, size_t errlen)
 {
+    curve_authlist_t *auth = prm ? prm->curve_auth : NULL; /* ours now */
     if (!base || !prm || !prm->bind || !stats || prm->interval_ms < 10 || prm->sndhwm < 1 ||
         prm->sndbuf < 0 || prm->event_queue < 1 || prm->stall_ms < 0) {
         snprintf(err, errlen, "stats socket: invalid parameters");
+        curve_authlist_destroy(&auth);
+        return NULL;
+    }
+    if (!prm->curve != !auth) {
+        snprintf(err, errlen, "stats socket: CURVE needs both a key pair and authorized keys");
+        curve_authlist_destroy(&auth);
         return NULL;
     }
     statpub_t *p = calloc(1, sizeof(*p));
     if (!p) {
         snprintf(err, errlen, "out of memory");
+        curve_authlist_destroy(&auth);
         return NULL;
     }
     p->base = base;
@@ -566,6 +575,14 @@ statpub_t *statpub_new(struct event_base *base, const statpub_params *prm, stats
     }
     for (int i = 0; i < p->ev_cap; i++)
         msgpack_sbuffer_init(&p->evq[i]);
+    if (prm->curve) { /* the handler first: the socket asks it from its first connection */
+        char zerr[256];
+        p->zap = curve_zap_start(p->zctx, &auth, zerr, sizeof(zerr));
+        if (!p->zap) {
+            snprintf(err, errlen, "stats socket: %s", zerr);
+            goto fail;
+        }
+    }
     p->sock = zmq_socket(p->zctx, ZMQ_XPUB);
     int linger = 0, hwm = prm->sndhwm, nodrop = 1, sndbuf = prm->sndbuf;
     size_t len = sizeof(p->endpoint);
@@ -574,6 +591,11 @@ statpub_t *statpub_new(struct event_base *base, const statpub_params *prm, stats
         zmq_setsockopt(p->sock, ZMQ_XPUB_NODROP, &nodrop, sizeof(nodrop)) < 0 ||
         (sndbuf > 0 && zmq_setsockopt(p->sock, ZMQ_SNDBUF, &sndbuf, sizeof(sndbuf)) < 0)) {
         snprintf(err, errlen, "stats socket: %s", zmq_strerror(zmq_errno()));
+        goto fail;
+    }
+    if (prm->curve && curve_setup_server(p->sock, prm->curve, CURVE_ZAP_DOMAIN_STATS) < 0) {
+        snprintf(err, errlen, "cannot make the stats socket a CURVE server: %s",
+                 zmq_strerror(zmq_errno()));
         goto fail;
     }
     if (zmq_bind(p->sock, prm->bind) < 0) {
@@ -593,6 +615,7 @@ statpub_t *statpub_new(struct event_base *base, const statpub_params *prm, stats
     stats_set_event_sink(stats, on_event, p);
     return p;
 fail:
+    curve_authlist_destroy(&auth);
     statpub_destroy(&p);
     return NULL;
 }
@@ -610,6 +633,7 @@ void statpub_destroy(statpub_t **pp)
         stats_set_event_sink(p->stats, NULL, NULL);
     if (p->sock)
         zmq_close(p->sock);
+    curve_zap_stop(&p->zap); /* before the context, whose termination waits for it */
     if (p->zctx)
         zmq_ctx_term(p->zctx);
     for (int i = 0; p->evq && i < p->ev_cap; i++)

@@ -28,6 +28,7 @@
 #include <stdint.h>
 
 #include "cluster.h"
+#include "curve.h"
 #include "stats.h"
 
 #define STATPUB_SCHEMA 1
@@ -51,16 +52,24 @@ typedef struct {
                              * past it (the others get it, it does not); 0 = never: the
                              * slowest subscriber paces all, and loses nothing unreported */
     const char *model_name; /* the served model (copied) */
+    /* CURVE (optional, NULL = plain): the socket is a CURVE server with this key pair
+     * (borrowed for the call; ZAP domain CURVE_ZAP_DOMAIN_STATS), admitting only the
+     * subscribers whose public keys are in curve_auth, which statpub_new consumes (freed
+     * also on failure); both or neither */
+    const curve_keypair *curve;
+    curve_authlist_t *curve_auth;
 } statpub_params;
 
 /* Defaults: tcp://127.0.0.1:5558, 1000 ms, STATPUB_SNDHWM, STATPUB_SNDBUF,
  * STATPUB_EVENT_QUEUE, STATPUB_STALL_MS. */
 statpub_params statpub_default_params(void);
 
-/* Bind the PUB socket, start the snapshot timer on base and subscribe to stats' events
+/* Bind the PUB socket (with p->curve: a CURVE server, its own ZAP handler admitting
+ * p->curve_auth's keys), start the snapshot timer on base and subscribe to stats' events
  * (stats_set_event_sink). stats and c are borrowed and must outlive the publisher.
- * Returns NULL with a message in err when the endpoint cannot be bound or on out of
- * memory. */
+ * Returns NULL with a message in err when the endpoint cannot be bound, CURVE cannot be
+ * set up (one of curve and curve_auth without the other, libzmq without CURVE) or on out
+ * of memory. */
 statpub_t *statpub_new(struct event_base *base, const statpub_params *p, stats_t *stats,
                        const cluster_t *c, char *err, size_t errlen);
 

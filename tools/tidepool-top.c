@@ -31,6 +31,7 @@
 #include <zmq.h>
 
 #include "config.h"
+#include "curve.h"
 #include "log.h"
 #include "protocol.h"
 
@@ -38,13 +39,18 @@
 #define POLL_MS 200
 #define MAX_WORKERS 1024
 
-static char *opt_stats;
+static char *opt_stats, *opt_curve_secret_key, *opt_curve_gateway_key;
 static long long opt_events;
 
 static const config_entry_t settings[] = {
     {"stats", CONFIG_STRING, &opt_stats, "tcp://127.0.0.1:5558", 0, 0,
      "the gateway's stats socket to subscribe to"},
     {"events", CONFIG_INT, &opt_events, "8", 0, MAX_EVENTS, "event lines shown at the bottom"},
+    {"curve-secret-key", CONFIG_STRING, &opt_curve_secret_key, "", 0, 0,
+     "CURVE: this subscriber's key pair file (tidepool-keygen; its public key among the "
+     "gateway's --stats-authorized-keys); needs --curve-gateway-key; \"\" = plain"},
+    {"curve-gateway-key", CONFIG_STRING, &opt_curve_gateway_key, "", 0, 0,
+     "CURVE: the gateway's public key file (its .pub)"},
     {NULL, 0, NULL, NULL, 0, 0, NULL},
 };
 
@@ -502,13 +508,31 @@ int main(int argc, char **argv)
     if (rc != 0)
         return rc > 0 ? 0 : 2;
     log_init("tidepool-top", LOG_LEVEL_WARN);
+    curve_keypair me, gw;
+    int curve_on = opt_curve_secret_key[0] || opt_curve_gateway_key[0];
+    if (curve_on) {
+        char err[512];
+        if (!opt_curve_secret_key[0] || !opt_curve_gateway_key[0]) {
+            snprintf(err, sizeof(err), "CURVE needs both --curve-secret-key and "
+                                       "--curve-gateway-key");
+        } else if (curve_key_load(opt_curve_secret_key, 1, &me, err, sizeof(err)) == 0 &&
+                   curve_key_load(opt_curve_gateway_key, 0, &gw, err, sizeof(err)) == 0) {
+            err[0] = 0;
+        }
+        if (err[0]) {
+            fprintf(stderr, "tidepool-top: %s\n", err);
+            config_free(settings);
+            return 2;
+        }
+    }
     top_t t;
     memset(&t, 0, sizeof(t));
     t.zctx = zmq_ctx_new();
     t.sub = t.zctx ? zmq_socket(t.zctx, ZMQ_SUB) : NULL;
     /* a small queue: what waits is old; the publisher conflates snapshots for us */
     int linger = 0, hwm = 16;
-    if (!t.sub || zmq_setsockopt(t.sub, ZMQ_SUBSCRIBE, "", 0) < 0 ||
+    if (!t.sub || (curve_on && curve_setup_client(t.sub, &me, gw.public_z85) < 0) ||
+        zmq_setsockopt(t.sub, ZMQ_SUBSCRIBE, "", 0) < 0 ||
         zmq_setsockopt(t.sub, ZMQ_LINGER, &linger, sizeof(linger)) < 0 ||
         zmq_setsockopt(t.sub, ZMQ_RCVHWM, &hwm, sizeof(hwm)) < 0 ||
         zmq_connect(t.sub, opt_stats) < 0) {

@@ -48,6 +48,7 @@
 #define CURVE_ZAP_LOG_WINDOW_S 10   /* ... per this many seconds (the rest are counted) */
 #define CURVE_ZAP_DOMAIN_CTL "tidepool-ctl"
 #define CURVE_ZAP_DOMAIN_KV "tidepool-kv"
+#define CURVE_ZAP_DOMAIN_STATS "tidepool-stats"
 
 /* A key pair in Z85 text, NUL-terminated; secret_z85 is "" when only the public key is
  * known (a .pub file). */

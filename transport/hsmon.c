@@ -115,6 +115,14 @@ static const char *why(const hsmon_t *m, uint16_t event, uint32_t value, char *b
                         : "the server refused this process's CURVE key: is its public key "
                           "among the server's --curve-authorized-keys?",
                  (unsigned)value);
+    } else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL && !server && !m->curve &&
+               (value == EPIPE || value == ECONNRESET)) {
+        /* a CURVE server drops a plain client's greeting at once: on a loaded host its
+         * close can reach the client before the mechanism mismatch does, every attempt */
+        snprintf(buf, cap, "the server closed the connection during the handshake (errno %u: "
+                 "%s): if it uses CURVE, this process does not (give it --curve-secret-key, "
+                 "--curve-gateway-key and --curve-authorized-keys)",
+                 (unsigned)value, zmq_strerror((int)value));
     } else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) {
         snprintf(buf, cap, "no detail (errno %u: %s)", (unsigned)value, zmq_strerror((int)value));
     } else if (value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH) {

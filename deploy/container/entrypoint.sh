@@ -156,6 +156,15 @@ if [ -n "${TIDEPOOL_CURVE_KEYS:-}" ]; then
     fi
     (umask 077 && cat "$key" >"$priv/self.key") || { log "cannot read $key"; exit 2; }
     export TIDEPOOL_CURVE_SECRET_KEY=$priv/self.key TIDEPOOL_CURVE_AUTHORIZED_KEYS=$priv/authorized
+    # the stats socket is CURVE too: dashboards/*.pub are its subscribers when present
+    # (else the workers' keys are)
+    if [ "$prog" = gateway ] && [ -d "$kd/dashboards" ]; then
+        mkdir -m 0700 "$priv/dashboards"
+        for f in "$kd"/dashboards/*.pub; do
+            [ -f "$f" ] && cp "$f" "$priv/dashboards/"
+        done
+        export TIDEPOOL_STATS_AUTHORIZED_KEYS=$priv/dashboards
+    fi
 fi
 
 # --- API keys

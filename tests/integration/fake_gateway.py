@@ -210,8 +210,11 @@ class Gateway:
                 return
         raise AssertionError("timed out waiting for " + what)
 
-    def wait_registered(self, *names):
-        self.wait(lambda: all(n in self.workers for n in names), what="REGISTER of %s" % (names,))
+    def wait_registered(self, *names, timeout=30.0):
+        """Until every named worker registered (a sanitized worker on a loaded machine spends
+        seconds loading and calibrating MTP before it connects)."""
+        self.wait(lambda: all(n in self.workers for n in names), timeout,
+                  what="REGISTER of %s" % (names,))
 
     def prefill(self, wid, tokens, max_tokens, dw="", dep="", temp=0.0, rng=0, dpk=None):
         rid = self.next_rid
