@@ -257,6 +257,12 @@ static json_t *read_json_object(http_server_t *s, struct evhttp_request *req)
         return NULL;
     }
     const char *body = len ? (const char *)evbuffer_pullup(in, (ev_ssize_t)len) : "";
+    if (!api_utf8_valid(body, len)) { /* the completion routes' check (api_parse) */
+        api_error_set(&e, 400, "invalid_request_error", NULL, "invalid_encoding",
+                      "The request body is not valid UTF-8.");
+        http_reply_error(req, &e);
+        return NULL;
+    }
     json_error_t jerr;
     json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
     if (!root) {

@@ -121,6 +121,10 @@ class Tokenize(unittest.TestCase):
         msg = self.error("/detokenize", {"tokens": [1, 2.5]}, 400, "tokens", "invalid_value")
         self.assertEqual(msg, "'tokens[1]' must be a token id in [0, 512), got a number.")
         self.error("/detokenize", {"tokens": [1], "model": 3}, 400, "model", "invalid_type")
+        # a body that is not UTF-8: invalid_encoding, as on the completion routes
+        for path in ("/tokenize", "/detokenize"):
+            self.error(path, None, 400, None, "invalid_encoding", raw=b'{"prompt": "\xff"}')
+            self.error(path, None, 400, None, "invalid_encoding", raw=b'\xfe\xff')
         st, got = self.c.request("GET", "/tokenize")
         self.assertEqual((st, got["error"]["code"]), (405, "method_not_allowed"))
         st, got = self.c.request("POST", "/tokenize", {"prompt": "x" * 20000})
@@ -148,6 +152,7 @@ class Tokenize(unittest.TestCase):
         self.assertEqual(card, want)
         st, one = self.c.request("GET", "/v1/models/stories260K")
         self.assertEqual((st, one), (200, got["data"][0]))
+
 
 
 class ModelsNoMtp(unittest.TestCase):
