@@ -152,7 +152,13 @@ class Tokenize(unittest.TestCase):
         self.assertEqual(card, want)
         st, one = self.c.request("GET", "/v1/models/stories260K")
         self.assertEqual((st, one), (200, got["data"][0]))
-
+        # the id is a path segment: percent-encoded as clients encode it (openai-node's
+        # encodeURIComponent turns an "org/name" id into org%2Fname)
+        st, enc = self.c.request("GET", "/v1/models/stories%32%360K")
+        self.assertEqual((st, enc), (200, got["data"][0]))
+        for bad in ("stories260K%00", "stories260K%2", "%ZZ", "stories260K%2F"):
+            st, miss = self.c.request("GET", "/v1/models/" + bad)
+            self.assertEqual((st, miss["error"]["code"]), (404, "model_not_found"), bad)
 
 
 class ModelsNoMtp(unittest.TestCase):
