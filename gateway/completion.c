@@ -674,6 +674,7 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
                                 (const char *const *)r.stop, r.n_stop);
         if (!ch->stream)
             goto oom;
+        stream_set_min_tokens(ch->stream, r.samp ? r.samp->min_tokens : 0);
         if (r.echo && echo_setup(ch, env->tok, api_request_prompt(&r, p), tokens[p], n[p],
                                  r.logprobs) < 0)
             goto oom;

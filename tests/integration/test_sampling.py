@@ -113,6 +113,20 @@ class Sampling(unittest.TestCase):
         plain, _, _ = self.run_both(ONCE, max_tokens=4, temperature=0)
         self.assertEqual(plain, ", there was a")
 
+    def test_min_tokens_passes_over_stop_strings(self):
+        # vLLM checks stop strings only after min_tokens: " there" (token 2) is passed over
+        # with min_tokens 3, and " little" (token 5) then ends the text
+        stops = [" there", " little"]
+        text, fin, n = self.run_both(ONCE, max_tokens=12, temperature=0, stop=stops)
+        self.assertEqual((text, fin, n), (",", "stop", 2))
+        text, fin, n = self.run_both(ONCE, max_tokens=12, temperature=0, stop=stops,
+                                     min_tokens=3)
+        self.assertEqual((text, fin, n), (", there was a", "stop", 5))
+        for c in (self.dis, self.mix):
+            status, streamed, events, done = c.stream_text(ONCE, 12, temperature=0, stop=stops,
+                                                           min_tokens=3)
+            self.assertEqual((status, streamed, done), (200, ", there was a", True))
+
     def test_frequency_penalty_breaks_the_loop(self):
         greedy, fin, n = self.run_both(LOOP, max_tokens=300, temperature=0)
         self.assertGreaterEqual(greedy.count(FUN), 3)
