@@ -262,6 +262,25 @@ void stream_out_clear(stream_t *s)
     s->out.p[0] = 0;
 }
 
+char *stream_text_of(const tokenizer_t *tok, int prev_token, const int *ids, int n, size_t *len)
+{
+    stream_t *s = stream_new(tok, prev_token, -1, NULL, 0);
+    if (!s)
+        return NULL;
+    int rc = 0;
+    for (int i = 0; i < n && rc != STREAM_ERR; i++)
+        rc = stream_push(s, ids[i]);
+    if (rc != STREAM_ERR)
+        rc = stream_finish(s);
+    char *t = NULL;
+    if (rc != STREAM_ERR && (t = s->out.p) != NULL) {
+        *len = s->out.len;
+        s->out.p = NULL; /* the caller's now */
+    }
+    stream_destroy(&s);
+    return t;
+}
+
 void stream_set_min_tokens(stream_t *s, int min_tokens)
 {
     s->min_tokens = min_tokens;

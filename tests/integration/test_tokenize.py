@@ -93,6 +93,23 @@ class Tokenize(unittest.TestCase):
         self.assertEqual(snow["tokens"], [410, 3 + 0xE2, 3 + 0x98, 3 + 0x83])
         st, got = self.c.request("POST", "/detokenize", {"tokens": [3 + 0xE2]})
         self.assertEqual((st, got), (200, {"prompt": "\ufffd"}))
+        # bytes of no whole character: one U+FFFD per maximal ill-formed subsequence, as
+        # Hugging Face (and Python) decode them and as a completion's text shows them; an
+        # echoed token-id prompt is that text too (it was "??", or cut at a cut character)
+        upon = ONCE[2]  # " upon"
+        for raw, ids in ((b"\xe6\x97", [3 + 0xE6, 3 + 0x97]),
+                         (b"\xe6\x97 upon", [3 + 0xE6, 3 + 0x97, upon]),
+                         (b"\xc3A\x97\x97", [3 + 0xC3, 3 + 0x41, 3 + 0x97, 3 + 0x97]),
+                         (b"\xf0\x80\xe2\x98\x83", [3 + 0xF0, 3 + 0x80, 3 + 0xE2, 3 + 0x98,
+                                                   3 + 0x83])):
+            want = raw.decode("utf-8", errors="replace")
+            st, got = self.c.request("POST", "/detokenize", {"tokens": ids})
+            self.assertEqual((st, got), (200, {"prompt": want}), ids)
+            st, out = self.c.request("POST", "/v1/completions",
+                                     {"prompt": [1] + ids, "echo": True, "max_tokens": 1,
+                                      "temperature": 0, "logit_bias": {"2": 100}})
+            self.assertEqual(st, 200, out)
+            self.assertEqual(out["choices"][0]["text"], want, ids)
 
     def test_bad_bodies(self):
         self.error("/tokenize", None, 400, None, "invalid_json", raw=b'{"prompt": "a"')
