@@ -909,6 +909,13 @@ int api_check_length(api_request *r, int n_prompt, int n_ctx, api_error *err)
                              n_ctx, n_prompt);
     if (r->max_tokens < 0) {
         r->max_tokens = n_ctx - n_prompt;
+        /* parse_sampling could check min_tokens only against a max_tokens given */
+        if (r->samp && r->samp->min_tokens > r->max_tokens)
+            return api_error_set(err, 400, INVALID, "min_tokens", "invalid_value",
+                                 "'min_tokens' must be >= 0 and at most max_tokens, got %d; "
+                                 "without max_tokens at most the %d tokens the context leaves "
+                                 "after the prompt of %d tokens.",
+                                 r->samp->min_tokens, r->max_tokens, n_prompt);
         return 0;
     }
     if ((long long)n_prompt + r->max_tokens > n_ctx)

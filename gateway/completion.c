@@ -424,29 +424,14 @@ const cluster_callbacks *completion_callbacks(void)
 static int echo_setup(choice_t *ch, const tokenizer_t *tok, api_prompt pr, const int *ids, int n,
                       int logprobs)
 {
-    size_t cap = pr.text ? pr.len : 1;
-    for (int i = 0; !pr.text && i < n; i++) {
-        size_t len;
-        tokenizer_piece(tok, i ? ids[i - 1] : -1, ids[i], &len);
-        cap += len;
-    }
-    if (!(ch->echo_text = malloc(cap + 1)))
-        return -1;
     if (pr.text) {
+        if (!(ch->echo_text = malloc(pr.len + 1)))
+            return -1;
         memcpy(ch->echo_text, pr.text, pr.len);
         ch->echo_len = pr.len;
-    } else {
-        for (int i = 0; i < n; i++) {
-            size_t len;
-            const char *s = tokenizer_piece(tok, i ? ids[i - 1] : -1, ids[i], &len);
-            memcpy(ch->echo_text + ch->echo_len, s, len);
-            ch->echo_len += len;
-        }
-    }
-    ch->echo_text[ch->echo_len] = 0;
-    if (!pr.text) {
-        api_utf8_trim(ch->echo_text);
-        ch->echo_len = strlen(ch->echo_text);
+        ch->echo_text[ch->echo_len] = 0;
+    } else if (!(ch->echo_text = stream_text_of(tok, -1, ids, n, &ch->echo_len))) {
+        return -1; /* bytes of no whole character: U+FFFD, as in the completion's text */
     }
     if (!logprobs)
         return 0;
@@ -674,6 +659,7 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
                                 (const char *const *)r.stop, r.n_stop);
         if (!ch->stream)
             goto oom;
+        stream_set_min_tokens(ch->stream, r.samp ? r.samp->min_tokens : 0);
         if (r.echo && echo_setup(ch, env->tok, api_request_prompt(&r, p), tokens[p], n[p],
                                  r.logprobs) < 0)
             goto oom;

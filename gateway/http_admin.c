@@ -15,6 +15,7 @@
 #include "metrics.h"
 #include "prometheus.h"
 #include "protocol.h"
+#include "stream.h"
 
 void http_admin_health(http_server_t *s, struct evhttp_request *req)
 {
@@ -220,8 +221,12 @@ static int served_mtp_depth(http_server_t *s)
 
 void http_admin_models(http_server_t *s, struct evhttp_request *req, const char *which)
 {
-    if (which) { /* GET /v1/models/{id} */
-        if (strcmp(which, s->model) != 0) {
+    if (which) { /* GET /v1/models/{id}: the id percent-decoded, as clients encode it */
+        size_t n = 0;
+        char *id = evhttp_uridecode(which, 0, &n);
+        int found = id && n == strlen(id) && strcmp(id, s->model) == 0;
+        free(id);
+        if (!found) {
             api_error e;
             api_error_set(&e, 404, "invalid_request_error", "model", "model_not_found",
                           "The model '%.200s' does not exist.", which);
@@ -257,6 +262,12 @@ static json_t *read_json_object(http_server_t *s, struct evhttp_request *req)
         return NULL;
     }
     const char *body = len ? (const char *)evbuffer_pullup(in, (ev_ssize_t)len) : "";
+    if (!api_utf8_valid(body, len)) { /* the completion routes' check (api_parse) */
+        api_error_set(&e, 400, "invalid_request_error", NULL, "invalid_encoding",
+                      "The request body is not valid UTF-8.");
+        http_reply_error(req, &e);
+        return NULL;
+    }
     json_error_t jerr;
     json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
     if (!root) {
@@ -416,34 +427,6 @@ fail:
     json_decref(root);
 }
 
-/* n bytes of s as valid UTF-8: every byte that starts no well-formed sequence becomes
- * U+FFFD (as Hugging Face's decode does). malloc'd, NUL-terminated, its length in *out_len;
- * NULL on out of memory. */
-static char *utf8_lossy(const char *s, size_t n, size_t *out_len)
-{
-    char *b = malloc(n * 3 + 1);
-    if (!b)
-        return NULL;
-    size_t len = 0;
-    for (size_t i = 0; i < n;) {
-        size_t k = 1;
-        while (k <= 4 && i + k <= n && !api_utf8_valid(s + i, k))
-            k++;
-        if (k <= 4 && i + k <= n) {
-            memcpy(b + len, s + i, k);
-            len += k;
-            i += k;
-        } else {
-            memcpy(b + len, "\xEF\xBF\xBD", 3);
-            len += 3;
-            i++;
-        }
-    }
-    b[len] = 0;
-    *out_len = len;
-    return b;
-}
-
 void http_admin_detokenize(http_server_t *s, struct evhttp_request *req)
 {
     json_t *root = read_json_object(s, req);
@@ -452,7 +435,7 @@ void http_admin_detokenize(http_server_t *s, struct evhttp_request *req)
     api_error e;
     api_request mr = {0};
     char *text = NULL;
-    size_t len = 0, cap = 0;
+    size_t len = 0;
     json_t *model = json_object_get(root, "model");
     if (model && !json_is_null(model) && !json_is_string(model)) {
         api_error_set(&e, 400, "invalid_request_error", "model", "invalid_type",
@@ -476,10 +459,14 @@ void http_admin_detokenize(http_server_t *s, struct evhttp_request *req)
                       api_json_type_name(toks));
         goto fail;
     }
-    int vocab = tokenizer_vocab_size(s->cx.tok), prev = -1;
-    size_t i;
+    int vocab = tokenizer_vocab_size(s->cx.tok);
+    size_t n_ids = json_array_size(toks), i;
+    int *ids = malloc((n_ids ? n_ids : 1) * sizeof(*ids));
+    if (!ids) {
+        api_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
+        goto fail;
+    }
     json_t *v;
-    char *raw = NULL; /* the pieces' bytes: a character may span byte tokens */
     json_array_foreach(toks, i, v)
     {
         if (!json_is_integer(v) || json_integer_value(v) < 0 ||
@@ -491,29 +478,14 @@ void http_admin_detokenize(http_server_t *s, struct evhttp_request *req)
                 snprintf(got, sizeof(got), "%s", api_json_type_name(v));
             api_error_set(&e, 400, "invalid_request_error", "tokens", "invalid_value",
                           "'tokens[%zu]' must be a token id in [0, %d), got %s.", i, vocab, got);
-            free(raw);
+            free(ids);
             goto fail;
         }
-        int id = (int)json_integer_value(v);
-        size_t n;
-        const char *p = tokenizer_piece(s->cx.tok, prev, id, &n);
-        if (len + n + 1 > cap) {
-            size_t nc = (len + n + 1) * 2;
-            char *q = realloc(raw, nc);
-            if (!q) {
-                free(raw);
-                api_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
-                goto fail;
-            }
-            raw = q;
-            cap = nc;
-        }
-        memcpy(raw + len, p, n);
-        len += n;
-        prev = id;
+        ids[i] = (int)json_integer_value(v);
     }
-    text = utf8_lossy(raw ? raw : "", len, &len);
-    free(raw);
+    /* the text a completion of these tokens streams (a character may span byte tokens) */
+    text = stream_text_of(s->cx.tok, -1, ids, (int)n_ids, &len);
+    free(ids);
     if (!text) {
         api_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
         goto fail;

@@ -21,6 +21,8 @@ struct stream {
     size_t n_raw;
     sbuf_t held, out;
     int n_tokens;
+    int min_tokens; /* stop strings count only when completed by a later token (vLLM's) */
+    size_t held_old; /* held.len before the current token's bytes */
     int done;    /* finished (stop, EOS or stream_finish) */
     int stopped; /* finished by STREAM_STOP */
 };
@@ -169,12 +171,15 @@ static int feed_bytes(stream_t *s, const unsigned char *p, size_t n, int final)
     return 0;
 }
 
-/* Search held for the earliest stop string; release what is certain. */
+/* Search held for the earliest stop string; release what is certain. A stop string counts
+ * only when it ends in the current token's text (one wholly in the text held back before
+ * it was passed over, within the first min_tokens tokens) and after min_tokens tokens. */
 static stream_status_t settle(stream_t *s, int final)
 {
     size_t best = (size_t)-1;
-    for (int k = 0; k < s->n_stops; k++) {
-        const char *m = memmem(s->held.p, s->held.len, s->stops[k], s->stop_len[k]);
+    for (int k = 0; k < s->n_stops && s->n_tokens > s->min_tokens; k++) {
+        size_t from = s->held_old + 1 > s->stop_len[k] ? s->held_old + 1 - s->stop_len[k] : 0;
+        const char *m = memmem(s->held.p + from, s->held.len - from, s->stops[k], s->stop_len[k]);
         if (m && (size_t)(m - s->held.p) < best)
             best = (size_t)(m - s->held.p);
     }
@@ -227,6 +232,7 @@ stream_status_t stream_push(stream_t *s, int token)
     size_t len = 0;
     const char *piece = tokenizer_piece(s->tok, s->prev, token, &len);
     s->prev = token;
+    s->held_old = s->held.len;
     if (feed_bytes(s, (const unsigned char *)piece, len, 0) < 0)
         return STREAM_ERR;
     return settle(s, 0);
@@ -236,6 +242,7 @@ stream_status_t stream_finish(stream_t *s)
 {
     if (s->done)
         return s->stopped ? STREAM_STOP : STREAM_CONTINUE;
+    s->held_old = s->held.len;
     if (feed_bytes(s, NULL, 0, 1) < 0)
         return STREAM_ERR;
     stream_status_t st = settle(s, 1);
@@ -253,6 +260,30 @@ void stream_out_clear(stream_t *s)
 {
     s->out.len = 0;
     s->out.p[0] = 0;
+}
+
+char *stream_text_of(const tokenizer_t *tok, int prev_token, const int *ids, int n, size_t *len)
+{
+    stream_t *s = stream_new(tok, prev_token, -1, NULL, 0);
+    if (!s)
+        return NULL;
+    int rc = 0;
+    for (int i = 0; i < n && rc != STREAM_ERR; i++)
+        rc = stream_push(s, ids[i]);
+    if (rc != STREAM_ERR)
+        rc = stream_finish(s);
+    char *t = NULL;
+    if (rc != STREAM_ERR && (t = s->out.p) != NULL) {
+        *len = s->out.len;
+        s->out.p = NULL; /* the caller's now */
+    }
+    stream_destroy(&s);
+    return t;
+}
+
+void stream_set_min_tokens(stream_t *s, int min_tokens)
+{
+    s->min_tokens = min_tokens;
 }
 
 int stream_n_tokens(const stream_t *s)

@@ -51,6 +51,17 @@ const char *stream_out(const stream_t *s, size_t *len);
 /* Forget the text released so far (the caller has sent it); what is held back stays. */
 void stream_out_clear(stream_t *s);
 
+/* The text of n token ids as a completion streams it (whole characters; malformed or
+ * cut bytes as U+FFFD, one per maximal ill-formed subsequence), EOS included as no text
+ * and without stop strings: an echoed token-id prompt, POST /detokenize. prev_token as
+ * stream_new's. malloc'd, NUL-terminated, its length in *len; NULL on out of memory. */
+char *stream_text_of(const tokenizer_t *tok, int prev_token, const int *ids, int n, size_t *len);
+
+/* A stop string completed by one of the first min_tokens tokens does not count (the
+ * request's min_tokens: vLLM checks stop strings only after them, as EOS and
+ * stop_token_ids are masked). Default 0. */
+void stream_set_min_tokens(stream_t *s, int min_tokens);
+
 /* Tokens pushed that counted: up to and including the one that completed a stop string;
  * EOS is not counted. */
 int stream_n_tokens(const stream_t *s);

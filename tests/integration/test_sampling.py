@@ -113,6 +113,45 @@ class Sampling(unittest.TestCase):
         plain, _, _ = self.run_both(ONCE, max_tokens=4, temperature=0)
         self.assertEqual(plain, ", there was a")
 
+    def test_min_tokens_passes_over_stop_strings(self):
+        # vLLM checks stop strings only after min_tokens: " there" (token 2) is passed over
+        # with min_tokens 3, and " little" (token 5) then ends the text
+        stops = [" there", " little"]
+        text, fin, n = self.run_both(ONCE, max_tokens=12, temperature=0, stop=stops)
+        self.assertEqual((text, fin, n), (",", "stop", 2))
+        text, fin, n = self.run_both(ONCE, max_tokens=12, temperature=0, stop=stops,
+                                     min_tokens=3)
+        self.assertEqual((text, fin, n), (", there was a", "stop", 5))
+        for c in (self.dis, self.mix):
+            status, streamed, events, done = c.stream_text(ONCE, 12, temperature=0, stop=stops,
+                                                           min_tokens=3)
+            self.assertEqual((status, streamed, done), (200, ", there was a", True))
+
+    def test_min_tokens_beyond_the_context(self):
+        # without max_tokens the answer may take the rest of the context, which min_tokens
+        # must not exceed (vLLM's 400 min_tokens > max_tokens); with it, max_tokens decides
+        st, tok = self.dis.request("POST", "/tokenize", {"prompt": ONCE})
+        room = 512 - tok["count"]
+        for c in (self.dis, self.mix):
+            st, b = c.request("POST", "/v1/completions",
+                              {"prompt": ONCE, "min_tokens": room + 1, "temperature": 0})
+            self.assertEqual(st, 400, b)
+            self.assertEqual((b["error"]["param"], b["error"]["code"]),
+                             ("min_tokens", "invalid_value"))
+            st, b = c.request("POST", "/v1/completions",
+                              {"prompt": [ONCE, ONCE + " there"], "min_tokens": room,
+                               "temperature": 0, "logit_bias": {"2": 100}})
+            self.assertEqual(st, 400, b)  # the second prompt leaves one token fewer
+            self.assertIn("(prompt 1 of the batch)", b["error"]["message"])
+            st, b = c.request("POST", "/v1/chat/completions",
+                              {"messages": [{"role": "user", "content": "hi"}],
+                               "min_tokens": 600})
+            self.assertEqual((st, b["error"]["param"]), (400, "min_tokens"), b)
+        st, b = self.dis.request("POST", "/v1/completions",
+                                 {"prompt": ONCE, "min_tokens": 3, "temperature": 0,
+                                  "logit_bias": {"2": 100}})
+        self.assertEqual((st, b["usage"]["completion_tokens"]), (200, 3), b)
+
     def test_frequency_penalty_breaks_the_loop(self):
         greedy, fin, n = self.run_both(LOOP, max_tokens=300, temperature=0)
         self.assertGreaterEqual(greedy.count(FUN), 3)

@@ -93,6 +93,23 @@ class Tokenize(unittest.TestCase):
         self.assertEqual(snow["tokens"], [410, 3 + 0xE2, 3 + 0x98, 3 + 0x83])
         st, got = self.c.request("POST", "/detokenize", {"tokens": [3 + 0xE2]})
         self.assertEqual((st, got), (200, {"prompt": "\ufffd"}))
+        # bytes of no whole character: one U+FFFD per maximal ill-formed subsequence, as
+        # Hugging Face (and Python) decode them and as a completion's text shows them; an
+        # echoed token-id prompt is that text too (it was "??", or cut at a cut character)
+        upon = ONCE[2]  # " upon"
+        for raw, ids in ((b"\xe6\x97", [3 + 0xE6, 3 + 0x97]),
+                         (b"\xe6\x97 upon", [3 + 0xE6, 3 + 0x97, upon]),
+                         (b"\xc3A\x97\x97", [3 + 0xC3, 3 + 0x41, 3 + 0x97, 3 + 0x97]),
+                         (b"\xf0\x80\xe2\x98\x83", [3 + 0xF0, 3 + 0x80, 3 + 0xE2, 3 + 0x98,
+                                                   3 + 0x83])):
+            want = raw.decode("utf-8", errors="replace")
+            st, got = self.c.request("POST", "/detokenize", {"tokens": ids})
+            self.assertEqual((st, got), (200, {"prompt": want}), ids)
+            st, out = self.c.request("POST", "/v1/completions",
+                                     {"prompt": [1] + ids, "echo": True, "max_tokens": 1,
+                                      "temperature": 0, "logit_bias": {"2": 100}})
+            self.assertEqual(st, 200, out)
+            self.assertEqual(out["choices"][0]["text"], want, ids)
 
     def test_bad_bodies(self):
         self.error("/tokenize", None, 400, None, "invalid_json", raw=b'{"prompt": "a"')
@@ -121,6 +138,10 @@ class Tokenize(unittest.TestCase):
         msg = self.error("/detokenize", {"tokens": [1, 2.5]}, 400, "tokens", "invalid_value")
         self.assertEqual(msg, "'tokens[1]' must be a token id in [0, 512), got a number.")
         self.error("/detokenize", {"tokens": [1], "model": 3}, 400, "model", "invalid_type")
+        # a body that is not UTF-8: invalid_encoding, as on the completion routes
+        for path in ("/tokenize", "/detokenize"):
+            self.error(path, None, 400, None, "invalid_encoding", raw=b'{"prompt": "\xff"}')
+            self.error(path, None, 400, None, "invalid_encoding", raw=b'\xfe\xff')
         st, got = self.c.request("GET", "/tokenize")
         self.assertEqual((st, got["error"]["code"]), (405, "method_not_allowed"))
         st, got = self.c.request("POST", "/tokenize", {"prompt": "x" * 20000})
@@ -148,6 +169,13 @@ class Tokenize(unittest.TestCase):
         self.assertEqual(card, want)
         st, one = self.c.request("GET", "/v1/models/stories260K")
         self.assertEqual((st, one), (200, got["data"][0]))
+        # the id is a path segment: percent-encoded as clients encode it (openai-node's
+        # encodeURIComponent turns an "org/name" id into org%2Fname)
+        st, enc = self.c.request("GET", "/v1/models/stories%32%360K")
+        self.assertEqual((st, enc), (200, got["data"][0]))
+        for bad in ("stories260K%00", "stories260K%2", "%ZZ", "stories260K%2F"):
+            st, miss = self.c.request("GET", "/v1/models/" + bad)
+            self.assertEqual((st, miss["error"]["code"]), (404, "model_not_found"), bad)
 
 
 class ModelsNoMtp(unittest.TestCase):

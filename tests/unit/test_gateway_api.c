@@ -948,6 +948,42 @@ static void test_stream_stop_inside_token(void **state)
     stream_destroy(&s);
 }
 
+/* min_tokens: a stop string completed by one of the first min_tokens tokens is passed over
+ * for good (vLLM checks stop strings only after them); one completed later ends the text. */
+static void test_stream_stop_after_min_tokens(void **state)
+{
+    (void)state;
+    const char *stops[] = {"STOP"};
+    stream_t *s = mk(stops, 1);
+    stream_set_min_tokens(s, 2);
+    assert_int_equal(stream_push(s, T_STOP), STREAM_CONTINUE); /* token 1 */
+    assert_int_equal(stream_push(s, T_ST), STREAM_CONTINUE);   /* token 2: "ST" held */
+    assert_string_equal(out(s), "STOP");
+    assert_int_equal(stream_push(s, T_OP), STREAM_STOP); /* token 3 completes "STOP" */
+    assert_string_equal(out(s), "STOP");
+    assert_int_equal(stream_n_tokens(s), 3);
+    stream_destroy(&s);
+    /* a stop wholly in text held back within the first min_tokens tokens (the "b" that may
+     * start "bSTOP") never matches later */
+    const char *stops2[] = {"b", "bSTOP"};
+    s = mk(stops2, 2);
+    stream_set_min_tokens(s, 1);
+    assert_int_equal(stream_push(s, T_B), STREAM_CONTINUE); /* "b": held as "bSTOP"'s start */
+    assert_int_equal(stream_push(s, T_A), STREAM_CONTINUE); /* the old "b" is passed over */
+    assert_string_equal(out(s), "ba");
+    assert_int_equal(stream_push(s, T_B), STREAM_STOP); /* a new "b" after min_tokens */
+    assert_string_equal(out(s), "ba");
+    stream_destroy(&s);
+    /* the end of the stream (length) within min_tokens: no stop either */
+    s = mk(stops, 1);
+    stream_set_min_tokens(s, 5);
+    assert_int_equal(stream_push(s, T_A), STREAM_CONTINUE);
+    assert_int_equal(stream_push(s, T_STOP), STREAM_CONTINUE);
+    assert_int_equal(stream_finish(s), STREAM_CONTINUE);
+    assert_string_equal(out(s), "aSTOP");
+    stream_destroy(&s);
+}
+
 static void test_stream_held_prefix_released(void **state)
 {
     (void)state;
@@ -1018,6 +1054,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_stream_stop_spanning_tokens),
         cmocka_unit_test(test_stream_stop_inside_token),
         cmocka_unit_test(test_stream_held_prefix_released),
+        cmocka_unit_test(test_stream_stop_after_min_tokens),
         cmocka_unit_test(test_stream_multibyte_stop),
         cmocka_unit_test(test_stream_eos_and_bos_space),
     };
