@@ -438,10 +438,14 @@ again:;
         if (r->state != DREQ_RUNNING)
             continue;
         /* its MTP depth: its controller's (its acceptance, the batch size), or its cap
-         * when not adaptive; no drafts past max_tokens (a step emits up to depth + 1) */
-        int depth =
-            cp->mtp_adaptive ? specdec_ctl_depth_at(&r->ctl, &cp->sd_costs, b, r->pos)
-                             : r->ctl.max_depth;
+         * when not adaptive; no drafts past max_tokens (a step emits up to depth + 1). A
+         * sampled request that gave "mtp_depth" keeps it: its tokens depend on its depths,
+         * and the controller's costs are this worker's start-up timings, so a seed would
+         * give other tokens on another worker (docs/api.md "seed") */
+        int pinned = r->mtp_req > 0 && r->sp.temperature > 0;
+        int depth = cp->mtp_adaptive && !pinned
+                        ? specdec_ctl_depth_at(&r->ctl, &cp->sd_costs, b, r->pos)
+                        : r->ctl.max_depth;
         if (depth > r->max_tokens - r->n_gen - 1)
             depth = r->max_tokens - r->n_gen - 1;
         if (r->pen)

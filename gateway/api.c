@@ -1065,8 +1065,11 @@ json_t *api_logprobs_json(api_kind_t kind, const api_logprobs *lp)
         }
         json_t *d = json_object();
         for (int j = 0; d && j < x->n_top && j < top; j++) {
+            /* alternatives that show the same text (byte tokens as U+FFFD, BOS and EOS as
+             * ""): the first, most likely, keeps the key */
             json_t *k = token_string(x->top_text[j], x->top_len[j]);
-            if (!k || json_object_set_new(d, json_string_value(k), lp_real(x->top_logprob[j])))
+            if (!k || (!json_object_get(d, json_string_value(k)) &&
+                       json_object_set_new(d, json_string_value(k), lp_real(x->top_logprob[j]))))
                 ok = 0;
             json_decref(k);
         }

@@ -319,6 +319,24 @@ class MtpSampling(unittest.TestCase):
                     self.assertEqual(t0, t2, jobs[k])
             self.assertGreater(spec_counters(c)["accepted"], 0)
 
+    def test_seeded_explicit_depth_same_on_every_worker(self):
+        """A sampled request that gives "mtp_depth" decodes at that depth on an adaptive
+        worker too, so its seed gives the tokens a worker with a fixed depth gives: the
+        controller's costs are each worker's own start-up timings, and with it the same
+        seed gave other tokens on another worker (or after a restart)."""
+        jobs = [{"temperature": 1.0, "seed": s, "mtp_depth": d, "max_tokens": 300}
+                for s in (1, 2, 3) for d in (1, 2)]
+        outs = []
+        for args in ([], PINNED):
+            with Cluster(roles=("mixed",), worker_args=args) as c:
+                got = []
+                for kw in jobs:
+                    st, b = c.complete("Once upon a time", **kw)
+                    self.assertEqual(st, 200, b)
+                    got.append(b["choices"][0]["text"])
+                outs.append(got)
+        self.assertEqual(outs[0], outs[1])
+
     def test_rejection_seeded_reproducible(self):
         """Rejection sampling (the default): the same seed alone gives the same tokens."""
         with Cluster(roles=("prefill", "decode")) as c:

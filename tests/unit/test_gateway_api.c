@@ -871,6 +871,31 @@ static const char *out(stream_t *s)
     return p;
 }
 
+/* Completions' top_logprobs is an object keyed by the alternatives' texts: two that show the
+ * same text (byte tokens as U+FFFD, BOS / EOS / <unk> as "") keep the more likely value,
+ * so a greedy token's own value is still its entry's (it was overwritten by the second). */
+static void test_logprobs_same_text_alternatives(void **state)
+{
+    (void)state;
+    api_logprob e = {.text = "\xE6", .len = 1, .logprob = -0.5f, .n_top = 4};
+    const char *texts[] = {"\xE6", "\xE7", "", "a"};
+    const float vals[] = {-0.5f, -1.5f, -2.0f, -2.5f};
+    for (int j = 0; j < 4; j++) {
+        e.top_text[j] = texts[j];
+        e.top_len[j] = strlen(texts[j]);
+        e.top_logprob[j] = vals[j];
+    }
+    api_logprobs lp = {.e = &e, .n = 1, .top = 4};
+    json_t *j = api_logprobs_json(API_COMPLETIONS, &lp);
+    assert_non_null(j);
+    json_t *top = json_array_get(json_object_get(j, "top_logprobs"), 0);
+    assert_int_equal(json_object_size(top), 3);
+    assert_true(json_real_value(json_object_get(top, "\xEF\xBF\xBD")) == -0.5);
+    assert_true(json_real_value(json_object_get(top, "")) == -2.0);
+    assert_true(json_real_value(json_object_get(top, "a")) == -2.5);
+    json_decref(j);
+}
+
 static void test_stream_utf8_split(void **state)
 {
     (void)state;
@@ -1049,6 +1074,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_model_check),
         cmocka_unit_test(test_length_checks),
         cmocka_unit_test(test_formats),
+        cmocka_unit_test(test_logprobs_same_text_alternatives),
         cmocka_unit_test(test_stream_utf8_split),
         cmocka_unit_test(test_stream_utf8_malformed),
         cmocka_unit_test(test_stream_stop_spanning_tokens),

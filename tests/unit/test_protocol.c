@@ -199,6 +199,9 @@ static void test_roundtrip_all_types(void **state)
             assert_true(out.queue_us == 11 && out.prefill_us == 1234567);
             assert_true(out.xfer_us == 3000000000ll && out.xfer_bytes == 1ull << 33);
             assert_true(out.step_us == 13);
+        } else if (t == PROTO_KV_END) { /* the prefill's durations, for the first TOKENS */
+            assert_true(out.queue_us == 11 && out.prefill_us == 1234567);
+            assert_true(out.xfer_us == 0 && out.xfer_bytes == 0 && out.step_us == 0);
         } else {
             assert_true(out.queue_us == 0 && out.xfer_bytes == 0);
         }
