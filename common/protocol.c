@@ -332,7 +332,7 @@ static int encode_header(const proto_msg *m, msgpack_packer *pk)
                 rc = -1;
                 break;
             }
-            rc |= msgpack_pack_array(pk, 8);
+            rc |= msgpack_pack_array(pk, sa->ignore_eos ? 9 : 8);
             rc |= msgpack_pack_float(pk, sa->presence) | msgpack_pack_float(pk, sa->frequency);
             rc |= msgpack_pack_float(pk, sa->repetition);
             rc |= msgpack_pack_int(pk, sa->min_tokens) | msgpack_pack_int(pk, sa->n_gen);
@@ -345,6 +345,8 @@ static int encode_header(const proto_msg *m, msgpack_packer *pk)
             rc |= msgpack_pack_array(pk, (size_t)sa->n_stop);
             for (int k = 0; k < sa->n_stop && rc == 0; k++)
                 rc |= msgpack_pack_int(pk, sa->stop_ids[k]);
+            if (sa->ignore_eos)
+                rc |= msgpack_pack_int(pk, 1);
             break;
         }
         case F_LPS:
@@ -483,9 +485,12 @@ static int obj_num(const msgpack_object *o, double *d)
 /* "samp" (protocol.h proto_sampling) into a malloc'd struct. 0, or -1 with err. */
 static int decode_samp(const msgpack_object *o, proto_msg *m, char *err, size_t errlen)
 {
-    if (o->type != MSGPACK_OBJECT_ARRAY || o->via.array.size != 8)
-        return fail(err, errlen, "field 'samp': want an array of 8");
+    if (o->type != MSGPACK_OBJECT_ARRAY || (o->via.array.size != 8 && o->via.array.size != 9))
+        return fail(err, errlen, "field 'samp': want an array of 8 or 9");
     const msgpack_object *a = o->via.array.ptr;
+    int64_t flags = 0;
+    if (o->via.array.size == 9 && (obj_int64(&a[8], &flags) < 0 || flags < 0 || flags > 1))
+        return fail(err, errlen, "field 'samp': element 8 (flags): want 0 or 1");
     double d[3];
     int64_t iv[2];
     for (int k = 0; k < 3; k++)
@@ -513,6 +518,7 @@ static int decode_samp(const msgpack_object *o, proto_msg *m, char *err, size_t 
     sa->repetition = d[2] > 0 ? (float)d[2] : 1.0f;
     sa->min_tokens = (int)iv[0];
     sa->n_gen = (int)iv[1];
+    sa->ignore_eos = (int)(flags & 1);
     sa->n_bias = (int)nb;
     sa->n_stop = (int)ns;
     for (uint32_t k = 0; k < nb + ns; k++) {

@@ -142,7 +142,8 @@ typedef struct {
 /* A request's logit processors (PREFILL and KV_BEGIN "samp", optional; docs/protocol.md
  * "Sampling controls"): sent only when one is set. The sampler's definitions are
  * sampler.h's sampler_penalties. On the wire an array [presence, frequency, repetition,
- * min_tokens, n_gen, [bias ids], [biases], [stop ids]]. */
+ * min_tokens, n_gen, [bias ids], [biases], [stop ids], flags]: flags (bit 0 ignore_eos)
+ * only when not 0, so an array of 8 is the same request without them. */
 typedef struct {
     float presence, frequency; /* [-2, 2]; 0 = off */
     float repetition;          /* (0, 2]; 1 = off (0 on the wire is read as 1) */
@@ -156,6 +157,7 @@ typedef struct {
     float bias[PROTO_MAX_BIAS]; /* [-100, 100] */
     int n_stop;                 /* [0, PROTO_MAX_STOP_IDS] */
     int stop_ids[PROTO_MAX_STOP_IDS];
+    int ignore_eos;             /* 0 or 1: EOS never sampled (vLLM's ignore_eos) */
 } proto_sampling;
 
 /* One generated token's log-probabilities (TOKENS "lp", optional; docs/protocol.md

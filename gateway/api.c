@@ -572,7 +572,8 @@ static int parse_stop(json_t *root, api_request *r, api_error *e)
 
 /* The sampling controls (docs/api.md "Sampling controls") into r->samp, allocated when one
  * differs from its default. vLLM's ranges: presence and frequency [-2, 2], repetition
- * (0, 2], logit_bias values [-100, 100] (OpenAI's), min_tokens >= 0 and <= max_tokens. */
+ * (0, 2], logit_bias values [-100, 100] (OpenAI's), min_tokens >= 0 and <= max_tokens;
+ * ignore_eos (vLLM's extension) a boolean. */
 static int parse_sampling(json_t *root, api_request *r, api_error *e)
 {
     proto_sampling s = {.repetition = 1.0f};
@@ -586,8 +587,10 @@ static int parse_sampling(json_t *root, api_request *r, api_error *e)
     s.presence = (float)pres;
     s.frequency = (float)freq;
     s.repetition = (float)rep;
-    if (get_int(root, "min_tokens", &iv, &present, e))
+    int ignore_eos = 0;
+    if (get_int(root, "min_tokens", &iv, &present, e) || get_bool(root, "ignore_eos", &ignore_eos, e))
         return -1;
+    s.ignore_eos = ignore_eos;
     if (present) {
         if (iv < 0 || (r->max_tokens > 0 && iv > r->max_tokens) || iv > 1 << 24)
             return api_error_set(e, 400, INVALID, "min_tokens", "invalid_value",
@@ -647,7 +650,7 @@ static int parse_sampling(json_t *root, api_request *r, api_error *e)
         }
     }
     if (s.presence == 0 && s.frequency == 0 && s.repetition == 1.0f && s.min_tokens == 0 &&
-        s.n_bias == 0 && s.n_stop == 0)
+        s.n_bias == 0 && s.n_stop == 0 && !s.ignore_eos)
         return 0;
     r->samp = malloc(sizeof(*r->samp));
     if (!r->samp)

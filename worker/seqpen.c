@@ -34,6 +34,7 @@ seqpen_t *seqpen_new(const proto_sampling *ps, const int *ids, int n_ids, int n_
                                  .frequency = p->ps.frequency,
                                  .repetition = p->ps.repetition,
                                  .min_tokens = p->ps.min_tokens,
+                                 .ignore_eos = p->ps.ignore_eos,
                                  .eos_id = eos_id,
                                  .bias_ids = p->ps.bias_ids,
                                  .bias = p->ps.bias,

@@ -250,6 +250,8 @@ void sampler_penalize(sampler_t *s, const sampler_penalties *pen, const int *his
     for (int i = 0; i < pen->n_bias; i++)
         if (pen->bias_ids[i] >= 0 && pen->bias_ids[i] < n)
             logits[pen->bias_ids[i]] += pen->bias[i];
+    if (pen->ignore_eos && pen->eos_id >= 0 && pen->eos_id < n)
+        logits[pen->eos_id] = -INFINITY;
     if (n_gen < pen->min_tokens) {
         if (pen->eos_id >= 0 && pen->eos_id < n)
             logits[pen->eos_id] = -INFINITY;

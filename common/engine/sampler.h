@@ -34,6 +34,7 @@ typedef struct {
                         * logit / repetition when > 0, else logit * repetition; > 0, 1 (or
                         * 0) = off */
     int min_tokens;    /* while fewer tokens were generated, eos_id and stop_ids get -inf */
+    int ignore_eos;    /* 1: eos_id gets -inf always (vLLM's ignore_eos; stop_ids still stop) */
     int eos_id;        /* the model's EOS (-1: none) */
     const int *bias_ids; /* (n_bias,) token ids, each in [0, vocab) */
     const float *bias;   /* (n_bias,) added to their logits (OpenAI's logit_bias) */

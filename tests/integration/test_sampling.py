@@ -102,6 +102,24 @@ class Sampling(unittest.TestCase):
                               b["choices"][0]["finish_reason"], b["usage"]["completion_tokens"]),
                              (" little", "stop", 1))
 
+    def test_ignore_eos(self):
+        # vLLM's ignore_eos: EOS (id 2) never ends the answer. A +100 bias makes EOS the
+        # greedy first token (an empty answer); with ignore_eos the plain greedy text comes,
+        # to max_tokens; stop_token_ids still stop; and a non-boolean is a 400
+        eos = {"2": 100}
+        self.assertEqual(self.run_both(ONCE, max_tokens=6, temperature=0, logit_bias=eos),
+                         ("", "stop", 0))
+        self.assertEqual(self.run_both(ONCE, max_tokens=6, temperature=0, logit_bias=eos,
+                                       ignore_eos=True),
+                         (self.detok(GREEDY_IDS), "length", 6))
+        self.assertEqual(self.run_both(ONCE, max_tokens=40, temperature=0, ignore_eos=True,
+                                       stop_token_ids=[GREEDY_IDS[4]]),
+                         (", there was a little", "stop", 5))
+        self.assertEqual(self.run_both(ONCE, max_tokens=6, temperature=0, ignore_eos=False),
+                         (self.detok(GREEDY_IDS), "length", 6))
+        st, b = self.dis.complete(ONCE, max_tokens=6, ignore_eos="yes")
+        self.assertEqual((st, b["error"]["param"]), (400, "ignore_eos"), b)
+
     def test_min_tokens_masks_stop_ids(self):
         # " little" (index 4) is a stop id, but min_tokens 8 masks it there: the first four
         # tokens are greedy's, the fifth is another one, and no stop comes before 8 tokens

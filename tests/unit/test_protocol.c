@@ -89,7 +89,7 @@ static void fill(proto_msg *m, proto_type_t t)
     static proto_sampling samp = {.presence = -2.0f, .frequency = 0.5f, .repetition = 1.25f,
                                   .min_tokens = 3, .n_gen = 2, .n_bias = 2,
                                   .bias_ids = {6, 100000}, .bias = {-100.0f, 2.5f},
-                                  .n_stop = 3, .stop_ids = {13, 0, 2}};
+                                  .n_stop = 3, .stop_ids = {13, 0, 2}, .ignore_eos = 1};
     m->samp = &samp;
     /* log-probabilities: PREFILL / KV_BEGIN "lpk", TOKENS "lp" (one per token: 5) */
     m->logprobs = PROTO_MAX_TOP_LOGPROBS + 1;
@@ -474,14 +474,15 @@ static void b_key_charset(msgpack_packer *pk) { b_register_key(pk, "rq:rM>}U?@Ln
 static void b_key_overflow(msgpack_packer *pk) { b_register_key(pk, "#####>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"); }
 static void b_key_not_string(msgpack_packer *pk) { b_register_key(pk, NULL); }
 /* KV_BEGIN with a "samp" of kind k: 0 too short, 1 presence 3, 2 bias 101, 3 counts
- * differ, 4 negative stop id, 5 a string penalty, 6 min_tokens negative */
+ * differ, 4 negative stop id, 5 a string penalty, 6 min_tokens negative, 7 flags 2 (not
+ * a flag), 8 flags 1 (ignore_eos: valid) */
 static void b_samp(msgpack_packer *pk, int k)
 {
     msgpack_pack_map(pk, 3);
     kv(pk, "t"); msgpack_pack_int(pk, PROTO_KV_BEGIN);
     kv(pk, "v"); msgpack_pack_int(pk, PROTO_VERSION);
     kv(pk, "samp");
-    msgpack_pack_array(pk, k == 0 ? 7 : 8);
+    msgpack_pack_array(pk, k == 0 ? 7 : k >= 7 ? 9 : 8);
     if (k == 5)
         kv(pk, "x");
     else
@@ -500,6 +501,8 @@ static void b_samp(msgpack_packer *pk, int k)
         return;
     msgpack_pack_array(pk, 1);
     msgpack_pack_int(pk, k == 4 ? -3 : 2);
+    if (k >= 7)
+        msgpack_pack_int(pk, k == 7 ? 2 : 1);
 }
 static void b_samp_short(msgpack_packer *pk) { b_samp(pk, 0); }
 static void b_samp_presence(msgpack_packer *pk) { b_samp(pk, 1); }
@@ -508,6 +511,8 @@ static void b_samp_counts(msgpack_packer *pk) { b_samp(pk, 3); }
 static void b_samp_stop(msgpack_packer *pk) { b_samp(pk, 4); }
 static void b_samp_string(msgpack_packer *pk) { b_samp(pk, 5); }
 static void b_samp_min(msgpack_packer *pk) { b_samp(pk, 6); }
+static void b_samp_flags(msgpack_packer *pk) { b_samp(pk, 7); }
+static void b_samp_ignore_eos(msgpack_packer *pk) { b_samp(pk, 8); }
 /* TOKENS with two tokens and an "lp" of kind k: 0 valid, 1 one entry for two tokens, 2 a
  * positive logprob, 3 21 alternatives, 4 ids and logprobs differ in count, 5 an entry of 2,
  * 6 a negative id, 7 NaN */
@@ -601,6 +606,8 @@ static void test_malformed_headers(void **state)
         {"samp negative stop id", b_samp_stop, -1, "samp"},
         {"samp string penalty", b_samp_string, -1, "samp"},
         {"samp min_tokens negative", b_samp_min, -1, "samp"},
+        {"samp flags 2", b_samp_flags, -1, "flags"},
+        {"samp ignore_eos", b_samp_ignore_eos, 0, ""},
         {"lp valid", b_lp_ok, 0, ""},
         {"lp one entry for two tokens", b_lp_count, -1, "1 'lp' entries for 2 tokens"},
         {"lp positive", b_lp_positive, -1, "lp"},
