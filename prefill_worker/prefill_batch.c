@@ -75,8 +75,8 @@ static uint64_t prefix_key(const prefill_role *p, const preq *r, int *lookahead)
     if (!cp->mtp || depth < 0)
         depth = 0;
     *lookahead = depth;
-    uint64_t salt = depth ? mtp_fingerprint(cp->mtp) + (uint64_t)depth : 0;
-    return kvcache_prefix_seed(cp->mc->fingerprint, salt);
+    return kvcache_prefix_seed_mtp(cp->mc->fingerprint, depth ? mtp_fingerprint(cp->mtp) : 0,
+                                   depth);
 }
 
 /* Admit r into the batch: a sequence with room for its prompt (and, when decoded here, for
@@ -198,6 +198,16 @@ static int transfer_begin(prefill_role *p, preq *r)
         seqpen_export(r->pen, 0, &samp, &bp.hist, &bp.n_hist);
         bp.samp = &samp;
     }
+    /* prefix caching: KV_BEGIN lists the prompt's full-block hashes, and only the blocks
+     * the decode worker lacks are sent (docs/prefix-cache.md "The decode side") */
+    uint64_t hashes[PROTO_MAX_BLOCK_HASHES];
+    if (p->rt->set.prefix_cache) {
+        uint64_t seed = prefix_key(p, r, &bp.lookahead);
+        bp.n_block_hashes = kvcache_prefix_hashes(cp->kv, seed, bp.lookahead, r->prompt,
+                                                  r->n_prompt, PROTO_MAX_BLOCK_HASHES, hashes);
+        bp.block_hashes = hashes;
+        bp.ids = r->prompt;
+    }
     r->xfer = kvx_send_begin(p->rt->sender, r->dep, &bp);
     if (r->xfer)
         return 0;
@@ -248,8 +258,12 @@ static void prompt_done(prefill_role *p, preq *r, float *logits)
         sampler_logprobs(p->lp_raw, cp->mc->vocab_size, first, r->logprobs - 1, &lp);
     runtime_timing t = {.queue_us = r->t_start_us - r->t_recv_us,
                         .prefill_us = proto_now_us() - r->t_start_us};
-    free(r->prompt);
+    int *prompt = r->prompt; /* kept for a local hand-off with prefix caching, else freed */
     r->prompt = NULL;
+    if (!rt->set.prefix_cache || r->xfer || r->max_tokens <= 1 || first == cp->mc->eos_id) {
+        free(prompt);
+        prompt = NULL;
+    }
     if (first == cp->mc->eos_id) { /* nothing to decode: the EOS itself is not sent */
         runtime_send_finish(rt, r->rid, PROTO_FINISH_STOP, &t);
         prefill_req_remove(p, r);
@@ -283,13 +297,19 @@ static void prompt_done(prefill_role *p, preq *r, float *logits)
                              .priority = r->priority,
                              .logprobs = r->logprobs,
                              .hand = r->hand,
-                             .pen = r->pen};
+                             .pen = r->pen,
+                             .ids = prompt,
+                             .n_ids = prompt ? r->n_prompt : 0};
+        prompt = NULL;
+        if (h.ids) /* the decode role registers the generated tokens' blocks under it */
+            h.pfx_seed = prefix_key(p, r, &h.pfx_la);
         r->seq = -1;
         r->hand = NULL;
         r->pen = NULL;
         prefill_req_remove(p, r);
         runtime_handoff_local(rt, &h);
     }
+    free(prompt); /* a stop token ended it: not handed over */
 }
 
 int prefill_step(void *st)
