@@ -22,6 +22,12 @@
  * emitted; the gateway re-runs it from prompt + tokens so far with the sampler state of
  * the last TOKENS (recomputation: greedy and seeded output go on unchanged) and counts no
  * failure. The step allocates nothing (the batch arrays are sized at attach).
+ *
+ * Prefix caching (--prefix-cache, docs/prefix-cache.md "The decode side"): the receiver
+ * shares the prompt blocks this cache already holds (KV_BEGIN's hashes, confirmed on the
+ * ids) so only the others travel, and registers the received ones; each sequence keeps its
+ * token ids, and when it leaves, its full blocks are registered with them, the generated
+ * tokens' too when it has no MTP module state (commit_blocks).
  */
 #include <stdlib.h>
 #include <string.h>

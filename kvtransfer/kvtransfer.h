@@ -10,6 +10,12 @@
  * token, the sampler state and an XXH64 of every payload byte in order. The receiver answers
  * KV_BEGIN_ACK (ok or reject) and KV_RESULT (ok or NACK); either side may send KV_ABORT.
  *
+ * Prefix caching (docs/prefix-cache.md "The decode side"): a KV_BEGIN may list the
+ * prompt's full-block hashes with its ids (kvx_begin_params.block_hashes). A receiver
+ * with a prefix cache shares the longest run of them it holds (confirmed on the ids,
+ * pinned by the transfer's sequence) and answers KV_BEGIN_ACK "have"; the sender, which
+ * then holds every range until the ACK, sends only blocks [have, n_blocks) of each layer.
+ *
  * Receiver (decode side, kvx_receiver_t): one ROUTER. On KV_BEGIN it checks the model
  * fingerprint, the KV layout and its capacity, and reserves a sequence for the worst case
  * (the transferred tokens plus every token the request may still generate). KV_LAYER frames

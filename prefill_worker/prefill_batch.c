@@ -24,8 +24,11 @@
  * prompt's longest run of cached full blocks (kvcache_seq_attach_prefix) is shared with
  * its sequence and computing starts after it (n_done = the cached tokens; at least the last
  * prompt token is always computed, for its logits, so a shared block is never written).
- * The transfer still sends every block, cached ones with the first chunk, so the decode
- * side is unchanged. Once the prompt is computed its full blocks are registered
+ * KV_BEGIN lists the prompt's full-block hashes and the decode worker's ACK says which
+ * leading blocks it holds already: kvx sends only the others (the cached ones it does send
+ * go with the first chunk; docs/prefix-cache.md "The decode side"); a prompt decoded here
+ * hands its ids to the decode role, which caches the generated tokens' blocks too. Once
+ * the prompt is computed its full blocks are registered
  * (kvcache_seq_commit_prefix). The key of a block is seeded by the model's fingerprint and,
  * when the MTP modules ran over the prompt, their fingerprint and depth: a module's K/V at
  * position t depends on the token t + k, so such a block's key also holds the depth tokens
