@@ -271,6 +271,28 @@ class DecodeSide(unittest.TestCase):
             self.assertGreater(h, n // BS * BS)
             self.assertLessEqual(h, (m - 1) // BS * BS)
 
+    def test_generated_blocks_cached_disaggregated(self):
+        """Without MTP the decode worker caches the prompt's and the reply's blocks: a
+        prompt that resends prompt + reply (40 generated tokens, so 83 + 39 tokens of KV:
+        7 full blocks) has only its last block sent, though the prefill worker held just
+        the first prompt's 5 full blocks."""
+        prompt = SYSTEM + " Once upon a time"
+        with Cluster(roles=("prefill", "decode"),
+                     worker_args=FAST_HB + ["--mtp-depth", "0"]) as c:
+            st, first = c.complete(prompt, max_tokens=40)
+            self.assertEqual(st, 200, first)
+            n = first["usage"]["prompt_tokens"]
+            self.assertEqual(first["usage"]["completion_tokens"], 40)
+            sent1 = kv_bytes(c)
+            block = sent1 / -(-n // BS)  # the first transfer sent every block
+            st, second = c.complete(prompt + first["choices"][0]["text"], max_tokens=4)
+            self.assertEqual(st, 200, second)
+            m = second["usage"]["prompt_tokens"]
+            self.assertEqual(m, n + 40)  # the reply's text gives its ids back
+            held = (n + 40 - 1) // BS  # the decode worker's full blocks
+            self.assertGreater(held, n // BS)
+            self.assertEqual(kv_bytes(c) - sent1, (-(-m // BS) - held) * block)
+
     def test_faults_small_decode_cache(self):
         """Cache on everywhere, two prefill and two decode workers with small caches (the
         LRU evicts), streams cancelled by their clients, a prefill worker killed with
