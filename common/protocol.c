@@ -17,8 +17,9 @@
  * in a char[PROTO_KEY_LEN] */
 /* F_SAMP: proto_msg.samp, a proto_sampling (protocol.h) */
 /* F_LPS: proto_msg.lps, n_tokens proto_logprob (protocol.h) */
+/* F_HASHES: proto_msg.bhash, n_bhash uint64_t (malloc'd, at most PROTO_MAX_BLOCK_HASHES) */
 typedef enum {
-    F_U64, F_I64, F_INT, F_FLOAT, F_STR, F_TOKENS, F_U64S, F_KEY, F_SAMP, F_LPS
+    F_U64, F_I64, F_INT, F_FLOAT, F_STR, F_TOKENS, F_U64S, F_KEY, F_SAMP, F_LPS, F_HASHES
 } field_kind_t;
 
 #define MAX_U64S 64 /* F_U64S: longest array accepted; elements past the known ones are ignored */
@@ -127,6 +128,9 @@ static const field_t fields[] = {
         T(PROTO_PREFILL) | T(PROTO_KV_BEGIN)),
     FLD("lp", F_LPS, lps, 0, 0, 0, T(PROTO_TOKENS)),
     FLD("echo", F_INT, echo, 0, 1, 0, T(PROTO_PREFILL) | T(PROTO_TOKENS)),
+    FLD("bh", F_HASHES, bhash, 0, 0, 0, T(PROTO_KV_BEGIN)),
+    FLD("bla", F_INT, block_lookahead, 0, PROTO_MAX_LOOKAHEAD, 0, T(PROTO_KV_BEGIN)),
+    FLD("have", F_INT, have_blocks, 0, PROTO_MAX_BLOCK_HASHES, 0, T(PROTO_KV_BEGIN_ACK)),
 };
 #define N_FIELDS (sizeof(fields) / sizeof(fields[0]))
 _Static_assert(sizeof(proto_kvx_counters) == 7 * sizeof(uint64_t), "counters are a u64 array");
@@ -203,6 +207,7 @@ void proto_msg_clear(proto_msg *m)
     free(m->tokens);
     free(m->samp);
     free(m->lps);
+    free(m->bhash);
     memset(m, 0, sizeof(*m));
 }
 
@@ -264,6 +269,8 @@ static int field_encoded(const field_t *f, const proto_msg *m, uint64_t bit)
         return m->samp != NULL;
     case F_LPS:
         return m->lps != NULL && m->n_tokens > 0;
+    case F_HASHES:
+        return m->n_bhash > 0;
     case F_U64S:
         for (size_t k = 0; k < f->size / sizeof(uint64_t); k++)
             if (((const uint64_t *)p)[k] != 0)
@@ -284,6 +291,8 @@ static int encode_header(const proto_msg *m, msgpack_packer *pk)
         if (field_encoded(&fields[i], m, bit))
             n++;
     if (m->n_tokens < 0 || m->n_tokens > PROTO_MAX_TOKENS || (m->n_tokens > 0 && !m->tokens))
+        return -1;
+    if (m->n_bhash < 0 || m->n_bhash > PROTO_MAX_BLOCK_HASHES || (m->n_bhash > 0 && !m->bhash))
         return -1;
 
     int rc = msgpack_pack_map(pk, (size_t)n);
@@ -324,6 +333,11 @@ static int encode_header(const proto_msg *m, msgpack_packer *pk)
             rc |= msgpack_pack_array(pk, (size_t)m->n_tokens);
             for (int k = 0; k < m->n_tokens && rc == 0; k++)
                 rc |= msgpack_pack_int(pk, m->tokens[k]);
+            break;
+        case F_HASHES:
+            rc |= msgpack_pack_array(pk, (size_t)m->n_bhash);
+            for (int k = 0; k < m->n_bhash && rc == 0; k++)
+                rc |= msgpack_pack_uint64(pk, m->bhash[k]);
             break;
         case F_SAMP: {
             const proto_sampling *sa = m->samp;
@@ -668,6 +682,30 @@ static int decode_field(const field_t *f, const msgpack_object *o, proto_msg *m,
         free(m->tokens);
         m->tokens = toks;
         m->n_tokens = (int)n;
+        return 0;
+    }
+    case F_HASHES: {
+        if (o->type != MSGPACK_OBJECT_ARRAY)
+            return fail(err, errlen, "field '%s': want an array", f->key);
+        uint32_t n = o->via.array.size;
+        if (n > PROTO_MAX_BLOCK_HASHES)
+            return fail(err, errlen, "field '%s': %u hashes > %d", f->key, n,
+                        PROTO_MAX_BLOCK_HASHES);
+        uint64_t *hs = n ? malloc(n * sizeof(uint64_t)) : NULL;
+        if (n && !hs)
+            return fail(err, errlen, "out of memory");
+        for (uint32_t k = 0; k < n; k++) {
+            const msgpack_object *e = &o->via.array.ptr[k];
+            if (e->type != MSGPACK_OBJECT_POSITIVE_INTEGER) {
+                free(hs);
+                return fail(err, errlen, "field '%s': element %u is not an unsigned integer",
+                            f->key, k);
+            }
+            hs[k] = e->via.u64;
+        }
+        free(m->bhash);
+        m->bhash = hs;
+        m->n_bhash = (int)n;
         return 0;
     }
     case F_SAMP:

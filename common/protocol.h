@@ -37,6 +37,8 @@
 #define PROTO_MAX_BIAS 1024        /* "samp": logit_bias entries */
 #define PROTO_MAX_STOP_IDS 64      /* "samp": stop_token_ids */
 #define PROTO_KEY_LEN 41           /* a CURVE public key in Z85 text (40), NUL included */
+#define PROTO_MAX_BLOCK_HASHES 1024 /* KV_BEGIN "bh": prompt blocks listed at most */
+#define PROTO_MAX_LOOKAHEAD 4       /* KV_BEGIN "bla" (KVCACHE_MAX_LOOKAHEAD) */
 #define PROTO_MAX_TOP_LOGPROBS 20  /* "lpk" / "lp": alternatives per token (OpenAI's limit) */
 
 typedef enum {
@@ -277,6 +279,18 @@ typedef struct {
                                           * workers; docs/kvtransfer.md "Padding"): each
                                           * KV_LAYER then has one padding frame, last */
     int64_t ts_us;                       /* sender's clock, microseconds (timing) */
+    uint64_t *bhash;                     /* KV_BEGIN, optional ("bh"): the chained prefix-cache
+                                          * hashes of the prompt's leading full blocks
+                                          * (docs/prefix-cache.md), n_bhash of them; then
+                                          * "tokens" holds the n_kv_tok prompt ids they
+                                          * hash; owned like tokens */
+    int n_bhash;                         /* [0, PROTO_MAX_BLOCK_HASHES] */
+    int block_lookahead;                 /* KV_BEGIN, optional ("bla"): tokens past a block's
+                                          * end its key holds (the MTP depth its module K/V
+                                          * was written for) */
+    int have_blocks;                     /* KV_BEGIN_ACK, optional ("have"): the leading
+                                          * listed blocks the receiver already holds; the
+                                          * sender sends blocks [have, n_blocks) only */
 
     /* request timing (TOKENS, FINISH; optional, 0 = not reported): durations in
      * microseconds, each measured on the reporting worker's own clock, so they never
@@ -290,7 +304,7 @@ typedef struct {
 
 /* Zero the message (no allocation). */
 void proto_msg_init(proto_msg *m, proto_type_t type);
-/* Free owned arrays (tokens, samp, lps) and zero the struct. */
+/* Free owned arrays (tokens, samp, lps, bhash) and zero the struct. */
 void proto_msg_clear(proto_msg *m);
 const char *proto_type_str(int type);
 /* The name of a role ("prefill", "decode", "mixed"; "unknown" otherwise): the one spelling

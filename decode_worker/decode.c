@@ -22,6 +22,12 @@
  * emitted; the gateway re-runs it from prompt + tokens so far with the sampler state of
  * the last TOKENS (recomputation: greedy and seeded output go on unchanged) and counts no
  * failure. The step allocates nothing (the batch arrays are sized at attach).
+ *
+ * Prefix caching (--prefix-cache, docs/prefix-cache.md "The decode side"): the receiver
+ * shares the prompt blocks this cache already holds (KV_BEGIN's hashes, confirmed on the
+ * ids) so only the others travel, and registers the received ones; each sequence keeps its
+ * token ids, and when it leaves, its full blocks are registered with them, the generated
+ * tokens' too when it has no MTP module state (commit_blocks).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -58,12 +64,32 @@ static dreq *req_add(decode_role *d, uint64_t rid)
     return r;
 }
 
+/* Register r's full blocks in the prefix cache before its KV is freed: a later transfer (or,
+ * on a mixed worker, a later prompt) that starts with the same tokens shares them. Without
+ * module K/V (pfx_la 0) every full block whose tokens are known counts, the generated
+ * tokens' too, so a chat's next turn finds its history and the reply; with MTP only the
+ * prompt's blocks (registered when the KV arrived, or by the prefill role): the modules'
+ * K/V of the last generated positions may still be deferred (specdec's catch-up). */
+static void commit_blocks(decode_role *d, dreq *r)
+{
+    kvcache_t *kv = d->rt->cp.kv;
+    if (!r->ids || r->seq < 0 || r->kv_bad || r->pfx_la > 0 || !d->rt->set.prefix_cache)
+        return;
+    int n = r->n_ids < r->pos ? r->n_ids : r->pos;
+    if (kvcache_seq_len(kv, r->seq) > n) /* past pos: KV of tokens not emitted */
+        kvcache_seq_set_len(kv, r->seq, n);
+    int added = kvcache_seq_commit_prefix(kv, r->seq, r->pfx_seed, 0, r->ids, n);
+    if (added > 0)
+        log_rdebug(r->rid, "prefix cache: %d more blocks of its %d tokens registered", added, n);
+}
+
 void decode_req_remove(decode_role *d, dreq *r)
 {
     if (r->xfer) {
         kvx_send_abort(d->rt->sender, r->xfer); /* no-op when the transfer is over */
         r->seq = -1;                            /* kvx owns it and frees it */
     }
+    commit_blocks(d, r);
     if (r->seq >= 0)
         kvcache_seq_free(d->rt->cp.kv, r->seq);
     for (int i = 0; i < d->n_reqs; i++) {
@@ -74,8 +100,24 @@ void decode_req_remove(decode_role *d, dreq *r)
         }
     }
     free(r->hand);
+    free(r->ids);
     seqpen_destroy(&r->pen);
     free(r);
+}
+
+/* r tracks its ids for the prefix cache from the n prompt ids (borrowed): room for the
+ * context. Out of memory just leaves it uncached. */
+static void track_ids(const decode_role *d, dreq *r, const int *ids, int n, uint64_t seed,
+                      int la)
+{
+    int cap = d->rt->cp.mc->n_ctx;
+    if (!ids || n < 1 || n > cap || !(r->ids = malloc((size_t)cap * sizeof(int))))
+        return;
+    memcpy(r->ids, ids, (size_t)n * sizeof(int));
+    r->n_ids = n;
+    r->cap_ids = cap;
+    r->pfx_seed = seed;
+    r->pfx_la = la;
 }
 
 // --- joining
@@ -148,6 +190,7 @@ static void on_accepted(decode_role *d, const kvx_event *ev)
         free(ev->hidden);
         free(ev->samp);
         free(ev->hist);
+        free(ev->ids);
         kvcache_seq_free(cp->kv, ev->seq);
         return;
     }
@@ -162,6 +205,9 @@ static void on_accepted(decode_role *d, const kvx_event *ev)
     }
     free(ev->samp); /* copied into pen */
     free(ev->hist);
+    if (r && ev->pfx && ev->n_gen == 0 && ev->n_ids == ev->n_kv_tokens)
+        track_ids(d, r, ev->ids, ev->n_ids, ev->pfx_seed, ev->pfx_la);
+    free(ev->ids);
     if (!r || (has_samp && !pen)) {
         free(ev->hidden);
         if (r) {
@@ -212,8 +258,9 @@ static void on_accepted(decode_role *d, const kvx_event *ev)
         decode_req_remove(d, r);
         return;
     }
-    log_rdebug(r->rid, "KV received: %d tokens in seq %d, %d generated, decoding", r->pos, r->seq,
-               r->n_gen);
+    log_rdebug(r->rid, "KV received: %d tokens in seq %d (%d blocks were cached here), %d "
+               "generated, decoding",
+               r->pos, r->seq, ev->have_blocks, r->n_gen);
     uint64_t rid = r->rid;
     start_decode(d, r); /* may end r */
     if (migrated && (r = decode_req_find(d, rid)) != NULL)
@@ -229,6 +276,7 @@ static void adopt(void *st, runtime_handoff *h)
     if (!r) {
         kvcache_seq_free(d->rt->cp.kv, h->seq);
         free(h->hand);
+        free(h->ids);
         seqpen_destroy(&h->pen);
         runtime_send_error(d->rt, h->rid, PROTO_ERR_INTERNAL, 1, "out of memory");
         memset(h, 0, sizeof(*h));
@@ -248,6 +296,9 @@ static void adopt(void *st, runtime_handoff *h)
     r->mtp_depth = h->pen ? 0 : h->mtp_depth;
     r->hand = h->hand;
     r->pen = h->pen;
+    if (h->ids && h->n_ids == h->pos)
+        track_ids(d, r, h->ids, h->n_ids, h->pfx_seed, h->pfx_la);
+    free(h->ids);
     memset(h, 0, sizeof(*h));
     start_decode(d, r);
 }
@@ -311,6 +362,7 @@ static void fail_step(decode_role *d, int n)
     for (int i = 0; i < n; i++) {
         dreq *r = d->batch_reqs[i];
         log_rerror(r->rid, "decode forward pass failed");
+        r->kv_bad = 1; /* its KV is not registered in the prefix cache */
         runtime_send_error(d->rt, r->rid, PROTO_ERR_INTERNAL, 1, "forward pass failed");
         decode_req_remove(d, r);
     }
@@ -353,6 +405,8 @@ static void emit(decode_role *d, dreq *r, const specdec_item *x)
      * nothing after them is sent or counted */
     for (int j = 0; j < x->n_tokens && !reason; j++) {
         int t = x->tokens[j];
+        if (r->ids && r->n_ids == r->pos && r->n_ids < r->cap_ids)
+            r->ids[r->n_ids++] = r->last; /* the token whose KV is at position pos */
         r->pos++; /* the KV of the token before t is in the cache */
         if (t == mc->eos_id) {
             reason = PROTO_FINISH_STOP;
@@ -594,6 +648,7 @@ static int open_receiver(decode_role *d)
     rp.headroom_tokens = RUNTIME_KV_HEADROOM_TOKENS;
     rp.watermark_blocks = runtime_kv_watermark_blocks(rt);
     rp.curve = rt->curve_on ? &rt->curve : NULL; /* senders admitted by rt's ZAP handler */
+    rp.prefix_cache = (int)rt->set.prefix_cache;
     d->receiver = kvx_receiver_new(rt->zctx, cp->kv, rt->set.kv_bind, &rp);
     if (!d->receiver)
         return -1; /* logged */

@@ -53,6 +53,16 @@ typedef struct {
     specdec_ctl ctl; /* its depth controller (acceptance EWMAs) */
     seqpen_t *pen;   /* sampling controls and its ids so far, r->last included (owned; NULL =
                       * none): such a sequence decodes at depth 0 (docs/mtp.md) */
+    /* prefix caching (docs/prefix-cache.md "The decode side"): ids[p] is the token whose KV
+     * is at position p, for p < n_ids (== pos while tracked; room for cap_ids = n_ctx);
+     * owned, NULL = not cached. When the sequence leaves, its full blocks are registered
+     * under pfx_seed / pfx_la (those of generated tokens too when pfx_la is 0); kv_bad
+     * (a failed forward pass) registers nothing. */
+    int *ids;
+    int n_ids, cap_ids;
+    uint64_t pfx_seed;
+    int pfx_la;
+    int kv_bad;
 } dreq;
 
 #define DECODE_TOMBSTONES 256 /* cancelled rids remembered (a ring) */

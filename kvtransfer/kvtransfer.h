@@ -10,6 +10,12 @@
  * token, the sampler state and an XXH64 of every payload byte in order. The receiver answers
  * KV_BEGIN_ACK (ok or reject) and KV_RESULT (ok or NACK); either side may send KV_ABORT.
  *
+ * Prefix caching (docs/prefix-cache.md "The decode side"): a KV_BEGIN may list the
+ * prompt's full-block hashes with its ids (kvx_begin_params.block_hashes). A receiver
+ * with a prefix cache shares the longest run of them it holds (confirmed on the ids,
+ * pinned by the transfer's sequence) and answers KV_BEGIN_ACK "have"; the sender, which
+ * then holds every range until the ACK, sends only blocks [have, n_blocks) of each layer.
+ *
  * Receiver (decode side, kvx_receiver_t): one ROUTER. On KV_BEGIN it checks the model
  * fingerprint, the KV layout and its capacity, and reserves a sequence for the worst case
  * (the transferred tokens plus every token the request may still generate). KV_LAYER frames
@@ -109,6 +115,19 @@ typedef struct {
     proto_sampling *samp;
     int *hist;
     int n_hist;
+    /* KVX_EV_ACCEPTED, prefix caching (docs/prefix-cache.md): when KV_BEGIN listed block
+     * hashes the receiver used (kvx_receiver_params.prefix_cache), pfx = 1, ids the n_ids
+     * prompt ids (malloc'd, owned by whoever pops the event: free it), pfx_seed and pfx_la
+     * the chain's seed and lookahead (kvcache_prefix_seed_mtp), and have_blocks the
+     * leading blocks that were already cached here (shared, not transferred). The received
+     * full blocks are registered in the cache already; the caller may register the blocks
+     * of generated tokens under the same seed when the sequence ends. pfx = 0: ids NULL. */
+    int pfx;
+    int *ids;
+    int n_ids;
+    uint64_t pfx_seed;
+    int pfx_la;
+    int have_blocks;
 } kvx_event;
 
 // --- sender
@@ -178,6 +197,17 @@ typedef struct {
      * none). Required by a CURVE sender, which refuses (logged) to send to a receiver
      * without one; ignored by a plain sender. */
     const char *server_key;
+    /* prefix caching (optional, 0 = none; docs/prefix-cache.md): the chained hashes of the
+     * prompt's leading full blocks (kvcache_prefix_hashes: n_block_hashes of them, at most
+     * the transfer's blocks; more than PROTO_MAX_BLOCK_HASHES are cut to that), their key's
+     * lookahead, and ids, the n_kv_tokens prompt ids they hash (borrowed for the call; with
+     * samp they must equal hist, else no hash is listed). KV_BEGIN then lists them and the
+     * sender waits for KV_BEGIN_ACK before any KV_LAYER: blocks the receiver already holds
+     * ("have") are not sent. Not for a migration (n_gen > 0). */
+    const uint64_t *block_hashes;
+    int n_block_hashes;
+    int lookahead;
+    const int *ids;
 } kvx_begin_params;
 
 /* Start a transfer to the decode worker at endpoint: connect if needed (one DEALER per
@@ -294,6 +324,13 @@ typedef struct {
      * process's ZAP handler (curve_zap_start, on the same zmq context) decides which
      * senders are admitted */
     const curve_keypair *curve;
+    /* automatic prefix caching (docs/prefix-cache.md): 1 = a KV_BEGIN that lists block
+     * hashes ("bh", with the prompt's ids) gets the longest run of them this cache holds,
+     * confirmed on the token ids, shared with the new sequence (refcount + 1 for the
+     * transfer) and answered as KV_BEGIN_ACK "have": only the other blocks are sent; the
+     * received full blocks are registered once the transfer is verified. 0 (default):
+     * hashes are ignored (have = 0). */
+    int prefix_cache;
 } kvx_receiver_params;
 
 /* Defaults: lease 5000 ms, rcvhwm 65536. */

@@ -47,6 +47,15 @@ typedef struct kvx_rx {
     uint64_t n_bytes;    /* payload bytes received, padding included (stats) */
     uint64_t pad;        /* KV_BEGIN "pad": padding bytes in all (0 = none: KV_LAYER has no
                           * padding frame) */
+    /* prefix caching: KV_BEGIN listed block hashes we use (pfx = 1): the prompt ids, the
+     * chain's seed and lookahead, and the leading blocks shared from the cache (have; their
+     * bits in got are set from the start, so a KV_LAYER for one is refused as sent twice) */
+    int pfx;
+    int *ids;
+    int n_ids;
+    uint64_t pfx_seed;
+    int pfx_la;
+    int have;
     struct kvx_rx *next;
 } kvx_rx;
 
@@ -118,6 +127,7 @@ static void rx_free(kvx_receiver_t *r, kvx_rx *x, int free_seq)
     free(x->got);
     free(x->samp);
     free(x->hist);
+    free(x->ids);
     free(x);
 }
 
@@ -137,6 +147,7 @@ void kvx_receiver_destroy(kvx_receiver_t **rp)
         free(ev.hidden);
         free(ev.samp);
         free(ev.hist);
+        free(ev.ids);
     }
     wire_envelope_destroy(&r->env);
     free(r->events.v);
@@ -159,11 +170,13 @@ void kvx_receiver_set_accepting(kvx_receiver_t *r, int accepting)
     r->accepting = accepting != 0;
 }
 
-static void rx_reply(kvx_receiver_t *r, const void *id, size_t id_len, proto_type_t type,
-                     uint64_t rid, uint64_t xfer, int ok, int code, const char *msg, int *sent)
+static void rx_reply_have(kvx_receiver_t *r, const void *id, size_t id_len, proto_type_t type,
+                          uint64_t rid, uint64_t xfer, int ok, int code, const char *msg,
+                          int have, int *sent)
 {
     proto_msg m;
     proto_msg_init(&m, type);
+    m.have_blocks = have;
     m.rid = rid;
     m.xfer = xfer;
     m.ok = ok;
@@ -177,6 +190,12 @@ static void rx_reply(kvx_receiver_t *r, const void *id, size_t id_len, proto_typ
                   (unsigned long long)xfer, zmq_strerror(errno));
     if (sent)
         *sent = rc == 0;
+}
+
+static void rx_reply(kvx_receiver_t *r, const void *id, size_t id_len, proto_type_t type,
+                     uint64_t rid, uint64_t xfer, int ok, int code, const char *msg, int *sent)
+{
+    rx_reply_have(r, id, id_len, type, rid, xfer, ok, code, msg, 0, sent);
 }
 
 static void rx_unlink(kvx_receiver_t *r, kvx_rx *x)
@@ -272,6 +291,18 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
         code = PROTO_ERR_PROTOCOL; /* a whole layer and its padding frame must fit */
         snprintf(why, sizeof(why), "padded transfer of %d blocks: at most %d", m->n_blocks,
                  PROTO_MAX_FRAMES - 1);
+    } else if (m->n_bhash > 0 &&
+               (m->n_gen > 0 || m->n_tokens != m->n_kv_tokens ||
+                (long long)m->n_bhash * kp->block_size + m->block_lookahead > m->n_kv_tokens ||
+                m->block_lookahead > m->n_mtp)) {
+        /* listed blocks are full prompt blocks whose key (their tokens and the lookahead
+         * after them) the prompt's ids hold; the lookahead is the module depth written */
+        code = PROTO_ERR_PROTOCOL;
+        snprintf(why, sizeof(why),
+                 "%d block hashes (lookahead %d, %d module layers) with %d token ids for %d "
+                 "tokens%s",
+                 m->n_bhash, m->block_lookahead, m->n_mtp, m->n_tokens, m->n_kv_tokens,
+                 m->n_gen > 0 ? " in a migration" : "");
     }
     if (code) {
         log_rinfo(m->rid, "kvx: KV_BEGIN xfer=%llx rejected: %s", (unsigned long long)m->xfer, why);
@@ -279,19 +310,68 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
         r->st.n_rejected++;
         return;
     }
+    /* MTP module layers and the hand-off state are kept when they are what our modules
+     * would compute; otherwise they are received (checksummed) and dropped, and the
+     * sequence decodes without MTP */
+    int hid_ok = (m->n_hidden == r->p.n_hidden && r->p.n_hidden > 0) ||
+                 (m->n_gen > 0 && m->n_hidden == r->p.n_hidden_mig && r->p.n_hidden_mig > 0);
+    int keep_mtp = m->n_mtp > 0 && m->n_mtp <= r->p.n_mtp && m->mtp_fp == r->p.mtp_fp && hid_ok;
+    /* Prefix caching: the listed blocks' hashes must be the ones our own chain gives their
+     * ids (the seed is ours: the model's fingerprint and, when module K/V is in the blocks,
+     * our modules' with the lookahead as depth). A block whose module layers we would not
+     * store is not shareable: such a transfer is not cached. */
+    int pfx = r->p.prefix_cache && m->n_bhash > 0 && (m->n_mtp == 0 ? m->block_lookahead == 0
+                                                                     : keep_mtp &&
+                                                                           m->block_lookahead > 0);
+    uint64_t seed = 0;
+    if (pfx) {
+        seed = kvcache_prefix_seed_mtp(r->p.fingerprint, m->block_lookahead ? r->p.mtp_fp : 0,
+                                       m->block_lookahead);
+        uint64_t *hs = malloc((size_t)m->n_bhash * sizeof(uint64_t));
+        int n = hs ? kvcache_prefix_hashes(r->kv, seed, m->block_lookahead, m->tokens,
+                                           m->n_tokens, m->n_bhash, hs)
+                   : 0;
+        int bad = -1;
+        for (int k = 0; hs && k < m->n_bhash && bad < 0; k++)
+            if (k >= n || hs[k] != m->bhash[k])
+                bad = k;
+        free(hs);
+        if (!hs || bad >= 0) {
+            code = hs ? PROTO_ERR_PROTOCOL : PROTO_ERR_INTERNAL;
+            if (hs)
+                snprintf(why, sizeof(why), "block hash %d (%016llx) does not match its token ids",
+                         bad, (unsigned long long)m->bhash[bad]);
+            else
+                snprintf(why, sizeof(why), "out of memory");
+            log_rinfo(m->rid, "kvx: KV_BEGIN xfer=%llx rejected: %s", (unsigned long long)m->xfer,
+                      why);
+            rx_reply(r, id, id_len, PROTO_KV_BEGIN_ACK, m->rid, m->xfer, 0, code, why, NULL);
+            r->st.n_rejected++;
+            return;
+        }
+    }
     /* On demand (vLLM's rule): the transferred tokens plus the first decode step's headroom;
      * the decode role reserves the rest step by step and preempts when blocks run out. The
-     * watermark keeps room for the running sequences to grow, except in an empty cache. */
+     * watermark keeps room for the running sequences to grow, except in an empty cache.
+     * Blocks already cached (shared from the prefix cache, pinned by this sequence) need no
+     * new block. */
     long long want = (long long)m->n_kv_tokens + r->p.headroom_tokens;
     int n_tokens = want > kp->max_seq_len ? kp->max_seq_len : (int)want;
+    int n_free0 = kvcache_n_free_blocks(r->kv);
+    int seq = kvcache_seq_new(r->kv), have = 0;
+    if (seq >= 0 && pfx) {
+        int got = kvcache_seq_attach_prefix(r->kv, seq, seed, m->block_lookahead, m->tokens,
+                                            m->n_tokens, m->n_bhash * kp->block_size);
+        have = got > 0 ? got / kp->block_size : 0;
+    }
     int n_free = kvcache_n_free_blocks(r->kv);
-    int wm = n_free < kvcache_n_blocks(r->kv) &&
-             n_free - kvcache_blocks_for(r->kv, n_tokens) < r->p.watermark_blocks;
-    int seq = wm ? -1 : kvcache_seq_new(r->kv);
-    kvcache_status_t st = seq < 0 ? KVCACHE_NOSPACE : kvcache_seq_reserve(r->kv, seq, n_tokens);
+    int wm = seq >= 0 && n_free0 < kvcache_n_blocks(r->kv) &&
+             n_free - (kvcache_blocks_for(r->kv, n_tokens) - have) < r->p.watermark_blocks;
+    kvcache_status_t st =
+        seq < 0 || wm ? KVCACHE_NOSPACE : kvcache_seq_reserve(r->kv, seq, n_tokens);
     if (st != KVCACHE_OK) {
         if (seq >= 0)
-            kvcache_seq_free(r->kv, seq);
+            kvcache_seq_free(r->kv, seq); /* shared blocks go back to the cache */
         snprintf(why, sizeof(why), "%s: %d tokens need %d blocks, %d free (watermark %d)",
                  wm ? "below the watermark"
                     : seq < 0 ? "no free sequence slot" : kvcache_status_str(st),
@@ -306,8 +386,9 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
     if (x) {
         x->got = calloc(((size_t)m->n_layer * (size_t)m->n_blocks + 7) / 8, 1);
         x->hash = XXH64_createState();
+        x->ids = pfx ? malloc((size_t)m->n_tokens * sizeof(int)) : NULL;
     }
-    if (!x || !x->got || !x->hash || id_len > sizeof(x->id)) {
+    if (!x || !x->got || !x->hash || (pfx && !x->ids) || id_len > sizeof(x->id)) {
         if (x)
             rx_free(r, x, 0);
         kvcache_seq_free(r->kv, seq);
@@ -332,12 +413,21 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
     x->n_gen = m->n_gen;
     x->priority = m->priority;
     x->logprobs = m->logprobs;
-    /* MTP module layers and the hand-off state are kept when they are what our modules
-     * would compute; otherwise they are received (checksummed) and dropped, and the
-     * sequence decodes without MTP */
-    int hid_ok = (m->n_hidden == r->p.n_hidden && r->p.n_hidden > 0) ||
-                 (m->n_gen > 0 && m->n_hidden == r->p.n_hidden_mig && r->p.n_hidden_mig > 0);
-    x->keep_mtp = m->n_mtp > 0 && m->n_mtp <= r->p.n_mtp && m->mtp_fp == r->p.mtp_fp && hid_ok;
+    x->keep_mtp = keep_mtp;
+    if (pfx) {
+        memcpy(x->ids, m->tokens, (size_t)m->n_tokens * sizeof(int));
+        x->n_ids = m->n_tokens;
+        x->pfx = 1;
+        x->pfx_seed = seed;
+        x->pfx_la = m->block_lookahead;
+        x->have = have;
+        for (int l = 0; l < x->n_layer; l++) /* the shared blocks count as arrived */
+            for (int b = 0; b < have; b++) {
+                size_t bit = (size_t)l * (size_t)x->n_blocks + (size_t)b;
+                x->got[bit / 8] |= (uint8_t)(1u << (bit % 8));
+            }
+        x->n_got = have * x->n_layer;
+    }
     if (m->n_mtp > 0 && !x->keep_mtp)
         log_rinfo(m->rid, "kvx: KV_BEGIN xfer=%llx: its %d MTP module layers (fingerprint "
                   "%016llx, %d hand-off floats) do not match ours (%d, %016llx, %d): dropped",
@@ -365,7 +455,7 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
     x->deadline_us = kvx_deadline_after(r->p.lease_ms);
     x->t0_us = proto_now_us();
     int sent = 0;
-    rx_reply(r, id, id_len, PROTO_KV_BEGIN_ACK, m->rid, m->xfer, 1, 0, "", &sent);
+    rx_reply_have(r, id, id_len, PROTO_KV_BEGIN_ACK, m->rid, m->xfer, 1, 0, "", have, &sent);
     if (!sent) {
         r->st.n_aborted++; /* accepted, but the sender cannot know: it times out */
         rx_free(r, x, 1);
@@ -376,9 +466,9 @@ static void rx_begin(kvx_receiver_t *r, const unsigned char *id, size_t id_len, 
     r->n_xfers++;
     log_rdebug(x->rid,
                "kvx: KV_BEGIN xfer=%llx accepted: %d tokens, seq %d reserved for %d, %llu "
-               "bytes of padding",
+               "bytes of padding, %d of %d listed blocks cached here",
                (unsigned long long)x->xfer, x->n_kv_tokens, seq, n_tokens,
-               (unsigned long long)x->pad);
+               (unsigned long long)x->pad, have, m->n_bhash);
 }
 
 static int rx_got(const kvx_rx *x, int layer, int blk)
@@ -492,6 +582,8 @@ static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, wire_envelo
         return;
     }
     kvcache_seq_set_len(r->kv, x->seq, x->n_kv_tokens);
+    if (x->pfx) /* the received full blocks are final: later transfers share them */
+        kvcache_seq_commit_prefix(r->kv, x->seq, x->pfx_seed, x->pfx_la, x->ids, x->n_ids);
     kvx_event ev;
     kvx_ev_init(&ev, KVX_EV_ACCEPTED, x->rid, x->xfer, PROTO_ERR_NONE, "");
     ev.seq = x->seq;
@@ -515,6 +607,13 @@ static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, wire_envelo
     ev.n_hist = x->n_hist;
     x->samp = NULL;
     x->hist = NULL;
+    ev.pfx = x->pfx;
+    ev.ids = x->ids; /* moved to the event */
+    ev.n_ids = x->n_ids;
+    ev.pfx_seed = x->pfx_seed;
+    ev.pfx_la = x->pfx_la;
+    ev.have_blocks = x->have;
+    x->ids = NULL;
     if (x->keep_mtp && hsrc) {
         ev.hidden = malloc(hbytes);
         if (ev.hidden) { /* out of memory: the sequence just decodes without MTP */
@@ -532,6 +631,7 @@ static void rx_end(kvx_receiver_t *r, kvx_rx *x, const proto_msg *m, wire_envelo
         free(ev.hidden);
         free(ev.samp);
         free(ev.hist);
+        free(ev.ids);
         rx_unlink(r, x);
         rx_free(r, x, 1);
         return;

@@ -92,6 +92,17 @@ typedef struct kvx_sx {
     uint64_t n_bytes;    /* payload bytes handed to ZeroMQ, padding included (stats) */
     uint64_t pad;        /* padding bytes of the transfer (KV_BEGIN "pad"; 0 = none) */
     int rejected;        /* KV_BEGIN_ACK refused it (stats) */
+    /* prefix caching: KV_BEGIN listed n_listed block hashes, so nothing is sent before
+     * KV_BEGIN_ACK (wait_ack): until it comes, handed-over ranges only advance next_blk and
+     * a KV_END is kept (end_pending: its token, state and hand-off floats); the ACK's
+     * "have" leading blocks are never sent, the rest goes out on the ACK */
+    int wait_ack;
+    int n_listed;
+    int have;
+    int end_pending;
+    int end_first;
+    uint64_t end_rng;
+    float *end_hidden; /* (n_hidden,) copied, or NULL */
     struct kvx_sx *next;
 } kvx_sx;
 
@@ -168,6 +179,7 @@ static void sx_free(kvx_sender_t *s, kvx_sx *x, int free_seq)
     if (x->pin)
         pin_put(x->pin);
     free(x->next_blk);
+    free(x->end_hidden);
     free(x);
 }
 
@@ -350,6 +362,17 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
         bp->n_hidden < 0 || bp->n_hidden > (1 << 20) || bp->mtp < 0 ||
         bp->mtp > PROTO_SPEC_MAX_POS + 1 || bp->n_gen < 0 || bp->n_gen > (1 << 24))
         return 0;
+    int n_listed = bp->n_block_hashes > 0 && bp->n_gen == 0 ? bp->n_block_hashes : 0;
+    if (n_listed && (!bp->block_hashes || !bp->ids || bp->lookahead < 0 ||
+                     bp->lookahead > PROTO_MAX_LOOKAHEAD || bp->n_kv_tokens > PROTO_MAX_TOKENS ||
+                     (long long)n_listed * kp->block_size + bp->lookahead > bp->n_kv_tokens))
+        return 0;
+    if (n_listed > PROTO_MAX_BLOCK_HASHES) /* bounded: the leading ones */
+        n_listed = PROTO_MAX_BLOCK_HASHES;
+    if (n_listed && bp->samp &&
+        (!bp->hist || bp->n_hist != bp->n_kv_tokens ||
+         memcmp(bp->hist, bp->ids, (size_t)bp->n_kv_tokens * sizeof(int)) != 0))
+        n_listed = 0; /* "tokens" carries the penalties' ids: they must be the prompt's */
     uint64_t pad = send_pad_bytes(s, bp->n_kv_tokens, n_layer, need, bp->n_hidden);
     if (pad && (need > PROTO_MAX_FRAMES - 1 || pad > (uint64_t)PROTO_MAX_PAD)) {
         log_rwarn(bp->rid, "kvx: cannot pad %d tokens: %d blocks (max %d), %llu bytes of padding",
@@ -389,6 +412,8 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
     x->n_kv_tokens = bp->n_kv_tokens;
     x->n_blocks = need;
     x->pad = pad;
+    x->wait_ack = n_listed > 0;
+    x->n_listed = n_listed;
 
     proto_msg m;
     proto_msg_init(&m, PROTO_KV_BEGIN);
@@ -416,6 +441,13 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
     m.samp = (proto_sampling *)bp->samp; /* borrowed for the send */
     m.tokens = bp->samp ? (int *)bp->hist : NULL;
     m.n_tokens = bp->samp && bp->hist ? bp->n_hist : 0;
+    if (n_listed) {
+        m.bhash = (uint64_t *)bp->block_hashes; /* borrowed for the send */
+        m.n_bhash = n_listed;
+        m.block_lookahead = bp->lookahead;
+        m.tokens = (int *)bp->ids;
+        m.n_tokens = bp->n_kv_tokens;
+    }
     m.lease_ms = s->p.lease_ms;
     m.pad_bytes = (int64_t)pad;
     m.ts_us = proto_wall_us();
@@ -433,9 +465,9 @@ uint64_t kvx_send_begin(kvx_sender_t *s, const char *endpoint, const kvx_begin_p
     s->xfers = x;
     s->n_xfers++;
     log_rdebug(x->rid, "kvx: KV_BEGIN xfer=%llx to %s: %d tokens, %d blocks/layer, %llu bytes "
-               "of padding",
+               "of padding, %d block hashes listed",
                (unsigned long long)x->xfer, endpoint, x->n_kv_tokens, need,
-               (unsigned long long)pad);
+               (unsigned long long)pad, n_listed);
     return x->xfer;
 }
 
@@ -455,24 +487,14 @@ static int pad_frame(zmq_msg_t *f, size_t n)
     return 0;
 }
 
-int kvx_send_layer_blocks(kvx_sender_t *s, uint64_t xfer, int layer, int blk0, int n_blocks)
+/* Send blocks [blk0, blk0 + n_blocks) of layer `layer` of x as one KV_LAYER (zero-copy
+ * frames, checksummed in order; a padded transfer adds their padding share). Failures fail
+ * the transfer. Returns 0, or -1 when the transfer failed. */
+static int sx_send_range(kvx_sender_t *s, kvx_sx *x, int layer, int blk0, int n_blocks)
 {
-    kvx_sx *x = sx_find(s, xfer);
-    if (!x || x->state != SX_OPEN)
-        return -1;
-    if (layer < 0 || layer >= x->n_layer || n_blocks < 1 || blk0 != x->next_blk[layer] ||
-        blk0 + n_blocks > x->n_blocks) {
-        log_rerror(x->rid,
-                   "kvx: send_layer(%d) blocks [%d, +%d): invalid, out of order or "
-                   "already sent",
-                   layer, blk0, n_blocks);
-        sx_fail(s, x, PROTO_ERR_INTERNAL, "layer blocks sent twice, out of order or out of range",
-                1);
-        return -1;
-    }
     if (!x->peer) {
         sx_fail(s, x, PROTO_ERR_UNAVAILABLE, "decode endpoint connection reset", 0);
-        return 0;
+        return -1;
     }
     const int *blocks = kvcache_seq_blocks(s->kv, x->seq, NULL);
     size_t bytes = kvcache_block_bytes(s->kv);
@@ -495,11 +517,8 @@ int kvx_send_layer_blocks(kvx_sender_t *s, uint64_t xfer, int layer, int blk0, i
         for (int i = 0; i < n; i++)
             zmq_msg_close(&s->frames[i]); /* releases their pins */
         sx_fail(s, x, PROTO_ERR_INTERNAL, "out of memory", 1);
-        return 0;
+        return -1;
     }
-    x->next_blk[layer] += n_blocks;
-    if (x->next_blk[layer] == x->n_blocks)
-        x->n_sent++;
     x->n_bytes += (uint64_t)n_blocks * bytes + pad;
     proto_msg m;
     proto_msg_init(&m, PROTO_KV_LAYER);
@@ -513,7 +532,64 @@ int kvx_send_layer_blocks(kvx_sender_t *s, uint64_t xfer, int layer, int blk0, i
         snprintf(msg, sizeof(msg), "KV_LAYER not sent: %s", zmq_strerror(errno));
         x->peer->stale = 1;
         sx_fail(s, x, PROTO_ERR_UNAVAILABLE, msg, 1);
+        return -1;
     }
+    return 0;
+}
+
+static void sender_handle(kvx_sender_t *s, kvx_peer *pe, const proto_msg *m, int n_frames);
+
+/* Handle every reply pending on pe's DEALER (non-blocking). */
+static void peer_recv(kvx_sender_t *s, kvx_peer *pe)
+{
+    for (int i = 0; i < KVX_MAX_MSGS_PER_CALL && pe->sock; i++) {
+        int rc = wire_recv(pe->sock, 0, s->env, ZMQ_DONTWAIT);
+        if (rc == 0)
+            break;
+        if (rc == -2) {
+            log_warn("kvx: recv on %s: %s", pe->endpoint, zmq_strerror(errno));
+            break;
+        }
+        if (rc == 1) {
+            pe->stale = 0; /* the receiver talks to us: the connection works */
+            sender_handle(s, pe, wire_envelope_msg(s->env), wire_envelope_n_frames(s->env));
+        }
+    }
+    wire_envelope_reset(s->env);
+}
+
+int kvx_send_layer_blocks(kvx_sender_t *s, uint64_t xfer, int layer, int blk0, int n_blocks)
+{
+    kvx_sx *x = sx_find(s, xfer);
+    if (!x || x->state != SX_OPEN)
+        return -1;
+    if (layer < 0 || layer >= x->n_layer || n_blocks < 1 || blk0 != x->next_blk[layer] ||
+        blk0 + n_blocks > x->n_blocks) {
+        log_rerror(x->rid,
+                   "kvx: send_layer(%d) blocks [%d, +%d): invalid, out of order or "
+                   "already sent",
+                   layer, blk0, n_blocks);
+        sx_fail(s, x, PROTO_ERR_INTERNAL, "layer blocks sent twice, out of order or out of range",
+                1);
+        return -1;
+    }
+    if (!x->peer) {
+        sx_fail(s, x, PROTO_ERR_UNAVAILABLE, "decode endpoint connection reset", 0);
+        return 0;
+    }
+    x->next_blk[layer] += n_blocks;
+    if (x->next_blk[layer] == x->n_blocks)
+        x->n_sent++;
+    if (x->wait_ack && !x->acked) {
+        /* KV_BEGIN listed hashes: the range waits for KV_BEGIN_ACK, which may be here
+         * already (the forward pass runs between two polls of the loop): on it, the
+         * blocks handed over so far that the receiver lacks go out (sender_handle) */
+        peer_recv(s, x->peer);
+        return 0;
+    }
+    int from = blk0 > x->have ? blk0 : x->have; /* blocks the receiver holds are not sent */
+    if (blk0 + n_blocks > from)
+        sx_send_range(s, x, layer, from, blk0 + n_blocks - from);
     return 0;
 }
 
@@ -532,36 +608,22 @@ int kvx_send_end(kvx_sender_t *s, uint64_t xfer, int first_token, uint64_t rng)
     return kvx_send_end_mtp(s, xfer, first_token, rng, NULL, 0);
 }
 
-int kvx_send_end_mtp(kvx_sender_t *s, uint64_t xfer, int first_token, uint64_t rng,
-                     const float *hidden, int n_hidden)
+/* Send KV_END of x (its hand-off state, if any, as its one frame, checksummed after the
+ * layers) and wait for KV_RESULT. Failures fail the transfer. */
+static void sx_send_end_now(kvx_sender_t *s, kvx_sx *x, int first_token, uint64_t rng,
+                            const float *hidden, int n_hidden)
 {
-    kvx_sx *x = sx_find(s, xfer);
-    if (!x || x->state != SX_OPEN)
-        return -1;
-    if (x->n_sent != x->n_layer) {
-        log_rerror(x->rid, "kvx: send_end with %d of %d layers sent completely", x->n_sent,
-                   x->n_layer);
-        sx_fail(s, x, PROTO_ERR_INTERNAL, "KV_END before every layer was sent", 1);
-        return -1;
-    }
-    if (n_hidden != x->n_hidden || (n_hidden && !hidden)) {
-        log_rerror(x->rid, "kvx: send_end with %d hand-off floats, KV_BEGIN announced %d",
-                   n_hidden, x->n_hidden);
-        sx_fail(s, x, PROTO_ERR_INTERNAL, "KV_END hand-off state does not match KV_BEGIN", 1);
-        return -1;
-    }
     if (!x->peer) {
         sx_fail(s, x, PROTO_ERR_UNAVAILABLE, "decode endpoint connection reset", 0);
-        return 0;
+        return;
     }
-    /* the hand-off state: one small frame, copied, after the layers in the checksum */
     zmq_msg_t frame;
     int n_frames = 0;
     if (n_hidden) {
         size_t bytes = (size_t)n_hidden * sizeof(float);
         if (zmq_msg_init_size(&frame, bytes) < 0) {
             sx_fail(s, x, PROTO_ERR_INTERNAL, "out of memory", 1);
-            return 0;
+            return;
         }
         memcpy(zmq_msg_data(&frame), hidden, bytes);
         XXH64_update(x->hash, hidden, bytes);
@@ -583,10 +645,50 @@ int kvx_send_end_mtp(kvx_sender_t *s, uint64_t xfer, int first_token, uint64_t r
         snprintf(msg, sizeof(msg), "KV_END not sent: %s", zmq_strerror(errno));
         x->peer->stale = 1;
         sx_fail(s, x, PROTO_ERR_UNAVAILABLE, msg, 1);
-        return 0;
+        return;
     }
     x->state = SX_ENDED;
     x->deadline_us = kvx_deadline_after(s->p.lease_ms);
+}
+
+int kvx_send_end_mtp(kvx_sender_t *s, uint64_t xfer, int first_token, uint64_t rng,
+                     const float *hidden, int n_hidden)
+{
+    kvx_sx *x = sx_find(s, xfer);
+    if (!x || x->state != SX_OPEN || x->end_pending)
+        return -1;
+    if (x->n_sent != x->n_layer) {
+        log_rerror(x->rid, "kvx: send_end with %d of %d layers sent completely", x->n_sent,
+                   x->n_layer);
+        sx_fail(s, x, PROTO_ERR_INTERNAL, "KV_END before every layer was sent", 1);
+        return -1;
+    }
+    if (n_hidden != x->n_hidden || (n_hidden && !hidden)) {
+        log_rerror(x->rid, "kvx: send_end with %d hand-off floats, KV_BEGIN announced %d",
+                   n_hidden, x->n_hidden);
+        sx_fail(s, x, PROTO_ERR_INTERNAL, "KV_END hand-off state does not match KV_BEGIN", 1);
+        return -1;
+    }
+    if (!x->peer) {
+        sx_fail(s, x, PROTO_ERR_UNAVAILABLE, "decode endpoint connection reset", 0);
+        return 0;
+    }
+    if (x->wait_ack && !x->acked) { /* KV_END follows the missing blocks, on the ACK */
+        if (n_hidden) {
+            x->end_hidden = malloc((size_t)n_hidden * sizeof(float));
+            if (!x->end_hidden) {
+                sx_fail(s, x, PROTO_ERR_INTERNAL, "out of memory", 1);
+                return 0;
+            }
+            memcpy(x->end_hidden, hidden, (size_t)n_hidden * sizeof(float));
+        }
+        x->end_pending = 1;
+        x->end_first = first_token;
+        x->end_rng = rng;
+        peer_recv(s, x->peer); /* the ACK may be here already */
+        return 0;
+    }
+    sx_send_end_now(s, x, first_token, rng, hidden, n_hidden);
     return 0;
 }
 
@@ -598,6 +700,22 @@ int kvx_send_timing(kvx_sender_t *s, uint64_t xfer, int64_t queue_us, int64_t pr
     x->queue_us = queue_us > 0 ? queue_us : 0;
     x->prefill_us = prefill_us > 0 ? prefill_us : 0;
     return 0;
+}
+
+/* KV_BEGIN_ACK ok for a transfer that listed hashes: the receiver holds its first `have`
+ * blocks; send the other blocks handed over so far, and KV_END if it was kept. */
+static void sx_acked(kvx_sender_t *s, kvx_sx *x, int have)
+{
+    x->have = have;
+    for (int l = 0; l < x->n_layer && x->state == SX_OPEN; l++)
+        if (x->next_blk[l] > have)
+            sx_send_range(s, x, l, have, x->next_blk[l] - have);
+    if (x->state == SX_OPEN && x->end_pending) {
+        x->end_pending = 0;
+        sx_send_end_now(s, x, x->end_first, x->end_rng, x->end_hidden, x->n_hidden);
+        free(x->end_hidden);
+        x->end_hidden = NULL;
+    }
 }
 
 void kvx_send_abort(kvx_sender_t *s, uint64_t xfer)
@@ -646,9 +764,17 @@ static void sender_handle(kvx_sender_t *s, kvx_peer *pe, const proto_msg *m, int
             sx_fail(s, x, code, m->message[0] ? m->message : "rejected by the receiver", 0);
             return;
         }
+        if (x->acked || m->have_blocks > x->n_listed) {
+            sx_fail(s, x, PROTO_ERR_PROTOCOL,
+                    x->acked ? "a second KV_BEGIN_ACK" : "KV_BEGIN_ACK has more blocks than listed",
+                    1);
+            return;
+        }
         x->acked = 1;
         if (x->state == SX_OPEN)
             x->deadline_us = 0; /* our own compute paces the layers; the receiver has a lease */
+        if (x->wait_ack && x->state == SX_OPEN)
+            sx_acked(s, x, m->have_blocks);
         return;
     case PROTO_KV_RESULT:
         if (!m->ok) {
@@ -689,22 +815,8 @@ static void peer_reset(kvx_sender_t *s, kvx_peer *pe)
 int kvx_sender_process(kvx_sender_t *s)
 {
     int before = s->events.n;
-    for (kvx_peer *pe = s->peers; pe; pe = pe->next) {
-        for (int i = 0; i < KVX_MAX_MSGS_PER_CALL; i++) {
-            int rc = wire_recv(pe->sock, 0, s->env, ZMQ_DONTWAIT);
-            if (rc == 0)
-                break;
-            if (rc == -2) {
-                log_warn("kvx: recv on %s: %s", pe->endpoint, zmq_strerror(errno));
-                break;
-            }
-            if (rc == 1) {
-                pe->stale = 0; /* the receiver talks to us: the connection works */
-                sender_handle(s, pe, wire_envelope_msg(s->env), wire_envelope_n_frames(s->env));
-            }
-        }
-        wire_envelope_reset(s->env);
-    }
+    for (kvx_peer *pe = s->peers; pe; pe = pe->next)
+        peer_recv(s, pe);
     int64_t now = proto_now_us();
     for (kvx_sx *x = s->xfers; x; x = x->next) {
         if (x->state != SX_RELEASING && x->deadline_us && now >= x->deadline_us) {

@@ -24,8 +24,11 @@
  * prompt's longest run of cached full blocks (kvcache_seq_attach_prefix) is shared with
  * its sequence and computing starts after it (n_done = the cached tokens; at least the last
  * prompt token is always computed, for its logits, so a shared block is never written).
- * The transfer still sends every block, cached ones with the first chunk, so the decode
- * side is unchanged. Once the prompt is computed its full blocks are registered
+ * KV_BEGIN lists the prompt's full-block hashes and the decode worker's ACK says which
+ * leading blocks it holds already: kvx sends only the others (the cached ones it does send
+ * go with the first chunk; docs/prefix-cache.md "The decode side"); a prompt decoded here
+ * hands its ids to the decode role, which caches the generated tokens' blocks too. Once
+ * the prompt is computed its full blocks are registered
  * (kvcache_seq_commit_prefix). The key of a block is seeded by the model's fingerprint and,
  * when the MTP modules ran over the prompt, their fingerprint and depth: a module's K/V at
  * position t depends on the token t + k, so such a block's key also holds the depth tokens
@@ -75,8 +78,8 @@ static uint64_t prefix_key(const prefill_role *p, const preq *r, int *lookahead)
     if (!cp->mtp || depth < 0)
         depth = 0;
     *lookahead = depth;
-    uint64_t salt = depth ? mtp_fingerprint(cp->mtp) + (uint64_t)depth : 0;
-    return kvcache_prefix_seed(cp->mc->fingerprint, salt);
+    return kvcache_prefix_seed_mtp(cp->mc->fingerprint, depth ? mtp_fingerprint(cp->mtp) : 0,
+                                   depth);
 }
 
 /* Admit r into the batch: a sequence with room for its prompt (and, when decoded here, for
@@ -198,6 +201,16 @@ static int transfer_begin(prefill_role *p, preq *r)
         seqpen_export(r->pen, 0, &samp, &bp.hist, &bp.n_hist);
         bp.samp = &samp;
     }
+    /* prefix caching: KV_BEGIN lists the prompt's full-block hashes, and only the blocks
+     * the decode worker lacks are sent (docs/prefix-cache.md "The decode side") */
+    uint64_t hashes[PROTO_MAX_BLOCK_HASHES];
+    if (p->rt->set.prefix_cache) {
+        uint64_t seed = prefix_key(p, r, &bp.lookahead);
+        bp.n_block_hashes = kvcache_prefix_hashes(cp->kv, seed, bp.lookahead, r->prompt,
+                                                  r->n_prompt, PROTO_MAX_BLOCK_HASHES, hashes);
+        bp.block_hashes = hashes;
+        bp.ids = r->prompt;
+    }
     r->xfer = kvx_send_begin(p->rt->sender, r->dep, &bp);
     if (r->xfer)
         return 0;
@@ -248,8 +261,12 @@ static void prompt_done(prefill_role *p, preq *r, float *logits)
         sampler_logprobs(p->lp_raw, cp->mc->vocab_size, first, r->logprobs - 1, &lp);
     runtime_timing t = {.queue_us = r->t_start_us - r->t_recv_us,
                         .prefill_us = proto_now_us() - r->t_start_us};
-    free(r->prompt);
+    int *prompt = r->prompt; /* kept for a local hand-off with prefix caching, else freed */
     r->prompt = NULL;
+    if (!rt->set.prefix_cache || r->xfer || r->max_tokens <= 1 || first == cp->mc->eos_id) {
+        free(prompt);
+        prompt = NULL;
+    }
     if (first == cp->mc->eos_id) { /* nothing to decode: the EOS itself is not sent */
         runtime_send_finish(rt, r->rid, PROTO_FINISH_STOP, &t);
         prefill_req_remove(p, r);
@@ -284,13 +301,19 @@ static void prompt_done(prefill_role *p, preq *r, float *logits)
                              .priority = r->priority,
                              .logprobs = r->logprobs,
                              .hand = r->hand,
-                             .pen = r->pen};
+                             .pen = r->pen,
+                             .ids = prompt,
+                             .n_ids = prompt ? r->n_prompt : 0};
+        prompt = NULL;
+        if (h.ids) /* the decode role registers the generated tokens' blocks under it */
+            h.pfx_seed = prefix_key(p, r, &h.pfx_la);
         r->seq = -1;
         r->hand = NULL;
         r->pen = NULL;
         prefill_req_remove(p, r);
         runtime_handoff_local(rt, &h);
     }
+    free(prompt); /* a stop token ended it: not handed over */
 }
 
 int prefill_step(void *st)

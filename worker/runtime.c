@@ -485,6 +485,8 @@ void runtime_handoff_local(runtime_t *rt, runtime_handoff *h)
     runtime_send_error(rt, h->rid, PROTO_ERR_UNAVAILABLE, 1, "this worker does not decode");
     kvcache_seq_free(rt->cp.kv, h->seq);
     free(h->hand);
+    free(h->ids);
+    seqpen_destroy(&h->pen);
     memset(h, 0, sizeof(*h));
 }
 

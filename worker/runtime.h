@@ -62,6 +62,12 @@ typedef struct {
     float *hand;   /* (2, dim) MTP hand-off state (owned from here; NULL without MTP) */
     seqpen_t *pen; /* sampling controls and ids so far, first included (owned from here;
                     * NULL = none) */
+    int *ids;      /* prefix caching: the prompt's n_ids ids (malloc'd, owned from here; NULL
+                    * = the cache is off): the decode role registers the sequence's blocks
+                    * under pfx_seed / pfx_la when it ends (docs/prefix-cache.md) */
+    int n_ids;
+    uint64_t pfx_seed;
+    int pfx_la;
 } runtime_handoff;
 
 /* A role's operations. Every one runs on the loop thread and gets the state its attach

@@ -17,7 +17,8 @@ typedef struct {
     char *mtp_setting;              /* --mtp: "auto" | "none" | a side file */
     long long mtp_depth_set;        /* --mtp-depth: -1 = 2 when modules are loaded */
     int mtp_adaptive;               /* --mtp-adaptive */
-    int prefix_cache;               /* --prefix-cache: automatic prefix caching (prefill) */
+    int prefix_cache;               /* --prefix-cache: automatic prefix caching (prefill,
+                                     * decode and mixed roles) */
     char *mtp_sampling;             /* --mtp-sampling: rejection | onehot */
     char *health_file;              /* --health-file: state file for health checks ("" = none) */
     char *curve_secret_key;         /* --curve-secret-key: its key pair file ("" = no CURVE) */

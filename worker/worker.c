@@ -98,8 +98,9 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
          "rejection sampling) | onehot (argmax drafts: seeded output identical at any depth)"},
         {"prefix-cache", CONFIG_BOOL, &set->prefix_cache, "true", 0, 0,
          "automatic prefix caching: a prompt whose leading full KV blocks an earlier prompt "
-         "computed here shares them and computes only the rest (docs/prefix-cache.md); "
-         "false: every prompt is computed whole"},
+         "computed here shares them and computes only the rest, and a decode worker keeps "
+         "the blocks it received or decoded so a transfer sends only those it lacks "
+         "(docs/prefix-cache.md); false: every prompt is computed and sent whole"},
         {"heartbeat-ms", CONFIG_INT, &set->heartbeat_ms, "500", 10, 3600000,
          "heartbeat interval until the gateway sets one"},
         {"lease-ms", CONFIG_INT, &set->lease_ms, "5000", 10, 3600000,

@@ -402,6 +402,28 @@ uint64_t kvcache_prefix_seed(uint64_t model_fingerprint, uint64_t salt)
     return XXH3_64bits_withSeed(v, sizeof(v), 0x707265666978ULL); /* "prefix" */
 }
 
+uint64_t kvcache_prefix_seed_mtp(uint64_t model_fingerprint, uint64_t mtp_fingerprint,
+                                 int depth)
+{
+    return kvcache_prefix_seed(model_fingerprint,
+                               depth > 0 ? mtp_fingerprint + (uint64_t)depth : 0);
+}
+
+int kvcache_prefix_hashes(const kvcache_t *kv, uint64_t seed, int lookahead, const int *tokens,
+                          int n_tokens, int max_blocks, uint64_t *out)
+{
+    if (!tokens || !out || n_tokens <= 0 || lookahead < 0 || lookahead > KVCACHE_MAX_LOOKAHEAD)
+        return 0;
+    const int bs = kv->p.block_size;
+    uint64_t ph = seed & kv->hash_mask;
+    int k = 0;
+    for (; k < max_blocks && (k + 1) * bs + lookahead <= n_tokens; k++) {
+        ph = key_hash(kv, ph, tokens + (size_t)k * bs, bs + lookahead);
+        out[k] = ph;
+    }
+    return k;
+}
+
 int kvcache_prefix_lookup(const kvcache_t *kv, uint64_t seed, int lookahead, const int *tokens,
                           int n_tokens, int max_cached, int *blocks)
 {

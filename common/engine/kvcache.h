@@ -105,6 +105,22 @@ int kvcache_blocks_for(const kvcache_t *kv, int n_tokens);
  * written or not, and to which depth). */
 uint64_t kvcache_prefix_seed(uint64_t model_fingerprint, uint64_t salt);
 
+/* The seed every worker uses for a request's blocks (prefill, decode and mixed alike, so
+ * a prefill worker's hashes name the decode worker's blocks): kvcache_prefix_seed(model
+ * fingerprint, 0) when the blocks hold no MTP module K/V (depth 0), else salted with the
+ * modules' fingerprint + depth, the block keys then having `depth` tokens of lookahead. */
+uint64_t kvcache_prefix_seed_mtp(uint64_t model_fingerprint, uint64_t mtp_fingerprint,
+                                 int depth);
+
+/* The chained hashes of tokens' full blocks as kvcache_seq_commit_prefix() registers them
+ * (block k's key: tokens[k*bs, (k+1)*bs + lookahead), its parent the hash of block k - 1,
+ * block 0's the seed), for block k with (k+1)*bs + lookahead <= n_tokens, at most max_blocks
+ * of them, into out (room for max_blocks). Returns how many were written (0 for bad
+ * arguments). A hash names a block only together with its token ids: lookups confirm both
+ * (the KV hand-off lists them in KV_BEGIN "bh": docs/prefix-cache.md). */
+int kvcache_prefix_hashes(const kvcache_t *kv, uint64_t seed, int lookahead, const int *tokens,
+                          int n_tokens, int max_blocks, uint64_t *out);
+
 /* The longest run of cached full blocks that holds tokens[0, n) for n <= max_cached
  * (n a multiple of block_size), block k matching only if tokens has `lookahead` tokens past
  * its end (block k's key is tokens[k*bs, (k+1)*bs + lookahead)). Writes the block ids to

@@ -15,10 +15,17 @@
  *   4 abort   peer, xfer, rid, code
  *   5 process run kvx_receiver_process, then take its events and the peers' replies
  *   6 cancel  rid (kvx_receiver_abort)
+ *   7 pbegin  peer, xfer, rid, tokens, flags (bit: a wrong hash, lookahead 1 with the MTP
+ *             layer, one id too few, hashes past the full blocks, migrated), id base: a
+ *             KV_BEGIN listing its full blocks' prefix-cache hashes with its ids (the
+ *             receiver caches: later ones share what earlier ones left, and their layers
+ *             for shared blocks are refused as sent twice)
  * The harness keeps, per transfer id, the XXH64 a real sender would send, so KV_END can be
  * right. Properties: no crash, leak or undefined behaviour; every reply decodes; an
- * accepted sequence is active with the length announced; once the caller has freed the
- * accepted sequences and destroyed the receiver, every KV block is free again.
+ * accepted sequence is active with the length announced, and its prompt ids come with it
+ * exactly when its hashes were used; once the caller has freed the accepted sequences and
+ * destroyed the receiver, every KV block is free again (cached ones count as free; the
+ * cache is flushed between inputs).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -84,10 +91,14 @@ static void take_events(state *s)
             FUZZ_CHECK(kvcache_seq_len(s->kv, ev.seq) == ev.n_kv_tokens);
             FUZZ_CHECK(ev.mtp_ok ? ev.hidden != NULL && ev.n_hidden > 0 : ev.hidden == NULL);
             FUZZ_CHECK(s->n_accepted < (int)(sizeof(s->accepted) / sizeof(s->accepted[0])));
+            FUZZ_CHECK(ev.pfx ? ev.ids != NULL && ev.n_ids == ev.n_kv_tokens
+                              : ev.ids == NULL && ev.have_blocks == 0);
+            FUZZ_CHECK(ev.have_blocks * BS <= ev.n_kv_tokens);
             s->accepted[s->n_accepted++] = ev.seq;
             free(ev.hidden);
+            free(ev.ids);
         } else {
-            FUZZ_CHECK(ev.type == KVX_EV_FAILED && ev.hidden == NULL);
+            FUZZ_CHECK(ev.type == KVX_EV_FAILED && ev.hidden == NULL && ev.ids == NULL);
         }
     }
     /* what the real owner does with an accepted sequence once it has decoded it */
@@ -155,6 +166,58 @@ static void op_begin(state *s, reader *in)
     s->n_blocks[xfer] = m.n_blocks;
     s->n_hidden[xfer] = m.n_hidden;
     s->pad[xfer] = m.pad_bytes;
+}
+
+static void op_pbegin(state *s, reader *in)
+{
+    int peer = rd(in) & 1;
+    int xfer = 1 + (int)(rd(in) % N_XFER);
+    proto_msg m;
+    proto_msg_init(&m, PROTO_KV_BEGIN);
+    m.xfer = (uint64_t)xfer;
+    m.rid = 1 + rd(in) % 4;
+    m.n_kv_tokens = 1 + (int)(rd(in) % (MAX_LEN + 2));
+    unsigned fl = rd(in);
+    int base = (int)(rd(in) % 4); /* prompts of one base share their ids */
+    int la = (fl & 2) ? 1 : 0;
+    m.max_tokens = 4;
+    m.fingerprint = FP;
+    m.block_size = BS;
+    m.n_blocks = (m.n_kv_tokens + BS - 1) / BS;
+    m.n_mtp = la ? N_MTP : 0;
+    m.n_layer = N_LAYER - N_MTP + m.n_mtp;
+    m.mtp_fp = la ? MTP_FP : 0;
+    m.n_hidden = la ? N_HIDDEN : 0;
+    m.n_gen = (fl & 16) ? 2 : 0;
+    m.n_kv_head = KV_HEADS;
+    m.head_dim = HEAD_DIM;
+    m.dtype = PROTO_DTYPE_F32;
+    m.lease_ms = 5000;
+    m.top_p = 1.0f;
+    int ids[MAX_LEN + 2];
+    for (int i = 0; i < m.n_kv_tokens; i++)
+        ids[i] = 10 * base + i;
+    uint64_t hs[MAX_LEN];
+    int n = kvcache_prefix_hashes(s->kv, kvcache_prefix_seed_mtp(FP, la ? MTP_FP : 0, la), la,
+                                  ids, m.n_kv_tokens, MAX_LEN / BS, hs);
+    if (fl & 8)
+        hs[n++] = 7; /* one block past the full ones */
+    if (n == 0)
+        hs[n++] = 9;
+    if (fl & 1)
+        hs[0] ^= 1;
+    m.bhash = hs;
+    m.n_bhash = n;
+    m.block_lookahead = la;
+    m.tokens = ids;
+    m.n_tokens = m.n_kv_tokens - ((fl & 4) ? 1 : 0);
+    send_msg(s, peer, &m, NULL, 0);
+    XXH64_reset(s->hash[xfer], 0);
+    s->owner[xfer] = peer;
+    s->n_layer[xfer] = m.n_layer;
+    s->n_blocks[xfer] = m.n_blocks;
+    s->n_hidden[xfer] = m.n_hidden;
+    s->pad[xfer] = 0;
 }
 
 static void op_layer(state *s, reader *in)
@@ -240,6 +303,7 @@ static void receiver_up(state *s)
     p.mtp_fp = MTP_FP;
     p.n_hidden = N_HIDDEN;
     p.n_hidden_mig = N_HIDDEN;
+    p.prefix_cache = 1;
     s->r = kvx_receiver_new(g_zctx, s->kv, ep, &p);
     FUZZ_CHECK(s->r != NULL);
     for (int i = 0; i < 2; i++) {
@@ -290,7 +354,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     reader in = {data, size, 0};
     int n_ops = 0;
     while (in.pos < in.n && n_ops++ < 256) {
-        switch (rd(&in) % 7) {
+        switch (rd(&in) % 8) {
         case 0: op_raw(s, &in); break;
         case 1: op_begin(s, &in); break;
         case 2: op_layer(s, &in); break;
@@ -300,6 +364,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             kvx_receiver_process(s->r);
             take_events(s);
             break;
+        case 7: op_pbegin(s, &in); break;
         default: kvx_receiver_abort(s->r, 1 + rd(&in) % 4); break;
         }
     }
@@ -316,5 +381,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         receiver_up(s);
     }
     FUZZ_CHECK(kvcache_n_free_blocks(s->kv) == N_BLOCKS); /* nothing leaked in the cache */
+    kvcache_prefix_flush(s->kv); /* the next input starts from an empty prefix cache */
     return 0;
 }

@@ -2,8 +2,8 @@
  * fuzz_protocol: proto_decode (common/protocol.c) on arbitrary header bytes. Properties:
  * no crash, leak or undefined behaviour; a header that decodes re-encodes (proto_encode
  * and proto_encode_buf agree byte for byte), and the re-encoded header decodes to the same
- * message (every field, the token ids, the sampling controls and the log-probabilities
- * included).
+ * message (every field, the token ids, the sampling controls, the log-probabilities and
+ * the KV_BEGIN block hashes included).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -21,8 +21,12 @@ static void same_msg(const proto_msg *a, const proto_msg *b)
     FUZZ_CHECK(!a->lps == !b->lps);
     FUZZ_CHECK(!a->lps ||
                memcmp(a->lps, b->lps, (size_t)a->n_tokens * sizeof(*a->lps)) == 0);
+    FUZZ_CHECK(a->n_bhash == b->n_bhash);
+    FUZZ_CHECK(a->n_bhash == 0 ||
+               memcmp(a->bhash, b->bhash, (size_t)a->n_bhash * sizeof(uint64_t)) == 0);
     proto_msg x = *a, y = *b;
     x.tokens = y.tokens = NULL;
+    x.bhash = y.bhash = NULL;
     x.samp = y.samp = NULL;
     x.lps = y.lps = NULL;
     FUZZ_CHECK(memcmp(&x, &y, sizeof(x)) == 0); /* both zeroed whole by proto_decode */
@@ -33,7 +37,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     proto_msg m;
     char err[160];
     if (proto_decode(data, size, &m, err, sizeof(err)) < 0) {
-        FUZZ_CHECK(m.tokens == NULL && m.samp == NULL && m.lps == NULL && m.type == 0);
+        FUZZ_CHECK(m.tokens == NULL && m.samp == NULL && m.lps == NULL && m.bhash == NULL &&
+                   m.type == 0);
         FUZZ_CHECK(memchr(err, 0, sizeof(err)) != NULL);
         return 0;
     }

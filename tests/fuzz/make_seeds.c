@@ -181,6 +181,8 @@ static int sample(proto_type_t t, proto_msg *m)
         m->xfer = 7;
         m->ok = 1;
         m->lease_ms = 5000;
+        if (t == PROTO_KV_BEGIN_ACK)
+            m->have_blocks = 1; /* the leading listed blocks the receiver holds */
         break;
     case PROTO_KV_LAYER:
         m->xfer = 7;
@@ -254,6 +256,28 @@ static void seeds_protocol(void)
         put("wire", name, w, k);
         free(b);
     }
+    /* KV_BEGIN listing its prompt's full-block hashes (prefix caching) with the ids */
+    static uint64_t hashes[2] = {0x1111222233334444ull, 0xfedcba9876543210ull};
+    static int ids[20];
+    for (int i = 0; i < 20; i++)
+        ids[i] = 3 * i + 1;
+    proto_msg m;
+    sample(PROTO_KV_BEGIN, &m);
+    m.samp = NULL;
+    m.n_gen = 0;
+    m.tokens = ids;
+    m.n_tokens = 20;
+    m.bhash = hashes;
+    m.n_bhash = 1;
+    m.block_lookahead = 2;
+    unsigned char *b;
+    size_t n;
+    if (proto_encode(&m, &b, &n) != 0) {
+        fprintf(stderr, "make_seeds: cannot encode KV_BEGIN with block hashes\n");
+        exit(1);
+    }
+    put("protocol", "KV_BEGIN-hashes", b, n);
+    free(b);
 }
 
 // --- request bodies, batch files, multipart
@@ -443,6 +467,21 @@ static void seeds_kvx(void)
         1, 0, 3, 3, 7, 0, 3, 4, 0, 3, 3, 6, 5,
         1, 1, 0, 0, 2, 1 | 2, 1, 6, 0, 5};
     put("kvx", "padding-errors", pad, sizeof(pad));
+    /* prefix caching: a prompt of 5 tokens (2 full blocks) sent whole, then one with the
+     * same ids that the receiver holds but its last block of; a wrong hash; a migration
+     * that lists hashes */
+    static const unsigned char pfx[] = {
+        7, 0, 0, 0, 4, 0, 1,        /* pbegin peer 0, xfer 1, rid 1, 5 tokens, base 1 */
+        2, 0, 0, 0, 0, 0, 3, 0, 17, /* layer 0 blocks [0, 3) */
+        2, 0, 0, 0, 1, 0, 3, 0, 18, /* layer 1 */
+        3, 0, 0, 0, 0, 5,           /* end, right checksum; process */
+        7, 0, 1, 1, 4, 0, 1,        /* the same prompt: blocks 0 and 1 are cached */
+        2, 0, 1, 1, 0, 2, 1, 0, 19, /* layer 0 block 2 */
+        2, 0, 1, 1, 1, 0, 1, 0, 19, /* layer 1 block 0: sent twice */
+        5,
+        7, 1, 2, 2, 4, 1, 1, 5,     /* a wrong hash: refused */
+        7, 1, 3, 3, 4, 16 | 2, 2, 5}; /* lookahead 1 with MTP, migrated: refused */
+    put("kvx", "prefix-cache", pfx, sizeof(pfx));
     /* a raw header (a KV_ABORT from proto_encode) */
     proto_msg m;
     sample(PROTO_KV_ABORT, &m);

@@ -1878,11 +1878,384 @@ static void test_pad_wrong_size_rejected(void **state)
     assert_all_free(f);
 }
 
+// --- prefix caching: only the blocks the receiver lacks are sent (docs/prefix-cache.md)
+
+#define PFX_SEED kvcache_prefix_seed_mtp(FP, 0, 0)
+
+/* A receiver whose KV_BEGIN with block hashes shares its cached blocks. */
+static void mk_receiver_pfx(fx_t *f)
+{
+    kvx_receiver_destroy(&f->r);
+    snprintf(f->ep, sizeof(f->ep), "inproc://kvx-test-%d", ++endpoint_counter);
+    kvx_receiver_params p = kvx_receiver_default_params();
+    p.fingerprint = FP;
+    p.lease_ms = 2000;
+    p.headroom_tokens = HEADROOM;
+    p.prefix_cache = 1;
+    f->r = kvx_receiver_new(f->zctx, f->kvr, f->ep, &p);
+    assert_non_null(f->r);
+}
+
+/* Prompt ids: the first `shared` are common to every prompt, the rest depend on tag. */
+static void pfx_ids(int *ids, int n, int shared, int tag)
+{
+    for (int i = 0; i < n; i++)
+        ids[i] = i < shared ? 100 + i : 1000 * tag + i;
+}
+
+/* Begin a transfer of n_kv tokens of seq (ids) listing its full blocks' hashes. */
+static uint64_t begin_pfx(fx_t *f, uint64_t rid, int seq, const int *ids, int n_kv,
+                          const uint64_t *hs_override)
+{
+    uint64_t hs[MAXLEN / BS];
+    int n_hs = kvcache_prefix_hashes(f->kvs, PFX_SEED, 0, ids, n_kv, MAXLEN / BS, hs);
+    assert_int_equal(n_hs, n_kv / BS);
+    kvx_begin_params bp = {.rid = rid,
+                           .seq = seq,
+                           .n_kv_tokens = n_kv,
+                           .max_tokens = 4,
+                           .top_p = 1.0f,
+                           .block_hashes = hs_override ? hs_override : hs,
+                           .n_block_hashes = n_hs,
+                           .ids = ids};
+    uint64_t x = kvx_send_begin(f->s, f->ep, &bp);
+    assert_true(x != 0);
+    return x;
+}
+
+/* Sender seq (n_kv tokens, KV of seed) to the receiver, every layer and KV_END handed to
+ * kvx at once (before the ACK could come); returns the ACCEPTED event (the caller frees
+ * ev->seq and ev->ids) after checking the sender's DONE carries the same bytes. */
+static void xfer_pfx(fx_t *f, uint64_t rid, const int *ids, int n_kv, int seed, kvx_event *ev)
+{
+    int seq = make_seq(f->kvs, n_kv, seed);
+    uint64_t x = begin_pfx(f, rid, seq, ids, n_kv, NULL);
+    send_all(f->s, x);
+    assert_int_equal(kvx_send_end(f->s, x, 5, 6), 0);
+    assert_int_equal(kvx_send_end(f->s, x, 5, 6), -1); /* KV_END kept once */
+    assert_true(receiver_event(f, ev));
+    assert_int_equal(ev->type, KVX_EV_ACCEPTED);
+    assert_int_equal(ev->first_token, 5);
+    assert_true(ev->rng == 6);
+    assert_int_equal(ev->pfx, 1);
+    assert_int_equal(ev->n_ids, n_kv);
+    assert_memory_equal(ev->ids, ids, (size_t)n_kv * sizeof(int));
+    assert_true(ev->pfx_seed == PFX_SEED);
+    assert_int_equal(ev->pfx_la, 0);
+    kvx_event sev;
+    assert_true(sender_event(f, f->s, &sev));
+    assert_int_equal(sev.type, KVX_EV_DONE);
+    assert_true(sev.n_bytes == ev->n_bytes);
+}
+
+/* The second prompt shares 3 full blocks with the first: the receiver holds them (they
+ * were registered when the first arrived), answers have = 3, and only blocks 3 and 4 of
+ * each layer travel; its sequence holds the first prompt's KV in the shared blocks and
+ * the second's in the rest. */
+static void test_prefix_sends_missing_blocks(void **state)
+{
+    fx_t *f = *state;
+    mk_receiver_pfx(f);
+    size_t bb = kvcache_block_bytes(f->kvr);
+    int a[14], b[18];
+    pfx_ids(a, 14, 13, 1);
+    pfx_ids(b, 18, 13, 2);
+    kvx_event ev;
+    xfer_pfx(f, 1, a, 14, 3, &ev);
+    assert_int_equal(ev.have_blocks, 0);
+    assert_true(ev.n_bytes == (uint64_t)NL * 4 * bb);
+    assert_true(seq_holds(f->kvr, ev.seq, 3, 4));
+    assert_int_equal(kvcache_n_cached_blocks(f->kvr), 3); /* its full blocks, registered */
+    int a_blocks[3];
+    memcpy(a_blocks, kvcache_seq_blocks(f->kvr, ev.seq, NULL), sizeof(a_blocks));
+    kvcache_seq_free(f->kvr, ev.seq);
+    free(ev.ids);
+    assert_int_equal(kvcache_n_lru_blocks(f->kvr), 3);
+
+    xfer_pfx(f, 2, b, 18, 4, &ev);
+    assert_int_equal(ev.have_blocks, 3);
+    assert_true(ev.n_bytes == (uint64_t)NL * 2 * bb); /* blocks 3 and 4 only */
+    const int *blk = kvcache_seq_blocks(f->kvr, ev.seq, NULL);
+    for (int k = 0; k < 3; k++) {
+        assert_int_equal(blk[k], a_blocks[k]); /* shared, pinned by the sequence */
+        assert_int_equal(kvcache_block_refcount(f->kvr, blk[k]), 1);
+    }
+    assert_int_equal(kvcache_n_lru_blocks(f->kvr), 0);
+    for (int l = 0; l < NL; l++)
+        for (int k = 0; k < 5; k++) {
+            const float *d = kvcache_block_data(f->kvr, l, blk[k]);
+            for (int i = 0; i < block_floats(f->kvr); i++)
+                assert_true(d[i] == val(k < 3 ? 3 : 4, l, k, i));
+        }
+    assert_int_equal(kvcache_n_cached_blocks(f->kvr), 4); /* + b's block 3 */
+    kvcache_seq_free(f->kvr, ev.seq);
+    free(ev.ids);
+    assert_all_free(f);
+}
+
+/* Every listed block cached and the prompt a whole number of blocks: no block of any
+ * layer is sent, KV_END alone completes the transfer. */
+static void test_prefix_all_blocks_cached(void **state)
+{
+    fx_t *f = *state;
+    mk_receiver_pfx(f);
+    int a[16];
+    pfx_ids(a, 16, 16, 1);
+    kvx_event ev;
+    xfer_pfx(f, 1, a, 16, 3, &ev);
+    kvcache_seq_free(f->kvr, ev.seq);
+    free(ev.ids);
+    xfer_pfx(f, 2, a, 16, 9, &ev);
+    assert_int_equal(ev.have_blocks, 4);
+    assert_true(ev.n_bytes == 0);
+    assert_true(seq_holds(f->kvr, ev.seq, 3, 4)); /* the first transfer's KV */
+    kvcache_seq_free(f->kvr, ev.seq);
+    free(ev.ids);
+    assert_all_free(f);
+}
+
+/* A receiver without prefix caching ignores the hashes: have = 0, every block travels,
+ * nothing is registered; the event has no ids. */
+static void test_prefix_receiver_off(void **state)
+{
+    fx_t *f = *state;
+    int a[14];
+    pfx_ids(a, 14, 14, 1);
+    for (int rep = 0; rep < 2; rep++) {
+        int seq = make_seq(f->kvs, 14, 3);
+        uint64_t x = begin_pfx(f, 1 + (uint64_t)rep, seq, a, 14, NULL);
+        send_all(f->s, x);
+        assert_int_equal(kvx_send_end(f->s, x, 5, 6), 0);
+        kvx_event ev;
+        assert_true(receiver_event(f, &ev));
+        assert_int_equal(ev.type, KVX_EV_ACCEPTED);
+        assert_int_equal(ev.pfx, 0);
+        assert_null(ev.ids);
+        assert_int_equal(ev.have_blocks, 0);
+        assert_true(ev.n_bytes == (uint64_t)NL * 4 * kvcache_block_bytes(f->kvr));
+        assert_true(seq_holds(f->kvr, ev.seq, 3, 4));
+        kvcache_seq_free(f->kvr, ev.seq);
+        kvx_event sev;
+        assert_true(sender_event(f, f->s, &sev));
+        assert_int_equal(sev.type, KVX_EV_DONE);
+    }
+    assert_int_equal(kvcache_n_cached_blocks(f->kvr), 0);
+    assert_all_free(f);
+}
+
+/* Hashes that are not those of the ids: KV_BEGIN refused (protocol), nothing kept. */
+static void test_prefix_hash_mismatch_rejected(void **state)
+{
+    fx_t *f = *state;
+    mk_receiver_pfx(f);
+    int a[14];
+    pfx_ids(a, 14, 14, 1);
+    uint64_t hs[3];
+    assert_int_equal(kvcache_prefix_hashes(f->kvs, PFX_SEED, 0, a, 14, 3, hs), 3);
+    hs[1] ^= 1;
+    int seq = make_seq(f->kvs, 14, 3);
+    uint64_t x = begin_pfx(f, 1, seq, a, 14, hs);
+    send_all(f->s, x);
+    expect_failed(f, f->s, x, PROTO_ERR_PROTOCOL);
+    assert_int_equal(kvcache_n_cached_blocks(f->kvr), 0);
+    assert_all_free(f);
+}
+
+/* Every hash forced to 0 on both sides: hashes collide, but a cached block is shared only
+ * when its token ids match, so a prompt with other ids shares nothing and gets its own KV. */
+static void test_prefix_collision_confirmed_on_ids(void **state)
+{
+    fx_t *f = *state;
+    mk_receiver_pfx(f);
+    kvcache_set_hash_bits(f->kvs, 0);
+    kvcache_set_hash_bits(f->kvr, 0);
+    int a[14], b[14];
+    pfx_ids(a, 14, 0, 1);
+    pfx_ids(b, 14, 0, 2);
+    kvx_event ev;
+    xfer_pfx(f, 1, a, 14, 3, &ev);
+    kvcache_seq_free(f->kvr, ev.seq);
+    free(ev.ids);
+    xfer_pfx(f, 2, b, 14, 4, &ev);
+    assert_int_equal(ev.have_blocks, 0);
+    assert_true(seq_holds(f->kvr, ev.seq, 4, 4));
+    kvcache_seq_free(f->kvr, ev.seq);
+    free(ev.ids);
+    xfer_pfx(f, 3, a, 14, 5, &ev); /* a again: its blocks are found, on their ids */
+    assert_int_equal(ev.have_blocks, 3);
+    kvcache_seq_free(f->kvr, ev.seq);
+    free(ev.ids);
+    assert_all_free(f);
+}
+
+/* A transfer that shares cached blocks and is then cancelled (by the sender, by the
+ * receiver) or times out: its pins go, the blocks stay cached and free, none leaks. */
+static void test_prefix_abort_releases_pins(void **state)
+{
+    fx_t *f = *state;
+    mk_receiver_pfx(f);
+    int a[14];
+    pfx_ids(a, 14, 14, 1);
+    kvx_event ev;
+    xfer_pfx(f, 1, a, 14, 3, &ev);
+    kvcache_seq_free(f->kvr, ev.seq);
+    free(ev.ids);
+    for (int how = 0; how < 2; how++) {
+        int seq = make_seq(f->kvs, 14, 3);
+        uint64_t x = begin_pfx(f, 10 + (uint64_t)how, seq, a, 14, NULL);
+        assert_int_equal(kvx_send_layer(f->s, x, 0), 0);
+        pump(f);
+        assert_int_equal(kvx_receiver_n_active(f->r), 1);
+        assert_int_equal(kvcache_n_lru_blocks(f->kvr), 0); /* pinned by the transfer */
+        if (how == 0) {
+            kvx_send_abort(f->s, x);
+            assert_true(receiver_event(f, &ev));
+            assert_int_equal(ev.type, KVX_EV_FAILED);
+        } else {
+            assert_int_equal(kvx_receiver_abort(f->r, 11), 1);
+            expect_failed(f, f->s, x, PROTO_ERR_CANCELLED);
+        }
+        assert_int_equal(kvcache_n_lru_blocks(f->kvr), 3);
+        assert_int_equal(kvcache_n_cached_blocks(f->kvr), 3);
+        assert_all_free(f);
+    }
+}
+
+/* The receiver evicted the cached blocks (another sequence took every block) before the
+ * next transfer: have = 0, every block travels again, the KV is the new transfer's. */
+static void test_prefix_evicted(void **state)
+{
+    fx_t *f = *state;
+    mk_receiver_pfx(f);
+    int a[14];
+    pfx_ids(a, 14, 14, 1);
+    kvx_event ev;
+    xfer_pfx(f, 1, a, 14, 3, &ev);
+    kvcache_seq_free(f->kvr, ev.seq);
+    free(ev.ids);
+    assert_int_equal(kvcache_n_cached_blocks(f->kvr), 3);
+    int hog = kvcache_seq_new(f->kvr);
+    assert_int_equal(kvcache_seq_reserve(f->kvr, hog, NBLK * BS > MAXLEN ? MAXLEN : NBLK * BS),
+                     KVCACHE_OK);
+    int rest = kvcache_seq_new(f->kvr); /* the remaining blocks, LRU ones evicted last */
+    assert_int_equal(kvcache_seq_reserve(f->kvr, rest, kvcache_n_free_blocks(f->kvr) * BS),
+                     KVCACHE_OK);
+    assert_int_equal(kvcache_n_cached_blocks(f->kvr), 0);
+    kvcache_seq_free(f->kvr, hog);
+    kvcache_seq_free(f->kvr, rest);
+    xfer_pfx(f, 2, a, 14, 4, &ev);
+    assert_int_equal(ev.have_blocks, 0);
+    assert_true(ev.n_bytes == (uint64_t)NL * 4 * kvcache_block_bytes(f->kvr));
+    assert_true(seq_holds(f->kvr, ev.seq, 4, 4));
+    kvcache_seq_free(f->kvr, ev.seq);
+    free(ev.ids);
+    assert_all_free(f);
+}
+
+/* On the wire: KV_BEGIN carries bh (the hashes), the prompt ids and no KV_LAYER before
+ * the ACK; an ACK claiming more blocks than were listed fails the transfer (protocol),
+ * and a valid one gets exactly the missing blocks, then KV_END. */
+static void test_prefix_wire_and_bad_ack(void **state)
+{
+    fx_t *f = *state;
+    kvx_receiver_destroy(&f->r);
+    snprintf(f->ep, sizeof(f->ep), "inproc://kvx-test-%d", ++endpoint_counter);
+    void *router = raw_socket(f, ZMQ_ROUTER, f->ep);
+    int a[14];
+    pfx_ids(a, 14, 14, 1);
+    uint64_t hs[3];
+    assert_int_equal(kvcache_prefix_hashes(f->kvs, PFX_SEED, 0, a, 14, 3, hs), 3);
+    for (int bad = 1; bad >= 0; bad--) {
+        int seq = make_seq(f->kvs, 14, 3);
+        uint64_t x = begin_pfx(f, 7, seq, a, 14, NULL);
+        send_all(f->s, x);
+        assert_int_equal(kvx_send_end(f->s, x, 5, 6), 0);
+        assert_true(raw_recv(f, router, 1, 2000));
+        proto_msg *m = wire_envelope_msg(f->env);
+        assert_int_equal(m->type, PROTO_KV_BEGIN);
+        assert_int_equal(m->n_bhash, 3);
+        assert_memory_equal(m->bhash, hs, sizeof(hs));
+        assert_int_equal(m->n_tokens, 14);
+        assert_memory_equal(m->tokens, a, sizeof(a));
+        assert_int_equal(m->block_lookahead, 0);
+        size_t id_len = 0;
+        unsigned char id[256];
+        const unsigned char *idp = wire_envelope_identity(f->env, &id_len);
+        assert_true(id_len > 0 && id_len <= sizeof(id));
+        memcpy(id, idp, id_len);
+        usleep(20000);
+        assert_int_equal(wire_recv(router, 1, f->env, ZMQ_DONTWAIT), 0); /* nothing yet */
+        proto_msg ack;
+        proto_msg_init(&ack, PROTO_KV_BEGIN_ACK);
+        ack.rid = 7;
+        ack.xfer = x;
+        ack.ok = 1;
+        ack.lease_ms = 1000;
+        ack.have_blocks = bad ? 4 : 2;
+        assert_int_equal(wire_send(router, id, id_len, &ack, NULL, 0, 0), 0);
+        if (bad) {
+            expect_failed(f, f->s, x, PROTO_ERR_PROTOCOL);
+            assert_true(raw_recv(f, router, 1, 2000)); /* KV_ABORT */
+            assert_int_equal(wire_envelope_msg(f->env)->type, PROTO_KV_ABORT);
+            continue;
+        }
+        for (int l = 0; l < NL; l++) { /* blocks 2 and 3 of every layer, in order */
+            assert_true(raw_recv(f, router, 1, 2000));
+            m = wire_envelope_msg(f->env);
+            assert_int_equal(m->type, PROTO_KV_LAYER);
+            assert_int_equal(m->layer, l);
+            assert_int_equal(m->blk0, 2);
+            assert_int_equal(m->n_blocks, 2);
+            assert_int_equal(wire_envelope_n_frames(f->env), 2);
+        }
+        assert_true(raw_recv(f, router, 1, 2000));
+        assert_int_equal(wire_envelope_msg(f->env)->type, PROTO_KV_END);
+        kvx_send_abort(f->s, x);
+    }
+    raw_close(f, router);
+    for (int i = 0; i < 200 && kvx_sender_n_active(f->s); i++)
+        pump(f);
+    assert_int_equal(kvx_sender_n_active(f->s), 0);
+    assert_int_equal(kvcache_n_free_blocks(f->kvs), f->free_s0);
+    mk_receiver(f, FP, 2000); /* for teardown */
+}
+
+/* Hashes without the ids, or more of them than the prompt's full blocks: refused by the
+ * sender (nothing started; the caller still owns the sequence). */
+static void test_prefix_sender_bad_args(void **state)
+{
+    fx_t *f = *state;
+    int a[14];
+    pfx_ids(a, 14, 14, 1);
+    uint64_t hs[4] = {1, 2, 3, 4};
+    int seq = make_seq(f->kvs, 14, 3);
+    kvx_begin_params bp = {.rid = 1, .seq = seq, .n_kv_tokens = 14, .max_tokens = 4,
+                           .block_hashes = hs, .n_block_hashes = 3};
+    assert_true(kvx_send_begin(f->s, f->ep, &bp) == 0); /* no ids */
+    bp.ids = a;
+    bp.n_block_hashes = 4; /* 16 tokens > 14 */
+    assert_true(kvx_send_begin(f->s, f->ep, &bp) == 0);
+    bp.n_block_hashes = 3;
+    bp.lookahead = 3; /* 12 + 3 > 14 */
+    assert_true(kvx_send_begin(f->s, f->ep, &bp) == 0);
+    kvcache_seq_free(f->kvs, seq);
+    assert_all_free(f);
+}
+
 int main(int argc, char **argv)
 {
     log_init("test_kvtransfer", LOG_LEVEL_ERROR);
     const struct CMUnitTest tests[] = {
 #define T(name) cmocka_unit_test_setup_teardown(name, setup, teardown)
+        T(test_prefix_sends_missing_blocks),
+        T(test_prefix_all_blocks_cached),
+        T(test_prefix_receiver_off),
+        T(test_prefix_hash_mismatch_rejected),
+        T(test_prefix_collision_confirmed_on_ids),
+        T(test_prefix_abort_releases_pins),
+        T(test_prefix_evicted),
+        T(test_prefix_wire_and_bad_ack),
+        T(test_prefix_sender_bad_args),
         T(test_mtp_transfer),
         T(test_mtp_modules_dropped),
         T(test_mtp_main_layers_only),

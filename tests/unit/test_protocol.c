@@ -607,7 +607,8 @@ static void test_malformed_headers(void **state)
         {"samp string penalty", b_samp_string, -1, "samp"},
         {"samp min_tokens negative", b_samp_min, -1, "samp"},
         {"samp flags 2", b_samp_flags, -1, "flags"},
-        {"samp ignore_eos", b_samp_ignore_eos, 0, ""},
+        /* flags 1 is a valid samp: decoding goes on to the required fields */
+        {"samp ignore_eos", b_samp_ignore_eos, -1, "missing field 'rid'"},
         {"lp valid", b_lp_ok, 0, ""},
         {"lp one entry for two tokens", b_lp_count, -1, "1 'lp' entries for 2 tokens"},
         {"lp positive", b_lp_positive, -1, "lp"},

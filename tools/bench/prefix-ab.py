@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Prefix caching A/B (docs/prefix-cache.md): the same tidepool-bench workload against a
 fresh local cluster with the prefix cache on and off (--prefix-cache false), alternating
-on, off, on, off, ...; prints per run TTFT p50/p99 (ms), the prompt tokens the workers
-computed (worker_prompt_tokens_total), the KV bytes sent P->D, and the prefix cache hit
-rate, then the medians and the on/off ratios.
+on, off, on, off, ...; prints per run TTFT p50/p99 and E2EL p50 (ms), the prompt tokens the
+workers computed (worker_prompt_tokens_total), the KV bytes sent P->D (with the cache on,
+only the blocks the decode worker lacked), and the prefix cache hit rate, then the medians
+and the on/off ratios.
 
   tools/bench/prefix-ab.py [--reps 3] [--roles prefill,decode] [--worker-arg=--emulate ...]
       -- [tidepool-bench flags]   (default: the multi-turn chat workload below)
@@ -70,6 +71,7 @@ def one_run(on, roles, worker_args, bench_args):
             return metric_sum(after, fam) - metric_sum(before, fam)
 
         return {"ttft_p50": res["median_ttft_ms"], "ttft_p99": res["p99_ttft_ms"],
+                "e2el_p50": res["median_e2el_ms"],
                 "computed": delta("worker_prompt_tokens_total"),
                 "kv_bytes": delta("worker_kv_transfer_bytes_total") / 2,  # sent + received
                 "queries": delta("prefix_cache_queries_total"),
@@ -93,9 +95,10 @@ def main():
         for on in (True, False):
             r = one_run(on, roles, a.worker_arg, bench_args)
             runs[on].append(r)
-            print("rep %d cache %-3s ttft p50 %8.2f ms p99 %8.2f ms  computed %6d tok  "
-                  "kv %9d B  hits %6d / %6d  (%d ok, %d failed)" %
-                  (rep, "on" if on else "off", r["ttft_p50"], r["ttft_p99"], r["computed"],
+            print("rep %d cache %-3s ttft p50 %8.2f ms p99 %8.2f ms  e2el p50 %8.2f ms  "
+                  "computed %6d tok  kv %9d B  hits %6d / %6d  (%d ok, %d failed)" %
+                  (rep, "on" if on else "off", r["ttft_p50"], r["ttft_p99"], r["e2el_p50"],
+                   r["computed"],
                    r["kv_bytes"], r["hits"], r["queries"], r["completed"], r["failed"]),
                   flush=True)
     med = {on: {k: statistics.median(x[k] for x in runs[on]) for k in runs[on][0]}
@@ -105,10 +108,12 @@ def main():
     print("median off: ttft p50 %.2f ms, computed %d tokens" %
           (med[False]["ttft_p50"], med[False]["computed"]))
     ratios = [x["ttft_p50"] / y["ttft_p50"] for x, y in zip(runs[True], runs[False])]
-    print("on/off ratios: ttft p50 %.3f (per pair %s), prompt tokens computed %.3f, "
-          "KV bytes P->D %.3f; hit rate %.3f" %
+    e2el = [x["e2el_p50"] / y["e2el_p50"] for x, y in zip(runs[True], runs[False])]
+    print("on/off ratios: ttft p50 %.3f (per pair %s), e2el p50 %.3f (per pair %s), prompt "
+          "tokens computed %.3f, KV bytes P->D %.3f; hit rate %.3f" %
           (med[True]["ttft_p50"] / med[False]["ttft_p50"],
            " ".join("%.3f" % r for r in ratios),
+           statistics.median(e2el), " ".join("%.3f" % r for r in e2el),
            med[True]["computed"] / med[False]["computed"],
            med[True]["kv_bytes"] / med[False]["kv_bytes"] if med[False]["kv_bytes"] else 0,
            med[True]["hits"] / med[True]["queries"] if med[True]["queries"] else 0))
