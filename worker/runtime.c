@@ -506,10 +506,10 @@ static void role_resume(runtime_t *rt)
 
 /* ROLE from the gateway: start draining towards role. Prefill -> decode: the prefill role
  * takes no new prompts (the gateway stopped sending them when it sent ROLE) and gives back
- * those not started yet; the batch and its transfers finish. Decode -> prefill: the running
- * sequences, and those whose KV is still arriving, move to other decode workers as the
- * MIGRATE orders that follow say (decode_worker/migrate.c); any without an order finish
- * here. role_switch() runs once the worker is idle. */
+ * those not started yet; the batch and its transfers finish. Decode -> prefill: the gateway
+ * sent a MIGRATE for every sequence here, and for those whose KV is still arriving, before
+ * ROLE (decode_worker/migrate.c), or cancelled those it re-runs; a sequence still running
+ * without an order finishes here. role_switch() runs once switch_ready(). */
 static void on_role(runtime_t *rt, int role)
 {
     if (role != PROTO_ROLE_PREFILL && role != PROTO_ROLE_DECODE) {
@@ -547,8 +547,9 @@ static void on_role(runtime_t *rt, int role)
              proto_role_str(rt->role_target),
              rt->role == PROTO_ROLE_PREFILL
                  ? "finishing the batch and its transfers"
-                 : "no new KV; running sequences move where the gateway orders (MIGRATE), "
-                   "the others finish here");
+                 : "running sequences move where the gateway ordered (MIGRATE), KV still "
+                   "arriving is moved on when it lands; the switch waits only for sequences "
+                   "without an order");
     heartbeat_tick(rt, 1); /* state CHANGING right away */
 }
 
