@@ -88,8 +88,9 @@ static int migrate_all(cluster_t *c, worker_t *w, int *n_rerun)
             continue;
         worker_t *d = migration_target(c, r, w);
         if (!d) {
-            cluster_req_retry(c, r, 0, "its decode worker is changing role and no other "
-                                       "decode worker has room for it now");
+            cluster_req_retry(c, r, 0,
+                              "its decode worker is changing role and no other "
+                              "decode worker has room for it now");
             (*n_rerun)++;
             continue;
         }

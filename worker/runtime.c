@@ -596,8 +596,8 @@ static void role_switch(runtime_t *rt)
         log_init(tag, log_min_level);
         rt->role_change_us = proto_now_us() - rt->role_order_us;
         rt->n_role_changes++;
-        log_info("role changed %s -> %s in %.1f ms%s%s%s", proto_role_str(from),
-                 proto_role_str(to), (double)rt->role_change_us / 1000.0,
+        log_info("role changed %s -> %s in %.1f ms%s%s%s", proto_role_str(from), proto_role_str(to),
+                 (double)rt->role_change_us / 1000.0,
                  rt->decode_leaving ? " (the sequences still moving and the KV still arriving "
                                       "are moved on in the background)"
                                     : "",
@@ -609,11 +609,12 @@ static void role_switch(runtime_t *rt)
 }
 
 /* Detach a decode role left behind by a change to prefill once its moves and incoming
- * transfers are over and DECODE_LEAVE_LINGER_US has passed since the order. */
+ * transfers are over and DECODE_LEAVE_LINGER_US has passed since the order (not while a
+ * change back to decode is under way). */
 static void decode_leave_check(runtime_t *rt)
 {
-    if (!rt->decode_leaving || !decode_role_ops.idle(rt->decode))
-        return;
+    if (!rt->decode_leaving || rt->role_target || !decode_role_ops.idle(rt->decode))
+        return; /* (a change back to decode in progress takes it back as it is) */
     int64_t now = proto_now_us();
     if (!rt->leave_idle_us) {
         rt->leave_idle_us = now;
