@@ -668,8 +668,8 @@ def case_migrate_queued_prompt(g):
     computed is ignored (its KV goes where it was going)."""
     g.start("p0", "prefill_worker", "--prefill-chunk-tokens", "7", "--max-batch-tokens", "7",
             "--debug-step-delay-ms", "30")
-    for d in ("d0", "d1"):
-        g.start(d, "decode_worker", "--kv-bind", "tcp://127.0.0.1:*")
+    for d in ("d0", "d1"):  # (a fixed MTP depth: no cost probe at start, slow when sanitized)
+        g.start(d, "decode_worker", "--kv-bind", "tcp://127.0.0.1:*", "--mtp-adaptive", "false")
     g.wait_registered("p0", "d0", "d1")
     dep0, dep1 = g.workers["d0"]["kvep"], g.workers["d1"]["kvep"]
     long_prompt = PROMPT + CONTINUATION * 3  # 173 tokens: 25 chunks of 7, 30 ms apart
