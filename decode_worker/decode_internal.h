@@ -66,7 +66,9 @@ typedef struct {
 } dreq;
 
 #define DECODE_TOMBSTONES 256 /* cancelled rids remembered (a ring) */
-#define DECODE_MIG_PENDING 64 /* MIGRATE orders kept for KV still arriving (a ring) */
+#define DECODE_MIG_PENDING 256 /* MIGRATE orders kept for KV still arriving (a ring): a
+                                * change to prefill orders one per request bound here, most
+                                * of them re-targeted at their prefill worker instead */
 
 typedef struct {
     runtime_t *rt;

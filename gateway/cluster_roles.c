@@ -53,29 +53,51 @@ static worker_t *migration_target(cluster_t *c, const req_t *r, const worker_t *
     return best;
 }
 
+/* Send MIGRATE for r (wire rid) naming decode worker d to worker to. Returns 0 or -1 (the
+ * send failed: `to` is flagged dead). */
+static int send_migrate(cluster_t *c, worker_t *to, const req_t *r, const worker_t *d)
+{
+    proto_msg m;
+    proto_msg_init(&m, PROTO_MIGRATE);
+    m.rid = wire_rid(r);
+    snprintf(m.decode_worker, sizeof(m.decode_worker), "%s", d->id);
+    snprintf(m.decode_endpoint, sizeof(m.decode_endpoint), "%s", d->kvep);
+    snprintf(m.decode_pubkey, sizeof(m.decode_pubkey), "%s", d->kvpk);
+    return cluster_send_to(c, to, &m);
+}
+
 /* w is leaving the decode role: order it to move every request it decodes (or is about to
  * receive) to another decode worker (MIGRATE), which continues each at the next token
- * (docs/scheduler.md "Live role changes"). The request's decode worker becomes the target
- * at once, its reservation moves there, and w stays one of its workers (mw) until the
- * target reports a token, so an ERROR, FINISH or TOKENS from w still counts. Requests no
- * worker has room for finish on w. Returns the number of MIGRATE orders sent. */
-static int migrate_all(cluster_t *c, worker_t *w)
+ * (docs/scheduler.md "Live role changes"). A request whose prompt its prefill worker has
+ * not computed yet gets a MIGRATE there too: a prompt still queued there sends its KV to
+ * the new decode worker directly (one that is being computed goes to w, which moves it on
+ * when it lands). The request's decode worker becomes the target at once, its reservation
+ * moves there, and w stays one of its workers (mw) until the target reports a token, so an
+ * ERROR, FINISH or TOKENS from w still counts. A request no other decode worker has room
+ * for is re-run from its tokens so far (as for a preemption: greedy and seeded output go on
+ * unchanged), so that the change never waits for a sequence to finish. Returns the number
+ * of moves ordered; *n_rerun gets the number of requests re-run. */
+static int migrate_all(cluster_t *c, worker_t *w, int *n_rerun)
 {
     int n = 0;
-    for (req_t *r = c->active.head; r && !w->dead; r = r->next) {
+    req_t *next;
+    *n_rerun = 0;
+    for (req_t *r = c->active.head; r && !w->dead; r = next) {
+        next = r->next;
         if (r->dw != w || r->pw == w || r->mw)
             continue;
         worker_t *d = migration_target(c, r, w);
-        if (!d)
+        if (!d) {
+            cluster_req_retry(c, r, 0,
+                              "its decode worker is changing role and no other "
+                              "decode worker has room for it now");
+            (*n_rerun)++;
             continue;
-        proto_msg m;
-        proto_msg_init(&m, PROTO_MIGRATE);
-        m.rid = wire_rid(r);
-        snprintf(m.decode_worker, sizeof(m.decode_worker), "%s", d->id);
-        snprintf(m.decode_endpoint, sizeof(m.decode_endpoint), "%s", d->kvep);
-        snprintf(m.decode_pubkey, sizeof(m.decode_pubkey), "%s", d->kvpk);
-        if (cluster_send_to(c, w, &m) < 0)
+        }
+        if (send_migrate(c, w, r, d) < 0)
             break; /* w is flagged dead: its requests are re-run */
+        if (r->pw && !r->p_started && !r->pw->dead)
+            send_migrate(c, r->pw, r, d); /* a failure flags pw dead: r is re-run then */
         if (!r->d_started)
             w->pending_blocks -= r->d_blocks;
         w->n_decode--;
@@ -103,19 +125,23 @@ static int migrate_all(cluster_t *c, worker_t *w)
  * (the send failed: w is flagged dead). */
 int cluster_role_order(cluster_t *c, worker_t *w, int role, const char *why)
 {
-    proto_msg m;
-    proto_msg_init(&m, PROTO_ROLE);
-    m.role = role;
-    if (cluster_send_to(c, w, &m) < 0)
-        return -1;
-    w->changing = 1;
+    w->changing = 1; /* out of routing (and of the migration targets) from here */
     w->target_role = role;
     w->change_us = proto_now_us();
     w->state = PROTO_STATE_CHANGING;
+    /* the moves go before ROLE: when the worker reads ROLE, every sequence it runs has its
+     * order (or was cancelled), so it can switch without waiting for more */
+    int n_rerun = 0;
+    int n_moves = w->role == PROTO_ROLE_DECODE ? migrate_all(c, w, &n_rerun) : 0;
+    proto_msg m;
+    proto_msg_init(&m, PROTO_ROLE);
+    m.role = role;
+    if (w->dead || cluster_send_to(c, w, &m) < 0)
+        return -1; /* flagged dead: its requests are re-run */
     c->n_role_orders++;
-    int n_moves = w->role == PROTO_ROLE_DECODE ? migrate_all(c, w) : 0;
-    log_info("worker %s: role change %s -> %s ordered by %s (%d sequences migrating)", w->id,
-             proto_role_str(w->role), proto_role_str(role), why, n_moves);
+    log_info("worker %s: role change %s -> %s ordered by %s (%d sequences migrating, %d "
+             "re-run: no room elsewhere)",
+             w->id, proto_role_str(w->role), proto_role_str(role), why, n_moves, n_rerun);
     char reason[96];
     snprintf(reason, sizeof(reason), "ordered by %s", why);
     notify_role(c, w, role, w->role, reason);
@@ -123,11 +149,11 @@ int cluster_role_order(cluster_t *c, worker_t *w, int role, const char *why)
 }
 
 /* w registered again after ROLE (same process), in role `role`: the change is done (or the
- * worker could not make it and stayed). It went idle first, so what it still has here is
- * finished on its side: a request it prefilled is decoding elsewhere (its KV was accepted
- * before the worker went idle: the prefill worker is released from it); a request it moved
- * away is the target's (mw cleared); a request still naming it as decode worker never got
- * there (its KV never came) and is re-run. */
+ * worker could not make it and stayed). Nothing of its old role held it any more: a request
+ * it prefilled is decoding elsewhere (its KV was accepted
+ * before the worker went idle: the prefill worker is released from it); a request it is
+ * moving away stays its (mw) until the target reports a token; a request still naming it as
+ * decode worker never got there (its KV never came) and is re-run. */
 void cluster_role_change_done(cluster_t *c, worker_t *w, int role)
 {
     double ms = (double)(proto_now_us() - w->change_us) / 1000.0;
@@ -135,8 +161,9 @@ void cluster_role_change_done(cluster_t *c, worker_t *w, int role)
     /* (a worker that registers again in its old role kept whatever it was doing) */
     for (req_t *r = role != w->role ? c->active.head : NULL; r; r = next) {
         next = r->next;
-        if (r->mw == w) /* moved: it went idle only once every move was over */
-            r->mw = NULL;
+        /* (a request it is moving keeps it as mw until the target reports a token: a decode
+         * worker switches once its sequences are on their way, and a move that fails after
+         * that is still its ERROR to report) */
         if (r->pw == w && r->dw != w) {
             if (!r->p_started)
                 w->pending_qtok -= r->p_qtok;

@@ -179,8 +179,25 @@ static void on_prefill(prefill_role *p, proto_msg *m)
                r->max_tokens, local ? "here" : r->dep);
 }
 
+/* MIGRATE (its decode worker is changing role, docs/scheduler.md "Migration"): a prompt
+ * still queued here sends its KV to the new decode worker. Returns 0 when the prompt is not
+ * here or already started (its KV goes to the old decode worker, which moves it on). */
+static int on_migrate(prefill_role *p, const proto_msg *m)
+{
+    preq *r = req_find(p, m->rid);
+    if (!r || r->state != PREQ_QUEUED || !r->dep[0] || !m->decode_endpoint[0])
+        return 0;
+    log_rinfo(r->rid, "decode worker changed before the prefill started: KV to %s, not %s",
+              m->decode_endpoint, r->dep);
+    snprintf(r->dep, sizeof(r->dep), "%s", m->decode_endpoint);
+    snprintf(r->dpk, sizeof(r->dpk), "%s", m->decode_pubkey);
+    return 1;
+}
+
 static int on_msg(void *st, proto_msg *m)
 {
+    if (m->type == PROTO_MIGRATE)
+        return on_migrate(st, m);
     if (m->type != PROTO_PREFILL)
         return 0;
     on_prefill(st, m);

@@ -32,6 +32,12 @@
 #define CTL_REOPEN_MAX_MS 10000 /* ... doubling the wait up to this */
 #define MAX_POLL_ITEMS 256
 #define HEALTH_MIN_INTERVAL_US 250000 /* health file rewrites at most this often, unchanged */
+/* A decode role left behind by a change to prefill keeps its kv socket at least this long
+ * after the order: a KV_BEGIN a prefill worker sent just before the gateway's MIGRATE
+ * reached it may still be on the network. */
+#define DECODE_LEAVE_LINGER_US 1000000
+
+static int idle(runtime_t *rt);
 
 /* rt->roles from rt->prefill and rt->decode (prefill first): after every attach/detach. */
 static void roles_update(runtime_t *rt)
@@ -243,8 +249,9 @@ static int send_register(runtime_t *rt)
     proto_msg_init(&m, PROTO_REGISTER);
     snprintf(m.worker_id, sizeof(m.worker_id), "%s", rt->wid);
     m.role = rt->role;
-    snprintf(m.kv_endpoint, sizeof(m.kv_endpoint), "%s", rt->kv_endpoint);
-    if (rt->curve_on && rt->kv_endpoint[0]) /* the key its kv ROUTER serves with */
+    if (!rt->decode_leaving) /* a decode role that is leaving takes no new KV */
+        snprintf(m.kv_endpoint, sizeof(m.kv_endpoint), "%s", rt->kv_endpoint);
+    if (rt->curve_on && m.kv_endpoint[0]) /* the key its kv ROUTER serves with */
         snprintf(m.kv_pubkey, sizeof(m.kv_pubkey), "%s", rt->curve.public_z85);
     m.fingerprint = cp->mc->fingerprint;
     m.pid = (int)getpid();
@@ -468,7 +475,7 @@ int runtime_open_sender(runtime_t *rt)
 
 int runtime_decodes_locally(const runtime_t *rt)
 {
-    return rt->decode != NULL;
+    return rt->decode != NULL && !rt->decode_leaving;
 }
 
 int runtime_kv_watermark_blocks(const runtime_t *rt)
@@ -501,10 +508,10 @@ static void role_resume(runtime_t *rt)
 
 /* ROLE from the gateway: start draining towards role. Prefill -> decode: the prefill role
  * takes no new prompts (the gateway stopped sending them when it sent ROLE) and gives back
- * those not started yet; the batch and its transfers finish. Decode -> prefill: the running
- * sequences, and those whose KV is still arriving, move to other decode workers as the
- * MIGRATE orders that follow say (decode_worker/migrate.c); any without an order finish
- * here. role_switch() runs once the worker is idle. */
+ * those not started yet; the batch and its transfers finish. Decode -> prefill: the gateway
+ * sent a MIGRATE for every sequence here, and for those whose KV is still arriving, before
+ * ROLE (decode_worker/migrate.c), or cancelled those it re-runs; a sequence still running
+ * without an order finishes here. role_switch() runs once switch_ready(). */
 static void on_role(runtime_t *rt, int role)
 {
     if (role != PROTO_ROLE_PREFILL && role != PROTO_ROLE_DECODE) {
@@ -542,30 +549,42 @@ static void on_role(runtime_t *rt, int role)
              proto_role_str(rt->role_target),
              rt->role == PROTO_ROLE_PREFILL
                  ? "finishing the batch and its transfers"
-                 : "no new KV; running sequences move where the gateway orders (MIGRATE), "
-                   "the others finish here");
+                 : "running sequences move where the gateway ordered (MIGRATE), KV still "
+                   "arriving is moved on when it lands; the switch waits only for sequences "
+                   "without an order");
     heartbeat_tick(rt, 1); /* state CHANGING right away */
 }
 
 /* The drain is complete: attach the role being moved to, detach the old one (and the KV
  * sender a decode worker does not need), and REGISTER again. When the new role cannot be
- * attached the worker stays in its role and registers again as it was. */
+ * attached the worker stays in its role and registers again as it was. Decode -> prefill
+ * switches once no sequence runs here (each is moving, or was taken back by the gateway):
+ * the decode role stays attached, taking no new work, until the moves it started and the
+ * KV transfers still arriving (moved on as they land) are over (decode_leave_check). */
 static void role_switch(runtime_t *rt)
 {
     proto_role_t from = rt->role, to = rt->role_target;
     rt->role_target = 0;
     int ok;
     if (to == PROTO_ROLE_DECODE) {
-        ok = (rt->decode = decode_role_ops.attach(rt)) != NULL;
+        /* a decode role still leaving from the last change is taken back as it is */
+        ok = rt->decode != NULL || (rt->decode = decode_role_ops.attach(rt)) != NULL;
         if (ok) {
+            if (rt->decode_leaving)
+                decode_role_ops.resume(rt->decode);
+            rt->decode_leaving = 0;
             prefill_role_ops.detach(&rt->prefill);
             kvx_sender_destroy(&rt->sender); /* idle: no transfer holds a sequence */
         }
     } else {
         /* the sender may exist already: migrations */
         ok = runtime_open_sender(rt) == 0 && (rt->prefill = prefill_role_ops.attach(rt)) != NULL;
-        if (ok)
+        if (ok && decode_role_ops.idle(rt->decode)) {
             decode_role_ops.detach(&rt->decode);
+        } else if (ok) {
+            rt->decode_leaving = 1;
+            rt->leave_idle_us = 0;
+        }
     }
     roles_update(rt);
     if (!ok) {
@@ -579,12 +598,46 @@ static void role_switch(runtime_t *rt)
         log_init(tag, log_min_level);
         rt->role_change_us = proto_now_us() - rt->role_order_us;
         rt->n_role_changes++;
-        log_info("role changed %s -> %s in %.1f ms%s%s", proto_role_str(from), proto_role_str(to),
-                 (double)rt->role_change_us / 1000.0, rt->kv_endpoint[0] ? ": kv at " : "",
-                 rt->kv_endpoint);
+        log_info("role changed %s -> %s in %.1f ms%s%s%s", proto_role_str(from), proto_role_str(to),
+                 (double)rt->role_change_us / 1000.0,
+                 rt->decode_leaving ? " (the sequences still moving and the KV still arriving "
+                                      "are moved on in the background)"
+                                    : "",
+                 to == PROTO_ROLE_DECODE ? ": kv at " : "",
+                 to == PROTO_ROLE_DECODE ? rt->kv_endpoint : "");
     }
     rt->registered = 0; /* REGISTER with the new role (and kv endpoint) */
     heartbeat_tick(rt, 1);
+}
+
+/* Detach a decode role left behind by a change to prefill once its moves and incoming
+ * transfers are over and DECODE_LEAVE_LINGER_US has passed since the order (not while a
+ * change back to decode is under way). */
+static void decode_leave_check(runtime_t *rt)
+{
+    if (!rt->decode_leaving || rt->role_target || !decode_role_ops.idle(rt->decode))
+        return; /* (a change back to decode in progress takes it back as it is) */
+    int64_t now = proto_now_us();
+    if (!rt->leave_idle_us) {
+        rt->leave_idle_us = now;
+        log_info("decode role: every move and incoming transfer over %.1f ms after the order",
+                 (double)(now - rt->role_order_us) / 1000.0);
+    }
+    if (now - rt->role_order_us < DECODE_LEAVE_LINGER_US)
+        return;
+    decode_role_ops.detach(&rt->decode);
+    rt->decode_leaving = 0;
+    roles_update(rt);
+    log_info("decode role detached (kv socket closed)");
+}
+
+/* The change in progress can switch now: decode -> prefill once no sequence runs here
+ * (moves and arriving KV go on in the background), prefill -> decode once idle. */
+static int switch_ready(runtime_t *rt)
+{
+    if (rt->role == PROTO_ROLE_DECODE && rt->role_target == PROTO_ROLE_PREFILL)
+        return !decode_role_ops.has_work(rt->decode);
+    return idle(rt);
 }
 
 // --- messages from the gateway
@@ -645,6 +698,9 @@ static void on_ctl(runtime_t *rt, proto_msg *m, int n_frames)
             return;
     if (m->type == PROTO_PREFILL)
         runtime_send_error(rt, m->rid, PROTO_ERR_UNAVAILABLE, 1, "this is a decode worker");
+    else if (rt->prefill) /* a prompt whose prefill started (its KV goes where it was going:
+                           * that worker moves it on) or that is gone */
+        log_rdebug(m->rid, "MIGRATE for a prompt not queued here: ignored");
     else
         log_rwarn(m->rid, "MIGRATE ignored: only a decode worker migrates its sequences");
 }
@@ -810,8 +866,9 @@ int runtime_run(runtime_t *rt)
         if (rt->sender)
             kvx_sender_process(rt->sender);
         on_sender_events(rt);
-        if (rt->role_target && !rt->draining && idle(rt))
+        if (rt->role_target && !rt->draining && switch_ready(rt))
             role_switch(rt);
+        decode_leave_check(rt);
         heartbeat_tick(rt, 0);
         if (rt->draining && idle(rt)) {
             log_info("drained: leaving");

@@ -129,6 +129,9 @@ struct runtime {
     proto_role_t role;        /* the role it registers with */
     proto_role_t role_target; /* a role change in progress: the role being moved to, else 0 */
     int draining;             /* SIGTERM: finish the work, then leave */
+    /* decode -> prefill done, the decode role still attached until the moves it started
+     * and the KV transfers still arriving are over (then detached); it takes no new work */
+    int decode_leaving;
     char wid[PROTO_ID_LEN];
     char kv_endpoint[PROTO_ENDPOINT_LEN]; /* advertised in REGISTER ("" = none) */
     void *zctx;
@@ -168,6 +171,8 @@ struct runtime {
     int64_t next_hb_us;
     int64_t role_order_us;  /* when the change in progress was ordered */
     int64_t role_change_us; /* the last change's duration: ROLE received -> switched */
+    int64_t leave_idle_us;  /* decode_leaving: when its moves and transfers were all over
+                             * (0 = not yet) */
     uint64_t n_role_changes;
     int ctl_ok;           /* the last REGISTER/HEARTBEAT went out (the gateway is connected) */
     int64_t health_us;    /* last write of the health file (--health-file; 0 = none yet) */

@@ -664,6 +664,68 @@ def case_role_hands_back_queued(g):
            what="p0 registered again as decode")
 
 
+def case_migrate_queued_prompt(g):
+    """MIGRATE to a prefill worker for a prompt still queued there (its decode worker is
+    changing role): the prompt's KV goes to the new decode worker directly, which decodes
+    the whole request exactly; the old one never sees it. An order for the prompt being
+    computed is ignored (its KV goes where it was going)."""
+    g.start("p0", "prefill_worker", "--prefill-chunk-tokens", "7", "--max-batch-tokens", "7",
+            "--debug-step-delay-ms", "30")
+    for d in ("d0", "d1"):  # (a fixed MTP depth: no cost probe at start, slow when sanitized)
+        g.start(d, "decode_worker", "--kv-bind", "tcp://127.0.0.1:*", "--mtp-adaptive", "false")
+    g.wait_registered("p0", "d0", "d1")
+    dep0, dep1 = g.workers["d0"]["kvep"], g.workers["d1"]["kvep"]
+    long_prompt = PROMPT + CONTINUATION * 3  # 173 tokens: 25 chunks of 7, 30 ms apart
+    first = g.prefill("p0", long_prompt, 4, dw="d0", dep=dep0)
+    rid = g.prefill("p0", PROMPT, len(CONTINUATION), dw="d0", dep=dep0)
+    hb = g.heartbeats
+    g.wait(lambda: hb.get("p0", {}).get("running") == 1 and hb["p0"].get("queued") == 1,
+           what="the first prompt computing, the second queued")
+    g.send("p0", {"t": MIGRATE, "rid": first, "dw": "d1", "dep": dep1})  # started: ignored
+    g.send("p0", {"t": MIGRATE, "rid": rid, "dw": "d1", "dep": dep1})
+    ids, reason, err = g.wait_done(rid)
+    eq((ids, reason, err), (CONTINUATION, 2, None), "outcome")
+    eq(tokens_from(g, rid, "d0"), [], "d0 decoded nothing of it")
+    if not tokens_from(g, rid, "d1"):
+        raise AssertionError("d1 must decode it")
+    ids, reason, err = g.wait_done(first)
+    eq((err, reason, len(ids)), (None, 2, 4), "the prompt being computed")
+    if not tokens_from(g, first, "d0"):
+        raise AssertionError("the prompt computed when the order came goes to d0")
+    if "decode worker changed before the prefill started" not in open(g.logpath("p0")).read():
+        raise AssertionError("p0 must log the new decode worker")
+    for w in ("p0", "d0", "d1"):
+        kv_free_back(g, w)
+
+
+def case_role_switch_while_moving(g):
+    """MIGRATE then ROLE prefill to a decode worker mid-decode: it registers again as a
+    prefill worker (no kv endpoint) while the move is still on its way, the move completes
+    in the background, the request ends exactly, and the decode role is detached afterwards
+    with every KV block free."""
+    dep0, dep1 = migration_cluster(g)
+    rid = g.prefill("p0", PROMPT, len(CONTINUATION), dw="d0", dep=dep0)
+    g.wait(lambda: any(m["index"] + len(m["tokens"]) >= 10 for m in tokens_from(g, rid, "d0")),
+           what="10 tokens decoded on d0")
+    g.send("d0", {"t": MIGRATE, "rid": rid, "dw": "d1", "dep": dep1})
+    g.send("d0", {"t": ROLE, "role": 1})
+    g.wait(lambda: g.workers["d0"]["role"] == 1, what="d0 registered again as prefill")
+    eq(g.workers["d0"].get("kvep", ""), "", "a prefill worker's kv endpoint")
+    ids, reason, err = g.wait_done(rid)
+    eq((ids, reason, err), (CONTINUATION, 2, None), "outcome")
+    log = lambda: open(g.logpath("d0")).read()  # noqa: E731
+    if "moved on in the background" not in log():
+        raise AssertionError("d0 must switch before the move is over")
+    g.wait(lambda: "decode role detached" in log(), what="d0's decode role detached")
+    g.wait(lambda: mig(g, "d0")[0] == 1 and mig(g, "d1")[3] == 1, what="migration counters")
+    for w in ("d0", "d1"):
+        kv_free_back(g, w)
+    # it prefills now
+    rid2 = g.prefill("d0", PROMPT, 8, dw="d1", dep=dep1)
+    ids, reason, err = g.wait_done(rid2)
+    eq((ids, reason, err), (CONTINUATION[:8], 2, None), "a request prefilled by d0")
+
+
 CASES = [n[5:] for n in sorted(globals()) if n.startswith("case_")]
 
 

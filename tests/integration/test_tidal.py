@@ -15,7 +15,7 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster import Cluster  # noqa: E402
-from test_e2e import REF, worker_figures  # noqa: E402
+from test_e2e import REF, wait_kv_free, worker_figures  # noqa: E402
 from test_stats import Subscriber, metric, parse_metrics  # noqa: E402
 from test_chunked import CHUNK, LONG, MAX_TOKENS, greedy  # noqa: E402
 
@@ -219,6 +219,77 @@ class RoleChange(unittest.TestCase):
             self.assertGreater(metric(samples, "tidepool_role_change_last_seconds"), 0)
             self.assertEqual(metric(samples, "tidepool_workers", role="decode",
                                     state="changing"), 0)
+
+    def test_decode_to_prefill_switches_without_waiting(self):
+        """A decode worker ordered to prefill while it decodes streams and while prompts bound
+        for it still queue at the prefill worker (one prompt per batch, 40 ms a step) does not
+        wait for any of them: the queued prompts send their KV to the new decode worker
+        directly (MIGRATE to the prefill worker), the running sequences move, and the worker
+        switches while those moves are still on their way, detaching its decode role once
+        they are over. Every stream ends with exactly the undisturbed greedy text, no move
+        fails and every KV block is free again afterwards."""
+        with Cluster(roles=("prefill", "decode", "decode"),
+                     worker_args=["--debug-step-delay-ms", "40", "--mtp-adaptive", "false",
+                                  "--max-batch-tokens", "8"]) as c:
+            wait_roles(c, {"prefill-0": "prefill", "decode-1": "decode", "decode-2": "decode"})
+            base = {k: w["kv_blocks_total"] for k, w in worker_figures(c).items()}
+            results = [None] * 24
+            threads = self.run_streams(c, 24, results)
+            busy = None
+            deadline = time.time() + 5
+            while time.time() < deadline and busy is None:
+                figs = worker_figures(c)
+                busy = next((k for k in ("decode-1", "decode-2") if figs[k]["running"] >= 1),
+                            None)
+                time.sleep(0.02)
+            self.assertIsNotNone(busy, "no decode worker got streams")
+            status, body = set_role(c, busy, "prefill")
+            self.assertEqual(status, 202, body)
+            figs = wait_roles(c, {busy: "prefill"}, timeout=5)
+            self.assertTrue(any(t.is_alive() for t in threads), "the streams ended first")
+            self.check_streams(threads, results)
+            log = c.log(busy)
+            self.assertIn("moved on in the background", log)
+            # the prompts still queued for it went to the other decode worker directly
+            self.assertIn("decode worker changed before the prefill started", c.log("prefill-0"))
+            deadline = time.time() + 5
+            while time.time() < deadline and "decode role detached" not in c.log(busy):
+                time.sleep(0.1)
+            self.assertIn("decode role detached", c.log(busy))
+            figs = wait_kv_free(c, base)
+            self.assertEqual(figs[busy].get("migrations_failed"), 0, figs[busy])
+            self.assertGreaterEqual(figs[busy]["migrated_out"], 1, figs[busy])
+            # it serves as a prefill worker now
+            self.assertEqual(greedy(c, next(iter(REF)), 48)[0], REF[next(iter(REF))])
+
+    def test_no_room_elsewhere_reruns_instead_of_waiting(self):
+        """Both decode workers full (--max-seqs 2, 4 streams): the one ordered to prefill has
+        nowhere to move its sequences, so the gateway re-runs them from their tokens so far
+        (as for a preemption) instead of letting the change wait until they finish; every
+        stream still ends with exactly the undisturbed greedy text, and KV is all free after."""
+        with Cluster(roles=("prefill", "decode", "decode"),
+                     worker_args=["--debug-step-delay-ms", "40", "--max-seqs", "2"]) as c:
+            wait_roles(c, {"prefill-0": "prefill", "decode-1": "decode", "decode-2": "decode"})
+            base = {k: w["kv_blocks_total"] for k, w in worker_figures(c).items()}
+            results = [None] * 4
+            threads = self.run_streams(c, 4, results)
+            deadline = time.time() + 5
+            figs = {}
+            while time.time() < deadline:
+                figs = worker_figures(c)
+                if figs["decode-1"]["running"] == 2 and figs["decode-2"]["running"] == 2:
+                    break
+                time.sleep(0.02)
+            self.assertEqual((figs["decode-1"]["running"], figs["decode-2"]["running"]), (2, 2))
+            status, body = set_role(c, "decode-1", "prefill")
+            self.assertEqual(status, 202, body)
+            wait_roles(c, {"decode-1": "prefill"}, timeout=5)
+            self.assertTrue(any(t.is_alive() for t in threads), "the streams ended first")
+            self.check_streams(threads, results)
+            gw = c.log("gateway")
+            self.assertIn("(0 sequences migrating, 2 re-run: no room elsewhere)", gw)
+            self.assertIn("no other decode worker has room for it now", gw)
+            wait_kv_free(c, base)
 
     def test_failed_migration_loses_nothing(self):
         """The target of the moves is frozen (SIGSTOP) when a decode worker is ordered to
