@@ -46,6 +46,7 @@ static long long opt_port, opt_max_body, opt_max_queue, opt_hb_ms, opt_dead_ms, 
     opt_kv_block_size;
 /* offline tier and Batch API */
 static char *opt_state_db;
+static char *opt_routing;
 static long long opt_batch_max_file_bytes, opt_batch_max_lines, opt_batch_max_inflight;
 static double opt_offline_max_wait_s, opt_offline_target, opt_preempt_pressure, opt_smooth_s,
     opt_ttft_slo_ms, opt_tpot_slo_ms, opt_prefill_tok_s;
@@ -83,6 +84,10 @@ static const config_entry_t settings[] = {
      "a worker silent this long is declared dead and its requests re-run"},
     {"request-timeout-ms", CONFIG_INT, &opt_timeout_ms, "60000", 100, 86400000,
      "no progress this long: an assigned request is re-run, a queued one fails with 503"},
+    {"routing", CONFIG_STRING, &opt_routing, "cache-aware", 0, 0,
+     "how a request's prefill worker is chosen: cache-aware (the fewest prompt tokens to "
+     "compute, those its prefix cache is not believed to hold, plus its queued prompt "
+     "tokens) or least-loaded (the fewest queued prompt tokens); docs/prefix-cache.md"},
     {"max-retries", CONFIG_INT, &opt_retries, "3", 0, 100,
      "times a failed request is re-run on other workers before an error"},
     {"drain-timeout-ms", CONFIG_INT, &opt_drain_ms, "30000", 0, 3600000,
@@ -339,6 +344,13 @@ int main(int argc, char **argv)
         config_free(settings);
         return 2;
     }
+    cluster_routing_t routing;
+    if (cluster_routing_parse(opt_routing, &routing) < 0) {
+        fprintf(stderr, "invalid value '%s' for routing: want cache-aware or least-loaded\n",
+                opt_routing);
+        config_free(settings);
+        return 2;
+    }
     log_init("gateway", level);
     config_log(settings);
     signal(SIGPIPE, SIG_IGN);
@@ -423,6 +435,7 @@ int main(int argc, char **argv)
     cp.dead_after_ms = (int)opt_dead_ms;
     cp.request_timeout_ms = (int)opt_timeout_ms;
     cp.max_retries = (int)opt_retries;
+    cp.routing = routing;
     cp.max_queue = (int)opt_max_queue;
     cp.policy.offline_max_wait_ms = (int64_t)(opt_offline_max_wait_s * 1000);
     cp.policy.offline_target = opt_offline_target;

@@ -75,7 +75,12 @@ static uint64_t prefix_key(const prefill_role *p, const preq *r, int *lookahead)
     if (!cp->mtp || depth < 0)
         depth = 0;
     *lookahead = depth;
-    uint64_t salt = depth ? mtp_fingerprint(cp->mtp) + (uint64_t)depth : 0;
+    return prefill_prefix_seed(cp, depth);
+}
+
+uint64_t prefill_prefix_seed(const worker_compute *cp, int depth)
+{
+    uint64_t salt = depth > 0 && cp->mtp ? mtp_fingerprint(cp->mtp) + (uint64_t)depth : 0;
     return kvcache_prefix_seed(cp->mc->fingerprint, salt);
 }
 
