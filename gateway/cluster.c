@@ -428,9 +428,14 @@ static int pick_pass(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw,
                 (*n_busy)++;
                 continue;
             }
-            long load = p->qtok > p->pending_qtok ? p->qtok : p->pending_qtok;
-            if (cache_aware) /* the cost: what it would compute, and its queue */
-                load += (long)total - p->route_hit;
+            /* least-loaded: its queued prompt tokens (the last heartbeat's, or those sent
+             * since when more); cache-aware: the tokens it would compute for r, plus those
+             * it is expected to compute for what it was sent (pending_qtok counts those:
+             * try_assign), not its queue's raw prompt tokens, which would push a prompt
+             * away from the worker whose cache makes its queue cheap */
+            long load = cache_aware ? (long)p->pending_qtok + total - p->route_hit
+                        : p->qtok > p->pending_qtok ? p->qtok
+                                                    : p->pending_qtok;
             if (best_load < 0 || load < best_load ||
                 (load == best_load && d->n_decode < best_seqs) ||
                 (load == best_load && d->n_decode == best_seqs && free_blocks > best_free)) {
@@ -504,7 +509,8 @@ static int try_assign(cluster_t *c, req_t *r)
     r->dw = dw;
     r->base = r->n_gen;
     r->p_started = r->d_started = 0;
-    r->p_qtok = m.n_tokens;
+    /* cache-aware: the tokens pw is expected to compute (its cache holds the rest) */
+    r->p_qtok = m.n_tokens - (c->p.routing == CLUSTER_ROUTING_CACHE_AWARE ? pw->route_hit : 0);
     r->d_blocks = blocks_needed(r, dw);
     pw->pending_qtok += r->p_qtok;
     pw->n_assigned++;

@@ -48,7 +48,8 @@ typedef struct worker {
     int dead;           /* flagged; reaped by the next sweep or dispatch */
     char why[160];      /* why it was flagged dead */
     int full;           /* a NOSPACE came back: no decode work until the next heartbeat */
-    int pending_qtok;   /* prompt tokens sent as PREFILL, no token reported yet */
+    int pending_qtok;   /* prompt tokens sent as PREFILL, no token reported yet (cache-aware
+                         * routing: those not believed cached there) */
     int pending_blocks; /* KV blocks promised as decode worker, no token reported yet */
     int n_decode;
     int moved_in;       /* MIGRATE orders naming it as target since its last heartbeat */       /* requests assigned with this worker as decode worker */
