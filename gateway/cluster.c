@@ -44,6 +44,8 @@ cluster_params cluster_default_params(void)
         .request_timeout_ms = 60000,
         .max_retries = 3,
         .max_queue = 1024,
+        .routing = CLUSTER_ROUTING_CACHE_AWARE,
+        .routing_load_weight = 0.25,
         .policy = policy_default_params(),
     };
     return p;
@@ -429,11 +431,14 @@ static int pick_pass(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw,
                 continue;
             }
             /* least-loaded: its queued prompt tokens (the last heartbeat's, or those sent
-             * since when more); cache-aware: the tokens it would compute for r, plus those
-             * it is expected to compute for what it was sent (pending_qtok counts those:
-             * try_assign), not its queue's raw prompt tokens, which would push a prompt
-             * away from the worker whose cache makes its queue cheap */
-            long load = cache_aware ? (long)p->pending_qtok + total - p->route_hit
+             * since when more); cache-aware: the tokens it would compute for r, plus
+             * --routing-load-weight times those it is expected to compute for what it
+             * was sent (pending_qtok counts those: try_assign), not its queue's raw prompt
+             * tokens, which would push a prompt away from the worker whose cache makes its
+             * queue cheap. The weight is below 1 because queued prompts are computed
+             * together, in one batch: each delays a new one by less than its own cost */
+            long load = cache_aware ? (long)(c->p.routing_load_weight * p->pending_qtok) +
+                                          total - p->route_hit
                         : p->qtok > p->pending_qtok ? p->qtok
                                                     : p->pending_qtok;
             if (best_load < 0 || load < best_load ||

@@ -54,8 +54,9 @@ typedef struct cluster cluster_t;
 /* How the prefill worker of a request is chosen (--routing; docs/prefix-cache.md). */
 typedef enum {
     /* the least cost: the prompt tokens it would compute there (those its prefix cache is
-     * not believed to hold: HEARTBEAT "pfx" summaries) plus its queued prompt tokens
-     * (SGLang's cache-aware router, Dynamo's KV-aware cost) */
+     * not believed to hold: HEARTBEAT "pfx" summaries) plus routing_load_weight times the
+     * tokens it is expected to compute for the prompts sent to it (SGLang's cache-aware
+     * router, Dynamo's KV-aware cost) */
     CLUSTER_ROUTING_CACHE_AWARE = 0,
     CLUSTER_ROUTING_LEAST_LOADED, /* the fewest queued prompt tokens */
 } cluster_routing_t;
@@ -93,6 +94,9 @@ typedef struct {
                              * message with any other id is dropped, logged and its attempt
                              * re-run elsewhere; 0 = not checked */
     cluster_routing_t routing; /* how a prefill worker is chosen (--routing) */
+    double routing_load_weight; /* cache-aware: weight of a worker's expected queued prompt
+                                 * tokens against the tokens a request would compute there
+                                 * (--routing-load-weight) */
 } cluster_params;
 
 /* Defaults matching the gateway's flags. */

@@ -15,13 +15,14 @@ extends it finds those 48."""
 import os
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import Cluster  # noqa: E402
+from cluster import BIN, Cluster  # noqa: E402
 from test_e2e import worker_figures  # noqa: E402
 
 BS = 16
@@ -163,6 +164,16 @@ class Routing(unittest.TestCase):
             # routed back where the miss was computed: the other worker saw nothing more
             moved = [k for k in after if after[k][0] != now[k][0]]
             self.assertEqual(len(moved), 1, (now, after))
+
+    def test_bad_routing_flag(self):
+        """--routing takes cache-aware or least-loaded; anything else exits 2, naming it."""
+        for argv, needle in ((["--routing", "round-robin"], "invalid value 'round-robin' for "
+                              "routing: want cache-aware or least-loaded"),
+                             (["--routing-load-weight", "-1"], "routing-load-weight")):
+            p = subprocess.run([os.path.join(BIN, "gateway")] + argv, capture_output=True,
+                               text=True, timeout=30)
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertIn(needle, p.stderr)
 
 
 if __name__ == "__main__":
