@@ -9,7 +9,8 @@
  * be spread by load before the next heartbeat tells where the prefix is), which are
  * believed for CLUSTER_ROUTE_TTL_HB heartbeat intervals or while the summaries report
  * them. The set is an open-addressing table sized at its first use (no allocation per
- * request); when it fills, the entries no longer believed are dropped. A wrong belief (a
+ * request); when it fills, the entries no longer believed are dropped, and if that is not
+ * enough (prompts routed faster than they expire) the routed ones too. A wrong belief (a
  * worker restarted, a block evicted since) only costs a miss: the worker confirms every
  * hash on the token ids. A worker that registers again (new process, or a new role)
  * starts with no belief, and so does one that reports no summary (its cache is off).
@@ -68,13 +69,14 @@ static route_entry *find(route_belief *b, uint64_t h)
     return NULL;
 }
 
-/* Keep only the entries still believed (rehashed into a clean table). */
-static void compact(route_belief *b, int64_t now)
+/* Keep only the entries still believed (rehashed into a clean table); with routed 0, only
+ * those the last summary reported. */
+static void compact(route_belief *b, int64_t now, int routed)
 {
     static route_entry keep[ROUTE_CAP]; /* the loop thread's: one gateway loop */
     int n = 0;
     for (int i = 0; i < ROUTE_CAP; i++)
-        if (live(b, &b->e[i], now))
+        if (routed ? live(b, &b->e[i], now) : b->e[i].used && b->gen && b->e[i].seen == b->gen)
             keep[n++] = b->e[i];
     memset(b->e, 0, sizeof(b->e));
     b->n_used = 0;
@@ -94,7 +96,9 @@ static route_entry *upsert(route_belief *b, uint64_t h, int64_t now)
     if (x)
         return x;
     if (b->n_used >= ROUTE_CAP / 4 * 3) {
-        compact(b, now);
+        compact(b, now, 1);
+        if (b->n_used >= ROUTE_CAP / 2) /* routed faster than believed: forget those */
+            compact(b, now, 0);
         if (b->n_used >= ROUTE_CAP / 4 * 3)
             return NULL;
     }

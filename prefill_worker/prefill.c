@@ -254,6 +254,8 @@ static int has_work(const void *st)
     return 0;
 }
 
+_Static_assert(PROTO_PFX_MAX_LOOKAHEAD == KVCACHE_MAX_LOOKAHEAD, "summary lookaheads");
+
 /* Fill p->pfx with what the prefix cache holds: one group per MTP depth a prompt may run
  * at here (0 .. the depth served), each with its seed and its blocks' hashes, the blocks
  * kvcache_prefix_blocks lists first (least likely to be evicted) when they are more than
