@@ -147,6 +147,8 @@ struct cluster {
     cluster_callbacks cb;
     void *zctx, *sock;
     curve_zap_t *zap; /* CURVE: the ZAP handler admitting the workers' keys (NULL = plain) */
+    uint64_t *route_chain; /* (route_cap,) cluster_route.c scratch: a prompt's block hashes */
+    int route_cap;
     hsmon_t *hsmon;   /* logs the ctl ROUTER's failed handshakes, with the peer address */
     evzmq_t *watch;
     wire_envelope *env;
@@ -179,8 +181,6 @@ struct cluster {
     uint64_t n_refused;
     owed_cancel owed[OWED_CANCELS]; /* a ring: the oldest is dropped when full */
     int next_owed;
-    uint64_t *route_chain; /* (route_cap,) cluster_route.c scratch: a prompt's block hashes */
-    int route_cap;
 };
 
 // --- small helpers
