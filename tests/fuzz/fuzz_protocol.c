@@ -2,8 +2,8 @@
  * fuzz_protocol: proto_decode (common/protocol.c) on arbitrary header bytes. Properties:
  * no crash, leak or undefined behaviour; a header that decodes re-encodes (proto_encode
  * and proto_encode_buf agree byte for byte), and the re-encoded header decodes to the same
- * message (every field, the token ids, the sampling controls and the log-probabilities
- * included).
+ * message (every field, the token ids, the sampling controls, the log-probabilities and
+ * the prefix summary included).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -21,10 +21,13 @@ static void same_msg(const proto_msg *a, const proto_msg *b)
     FUZZ_CHECK(!a->lps == !b->lps);
     FUZZ_CHECK(!a->lps ||
                memcmp(a->lps, b->lps, (size_t)a->n_tokens * sizeof(*a->lps)) == 0);
+    FUZZ_CHECK(!a->pfx == !b->pfx);
+    FUZZ_CHECK(!a->pfx || memcmp(a->pfx, b->pfx, sizeof(*a->pfx)) == 0);
     proto_msg x = *a, y = *b;
     x.tokens = y.tokens = NULL;
     x.samp = y.samp = NULL;
     x.lps = y.lps = NULL;
+    x.pfx = y.pfx = NULL;
     FUZZ_CHECK(memcmp(&x, &y, sizeof(x)) == 0); /* both zeroed whole by proto_decode */
 }
 
