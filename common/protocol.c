@@ -17,9 +17,10 @@
  * in a char[PROTO_KEY_LEN] */
 /* F_SAMP: proto_msg.samp, a proto_sampling (protocol.h) */
 /* F_LPS: proto_msg.lps, n_tokens proto_logprob (protocol.h) */
-/* F_HASHES: proto_msg.bhash, n_bhash uint64_t (malloc'd, at most PROTO_MAX_BLOCK_HASHES) */
+/* F_HASHES: proto_msg.bhash, n_bhash uint64_t (malloc'd, at most PROTO_MAX_BLOCK_HASHES);
+ * F_PFX: proto_msg.pfx, a proto_prefix_summary (protocol.h) */
 typedef enum {
-    F_U64, F_I64, F_INT, F_FLOAT, F_STR, F_TOKENS, F_U64S, F_KEY, F_SAMP, F_LPS, F_HASHES
+    F_U64, F_I64, F_INT, F_FLOAT, F_STR, F_TOKENS, F_U64S, F_KEY, F_SAMP, F_LPS, F_HASHES, F_PFX
 } field_kind_t;
 
 #define MAX_U64S 64 /* F_U64S: longest array accepted; elements past the known ones are ignored */
@@ -123,6 +124,7 @@ static const field_t fields[] = {
     FLD("pc_q", F_U64, prefix_queries, 0, 0, 0, T(PROTO_HEARTBEAT)),
     FLD("pc_hit", F_U64, prefix_hits, 0, 0, 0, T(PROTO_HEARTBEAT)),
     FLD("npre", F_U64, n_preemptions, 0, 0, 0, T(PROTO_HEARTBEAT)),
+    FLD("pfx", F_PFX, pfx, 0, 0, 0, T(PROTO_HEARTBEAT)),
     FLD("pri", F_INT, priority, 0, 1, 0, T(PROTO_PREFILL) | T(PROTO_KV_BEGIN)),
     FLD("lpk", F_INT, logprobs, 0, PROTO_MAX_TOP_LOGPROBS + 1, 0,
         T(PROTO_PREFILL) | T(PROTO_KV_BEGIN)),
@@ -208,6 +210,7 @@ void proto_msg_clear(proto_msg *m)
     free(m->samp);
     free(m->lps);
     free(m->bhash);
+    free(m->pfx);
     memset(m, 0, sizeof(*m));
 }
 
@@ -271,6 +274,8 @@ static int field_encoded(const field_t *f, const proto_msg *m, uint64_t bit)
         return m->lps != NULL && m->n_tokens > 0;
     case F_HASHES:
         return m->n_bhash > 0;
+    case F_PFX:
+        return m->pfx != NULL;
     case F_U64S:
         for (size_t k = 0; k < f->size / sizeof(uint64_t); k++)
             if (((const uint64_t *)p)[k] != 0)
@@ -278,6 +283,28 @@ static int field_encoded(const field_t *f, const proto_msg *m, uint64_t bit)
         return 0;
     }
     return 0;
+}
+
+/* Whether a prefix summary is within its bounds (protocol.h): group count, lookaheads
+ * in range and distinct, group sizes summing to n_hashes. 0 or -1. */
+static int pfx_check(const proto_prefix_summary *px)
+{
+    if (px->n_groups < 0 || px->n_groups > PROTO_PFX_MAX_GROUPS || px->n_hashes < 0 ||
+        px->n_hashes > PROTO_PFX_MAX_HASHES)
+        return -1;
+    int sum = 0;
+    for (int g = 0; g < px->n_groups; g++) {
+        int la = px->group[g].lookahead;
+        if (la < 0 || la > PROTO_PFX_MAX_LOOKAHEAD || px->group[g].n < 0)
+            return -1;
+        for (int j = 0; j < g; j++)
+            if (px->group[j].lookahead == la)
+                return -1;
+        sum += px->group[g].n;
+        if (sum > px->n_hashes)
+            return -1;
+    }
+    return sum == px->n_hashes ? 0 : -1;
 }
 
 /* Pack the header of m through pk. Returns 0, or -1 if m is invalid for its type. */
@@ -380,6 +407,22 @@ static int encode_header(const proto_msg *m, msgpack_packer *pk)
                     rc |= msgpack_pack_float(pk, lp->top_logprobs[j]);
             }
             break;
+        case F_PFX: {
+            const proto_prefix_summary *px = m->pfx;
+            if (pfx_check(px) < 0) {
+                rc = -1;
+                break;
+            }
+            rc |= msgpack_pack_array(pk, (size_t)px->n_groups);
+            for (int g = 0, off = 0; g < px->n_groups && rc == 0; off += px->group[g++].n) {
+                rc |= msgpack_pack_array(pk, 3) | msgpack_pack_uint64(pk, px->group[g].seed);
+                rc |= msgpack_pack_int(pk, px->group[g].lookahead);
+                rc |= msgpack_pack_array(pk, (size_t)px->group[g].n);
+                for (int k = 0; k < px->group[g].n && rc == 0; k++)
+                    rc |= msgpack_pack_uint64(pk, px->hashes[off + k]);
+            }
+            break;
+        }
         case F_U64S:
             rc |= msgpack_pack_array(pk, f->size / sizeof(uint64_t));
             for (size_t k = 0; k < f->size / sizeof(uint64_t) && rc == 0; k++)
@@ -609,6 +652,59 @@ static int decode_lps(const msgpack_object *o, proto_msg *m, int *n_lps, char *e
     return 0;
 }
 
+/* "pfx" (protocol.h proto_prefix_summary) into a malloc'd struct. 0, or -1 with err. */
+static int decode_pfx(const msgpack_object *o, proto_msg *m, char *err, size_t errlen)
+{
+    if (o->type != MSGPACK_OBJECT_ARRAY || o->via.array.size > PROTO_PFX_MAX_GROUPS)
+        return fail(err, errlen, "field 'pfx': want an array of at most %d groups",
+                    PROTO_PFX_MAX_GROUPS);
+    proto_prefix_summary *px = calloc(1, sizeof(*px));
+    if (!px)
+        return fail(err, errlen, "out of memory");
+    uint32_t ng = o->via.array.size;
+    for (uint32_t g = 0; g < ng; g++) {
+        const msgpack_object *e = &o->via.array.ptr[g];
+        int64_t la;
+        if (e->type != MSGPACK_OBJECT_ARRAY || e->via.array.size != 3 ||
+            e->via.array.ptr[0].type != MSGPACK_OBJECT_POSITIVE_INTEGER ||
+            obj_int64(&e->via.array.ptr[1], &la) < 0 || la < 0 ||
+            la > PROTO_PFX_MAX_LOOKAHEAD || e->via.array.ptr[2].type != MSGPACK_OBJECT_ARRAY) {
+            free(px);
+            return fail(err, errlen, "field 'pfx': group %u is not [seed, lookahead in [0, %d], "
+                        "[hashes]]", g, PROTO_PFX_MAX_LOOKAHEAD);
+        }
+        const msgpack_object *hs = &e->via.array.ptr[2];
+        uint32_t n = hs->via.array.size;
+        if (n > (uint32_t)(PROTO_PFX_MAX_HASHES - px->n_hashes)) {
+            free(px);
+            return fail(err, errlen, "field 'pfx': more than %d hashes", PROTO_PFX_MAX_HASHES);
+        }
+        for (uint32_t j = 0; j < g; j++) {
+            if (px->group[j].lookahead == (int)la) {
+                free(px);
+                return fail(err, errlen, "field 'pfx': groups %u and %u share lookahead %d", j,
+                            g, (int)la);
+            }
+        }
+        for (uint32_t k = 0; k < n; k++) {
+            if (hs->via.array.ptr[k].type != MSGPACK_OBJECT_POSITIVE_INTEGER) {
+                free(px);
+                return fail(err, errlen, "field 'pfx': group %u hash %u is not an unsigned "
+                            "integer", g, k);
+            }
+            px->hashes[px->n_hashes + (int)k] = hs->via.array.ptr[k].via.u64;
+        }
+        px->group[g].seed = e->via.array.ptr[0].via.u64;
+        px->group[g].lookahead = (int)la;
+        px->group[g].n = (int)n;
+        px->n_hashes += (int)n;
+        px->n_groups++;
+    }
+    free(m->pfx);
+    m->pfx = px;
+    return 0;
+}
+
 static int decode_field(const field_t *f, const msgpack_object *o, proto_msg *m, int *n_lps,
                         char *err, size_t errlen)
 {
@@ -712,6 +808,8 @@ static int decode_field(const field_t *f, const msgpack_object *o, proto_msg *m,
         return decode_samp(o, m, err, errlen);
     case F_LPS:
         return decode_lps(o, m, n_lps, err, errlen);
+    case F_PFX:
+        return decode_pfx(o, m, err, errlen);
     case F_U64S: {
         if (o->type != MSGPACK_OBJECT_ARRAY)
             return fail(err, errlen, "field '%s': want an array", f->key);

@@ -40,6 +40,9 @@
 #define PROTO_MAX_BLOCK_HASHES 1024 /* KV_BEGIN "bh": prompt blocks listed at most */
 #define PROTO_MAX_LOOKAHEAD 4       /* KV_BEGIN "bla" (KVCACHE_MAX_LOOKAHEAD) */
 #define PROTO_MAX_TOP_LOGPROBS 20  /* "lpk" / "lp": alternatives per token (OpenAI's limit) */
+#define PROTO_PFX_MAX_GROUPS 8     /* "pfx": chain seeds in one prefix summary */
+#define PROTO_PFX_MAX_HASHES 4096  /* "pfx": block hashes in one prefix summary, all groups */
+#define PROTO_PFX_MAX_LOOKAHEAD 4  /* "pfx": key tokens past a block's end (the KV cache's) */
 
 typedef enum {
     PROTO_REGISTER = 1,  /* worker -> gateway: I exist (id, role, capacity, kv endpoint) */
@@ -174,6 +177,25 @@ typedef struct {
     float top_logprobs[PROTO_MAX_TOP_LOGPROBS];
 } proto_logprob;
 
+/* What a prefill (or mixed) worker's prefix cache holds (HEARTBEAT "pfx", optional;
+ * docs/protocol.md, docs/prefix-cache.md "Cache-aware routing"): its cached blocks' chained
+ * hashes (common/prefixhash.h) grouped by chain seed. Group g covers hashes[off, off + n)
+ * with off the sum of the earlier groups' n; a group may be empty (the seed is still
+ * worth knowing: the gateway hashes prompts with it). Bounded: a worker with more cached
+ * blocks reports the PROTO_PFX_MAX_HASHES it is least likely to evict. Each heartbeat's
+ * summary replaces the last. On the wire an array of [seed, lookahead, [hashes]]; the
+ * lookaheads are distinct. */
+typedef struct {
+    int n_groups; /* [0, PROTO_PFX_MAX_GROUPS] */
+    struct {
+        uint64_t seed;
+        int lookahead; /* [0, PROTO_PFX_MAX_LOOKAHEAD]: the MTP depth the blocks were keyed for */
+        int n;         /* hashes of this group */
+    } group[PROTO_PFX_MAX_GROUPS];
+    int n_hashes; /* sum of the groups' n, [0, PROTO_PFX_MAX_HASHES] */
+    uint64_t hashes[PROTO_PFX_MAX_HASHES];
+} proto_prefix_summary;
+
 /* One message. Which fields are meaningful depends on type; see the table in protocol.c
  * (and docs/protocol.md). tokens is owned by the struct after proto_decode/wire_recv
  * (free with proto_msg_clear); for sending it is borrowed. */
@@ -210,6 +232,8 @@ typedef struct {
     uint64_t prefix_hits;                /* HEARTBEAT, optional: of those, tokens found cached */
     uint64_t n_preemptions;              /* HEARTBEAT, optional: sequences this worker
                                           * preempted since start (ERROR PREEMPTED) */
+    proto_prefix_summary *pfx;           /* HEARTBEAT, optional: the prefix cache's blocks
+                                          * (NULL = not reported); owned like tokens */
 
     /* request (PREFILL, TOKENS, KV_BEGIN) */
     int *tokens;                         /* PREFILL: prompt ids; TOKENS: generated ids;
@@ -304,7 +328,7 @@ typedef struct {
 
 /* Zero the message (no allocation). */
 void proto_msg_init(proto_msg *m, proto_type_t type);
-/* Free owned arrays (tokens, samp, lps, bhash) and zero the struct. */
+/* Free owned arrays (tokens, samp, lps, bhash, pfx) and zero the struct. */
 void proto_msg_clear(proto_msg *m);
 const char *proto_type_str(int type);
 /* The name of a role ("prefill", "decode", "mixed"; "unknown" otherwise): the one spelling

@@ -44,9 +44,29 @@ cluster_params cluster_default_params(void)
         .request_timeout_ms = 60000,
         .max_retries = 3,
         .max_queue = 1024,
+        .routing = CLUSTER_ROUTING_CACHE_AWARE,
+        .routing_load_weight = 0.25,
         .policy = policy_default_params(),
     };
     return p;
+}
+
+const char *cluster_routing_str(cluster_routing_t r)
+{
+    return r == CLUSTER_ROUTING_LEAST_LOADED ? "least-loaded" : "cache-aware";
+}
+
+int cluster_routing_parse(const char *s, cluster_routing_t *out)
+{
+    static const cluster_routing_t all[] = {CLUSTER_ROUTING_CACHE_AWARE,
+                                            CLUSTER_ROUTING_LEAST_LOADED};
+    for (size_t i = 0; s && i < sizeof(all) / sizeof(all[0]); i++) {
+        if (strcmp(s, cluster_routing_str(all[i])) == 0) {
+            *out = all[i];
+            return 0;
+        }
+    }
+    return -1;
 }
 
 static void active_add(cluster_t *c, req_t *r)
@@ -295,6 +315,7 @@ void cluster_worker_remove(cluster_t *c, worker_t *w, const char *why)
             break;
         }
     }
+    cluster_route_forget(w);
     free(w);
 }
 
@@ -367,7 +388,10 @@ static int pair_avoided(const worker_t *p, const worker_t *d, int64_t now)
 /* Choose (prefill, decode) for r: the decode/mixed worker must have room (KV blocks free
  * per its last heartbeat minus blocks promised since, a free sequence slot); among the
  * prefill workers that can feed it (pure prefill workers, or the mixed worker itself),
- * the one with the least queued prompt tokens wins; ties go to the decode worker with the
+ * the one of least cost wins: its queued prompt tokens, plus with cache-aware routing the
+ * tokens of r it would compute (those its prefix cache is not believed to hold,
+ * cluster_route.c), so a prompt goes where its prefix is unless that worker's queue costs
+ * more than computing the prefix again elsewhere; ties go to the decode worker with the
  * fewest sequences assigned, then the most free blocks (blocks are taken on demand: what a
  * worker has free now says little about what its sequences will take, and a burst of
  * requests would all go to the emptiest one until its next heartbeat). Returns 0 or -1
@@ -380,6 +404,12 @@ static int pick_pass(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw,
     int total = r->n_prompt + r->n_gen;
     int n_decoders = 0, n_could_fit = 0;
     int64_t now = proto_now_us();
+    int cache_aware = c->p.routing == CLUSTER_ROUTING_CACHE_AWARE;
+    for (worker_t *p = c->workers; p; p = p->next)
+        p->route_hit = cache_aware && (p->role == PROTO_ROLE_PREFILL ||
+                                       p->role == PROTO_ROLE_MIXED)
+                           ? cluster_route_expected_hit(c, p, r)
+                           : 0;
     for (worker_t *d = c->workers; d; d = d->next) {
         if (!usable(d) || (d->role != PROTO_ROLE_DECODE && d->role != PROTO_ROLE_MIXED))
             continue;
@@ -413,7 +443,17 @@ static int pick_pass(cluster_t *c, const req_t *r, worker_t **pw, worker_t **dw,
                 (*n_busy)++;
                 continue;
             }
-            long load = p->qtok > p->pending_qtok ? p->qtok : p->pending_qtok;
+            /* least-loaded: its queued prompt tokens (the last heartbeat's, or those sent
+             * since when more); cache-aware: the tokens it would compute for r, plus
+             * --routing-load-weight times those it is expected to compute for what it
+             * was sent (pending_qtok counts those: try_assign), not its queue's raw prompt
+             * tokens, which would push a prompt away from the worker whose cache makes its
+             * queue cheap. The weight is below 1 because queued prompts are computed
+             * together, in one batch: each delays a new one by less than its own cost */
+            long load = cache_aware ? (long)(c->p.routing_load_weight * p->pending_qtok) +
+                                          total - p->route_hit
+                        : p->qtok > p->pending_qtok ? p->qtok
+                                                    : p->pending_qtok;
             if (best_load < 0 || load < best_load ||
                 (load == best_load && d->n_decode < best_seqs) ||
                 (load == best_load && d->n_decode == best_seqs && free_blocks > best_free)) {
@@ -487,7 +527,8 @@ static int try_assign(cluster_t *c, req_t *r)
     r->dw = dw;
     r->base = r->n_gen;
     r->p_started = r->d_started = 0;
-    r->p_qtok = m.n_tokens;
+    /* cache-aware: the tokens pw is expected to compute (its cache holds the rest) */
+    r->p_qtok = m.n_tokens - (c->p.routing == CLUSTER_ROUTING_CACHE_AWARE ? pw->route_hit : 0);
     r->d_blocks = blocks_needed(r, dw);
     pw->pending_qtok += r->p_qtok;
     pw->n_assigned++;
@@ -496,6 +537,8 @@ static int try_assign(cluster_t *c, req_t *r)
     if (dw != pw)
         dw->n_assigned++;
     r->since_us = proto_now_us();
+    if (c->p.routing == CLUSTER_ROUTING_CACHE_AWARE)
+        cluster_route_routed(c, pw, r); /* computed there, its blocks will be cached */
     if (r->timing) {
         if (!r->timing->dispatch_us)
             r->timing->dispatch_us = r->since_us;
@@ -503,8 +546,8 @@ static int try_assign(cluster_t *c, req_t *r)
         snprintf(r->timing->prefill_worker, sizeof(r->timing->prefill_worker), "%s", pw->id);
         snprintf(r->timing->decode_worker, sizeof(r->timing->decode_worker), "%s", dw->id);
     }
-    log_rdebug(r->rid, "assigned: prefill %s, decode %s (%d tokens, max_tokens %d)", pw->id, dw->id,
-               m.n_tokens, m.max_tokens);
+    log_rdebug(r->rid, "assigned: prefill %s (%d tokens believed cached), decode %s (%d tokens, "
+               "max_tokens %d)", pw->id, pw->route_hit, dw->id, m.n_tokens, m.max_tokens);
     return 1;
 }
 
@@ -737,8 +780,10 @@ void cluster_destroy(cluster_t **pc)
     while (c->workers) {
         worker_t *w = c->workers;
         c->workers = w->next;
+        cluster_route_forget(w);
         free(w);
     }
+    free(c->route_chain);
     evzmq_destroy(&c->watch);
     if (c->sweep_ev)
         event_free(c->sweep_ev);
@@ -953,6 +998,7 @@ void cluster_foreach_worker(const cluster_t *c,
             .role_change_ms = (double)w->role_change_us / 1000.0,
             .mig = w->mig,
             .prefix_cache_queries = w->pc_queries, .prefix_cache_hits = w->pc_hits,
+            .prefix_blocks_believed = cluster_route_n_believed(w),
             .n_preemptions = w->n_preemptions,
         };
         fn(&info, ud);

@@ -51,6 +51,21 @@ struct event_base;
 
 typedef struct cluster cluster_t;
 
+/* How the prefill worker of a request is chosen (--routing; docs/prefix-cache.md). */
+typedef enum {
+    /* the least cost: the prompt tokens it would compute there (those its prefix cache is
+     * not believed to hold: HEARTBEAT "pfx" summaries) plus routing_load_weight times the
+     * tokens it is expected to compute for the prompts sent to it (SGLang's cache-aware
+     * router, Dynamo's KV-aware cost) */
+    CLUSTER_ROUTING_CACHE_AWARE = 0,
+    CLUSTER_ROUTING_LEAST_LOADED, /* the fewest queued prompt tokens */
+} cluster_routing_t;
+
+/* The name of a routing mode ("cache-aware", "least-loaded"), as --routing spells it. */
+const char *cluster_routing_str(cluster_routing_t r);
+/* Parse --routing's value into *out. 0, or -1 for another name (*out untouched). */
+int cluster_routing_parse(const char *s, cluster_routing_t *out);
+
 typedef struct {
     const char *ctl_bind;   /* ZeroMQ endpoint to bind, e.g. tcp://127.0.0.1:5557 */
     int heartbeat_ms;       /* interval told to workers in REGISTER_ACK */
@@ -78,6 +93,10 @@ typedef struct {
     int n_vocab;            /* token ids a worker may send are in [0, n_vocab): a TOKENS
                              * message with any other id is dropped, logged and its attempt
                              * re-run elsewhere; 0 = not checked */
+    cluster_routing_t routing; /* how a prefill worker is chosen (--routing) */
+    double routing_load_weight; /* cache-aware: weight of a worker's expected queued prompt
+                                 * tokens against the tokens a request would compute there
+                                 * (--routing-load-weight) */
 } cluster_params;
 
 /* Defaults matching the gateway's flags. */
@@ -225,6 +244,8 @@ typedef struct {
     uint64_t prefix_cache_queries; /* from its heartbeat: prompt tokens looked up in its
                                     * prefix cache since it started */
     uint64_t prefix_cache_hits;    /* of those, tokens found cached (not computed) */
+    int prefix_blocks_believed;    /* cache-aware routing: its cached blocks as the gateway
+                                    * believes them (last summary + prompts routed lately) */
     uint64_t n_preemptions;       /* from its heartbeat: sequences it preempted for KV blocks
                                    * (vLLM's num_preemptions) */
 } cluster_worker_info;

@@ -25,6 +25,12 @@
 #define CLUSTER_PAIR_PENALTY_US 1000000   /* first avoidance of a failed pair: 1 s, doubling */
 #define CLUSTER_PAIR_PENALTY_MAX_US 30000000
 
+/* cluster_route.c: what a worker's prefix cache is believed to hold */
+typedef struct route_belief route_belief;
+/* A prompt routed to a worker is believed cached there this many heartbeat intervals (or
+ * as long as its summaries report it). */
+#define CLUSTER_ROUTE_TTL_HB 10
+
 typedef struct worker {
     struct worker *next;
     char id[PROTO_ID_LEN]; /* worker id == ZeroMQ routing id */
@@ -42,7 +48,8 @@ typedef struct worker {
     int dead;           /* flagged; reaped by the next sweep or dispatch */
     char why[160];      /* why it was flagged dead */
     int full;           /* a NOSPACE came back: no decode work until the next heartbeat */
-    int pending_qtok;   /* prompt tokens sent as PREFILL, no token reported yet */
+    int pending_qtok;   /* prompt tokens sent as PREFILL, no token reported yet (cache-aware
+                         * routing: those not believed cached there) */
     int pending_blocks; /* KV blocks promised as decode worker, no token reported yet */
     int n_decode;
     int moved_in;       /* MIGRATE orders naming it as target since its last heartbeat */       /* requests assigned with this worker as decode worker */
@@ -66,6 +73,8 @@ typedef struct worker {
         int64_t until_us;
     } bad_peer[CLUSTER_BAD_PEERS];
     uint64_t n_preemptions;  /* last heartbeat: sequences it preempted (ERROR PREEMPTED) */
+    route_belief *belief;    /* its prefix cache as believed (cluster_route.c; NULL = none) */
+    int route_hit;           /* pick_pass scratch: prompt tokens expected cached here */
 } worker_t;
 
 typedef struct req {
@@ -140,6 +149,8 @@ struct cluster {
     cluster_callbacks cb;
     void *zctx, *sock;
     curve_zap_t *zap; /* CURVE: the ZAP handler admitting the workers' keys (NULL = plain) */
+    uint64_t *route_chain; /* (route_cap,) cluster_route.c scratch: a prompt's block hashes */
+    int route_cap;
     hsmon_t *hsmon;   /* logs the ctl ROUTER's failed handshakes, with the peer address */
     evzmq_t *watch;
     wire_envelope *env;
@@ -361,6 +372,21 @@ void cluster_worker_remove(cluster_t *c, worker_t *w, const char *why);
 
 /* The ctl socket's evzmq callback (ud: the cluster): receive and handle one message. */
 void cluster_on_ctl(void *sock, void *ud);
+
+// --- cache-aware routing (cluster_route.c)
+
+/* Replace w's belief by the summary of its last HEARTBEAT ("pfx"; NULL: none, the belief
+ * is dropped), keeping what was routed to it lately. */
+void cluster_route_summary(worker_t *w, const proto_prefix_summary *px);
+/* Drop w's belief (a new process or role: its cache is gone); also frees it. */
+void cluster_route_forget(worker_t *w);
+/* Prompt tokens of r (its prompt and tokens so far) that w is believed to hold cached: a
+ * multiple of w's block size, 0 without a belief. */
+int cluster_route_expected_hit(cluster_t *c, const worker_t *w, const req_t *r);
+/* r was routed to w: its full blocks are believed cached there from now on. */
+void cluster_route_routed(cluster_t *c, worker_t *w, const req_t *r);
+/* Block hashes w's belief holds now (GET /workers "prefix_blocks_believed"). */
+int cluster_route_n_believed(const worker_t *w);
 
 // --- cluster_roles.c: live role changes and live migration
 

@@ -145,6 +145,8 @@ static void handle_register(cluster_t *c, const proto_msg *m, const unsigned cha
         /* a new incarnation (restart or role change): what the old one had is lost */
         cluster_worker_fail_requests(c, w, "worker re-registered");
     }
+    if (w && (w->pid != m->pid || w->role != m->role))
+        cluster_route_forget(w); /* another process or role: its prefix cache is not that */
     int is_new = !w;
     if (!w) {
         w = calloc(1, sizeof(*w));
@@ -240,6 +242,8 @@ static void handle_heartbeat(cluster_t *c, worker_t *w, const proto_msg *m, cons
     w->mig = m->mig;
     w->pc_queries = m->prefix_queries;
     w->pc_hits = m->prefix_hits;
+    if (w->role == PROTO_ROLE_PREFILL || w->role == PROTO_ROLE_MIXED)
+        cluster_route_summary(w, m->pfx);
     w->n_preemptions = m->n_preemptions;
     w->running = m->running;
     w->moved_in = 0; /* its running count includes what arrived */

@@ -51,6 +51,7 @@ static void add_worker_json(const cluster_worker_info *w, void *ud)
         json_object_set_new(o, "prefix_cache_queries",
                             json_integer((json_int_t)w->prefix_cache_queries));
         json_object_set_new(o, "prefix_cache_hits", json_integer((json_int_t)w->prefix_cache_hits));
+        json_object_set_new(o, "prefix_blocks_believed", json_integer(w->prefix_blocks_believed));
     }
     if (o && w->state == PROTO_STATE_CHANGING)
         json_object_set_new(o, "state", json_string("changing"));

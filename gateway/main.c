@@ -46,6 +46,8 @@ static long long opt_port, opt_max_body, opt_max_queue, opt_hb_ms, opt_dead_ms, 
     opt_kv_block_size;
 /* offline tier and Batch API */
 static char *opt_state_db;
+static char *opt_routing;
+static double opt_routing_load_weight;
 static long long opt_batch_max_file_bytes, opt_batch_max_lines, opt_batch_max_inflight;
 static double opt_offline_max_wait_s, opt_offline_target, opt_preempt_pressure, opt_smooth_s,
     opt_ttft_slo_ms, opt_tpot_slo_ms, opt_prefill_tok_s;
@@ -83,6 +85,15 @@ static const config_entry_t settings[] = {
      "a worker silent this long is declared dead and its requests re-run"},
     {"request-timeout-ms", CONFIG_INT, &opt_timeout_ms, "60000", 100, 86400000,
      "no progress this long: an assigned request is re-run, a queued one fails with 503"},
+    {"routing", CONFIG_STRING, &opt_routing, "cache-aware", 0, 0,
+     "how a request's prefill worker is chosen: cache-aware (the least cost: the prompt "
+     "tokens it would compute there, those its prefix cache is not believed to hold, plus "
+     "--routing-load-weight times what it has queued) or least-loaded (the fewest queued "
+     "prompt tokens); docs/prefix-cache.md"},
+    {"routing-load-weight", CONFIG_DOUBLE, &opt_routing_load_weight, "0.25", 0, 1000,
+     "cache-aware routing: weight of a prefill worker's queued prompt tokens (those it is "
+     "expected to compute) against the tokens a request would compute there; larger "
+     "balances load more, smaller follows the cache more"},
     {"max-retries", CONFIG_INT, &opt_retries, "3", 0, 100,
      "times a failed request is re-run on other workers before an error"},
     {"drain-timeout-ms", CONFIG_INT, &opt_drain_ms, "30000", 0, 3600000,
@@ -343,6 +354,13 @@ int main(int argc, char **argv)
         config_free(settings);
         return 2;
     }
+    cluster_routing_t routing;
+    if (cluster_routing_parse(opt_routing, &routing) < 0) {
+        fprintf(stderr, "invalid value '%s' for routing: want cache-aware or least-loaded\n",
+                opt_routing);
+        config_free(settings);
+        return 2;
+    }
     log_init("gateway", level);
     config_log(settings);
     signal(SIGPIPE, SIG_IGN);
@@ -433,6 +451,8 @@ int main(int argc, char **argv)
     cp.dead_after_ms = (int)opt_dead_ms;
     cp.request_timeout_ms = (int)opt_timeout_ms;
     cp.max_retries = (int)opt_retries;
+    cp.routing = routing;
+    cp.routing_load_weight = opt_routing_load_weight;
     cp.max_queue = (int)opt_max_queue;
     cp.policy.offline_max_wait_ms = (int64_t)(opt_offline_max_wait_s * 1000);
     cp.policy.offline_target = opt_offline_target;

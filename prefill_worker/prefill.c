@@ -271,9 +271,41 @@ static int has_work(const void *st)
     return 0;
 }
 
+_Static_assert(PROTO_PFX_MAX_LOOKAHEAD == KVCACHE_MAX_LOOKAHEAD, "summary lookaheads");
+
+/* Fill p->pfx with what the prefix cache holds: one group per MTP depth a prompt may run
+ * at here (0 .. the depth served), each with its seed and its blocks' hashes, the blocks
+ * kvcache_prefix_blocks lists first (least likely to be evicted) when they are more than
+ * PROTO_PFX_MAX_HASHES. */
+static void prefix_summary(const prefill_role *p)
+{
+    const worker_compute *cp = &p->rt->cp;
+    proto_prefix_summary *px = p->pfx;
+    int n = kvcache_prefix_blocks(cp->kv, p->pfx_hash, p->pfx_seed, p->pfx_la,
+                                  PROTO_PFX_MAX_HASHES);
+    int depths = (cp->mtp ? cp->mtp_depth : 0) + 1;
+    if (depths > PROTO_PFX_MAX_GROUPS)
+        depths = PROTO_PFX_MAX_GROUPS;
+    px->n_groups = px->n_hashes = 0;
+    for (int d = 0; d < depths && d <= PROTO_PFX_MAX_LOOKAHEAD; d++) {
+        uint64_t seed = prefill_prefix_seed(cp, d);
+        int g = px->n_groups++, k0 = px->n_hashes;
+        px->group[g].seed = seed;
+        px->group[g].lookahead = d;
+        for (int i = 0; i < n; i++)
+            if (p->pfx_seed[i] == seed && p->pfx_la[i] == d)
+                px->hashes[px->n_hashes++] = p->pfx_hash[i];
+        px->group[g].n = px->n_hashes - k0;
+    }
+}
+
 static void load(const void *st, proto_msg *hb)
 {
     const prefill_role *p = st;
+    if (p->pfx && p->rt->set.prefix_cache) {
+        prefix_summary(p);
+        hb->pfx = p->pfx; /* borrowed: send_heartbeat does not free it */
+    }
     for (int i = 0; i < p->n_reqs; i++) {
         const preq *r = p->reqs[i];
         if (r->state == PREQ_QUEUED) {
@@ -311,6 +343,10 @@ static void detach(void **pst)
     free(p->echo_lps);
     free(p->hid);
     free(p->pitems);
+    free(p->pfx);
+    free(p->pfx_hash);
+    free(p->pfx_seed);
+    free(p->pfx_la);
     free(p);
     *pst = NULL;
 }
@@ -333,7 +369,14 @@ static void *attach(runtime_t *rt)
     p->echo_lps = calloc(PREFILL_ECHO_CHUNK, sizeof(*p->echo_lps));
     if (cp->mtp)
         p->hid = malloc((size_t)cp->max_tokens * (size_t)cp->mc->dim * sizeof(float));
-    if (!p->batch || !p->batch_reqs || !p->logits || !p->pitems || !p->lp_raw || !p->echo_logits || !p->echo_lps || (cp->mtp && !p->hid)) {
+    if (rt->set.prefix_cache) {
+        p->pfx = calloc(1, sizeof(*p->pfx));
+        p->pfx_hash = malloc(PROTO_PFX_MAX_HASHES * sizeof(*p->pfx_hash));
+        p->pfx_seed = malloc(PROTO_PFX_MAX_HASHES * sizeof(*p->pfx_seed));
+        p->pfx_la = malloc(PROTO_PFX_MAX_HASHES * sizeof(*p->pfx_la));
+    }
+    int pfx_ok = !rt->set.prefix_cache || (p->pfx && p->pfx_hash && p->pfx_seed && p->pfx_la);
+    if (!p->batch || !p->batch_reqs || !p->logits || !p->pitems || !p->lp_raw || !p->echo_logits || !p->echo_lps || (cp->mtp && !p->hid) || !pfx_ok) {
         log_error("out of memory allocating the prefill batch");
         void *st = p;
         detach(&st);

@@ -78,8 +78,15 @@ static uint64_t prefix_key(const prefill_role *p, const preq *r, int *lookahead)
     if (!cp->mtp || depth < 0)
         depth = 0;
     *lookahead = depth;
-    return kvcache_prefix_seed_mtp(cp->mc->fingerprint, depth ? mtp_fingerprint(cp->mtp) : 0,
-                                   depth);
+    return prefill_prefix_seed(cp, depth);
+}
+
+uint64_t prefill_prefix_seed(const worker_compute *cp, int depth)
+{
+    /* one definition for prefill, decode and the gateway's routing (kvcache.h) */
+    int mtp = depth > 0 && cp->mtp;
+    return kvcache_prefix_seed_mtp(cp->mc->fingerprint, mtp ? mtp_fingerprint(cp->mtp) : 0,
+                                   mtp ? depth : 0);
 }
 
 /* Admit r into the batch: a sequence with room for its prompt (and, when decoded here, for

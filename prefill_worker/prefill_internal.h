@@ -78,7 +78,17 @@ typedef struct {
     /* MTP: (max_tokens, dim) hidden states h_0 of the batch's prompts, module pass items */
     float *hid;
     specdec_prefill_item *pitems;
+    /* --prefix-cache: the summary of the cache every HEARTBEAT carries ("pfx", cache-aware
+     * routing), rebuilt by load from (PROTO_PFX_MAX_HASHES,) scratch arrays */
+    proto_prefix_summary *pfx;
+    uint64_t *pfx_hash, *pfx_seed;
+    int *pfx_la;
 } prefill_role;
+
+/* The prefix cache's chain seed of prompts run at MTP depth `depth` here (0 = no module
+ * layers written): kvcache_prefix_seed(model fingerprint, salt), the salt the modules'
+ * fingerprint + depth when depth > 0. The gateway learns it from the summary. */
+uint64_t prefill_prefix_seed(const worker_compute *cp, int depth);
 
 /* Remove r from the table and free it with whatever it owns (the one place a prompt's
  * memory is freed). A transfer in progress is aborted (kvx then frees its sequence). */

@@ -22,9 +22,8 @@
 
 #include <stdlib.h>
 #include <string.h>
-#include <xxhash.h>
-
 #include "log.h"
+#include "prefixhash.h"
 
 typedef struct {
     int ref;             /* sequences holding it */
@@ -226,7 +225,7 @@ static int block_take(kvcache_t *kv)
 
 static uint64_t key_hash(const kvcache_t *kv, uint64_t parent_hash, const int *key, int n_key)
 {
-    return XXH3_64bits_withSeed(key, (size_t)n_key * sizeof(int), parent_hash) & kv->hash_mask;
+    return prefixhash_block(parent_hash, key, n_key) & kv->hash_mask;
 }
 
 /* The hashed block with this hash whose seed, parent (id and generation) and key are
@@ -398,8 +397,7 @@ int kvcache_blocks_for(const kvcache_t *kv, int n_tokens)
 
 uint64_t kvcache_prefix_seed(uint64_t model_fingerprint, uint64_t salt)
 {
-    uint64_t v[2] = {model_fingerprint, salt};
-    return XXH3_64bits_withSeed(v, sizeof(v), 0x707265666978ULL); /* "prefix" */
+    return prefixhash_seed(model_fingerprint, salt);
 }
 
 uint64_t kvcache_prefix_seed_mtp(uint64_t model_fingerprint, uint64_t mtp_fingerprint,
@@ -568,4 +566,25 @@ int kvcache_lru_blocks(const kvcache_t *kv, int *out, int n)
     for (int b = kv->lru_head; b >= 0 && i < n; b = kv->blk[b].lnext)
         out[i++] = b;
     return i;
+}
+
+int kvcache_prefix_blocks(const kvcache_t *kv, uint64_t *hashes, uint64_t *seeds,
+                          int *lookaheads, int cap)
+{
+    int n = 0;
+    for (int b = 0; b < kv->p.n_blocks && n < cap; b++) {
+        const kv_block *x = &kv->blk[b];
+        if (!x->hashed || x->ref == 0)
+            continue;
+        hashes[n] = x->hash;
+        seeds[n] = x->seed;
+        lookaheads[n++] = x->n_key - kv->p.block_size;
+    }
+    for (int b = kv->lru_tail; b >= 0 && n < cap; b = kv->blk[b].lprev) {
+        const kv_block *x = &kv->blk[b];
+        hashes[n] = x->hash;
+        seeds[n] = x->seed;
+        lookaheads[n++] = x->n_key - kv->p.block_size;
+    }
+    return n;
 }

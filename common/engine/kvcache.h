@@ -100,7 +100,8 @@ int kvcache_blocks_for(const kvcache_t *kv, int n_tokens);
 
 // --- automatic prefix caching
 
-/* The first parent hash of a chain: XXH3-64 of (model fingerprint, salt), where salt tells
+/* The first parent hash of a chain (prefixhash_seed, common/prefixhash.h, the one
+ * definition the gateway shares): XXH3-64 of (model fingerprint, salt), where salt tells
  * apart caches of one model whose blocks hold different layers (the MTP modules' layers
  * written or not, and to which depth). */
 uint64_t kvcache_prefix_seed(uint64_t model_fingerprint, uint64_t salt);
@@ -149,6 +150,15 @@ int kvcache_seq_commit_prefix(kvcache_t *kv, int seq, uint64_t seed, int lookahe
 /* Forget every cached block: cached-but-free ones become plain free, hashed ones in use
  * become private (plain free once released). Returns the blocks that lost their hash. */
 int kvcache_prefix_flush(kvcache_t *kv);
+
+/* The cached blocks, for a summary of what this cache holds (HEARTBEAT "pfx", cache-aware
+ * routing: docs/prefix-cache.md): for each hashed block its hash (prefixhash.h: a function
+ * of its chain seed and the token ids of it and its ancestors), seed and lookahead (key
+ * tokens past its end). Blocks in use come first (lowest id first), then the
+ * cached-but-free ones, most recently used first, so a summary cut at cap keeps what is
+ * least likely to be evicted. Writes at most cap entries to each array; returns how many. */
+int kvcache_prefix_blocks(const kvcache_t *kv, uint64_t *hashes, uint64_t *seeds,
+                          int *lookaheads, int cap);
 
 /* Testing: keep only `bits` bits (0..64; 0 = every hash is 0) of every block hash from now
  * on, which forces collisions that the token-id confirmation must catch. Flushes the cache

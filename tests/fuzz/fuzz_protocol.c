@@ -3,7 +3,7 @@
  * no crash, leak or undefined behaviour; a header that decodes re-encodes (proto_encode
  * and proto_encode_buf agree byte for byte), and the re-encoded header decodes to the same
  * message (every field, the token ids, the sampling controls, the log-probabilities and
- * the KV_BEGIN block hashes included).
+ * the KV_BEGIN block hashes and the prefix summary included).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -24,11 +24,14 @@ static void same_msg(const proto_msg *a, const proto_msg *b)
     FUZZ_CHECK(a->n_bhash == b->n_bhash);
     FUZZ_CHECK(a->n_bhash == 0 ||
                memcmp(a->bhash, b->bhash, (size_t)a->n_bhash * sizeof(uint64_t)) == 0);
+    FUZZ_CHECK(!a->pfx == !b->pfx);
+    FUZZ_CHECK(!a->pfx || memcmp(a->pfx, b->pfx, sizeof(*a->pfx)) == 0);
     proto_msg x = *a, y = *b;
     x.tokens = y.tokens = NULL;
     x.bhash = y.bhash = NULL;
     x.samp = y.samp = NULL;
     x.lps = y.lps = NULL;
+    x.pfx = y.pfx = NULL;
     FUZZ_CHECK(memcmp(&x, &y, sizeof(x)) == 0); /* both zeroed whole by proto_decode */
 }
 

@@ -65,6 +65,16 @@ static proto_logprob g_lps[5] = {
     {.logprob = -20.0f, .n_top = 1, .top_ids = {511}, .top_logprobs = {-0.5f}},
 };
 
+/* a prefill worker's prefix summary (HEARTBEAT "pfx"): a depth-0 group of 3 blocks, an
+ * empty depth-2 group */
+static proto_prefix_summary g_pfx = {
+    .n_groups = 2,
+    .group = {{.seed = 0x9e3779b97f4a7c15ull, .lookahead = 0, .n = 3},
+              {.seed = 0x1234, .lookahead = 2, .n = 0}},
+    .n_hashes = 3,
+    .hashes = {1, 0xffffffffffffffffull, 0x8000000000000000ull},
+};
+
 static int sample(proto_type_t t, proto_msg *m)
 {
     proto_msg_init(m, t);
@@ -99,6 +109,8 @@ static int sample(proto_type_t t, proto_msg *m)
         m->n_preemptions = 6;
         if (t == PROTO_REGISTER)
             m->mtp_depth = 3; /* the depth it serves + 1 */
+        else
+            m->pfx = &g_pfx;
         break;
     case PROTO_REGISTER_ACK:
         m->heartbeat_ms = 500;

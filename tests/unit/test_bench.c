@@ -725,6 +725,42 @@ static void test_workload_shared_prefix(void **state)
     json_decref(b0), json_decref(b1), json_decref(c0);
 }
 
+/* Shared-prefix groups: each prompt starts with one of --prefix-groups prefixes, drawn per
+ * prompt: over 40 prompts exactly 3 distinct ones, the same for the same index. */
+static void test_workload_prefix_groups(void **state)
+{
+    (void)state;
+    bench_args a = default_args();
+    assert_int_equal(a.prefix_groups, 1);
+    a.workload = "shared-prefix";
+    a.prefix_len = 6;
+    a.input_len = 2;
+    a.prefix_groups = 3;
+    char seen[3][256];
+    int n_seen = 0;
+    bench_workload_shape shape;
+    for (int i = 0; i < 40; i++) {
+        json_t *b = body_of(&a, NULL, 0, (size_t)i, BENCH_WORKLOAD_PHASE_NONE, &shape);
+        const char *p = json_string_value(json_object_get(b, "prompt"));
+        const char *e = p;
+        for (int k = 0; k < 6; k++)
+            e = strchr(e, ' ') + 1;
+        char pre[256];
+        snprintf(pre, sizeof(pre), "%.*s", (int)(e - p), p);
+        int j = 0;
+        while (j < n_seen && strcmp(seen[j], pre) != 0)
+            j++;
+        if (j == n_seen) {
+            assert_true(n_seen < 3);
+            snprintf(seen[n_seen++], sizeof(seen[0]), "%s", pre);
+        }
+        json_t *again = body_of(&a, NULL, 0, (size_t)i, BENCH_WORKLOAD_PHASE_NONE, &shape);
+        assert_string_equal(json_string_value(json_object_get(again, "prompt")), p);
+        json_decref(b), json_decref(again);
+    }
+    assert_int_equal(n_seen, 3);
+}
+
 /* Synthetic bodies: lengths in their ranges, every value of both ranges reached (the range
  * is inclusive), words from the list, the shape matching the body, the request fields,
  * the same body for the same (seed, index), phases overriding one side only, chat. */
@@ -1273,6 +1309,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_workload_bodies),
         cmocka_unit_test(test_workload_multi_turn),
         cmocka_unit_test(test_workload_shared_prefix),
+        cmocka_unit_test(test_workload_prefix_groups),
         cmocka_unit_test(test_dataset),
         cmocka_unit_test(test_report_compute),
         cmocka_unit_test(test_flight_records),

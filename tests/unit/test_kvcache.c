@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "kvcache.h"
+#include "prefixhash.h"
 
 #define SEED 0x1234ULL
 
@@ -274,6 +275,51 @@ static void test_prefix_lookahead_and_seed(void **state)
     kvcache_destroy(&kv);
 }
 
+/* The summary of what the cache holds (kvcache_prefix_blocks, HEARTBEAT "pfx") names every
+ * hashed block by the hash prefixhash_chain computes from the token ids alone (what the
+ * gateway does), with its seed and lookahead: blocks in use first, then the LRU's most
+ * recent first; cut at cap. */
+static void test_prefix_blocks_summary(void **state)
+{
+    (void)state;
+    kvcache_t *kv = cache(4, 16, 4);
+    int a_tok[13] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13};
+    int b_tok[10] = {21, 22, 23, 24, 25, 26, 27, 28, 29, 30};
+    uint64_t seed2 = kvcache_prefix_seed(99, 7); /* an MTP cache: lookahead 2 */
+    int reg = 0;
+    int a = computed(kv, SEED, 0, a_tok, 13, &reg);
+    assert_int_equal(reg, 3);
+    int b = computed(kv, seed2, 2, b_tok, 10, &reg);
+    assert_int_equal(reg, 2);
+    kvcache_seq_free(kv, a); /* a's blocks go to the LRU, b's stay in use */
+    uint64_t h[16], sd[16], want_a[4], want_b[4];
+    int la[16];
+    assert_int_equal(prefixhash_chain(SEED, 4, 0, a_tok, 13, 13, want_a, 4), 3);
+    assert_int_equal(prefixhash_chain(seed2, 4, 2, b_tok, 10, 10, want_b, 4), 2);
+    /* the gateway's cap: max_cached 12 keeps 3 blocks, 11 only 2 */
+    assert_int_equal(prefixhash_chain(SEED, 4, 0, a_tok, 13, 11, h, 4), 2);
+    assert_int_equal(prefixhash_chain(SEED, 4, 0, a_tok, 13, 13, h, 1), 1);
+    assert_int_equal(kvcache_prefix_blocks(kv, h, sd, la, 16), 5);
+    /* in use: b's blocks 3, 4 (lowest id first) */
+    assert_true(h[0] == want_b[0] && h[1] == want_b[1]);
+    assert_true(sd[0] == seed2 && sd[1] == seed2);
+    assert_int_equal(la[0], 2);
+    assert_int_equal(la[1], 2);
+    /* then the LRU, most recent first: a's head was released last */
+    assert_true(h[2] == want_a[0] && h[3] == want_a[1] && h[4] == want_a[2]);
+    assert_true(sd[2] == SEED && sd[4] == SEED);
+    assert_int_equal(la[2], 0);
+    assert_int_equal(kvcache_prefix_blocks(kv, h, sd, la, 3), 3); /* cut at cap */
+    assert_true(h[2] == want_a[0]);
+    /* the gateway's chain matches what the cache finds */
+    int blocks[4];
+    assert_int_equal(kvcache_prefix_lookup(kv, SEED, 0, a_tok, 13, 13, blocks), 12);
+    kvcache_seq_free(kv, b);
+    assert_all_free(kv);
+    assert_int_equal(kvcache_prefix_blocks(kv, h, sd, la, 16), 0);
+    kvcache_destroy(&kv);
+}
+
 /* The same prompt computed twice at once: the second copy stays private. */
 static void test_prefix_duplicate_private(void **state)
 {
@@ -406,6 +452,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_prefix_collision_confirmed),
         cmocka_unit_test(test_prefix_lookahead_and_seed),
         cmocka_unit_test(test_prefix_duplicate_private),
+        cmocka_unit_test(test_prefix_blocks_summary),
         cmocka_unit_test(test_prefix_random_ops),
     };
     if (argc > 1)

@@ -1075,12 +1075,163 @@ static void test_prefix_cache_counters(void **state)
     assert_non_null(strstr(err, "pc_q"));
 }
 
+/* "pfx" values: one of each malformation, and a good one */
+static void pfx_group(msgpack_packer *pk, uint64_t seed, int la, int n, uint64_t h0)
+{
+    msgpack_pack_array(pk, 3);
+    msgpack_pack_uint64(pk, seed);
+    msgpack_pack_int(pk, la);
+    msgpack_pack_array(pk, (size_t)n);
+    for (int k = 0; k < n; k++)
+        msgpack_pack_uint64(pk, h0 + (uint64_t)k);
+}
+static void v_pfx_ok(msgpack_packer *pk)
+{
+    msgpack_pack_array(pk, 2);
+    pfx_group(pk, UINT64_MAX, 0, 3, 10);
+    pfx_group(pk, 7, 2, 0, 0);
+}
+static void v_pfx_not_array(msgpack_packer *pk) { msgpack_pack_int(pk, 1); }
+static void v_pfx_groups(msgpack_packer *pk)
+{
+    msgpack_pack_array(pk, PROTO_PFX_MAX_GROUPS + 1);
+    for (int g = 0; g <= PROTO_PFX_MAX_GROUPS; g++)
+        pfx_group(pk, 1, g % (PROTO_PFX_MAX_LOOKAHEAD + 1), 0, 0);
+}
+static void v_pfx_dup(msgpack_packer *pk)
+{
+    msgpack_pack_array(pk, 2);
+    pfx_group(pk, 1, 1, 1, 5);
+    pfx_group(pk, 2, 1, 1, 6);
+}
+static void v_pfx_la(msgpack_packer *pk)
+{
+    msgpack_pack_array(pk, 1);
+    pfx_group(pk, 1, PROTO_PFX_MAX_LOOKAHEAD + 1, 1, 5);
+}
+static void v_pfx_la_negative(msgpack_packer *pk)
+{
+    msgpack_pack_array(pk, 1);
+    pfx_group(pk, 1, -1, 1, 5);
+}
+static void v_pfx_short(msgpack_packer *pk)
+{
+    msgpack_pack_array(pk, 1);
+    msgpack_pack_array(pk, 2);
+    msgpack_pack_uint64(pk, 1);
+    msgpack_pack_int(pk, 0);
+}
+static void v_pfx_hash(msgpack_packer *pk)
+{
+    msgpack_pack_array(pk, 1);
+    msgpack_pack_array(pk, 3);
+    msgpack_pack_uint64(pk, 1);
+    msgpack_pack_int(pk, 0);
+    msgpack_pack_array(pk, 2);
+    msgpack_pack_uint64(pk, 1);
+    msgpack_pack_int(pk, -4);
+}
+static void v_pfx_seed(msgpack_packer *pk)
+{
+    msgpack_pack_array(pk, 1);
+    msgpack_pack_array(pk, 3);
+    kv(pk, "seed");
+    msgpack_pack_int(pk, 0);
+    msgpack_pack_array(pk, 0);
+}
+static void v_pfx_too_many(msgpack_packer *pk)
+{
+    msgpack_pack_array(pk, 2);
+    pfx_group(pk, 1, 0, PROTO_PFX_MAX_HASHES, 0);
+    pfx_group(pk, 2, 1, 1, 0);
+}
+
+/* HEARTBEAT "pfx" (the prefix summary of cache-aware routing): a round trip keeps every
+ * group and hash in order; every malformation is refused, naming the field. */
+static void test_prefix_summary(void **state)
+{
+    (void)state;
+    static proto_prefix_summary px = {
+        .n_groups = 3,
+        .group = {{.seed = 11, .lookahead = 0, .n = 2}, {.seed = UINT64_MAX, .lookahead = 2, .n = 0},
+                  {.seed = 0, .lookahead = 1, .n = 1}},
+        .n_hashes = 3,
+        .hashes = {0, UINT64_MAX, 42},
+    };
+    proto_msg m, out;
+    fill(&m, PROTO_HEARTBEAT);
+    m.pfx = &px;
+    unsigned char *buf;
+    size_t len;
+    char err[160] = "";
+    assert_int_equal(proto_encode(&m, &buf, &len), 0);
+    assert_int_equal(proto_decode(buf, len, &out, err, sizeof(err)), 0);
+    free(buf);
+    assert_non_null(out.pfx);
+    assert_int_equal(out.pfx->n_groups, 3);
+    assert_int_equal(out.pfx->n_hashes, 3);
+    for (int g = 0; g < 3; g++) {
+        assert_true(out.pfx->group[g].seed == px.group[g].seed);
+        assert_int_equal(out.pfx->group[g].lookahead, px.group[g].lookahead);
+        assert_int_equal(out.pfx->group[g].n, px.group[g].n);
+    }
+    for (int k = 0; k < 3; k++)
+        assert_true(out.pfx->hashes[k] == px.hashes[k]);
+    proto_msg_clear(&out);
+    /* an empty summary is a summary (no group: nothing cached, no seed) */
+    static proto_prefix_summary empty;
+    m.pfx = &empty;
+    assert_int_equal(proto_encode(&m, &buf, &len), 0);
+    assert_int_equal(proto_decode(buf, len, &out, err, sizeof(err)), 0);
+    free(buf);
+    assert_non_null(out.pfx);
+    assert_int_equal(out.pfx->n_groups, 0);
+    proto_msg_clear(&out);
+    /* the encoder refuses a summary out of bounds */
+    static proto_prefix_summary bad;
+    bad = px;
+    bad.group[2].lookahead = 0; /* lookahead twice */
+    m.pfx = &bad;
+    assert_int_equal(proto_encode(&m, &buf, &len), -1);
+    bad = px;
+    bad.n_hashes = 4; /* the groups hold 3 */
+    assert_int_equal(proto_encode(&m, &buf, &len), -1);
+
+    assert_int_equal(decode_heartbeat_key("pfx", v_pfx_ok, err, sizeof(err), &out), 0);
+    assert_int_equal(out.pfx->n_groups, 2);
+    assert_int_equal(out.pfx->n_hashes, 3);
+    assert_true(out.pfx->group[0].seed == UINT64_MAX);
+    assert_true(out.pfx->hashes[0] == 10 && out.pfx->hashes[2] == 12);
+    assert_int_equal(out.pfx->group[1].lookahead, 2);
+    assert_int_equal(out.pfx->group[1].n, 0);
+    proto_msg_clear(&out);
+    struct { const char *name; void (*val)(msgpack_packer *); const char *needle; } cases[] = {
+        {"not an array", v_pfx_not_array, "at most 8 groups"},
+        {"9 groups", v_pfx_groups, "at most 8 groups"},
+        {"lookahead twice", v_pfx_dup, "share lookahead 1"},
+        {"lookahead 5", v_pfx_la, "group 0 is not"},
+        {"lookahead -1", v_pfx_la_negative, "group 0 is not"},
+        {"group of 2", v_pfx_short, "group 0 is not"},
+        {"negative hash", v_pfx_hash, "group 0 hash 1"},
+        {"string seed", v_pfx_seed, "group 0 is not"},
+        {"4097 hashes", v_pfx_too_many, "more than 4096 hashes"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        err[0] = 0;
+        int rc = decode_heartbeat_key("pfx", cases[i].val, err, sizeof(err), &out);
+        if (rc != -1 || !strstr(err, "'pfx'") || !strstr(err, cases[i].needle))
+            fail_msg("case '%s': rc %d err '%s'", cases[i].name, rc, err);
+        assert_null(out.pfx);
+    }
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip_all_types),
         cmocka_unit_test(test_malformed_headers),
         cmocka_unit_test(test_prefix_cache_counters),
+        cmocka_unit_test(test_prefix_summary),
         cmocka_unit_test(test_any_key_order),
         cmocka_unit_test(test_truncated_and_garbage),
         cmocka_unit_test(test_peek_refused_header),

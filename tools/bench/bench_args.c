@@ -87,6 +87,9 @@ static const arg_entry arg_table[] = {
     {"prefix-len", ARG_INT, ARG_OFF(prefix_len), "256", 1, 10000000, "N",
      "shared-prefix: words of the prefix every prompt starts with (each then has "
      "--input-len words of its own)"},
+    {"prefix-groups", ARG_INT, ARG_OFF(prefix_groups), "1", 1, 1000000, "G",
+     "shared-prefix: G distinct prefixes (of --prefix-len words each); each prompt draws "
+     "one at random (SGLang's generated-shared-prefix groups)"},
     {"phase-seconds", ARG_DOUBLE, ARG_OFF(phase_s), "10", 0.001, 1e6, "S",
      "phase-shift: length of each phase"},
     {"phase-short-len", ARG_INT, ARG_OFF(phase_short_len), "16", 1, 10000000, "N",

@@ -44,6 +44,7 @@ typedef struct {
     long long turns;         /* multi-turn: user turns per conversation */
     long long system_len;    /* multi-turn: words of the system prompt all conversations share */
     long long prefix_len;    /* shared-prefix: words of the prefix every prompt starts with */
+    long long prefix_groups; /* shared-prefix: distinct prefixes, one drawn per prompt */
     double phase_s;
     long long phase_short_len;
     double decode_rate;      /* phase-shift: requests/s of decode-heavy phases; 0 = request_rate */

@@ -343,7 +343,12 @@ char *bench_workload_body(const bench_args *a, const bench_dataset_t *ds, const 
         free(text);
         json_t *pre = NULL;
         if (bench_workload_shared_prefix(a)) { /* the prefix, then the request's own words */
-            pre = words_json(a, RNG_STREAM_PREFIX, 0, a->prefix_len);
+            uint64_t group = 0; /* --prefix-groups: which prefix, drawn per prompt */
+            if (a->prefix_groups > 1) {
+                rng_t gr = rng_stream((uint64_t)a->seed, RNG_STREAM_PREFIX + 16, idx);
+                group = (uint64_t)rng_range(&gr, 0, a->prefix_groups - 1);
+            }
+            pre = words_json(a, RNG_STREAM_PREFIX, group, a->prefix_len);
             shape->prompt_words += a->prefix_len;
             if (pre && s && !chat) {
                 size_t n = json_string_length(pre) + json_string_length(s) + 2;
