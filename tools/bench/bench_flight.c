@@ -541,7 +541,15 @@ void bench_flight_start(bench *b, size_t idx, bench_flight_freed_fn on_freed)
     b->active = fl;
 
     bench_workload_shape shape = {0, -1};
-    char *body = bench_workload_body(&b->a, b->ds, b->model, b->chat, idx, r->phase, &shape);
+    char *body;
+    if (b->trace) { /* token ids: prompt_words is the prompt's length in tokens */
+        const bench_trace_req *q = bench_trace_at(b->trace, idx);
+        body = bench_trace_body(b->trace, &b->a, b->model, idx);
+        shape.prompt_words = q->prompt_tokens;
+        shape.max_tokens = q->output_tokens;
+    } else {
+        body = bench_workload_body(&b->a, b->ds, b->model, b->chat, idx, r->phase, &shape);
+    }
     r->prompt_words = shape.prompt_words;
     r->max_tokens = shape.max_tokens;
     if (!body) {
