@@ -190,6 +190,21 @@ class TraceTest(unittest.TestCase):
         self.assertEqual(tr["span_s"], 1)  # last arrival 0.2 s: at least 1 s
         self.assertEqual(summ["Online goodput (req/s of arrival span)"], 0)
 
+    def test_offline_timeout(self):
+        """--offline-timeout-s: queued offline work may take longer than an online request
+        may; online ones still fail at --timeout-s."""
+        trace = self.write("t.csv", "0,5,2,online\n0,6,2,offline\n")
+        with TraceServer(ttft_s=0.6, itl_s=0.002) as srv:
+            rc, out, err, _, res = self.run_bench("--url", srv.url, "--trace", trace,
+                                                  "--timeout-s", "0.3", "--offline-timeout-s",
+                                                  "10")
+        self.assertEqual(rc, 0, out + err)
+        recs = res["requests"]
+        self.assertEqual([(r["class"], r["state"]) for r in recs],
+                         [("online", "failed"), ("offline", "ok")])
+        self.assertEqual(recs[0]["error"], "no complete response within 0.3 s (--timeout-s)")
+        self.assertEqual(res["trace"]["offline_output_tokens"], 2)
+
     def test_llama_server_tokenize_form_without_bos(self):
         trace = self.write("t.csv", "0,5,2\n0.05,40,3\n")
         with TraceServer(form="llama", ttft_s=0.01, itl_s=0.002) as srv:

@@ -104,6 +104,9 @@ static const arg_entry arg_table[] = {
      "lines as service_tier flex; --num-prompts then keeps the first N (docs/workloads.md)"},
     {"time-scale", ARG_DOUBLE, ARG_OFF(time_scale), "1", 1e-6, 1e6, "X",
      "--trace: multiply every arrival time by X (0.5 replays twice as fast)"},
+    {"offline-timeout-s", ARG_DOUBLE, ARG_OFF(offline_timeout_s), "0", 0, 1e7, "S",
+     "--trace: offline requests fail S s after they were sent (queued offline work may wait "
+     "long; 0 = --timeout-s)"},
     {"trace-out", ARG_STRING, ARG_OFF(trace_out), NULL, 0, 0, "FILE",
      "after the run, write every request as a CSV line arrival_s,prompt_tokens,"
      "output_tokens,class (the trace format of tidepool-sim --trace)"},

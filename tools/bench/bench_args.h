@@ -51,6 +51,7 @@ typedef struct {
     const char *trace_out;   /* write every request's arrival and shape as a CSV trace */
     const char *trace;       /* replay this trace (bench_trace.h); NULL: none */
     double time_scale;       /* --trace: arrival times are multiplied by it */
+    double offline_timeout_s; /* --trace: deadline of offline requests; 0 = timeout_s */
     double temperature;
     int ignore_eos;
     double slo_ms[BENCH_ARGS_N_SLO]; /* by BENCH_ARGS_SLO_*, in ms; < 0 = unset */
