@@ -8,7 +8,9 @@ Run: python3 -m unittest -v tests/integration/test_bench_trace.py"""
 
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -271,6 +273,108 @@ class TraceTest(unittest.TestCase):
         rc, _, err, _, _ = self.run_bench("--trace", os.path.join(self.tmp, "missing.csv"))
         self.assertEqual(rc, 2)
         self.assertIn("missing.csv: No such file or directory", err)
+
+
+GEN = os.path.join(test_bench.ROOT, "tools", "bench", "gen-trace.py")
+TRACES = os.path.join(test_bench.ROOT, "tools", "bench", "traces")
+SIM = os.path.join(test_bench.ROOT, test_bench.BUILD, "bin", "tidepool-sim")
+
+
+def rows_of(text):
+    """(arrival_s, prompt, output, class) of a trace's data lines."""
+    out = []
+    for line in text.splitlines():
+        if line[:1].isdigit():
+            f = line.split(",")
+            out.append((float(f[0]), int(f[1]), int(f[2]), f[3]))
+    return out
+
+
+class GenTraceTest(unittest.TestCase):
+    def gen(self, *args):
+        p = subprocess.run([sys.executable, GEN] + [str(a) for a in args], capture_output=True,
+                           text=True, timeout=60)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        return p.stdout
+
+    def test_shapes_deterministic_and_within_context(self):
+        a = self.gen("--shape", "conversation", "--rate", "50", "--duration-s", "60",
+                     "--scale", "0.1", "--max-context", "512", "--seed", "9")
+        self.assertEqual(a, self.gen("--shape", "conversation", "--rate", "50", "--duration-s",
+                                     "60", "--scale", "0.1", "--max-context", "512", "--seed",
+                                     "9"))
+        r = rows_of(a)
+        self.assertGreater(len(r), 2700)
+        self.assertLess(len(r), 3300)  # Poisson at 50/s for 60 s: 3000 +- 5 sigma
+        self.assertTrue(all(p + o <= 512 and p >= 1 and o >= 1 and c == "online"
+                            for _, p, o, c in r))
+        self.assertEqual([x[0] for x in r], sorted(x[0] for x in r))
+        med = lambda v: sorted(v)[len(v) // 2]
+        # medians 1020 / 129 tokens times 0.1 (truncation at 512 pulls them down a little)
+        self.assertTrue(85 <= med([x[1] for x in r]) <= 105, med([x[1] for x in r]))
+        self.assertTrue(11 <= med([x[2] for x in r]) <= 14, med([x[2] for x in r]))
+        c = rows_of(self.gen("--shape", "code", "--rate", "50", "--duration-s", "60",
+                             "--scale", "0.1", "--max-context", "512"))
+        self.assertTrue(1 <= med([x[2] for x in c]) <= 2)
+
+    def test_tide_offline_and_bursts(self):
+        r = rows_of(self.gen("--shape", "conversation", "--tide", "2:40", "--duration-s",
+                             "100", "--offline", "50", "--scale", "0.1", "--max-context",
+                             "512"))
+        off = [x for x in r if x[3] == "offline"]
+        on = [x for x in r if x[3] == "online"]
+        self.assertEqual(len(off), 50)
+        self.assertTrue(all(x[0] == 0 for x in off))
+        # the trough at the ends of the day, the peak in the middle
+        ends = sum(1 for x in on if x[0] < 20 or x[0] >= 80)
+        mid = sum(1 for x in on if 40 <= x[0] < 60)
+        self.assertGreater(mid, 3 * ends / 2)
+        b = rows_of(self.gen("--rate", "5", "--bursts", "1:10:10", "--duration-s", "100",
+                             "--scale", "0.1", "--max-context", "512"))
+        per10 = [sum(1 for x in b if k * 10 <= x[0] < k * 10 + 10) for k in range(10)]
+        self.assertGreater(max(per10), 4 * sorted(per10)[5], per10)
+
+    def test_from_azure_and_retime(self):
+        tmp = tempfile.mkdtemp(prefix="gen-trace-")
+        az = os.path.join(tmp, "az.csv")
+        with open(az, "w") as f:
+            f.write("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-16 18:15:46.0000000,1000,100\n"
+                    "2023-11-16 18:15:46.5000000,6000,20\n"
+                    "2023-11-16 18:15:48.2500000,5,3\n"
+                    "2023-11-16 18:15:50.0000000,30,40\n")
+        out = self.gen("--from-azure", az, "--scale", "0.1", "--max-context", "512",
+                       "--duration-s", "4")
+        self.assertEqual(rows_of(out), [(0.0, 100, 10, "online"), (0.5, 510, 2, "online"),
+                                        (2.25, 1, 1, "online")])
+        self.assertIn("3 lines, 1 of them over --max-context 512 at --scale 0.1 (prompts "
+                      "clipped to fit)", out)
+        drop = self.gen("--from-azure", az, "--scale", "0.1", "--max-context", "512",
+                        "--overflow", "drop", "--duration-s", "10", "--time-scale", "2")
+        self.assertEqual(rows_of(drop), [(0.0, 100, 10, "online"), (4.5, 1, 1, "online"),
+                                         (8.0, 3, 4, "online")])
+        tr = os.path.join(tmp, "t.csv")
+        with open(tr, "w") as f:
+            f.write("arrival_s,prompt_tokens,output_tokens,class\n0,5,5,offline\n"
+                    "1,10,2,online\n3,20,4\n")
+        self.assertEqual(rows_of(self.gen("--from-trace", tr, "--time-scale", "0.5")),
+                         [(0.0, 5, 5, "offline"), (0.5, 10, 2, "online"),
+                          (1.5, 20, 4, "online")])
+
+    def test_bundled_traces_replay_in_the_simulator(self):
+        names = sorted(n for n in os.listdir(TRACES) if n.endswith(".csv"))
+        self.assertEqual(names, ["azure-code.csv", "azure-conv.csv", "azure-mix.csv",
+                                 "bursty-conv.csv", "day-mix.csv", "tide-offline.csv"])
+        for n in names:
+            path = os.path.join(TRACES, n)
+            with open(path) as f:
+                r = rows_of(f.read())
+            self.assertTrue(all(p + o <= 512 for _, p, o, _ in r), n)
+            p = subprocess.run([SIM, "--workers", "8", "--trace", path, "--policy", "static:4",
+                                "--preset", "a100-llama3-8b:dilate=10"], capture_output=True,
+                               text=True, timeout=120)
+            self.assertEqual(p.returncode, 0, n + p.stderr)
+            self.assertIn("workload: trace %s, %d requests" % (path, len(r)), p.stdout)
 
 
 if __name__ == "__main__":

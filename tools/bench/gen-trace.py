@@ -93,8 +93,8 @@ def from_azure(args):
     """Lines of the Azure LLM inference trace 2023 CSVs (TIMESTAMP,ContextTokens,
     GeneratedTokens), merged by time: the window [--start-s, --start-s + --duration-s) after
     the first file's first request, arrival times relative to the window times
-    --time-scale, token counts times --scale; a line over --max-context is dropped (not
-    clipped), and --keep P keeps each line with probability P (a lower rate, the same
+    --time-scale, token counts times --scale; a line over --max-context has its prompt
+    clipped to fit (--overflow drop: dropped instead), and --keep P keeps each line with probability P (a lower rate, the same
     shapes and burst pattern)."""
     import csv
     import datetime
@@ -115,28 +115,59 @@ def from_azure(args):
         p, o = max(1, round(p * args.scale)), max(1, round(o * args.scale))
         if args.max_context > 0 and p + o > args.max_context:
             dropped += 1
-            continue
+            if args.overflow == "drop" or o >= args.max_context:
+                continue
+            p = args.max_context - o  # clip the prompt: the request stays, its size shrinks
         kept.append((s * args.time_scale, p, o))
     out = sys.stdout
     out.write("# gen-trace.py %s\n" % " ".join(sys.argv[1:]))
     out.write("# from the Azure LLM inference trace 2023 (Azure/AzurePublicDataset, CC-BY 4.0): "
-              "%d lines kept, %d dropped over --max-context\n" % (len(kept), dropped))
+              "%d lines, %d of them over --max-context %d at --scale %g (%s)\n"
+              % (len(kept) + (dropped if args.overflow == "drop" else 0), dropped,
+                 args.max_context, args.scale,
+                 "dropped" if args.overflow == "drop" else "prompts clipped to fit"))
     out.write("arrival_s,prompt_tokens,output_tokens,class\n")
     ortn = random.Random(args.seed + 2)
     for _ in range(args.offline):
         p, o = draw(ortn, OFFLINE_SHAPES[args.offline_shape], args.scale, args.max_context)
-        out.write("0.000000,%d,%d,offline\n" % (p, o))
+        out.write("0,%d,%d,offline\n" % (p, o))
     for s, p, o in kept:
         out.write("%.6f,%d,%d,online\n" % (s, p, o))
+
+
+def from_trace(args):
+    """A trace of ours (CSV arrival_s,prompt_tokens,output_tokens[,class]) retimed: arrival
+    times times --time-scale, each online line kept with probability --keep (offline lines
+    always), the window [--start-s, --start-s + --duration-s) of the original times."""
+    rnd = random.Random(args.seed)
+    out = sys.stdout
+    out.write("# gen-trace.py %s\n" % " ".join(sys.argv[1:]))
+    out.write("arrival_s,prompt_tokens,output_tokens,class\n")
+    for line in open(args.from_trace):
+        s = line.strip()
+        if not s or s.startswith("#") or not (s[0].isdigit() or s[0] == "."):
+            continue
+        f = s.split(",")
+        t = float(f[0]) - args.start_s
+        cls = f[3].strip() if len(f) > 3 else "online"
+        off = cls.lower() in ("offline", "1", "flex", "batch")
+        if not off and (t < 0 or t >= args.duration_s or rnd.random() >= args.keep):
+            continue
+        out.write("%.6f,%s,%s,%s\n" % (max(0.0, t) * args.time_scale, f[1].strip(),
+                                       f[2].strip(), "offline" if off else "online"))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--from-azure", action="append", default=[], metavar="CSV",
                     help="convert the Azure LLM inference trace 2023 CSV(s) instead (merged)")
-    ap.add_argument("--start-s", type=float, default=0, help="--from-azure: window start")
+    ap.add_argument("--from-trace", metavar="CSV",
+                    help="retime a trace of ours (--time-scale, --keep, --start-s, --duration-s)")
+    ap.add_argument("--start-s", type=float, default=0, help="--from-*: window start")
     ap.add_argument("--time-scale", type=float, default=1.0,
                     help="--from-azure: arrival times times this (0.5: twice the rate)")
+    ap.add_argument("--overflow", choices=("clip", "drop"), default="clip",
+                    help="--from-azure: a line over --max-context: clip its prompt, or drop it")
     ap.add_argument("--keep", type=float, default=1.0,
                     help="--from-azure: keep each line with this probability")
     ap.add_argument("--shape", choices=("conversation", "code", "mix"), default="conversation")
@@ -144,7 +175,8 @@ def main():
     ap.add_argument("--tide", default="", help="LOW:HIGH requests/s at night and at the peak")
     ap.add_argument("--day-s", type=float, default=0,
                     help="seconds one day is compressed into (default: --duration-s)")
-    ap.add_argument("--duration-s", type=float, default=120)
+    ap.add_argument("--duration-s", type=float, default=120,
+                    help="seconds of arrivals (--from-*: of the original times)")
     ap.add_argument("--burstiness", type=float, default=1.0,
                     help="coefficient of variation of the gaps (1: Poisson; > 1: bursty gamma)")
     ap.add_argument("--bursts", default="", help="N:X:S: N bursts of X times the rate, S s each")
@@ -167,6 +199,12 @@ def main():
         args.tide = (lo, hi)
     if args.burstiness <= 0 or args.rate <= 0 or args.duration_s <= 0 or args.scale <= 0:
         sys.exit("gen-trace: --burstiness, --rate, --duration-s and --scale must be > 0")
+    if args.from_trace:
+        if args.time_scale <= 0 or not 0 < args.keep <= 1:
+            sys.exit("gen-trace: --time-scale must be > 0 and --keep in (0, 1]")
+        if "--duration-s" not in sys.argv:
+            args.duration_s = float("inf")
+        return from_trace(args)
     if args.from_azure:
         if args.time_scale <= 0 or not 0 < args.keep <= 1:
             sys.exit("gen-trace: --time-scale must be > 0 and --keep in (0, 1]")
@@ -188,7 +226,7 @@ def main():
     ortn = random.Random(args.seed + 2)
     for _ in range(args.offline):
         p, o = draw(ortn, OFFLINE_SHAPES[args.offline_shape], args.scale, args.max_context)
-        out.write("0.000000,%d,%d,offline\n" % (p, o))
+        out.write("0,%d,%d,offline\n" % (p, o))
     # Online arrivals: a renewal process in "operational time" (unit rate), mapped through the
     # integral of the rate (the inversion method, so the rate may change at any time).
     k = 1.0 / (args.burstiness ** 2)  # gamma shape: CV = 1 / sqrt(k)
