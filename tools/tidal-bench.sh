@@ -508,8 +508,10 @@ if tidal:
             agree.append(((tidal["good"] > x["good"]) - (tidal["good"] < x["good"]),
                           (t[1] > s[1]) - (t[1] < s[1])))
     same = all(a == b for a, b in agree)
-    print("tidal vs each static split run here: %s in emulation and simulation" % (
-        "ranked the same" if same else "NOT ranked the same"))
+    print("tidal vs each static split run here: %s" % (
+        "none run (SPLITS empty)" if not agree else
+        "ranked the same in emulation and simulation" if same else
+        "NOT ranked the same in emulation and simulation"))
 
 if offline and tidal and trace_mode and os.path.isdir(os.path.join(out, "offline-only")):
     # Offline work in the troughs. Bins of BIN_S s; a trough bin is one whose online
