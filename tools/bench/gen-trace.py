@@ -13,8 +13,8 @@ Shapes (docs/workloads.md gives the sources and how each figure was chosen):
   mix           both, the share of code following a day: code peaks at the working-day
                 hours, conversation in the evening
 Arrivals: Poisson, or with --burstiness CV > 1 a gamma renewal process of that coefficient of
-variation (BurstGPT, Wang et al. 2024: gamma-distributed inter-arrival times, bursty for
-conversation traffic); --rate follows a day with --tide LOW:HIGH (the rate at night and at the
+variation (BurstGPT, Wang et al. 2024, models arrivals with gamma-distributed gaps); --rate
+follows a day with --tide LOW:HIGH (the rate at night and at the
 peak, a cosine over --day-s seconds, trough at t = 0) and --bursts N:X:S adds N bursts of X
 times the rate for S seconds; --offline N adds N offline lines queued at t = 0 (a batch job
 waiting throughout), their shape --offline-shape.
