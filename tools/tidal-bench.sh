@@ -11,6 +11,14 @@
 # docs/scheduler.md "tools/tidal-bench.sh: tidal against static splits" explains the
 # workload, every default and the results.
 #
+# With TRACE=FILE (a tidepool-sim trace: tools/bench/traces/, tools/bench/gen-trace.py) every
+# run replays that trace's online lines instead (tidepool-bench --trace), and, when it has
+# offline lines (and OFFLINE=1), step 3 submits them as one Batch API job (prompts of their
+# exact token counts) next to the online replay, and a last run serves the job alone for
+# as long (the cluster's capacity for it); /metrics' offline token counter is sampled
+# every second in both, and the OFFLINE part reports the offline tokens served in the
+# online troughs as a share of the spare capacity there (docs/tidal.md).
+#
 # Steps (each configuration gets a fresh gateway and 8 workers on free loopback ports; only
 # the processes started here are stopped):
 #   1. every static split in SPLITS (about 2.8 min each: an overloaded split drags its
@@ -35,6 +43,8 @@
 #   PREFILL_TOK_S= (the policy's prefill capacity; default: tidepool-sim's cost-model figure)
 #   OFFLINE=1  OFFLINE_LINES=400  OFFLINE_WORDS=8  OFFLINE_TOKENS=60  OFFLINE_WAIT_S=600 (aging)
 #   SIM1000=1  KEEP=0 (1: keep the run directories)  MODEL=build/models/stories260K.gguf
+#   TRACE= (a trace file; empty: the phase-shift workload above)  OFFLINE_TIMEOUT_S=3600
+#   BIN_S=5 (trace mode: the bins the troughs are found in)  WARM_S=10
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -64,6 +74,10 @@ OFFLINE_WAIT_S=${OFFLINE_WAIT_S:-600}
 SIM1000=${SIM1000:-1}
 KEEP=${KEEP:-0}
 MODEL=${MODEL:-build/models/stories260K.gguf}
+TRACE=${TRACE:-}
+OFFLINE_TIMEOUT_S=${OFFLINE_TIMEOUT_S:-3600}
+BIN_S=${BIN_S:-5}
+WARM_S=${WARM_S:-10}
 
 for b in gateway prefill_worker tidepool-bench tidepool-sim; do
     [ -x "$BIN/$b" ] || { echo "tidal-bench: $BIN/$b missing: run make first" >&2; exit 2; }
@@ -78,9 +92,39 @@ DURATION=$(python3 -c "print($PHASE_S * $PHASES)")
 # SLO + the longest answer at the TPOT SLO): the client gives up on it, which bounds the
 # backlog an overloaded configuration drags past the last arrival.
 TIMEOUT_S=$(python3 -c "print(($TTFT_SLO + max(${OUTPUT_TOKENS##*:}, $SHORT_LEN) * $TPOT_SLO) / 1e3 + 5)")
+[ -z "$TRACE" ] || [ -f "$TRACE" ] || { echo "tidal-bench: TRACE $TRACE: no such file" >&2; exit 2; }
+OUT=$(mktemp -d /tmp/tidal-bench.XXXXXX)
+N_OFFLINE=0
+N_LINES=0
+if [ -n "$TRACE" ]; then
+    # the trace split by class (the simulator's rules for the class column), its duration
+    # (the last online arrival) and the client's deadline (its longest online answer)
+    read -r DURATION TIMEOUT_S N_OFFLINE N_LINES < <(python3 - "$TRACE" "$OUT" "$TTFT_SLO" "$TPOT_SLO" <<'PYEOF'
+import sys
+path, out, ttft, tpot = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+on, off, last, longest = [], [], 0.0, 1
+for line in open(path):
+    s = line.strip()
+    if not s or s.startswith("#") or not (s[0].isdigit() or s[0] == "."):
+        continue
+    f = s.split(",")
+    cls = f[3].strip().lower() if len(f) > 3 else ""
+    if cls in ("offline", "1", "flex", "batch"):
+        off.append(s)
+    else:
+        on.append(s)
+        last, longest = max(last, float(f[0])), max(longest, int(float(f[2])))
+head = "arrival_s,prompt_tokens,output_tokens,class\n"
+open(out + "/online.csv", "w").write(head + "".join(l + "\n" for l in on))
+open(out + "/offline.csv", "w").write(head + "".join(l + "\n" for l in off))
+print(last, (ttft + longest * tpot) / 1e3 + 5, len(off), len(on) + len(off))
+PYEOF
+    )
+fi
 # an upper bound of the arrivals (the bench stops them at DURATION)
 MAX_N=$(python3 -c "import math; print(int(2 * $PHASE_S * math.ceil($PHASES / 2) * ($RATE + $DECODE_RATE)) + 100)")
-OUT=$(mktemp -d /tmp/tidal-bench.XXXXXX)
+# the gateway's queue must hold a trace's offline lines, all queued at once
+MAX_QUEUE=$((N_OFFLINE + 1024))
 T_START=$SECONDS
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -109,7 +153,11 @@ cpu_s() {
 }
 
 # run_one NAME N_PREFILL N_DECODE OFFLINE(0|1) [gateway args...]: one configuration; leaves
-# $OUT/NAME/{result.json,trace.csv,info.json,*.log}.
+# $OUT/NAME/{result.json,trace.csv,info.json,*.log}. Trace mode: RUN_TRACE is the file the
+# bench replays, and with RUN_LIMIT_S set the bench is stopped (SIGINT: it reports what
+# ended by then) that long after it started.
+RUN_TRACE=""
+RUN_LIMIT_S=""
 run_one() {
     local name=$1 np=$2 nd=$3 offline=$4
     shift 4
@@ -124,7 +172,8 @@ run_one() {
     env -u TIDEPOOL_API_KEY -u TIDEPOOL_ADMIN_API_KEY -u TIDEPOOL_API_KEY_FILE \
     "$BIN/gateway" --host 127.0.0.1 --port "$port" --ctl-bind "$ctl" --model "$MODEL" \
         --stats-bind "" --state-db "$db" --heartbeat-ms 200 --dead-after-ms 10000 \
-        --ttft-slo-ms "$TTFT_SLO" --tpot-slo-ms "$TPOT_SLO" --log-level warn "$@" \
+        --ttft-slo-ms "$TTFT_SLO" --tpot-slo-ms "$TPOT_SLO" --max-queue "$MAX_QUEUE" \
+        --log-level warn "$@" \
         >"$dir/gateway.log" 2>&1 &
     PIDS+=($!)
     for ((i = 0; i < np + nd; i++)); do
@@ -152,7 +201,42 @@ run_one() {
         exit 1
     fi
     local batch_id=""
-    if [ "$offline" = 1 ]; then
+    if [ "$offline" = 1 ] && [ -n "$TRACE" ]; then
+        # the trace's offline lines as one Batch API job: each prompt exactly its
+        # prompt_tokens ids (BOS, then ids of the server's /tokenize), as tidepool-bench
+        # --trace builds them
+        batch_id=$(python3 - "$port" "$OUT/offline.csv" <<'PYEOF'
+import json, random, sys, urllib.request
+port, path = sys.argv[1], sys.argv[2]
+base = "http://127.0.0.1:%s" % port
+def post(url, body, ctype="application/json"):
+    req = urllib.request.Request(base + url, data=body, method="POST",
+                                 headers={"Content-Type": ctype} if ctype else {})
+    return json.load(urllib.request.urlopen(req))
+tok = lambda text, sp: post("/tokenize", json.dumps({"prompt": text,
+                                                      "add_special_tokens": sp}).encode())["tokens"]
+rnd = random.Random(11)
+words = "the cat ran to a big red ball in the park and saw a little dog".split()
+pool = tok(" ".join(rnd.choice(words) for _ in range(2048)), False)
+w, wo = tok("the", True), tok("the", False)
+bos = [w[0]] if len(w) == len(wo) + 1 else []
+lines = []
+for i, line in enumerate(l for l in open(path) if l[:1].isdigit() or l[:1] == "."):
+    f = line.strip().split(",")
+    p, o = int(float(f[1])), int(float(f[2]))
+    off = rnd.randrange(len(pool))
+    ids = (bos + [pool[(off + k) % len(pool)] for k in range(p)])[:p]
+    lines.append(json.dumps({"custom_id": "offline-%d" % i, "method": "POST",
+                             "url": "/v1/completions",
+                             "body": {"model": "stories260K", "prompt": ids, "max_tokens": o,
+                                      "min_tokens": o, "ignore_eos": True, "temperature": 0}}))
+fid = post("/v1/files?purpose=batch&filename=offline.jsonl", ("\n".join(lines) + "\n").encode(),
+           None)["id"]
+print(post("/v1/batches", json.dumps({"input_file_id": fid, "endpoint": "/v1/completions",
+                                      "completion_window": "24h"}).encode())["id"])
+PYEOF
+        )
+    elif [ "$offline" = 1 ]; then
         batch_id=$(python3 - "$port" "$OFFLINE_LINES" "$OFFLINE_WORDS" "$OFFLINE_TOKENS" <<'EOF'
 import json, random, sys, urllib.request
 port, n, words, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -179,12 +263,34 @@ EOF
     local cpu0 t0 rc=0
     cpu0=$(cpu_s)
     t0=$(date +%s.%N)
-    "$BIN/tidepool-bench" --url "http://127.0.0.1:$port" --workload phase-shift \
-        --phase-seconds "$PHASE_S" --request-rate "$RATE" --decode-rate "$DECODE_RATE" \
-        --duration-s "$DURATION" --num-prompts "$MAX_N" --input-len-range "$PROMPT_WORDS" \
-        --output-len-range "$OUTPUT_TOKENS" --phase-short-len "$SHORT_LEN" --ignore-eos \
-        --seed "$SEED" --goodput "$SLO" --timeout-s "$TIMEOUT_S" --result-json "$dir/result.json" \
-        --trace-out "$dir/trace.csv" --no-progress >"$dir/bench.txt" 2>&1 || rc=$?
+    local load=(--workload phase-shift --phase-seconds "$PHASE_S" --request-rate "$RATE"
+                --decode-rate "$DECODE_RATE" --duration-s "$DURATION" --num-prompts "$MAX_N"
+                --input-len-range "$PROMPT_WORDS" --output-len-range "$OUTPUT_TOKENS"
+                --phase-short-len "$SHORT_LEN" --ignore-eos)
+    [ -n "$TRACE" ] && load=(--trace "$RUN_TRACE" --offline-timeout-s "$OFFLINE_TIMEOUT_S")
+    local sampler=""
+    if [ -n "$TRACE" ] && [ -n "$batch_id" ]; then
+        # the offline token counter once a second: "seconds since the start, tokens"
+        (while :; do
+            printf '%s %s\n' "$(python3 -c "print($(date +%s.%N) - $t0)")" "$(curl -s \
+                "http://127.0.0.1:$port/metrics" | sed -n \
+                's/^tidepool_offline_generation_tokens_total{[^}]*} \([0-9.e+]*\)$/\1/p')"
+            sleep 1
+        done) >"$dir/offline-series.txt" 2>/dev/null &
+        sampler=$!
+    fi
+    if [ "$RUN_TRACE" = none ]; then # the batch job alone, for RUN_LIMIT_S
+        sleep "$RUN_LIMIT_S"
+    else
+        "$BIN/tidepool-bench" --url "http://127.0.0.1:$port" "${load[@]}" \
+            --seed "$SEED" --goodput "$SLO" --timeout-s "$TIMEOUT_S" \
+            --result-json "$dir/result.json" --trace-out "$dir/trace.csv" --no-progress \
+            >"$dir/bench.txt" 2>&1 || rc=$?
+    fi
+    if [ -n "$sampler" ]; then
+        kill "$sampler" 2>/dev/null || true
+        wait "$sampler" 2>/dev/null || true
+    fi
     if ((rc != 0)); then
         echo "tidal-bench: $name: the bench failed (see $dir/bench.txt)" >&2
         KEEP=1
@@ -196,7 +302,9 @@ EOF
     curl -s "http://127.0.0.1:$port/workers" >"$dir/workers.json"
     curl -s "http://127.0.0.1:$port/metrics" >"$dir/metrics.txt"
     python3 -c "import json; json.dump({'cpu_s': $cpu1 - $cpu0, 'wall_s': $t1 - $t0}, open('$dir/info.json', 'w'))"
-    if [ -n "$batch_id" ]; then
+    if [ -n "$batch_id" ] && [ -n "$TRACE" ]; then
+        curl -s "http://127.0.0.1:$port/v1/batches/$batch_id" >"$dir/batch.json"
+    elif [ -n "$batch_id" ]; then
         # the batch as the online run ended, then how long the rest takes with the cluster to
         # itself (at most 120 s more)
         curl -s "http://127.0.0.1:$port/v1/batches/$batch_id" >"$dir/batch.json"
@@ -215,10 +323,14 @@ EOF
 
 label() { tr ':' '-' <<<"$1"; }
 
+WORKLOAD="phase-shift $PHASES x ${PHASE_S} s: prefill-heavy $RATE req/s ($PROMPT_WORDS words,"
+WORKLOAD+=" $SHORT_LEN tokens out), decode-heavy $DECODE_RATE req/s ($SHORT_LEN words,"
+WORKLOAD+=" $OUTPUT_TOKENS tokens out)"
+[ -n "$TRACE" ] &&
+    WORKLOAD="trace $TRACE ($((N_LINES - N_OFFLINE)) online lines over $DURATION s, $N_OFFLINE offline)"
 echo "tidal-bench: EMULATED cluster of 8 workers ($PRESET, max-seqs $MAX_SEQS, max-batch-tokens" \
-    "$MAX_BATCH_TOKENS); phase-shift $PHASES x ${PHASE_S} s: prefill-heavy $RATE req/s" \
-    "($PROMPT_WORDS words, $SHORT_LEN tokens out), decode-heavy $DECODE_RATE req/s ($SHORT_LEN" \
-    "words, $OUTPUT_TOKENS tokens out); SLO $SLO; seed $SEED" >&2
+    "$MAX_BATCH_TOKENS); $WORKLOAD; SLO $SLO; seed $SEED" >&2
+RUN_TRACE=$OUT/online.csv
 CONFIGS=()
 for s in $SPLITS; do
     echo "tidal-bench: static $s ..." >&2
@@ -226,8 +338,9 @@ for s in $SPLITS; do
     CONFIGS+=("static-$(label "$s")")
 done
 # The trace: every request's arrival and token counts, from the first run that has one.
-TRACE=""
-for c in "${CONFIGS[@]}"; do TRACE=$OUT/$c/trace.csv; break; done
+SIM_TRACE=""
+[ -n "$TRACE" ] && SIM_TRACE=$OUT/online.csv
+for c in "${CONFIGS[@]}"; do [ -n "$SIM_TRACE" ] || SIM_TRACE=$OUT/$c/trace.csv; break; done
 # The simulator gets the workers' engine settings, the gateway's behaviour (decode room
 # reserved at dispatch, a 200 ms policy tick, no switching cost) and the policy knobs of
 # TIDAL_ARGS.
@@ -243,8 +356,8 @@ SIM_ARGS=(--workers 8 --preset "$PRESET" --max-seqs "$MAX_SEQS" --max-batch-toke
           --max-changes "$(tidal_arg --tidal-max-changes 2)"
           --min-per-role "$(tidal_arg --tidal-min-per-role 1)")
 if [ -z "$PREFILL_TOK_S" ]; then
-    [ -n "$TRACE" ] || { echo "tidal-bench: set PREFILL_TOK_S when SPLITS is empty" >&2; exit 2; }
-    PREFILL_TOK_S=$("$BIN/tidepool-sim" "${SIM_ARGS[@]}" --trace "$TRACE" --policy static:2 2>/dev/null |
+    [ -n "$SIM_TRACE" ] || { echo "tidal-bench: set PREFILL_TOK_S when SPLITS is empty" >&2; exit 2; }
+    PREFILL_TOK_S=$("$BIN/tidepool-sim" "${SIM_ARGS[@]}" --trace "$SIM_TRACE" --policy static:2 2>/dev/null |
         sed -n 's/.*capacity estimates per worker: prefill \([0-9]*\) tok\/s.*/\1/p')
 fi
 # shellcheck disable=SC2086  # TIDAL_ARGS is a list of flags
@@ -253,8 +366,21 @@ fi
     run_one tidal "${TIDAL_START%%:*}" "${TIDAL_START##*:}" 0 --tidal $TIDAL_ARGS \
         --prefill-tokens-per-s "$PREFILL_TOK_S"
     CONFIGS+=(tidal)
-    [ -n "$TRACE" ] || TRACE=$OUT/tidal/trace.csv
-    if [ "$OFFLINE" = 1 ]; then
+    [ -n "$SIM_TRACE" ] || SIM_TRACE=$OUT/tidal/trace.csv
+    if [ "$OFFLINE" = 1 ] && [ -n "$TRACE" ] && ((N_OFFLINE > 0)); then
+        # the online lines with the offline ones queued as a Batch API job; then the job
+        # alone for as long: the cluster's capacity for it
+        echo "tidal-bench: tidal + the trace's $N_OFFLINE offline lines as a Batch API job ..." >&2
+        run_one tidal-offline "${TIDAL_START%%:*}" "${TIDAL_START##*:}" 1 --tidal $TIDAL_ARGS \
+            --prefill-tokens-per-s "$PREFILL_TOK_S" --offline-max-wait-s "$OFFLINE_WAIT_S"
+        echo "tidal-bench: tidal, the Batch API job alone ..." >&2
+        RUN_TRACE=none
+        RUN_LIMIT_S=$(python3 -c "print(int($DURATION + 1))")
+        run_one offline-only "${TIDAL_START%%:*}" "${TIDAL_START##*:}" 1 --tidal $TIDAL_ARGS \
+            --prefill-tokens-per-s "$PREFILL_TOK_S" --offline-max-wait-s "$OFFLINE_WAIT_S"
+        RUN_TRACE=$OUT/online.csv
+        RUN_LIMIT_S=""
+    elif [ "$OFFLINE" = 1 ] && [ -z "$TRACE" ]; then
         echo "tidal-bench: tidal + a Batch API job of $OFFLINE_LINES offline requests ..." >&2
         run_one tidal-offline "${TIDAL_START%%:*}" "${TIDAL_START##*:}" 1 --tidal $TIDAL_ARGS \
             --prefill-tokens-per-s "$PREFILL_TOK_S" --offline-max-wait-s "$OFFLINE_WAIT_S"
@@ -264,8 +390,13 @@ fi
 # (before live migration): the simulator does the same.
 ROLE_CHANGE=$(python3 -c "import json; w = json.load(open('$OUT/tidal/workers.json'))['workers']
 print('migrate' if sum(x.get('migrated_out', 0) for x in w) > 0 else 'drain')")
-"$BIN/tidepool-sim" "${SIM_ARGS[@]}" --role-change "$ROLE_CHANGE" --trace "$TRACE" \
+"$BIN/tidepool-sim" "${SIM_ARGS[@]}" --role-change "$ROLE_CHANGE" --trace "$SIM_TRACE" \
     --compare-static >"$OUT/sim.txt" 2>&1
+# trace mode with offline lines: the simulator's tidal on the whole trace too
+if [ -n "$TRACE" ] && ((N_OFFLINE > 0)); then
+    "$BIN/tidepool-sim" "${SIM_ARGS[@]}" --role-change "$ROLE_CHANGE" --trace "$TRACE" \
+        --policy tidal >"$OUT/sim-offline.txt" 2>&1
+fi
 if [ "$SIM1000" = 1 ]; then
     echo "tidal-bench: tidepool-sim with 1000 workers ..." >&2
     for mode in "" --compare-static; do
@@ -276,16 +407,15 @@ if [ "$SIM1000" = 1 ]; then
 fi
 
 echo "tidal-bench: EMULATED cluster of 8 workers ($PRESET, max-seqs $MAX_SEQS, max-batch-tokens" \
-    "$MAX_BATCH_TOKENS); phase-shift $PHASES x ${PHASE_S} s: prefill-heavy $RATE req/s" \
-    "($PROMPT_WORDS words, $SHORT_LEN tokens out), decode-heavy $DECODE_RATE req/s ($SHORT_LEN" \
-    "words, $OUTPUT_TOKENS tokens out); SLO $SLO; seed $SEED; tidal: $TIDAL_ARGS" \
+    "$MAX_BATCH_TOKENS); $WORKLOAD; SLO $SLO; seed $SEED; tidal: $TIDAL_ARGS" \
     "--prefill-tokens-per-s $PREFILL_TOK_S"
-OFFLINE_WAIT_S=$OFFLINE_WAIT_S python3 - "$OUT" "$TTFT_SLO" "$TPOT_SLO" "$SIM1000" "$OFFLINE" \
-    "$((SECONDS - T_START))" \
+OFFLINE_WAIT_S=$OFFLINE_WAIT_S TRACE=$TRACE DURATION=$DURATION BIN_S=$BIN_S WARM_S=$WARM_S \
+    python3 - "$OUT" "$TTFT_SLO" "$TPOT_SLO" "$SIM1000" "$OFFLINE" "$((SECONDS - T_START))" \
     "${CONFIGS[@]}" <<'EOF'
 import json, os, re, sys
 out, ttft_slo, tpot_slo = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
 sim1000, offline, elapsed, configs = sys.argv[4] == "1", sys.argv[5] == "1", sys.argv[6], sys.argv[7:]
+trace_mode = bool(os.environ.get("TRACE"))
 
 def load(name):
     d = os.path.join(out, name)
@@ -294,7 +424,7 @@ def load(name):
     workers = json.load(open(os.path.join(d, "workers.json")))["workers"]
     met = {"all": [0, 0], "prefill-heavy": [0, 0], "decode-heavy": [0, 0]}
     for q in r["requests"]:
-        if q["state"] == "not_sent":
+        if q["state"] == "not_sent" or trace_mode:
             continue
         ok = q["success"] and q["ttft_ms"] <= ttft_slo and (
             q["output_tokens"] <= 1 or
@@ -302,7 +432,10 @@ def load(name):
         for k in ("all", q["phase"]):
             met[k][0] += ok
             met[k][1] += 1
-    pct = {k: 100.0 * v[0] / v[1] if v[1] else 0.0 for k, v in met.items()}
+    if trace_mode:  # the bench's figures: online requests, TTFT from their arrival
+        t = r["trace"]
+        met["all"] = [t["online_good"], t["online"]]
+    pct = {k: 100.0 * v[0] / v[1] if v[1] else float("nan") for k, v in met.items()}
     return {"name": name, "r": r, "good": met["all"][0], "n": met["all"][1], "pct": pct,
             "cpu": info["cpu_s"] / info["wall_s"], "changes": sum(w.get("role_changes", 0)
                                                                 for w in workers),
@@ -375,10 +508,109 @@ if tidal:
             agree.append(((tidal["good"] > x["good"]) - (tidal["good"] < x["good"]),
                           (t[1] > s[1]) - (t[1] < s[1])))
     same = all(a == b for a, b in agree)
-    print("tidal vs each static split run here: %s in emulation and simulation" % (
-        "ranked the same" if same else "NOT ranked the same"))
+    print("tidal vs each static split run here: %s" % (
+        "none run (SPLITS empty)" if not agree else
+        "ranked the same in emulation and simulation" if same else
+        "NOT ranked the same in emulation and simulation"))
 
-if offline and tidal:
+if offline and tidal and trace_mode and os.path.isdir(os.path.join(out, "offline-only")):
+    # Offline work in the troughs. Bins of BIN_S s; a trough bin is one whose online
+    # arrivals (the trace) are below the mean per bin (the night half of a tide). Offline
+    # tokens per bin: the gateway's offline token counter (counted as each line is
+    # answered), sampled every second. Online tokens per bin: each completed request's
+    # output tokens spread evenly over its generation (first token -> end). Capacity: the
+    # offline tokens per second of the Batch API job alone (after WARM_S s of warm-up, up
+    # to the online part's duration). Spare capacity in a trough bin: capacity x BIN_S -
+    # the online tokens generated there in the run without offline work (the same shapes: a
+    # token of one costs what a token of the other does).
+    dur, bin_s = float(os.environ["DURATION"]), float(os.environ["BIN_S"])
+    warm = float(os.environ["WARM_S"])
+    nb = max(1, int(dur // bin_s))
+
+    def spread(res, cls):
+        v = [0.0] * nb
+        for q in res["requests"]:
+            if q["state"] != "ok" or q.get("class") != cls:
+                continue
+            a = q["start_s"] + q["ttft_ms"] / 1e3
+            b = q["start_s"] + q["e2el_ms"] / 1e3
+            n = q["output_tokens"]
+            if b <= a:
+                if int(a // bin_s) < nb:
+                    v[int(a // bin_s)] += n
+                continue
+            for k in range(max(0, int(a // bin_s)), min(nb, int(b // bin_s) + 1)):
+                lo, hi = max(a, k * bin_s), min(b, (k + 1) * bin_s)
+                if hi > lo:
+                    v[k] += n * (hi - lo) / (b - a)
+        return v
+    arr = [0] * nb
+    for line in open(os.path.join(out, "online.csv")):
+        f = line.split(",")
+        if f[0][:1].isdigit() and int(float(f[0]) // bin_s) < nb:
+            arr[int(float(f[0]) // bin_s)] += 1
+    mean_arr = sum(arr) / nb
+    trough = [a < mean_arr for a in arr]
+    n_tr = sum(trough)
+    def series(name):
+        """Offline tokens per bin from the sampled counter (linear between samples)."""
+        pts = []
+        for line in open(os.path.join(out, name, "offline-series.txt")):
+            f = line.split()
+            if len(f) == 2:
+                pts.append((float(f[0]), float(f[1])))
+        pts.sort()
+        def at(t):
+            if not pts or t <= pts[0][0]:
+                return pts[0][1] if pts else 0.0
+            for (t0, v0), (t1, v1) in zip(pts, pts[1:]):
+                if t <= t1:
+                    return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else v1
+            return pts[-1][1]
+        return [at((k + 1) * bin_s) - at(k * bin_s) for k in range(nb)]
+    both = json.load(open(os.path.join(out, "tidal-offline", "batch.json")))
+    cap_bins = series("offline-only")
+    k0 = min(nb - 1, int(warm // bin_s))
+    cap = sum(cap_bins[k0:]) / ((nb - k0) * bin_s)
+    online_alone = spread(tidal["r"], "online")
+    off_both = series("tidal-offline")
+    spare = [max(0.0, cap * bin_s - online_alone[k]) for k in range(nb)]
+    sp_t = sum(s for s, t in zip(spare, trough) if t)
+    off_t = sum(o for o, t in zip(off_both, trough) if t)
+    sp_all, off_all = sum(spare), sum(off_both)
+    x = load("tidal-offline")
+    print()
+    print("OFFLINE IN THE TROUGHS (EMULATED, tidal; the trace's %d offline lines queued at t = 0 "
+          "as a Batch API job; %d of %d bins of %g s are troughs)" % (
+              both["request_counts"]["total"], n_tr, nb, bin_s))
+    print("capacity for the offline lines alone: %.1f tok/s (after %g s); online alone used "
+          "%.1f tok/s in the troughs, %.1f tok/s outside them" % (
+              cap, warm,
+              sum(o for o, t in zip(online_alone, trough) if t) / max(1e-9, n_tr * bin_s),
+              sum(o for o, t in zip(online_alone, trough) if not t) /
+              max(1e-9, (nb - n_tr) * bin_s)))
+    print("%-16s %10s %10s %12s %12s %10s" % ("", "online SLO", "goodput", "offline tok",
+                                              "spare tok", "share of"))
+    print("%-16s %10s %10s %12s %12s %10s" % ("", "met %", "req/s", "served", "", "spare"))
+    print("%-16s %10.1f %10.2f %12s %12s %10s" % (
+        "without offline", tidal["pct"]["all"], tidal["r"]["trace"]["goodput"] or 0, "-", "-",
+        "-"))
+    print("%-16s %10.1f %10.2f %12.0f %12.0f %10.2f   (troughs)" % (
+        "with offline", x["pct"]["all"], x["r"]["trace"]["goodput"] or 0, off_t, sp_t,
+        off_t / sp_t if sp_t else float("nan")))
+    print("%-16s %10s %10s %12.0f %12.0f %10.2f   (whole run)" % (
+        "", "", "", off_all, sp_all, off_all / sp_all if sp_all else float("nan")))
+    print("online SLO attainment with offline work: %+.1f points (%d/%d vs %d/%d requests); "
+          "batch lines completed when the online replay ended: %d of %d (%d failed)" % (
+              x["pct"]["all"] - tidal["pct"]["all"], x["good"], x["n"], tidal["good"],
+              tidal["n"], both["request_counts"]["completed"], both["request_counts"]["total"],
+              both["request_counts"]["failed"]))
+    so = os.path.join(out, "sim-offline.txt")
+    rows_o = [l.split() for l in open(so) if l.startswith("tidal ")] if os.path.exists(so) else []
+    if rows_o and len(rows_o[0]) > 9:
+        print("SIMULATED, the whole trace (tidal): online SLO met %s%%, offline %s tok/s over "
+              "the simulated run" % (rows_o[0][2], rows_o[0][9]))
+elif offline and tidal and not trace_mode:
     x = load("tidal-offline")
     b = json.load(open(os.path.join(x["dir"], "batch.json")))
     metrics = open(os.path.join(x["dir"], "metrics.txt")).read()

@@ -190,89 +190,239 @@ static int bench_target(bench *b)
     return 0;
 }
 
+/* One request made before the run (GET /v1/models, POST /tokenize), waited for on the
+ * loop. */
 typedef struct {
     int done, status;
-    char body[65536];
+    char *body; /* malloc'd reply body, NUL-terminated */
     size_t n;
     int err;
-} models_fetch;
+} sync_fetch;
 
-static void models_done_cb(struct evhttp_request *req, void *arg)
+static void sync_done_cb(struct evhttp_request *req, void *arg)
 {
-    models_fetch *m = arg;
+    sync_fetch *m = arg;
     m->done = 1;
     if (req) {
         m->status = evhttp_request_get_response_code(req);
         struct evbuffer *in = evhttp_request_get_input_buffer(req);
-        int k = evbuffer_remove(in, m->body, sizeof(m->body) - 1);
-        m->n = k > 0 ? (size_t)k : 0;
+        size_t n = evbuffer_get_length(in);
+        m->body = malloc(n + 1);
+        if (m->body) {
+            evbuffer_remove(in, m->body, n);
+            m->body[n] = 0;
+            m->n = n;
+        }
     }
 }
 
-static void models_error_cb(enum evhttp_request_error err, void *arg)
+static void sync_error_cb(enum evhttp_request_error err, void *arg)
 {
-    models_fetch *m = arg;
+    sync_fetch *m = arg;
     m->err = EVUTIL_SOCKET_ERROR();
     (void)err;
+}
+
+/* GET (body NULL) or POST (a JSON body) {prefix}path and wait for the answer. Returns the
+ * reply parsed as JSON when the status is 200 and it parses (the caller's), else NULL; the
+ * status (0: no response) in *status, and a description of a failure in what. */
+static json_t *bench_http_sync(bench *b, const char *path, const char *body, int *status,
+                               char *what, size_t what_len)
+{
+    sync_fetch m = {0};
+    char full[600];
+    json_t *j = NULL;
+    snprintf(full, sizeof(full), "%s%s", b->prefix, path);
+    struct evhttp_connection *c = evhttp_connection_base_new(b->base, NULL, b->host_addr,
+                                                             b->port);
+    struct evhttp_request *req = c ? evhttp_request_new(sync_done_cb, &m) : NULL;
+    snprintf(what, what_len, "out of memory");
+    if (!req)
+        goto out;
+    evhttp_connection_set_timeout(c, (int)fmin(30, ceil(b->a.timeout_s)));
+    evhttp_request_set_error_cb(req, sync_error_cb);
+    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
+    if (evhttp_add_header(h, "Host", b->host_header) < 0 ||
+        (b->authorization && evhttp_add_header(h, "Authorization", b->authorization) < 0) ||
+        (body && (evhttp_add_header(h, "Content-Type", "application/json") < 0 ||
+                  evbuffer_add(evhttp_request_get_output_buffer(req), body, strlen(body)) <
+                      0))) {
+        evhttp_request_free(req);
+        goto out;
+    }
+    if (evhttp_make_request(c, req, body ? EVHTTP_REQ_POST : EVHTTP_REQ_GET, full) != 0)
+        goto out;
+    while (!m.done && event_base_loop(b->base, EVLOOP_ONCE) == 0)
+        ;
+    if (m.status == 200) {
+        json_error_t je;
+        j = m.body ? json_loadb(m.body, m.n, 0, &je) : NULL;
+        snprintf(what, what_len, "the reply is not JSON");
+    } else if (m.status) {
+        snprintf(what, what_len, "HTTP %d", m.status);
+    } else {
+        snprintf(what, what_len, "%s", m.err ? evutil_socket_error_to_string(m.err)
+                                             : "no response");
+    }
+out:
+    *status = m.status;
+    if (c)
+        evhttp_connection_free(c);
+    free(m.body);
+    return j;
 }
 
 /* The first model id of GET {prefix}/v1/models (malloc'd), or NULL with a message. */
 static char *bench_fetch_model(bench *b)
 {
-    models_fetch *m = calloc(1, sizeof(*m));
-    char path[600], *model = NULL;
-    snprintf(path, sizeof(path), "%s/v1/models", b->prefix);
-    struct evhttp_connection *c = NULL;
-    struct evhttp_request *req = NULL;
-    if (!m)
-        goto fail;
-    c = evhttp_connection_base_new(b->base, NULL, b->host_addr, b->port);
-    req = c ? evhttp_request_new(models_done_cb, m) : NULL;
-    if (!req)
-        goto fail;
-    evhttp_connection_set_timeout(c, (int)fmin(30, ceil(b->a.timeout_s)));
-    evhttp_request_set_error_cb(req, models_error_cb);
-    struct evkeyvalq *h = evhttp_request_get_output_headers(req);
-    if (evhttp_add_header(h, "Host", b->host_header) < 0 ||
-        (b->authorization && evhttp_add_header(h, "Authorization", b->authorization) < 0)) {
-        evhttp_request_free(req);
-        goto fail;
-    }
-    if (evhttp_make_request(c, req, EVHTTP_REQ_GET, path) != 0)
-        goto fail;
-    while (!m->done && event_base_loop(b->base, EVLOOP_ONCE) == 0)
-        ;
-    if (m->status == 200) {
-        json_error_t je;
-        json_t *j = json_loadb(m->body, m->n, 0, &je);
-        const json_t *id = json_object_get(json_array_get(json_object_get(j, "data"), 0), "id");
-        if (json_is_string(id))
-            model = strdup(json_string_value(id));
-        json_decref(j);
-    }
-fail:
+    char what[128];
+    int status = 0;
+    json_t *j = bench_http_sync(b, "/v1/models", NULL, &status, what, sizeof(what));
+    const json_t *id = json_object_get(json_array_get(json_object_get(j, "data"), 0), "id");
+    char *model = json_is_string(id) ? strdup(json_string_value(id)) : NULL;
+    json_decref(j);
     if (!model) {
-        char what[128];
-        if (m && m->status == 200)
+        if (status == 200)
             snprintf(what, sizeof(what), "no data[0].id in the reply");
-        else if (m && m->status)
-            snprintf(what, sizeof(what), "HTTP %d", m->status);
+        if (status == 401) /* --model would not help: every request gets 401 */
+            fprintf(stderr, "tidepool-bench: http://%s%s/v1/models: HTTP 401: %s: pass "
+                            "--api-key KEY (or set TIDEPOOL_API_KEY)\n", b->host_header,
+                    b->prefix, b->authorization ? "the server refused the API key given"
+                                                : "the server wants an API key");
         else
-            snprintf(what, sizeof(what), "%s",
-                     m && m->err ? evutil_socket_error_to_string(m->err) : "no response");
-        if (m && m->status == 401) /* --model would not help: every request gets 401 */
-            fprintf(stderr, "tidepool-bench: http://%s%s: HTTP 401: %s: pass --api-key KEY (or "
-                            "set TIDEPOOL_API_KEY)\n", b->host_header, path,
-                    b->authorization ? "the server refused the API key given"
-                                     : "the server wants an API key");
-        else
-            fprintf(stderr, "tidepool-bench: cannot get the model from http://%s%s: %s; pass "
-                            "--model NAME\n", b->host_header, path, what);
+            fprintf(stderr, "tidepool-bench: cannot get the model from http://%s%s/v1/models: "
+                            "%s; pass --model NAME\n", b->host_header, b->prefix, what);
     }
-    if (c)
-        evhttp_connection_free(c);
-    free(m);
     return model;
+}
+
+// --- the token pool of --trace
+
+/* The ids of json array arr (malloc'd, *n of them), or NULL when it is not a non-empty
+ * array of integers in [0, INT_MAX]. */
+static int *json_ids(const json_t *arr, size_t *n)
+{
+    size_t k = json_array_size(arr);
+    int *ids = k ? malloc(k * sizeof(int)) : NULL;
+    for (size_t i = 0; ids && i < k; i++) {
+        const json_t *v = json_array_get(arr, i);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 ||
+            json_integer_value(v) > 0x7fffffff) {
+            free(ids);
+            return NULL;
+        }
+        ids[i] = (int)json_integer_value(v);
+    }
+    *n = k;
+    return ids;
+}
+
+/* Tokenize text with the server: vLLM's and tidepool's POST /tokenize {"prompt",
+ * "add_special_tokens"}, else llama-server's {"content", "add_special"}. The ids
+ * (malloc'd, *n), and the server's max_model_len when it reports one (else *max_len is
+ * left alone); NULL with a message on stderr. */
+static int *server_tokenize(bench *b, const char *text, int special, size_t *n,
+                            long long *max_len)
+{
+    char what[2][128];
+    int status[2] = {0, 0};
+    for (int form = 0; form < 2; form++) {
+        json_t *req = form == 0 ? json_pack("{s:s, s:b, s:s}", "prompt", text,
+                                            "add_special_tokens", special, "model", b->model)
+                                : json_pack("{s:s, s:b}", "content", text, "add_special",
+                                            special);
+        char *body = req ? json_dumps(req, JSON_COMPACT) : NULL;
+        json_decref(req);
+        if (!body)
+            return NULL;
+        json_t *j = bench_http_sync(b, "/tokenize", body, &status[form], what[form],
+                                    sizeof(what[form]));
+        free(body);
+        int *ids = json_ids(json_object_get(j, "tokens"), n);
+        const json_t *ml = json_object_get(j, "max_model_len");
+        if (ids && json_is_integer(ml) && json_integer_value(ml) > 0)
+            *max_len = json_integer_value(ml);
+        if (j && !ids)
+            snprintf(what[form], sizeof(what[form]), "no \"tokens\" array of ids in the reply");
+        json_decref(j);
+        if (ids)
+            return ids;
+        if (status[form] == 401)
+            break;
+    }
+    fprintf(stderr, "tidepool-bench: --trace: cannot tokenize the prompts' text with "
+                    "http://%s%s/tokenize (vLLM form: %s; llama-server form: %s): pass "
+                    "--prompt-tokenizer GGUF (the server's model file)\n", b->host_header,
+            b->prefix, what[0], status[0] == 401 ? "not tried" : what[1]);
+    return NULL;
+}
+
+static tokenizer_t *prompt_tok; /* --prompt-tokenizer's, NULL without it */
+
+/* The ids of text with the local tokenizer, BOS first when bos (malloc'd, *n); NULL on
+ * failure. */
+static int *local_tokenize(const char *text, size_t len, int bos, size_t *n)
+{
+    int cap = (int)len + 8, needed = 0; /* a token spells at least one byte */
+    int *out = malloc((size_t)cap * sizeof(int));
+    int k = out ? tokenizer_encode(prompt_tok, text, len, bos, out, cap, &needed) : -1;
+    if (k < 0) {
+        free(out);
+        return NULL;
+    }
+    *n = (size_t)k;
+    return out;
+}
+
+/* Give --trace its token pool: synthetic text (at least the longest prompt in words, a
+ * word being at least a token) tokenized without special tokens by the server's tokenizer
+ * (or --prompt-tokenizer's), and the BOS id: the first id of "the" tokenized with special
+ * tokens when that is one id longer than without. Checks the trace against the server's
+ * context window when /tokenize reports it. 0, or -1 with a message. */
+static int bench_trace_prepare(bench *b)
+{
+    long long n_words = bench_trace_max_prompt(b->trace) + 64;
+    if (n_words < 2048)
+        n_words = 2048;
+    size_t len, n_pool = 0, n_with = 0, n_without = 0;
+    char *text = bench_workload_filler(b->a.seed, n_words, &len);
+    long long max_len = 0;
+    int *pool = NULL, *with = NULL, *without = NULL, rc = -1;
+    if (!text) {
+        fprintf(stderr, "tidepool-bench: out of memory (the trace's token pool)\n");
+        return -1;
+    }
+    if (prompt_tok) {
+        pool = local_tokenize(text, len, 0, &n_pool);
+        with = pool ? local_tokenize("the", 3, 1, &n_with) : NULL;
+        without = with ? local_tokenize("the", 3, 0, &n_without) : NULL;
+        if (!without)
+            fprintf(stderr, "tidepool-bench: --prompt-tokenizer %s: cannot tokenize the "
+                            "prompts' text\n", b->a.prompt_tokenizer);
+    } else {
+        pool = server_tokenize(b, text, 0, &n_pool, &max_len);
+        with = pool ? server_tokenize(b, "the", 1, &n_with, &max_len) : NULL;
+        without = with ? server_tokenize(b, "the", 0, &n_without, &max_len) : NULL;
+    }
+    if (!without)
+        goto out;
+    int bos = n_with == n_without + 1 ? with[0] : -1;
+    bench_trace_set_pool(b->trace, pool, n_pool, bos);
+    pool = NULL;
+    char err[256];
+    if (max_len > 0 && bench_trace_check_context(b->trace, max_len, err, sizeof(err)) < 0) {
+        fprintf(stderr, "tidepool-bench: --trace %s:%s\n", b->a.trace, err);
+        goto out;
+    }
+    log_info("trace %s: %zu requests over %.1f s (time scale %g); prompts cut from %zu "
+             "token ids of the %s tokenizer, %s; context window %s", b->a.trace,
+             bench_trace_size(b->trace), bench_trace_span_s(b->trace), b->a.time_scale,
+             n_pool, prompt_tok ? "local" : "server's", bos >= 0 ? "BOS first" : "no BOS",
+             max_len > 0 ? "checked" : "unknown (not checked)");
+    rc = 0;
+out:
+    free(text), free(pool), free(with), free(without);
+    return rc;
 }
 
 static int bench_check_args(bench *b)
@@ -282,6 +432,16 @@ static int bench_check_args(bench *b)
     if (strcmp(a->workload, "synthetic") != 0 && strcmp(a->workload, "phase-shift") != 0 &&
         !bench_workload_multi_turn(a) && !bench_workload_shared_prefix(a))
         e = "--workload: want synthetic, phase-shift, multi-turn or shared-prefix";
+    else if (a->trace && (strcmp(a->workload, "synthetic") != 0 || a->dataset ||
+                          a->set_input_len || a->set_output_len || a->input_range[0] >= 0 ||
+                          a->output_range[0] >= 0))
+        e = "--trace gives every request's arrival and lengths: drop --workload, --dataset, "
+            "--input-len* and --output-len*";
+    else if (a->trace && (isfinite(a->request_rate) || a->duration_s > 0))
+        e = "--trace gives the arrival times: drop --request-rate and --duration-s (use "
+            "--time-scale, --num-prompts)";
+    else if (a->set_time_scale && !a->trace)
+        e = "--time-scale goes with --trace";
     else if (a->dataset && strcmp(a->workload, "synthetic") != 0)
         e = "--dataset gives the prompts: it goes with --workload synthetic only";
     else if (a->prompt_tokenizer && bench_workload_multi_turn(a))
@@ -310,6 +470,11 @@ static int bench_check_args(bench *b)
     }
     size_t n = strlen(a->endpoint);
     b->chat = n >= 16 && strcmp(a->endpoint + n - 16, "chat/completions") == 0;
+    if (a->trace && b->chat) {
+        fprintf(stderr, "tidepool-bench: --trace needs the completions endpoint (its prompts "
+                        "are token ids)\n");
+        return -1;
+    }
     if (a->prompt_tokenizer && b->chat) {
         fprintf(stderr, "tidepool-bench: --prompt-tokenizer needs the completions endpoint "
                         "(chat messages are text)\n");
@@ -324,8 +489,6 @@ static const char *bench_reply_of(void *ctx, size_t idx)
     const bench *b = ctx;
     return idx < b->n && b->recs[idx].state == BENCH_REC_OK ? b->recs[idx].reply : NULL;
 }
-
-static tokenizer_t *prompt_tok; /* --prompt-tokenizer's, NULL without it */
 
 /* bench_args.tokenize for --prompt-tokenizer: BOS + the text's ids, as the gateway
  * tokenizes a text prompt. */
@@ -371,6 +534,7 @@ static void bench_free(bench *b)
     free(b->model);
     free(b->authorization);
     bench_dataset_destroy(&b->ds);
+    bench_trace_destroy(&b->trace);
     if (b->arrival_ev)
         event_free(b->arrival_ev);
     if (b->progress_ev)
@@ -406,7 +570,17 @@ int main(int argc, char **argv)
         return 2;
     }
     signal(SIGPIPE, SIG_IGN);
-    b->n = bench_workload_n_requests(&b->a);
+    if (b->a.trace) {
+        char err[4096 + 256];
+        b->trace = bench_trace_load(b->a.trace, b->a.time_scale,
+                                    b->a.set_num_prompts ? (size_t)b->a.num_prompts : 0, err,
+                                    sizeof(err));
+        if (!b->trace) {
+            fprintf(stderr, "tidepool-bench: --trace %s\n", err);
+            return 2;
+        }
+    }
+    b->n = b->trace ? bench_trace_size(b->trace) : bench_workload_n_requests(&b->a);
     b->a.reply_of = bench_reply_of;
     b->a.reply_ctx = b;
     int exit_code = 1;
@@ -438,19 +612,29 @@ int main(int argc, char **argv)
     b->model = b->a.model ? strdup(b->a.model) : bench_fetch_model(b);
     if (!b->model)
         goto out;
+    if (b->trace && bench_trace_prepare(b) < 0)
+        goto out;
     raise_fd_limit(b);
 
     /* The arrival schedule, from its own random stream; --duration-s cuts it. */
-    double *arrivals = malloc(b->n * sizeof(double));
+    double *arrivals = calloc(b->n ? b->n : 1, sizeof(double));
     if (!arrivals) {
         fprintf(stderr, "tidepool-bench: out of memory (%zu records)\n", b->n);
         goto out;
     }
-    b->n = bench_workload_arrivals(&b->a, arrivals, b->n);
+    if (!b->trace)
+        b->n = bench_workload_arrivals(&b->a, arrivals, b->n);
     for (size_t i = 0; i < b->n; i++) {
         b->recs[i].phase = BENCH_WORKLOAD_PHASE_NONE;
         b->recs[i].max_tokens = -1;
         b->recs[i].arrival_s = arrivals[i];
+        if (b->trace) { /* the trace's shape, also for requests never sent (--trace-out) */
+            const bench_trace_req *q = bench_trace_at(b->trace, i);
+            b->recs[i].arrival_s = q->arrival_s;
+            b->recs[i].prompt_words = q->prompt_tokens;
+            b->recs[i].max_tokens = q->output_tokens;
+            b->recs[i].offline = (uint8_t)q->offline;
+        }
     }
     free(arrivals);
     b->arrival_ev = evtimer_new(b->base, arrival_cb, b);
@@ -471,9 +655,11 @@ int main(int argc, char **argv)
     snprintf(rate, sizeof(rate), isfinite(b->a.request_rate) ? "%g req/s" : "inf",
              b->a.request_rate);
     snprintf(conc, sizeof(conc), b->a.concurrency ? "%lld" : "unlimited", b->a.concurrency);
+    if (b->trace)
+        snprintf(rate, sizeof(rate), "trace");
     log_info("%zu requests to http://%s%s, model %s, request rate %s, concurrency %s, "
              "workload %s, seed %lld", b->n, b->host_header, b->path, b->model, rate, conc,
-             b->a.dataset ? b->a.dataset : b->a.workload, b->a.seed);
+             b->a.trace ? b->a.trace : b->a.dataset ? b->a.dataset : b->a.workload, b->a.seed);
     b->t0_ns = bench_now_ns();
     if (event_base_dispatch(b->base) < 0) {
         fprintf(stderr, "tidepool-bench: event loop failed\n");

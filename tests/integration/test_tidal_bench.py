@@ -8,6 +8,7 @@ build directory, default build/)."""
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import unittest
 
@@ -72,6 +73,36 @@ class Script(unittest.TestCase):
         row = next(l for l in out.splitlines() if l.startswith("tidal "))
         self.assertRegex(row, r"^tidal\s+[\d.]+\s+\d+/\d+\s")
         self.assertNotIn("tidal-bench: runs kept", p.stderr)  # KEEP=0: cleaned up
+
+    def test_trace_mode_offline_in_the_troughs(self):
+        """TRACE=: the online lines replayed by tidal (and the simulator), the whole trace,
+        then the offline lines alone; the OFFLINE IN THE TROUGHS table."""
+        tmp = tempfile.mkdtemp(prefix="tidal-bench-trace-")
+        trace = os.path.join(tmp, "t.csv")
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench", "gen-trace.py"),
+                            "--shape", "conversation", "--tide", "2:8", "--duration-s", "8",
+                            "--scale", "0.1", "--max-context", "512", "--offline", "120",
+                            "--offline-shape", "conversation", "--seed", "2"],
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        with open(trace, "w") as f:
+            f.write(p.stdout)
+        n_online = sum(1 for l in p.stdout.splitlines() if l.endswith(",online"))
+        env = dict(os.environ, BUILD=BUILD, MODEL=MODEL, TRACE=trace, SPLITS=" ", SIM1000="0",
+                   BIN_S="2", WARM_S="2")
+        p = subprocess.run(["bash", os.path.join(ROOT, "tools", "tidal-bench.sh")],
+                           capture_output=True, text=True, timeout=500, env=env)
+        self.assertEqual(p.returncode, 0, p.stderr[-3000:])
+        out = p.stdout
+        self.assertIn("trace %s (%d online lines over" % (trace, n_online), out)
+        for want in ("ranking (EMULATED", "ranking (SIMULATED, every split)",
+                     "OFFLINE IN THE TROUGHS (EMULATED, tidal; the trace's 120 offline lines",
+                     "capacity for the offline lines alone:", "without offline",
+                     "with offline", "(troughs)", "(whole run)",
+                     "SIMULATED, the whole trace (tidal)"):
+            self.assertIn(want, out)
+        row = next(l for l in out.splitlines() if l.startswith("tidal "))
+        self.assertRegex(row, r"^tidal\s+[\d.]+\s+\d+/%d\s" % n_online)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@
 #include "bench_report.h"
 #include "bench_sse.h"
 #include "bench_stats.h"
+#include "bench_trace.h"
 #include "bench_workload.h"
 
 static void assert_close(double got, double want, double rel)
@@ -1292,6 +1293,152 @@ static void test_flight_records(void **state)
     event_base_free(b.base);
 }
 
+// --- trace replay
+
+/* Load text as a trace (scale, max_reqs); NULL with the message in err. */
+static bench_trace_t *trace_of(const char *dir, const char *text, double scale, size_t max,
+                               char *err, size_t err_len)
+{
+    char path[96];
+    snprintf(path, sizeof(path), "%s/t.csv", dir);
+    write_file(path, text);
+    return bench_trace_load(path, scale, max, err, err_len);
+}
+
+/* The simulator's rules: header, comments, classes, JSONL, a stable sort by arrival, the
+ * time scale, the first max_reqs; every bad line named. */
+static void test_trace_load(void **state)
+{
+    (void)state;
+    char dir[] = "/tmp/test_bench_XXXXXX", err[512];
+    assert_non_null(mkdtemp(dir));
+    bench_trace_t *t = trace_of(dir, "arrival_s,prompt_tokens,output_tokens,class\n"
+                                     "# comment\n"
+                                     "2.5,10,3,Batch\n"
+                                     "  \n"
+                                     "1,7,2\r\n"
+                                     "{\"arrival_s\": 1, \"prompt_tokens\": 4, \"output_tokens\": 9, "
+                                     "\"service_tier\": \"flex\"}\n"
+                                     "0.5,1,1, interactive \n",
+                                0.5, 0, err, sizeof(err));
+    if (!t)
+        fail_msg("%s", err);
+    assert_int_equal(bench_trace_size(t), 4);
+    static const double at[4] = {0.25, 0.5, 0.5, 1.25};
+    static const long long pt[4] = {1, 7, 4, 10}, ot[4] = {1, 2, 9, 3};
+    static const int off[4] = {0, 0, 1, 1};
+    static const size_t line[4] = {7, 5, 6, 3};
+    for (size_t i = 0; i < 4; i++) {
+        const bench_trace_req *q = bench_trace_at(t, i);
+        assert_close(q->arrival_s, at[i], 1e-12);
+        assert_int_equal(q->prompt_tokens, pt[i]);
+        assert_int_equal(q->output_tokens, ot[i]);
+        assert_int_equal(q->offline, off[i]);
+        assert_int_equal(q->line, line[i]);
+    }
+    assert_int_equal(bench_trace_max_prompt(t), 10);
+    assert_close(bench_trace_span_s(t), 1.25, 1e-12);
+    assert_int_equal(bench_trace_check_context(t, 13, err, sizeof(err)), 0);
+    assert_int_equal(bench_trace_check_context(t, 12, err, sizeof(err)), -1);
+    assert_string_equal(err, "6: prompt + output = 13 tokens exceeds the server's context "
+                             "window (max_model_len 12); scale the trace's token counts down "
+                             "(docs/workloads.md)");
+    bench_trace_destroy(&t);
+    assert_null(t);
+    bench_trace_destroy(&t); /* takes NULL */
+    t = trace_of(dir, "0,1,1\n0.2,2,2\n0.1,3,3\n", 1, 2, err, sizeof(err));
+    assert_int_equal(bench_trace_size(t), 2);
+    assert_int_equal(bench_trace_at(t, 1)->prompt_tokens, 3); /* sorted, then cut */
+    assert_close(bench_trace_span_s(t), 1, 1e-12);             /* at least 1 s */
+    bench_trace_destroy(&t);
+    static const char *const bad[][2] = {
+        {"0,1\n", "t.csv:1: want arrival_s,prompt_tokens,output_tokens[,class]"},
+        {"0,1,1,1,1\n", "t.csv:1: want arrival_s,prompt_tokens,output_tokens[,class]"},
+        {"0,1,1\nx,1,1\n", "t.csv:2: arrival_s is not a number"},
+        {"0,1,0\n", "t.csv:1: prompt_tokens and output_tokens must be whole numbers in [1, 1e9]"},
+        {"0,1e10,1\n", "t.csv:1: prompt_tokens and output_tokens must be whole numbers in [1, 1e9]"},
+        {"0,a,1\n", "t.csv:1: prompt_tokens / output_tokens are not numbers"},
+        {"nan,1,1\n", "t.csv:1: arrival_s must be a finite number >= 0"},
+        {"0,1,1,later\n", "t.csv:1: class must be online or offline"},
+        {"{\"arrival_s\": 0}\n", "t.csv:1: want numbers arrival_s, prompt_tokens, output_tokens"},
+        {"{\"arrival_s\": 0, \"prompt_tokens\": 1, \"output_tokens\": 1, \"offline\": \"y\"}\n",
+         "t.csv:1: offline must be a boolean"},
+        {"{oops\n", "t.csv:1: not a JSON object"},
+        {"# only a comment\n", "t.csv: no requests"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        t = trace_of(dir, bad[i][0], 1, 0, err, sizeof(err));
+        assert_null(t);
+        const char *tail = strstr(err, "t.csv");
+        if (!tail || strcmp(tail, bad[i][1]) != 0)
+            fail_msg("%s: got '%s', want '%s'", bad[i][0], err, bad[i][1]);
+    }
+    char path[96];
+    snprintf(path, sizeof(path), "%s/t.csv", dir);
+    unlink(path);
+    assert_null(bench_trace_load(path, 1, 0, err, sizeof(err)));
+    assert_non_null(strstr(err, "No such file or directory"));
+    rmdir(dir);
+}
+
+/* Bodies: BOS, then exactly prompt_tokens - 1 pool ids in a row (wrapping), the lengths,
+ * ignore_eos, the offline tier; the same seed gives the same offsets, another seed others. */
+static void test_trace_bodies(void **state)
+{
+    (void)state;
+    char dir[] = "/tmp/test_bench_XXXXXX", err[512];
+    assert_non_null(mkdtemp(dir));
+    bench_trace_t *t = trace_of(dir, "0,1,4\n0,5,2,offline\n0,40,3\n", 1, 0, err,
+                                sizeof(err));
+    if (!t)
+        fail_msg("%s", err);
+    int *pool = malloc(16 * sizeof(int));
+    for (int i = 0; i < 16; i++)
+        pool[i] = 100 + i;
+    bench_trace_set_pool(t, pool, 16, 1);
+    bench_args a = default_args();
+    long long first[3];
+    for (size_t i = 0; i < 3; i++) {
+        char *text = bench_trace_body(t, &a, "m", i);
+        json_t *j = json_loads(text, 0, NULL);
+        free(text);
+        const json_t *p = json_object_get(j, "prompt");
+        const bench_trace_req *q = bench_trace_at(t, i);
+        assert_int_equal(json_array_size(p), q->prompt_tokens);
+        assert_int_equal(json_integer_value(json_array_get(p, 0)), 1);
+        first[i] = json_array_size(p) > 1 ? json_integer_value(json_array_get(p, 1)) : -1;
+        for (size_t k = 2; k < json_array_size(p); k++)
+            assert_int_equal(json_integer_value(json_array_get(p, k)),
+                             100 + (json_integer_value(json_array_get(p, k - 1)) - 100 + 1) % 16);
+        assert_int_equal(json_integer_value(json_object_get(j, "max_tokens")), q->output_tokens);
+        assert_int_equal(json_integer_value(json_object_get(j, "min_tokens")), q->output_tokens);
+        assert_true(json_is_true(json_object_get(j, "ignore_eos")));
+        assert_true(json_is_true(json_object_get(j, "stream")));
+        assert_string_equal(json_string_value(json_object_get(j, "model")), "m");
+        if (q->offline)
+            assert_string_equal(json_string_value(json_object_get(j, "service_tier")), "flex");
+        else
+            assert_null(json_object_get(j, "service_tier"));
+        json_decref(j);
+    }
+    assert_int_equal(first[0], -1); /* a 1-token prompt is BOS alone */
+    assert_true(first[1] != first[2]);
+    /* no BOS: prompt_tokens pool ids */
+    pool = malloc(3 * sizeof(int));
+    pool[0] = 7, pool[1] = 8, pool[2] = 9;
+    bench_trace_set_pool(t, pool, 3, -1);
+    char *text = bench_trace_body(t, &a, "m", 1);
+    json_t *j = json_loads(text, 0, NULL);
+    free(text);
+    assert_int_equal(json_array_size(json_object_get(j, "prompt")), 5);
+    json_decref(j);
+    bench_trace_destroy(&t);
+    char path[96];
+    snprintf(path, sizeof(path), "%s/t.csv", dir);
+    unlink(path);
+    rmdir(dir);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -1313,6 +1460,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_dataset),
         cmocka_unit_test(test_report_compute),
         cmocka_unit_test(test_flight_records),
+        cmocka_unit_test(test_trace_load),
+        cmocka_unit_test(test_trace_bodies),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);

@@ -18,6 +18,7 @@
 
 #include "bench_args.h"
 #include "bench_dataset.h"
+#include "bench_trace.h"
 
 #define BENCH_ITL_POOL_MAX ((size_t)1 << 26) /* ITL samples kept in all (256 MiB) */
 #define BENCH_ERROR_MSG_MAX 240              /* bytes of an error message */
@@ -61,6 +62,7 @@ typedef struct {
     uint8_t prompt_from_usage; /* prompt_tokens came from usage */
     uint8_t output_from_usage; /* output_tokens came from usage */
     uint8_t fail_kind;         /* bench_fail_t, when FAILED */
+    uint8_t offline;           /* --trace: an offline-class request (service_tier flex) */
     char *error;               /* when FAILED: message (malloc'd), NULL on OOM */
     char *reply;               /* multi-turn, when OK: the streamed text (malloc'd) */
 } bench_rec;
@@ -91,6 +93,7 @@ typedef struct bench {
     int chat;                 /* endpoint is chat/completions */
     char *model;              /* owned */
     bench_dataset_t *ds;      /* owned; NULL: synthetic prompts */
+    bench_trace_t *trace;     /* owned; --trace, NULL without it */
     /* records */
     bench_rec *recs;
     size_t n;                 /* requests in the run (num_prompts, or fewer with duration_s) */

@@ -100,6 +100,16 @@ static const arg_entry arg_table[] = {
     {"duration-s", ARG_DOUBLE, ARG_OFF(duration_s), "0", 0, 1e9, "S",
      "no arrival at or after S seconds (0 = no limit; needs a finite --request-rate); "
      "--num-prompts is then an upper bound"},
+    {"trace", ARG_STRING, ARG_OFF(trace), NULL, 0, 0, "FILE",
+     "replay a tidepool-sim trace (CSV arrival_s,prompt_tokens,output_tokens[,class] or "
+     "JSONL) open-loop: prompts of exactly prompt_tokens token ids (the server's /tokenize, "
+     "or --prompt-tokenizer), output_tokens generated (ignore_eos, min_tokens), offline "
+     "lines as service_tier flex; --num-prompts then keeps the first N (docs/workloads.md)"},
+    {"time-scale", ARG_DOUBLE, ARG_OFF(time_scale), "1", 1e-6, 1e6, "X",
+     "--trace: multiply every arrival time by X (0.5 replays twice as fast)"},
+    {"offline-timeout-s", ARG_DOUBLE, ARG_OFF(offline_timeout_s), "0", 0, 1e7, "S",
+     "--trace: offline requests fail S s after they were sent (queued offline work may wait "
+     "long; 0 = --timeout-s)"},
     {"trace-out", ARG_STRING, ARG_OFF(trace_out), NULL, 0, 0, "FILE",
      "after the run, write every request as a CSV line arrival_s,prompt_tokens,"
      "output_tokens,class (the trace format of tidepool-sim --trace)"},
@@ -338,6 +348,10 @@ int bench_args_parse(bench_args *a, int argc, char **argv)
             a->set_input_len = 1;
         if (strcmp(e->name, "output-len") == 0)
             a->set_output_len = 1;
+        if (strcmp(e->name, "num-prompts") == 0)
+            a->set_num_prompts = 1;
+        if (strcmp(e->name, "time-scale") == 0)
+            a->set_time_scale = 1;
     }
     return 0;
 }

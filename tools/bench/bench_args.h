@@ -50,6 +50,9 @@ typedef struct {
     double decode_rate;      /* phase-shift: requests/s of decode-heavy phases; 0 = request_rate */
     double duration_s;       /* arrivals stop this long after the start; 0 = no limit */
     const char *trace_out;   /* write every request's arrival and shape as a CSV trace */
+    const char *trace;       /* replay this trace (bench_trace.h); NULL: none */
+    double time_scale;       /* --trace: arrival times are multiplied by it */
+    double offline_timeout_s; /* --trace: deadline of offline requests; 0 = timeout_s */
     double temperature;
     int ignore_eos;
     double slo_ms[BENCH_ARGS_N_SLO]; /* by BENCH_ARGS_SLO_*, in ms; < 0 = unset */
@@ -58,6 +61,7 @@ typedef struct {
     double timeout_s;
     int no_progress;
     int set_input_len, set_output_len; /* given explicitly (conflict checks) */
+    int set_num_prompts, set_time_scale;
     const char *prompt_tokenizer;      /* GGUF file: send prompts as its token ids */
     /* Not a flag: set by the program when --prompt-tokenizer is given. Tokenizes len bytes
      * of text (BOS first, as the server would) into a malloc'd array (*ids, *n; the

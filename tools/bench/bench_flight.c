@@ -209,12 +209,22 @@ static void flight_reap_cb(evutil_socket_t fd, short what, void *arg)
     on_freed(b);
 }
 
+/* The deadline of request idx in s: --offline-timeout-s for an offline one (--trace) when
+ * set, else --timeout-s. */
+static double flight_timeout_s(const bench *b, size_t idx)
+{
+    return b->recs[idx].offline && b->a.offline_timeout_s > 0 ? b->a.offline_timeout_s
+                                                              : b->a.timeout_s;
+}
+
 static void flight_timeout_cb(evutil_socket_t fd, short what, void *arg)
 {
     flight *fl = arg;
     (void)fd, (void)what;
-    flight_end(fl, 0, BENCH_FAIL_TIMEOUT, "no complete response within %g s (--timeout-s)%s",
-               fl->b->a.timeout_s, fl->n_chunks ? " (stream started)" : "");
+    int off = fl->b->recs[fl->idx].offline && fl->b->a.offline_timeout_s > 0;
+    flight_end(fl, 0, BENCH_FAIL_TIMEOUT, "no complete response within %g s (%s)%s",
+               flight_timeout_s(fl->b, fl->idx), off ? "--offline-timeout-s" : "--timeout-s",
+               fl->n_chunks ? " (stream started)" : "");
 }
 
 /* The message of an OpenAI error value: {"message": ...} or a string. */
@@ -384,7 +394,7 @@ static void flight_done_cb(struct evhttp_request *req, void *arg)
             switch (fl->http_err) {
             case EVREQ_HTTP_TIMEOUT:
                 flight_end(fl, 0, BENCH_FAIL_TIMEOUT, "no data from the server for %g s",
-                           fl->b->a.timeout_s);
+                           flight_timeout_s(fl->b, fl->idx));
                 return;
             case EVREQ_HTTP_EOF:
                 why = "connection closed";
@@ -463,7 +473,7 @@ static int flight_send(flight *fl, const char *body, const char **why)
         return -1;
     /* libevent's inactivity timeout only backs up the request deadline, which fires
      * first and names the cause. */
-    struct timeval tv = bench_timeval(b->a.timeout_s + 1);
+    struct timeval tv = bench_timeval(flight_timeout_s(b, fl->idx) + 1);
     evhttp_connection_set_timeout_tv(fl->conn, &tv);
     evhttp_connection_set_max_headers_size(fl->conn, 65536);
     evhttp_connection_set_retries(fl->conn, 0);
@@ -541,7 +551,15 @@ void bench_flight_start(bench *b, size_t idx, bench_flight_freed_fn on_freed)
     b->active = fl;
 
     bench_workload_shape shape = {0, -1};
-    char *body = bench_workload_body(&b->a, b->ds, b->model, b->chat, idx, r->phase, &shape);
+    char *body;
+    if (b->trace) { /* token ids: prompt_words is the prompt's length in tokens */
+        const bench_trace_req *q = bench_trace_at(b->trace, idx);
+        body = bench_trace_body(b->trace, &b->a, b->model, idx);
+        shape.prompt_words = q->prompt_tokens;
+        shape.max_tokens = q->output_tokens;
+    } else {
+        body = bench_workload_body(&b->a, b->ds, b->model, b->chat, idx, r->phase, &shape);
+    }
     r->prompt_words = shape.prompt_words;
     r->max_tokens = shape.max_tokens;
     if (!body) {
@@ -557,7 +575,7 @@ void bench_flight_start(bench *b, size_t idx, bench_flight_freed_fn on_freed)
         flight_end(fl, 0, BENCH_FAIL_LOCAL, "%s", why);
         return;
     }
-    struct timeval tv = bench_timeval(b->a.timeout_s);
+    struct timeval tv = bench_timeval(flight_timeout_s(b, idx));
     if (evtimer_add(fl->timer, &tv) < 0)
         flight_end(fl, 0, BENCH_FAIL_LOCAL, "cannot arm the request timer");
 }

@@ -41,6 +41,37 @@ static int has_slo(const bench *b)
     return b->a.slo_ms[0] > 0 || b->a.slo_ms[1] > 0 || b->a.slo_ms[2] > 0;
 }
 
+void bench_report_trace_figures(const bench *b, bench_report_trace_metrics *t)
+{
+    memset(t, 0, sizeof(*t));
+    const double *slo = b->a.slo_ms;
+    for (size_t i = 0; i < b->n; i++) {
+        const bench_rec *r = &b->recs[i];
+        int ok = r->state == BENCH_REC_OK;
+        if (r->offline) {
+            t->n_offline++;
+            t->offline_completed += ok;
+            t->offline_output_tokens += ok ? r->output_tokens : 0;
+            continue;
+        }
+        t->n_online++;
+        if (!ok)
+            continue;
+        /* as tidepool-sim counts: TTFT from the arrival, not from the send */
+        double wait_ms = (r->start_s - r->arrival_s) * 1e3;
+        double ttft = r->ttft_ms + (wait_ms > 0 ? wait_ms : 0);
+        double e2el = r->e2el_ms + (wait_ms > 0 ? wait_ms : 0);
+        t->online_good += !(slo[BENCH_ARGS_SLO_TTFT] > 0 && ttft > slo[BENCH_ARGS_SLO_TTFT]) &&
+                          !(slo[BENCH_ARGS_SLO_TPOT] > 0 &&
+                            rec_tpot_ms(r) > slo[BENCH_ARGS_SLO_TPOT]) &&
+                          !(slo[BENCH_ARGS_SLO_E2EL] > 0 && e2el > slo[BENCH_ARGS_SLO_E2EL]);
+    }
+    t->span_s = b->trace ? bench_trace_span_s(b->trace) : 1;
+    t->attainment_pct = t->n_online ? 100.0 * (double)t->online_good / (double)t->n_online
+                                    : 100;
+    t->goodput = (double)t->online_good / t->span_s;
+}
+
 int bench_report_compute(const bench *b, int phase, bench_report_metrics *m)
 {
     memset(m, 0, sizeof(*m));
@@ -157,6 +188,23 @@ void bench_report_print(const bench *b, const bench_report_metrics *m,
     print_dist(f, "Time per Output Token (excl. 1st token)", "TPOT", &m->tpot);
     print_dist(f, "Inter-token Latency", "ITL", &m->itl);
     print_dist(f, "End-to-end Latency", "E2EL", &m->e2el);
+    if (b->trace) {
+        bench_report_trace_metrics t;
+        bench_report_trace_figures(b, &t);
+        print_title(f, "Trace replay (tidepool-sim's figures)", '-');
+        print_int(f, "Online requests:", (long long)t.n_online);
+        if (has_slo(b)) {
+            print_int(f, "Online requests meeting the SLOs:", (long long)t.online_good);
+            print_f(f, "Online SLO attainment (%):", t.attainment_pct);
+            print_f(f, "Online goodput (req/s of arrival span):", t.goodput);
+        }
+        print_f(f, "Arrival span (s):", t.span_s);
+        print_int(f, "Offline requests:", (long long)t.n_offline);
+        print_int(f, "Offline requests completed:", (long long)t.offline_completed);
+        print_int(f, "Offline generated tokens:", t.offline_output_tokens);
+        print_f(f, "Offline token throughput (tok/s):",
+                (double)t.offline_output_tokens / dur);
+    }
     if (phases) {
         static const char *const names[2] = {"Prefill-heavy", "Decode-heavy"};
         print_title(f, "Phases (phase-shift)", '-');
@@ -253,7 +301,7 @@ static json_t *json_record(const bench *b, size_t i)
         json_array_append_new(itl, json_real(round3(b->itl_pool[r->itl_off + k])));
     return json_pack(
         "{s:I, s:s, s:o, s:f, s:o, s:o, s:I, s:I, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:s, "
-        "s:s, s:o, s:o}",
+        "s:s, s:o, s:o, s:o}",
         "index", (json_int_t)i, "state", states[r->state],
         "success", json_boolean(ok), "arrival_s", round(r->arrival_s * 1e6) / 1e6,
         "start_s", sent ? json_real(round(r->start_s * 1e6) / 1e6) : json_null(),
@@ -272,7 +320,8 @@ static json_t *json_record(const bench *b, size_t i)
         "error_kind", r->state == BENCH_REC_FAILED ? json_string(bench_fail_str(r->fail_kind))
                                              : json_null(),
         "error", r->state == BENCH_REC_FAILED ? json_string(r->error ? r->error : "?")
-                                        : json_null());
+                                        : json_null(),
+        "class", b->trace ? json_string(r->offline ? "offline" : "online") : json_null());
 }
 
 int bench_report_json(const bench *b, const bench_report_metrics *m,
@@ -326,7 +375,8 @@ int bench_report_json(const bench *b, const bench_report_metrics *m,
              a->concurrency > 0 ? json_integer(a->concurrency) : json_null());
     json_put(root, "peak_concurrency", json_integer((json_int_t)b->peak_in_flight));
     json_put(root, "seed", json_integer(a->seed));
-    json_put(root, "workload", json_string(a->dataset ? "dataset" : a->workload));
+    json_put(root, "workload",
+             json_string(a->trace ? "trace" : a->dataset ? "dataset" : a->workload));
     json_put(root, "dataset", a->dataset ? json_string(a->dataset) : json_null());
     json_put(root, "temperature", json_real(a->temperature));
     json_put(root, "ignore_eos", json_boolean(a->ignore_eos));
@@ -349,6 +399,21 @@ int bench_report_json(const bench *b, const bench_report_metrics *m,
                  json_real(a->decode_rate > 0 ? a->decode_rate : a->request_rate));
     }
     json_put(root, "duration_s", a->duration_s > 0 ? json_real(a->duration_s) : json_null());
+    if (b->trace) {
+        bench_report_trace_metrics t;
+        bench_report_trace_figures(b, &t);
+        double dur = run_duration_s(b);
+        json_put(root, "trace", json_pack(
+            "{s:s, s:f, s:I, s:o, s:o, s:o, s:f, s:I, s:I, s:I, s:f}", "file", a->trace,
+            "time_scale", a->time_scale, "online", (json_int_t)t.n_online,
+            "online_good", has_slo(b) ? json_integer((json_int_t)t.online_good) : json_null(),
+            "slo_attainment_pct", has_slo(b) ? json_real(t.attainment_pct) : json_null(),
+            "goodput", has_slo(b) ? json_real(t.goodput) : json_null(), "span_s", t.span_s,
+            "offline", (json_int_t)t.n_offline, "offline_completed",
+            (json_int_t)t.offline_completed, "offline_output_tokens",
+            (json_int_t)t.offline_output_tokens, "offline_token_throughput",
+            (double)t.offline_output_tokens / dur));
+    }
     json_put(root, "requests", reqs);
     reqs = NULL;
 
@@ -430,12 +495,14 @@ int bench_report_trace(const bench *b)
     }
     fprintf(f, "# tidepool-bench trace (tidepool-sim --trace): %zu requests, seed %lld, "
                "workload %s; %zu prompt lengths estimated at %.3f tokens per word\n",
-            b->n, b->a.seed, b->a.dataset ? "dataset" : b->a.workload, n_est, per_word);
+            b->n, b->a.seed, b->a.trace ? "trace" : b->a.dataset ? "dataset" : b->a.workload,
+            n_est, per_word);
     fprintf(f, "arrival_s,prompt_tokens,output_tokens,class\n");
     for (size_t i = 0; i < b->n; i++) {
         const bench_rec *r = &b->recs[i];
         bench_workload_shape shape = {r->prompt_words, r->max_tokens};
-        if (r->state == BENCH_REC_NOT_SENT) { /* its shape, as it would have been sent */
+        if (r->state == BENCH_REC_NOT_SENT && !b->trace) { /* its shape, as it would have
+                                                            * been sent */
             int phase = bench_workload_phase_shift(&b->a)
                             ? bench_workload_phase_at(&b->a, r->arrival_s)
                             : BENCH_WORKLOAD_PHASE_NONE;
@@ -445,8 +512,8 @@ int bench_report_trace(const bench *b)
                                ? r->prompt_tokens
                                : (long long)llround((double)shape.prompt_words * per_word);
         long long out = shape.max_tokens > 0 ? shape.max_tokens : r->output_tokens;
-        fprintf(f, "%.6f,%lld,%lld,online\n", r->arrival_s, prompt > 1 ? prompt : 1,
-                out > 1 ? out : 1);
+        fprintf(f, "%.6f,%lld,%lld,%s\n", r->arrival_s, prompt > 1 ? prompt : 1,
+                out > 1 ? out : 1, r->offline ? "offline" : "online");
     }
     int bad = ferror(f);
     if (fclose(f) != 0 || bad || rename(tmp, path) != 0) {

@@ -35,6 +35,21 @@ typedef struct {
  * with BENCH_REPORT_ALL_PHASES. Returns 0, or -1 on out of memory. */
 int bench_report_compute(const bench *b, int phase, bench_report_metrics *m);
 
+/* The figures of a --trace run, as tidepool-sim computes them. An online request meets the
+ * SLOs when it succeeded with TTFT (and E2EL) counted from its arrival, not from its send,
+ * and TPOT within every SLO given; requests that failed or were not sent count as missed. */
+typedef struct {
+    size_t n_online, online_good;  /* online requests; those meeting the SLOs */
+    double attainment_pct;         /* 100 * online_good / n_online (100 with none) */
+    double span_s;                 /* the last arrival, at least 1 s */
+    double goodput;                /* online_good / span_s, the simulator's goodput */
+    size_t n_offline, offline_completed;
+    long long offline_output_tokens; /* of the completed offline requests */
+} bench_report_trace_metrics;
+
+/* The trace figures of b's records (any run; span_s is 1 without a trace). */
+void bench_report_trace_figures(const bench *b, bench_report_trace_metrics *t);
+
 /* Print the summary block of m to f, then the phases (phases[0] prefill-heavy, [1]
  * decode-heavy) when phases is not NULL, the error groups and notes. */
 void bench_report_print(const bench *b, const bench_report_metrics *m,

@@ -55,6 +55,7 @@ enum {
     RNG_STREAM_USER = 4,   /* multi-turn: user message j of conversation c */
     RNG_STREAM_REPLY = 5,  /* multi-turn: a synthetic reply (when the real one is missing) */
     RNG_STREAM_PREFIX = 6, /* shared-prefix: the prefix */
+    RNG_STREAM_FILLER = 7, /* --trace: the text of the token pool */
 };
 
 // --- synthetic prompts
@@ -128,6 +129,12 @@ static long long json_words(const json_t *obj)
         }
     }
     return n;
+}
+
+char *bench_workload_filler(long long seed, long long n_words, size_t *len)
+{
+    rng_t r = rng_stream((uint64_t)seed, RNG_STREAM_FILLER, 0);
+    return words_text(&r, n_words, len);
 }
 
 // --- multi-turn and shared-prefix prompts

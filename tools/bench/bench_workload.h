@@ -89,4 +89,10 @@ size_t bench_workload_arrivals(const bench_args *a, double *arrival_s, size_t n)
 char *bench_workload_body(const bench_args *a, const bench_dataset_t *ds, const char *model,
                           int chat, size_t idx, int phase, bench_workload_shape *shape);
 
+/* n_words synthetic words (the prompts' word list) separated by single spaces, from the
+ * seed's own stream for filler text (tidepool-bench --trace tokenizes it into the pool its
+ * prompts are cut from). Returns a malloc'd NUL-terminated text (the caller's; *len its
+ * length), or NULL on out of memory. */
+char *bench_workload_filler(long long seed, long long n_words, size_t *len);
+
 #endif
