@@ -100,11 +100,9 @@ size_t kern_scratch_floats(int n);
 /* out[t][i] = dot(W[i], a->x[t]) for rows i in [r0, r1) and t in [0, a->T), in the
  * order defined above (order is ignored for Q8_0, which needs a->q_d/q_s). out holds T
  * row pointers (each row is written at [r0, r1) only). scratch: kern_scratch_floats(n)
- * floats private to the calling thread (F32/F16 may pass NULL: AVX2 then skips the
- * blocked prefill kernel; the reference kernels need it for F16). Weight rows are read
- * once per call (F32/F16 on AVX2 from T = 8: once per 96 tokens, each block of 16 rows x
- * 256 columns widened to floats once into L1 for them): the tokens are applied to a block
- * of rows while it is in cache. Thread-safe for disjoint row ranges. */
+ * floats private to the calling thread. Weight rows are read once per call: all T
+ * tokens are applied to a block of rows while it is in cache. Thread-safe for disjoint
+ * row ranges. */
 void kern_matmul(kern_isa isa, kern_order order, const kern_mat *w, const kern_act *a, int r0,
                  int r1, float *const *out, float *scratch);
 

@@ -9,10 +9,8 @@
  * is used NT times, each activation vector R times); the tile shape changes which dot
  * products run side by side, never the operations of one dot product. For prefill the
  * rows are taken in blocks of ROW_BLOCK that stay in L2 while every token tile passes
- * over them, so each weight byte comes from memory once per call. F32/F16 prefill (T >= 8
- * with the caller's scratch) is blocked further, as a GEMM ("FAST order prefill" below):
- * weight panels widened to floats in L1, accumulators kept in memory between column
- * blocks, the same operations in the same order.
+ * over them, so each weight byte comes from memory once per call; F16 rows are widened
+ * to floats once per block (8 rows, in the caller's scratch) from T = 8 on.
  *
  * Q8_0 matrices repacked at load (KERN_LAYOUT_Q8X8, kernels.h) have their own tiles
  * (tile_q8x8): a group of 8 rows is one linear stream, its 8 scales one load per block.
@@ -38,7 +36,11 @@
 #define PF_LIN 16384
 #define PF_LIN_ROW 4096
 
-#define ROW_BLOCK 16 /* rows per L2-resident block in prefill (Q8_0; F32/F16 without scratch) */
+#define ROW_BLOCK 16 /* rows per L2-resident block in prefill */
+/* F16 prefill from T = F16_WIDEN_T tokens widens WIDEN_ROWS rows at a time to floats in
+ * the caller's scratch (kern_scratch_floats(n) >= PACK_T * n floats). */
+#define F16_WIDEN_T 8
+#define WIDEN_ROWS PACK_T
 
 #define TGT __attribute__((target("avx2,fma,f16c")))
 #define TILE static inline __attribute__((always_inline)) TGT
@@ -253,174 +255,17 @@ static const fast_fn fast_r1[2][4] = {
 static const q8_fn q8_r4[4] = {NULL, q8_4_1, q8_4_2, q8_4_3};
 static const q8_fn q8_r1[4] = {NULL, q8_1_1, q8_1_2, q8_1_3};
 
-/* --- FAST order prefill: blocked F16/F32 GEMM -----------------------------------------
- * For T >= GB_MIN_T tokens (prefill) the F32/F16 FAST kernel is blocked for the caches
- * as a GEMM is (BLIS's loops, with the dot-product micro-kernel the order needs): token
- * blocks of GB_TB tokens; in each, row panels of GB_MB rows; in each, column blocks of
- * GB_KC columns, whose GB_MB x GB_KC weights are widened (F16, exact) or copied (F32:
- * strided rows would conflict in L1) once into a contiguous panel (16 KB, L1) that every
- * 4-row x 3-token register tile of the token block then reads. Between column blocks a
- * tile's 8-lane accumulators go to an accumulator buffer (GB_MB x GB_TB x 8 floats, L2)
- * and come back unchanged, so each lane still accumulates fma(w[j], x[j], acc) for its
- * j = k mod 8 in ascending order over the whole row: the FAST order exactly (the hsum8
- * and the n mod 8 tail at the last block, as tile_fast). The blocking changes where the
- * operands come from (L1 instead of L2/L3), never an operation. */
-/* Software prefetch (1; 0: none) of the next token tile's activations (from L3: a token
- * block's rows do not fit L2) and of the next weight panel's lines (from memory). */
-#ifndef GB_PF
-#define GB_PF 1
-#endif
-#define GB_FIRST 1
-#define GB_LAST 2
-
-/* R rows of the panel p (stride kc floats) x NT tokens of x (stride n, at column k0),
- * over kc columns; ab: the tile's accumulators, row r token t at ab + (t * GB_MB + r) * 8.
- * mode: GB_FIRST starts from zero, else from ab; GB_LAST finishes (hsum8, the tail
- * j in [n8, n) from the weight rows w, stride ws bytes, and the output), else stores ab.
- * px: the next token tile's x at column k0 (3 tokens), prefetched to L1 line by line as
- * this one runs, or NULL. */
-TILE void tile_gb(const int R, const int NT, const float *p, int kc, const float *x, int n, int k0,
-                  const float *px, float *ab, int mode, const uint8_t *w, size_t ws, int f16,
-                  float *const *out, int i)
-{
-    __m256 acc[4][3];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 3
-        for (int t = 0; t < NT; t++)
-            acc[r][t] = mode & GB_FIRST ? _mm256_setzero_ps()
-                                        : _mm256_load_ps(ab + ((size_t)t * GB_MB + r) * 8);
-    const float *xk = x + k0;
-#pragma GCC unroll 4
-    for (int j = 0; j < kc; j += 8) {
-        __m256 xv[3];
-#pragma GCC unroll 3
-        for (int t = 0; t < NT; t++)
-            xv[t] = _mm256_loadu_ps(xk + (size_t)t * n + j);
-        if (px && (j & 15) == 0)
-#pragma GCC unroll 3
-            for (int t = 0; t < 3; t++)
-                _mm_prefetch((const char *)(px + (size_t)t * n + j), _MM_HINT_T0);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            __m256 wv = _mm256_load_ps(p + (size_t)r * kc + j);
-#pragma GCC unroll 3
-            for (int t = 0; t < NT; t++)
-                acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
-        }
-    }
-    if (!(mode & GB_LAST)) {
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-#pragma GCC unroll 3
-            for (int t = 0; t < NT; t++)
-                _mm256_store_ps(ab + ((size_t)t * GB_MB + r) * 8, acc[r][t]);
-        return;
-    }
-    const int n8 = n & ~7;
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-#pragma GCC unroll 3
-        for (int t = 0; t < NT; t++) {
-            float s = hsum8_avx2(acc[r][t]);
-            const float *xt = x + (size_t)t * n;
-            for (int j = n8; j < n; j++)
-                s = fmaf(load_w1(w + (size_t)r * ws, j, f16), xt[j], s);
-            out[t][i + r] = s;
-        }
-    }
-}
-
-#define DEF_GB(R, NT)                                                                              \
-    static TGT __attribute__((noinline)) void gb_##R##_##NT(                                       \
-        const float *p, int kc, const float *x, int n, int k0, const float *px, float *ab,         \
-        int mode, const uint8_t *w, size_t ws, int f16, float *const *out, int i)                  \
-    {                                                                                              \
-        tile_gb(R, NT, p, kc, x, n, k0, px, ab, mode, w, ws, f16, out, i);                         \
-    }
-DEF_GB(4, 3)
-DEF_GB(4, 2)
-DEF_GB(4, 1)
-DEF_GB(1, 3)
-DEF_GB(1, 2)
-DEF_GB(1, 1)
-
-typedef void (*gb_fn)(const float *, int, const float *, int, int, const float *, float *, int,
-                      const uint8_t *, size_t, int, float *const *, int);
-static const gb_fn gb_r4[4] = {NULL, gb_4_1, gb_4_2, gb_4_3};
-static const gb_fn gb_r1[4] = {NULL, gb_1_1, gb_1_2, gb_1_3};
-
-/* Columns [k0, k0 + kc) of nr rows (stride ws bytes) as floats into p (stride kc). */
-static TGT void gb_panel(const uint8_t *w, size_t ws, int f16, int nr, int k0, int kc, float *p)
+/* F16 rows [r0, r0 + nr) of width n widened to floats at dst (nr * n floats): exact. */
+static TGT void widen_rows_f16(const uint8_t *w, size_t ws, int nr, int n, float *dst)
 {
     for (int r = 0; r < nr; r++) {
-        const uint8_t *row = w + (size_t)r * ws;
-        float *d = p + (size_t)r * kc;
-        if (f16) {
-            const uint16_t *h = (const uint16_t *)(const void *)row + k0;
-            for (int j = 0; j < kc; j += 8)
-                _mm256_store_ps(d + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))));
-        } else {
-            const float *f = (const float *)(const void *)row + k0;
-            for (int j = 0; j < kc; j += 8)
-                _mm256_store_ps(d + j, _mm256_loadu_ps(f + j));
-        }
-    }
-}
-
-/* The blocked FAST-order product (above) of rows [r0, r1), all T tokens; n >= 8. */
-static TGT void kern_x86_matmul_gemm_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
-                                          float *const *out, float *scratch)
-{
-    const int n = a->n, T = a->T, n8 = n & ~7, f16 = w->type == GGUF_TENSOR_F16;
-    const size_t ws = kern_row_bytes(w);
-    const uint8_t *base = w->data;
-    float *ab = (float *)(((uintptr_t)scratch + 31) & ~(uintptr_t)31);
-    float *pan = ab + (size_t)GB_MB * GB_TB * 8;
-    for (int tb = 0; tb < T; tb += GB_TB) {
-        const int te = tb + GB_TB < T ? tb + GB_TB : T;
-        for (int rb = r0; rb < r1; rb += GB_MB) {
-            const int nr = rb + GB_MB < r1 ? GB_MB : r1 - rb;
-            const uint8_t *wr = base + (size_t)rb * ws;
-            for (int k0 = 0; k0 < n8; k0 += GB_KC) {
-                const int kc = n8 - k0 < GB_KC ? n8 - k0 : GB_KC;
-                const int mode = (k0 == 0 ? GB_FIRST : 0) | (k0 + kc == n8 ? GB_LAST : 0);
-                gb_panel(wr, ws, f16, nr, k0, kc, pan);
-                /* the next panel: these rows' next columns, else the next rows' first */
-                const int nk = k0 + GB_KC < n8, nrb = rb + GB_MB;
-                const uint8_t *pw = nk ? wr : base + (size_t)nrb * ws;
-                const int pnr = nk ? nr : nrb >= r1 ? 0 : r1 - nrb < GB_MB ? r1 - nrb : GB_MB;
-                const size_t es = f16 ? 2 : 4, pk = nk ? (size_t)k0 + GB_KC : 0;
-                /* its cache lines, to L2, a few per token tile: a panel widened from cold
-                 * lines would wait on each of them */
-                const int lpr =
-                    (int)(((n8 - (int)pk < GB_KC ? n8 - (int)pk : GB_KC) * es + 63) / 64);
-                const int per = (pnr * lpr * 3 + (te - tb) - 1) / (te - tb) + 1;
-                int pr = 0, pl = 0;
-                for (int t = tb; t < te; t += 3) {
-                    const int nt = te - t < 3 ? te - t : 3;
-                    for (int q = 0; GB_PF && q < per && pr < pnr; q++) {
-                        _mm_prefetch((const char *)(pw + (size_t)pr * ws + pk * es) + 64 * pl,
-                                     _MM_HINT_T1);
-                        if (++pl == lpr) {
-                            pl = 0;
-                            pr++;
-                        }
-                    }
-                    const float *xt = a->x + (size_t)t * n;
-                    float *abt = ab + (size_t)(t - tb) * GB_MB * 8;
-                    /* the first row tile brings the next token tile's x into L1 */
-                    const float *px = GB_PF && t + 3 + 3 <= te ? xt + 3 * (size_t)n + k0 : NULL;
-                    int r = 0;
-                    for (; r + 4 <= nr; r += 4, px = NULL)
-                        gb_r4[nt](pan + (size_t)r * kc, kc, xt, n, k0, px, abt + (size_t)r * 8,
-                                  mode, wr + (size_t)r * ws, ws, f16, out + t, rb + r);
-                    for (; r < nr; r++, px = NULL)
-                        gb_r1[nt](pan + (size_t)r * kc, kc, xt, n, k0, px, abt + (size_t)r * 8,
-                                  mode, wr + (size_t)r * ws, ws, f16, out + t, rb + r);
-                }
-            }
-        }
+        const uint16_t *h = (const uint16_t *)(const void *)(w + (size_t)r * ws);
+        float *d = dst + (size_t)r * n;
+        int j = 0;
+        for (; j + 8 <= n; j += 8)
+            _mm256_storeu_ps(d + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))));
+        for (; j < n; j++)
+            d[j] = _cvtsh_ss(h[j]);
     }
 }
 
@@ -430,8 +275,25 @@ TGT void kern_x86_matmul_fast_avx2(const kern_mat *w, const kern_act *a, int r0,
     const int n = a->n, T = a->T, f16 = w->type == GGUF_TENSOR_F16;
     const size_t ws = kern_row_bytes(w);
     const uint8_t *base = w->data;
-    if (T >= GB_MIN_T && scratch && n >= 8) {
-        kern_x86_matmul_gemm_avx2(w, a, r0, r1, out, scratch);
+    if (f16 && T >= F16_WIDEN_T && scratch) {
+        /* prefill of F16 weights: WIDEN_ROWS rows widened to floats once, in the scratch
+         * (L2), then every token tile runs the F32 tiles over them, instead of converting
+         * each weight vector again for every 3 tokens; the same floats in the same order */
+        const size_t fs = (size_t)n * sizeof(float);
+        for (int rb = r0; rb < r1; rb += WIDEN_ROWS) {
+            int re = rb + WIDEN_ROWS < r1 ? rb + WIDEN_ROWS : r1;
+            widen_rows_f16(base + (size_t)rb * ws, ws, re - rb, n, scratch);
+            const uint8_t *sw = (const uint8_t *)scratch;
+            for (int t = 0; t < T; t += 3) {
+                int nt = T - t < 3 ? T - t : 3;
+                const float *xt = a->x + (size_t)t * n;
+                int i = rb;
+                for (; i + 4 <= re; i += 4)
+                    fast_r4[0][nt](sw + (size_t)(i - rb) * fs, fs, xt, n, out + t, i);
+                for (; i < re; i++)
+                    fast_r1[0][nt](sw + (size_t)(i - rb) * fs, fs, xt, n, out + t, i);
+            }
+        }
         return;
     }
     if (T == 1) {

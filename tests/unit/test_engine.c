@@ -1343,14 +1343,13 @@ static void test_kernels_vs_reference(void **state)
     }
 }
 
-/* The FAST-order F32/F16 prefill kernels (T >= 8: the AVX2 one is blocked in token
- * blocks of 96, row panels of 16 and column blocks of 256, its 8-lane accumulators kept
- * in memory between column blocks, kernels_x86.c) against the single-dot reference, bit
- * for bit: every shape tail around those blocks (n below, at and past one column block,
- * n % 8 != 0 tails, n < 8 without any vector step; rows not a multiple of the 4-row tile or
- * of the panel; T past one token block and not a multiple of 3), row ranges cut at odd
- * rows, with and without the scratch (NULL, AVX2: the unblocked tiles), on every
- * instruction set this CPU has. */
+/* The FAST-order F32/F16 prefill kernels (T >= 8: AVX2 widens F16 rows 8 at a time into
+ * the scratch and runs the 4-row x 3-token tiles over row blocks, kernels_x86.c) against
+ * the single-dot reference, bit for bit, at prefill sizes test_kernels_vs_reference does
+ * not reach: T up to 200 and not a multiple of 3, n from below 8 (no vector step) to 2051
+ * with n % 8 tails, rows not a multiple of the 4-row tile or of the 8- and 16-row blocks,
+ * row ranges cut at odd rows, with and without the scratch (NULL, AVX2: F16 converted per
+ * tile), on every instruction set this CPU has. */
 static void test_kernels_prefill_blocked(void **state)
 {
     const int shapes[][2] = {{5, 8},    {7, 5},     {19, 300}, {33, 256}, {16, 257},
