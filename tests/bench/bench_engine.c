@@ -2,7 +2,7 @@
  * bench_engine: throughput of the engine's forward pass, in-process, per model file.
  *
  *   bench_engine [--threads N] [--kernel auto|exact|fast] [--isa scalar|avx2|avx512]
- *                [--quick | --tg | --pp | --batched | --roof]
+ *                [--quick | --tg | --pp [--pp-tokens N] | --batched | --roof]
  *                MODEL.gguf...
  *   bench_engine [--threads N] --kern
  *
@@ -36,8 +36,10 @@
  * TOK/S tok/s, bound B tok/s (...): F%": medians of both, and the fraction of the read
  * bound the forward pass reaches, measured side by side.
  *
- * --pp: prefill of one 512-token prompt only, "pp MODEL TOK/S" (after an 8-token warm-up;
- * best of 3, one run for the 1B-class models), for the pp512 side by side.
+ * --pp: prefill of one 512-token prompt only, "pp MODEL TOK/S cores C" (after an 8-token
+ * warm-up; best of 3, one run for the 1B-class models; C: CPU seconds over wall seconds of
+ * that run, the share of the machine it had), for the pp512 side by side; --pp-tokens N
+ * (1..512): an N-token prompt instead (llama-bench's ppN).
  *
  * --kern: no model; the Q8_0 batch-1 kernel alone on ~300 MB random matrices (2048- and
  * 5632-wide rows), GGUF layout against the Q8X8 one loaded model matrices get (kernels.h),
@@ -692,6 +694,7 @@ static int usage(void)
 {
     fprintf(stderr, "usage: bench_engine [--threads N] [--kernel auto|exact|fast] "
                     "[--isa scalar|avx2|avx512] [--quick | --tg | --pp | --batched | --roof] "
+                    "[--pp-tokens N] "
                     "MODEL.gguf... | --kern\n");
     return 2;
 }
@@ -708,7 +711,7 @@ static int pick(const char *s, const char *const *names)
 int main(int argc, char **argv)
 {
     model_ctx_params cp = model_ctx_default_params();
-    int quick = 0, tg = 0, pp = 0, kern = 0, batched = 0, roof = 0;
+    int quick = 0, tg = 0, pp = 0, kern = 0, batched = 0, roof = 0, pp_len = PP_LONG;
     int first = 1;
     static const char *const kernels[] = {"auto", "exact", "fast", NULL};
     static const char *const isas[] = {"auto", "scalar", "avx2", "avx512", NULL};
@@ -730,6 +733,17 @@ int main(int argc, char **argv)
             kern = 1;
         } else if (strcmp(o, "--roof") == 0) {
             roof = 1;
+        } else if (strcmp(o, "--pp-tokens") == 0 && v) {
+            char *end;
+            errno = 0;
+            long n = strtol(v, &end, 10);
+            if (end == v || *end || errno || n < 1 || n > 4 * PROMPT) {
+                fprintf(stderr, "bench_engine: --pp-tokens '%s': not a count in [1, %d]\n", v,
+                        4 * PROMPT);
+                return usage();
+            }
+            pp_len = (int)n;
+            first++;
         } else if (strcmp(o, "--threads") == 0 && v) {
             char *end;
             errno = 0;
@@ -787,12 +801,12 @@ int main(int argc, char **argv)
         if (pp) {
             double cores;
             bench_prefill(&b, 1, 8, 1, &cores); /* warm-up */
-            double r = bench_prefill(&b, 1, PP_LONG, big ? 1 : 3, &cores);
+            double r = bench_prefill(&b, 1, pp_len, big ? 1 : 3, &cores);
             if (r < 0) {
                 fprintf(stderr, "bench_engine: %s: forward pass failed\n", argv[a]);
                 rc = 1;
             } else {
-                printf("pp %s %.3f\n", argv[a], r);
+                printf("pp %s %.3f cores %.2f\n", argv[a], r, cores);
             }
             goto next;
         }

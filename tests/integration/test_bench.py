@@ -687,8 +687,8 @@ TINY = os.path.join(ROOT, os.environ.get("TIDEPOOL_TEST_MODEL", "build/models/st
 @unittest.skipUnless(os.path.exists(TINY), "needs %s (make model)" % TINY)
 class BenchEngineArgs(unittest.TestCase):
     """bench_engine refuses what it cannot run with its usage (exit 2) instead of running
-    something else or nothing: no model, a bad --threads, --kernel or --isa value, a flag
-    taken as a value, two modes, models with --kern."""
+    something else or nothing: no model, a bad --threads, --kernel, --isa or --pp-tokens
+    value, a flag taken as a value, two modes, models with --kern."""
 
     def test_bad_arguments(self):
         for args in ([], ["--pp"], ["--batched"], ["--tg", "--threads", "2"],
@@ -696,7 +696,9 @@ class BenchEngineArgs(unittest.TestCase):
                      ["--threads", "2x", "--pp", TINY], ["--threads", "100000", "--pp", TINY],
                      ["--threads", "--pp", TINY], ["--threads"],
                      ["--kernel", "bogus", "--pp", TINY], ["--isa", "avx9", "--pp", TINY],
-                     ["--pp", "--tg", TINY], ["--kern", TINY]):
+                     ["--pp", "--tg", TINY], ["--kern", TINY],
+                     ["--pp-tokens", "0", "--pp", TINY], ["--pp-tokens", "513", "--pp", TINY],
+                     ["--pp-tokens", "8x", "--pp", TINY], ["--pp", "--pp-tokens"]):
             p = subprocess.run([ENGINE] + args, capture_output=True, text=True, timeout=60)
             self.assertEqual(p.returncode, 2, (args, p.stdout, p.stderr))
             self.assertEqual(p.stdout, "", args)
@@ -704,10 +706,11 @@ class BenchEngineArgs(unittest.TestCase):
 
     def test_good_arguments(self):
         for args in (["--threads", "1", "--kernel", "exact", "--isa", "avx512", "--pp", TINY],
-                     ["--threads", "0", "--isa", "scalar", "--kernel", "auto", "--pp", TINY]):
+                     ["--threads", "0", "--isa", "scalar", "--kernel", "auto", "--pp", TINY],
+                     ["--threads", "2", "--kernel", "fast", "--pp-tokens", "100", "--pp", TINY]):
             p = subprocess.run([ENGINE] + args, capture_output=True, text=True, timeout=120)
             self.assertEqual(p.returncode, 0, (args, p.stderr))
-            self.assertRegex(p.stdout, r"^pp \S+ [0-9.]+\n$")
+            self.assertRegex(p.stdout, r"^pp \S+ [0-9.]+ cores [0-9.]+\n$")
 
 
 SERVE_PEER = os.path.join(ROOT, "tools", "bench", "serve-peer.sh")

@@ -1343,6 +1343,81 @@ static void test_kernels_vs_reference(void **state)
     }
 }
 
+/* The FAST-order F32/F16 prefill kernels (T >= 8: AVX2 widens F16 rows 8 at a time into
+ * the scratch and runs the 4-row x 3-token tiles over row blocks, kernels_x86.c) against
+ * the single-dot reference, bit for bit, at prefill sizes test_kernels_vs_reference does
+ * not reach: T up to 200 and not a multiple of 3, n from below 8 (no vector step) to 2051
+ * with n % 8 tails, rows not a multiple of the 4-row tile or of the 8- and 16-row blocks,
+ * row ranges cut at odd rows, with and without the scratch (NULL, AVX2: F16 converted per
+ * tile), on every instruction set this CPU has. */
+static void test_kernels_prefill_blocked(void **state)
+{
+    const int shapes[][2] = {{5, 8},    {7, 5},     {19, 300}, {33, 256}, {16, 257},
+                             {18, 513}, {37, 1000}, {4, 2051}, {21, 264}};
+    const int Ts[] = {8, 10, 96, 97, 200};
+    const int Tmax = 200;
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+        const int rows = shapes[si][0], n = shapes[si][1];
+        float *wf = malloc((size_t)rows * n * sizeof(float));
+        uint16_t *wh = malloc((size_t)rows * n * sizeof(uint16_t));
+        float *wh32 = malloc((size_t)rows * n * sizeof(float));
+        float *x = malloc((size_t)Tmax * n * sizeof(float));
+        float *ref = malloc((size_t)Tmax * rows * sizeof(float));
+        float *got = malloc((size_t)Tmax * rows * sizeof(float));
+        float *scratch = malloc(kern_scratch_floats(n) * sizeof(float));
+        float *outp[200];
+        assert_non_null(wf);
+        assert_non_null(wh);
+        assert_non_null(wh32);
+        assert_non_null(x);
+        assert_non_null(ref);
+        assert_non_null(got);
+        assert_non_null(scratch);
+        for (size_t i = 0; i < (size_t)rows * n; i++) {
+            wf[i] = frand() * (i % 89 == 0 ? 16.0f : 0.5f);
+            wh[i] = gguf_fp32_to_fp16(wf[i]);
+            wh32[i] = gguf_fp16_to_fp32(wh[i]);
+        }
+        for (size_t i = 0; i < (size_t)Tmax * n; i++)
+            x[i] = frand() * (i % 61 == 0 ? 30.0f : 2.0f);
+        for (int t = 0; t < Tmax; t++)
+            outp[t] = got + (size_t)t * rows;
+        const kern_mat mats[2] = {{wf, GGUF_TENSOR_F32, rows, n, KERN_LAYOUT_GGUF},
+                                  {wh, GGUF_TENSOR_F16, rows, n, KERN_LAYOUT_GGUF}};
+        for (int mi = 0; mi < 2; mi++) {
+            const float *w32 = mi ? wh32 : wf;
+            for (size_t ti = 0; ti < sizeof(Ts) / sizeof(Ts[0]); ti++) {
+                const int T = Ts[ti];
+                for (int r = 0; r < rows; r++)
+                    for (int t = 0; t < T; t++)
+                        ref[(size_t)t * rows + r] =
+                            kern_dot_fast_f32(w32 + (size_t)r * n, x + (size_t)t * n, n);
+                kern_act a = {.x = x, .T = T, .n = n};
+                for (int isa = KERN_ISA_SCALAR; isa <= (int)best_isa(); isa++)
+                    for (int sc = isa == KERN_ISA_SCALAR; sc < 2; sc++) { /* scalar: needs it */
+                        memset(got, 0xff, (size_t)Tmax * rows * sizeof(float));
+                        const int cut[] = {0, rows / 3 | 1, rows - 2 > 0 ? rows - 2 : rows, rows};
+                        for (int c = 0; c < 3; c++)
+                            kern_matmul((kern_isa)isa, KERN_ORDER_FAST, &mats[mi], &a, cut[c],
+                                        cut[c + 1], outp, sc ? scratch : NULL);
+                        if (memcmp(got, ref, (size_t)T * rows * sizeof(float)) != 0)
+                            fail_msg("prefill kernel %s %s rows %d n %d T %d%s differs from the "
+                                     "reference",
+                                     kern_isa_name((kern_isa)isa), mi ? "f16" : "f32", rows, n, T,
+                                     sc ? "" : " (no scratch)");
+                    }
+            }
+        }
+        free(wf);
+        free(wh);
+        free(wh32);
+        free(x);
+        free(ref);
+        free(got);
+        free(scratch);
+    }
+}
+
 /* The attention helpers against their definitions, on every instruction set. */
 static void test_kernels_attention(void **state)
 {
@@ -2448,6 +2523,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_model_greedy_reference),
         cmocka_unit_test(test_model_batch_invariance),
         cmocka_unit_test(test_kernels_vs_reference),
+        cmocka_unit_test(test_kernels_prefill_blocked),
         cmocka_unit_test(test_kernels_attention),
         cmocka_unit_test(test_kernels_packed),
         cmocka_unit_test(test_kernels_q8_extremes),
