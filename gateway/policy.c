@@ -44,6 +44,7 @@ policy_params policy_default_params(void)
         .window_ms = 10000,
         .min_per_role = 1,
         .start_from_estimate = 1,
+        .warmup_ms = 30000,
         .target_pressure = 0.7,
         .offline_target = 0.6,
         .preempt_pressure = 0.95,
@@ -81,6 +82,7 @@ int policy_params_check(const policy_params *p, char *err, size_t err_len)
     CHECK(p->min_per_role >= 1, "min_per_role must be >= 1");
     CHECK(p->target_pressure > 0 && p->target_pressure <= 10,
           "target_pressure must be in (0, 10]");
+    CHECK(p->warmup_ms >= 0, "warmup_ms must be >= 0");
     CHECK(p->start_from_estimate == 0 || p->start_from_estimate == 1,
           "start_from_estimate must be 0 or 1");
     CHECK(p->offline_target >= 0, "offline_target must be >= 0");
@@ -473,7 +475,7 @@ int policy_decide(const policy_params *p, policy_state *st, const policy_input *
     }
     /* Before the first window of traffic is seen, only pressure at the SLO's edge moves a
      * worker: a start-up transient (an empty cluster filling) is not the mix. */
-    int warm = st->rates_seeded && in->now_ms - st->first_ms >= p->window_ms;
+    int warm = st->rates_seeded && in->now_ms - st->first_ms >= p->warmup_ms;
     double act = warm ? p->act_pressure : fmax(p->act_pressure, 1.0);
     view vf = {.p = p, .st = &st->sig, .cap_p0 = cap_p, .cap_d0 = cap_d, .act = act};
     view vr = {.p = p, .st = &raw, .cap_p0 = cap_p, .cap_d0 = cap_d, .act = act};
@@ -512,7 +514,8 @@ int policy_decide(const policy_params *p, policy_state *st, const policy_input *
      * prefill capacity that gives both the same pressure. Known once the rates have been
      * seen for a window. */
     int seeded_now = st->n_calls++ == 0;
-    double lp = load_prefill(&vf), ld = load_decode(&vf);
+    /* the mix's steady need: rates, not a backlog (the rule's own steps drain a queue) */
+    double lp = st->sig.prompt_rate / p->prefill_tokens_per_s, ld = load_decode(&vf);
     out->est_prefill_workers = lp;
     out->est_decode_workers = ld;
     out->est_prefill = -1;

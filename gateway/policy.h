@@ -22,15 +22,15 @@
  *      same load cannot ask for the reverse move (band >= 1): no flapping under steady
  *      load.
  *   2c. Estimate: the workers each role needs at pressure 1 from the load terms alone
- *      (prefill: prompt tokens/s and the queue over prefill_tokens_per_s; decode: online
+ *      (prefill: prompt tokens/s over prefill_tokens_per_s, no backlog; decode: online
  *      sequences over decode_seqs_per_worker, requests/s times the output tokens of
- *      the requests that ended over decode_tokens_per_s, KV use), and the split that brings the busier role to
- *      target_pressure, or to the pressure both would share when that is higher (the
- *      other role keeps the rest: slack for when the tide turns). Once the
- *      first window_ms of traffic is seen, the split moves to the estimate at once
- *      (start_from_estimate; only if a role's load pressure exceeds band times the
- *      other's), then only when the rule of 2 fires. Before that window the rule of 2
- *      needs pressure 1 (not act_pressure): start-up transients move nothing.
+ *      the requests that ended over decode_tokens_per_s, KV use), and the split that
+ *      brings the busier role to target_pressure, or to the pressure both would share
+ *      when that is higher (the other role keeps the rest: slack for when the tide
+ *      turns). Once the first warmup_ms of traffic is seen, the split moves to the
+ *      estimate at once (start_from_estimate; only if a role's load pressure exceeds band
+ *      times the other's), then only when the rule of 2 fires. Before warmup_ms the rule
+ *      of 2 needs pressure 1 (not act_pressure): start-up transients move little.
  *   2b. Reversal guard: a move against the last change's direction also needs min_role_ms
  *      since that change and the rule asking for it call after call for a hold that is 0
  *      after a calm spell and doubles (from reverse_hold_ms) with every reversal made
@@ -139,7 +139,9 @@ typedef struct {
     int min_per_role;        /* workers that always stay prefill-capable and decode-capable */
     double target_pressure;  /* the estimate brings a busy role to this pressure (or to
                               * the pressure both roles would share, if higher) */
-    int start_from_estimate; /* 1: after the first window_ms, move to the estimated split
+    int64_t warmup_ms;       /* the first window of traffic: before it no estimate, and only
+                              * pressure >= 1 moves a worker */
+    int start_from_estimate; /* 1: after warmup_ms, move to the estimated split
                               * even below act_pressure (once); 0: only when the rule fires */
     /* offline admission */
     double offline_target;        /* offline fills capacity up to this online pressure */

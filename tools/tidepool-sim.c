@@ -39,8 +39,8 @@ static char *opt_trace, *opt_workload, *opt_policy, *opt_preset, *opt_role_chang
 static double opt_duration_s, opt_phase_s, opt_rate, opt_load, opt_offline_frac;
 static double opt_ttft_slo_ms, opt_tpot_slo_ms, opt_tick_ms, opt_switch_ms;
 static double opt_min_role_s, opt_window_s, opt_max_change_frac, opt_act_pressure, opt_band;
-static double opt_smooth_s, opt_reverse_hold_s;
-static int opt_compare_static, opt_verbose, opt_start_estimate;
+static double opt_smooth_s, opt_reverse_hold_s, opt_warmup_s;
+static int opt_compare_static, opt_verbose, opt_start_estimate, opt_decode_token_rate;
 
 static const config_entry_t settings[] = {
     {"workers", CONFIG_INT, &opt_workers, "8", 2, 100000, "workers in the cluster"},
@@ -103,6 +103,11 @@ static const config_entry_t settings[] = {
      "policy: time constant of the EWMA signals"},
     {"start-from-estimate", CONFIG_BOOL, &opt_start_estimate, "true", 0, 0,
      "policy: once the first window of traffic is seen, move to the estimated split"},
+    {"warmup-s", CONFIG_DOUBLE, &opt_warmup_s, "30", 0, 1e6,
+     "policy: the first window of traffic (before it: no estimate, only pressure >= 1 moves)"},
+    {"decode-token-rate", CONFIG_BOOL, &opt_decode_token_rate, "true", 0, 0,
+     "policy: count decode load by output tokens/s against a worker's token rate (the cost "
+     "model's), not by running sequences alone"},
     {"reverse-hold-s", CONFIG_DOUBLE, &opt_reverse_hold_s, "7.5", 0, 1e6,
      "policy: after a recent reversal, the rule must ask for another this long (doubling)"},
     {NULL, 0, NULL, NULL, 0, 0, NULL},
@@ -367,6 +372,9 @@ int main(int argc, char **argv)
                                   pp.decode_seqs_per_worker * mean_ctx) /
          1e3);
     pp.start_from_estimate = opt_start_estimate;
+    pp.warmup_ms = (int64_t)(opt_warmup_s * 1e3);
+    if (!opt_decode_token_rate)
+        pp.decode_tokens_per_s = 0;
     pp.min_role_ms = (int64_t)(opt_min_role_s * 1e3);
     pp.max_changes = (int)opt_max_changes;
     pp.max_change_frac = opt_max_change_frac;

@@ -538,8 +538,8 @@ static void test_decode_pressure_moves_to_decode(void **state)
 
 /* The estimator on crafted steady figures: 5 + 5 workers, prefill 20000 prompt tok/s
  * (2 workers at 10000 tok/s), decode 40 req/s of 300 output tokens at 2000 tok/s per
- * worker (6 workers; the 250 running sequences alone would say 2.5). Before the first
- * window only pressure >= 1 moves (1.2 here: 2 moves, to 3 + 7, where decode is at 0.86);
+ * worker (6 workers; the 250 running sequences alone would say 2.5). Before warmup_ms
+ * only pressure >= 1 moves (1.2 here: 2 moves, to 3 + 7, where decode is at 0.86);
  * once warm, the estimate is 2.0 and 6.0 workers and 3 prefill (the busier role at the
  * shared pressure 0.8: 7.5 decode). Then 5 minutes of the same load: no change. */
 static void test_estimate_exact_split(void **state)
@@ -561,7 +561,9 @@ static void test_estimate_exact_split(void **state)
             assert_int_equal(f->last.n_actions, 2);
             assert_int_equal(f->last.est_prefill, -1); /* not warm yet */
         }
-        if (t == 10) {
+        if (t == 29)
+            assert_int_equal(f->last.est_prefill, -1);
+        if (t == 30) { /* warmup_ms (30 s) of traffic seen */
             assert_true(f->last.est_prefill_workers == 2.0);
             assert_true(f->last.est_decode_workers == 6.0);
             assert_int_equal(f->last.est_prefill, 3);
@@ -574,7 +576,7 @@ static void test_estimate_exact_split(void **state)
 
     /* Start-up from the estimate below act_pressure: prefill 3.9 workers of load at 5
      * (0.78), decode 13 req/s x 300 / 2000 = 1.95 workers. The rule never fires; once the
-     * first window (10 s) is seen, the estimate (3.9 / 0.7 = 5.57 prefill) moves one decode
+     * first warmup_ms (30 s) is seen, the estimate (3.9 / 0.7 = 5.57 prefill) moves one decode
      * worker, once; without start_from_estimate, nothing moves. */
     for (int variant = 0; variant < 2; variant++) {
         fx_init(f, 5, 5);
@@ -594,7 +596,7 @@ static void test_estimate_exact_split(void **state)
         if (variant == 0) {
             assert_int_equal(f->n_ch, 1);
             assert_int_equal(f->ch_role[0], POLICY_ROLE_PREFILL);
-            assert_int_equal(f->ch_ms[0] - start, f->p.window_ms);
+            assert_int_equal(f->ch_ms[0] - start, f->p.warmup_ms);
             assert_int_equal(fx_count(f, POLICY_ROLE_PREFILL), 6);
         } else {
             assert_int_equal(f->n_ch, 0);
