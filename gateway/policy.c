@@ -118,15 +118,20 @@ static double load_prefill(const view *v)
     return fmax(q, st->prompt_rate / p->prefill_tokens_per_s);
 }
 
-/* The decode load in workers at pressure 1: online sequences over the slots, the output
- * token rate over a worker's token rate (when known; the sequence count alone under-counts
- * a lightly loaded worker, whose steps are short), and KV use (measured with cap_d0). */
-static double load_decode(const view *v)
+/* The decode load in workers at pressure 1: online sequences over the slots, KV use
+ * (measured with cap_d0) and, with tokens set and decode_tokens_per_s known, requests/s
+ * times the output tokens per ended request over a worker's token rate. The sequence count
+ * under-counts a lightly loaded worker (its steps are short, its sequences done sooner);
+ * the token term says how many workers full batches need. It is used where under-counting
+ * decode hurts (the estimate, and decode as the donor of a move), not to make decode gain
+ * workers or to hold back offline work: there it would take slack from prefill that a
+ * turning tide needs (docs/tidal.md). */
+static double load_decode(const view *v, int tokens)
 {
     const policy_params *p = v->p;
     const policy_signals *st = v->st;
     double u = st->decoding / p->decode_seqs_per_worker;
-    if (p->decode_tokens_per_s > 0)
+    if (tokens && p->decode_tokens_per_s > 0)
         u = fmax(u, st->arrival_rate * st->out_per_req / p->decode_tokens_per_s);
     return fmax(u, st->kv_frac / p->kv_high * v->cap_d0);
 }
@@ -145,7 +150,8 @@ static double pressure_prefill(const view *v, double cap)
     return fmax(load_prefill(v) / cap, lat * scale);
 }
 
-static double pressure_decode(const view *v, double cap)
+/* Decode pressure with cap decode workers; tokens: count the token term (load_decode). */
+static double pressure_decode_with(const view *v, double cap, int tokens)
 {
     const policy_params *p = v->p;
     const policy_signals *st = v->st;
@@ -155,7 +161,12 @@ static double pressure_decode(const view *v, double cap)
                    ? PRESSURE_NO_CAPACITY
                    : 0;
     double scale = v->cap_d0 > 0 ? v->cap_d0 / cap : 1;
-    return fmax(load_decode(v) / cap, lat * scale);
+    return fmax(load_decode(v, tokens) / cap, lat * scale);
+}
+
+static double pressure_decode(const view *v, double cap)
+{
+    return pressure_decode_with(v, cap, 0);
 }
 
 // --- inputs and smoothing ----------------------------------------------------------------
@@ -337,7 +348,8 @@ static int gains(const view *v, int to, double cap_p, double cap_d)
     const policy_params *p = v->p;
     if (to == POLICY_ROLE_PREFILL) {
         double pp = pressure_prefill(v, cap_p);
-        return pp >= v->act && pp > p->band * pressure_decode(v, cap_d - 1);
+        /* decode as the donor: its full need, tokens included */
+        return pp >= v->act && pp > p->band * pressure_decode_with(v, cap_d - 1, 1);
     }
     double pd = pressure_decode(v, cap_d);
     return pd >= v->act && pd > p->band * pressure_prefill(v, cap_p - 1);
@@ -515,7 +527,7 @@ int policy_decide(const policy_params *p, policy_state *st, const policy_input *
      * seen for a window. */
     int seeded_now = st->n_calls++ == 0;
     /* the mix's steady need: rates, not a backlog (the rule's own steps drain a queue) */
-    double lp = st->sig.prompt_rate / p->prefill_tokens_per_s, ld = load_decode(&vf);
+    double lp = st->sig.prompt_rate / p->prefill_tokens_per_s, ld = load_decode(&vf, 1);
     out->est_prefill_workers = lp;
     out->est_decode_workers = ld;
     out->est_prefill = -1;
@@ -532,9 +544,9 @@ int policy_decide(const policy_params *p, policy_state *st, const policy_input *
         double d = need > have ? need - have : 0;
         double target = hot_p ? cap_p + d : cap_p - d;
         out->est_prefill = (int)lround(target);
-        d = target - cap_p;
-        k_est = (int)lround(fmax(fmin(d, (double)(n_d - p->min_per_role)),
-                                 -(double)(n_p - p->min_per_role)));
+        d = (double)out->est_prefill - (double)lround(cap_p); /* whole workers */
+        k_est = (int)fmax(fmin(d, (double)(n_d - p->min_per_role)),
+                          -(double)(n_p - p->min_per_role));
     }
 
     /* Direction and count. The rule decides whether; the estimate, when it agrees, how

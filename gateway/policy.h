@@ -24,7 +24,8 @@
  *   2c. Estimate: the workers each role needs at pressure 1 from the load terms alone
  *      (prefill: prompt tokens/s over prefill_tokens_per_s, no backlog; decode: online
  *      sequences over decode_seqs_per_worker, requests/s times the output tokens of
- *      the requests that ended over decode_tokens_per_s, KV use), and the split that
+ *      the requests that ended over decode_tokens_per_s, KV use; the token term also
+ *      counts when decode is the donor in 2, never to make decode gain), and the split that
  *      brings the busier role to target_pressure, or to the pressure both would share
  *      when that is higher (the other role keeps the rest: slack for when the tide
  *      turns). Once the first warmup_ms of traffic is seen, the split moves to the

@@ -39,7 +39,7 @@ static char *opt_trace, *opt_workload, *opt_policy, *opt_preset, *opt_role_chang
 static double opt_duration_s, opt_phase_s, opt_rate, opt_load, opt_offline_frac;
 static double opt_ttft_slo_ms, opt_tpot_slo_ms, opt_tick_ms, opt_switch_ms;
 static double opt_min_role_s, opt_window_s, opt_max_change_frac, opt_act_pressure, opt_band;
-static double opt_smooth_s, opt_reverse_hold_s, opt_warmup_s;
+static double opt_smooth_s, opt_reverse_hold_s, opt_warmup_s, opt_target_pressure;
 static int opt_compare_static, opt_verbose, opt_start_estimate, opt_decode_token_rate;
 
 static const config_entry_t settings[] = {
@@ -103,6 +103,8 @@ static const config_entry_t settings[] = {
      "policy: time constant of the EWMA signals"},
     {"start-from-estimate", CONFIG_BOOL, &opt_start_estimate, "true", 0, 0,
      "policy: once the first window of traffic is seen, move to the estimated split"},
+    {"target-pressure", CONFIG_DOUBLE, &opt_target_pressure, "0.7", 0.01, 10,
+     "policy: the estimate brings the busier role to this pressure (or the shared one)"},
     {"warmup-s", CONFIG_DOUBLE, &opt_warmup_s, "30", 0, 1e6,
      "policy: the first window of traffic (before it: no estimate, only pressure >= 1 moves)"},
     {"decode-token-rate", CONFIG_BOOL, &opt_decode_token_rate, "true", 0, 0,
@@ -373,6 +375,7 @@ int main(int argc, char **argv)
          1e3);
     pp.start_from_estimate = opt_start_estimate;
     pp.warmup_ms = (int64_t)(opt_warmup_s * 1e3);
+    pp.target_pressure = opt_target_pressure;
     if (!opt_decode_token_rate)
         pp.decode_tokens_per_s = 0;
     pp.min_role_ms = (int64_t)(opt_min_role_s * 1e3);

@@ -538,10 +538,10 @@ static void test_decode_pressure_moves_to_decode(void **state)
 
 /* The estimator on crafted steady figures: 5 + 5 workers, prefill 20000 prompt tok/s
  * (2 workers at 10000 tok/s), decode 40 req/s of 300 output tokens at 2000 tok/s per
- * worker (6 workers; the 250 running sequences alone would say 2.5). Before warmup_ms
- * only pressure >= 1 moves (1.2 here: 2 moves, to 3 + 7, where decode is at 0.86);
- * once warm, the estimate is 2.0 and 6.0 workers and 3 prefill (the busier role at the
- * shared pressure 0.8: 7.5 decode). Then 5 minutes of the same load: no change. */
+ * worker (6 workers; the 250 running sequences alone say 2.5, decode pressure 0.5, so the
+ * rule never fires). Once warmup_ms (30 s) is seen, the estimate is 2.0 and 6.0 workers and
+ * 3 prefill (the busier role at the shared pressure 0.8 needs 7.5 decode), and the split
+ * starts from it: two decode workers more at 30 s. Then 280 s of the same load: no change. */
 static void test_estimate_exact_split(void **state)
 {
     (void)state;
@@ -552,23 +552,24 @@ static void test_estimate_exact_split(void **state)
     f->p.decode_tokens_per_s = 2000;
     f->prompt_rate = 20000;
     f->c.online_decoding = 250;
+    int64_t start = f->now;
     for (int t = 0; t < 310; t++) {
         f->c.online_arrived += 40;
         f->c.online_done += 40;
         f->c.output_tokens_done += 40 * 300;
         fx_tick(f);
-        if (t == 1) { /* the first rate sample: pressure 1.2 at the SLO's edge */
-            assert_int_equal(f->last.n_actions, 2);
+        if (t == 29) {
             assert_int_equal(f->last.est_prefill, -1); /* not warm yet */
+            assert_int_equal(f->n_ch, 0);
         }
-        if (t == 29)
-            assert_int_equal(f->last.est_prefill, -1);
-        if (t == 30) { /* warmup_ms (30 s) of traffic seen */
+        if (t == 30) {
             assert_true(f->last.est_prefill_workers == 2.0);
             assert_true(f->last.est_decode_workers == 6.0);
             assert_int_equal(f->last.est_prefill, 3);
+            assert_int_equal(f->last.n_actions, 2);
         }
     }
+    assert_int_equal(f->ch_ms[0] - start, f->p.warmup_ms);
     assert_int_equal(f->n_ch, 2);
     assert_int_equal(fx_count(f, POLICY_ROLE_PREFILL), 3);
     for (int i = 0; i < f->n_ch; i++)
@@ -586,7 +587,7 @@ static void test_estimate_exact_split(void **state)
         f->p.start_from_estimate = variant == 0;
         f->prompt_rate = 39000;
         f->c.online_decoding = 50;
-        int64_t start = f->now;
+        start = f->now;
         for (int t = 0; t < 300; t++) {
             f->c.online_arrived += 13;
             f->c.online_done += 13;
