@@ -6,11 +6,12 @@
  *   tidepool-sim --workers 8 --workload phase-shift [--duration-s S --rate R --seed S]
  *   tidepool-sim --workers 64 --trace FILE --policy static:24
  *   tidepool-sim --workers 8 --compare-static
+ *   tidepool-sim --workers 16 --workload conversation|code|mix --load 0.8 --compare-static
  *
  * The simulated cluster (its queues, prefill batches, decode placement and steps, role
  * changes and the policy tick) is tools/sim/sim_cluster.h, which has the model; this file
- * holds the flags, feeds each run its arrivals (a trace or the phase-shift generator),
- * and ranks and prints the runs. The same flags give the same output, byte for byte
+ * holds the flags, feeds each run its arrivals (a trace, the phase-shift generator or a
+ * steady one: sim_workload.h), and ranks and prints the runs. The same flags give the same output, byte for byte
  * (except the wall-time line on stderr).
  */
 #include <math.h>

@@ -4,7 +4,8 @@
  * (the worker's time in role restarts) and records them, so each case states a property of
  * the decisions: no actions under steady load, a growing queue is answered one worker per
  * window, no flapping, never below one worker per role, the rate cap, offline admission
- * and aging, determinism, and input checks.
+ * and aging, determinism, input checks, the split estimate on crafted figures and the
+ * rate cap at 10,000 workers.
  */
 #include <math.h>
 #include <setjmp.h>
