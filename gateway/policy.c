@@ -11,6 +11,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "protocol.h"
@@ -42,6 +43,9 @@ policy_params policy_default_params(void)
         .max_change_frac = 0.25,
         .window_ms = 10000,
         .min_per_role = 1,
+        .start_from_estimate = 1,
+        .warmup_ms = 30000,
+        .target_pressure = 0.7,
         .offline_target = 0.6,
         .preempt_pressure = 0.95,
         .offline_max_wait_ms = 60000,
@@ -62,6 +66,7 @@ int policy_params_check(const policy_params *p, char *err, size_t err_len)
     CHECK(p->tpot_slo_ms > 0, "tpot_slo_ms must be > 0");
     CHECK(p->prefill_tokens_per_s > 0, "prefill_tokens_per_s must be > 0");
     CHECK(p->decode_seqs_per_worker > 0, "decode_seqs_per_worker must be > 0");
+    CHECK(p->decode_tokens_per_s >= 0, "decode_tokens_per_s must be >= 0");
     CHECK(p->queue_budget > 0 && p->queue_budget <= 1, "queue_budget must be in (0, 1]");
     CHECK(p->kv_high > 0 && p->kv_high <= 1, "kv_high must be in (0, 1]");
     CHECK(p->smooth_ms >= 0, "smooth_ms must be >= 0");
@@ -75,6 +80,11 @@ int policy_params_check(const policy_params *p, char *err, size_t err_len)
     CHECK(p->max_change_frac >= 0 && p->max_change_frac <= 1, "max_change_frac must be in [0, 1]");
     CHECK(p->window_ms > 0, "window_ms must be > 0");
     CHECK(p->min_per_role >= 1, "min_per_role must be >= 1");
+    CHECK(p->target_pressure > 0 && p->target_pressure <= 10,
+          "target_pressure must be in (0, 10]");
+    CHECK(p->warmup_ms >= 0, "warmup_ms must be >= 0");
+    CHECK(p->start_from_estimate == 0 || p->start_from_estimate == 1,
+          "start_from_estimate must be 0 or 1");
     CHECK(p->offline_target >= 0, "offline_target must be >= 0");
     CHECK(p->preempt_pressure > 0, "preempt_pressure must be > 0");
     CHECK(p->offline_max_wait_ms >= 0, "offline_max_wait_ms must be >= 0");
@@ -95,7 +105,36 @@ typedef struct {
     const policy_params *p;
     const policy_signals *st;
     double cap_p0, cap_d0; /* prefill / decode worker capacity (mixed = 0.5 each) */
+    double act;            /* pressure a role needs to gain a worker */
 } view;
+
+/* The prefill load in workers at pressure 1 (the load terms at one worker): the queue's
+ * drain time against the queue budget, and the prompt-token arrival rate. */
+static double load_prefill(const view *v)
+{
+    const policy_params *p = v->p;
+    const policy_signals *st = v->st;
+    double q = 1e3 * st->queued_tokens / p->prefill_tokens_per_s / (p->queue_budget * p->ttft_slo_ms);
+    return fmax(q, st->prompt_rate / p->prefill_tokens_per_s);
+}
+
+/* The decode load in workers at pressure 1: online sequences over the slots, KV use
+ * (measured with cap_d0) and, with tokens set and decode_tokens_per_s known, requests/s
+ * times the output tokens per ended request over a worker's token rate. The sequence count
+ * under-counts a lightly loaded worker (its steps are short, its sequences done sooner);
+ * the token term says how many workers full batches need. It is used where under-counting
+ * decode hurts (the estimate, and decode as the donor of a move), not to make decode gain
+ * workers or to hold back offline work: there it would take slack from prefill that a
+ * turning tide needs (docs/tidal.md). */
+static double load_decode(const view *v, int tokens)
+{
+    const policy_params *p = v->p;
+    const policy_signals *st = v->st;
+    double u = st->decoding / p->decode_seqs_per_worker;
+    if (tokens && p->decode_tokens_per_s > 0)
+        u = fmax(u, st->arrival_rate * st->out_per_req / p->decode_tokens_per_s);
+    return fmax(u, st->kv_frac / p->kv_high * v->cap_d0);
+}
 
 /* Prefill pressure with cap prefill workers. Load terms scale with 1/cap exactly; the
  * latency terms (TTFT, oldest wait) were measured with cap_p0 and are projected the same
@@ -107,25 +146,27 @@ static double pressure_prefill(const view *v, double cap)
     double lat = fmax(st->ttft_ms, st->oldest_wait_ms) / p->ttft_slo_ms;
     if (cap <= 0)
         return (st->queued_tokens > 0 || st->prompt_rate > 0 || lat > 0) ? PRESSURE_NO_CAPACITY : 0;
-    double tok_s = cap * p->prefill_tokens_per_s;
-    double wait_ms = 1e3 * st->queued_tokens / tok_s;
-    double q = wait_ms / (p->queue_budget * p->ttft_slo_ms);
-    double u = st->prompt_rate / tok_s;
     double scale = v->cap_p0 > 0 ? v->cap_p0 / cap : 1;
-    return fmax(fmax(q, u), lat * scale);
+    return fmax(load_prefill(v) / cap, lat * scale);
 }
 
-static double pressure_decode(const view *v, double cap)
+/* Decode pressure with cap decode workers; tokens: count the token term (load_decode). */
+static double pressure_decode_with(const view *v, double cap, int tokens)
 {
     const policy_params *p = v->p;
     const policy_signals *st = v->st;
     double lat = st->tpot_ms / p->tpot_slo_ms;
-    double kv = st->kv_frac / p->kv_high;
     if (cap <= 0)
-        return (st->decoding > 0 || lat > 0 || kv > 0) ? PRESSURE_NO_CAPACITY : 0;
-    double u = st->decoding / (cap * p->decode_seqs_per_worker);
+        return (st->decoding > 0 || st->arrival_rate > 0 || lat > 0 || st->kv_frac > 0)
+                   ? PRESSURE_NO_CAPACITY
+                   : 0;
     double scale = v->cap_d0 > 0 ? v->cap_d0 / cap : 1;
-    return fmax(u, fmax(kv, lat) * scale);
+    return fmax(load_decode(v, tokens) / cap, lat * scale);
+}
+
+static double pressure_decode(const view *v, double cap)
+{
+    return pressure_decode_with(v, cap, 0);
 }
 
 // --- inputs and smoothing ----------------------------------------------------------------
@@ -217,12 +258,18 @@ static void observe(const policy_params *p, policy_state *st, const policy_input
         if (d_tok < 0) /* counter reset (gateway restart): no information this time */
             d_tok = 0;
         raw->prompt_rate = 1e3 * (double)d_tok / (double)dt;
+        int64_t d_arr = c->online_arrived - st->last_arrived;
+        raw->arrival_rate = d_arr > 0 ? 1e3 * (double)d_arr / (double)dt : 0;
     }
 
-    if (!st->initialized) { /* seed both EWMAs; the arrival rate is unknown until two calls */
+    if (!st->initialized) { /* seed the EWMAs; the rates are unknown until two calls */
         st->initialized = 1;
+        st->first_ms = in->now_ms;
         st->last_ms = in->now_ms;
         st->last_prompt_tokens = c->prompt_tokens_arrived;
+        st->last_output_tokens = c->output_tokens_done;
+        st->last_arrived = c->online_arrived;
+        st->last_done = c->online_done;
         st->sig = *raw;
         return;
     }
@@ -230,11 +277,29 @@ static void observe(const policy_params *p, policy_state *st, const policy_input
         return;
     st->last_ms = in->now_ms;
     st->last_prompt_tokens = c->prompt_tokens_arrived;
+    int64_t d_done = c->online_done - st->last_done;
+    int64_t d_out = c->output_tokens_done - st->last_output_tokens;
+    st->last_output_tokens = c->output_tokens_done;
+    st->last_arrived = c->online_arrived;
+    st->last_done = c->online_done;
     double alpha = p->smooth_ms > 0 ? 1 - exp(-(double)dt / (double)p->smooth_ms) : 1;
     policy_signals *x = &st->sig;
+    if (!st->rates_seeded) { /* the first rate sample seeds its EWMA (not a blend with 0) */
+        st->rates_seeded = 1;
+        x->prompt_rate = raw->prompt_rate;
+        x->arrival_rate = raw->arrival_rate;
+    }
+    if (d_done > 0 && d_out >= 0) { /* output tokens per ended request, weighted by requests */
+        double per = (double)d_out / (double)d_done;
+        if (x->out_per_req <= 0)
+            x->out_per_req = per;
+        else
+            ewma(&x->out_per_req, per, 1 - exp(-(double)d_done / 1000.0));
+    }
     ewma(&x->queued_tokens, raw->queued_tokens, alpha);
     ewma(&x->oldest_wait_ms, raw->oldest_wait_ms, alpha);
     ewma(&x->prompt_rate, raw->prompt_rate, alpha);
+    ewma(&x->arrival_rate, raw->arrival_rate, alpha);
     ewma(&x->ttft_ms, raw->ttft_ms, alpha);
     ewma(&x->tpot_ms, raw->tpot_ms, alpha);
     ewma(&x->decoding, raw->decoding, alpha);
@@ -243,25 +308,36 @@ static void observe(const policy_params *p, policy_state *st, const policy_input
 
 // --- decision ------------------------------------------------------------------------------
 
-/* Changes in the window ending now (drops older entries from the ring). */
+/* Changes in the window ending now (drops older calls from the ring). */
 static int recent_changes(const policy_params *p, policy_state *st, int64_t now)
 {
     while (st->n_hist > 0) {
         int oldest = (st->hist_head - st->n_hist + POLICY_MAX_HISTORY) % POLICY_MAX_HISTORY;
         if (now - st->change_ms[oldest] < p->window_ms && now >= st->change_ms[oldest])
             break;
+        st->recent -= st->change_n[oldest];
         st->n_hist--;
     }
-    return st->n_hist;
+    return st->recent;
 }
 
-static void remember_change(policy_state *st, int64_t now)
+/* k changes made now, one ring entry per call. A full ring moves its newest entry to now
+ * and adds them there: those changes then leave the window later than they would, never
+ * sooner (the cap stays safe). */
+static void remember_changes(policy_state *st, int64_t now, int k)
 {
-    st->change_ms[st->hist_head] = now;
-    st->hist_head = (st->hist_head + 1) % POLICY_MAX_HISTORY;
-    if (st->n_hist < POLICY_MAX_HISTORY)
+    if (st->n_hist == POLICY_MAX_HISTORY) {
+        int newest = (st->hist_head - 1 + POLICY_MAX_HISTORY) % POLICY_MAX_HISTORY;
+        st->change_ms[newest] = now;
+        st->change_n[newest] += k;
+    } else {
+        st->change_ms[st->hist_head] = now;
+        st->change_n[st->hist_head] = k;
+        st->hist_head = (st->hist_head + 1) % POLICY_MAX_HISTORY;
         st->n_hist++;
-    st->n_changes++;
+    }
+    st->recent += k;
+    st->n_changes += k;
 }
 
 /* Whether role `to` should gain a worker from the other role, on these signals: its
@@ -272,10 +348,11 @@ static int gains(const view *v, int to, double cap_p, double cap_d)
     const policy_params *p = v->p;
     if (to == POLICY_ROLE_PREFILL) {
         double pp = pressure_prefill(v, cap_p);
-        return pp >= p->act_pressure && pp > p->band * pressure_decode(v, cap_d - 1);
+        /* decode as the donor: its full need, tokens included */
+        return pp >= v->act && pp > p->band * pressure_decode_with(v, cap_d - 1, 1);
     }
     double pd = pressure_decode(v, cap_d);
-    return pd >= p->act_pressure && pd > p->band * pressure_prefill(v, cap_p - 1);
+    return pd >= v->act && pd > p->band * pressure_prefill(v, cap_p - 1);
 }
 
 /* How long the rule must ask for a reversal before it happens: 0 at level 0, then
@@ -298,46 +375,77 @@ static int wanted_move(const view *v, int n_p, int n_d, double cap_p, double cap
     return 0;
 }
 
-static int already_chosen(const policy_output *out, int index)
+/* How cheap worker w of role `from` is to move (a decode worker's running sequences must
+ * migrate; a prefill worker's queue must drain): less first, lowest index on ties. 1 when
+ * a is dearer than b. */
+static int dearer(const policy_worker *a, const policy_worker *b, int from)
 {
-    for (int i = 0; i < out->n_actions; i++)
-        if (out->actions[i].worker == index)
-            return 1;
-    return 0;
+    double a1, a2, b1, b2;
+    if (from == POLICY_ROLE_DECODE) {
+        a1 = (double)a->running + a->queued, a2 = (double)a->kv_blocks_used;
+        b1 = (double)b->running + b->queued, b2 = (double)b->kv_blocks_used;
+    } else {
+        a1 = (double)a->queued_prompt_tokens, a2 = (double)a->running + a->queued;
+        b1 = (double)b->queued_prompt_tokens, b2 = (double)b->running + b->queued;
+    }
+    if (a1 != b1)
+        return a1 > b1;
+    if (a2 != b2)
+        return a2 > b2;
+    return a->index > b->index;
 }
 
-/* The cheapest worker of role `from` to move: ready, settled, least work in hand (a decode
- * worker's running sequences must migrate; a prefill worker's queue must drain), lowest
- * index on ties. Returns its position in in->workers, or -1. */
-static int pick_candidate(const policy_params *p, const policy_input *in, const policy_output *out,
-                          int from)
+static void sift_down(const policy_worker *ws, int *h, int n, int i, int from)
 {
-    int best = -1;
-    double best_k1 = 0, best_k2 = 0;
-    for (int i = 0; i < in->n_workers; i++) {
-        const policy_worker *w = &in->workers[i];
-        if (w->role != from || w->state != POLICY_WORKER_READY || w->changing)
+    for (;;) {
+        int l = 2 * i + 1, r = l + 1, m = i;
+        if (l < n && dearer(&ws[h[l]], &ws[h[m]], from))
+            m = l;
+        if (r < n && dearer(&ws[h[r]], &ws[h[m]], from))
+            m = r;
+        if (m == i)
+            return;
+        int t = h[i];
+        h[i] = h[m];
+        h[m] = t;
+        i = m;
+    }
+}
+
+/* The k cheapest workers of role `from` to move (ready, not changing, min_role_ms in their
+ * role) into pos (positions in in->workers), cheapest first; returns how many there are
+ * (<= k <= POLICY_MAX_ACTIONS). One pass with a heap of the k best: O(n log k). */
+static int pick_candidates(const policy_params *p, const policy_input *in, int from, int k,
+                           int *pos)
+{
+    const policy_worker *ws = in->workers;
+    int n = 0;
+    for (int i = 0; i < in->n_workers && k > 0; i++) {
+        const policy_worker *w = &ws[i];
+        if (w->role != from || w->state != POLICY_WORKER_READY || w->changing ||
+            w->role_age_ms < p->min_role_ms)
             continue;
-        if (w->role_age_ms < p->min_role_ms)
-            continue;
-        if (already_chosen(out, w->index))
-            continue;
-        double k1, k2;
-        if (from == POLICY_ROLE_DECODE) {
-            k1 = (double)w->running + w->queued;
-            k2 = (double)w->kv_blocks_used;
-        } else {
-            k1 = (double)w->queued_prompt_tokens;
-            k2 = (double)w->running + w->queued;
-        }
-        if (best < 0 || k1 < best_k1 || (k1 == best_k1 && k2 < best_k2) ||
-            (k1 == best_k1 && k2 == best_k2 && w->index < in->workers[best].index)) {
-            best = i;
-            best_k1 = k1;
-            best_k2 = k2;
+        if (n < k) { /* grow the max-heap (dearest on top) */
+            int j = n++;
+            pos[j] = i;
+            while (j > 0 && dearer(&ws[pos[j]], &ws[pos[(j - 1) / 2]], from)) {
+                int t = pos[j];
+                pos[j] = pos[(j - 1) / 2];
+                pos[(j - 1) / 2] = t;
+                j = (j - 1) / 2;
+            }
+        } else if (dearer(&ws[pos[0]], w, from)) { /* cheaper than the dearest kept */
+            pos[0] = i;
+            sift_down(ws, pos, n, 0, from);
         }
     }
-    return best;
+    for (int m = n - 1; m > 0; m--) { /* heap sort: cheapest first */
+        int t = pos[0];
+        pos[0] = pos[m];
+        pos[m] = t;
+        sift_down(ws, pos, m, 0, from);
+    }
+    return n;
 }
 
 int policy_decide(const policy_params *p, policy_state *st, const policy_input *in,
@@ -377,19 +485,23 @@ int policy_decide(const policy_params *p, policy_state *st, const policy_input *
             break;
         }
     }
-    view vf = {.p = p, .st = &st->sig, .cap_p0 = cap_p, .cap_d0 = cap_d};
-    view vr = {.p = p, .st = &raw, .cap_p0 = cap_p, .cap_d0 = cap_d};
+    /* Before the first window of traffic is seen, only pressure at the SLO's edge moves a
+     * worker: a start-up transient (an empty cluster filling) is not the mix. */
+    int warm = st->rates_seeded && in->now_ms - st->first_ms >= p->warmup_ms;
+    double act = warm ? p->act_pressure : fmax(p->act_pressure, 1.0);
+    view vf = {.p = p, .st = &st->sig, .cap_p0 = cap_p, .cap_d0 = cap_d, .act = act};
+    view vr = {.p = p, .st = &raw, .cap_p0 = cap_p, .cap_d0 = cap_d, .act = act};
 
     /* Rate cap: at most `cap` changes in any window_ms. */
     int cap = p->max_changes;
     int frac_cap = (int)floor(p->max_change_frac * n_counted);
     if (frac_cap > cap)
         cap = frac_cap;
-    if (cap > POLICY_MAX_HISTORY)
-        cap = POLICY_MAX_HISTORY;
     int allowed = cap - recent_changes(p, st, in->now_ms);
     if (allowed > POLICY_MAX_ACTIONS)
         allowed = POLICY_MAX_ACTIONS;
+    if (allowed < 0)
+        allowed = 0;
 
     /* Reversal guard. An "ask" is a call where the rule wants the opposite of the last
      * change's direction; asks in a row form an episode. Every reversal raises the level
@@ -410,42 +522,97 @@ int policy_decide(const policy_params *p, policy_state *st, const policy_input *
         st->last_ask_end_ms = in->now_ms;
     }
 
-    /* One worker at a time, re-projecting both pressures after each move. The first call
-     * only seeds the signals: one sample is not a trend. */
+    /* The estimate (policy.h 2c): the load of each role in workers at pressure 1, and the
+     * prefill capacity that gives both the same pressure. Known once the rates have been
+     * seen for a window. */
     int seeded_now = st->n_calls++ == 0;
-    while (!seeded_now && out->n_actions < allowed) {
-        int to = wanted_move(&vf, n_p, n_d, cap_p, cap_d);
-        if (!to)
-            break;
-        /* Reversing the last change's direction needs min_role_ms since that change, and
-         * the current ask episode to have lasted the hold of the reversal level. */
-        int reversal = st->last_dir && to != st->last_dir;
-        if (reversal && (in->now_ms - st->last_change_ms < p->min_role_ms || !st->reverse_holding ||
-                         in->now_ms - st->reverse_since_ms < reverse_hold(p, st)))
-            break;
-        int from = to == POLICY_ROLE_PREFILL ? POLICY_ROLE_DECODE : POLICY_ROLE_PREFILL;
-        int c = pick_candidate(p, in, out, from);
-        if (c < 0)
-            break;
-        out->actions[out->n_actions].worker = in->workers[c].index;
-        out->actions[out->n_actions].role = to;
-        out->n_actions++;
-        remember_change(st, in->now_ms);
-        if (reversal) {
-            st->reverse_holding = 0;
-            st->last_ask_end_ms = in->now_ms;
-            if (st->reverse_level < POLICY_MAX_REVERSE_LEVEL)
-                st->reverse_level++;
-        }
-        st->last_dir = to;
-        st->last_change_ms = in->now_ms;
-        if (to == POLICY_ROLE_PREFILL) {
-            n_p++, n_d--, cap_p += 1, cap_d -= 1;
-        } else {
-            n_d++, n_p--, cap_d += 1, cap_p -= 1;
-        }
+    /* the mix's steady need: rates, not a backlog (the rule's own steps drain a queue) */
+    double lp = st->sig.prompt_rate / p->prefill_tokens_per_s, ld = load_decode(&vf, 1);
+    out->est_prefill_workers = lp;
+    out->est_decode_workers = ld;
+    out->est_prefill = -1;
+    int have_est = !seeded_now && warm && lp + ld > 0;
+    int k_est = 0; /* > 0: decode workers to prefill; < 0: prefill workers to decode */
+    if (have_est) {
+        /* The busier role (by load pressure) gets the capacity that brings it to
+         * target_pressure, or to the pressure both would share if that is higher; the
+         * other keeps the rest, and with it the slack for a turning tide. */
+        double total = cap_p + cap_d;
+        double goal = fmax(p->target_pressure, (lp + ld) / total);
+        int hot_p = lp * cap_d >= ld * cap_p;
+        double need = (hot_p ? lp : ld) / goal, have = hot_p ? cap_p : cap_d;
+        double d = need > have ? need - have : 0;
+        double target = hot_p ? cap_p + d : cap_p - d;
+        out->est_prefill = (int)lround(target);
+        d = (double)out->est_prefill - (double)lround(cap_p); /* whole workers */
+        k_est = (int)fmax(fmin(d, (double)(n_d - p->min_per_role)),
+                          -(double)(n_p - p->min_per_role));
     }
 
+    /* Direction and count. The rule decides whether; the estimate, when it agrees, how
+     * many (else one at a time while the rule holds). The first call only seeds the
+     * signals: one sample is not a trend. */
+    int to = 0, k = 0;
+    if (!seeded_now && allowed > 0) {
+        to = want;
+        if (to) {
+            int np = n_p, nd = n_d;
+            double cp = cap_p, cd = cap_d;
+            while (k < allowed && wanted_move(&vf, np, nd, cp, cd) == to) {
+                k++;
+                if (to == POLICY_ROLE_PREFILL)
+                    np++, nd--, cp += 1, cd -= 1;
+                else
+                    nd++, np--, cd += 1, cp -= 1;
+            }
+            int ke = to == POLICY_ROLE_PREFILL ? k_est : -k_est;
+            if (ke > k)
+                k = ke;
+        } else if (p->start_from_estimate && have_est && !st->est_started && k_est != 0) {
+            /* start-up: the load terms alone, but only when one role is clearly busier */
+            double cg = k_est > 0 ? cap_p : cap_d, cd = k_est > 0 ? cap_d : cap_p;
+            double lg = k_est > 0 ? lp : ld, ldn = k_est > 0 ? ld : lp;
+            if (cd - 1 > 0 && (cg <= 0 || lg / cg > p->band * ldn / (cd - 1))) {
+                to = k_est > 0 ? POLICY_ROLE_PREFILL : POLICY_ROLE_DECODE;
+                k = abs(k_est);
+            }
+        }
+    }
+    if (have_est)
+        st->est_started = 1;
+    /* Reversing the last change's direction needs min_role_ms since that change, and the
+     * current ask episode to have lasted the hold of the reversal level. */
+    int reversal = to && st->last_dir && to != st->last_dir;
+    if (reversal && (in->now_ms - st->last_change_ms < p->min_role_ms || !st->reverse_holding ||
+                     in->now_ms - st->reverse_since_ms < reverse_hold(p, st)))
+        to = 0;
+    if (to) {
+        if (k > allowed)
+            k = allowed;
+        int from = to == POLICY_ROLE_PREFILL ? POLICY_ROLE_DECODE : POLICY_ROLE_PREFILL;
+        int pos[POLICY_MAX_ACTIONS];
+        int m = pick_candidates(p, in, from, k, pos);
+        for (int i = 0; i < m; i++) {
+            out->actions[i].worker = in->workers[pos[i]].index;
+            out->actions[i].role = to;
+        }
+        out->n_actions = m;
+        if (m > 0) {
+            remember_changes(st, in->now_ms, m);
+            if (reversal) {
+                st->reverse_holding = 0;
+                st->last_ask_end_ms = in->now_ms;
+                if (st->reverse_level < POLICY_MAX_REVERSE_LEVEL)
+                    st->reverse_level++;
+            }
+            st->last_dir = to;
+            st->last_change_ms = in->now_ms;
+            if (to == POLICY_ROLE_PREFILL)
+                n_p += m, n_d -= m, cap_p += m, cap_d -= m;
+            else
+                n_d += m, n_p -= m, cap_d += m, cap_p -= m;
+        }
+    }
     double pp = pressure_prefill(&vf, cap_p), pd = pressure_decode(&vf, cap_d);
     out->prefill_pressure = pp;
     out->decode_pressure = pd;

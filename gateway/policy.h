@@ -13,13 +13,25 @@
  *                      max(TTFT p90, oldest gateway wait) / TTFT SLO)
  *        decode  = max(online decoding sequences / (n_decode * decode_seqs_per_worker),
  *                      KV use / kv_high * online share, TPOT p90 / TPOT SLO)
- *   2. Move one worker from role B to role A when pressure(A) >= act_pressure and
- *      pressure(A) > band * pressure(B after losing the worker); the candidate has been in
- *      its role min_role_ms; role B keeps min_per_role workers; fewer than the rate cap
- *      changes happened in the last window_ms. Repeat (re-projecting both pressures) while
- *      the rule holds and the cap allows: one worker at a time, never overshooting.
- *      Because the rule projects the donor's pressure after the move, the same load cannot
- *      ask for the reverse move (band >= 1): no flapping under steady load.
+ *   2. Move workers from role B to role A when pressure(A) >= act_pressure and
+ *      pressure(A) > band * pressure(B after losing one worker); the candidates have been
+ *      in their role min_role_ms; role B keeps min_per_role workers; the moves stay within
+ *      the rate cap (changes in the last window_ms). How many: the estimate (2c) when it
+ *      points the same way, else one at a time while the rule holds (re-projecting both
+ *      pressures). Because the rule projects the donor's pressure after the move, the
+ *      same load cannot ask for the reverse move (band >= 1): no flapping under steady
+ *      load.
+ *   2c. Estimate: the workers each role needs at pressure 1 from the load terms alone
+ *      (prefill: prompt tokens/s over prefill_tokens_per_s, no backlog; decode: online
+ *      sequences over decode_seqs_per_worker, requests/s times the output tokens of
+ *      the requests that ended over decode_tokens_per_s, KV use; the token term also
+ *      counts when decode is the donor in 2, never to make decode gain), and the split that
+ *      brings the busier role to target_pressure, or to the pressure both would share
+ *      when that is higher (the other role keeps the rest: slack for when the tide
+ *      turns). Once the first warmup_ms of traffic is seen, the split moves to the
+ *      estimate at once (start_from_estimate; only if a role's load pressure exceeds band
+ *      times the other's), then only when the rule of 2 fires. Before warmup_ms the rule
+ *      of 2 needs pressure 1 (not act_pressure): start-up transients move little.
  *   2b. Reversal guard: a move against the last change's direction also needs min_role_ms
  *      since that change and the rule asking for it call after call for a hold that is 0
  *      after a calm spell and doubles (from reverse_hold_ms) with every reversal made
@@ -42,8 +54,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define POLICY_MAX_ACTIONS 64      /* role changes returned by one call */
-#define POLICY_MAX_HISTORY 1024    /* change times remembered for the rate cap */
+#define POLICY_MAX_ACTIONS 4096    /* role changes returned by one call */
+#define POLICY_MAX_HISTORY 1024    /* calls with changes remembered for the rate cap */
 #define POLICY_MAX_REVERSE_LEVEL 8 /* reversal hold doubles at most this many times */
 
 /* Same values as proto_role_t / proto_state_t (checked in policy.c). */
@@ -84,6 +96,10 @@ typedef struct {
     int online_running;            /* online requests admitted (prefill .. finish) */
     int online_decoding;           /* online sequences decoding or waiting for decode room */
     int64_t prompt_tokens_arrived; /* counter: online prompt tokens ever admitted */
+    int64_t online_arrived;        /* counter: online requests ever admitted */
+    int64_t online_done;           /* counter: online requests that ended ... */
+    int64_t output_tokens_done;    /* ... and their output tokens (usage.completion_tokens);
+                                    * these three 0 = not reported */
     int offline_queued, offline_running;
     int64_t offline_oldest_wait_ms;
     double ttft_p90_ms; /* recent online p90 over the cluster; <= 0 = unknown */
@@ -105,6 +121,9 @@ typedef struct {
     /* capacity estimates (from costmodel or measurement) */
     double prefill_tokens_per_s;   /* prompt tokens one prefill worker computes per second */
     double decode_seqs_per_worker; /* sequences one decode worker runs within the TPOT SLO */
+    double decode_tokens_per_s;    /* output tokens/s one decode worker emits within the TPOT
+                                    * SLO (decode_seqs_per_worker / step time); 0 = unknown:
+                                    * the decode load is the sequence count alone */
     double queue_budget;           /* share of the TTFT SLO a prompt may spend queued */
     double kv_high;                /* KV use fraction counted as "full" */
     /* smoothing and hysteresis */
@@ -119,6 +138,12 @@ typedef struct {
     double max_change_frac;  /* ... or this share of the workers, if larger */
     int64_t window_ms;       /* the rate cap's sliding window */
     int min_per_role;        /* workers that always stay prefill-capable and decode-capable */
+    double target_pressure;  /* the estimate brings a busy role to this pressure (or to
+                              * the pressure both roles would share, if higher) */
+    int64_t warmup_ms;       /* the first window of traffic: before it no estimate, and only
+                              * pressure >= 1 moves a worker */
+    int start_from_estimate; /* 1: after warmup_ms, move to the estimated split
+                              * even below act_pressure (once); 0: only when the rule fires */
     /* offline admission */
     double offline_target;        /* offline fills capacity up to this online pressure */
     double preempt_pressure;      /* online pressure that preempts offline work */
@@ -131,6 +156,8 @@ typedef struct {
     double queued_tokens;    /* online prompt tokens waiting for prefill */
     double oldest_wait_ms;   /* oldest of them */
     double prompt_rate;      /* online prompt tokens arriving per second */
+    double arrival_rate;     /* online requests arriving per second */
+    double out_per_req;      /* output tokens per ended online request (0 = none yet) */
     double ttft_ms, tpot_ms; /* p90s, 0 when unknown */
     double decoding;         /* online sequences decoding or waiting for decode room */
     double kv_frac;          /* KV use fraction of decode-capable workers, online share */
@@ -141,7 +168,11 @@ typedef struct {
     int initialized;
     int64_t n_calls; /* successful policy_decide calls */
     int64_t last_ms;
-    int64_t last_prompt_tokens; /* cluster counter at the previous call */
+    int64_t first_ms;           /* the first call's time */
+    int64_t last_prompt_tokens; /* cluster counters at the previous call */
+    int64_t last_output_tokens, last_arrived, last_done;
+    int rates_seeded;           /* the rates' EWMAs hold a first sample */
+    int est_started;            /* the start-up estimate was applied (or not needed) */
     policy_signals sig;         /* EWMA, time constant smooth_ms */
     int last_dir;               /* role gained by the last change (0 = none yet) */
     int64_t last_change_ms;
@@ -149,9 +180,11 @@ typedef struct {
     int64_t reverse_since_ms; /* ... since then, call after call */
     int reverse_level;        /* recent reversals (decays by one per calm spell) */
     int64_t last_ask_end_ms;  /* when the last run of reversal asks ended */
-    /* recent role changes (ring), for the rate cap */
+    /* recent calls that changed roles (ring: time, changes), for the rate cap */
     int64_t change_ms[POLICY_MAX_HISTORY];
+    int change_n[POLICY_MAX_HISTORY];
     int n_hist, hist_head;
+    int recent; /* changes in the ring */
     int64_t n_changes; /* role changes decided since init */
 } policy_state;
 
@@ -168,6 +201,8 @@ typedef struct {
     /* diagnostics (after this call's actions are projected) */
     double prefill_pressure, decode_pressure;
     int n_prefill, n_decode; /* prefill-capable / decode-capable workers after the actions */
+    double est_prefill_workers, est_decode_workers; /* load in workers at pressure 1 (2c) */
+    int est_prefill; /* the estimated split's prefill capacity (workers), -1 = none yet */
 } policy_output;
 
 /* Defaults for every knob (see docs/scheduler.md). */

@@ -6,11 +6,12 @@
  *   tidepool-sim --workers 8 --workload phase-shift [--duration-s S --rate R --seed S]
  *   tidepool-sim --workers 64 --trace FILE --policy static:24
  *   tidepool-sim --workers 8 --compare-static
+ *   tidepool-sim --workers 16 --workload conversation|code|mix --load 0.8 --compare-static
  *
  * The simulated cluster (its queues, prefill batches, decode placement and steps, role
  * changes and the policy tick) is tools/sim/sim_cluster.h, which has the model; this file
- * holds the flags, feeds each run its arrivals (a trace or the phase-shift generator),
- * and ranks and prints the runs. The same flags give the same output, byte for byte
+ * holds the flags, feeds each run its arrivals (a trace, the phase-shift generator or a
+ * steady one: sim_workload.h), and ranks and prints the runs. The same flags give the same output, byte for byte
  * (except the wall-time line on stderr).
  */
 #include <math.h>
@@ -39,25 +40,26 @@ static char *opt_trace, *opt_workload, *opt_policy, *opt_preset, *opt_role_chang
 static double opt_duration_s, opt_phase_s, opt_rate, opt_load, opt_offline_frac;
 static double opt_ttft_slo_ms, opt_tpot_slo_ms, opt_tick_ms, opt_switch_ms;
 static double opt_min_role_s, opt_window_s, opt_max_change_frac, opt_act_pressure, opt_band;
-static double opt_smooth_s, opt_reverse_hold_s;
-static int opt_compare_static, opt_verbose;
+static double opt_smooth_s, opt_reverse_hold_s, opt_warmup_s, opt_target_pressure;
+static int opt_compare_static, opt_verbose, opt_start_estimate, opt_decode_token_rate;
 
 static const config_entry_t settings[] = {
     {"workers", CONFIG_INT, &opt_workers, "8", 2, 100000, "workers in the cluster"},
     {"trace", CONFIG_STRING, &opt_trace, NULL, 0, 0,
      "replay this trace (CSV arrival_s,prompt_tokens,output_tokens[,class] or JSONL)"},
     {"workload", CONFIG_STRING, &opt_workload, "phase-shift", 0, 0,
-     "generated workload when no --trace: phase-shift"},
+     "generated workload when no --trace: phase-shift | conversation | code | mix"},
     {"duration-s", CONFIG_DOUBLE, &opt_duration_s, "600", 1, 1e7,
-     "phase-shift: seconds of arrivals"},
+     "generated workloads: seconds of arrivals"},
     {"phase-s", CONFIG_DOUBLE, &opt_phase_s, "120", 1, 1e7,
      "phase-shift: seconds of each prefill-heavy / decode-heavy phase"},
     {"rate", CONFIG_DOUBLE, &opt_rate, "0", 0, 1e7,
-     "phase-shift: arrivals per second (0 = --load times the cluster's estimated capacity)"},
+     "generated workloads: arrivals per second (0 = --load times the cluster's estimated "
+     "capacity)"},
     {"load", CONFIG_DOUBLE, &opt_load, "0.7", 0.01, 10,
-     "phase-shift with --rate 0: offered load as a share of capacity"},
+     "generated workloads with --rate 0: offered load as a share of capacity"},
     {"offline-frac", CONFIG_DOUBLE, &opt_offline_frac, "0.1", 0, 1,
-     "phase-shift: share of arrivals that are offline (flex / batch)"},
+     "generated workloads: share of arrivals that are offline (flex / batch)"},
     {"seed", CONFIG_INT, &opt_seed, "1", 0, 9e18, "random seed of the generated workload"},
     {"ttft-slo-ms", CONFIG_DOUBLE, &opt_ttft_slo_ms, "2000", 1, 1e7, "time-to-first-token SLO"},
     {"tpot-slo-ms", CONFIG_DOUBLE, &opt_tpot_slo_ms, "50", 1, 1e7, "time-per-output-token SLO"},
@@ -100,6 +102,15 @@ static const config_entry_t settings[] = {
      "policy: hysteresis band (gainer > band * donor's projected pressure)"},
     {"smooth-s", CONFIG_DOUBLE, &opt_smooth_s, "5", 0, 1e6,
      "policy: time constant of the EWMA signals"},
+    {"start-from-estimate", CONFIG_BOOL, &opt_start_estimate, "true", 0, 0,
+     "policy: once the first window of traffic is seen, move to the estimated split"},
+    {"target-pressure", CONFIG_DOUBLE, &opt_target_pressure, "0.7", 0.01, 10,
+     "policy: the estimate brings the busier role to this pressure (or the shared one)"},
+    {"warmup-s", CONFIG_DOUBLE, &opt_warmup_s, "30", 0, 1e6,
+     "policy: the first window of traffic (before it: no estimate, only pressure >= 1 moves)"},
+    {"decode-token-rate", CONFIG_BOOL, &opt_decode_token_rate, "true", 0, 0,
+     "policy: count decode load by output tokens/s against a worker's token rate (the cost "
+     "model's), not by running sequences alone"},
     {"reverse-hold-s", CONFIG_DOUBLE, &opt_reverse_hold_s, "7.5", 0, 1e6,
      "policy: after a recent reversal, the rule must ask for another this long (doubling)"},
     {NULL, 0, NULL, NULL, 0, 0, NULL},
@@ -308,6 +319,7 @@ int main(int argc, char **argv)
 
     double rate = opt_rate;
     const char *wl_name;
+    sim_workload_kind kind;
     if (opt_trace && *opt_trace) {
         if (sim_workload_load_trace(&wl, opt_trace, costmodel_kv_capacity_tokens(&cm), err,
                                 sizeof(err)) < 0) {
@@ -315,20 +327,38 @@ int main(int argc, char **argv)
             goto out;
         }
         wl_name = opt_trace;
-    } else if (strcmp(opt_workload, "phase-shift") == 0) {
+    } else if (sim_workload_kind_parse(opt_workload, &kind) == 0) {
+        const sim_workload_shape *sh = sim_workload_shapes;
         if (rate <= 0) {
-            const sim_workload_shape *sh = sim_workload_shapes;
-            double wa = shape_worker_s(&cm, &sh[SIM_WORKLOAD_SHAPE_PREFILL_HEAVY], opt_tpot_slo_ms);
-            double wb = shape_worker_s(&cm, &sh[SIM_WORKLOAD_SHAPE_DECODE_HEAVY], opt_tpot_slo_ms);
-            rate = opt_load * n / fmax(wa, wb);
+            /* --load times the capacity of the heavier phase (phase-shift) or of the mean
+             * request (steady workloads), from the cost model */
+            double ws;
+            if (kind == SIM_WORKLOAD_PHASE_SHIFT)
+                ws = fmax(shape_worker_s(&cm, &sh[SIM_WORKLOAD_SHAPE_PREFILL_HEAVY], opt_tpot_slo_ms),
+                          shape_worker_s(&cm, &sh[SIM_WORKLOAD_SHAPE_DECODE_HEAVY], opt_tpot_slo_ms));
+            else if (kind == SIM_WORKLOAD_MIX)
+                ws = (shape_worker_s(&cm, &sh[SIM_WORKLOAD_SHAPE_CONVERSATION], opt_tpot_slo_ms) +
+                      shape_worker_s(&cm, &sh[SIM_WORKLOAD_SHAPE_CODE], opt_tpot_slo_ms)) /
+                     2;
+            else
+                ws = shape_worker_s(&cm,
+                                    &sh[kind == SIM_WORKLOAD_CODE ? SIM_WORKLOAD_SHAPE_CODE
+                                                                  : SIM_WORKLOAD_SHAPE_CONVERSATION],
+                                    opt_tpot_slo_ms);
+            rate = opt_load * n / ws;
             if (opt_offline_frac < 1)
                 rate /= 1 - opt_offline_frac;
         }
-        sim_workload_phase_shift(&wl, rate, opt_duration_s, opt_phase_s, opt_offline_frac,
-                             (uint64_t)opt_seed);
-        wl_name = "phase-shift";
+        if (kind == SIM_WORKLOAD_PHASE_SHIFT)
+            sim_workload_phase_shift(&wl, rate, opt_duration_s, opt_phase_s, opt_offline_frac,
+                                     (uint64_t)opt_seed);
+        else
+            sim_workload_steady(&wl, kind, rate, opt_duration_s, opt_offline_frac,
+                                (uint64_t)opt_seed);
+        wl_name = opt_workload;
     } else {
-        fprintf(stderr, "tidepool-sim: --workload: want phase-shift (or give --trace)\n");
+        fprintf(stderr, "tidepool-sim: --workload: want phase-shift, conversation, code or mix "
+                        "(or give --trace)\n");
         goto out;
     }
 
@@ -339,6 +369,16 @@ int main(int argc, char **argv)
     pp.tpot_slo_ms = opt_tpot_slo_ms;
     pp.prefill_tokens_per_s = costmodel_prefill_tokens_per_s(&cm, mean_prompt);
     pp.decode_seqs_per_worker = costmodel_decode_batch_within(&cm, 0.8 * opt_tpot_slo_ms, mean_ctx);
+    pp.decode_tokens_per_s =
+        pp.decode_seqs_per_worker /
+        (costmodel_decode_step_ms(&cm, pp.decode_seqs_per_worker,
+                                  pp.decode_seqs_per_worker * mean_ctx) /
+         1e3);
+    pp.start_from_estimate = opt_start_estimate;
+    pp.warmup_ms = (int64_t)(opt_warmup_s * 1e3);
+    pp.target_pressure = opt_target_pressure;
+    if (!opt_decode_token_rate)
+        pp.decode_tokens_per_s = 0;
     pp.min_role_ms = (int64_t)(opt_min_role_s * 1e3);
     pp.max_changes = (int)opt_max_changes;
     pp.max_change_frac = opt_max_change_frac;
@@ -359,13 +399,18 @@ int main(int argc, char **argv)
     if (wl.is_trace)
         printf("workload: trace %s, %zu requests over %.0f s, %d workers\n", wl_name, wl.n_recs,
                sim_workload_span_s(&wl), n);
-    else
+    else if (wl.kind == SIM_WORKLOAD_PHASE_SHIFT)
         printf("workload: phase-shift, %d workers, %.2f req/s (%.0f%% offline), %.0f s, "
                "phases of %.0f s, seed %lld\n",
                n, rate, 100 * opt_offline_frac, opt_duration_s, opt_phase_s, opt_seed);
+    else
+        printf("workload: %s (steady), %d workers, %.2f req/s (%.0f%% offline), %.0f s, seed "
+               "%lld\n",
+               wl_name, n, rate, 100 * opt_offline_frac, opt_duration_s, opt_seed);
     printf("SLO: TTFT <= %.0f ms, TPOT <= %.0f ms; capacity estimates per worker: prefill "
-           "%.0f tok/s, decode %.0f seqs; KV %.0f tokens/worker\n",
+           "%.0f tok/s, decode %.0f seqs, %.0f tok/s; KV %.0f tokens/worker\n",
            opt_ttft_slo_ms, opt_tpot_slo_ms, pp.prefill_tokens_per_s, pp.decode_seqs_per_worker,
+           pp.decode_tokens_per_s,
            costmodel_kv_capacity_tokens(&cm));
     printf("engine: max-seqs %d, max-batch-tokens %d; a decode worker leaving decode: %s; decode "
            "room reserved at %s; policy tick %.0f ms\n",

@@ -4,7 +4,8 @@
  * (the worker's time in role restarts) and records them, so each case states a property of
  * the decisions: no actions under steady load, a growing queue is answered one worker per
  * window, no flapping, never below one worker per role, the rate cap, offline admission
- * and aging, determinism, and input checks.
+ * and aging, determinism, input checks, the split estimate on crafted figures and the
+ * rate cap at 10,000 workers.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -536,6 +537,123 @@ static void test_decode_pressure_moves_to_decode(void **state)
     free(f);
 }
 
+/* The estimator on crafted steady figures: 5 + 5 workers, prefill 20000 prompt tok/s
+ * (2 workers at 10000 tok/s), decode 40 req/s of 300 output tokens at 2000 tok/s per
+ * worker (6 workers; the 250 running sequences alone say 2.5, decode pressure 0.5, so the
+ * rule never fires). Once warmup_ms (30 s) is seen, the estimate is 2.0 and 6.0 workers and
+ * 3 prefill (the busier role at the shared pressure 0.8 needs 7.5 decode), and the split
+ * starts from it: two decode workers more at 30 s. Then 280 s of the same load: no change. */
+static void test_estimate_exact_split(void **state)
+{
+    (void)state;
+    fx *f = calloc(1, sizeof(fx));
+    fx_init(f, 5, 5);
+    f->p.prefill_tokens_per_s = 10000;
+    f->p.decode_seqs_per_worker = 100;
+    f->p.decode_tokens_per_s = 2000;
+    f->prompt_rate = 20000;
+    f->c.online_decoding = 250;
+    int64_t start = f->now;
+    for (int t = 0; t < 310; t++) {
+        f->c.online_arrived += 40;
+        f->c.online_done += 40;
+        f->c.output_tokens_done += 40 * 300;
+        fx_tick(f);
+        if (t == 29) {
+            assert_int_equal(f->last.est_prefill, -1); /* not warm yet */
+            assert_int_equal(f->n_ch, 0);
+        }
+        if (t == 30) {
+            assert_true(f->last.est_prefill_workers == 2.0);
+            assert_true(f->last.est_decode_workers == 6.0);
+            assert_int_equal(f->last.est_prefill, 3);
+            assert_int_equal(f->last.n_actions, 2);
+        }
+    }
+    assert_int_equal(f->ch_ms[0] - start, f->p.warmup_ms);
+    assert_int_equal(f->n_ch, 2);
+    assert_int_equal(fx_count(f, POLICY_ROLE_PREFILL), 3);
+    for (int i = 0; i < f->n_ch; i++)
+        assert_int_equal(f->ch_role[i], POLICY_ROLE_DECODE);
+
+    /* Start-up from the estimate below act_pressure: prefill 3.9 workers of load at 5
+     * (0.78), decode 13 req/s x 300 / 2000 = 1.95 workers. The rule never fires; once the
+     * first warmup_ms (30 s) is seen, the estimate (3.9 / 0.7 = 5.57 prefill) moves one decode
+     * worker, once; without start_from_estimate, nothing moves. */
+    for (int variant = 0; variant < 2; variant++) {
+        fx_init(f, 5, 5);
+        f->p.prefill_tokens_per_s = 10000;
+        f->p.decode_seqs_per_worker = 100;
+        f->p.decode_tokens_per_s = 2000;
+        f->p.start_from_estimate = variant == 0;
+        f->prompt_rate = 39000;
+        f->c.online_decoding = 50;
+        start = f->now;
+        for (int t = 0; t < 300; t++) {
+            f->c.online_arrived += 13;
+            f->c.online_done += 13;
+            f->c.output_tokens_done += 13 * 300;
+            fx_tick(f);
+        }
+        if (variant == 0) {
+            assert_int_equal(f->n_ch, 1);
+            assert_int_equal(f->ch_role[0], POLICY_ROLE_PREFILL);
+            assert_int_equal(f->ch_ms[0] - start, f->p.warmup_ms);
+            assert_int_equal(fx_count(f, POLICY_ROLE_PREFILL), 6);
+        } else {
+            assert_int_equal(f->n_ch, 0);
+        }
+    }
+    free(f);
+}
+
+/* 10,000 workers, one call may order thousands of changes: the rate cap (25 % of the
+ * workers per window) binds, not a per-call or history limit; the cheapest go first. */
+static void test_large_cluster_rate_cap(void **state)
+{
+    (void)state;
+    policy_params p = policy_default_params();
+    p.min_role_ms = 0;
+    policy_state st;
+    policy_state_init(&st);
+    int n = 10000;
+    policy_worker *w = calloc((size_t)n, sizeof(*w));
+    for (int i = 0; i < n; i++) {
+        w[i].index = i;
+        w[i].role = i < 5000 ? POLICY_ROLE_PREFILL : POLICY_ROLE_DECODE;
+        w[i].state = POLICY_WORKER_READY;
+        w[i].role_age_ms = 1000000;
+        w[i].running = i < 5000 ? 0 : (i * 7919) % 100; /* distinct-ish loads */
+    }
+    policy_input in = {.now_ms = 0, .workers = w, .n_workers = n};
+    in.cluster.queued_prompt_tokens = 1000000000;
+    in.cluster.oldest_wait_ms = 60000;
+    in.cluster.online_decoding = 100;
+    policy_output *out = calloc(1, sizeof(*out));
+    int total = 0;
+    for (int t = 0; t < 12; t++) {
+        in.now_ms = (int64_t)t * 1000;
+        assert_int_equal(policy_decide(&p, &st, &in, out), 0);
+        if (t == 1) {
+            assert_int_equal(out->n_actions, 2500);
+            /* cheapest first: running counts never decrease along the list */
+            for (int i = 1; i < out->n_actions; i++)
+                assert_true(w[out->actions[i - 1].worker].running <=
+                            w[out->actions[i].worker].running);
+        }
+        for (int i = 0; i < out->n_actions; i++) {
+            assert_int_equal(w[out->actions[i].worker].role, POLICY_ROLE_DECODE);
+            w[out->actions[i].worker].role = POLICY_ROLE_PREFILL;
+        }
+        if (t > 1 && t < 11)
+            assert_int_equal(out->n_actions, 0); /* the window is used up */
+        total += out->n_actions;
+    }
+    assert_int_equal(total, 4999); /* t = 11: the next window, down to one decode worker */
+    free(out);
+    free(w);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -549,6 +667,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_deterministic),
         cmocka_unit_test(test_bad_input),
         cmocka_unit_test(test_decode_pressure_moves_to_decode),
+        cmocka_unit_test(test_estimate_exact_split),
+        cmocka_unit_test(test_large_cluster_rate_cap),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);

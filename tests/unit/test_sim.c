@@ -423,6 +423,59 @@ static int in_shape(const sim_workload_arrival *a, int kind)
            a->out <= s->out_hi;
 }
 
+/* The steady workloads: 50 req/s for 200 s, 10 % offline. Every online request of the
+ * named shape (mix: both, each about half), every offline one of the offline shape; the
+ * range ends reached; the same seed gives the same arrivals; the kinds parse by name. */
+static void test_workload_steady(void **state)
+{
+    (void)state;
+    sim_workload_kind kinds[] = {SIM_WORKLOAD_CONVERSATION, SIM_WORKLOAD_CODE, SIM_WORKLOAD_MIX};
+    const char *names[] = {"conversation", "code", "mix"};
+    for (int k = 0; k < 3; k++) {
+        sim_workload_kind parsed;
+        assert_int_equal(sim_workload_kind_parse(names[k], &parsed), 0);
+        assert_int_equal(parsed, kinds[k]);
+        sim_workload w, w2;
+        sim_workload_steady(&w, kinds[k], 50, 200, 0.1, 5);
+        sim_workload_steady(&w2, kinds[k], 50, 200, 0.1, 5);
+        sim_workload_arrival a, b;
+        int n = 0, n_off = 0, n_conv = 0, n_code = 0, lo = 0, hi = 0;
+        double last = -1;
+        while (sim_workload_next(&w, &a)) {
+            assert_int_equal(sim_workload_next(&w2, &b), 1);
+            assert_true(arrival_equal(&a, &b));
+            assert_true(a.arrival_s > last && a.arrival_s < 200);
+            last = a.arrival_s;
+            n++;
+            if (a.offline) {
+                assert_true(in_shape(&a, SIM_WORKLOAD_SHAPE_OFFLINE));
+                n_off++;
+                continue;
+            }
+            int conv = in_shape(&a, SIM_WORKLOAD_SHAPE_CONVERSATION);
+            int code = in_shape(&a, SIM_WORKLOAD_SHAPE_CODE);
+            assert_true(conv || code);
+            if (kinds[k] == SIM_WORKLOAD_CONVERSATION)
+                assert_true(conv);
+            if (kinds[k] == SIM_WORKLOAD_CODE)
+                assert_true(code);
+            n_conv += conv && !code;
+            n_code += code && !conv;
+            const sim_workload_shape *sh =
+                &sim_workload_shapes[conv ? SIM_WORKLOAD_SHAPE_CONVERSATION : SIM_WORKLOAD_SHAPE_CODE];
+            lo |= a.prompt == sh->prompt_lo;
+            hi |= a.out == sh->out_hi;
+        }
+        assert_true(n > 9000 && n < 11000);
+        assert_true(n_off > 700 && n_off < 1300);
+        assert_true(lo && hi);
+        if (kinds[k] == SIM_WORKLOAD_MIX)
+            assert_true(n_conv > 3500 && n_code > 3500);
+    }
+    sim_workload_kind dummy;
+    assert_int_equal(sim_workload_kind_parse("steady", &dummy), -1);
+}
+
 /* 20 req/s for 300 s in phases of 30 s, 20% offline: strictly increasing arrivals inside
  * the window, about 6000 of them, the same sequence for the same seed and another for
  * another seed, offline work of the offline shape, online work of its phase's shape (both
@@ -956,6 +1009,7 @@ static int teardown_dir(void **state)
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_workload_steady),
         cmocka_unit_test(test_heap_order_and_ties),
         cmocka_unit_test(test_heap_random_many),
         cmocka_unit_test(test_fin_heap),

@@ -80,6 +80,8 @@ void sim_cluster_finish_req(sim_cluster *s, int id)
         if (ttft <= s->ttft_slo_ms && tpot <= s->tpot_slo_ms)
             s->n_good++;
         s->online_running--;
+        s->output_tokens_done += r->out;
+        s->online_done++;
         if (r->out > 1) /* it went through decode (counted when prefill ended) */
             s->online_decoding--;
     }
@@ -372,6 +374,9 @@ static void on_tick(sim_cluster *s)
     }
     c->online_running = s->online_running;
     c->prompt_tokens_arrived = s->prompt_tokens_arrived;
+    c->output_tokens_done = s->output_tokens_done;
+    c->online_done = s->online_done;
+    c->online_arrived = s->n_online;
     c->offline_queued = (int)s->q_off.n;
     c->offline_running = s->offline_running;
     c->offline_oldest_wait_ms =

@@ -125,6 +125,8 @@ struct sim_cluster {
     /* counters */
     int online_running, online_decoding, offline_running;
     int64_t prompt_tokens_arrived;
+    int64_t output_tokens_done; /* output tokens of online requests that finished */
+    int64_t online_done;        /* online requests that finished */
     /* metrics */
     double *ttft, *tpot;
     size_t n_fin, cap_fin;

@@ -21,7 +21,27 @@ const sim_workload_shape sim_workload_shapes[SIM_WORKLOAD_N_SHAPES] = {
     [SIM_WORKLOAD_SHAPE_PREFILL_HEAVY] = {512, 1536, 16, 64},
     [SIM_WORKLOAD_SHAPE_DECODE_HEAVY] = {64, 192, 512, 1536},
     [SIM_WORKLOAD_SHAPE_OFFLINE] = {256, 768, 128, 384},
+    [SIM_WORKLOAD_SHAPE_CONVERSATION] = {200, 1800, 100, 300},
+    [SIM_WORKLOAD_SHAPE_CODE] = {500, 2500, 5, 30},
 };
+
+void sim_workload_steady(sim_workload *w, sim_workload_kind kind, double rate, double duration_s,
+                         double offline_frac, uint64_t seed)
+{
+    sim_workload_phase_shift(w, rate, duration_s, duration_s, offline_frac, seed);
+    w->kind = kind;
+}
+
+int sim_workload_kind_parse(const char *name, sim_workload_kind *kind)
+{
+    static const char *const names[] = {"phase-shift", "conversation", "code", "mix"};
+    for (int i = 0; i < 4; i++)
+        if (strcmp(name, names[i]) == 0) {
+            *kind = (sim_workload_kind)i;
+            return 0;
+        }
+    return -1;
+}
 
 void sim_workload_phase_shift(sim_workload *w, double rate, double duration_s, double phase_s,
                               double offline_frac, uint64_t seed)
@@ -52,9 +72,19 @@ int sim_workload_next(sim_workload *w, sim_workload_arrival *a)
         return 0;
     a->arrival_s = w->t_s;
     a->offline = sim_rng_uniform(&w->rng) < w->offline_frac;
-    int kind = a->offline                              ? SIM_WORKLOAD_SHAPE_OFFLINE
-               : sim_workload_phase(w, w->t_s) == 0 ? SIM_WORKLOAD_SHAPE_PREFILL_HEAVY
-                                                    : SIM_WORKLOAD_SHAPE_DECODE_HEAVY;
+    int kind;
+    if (a->offline)
+        kind = SIM_WORKLOAD_SHAPE_OFFLINE;
+    else if (w->kind == SIM_WORKLOAD_CONVERSATION)
+        kind = SIM_WORKLOAD_SHAPE_CONVERSATION;
+    else if (w->kind == SIM_WORKLOAD_CODE)
+        kind = SIM_WORKLOAD_SHAPE_CODE;
+    else if (w->kind == SIM_WORKLOAD_MIX)
+        kind = sim_rng_uniform(&w->rng) < 0.5 ? SIM_WORKLOAD_SHAPE_CONVERSATION
+                                              : SIM_WORKLOAD_SHAPE_CODE;
+    else
+        kind = sim_workload_phase(w, w->t_s) == 0 ? SIM_WORKLOAD_SHAPE_PREFILL_HEAVY
+                                                  : SIM_WORKLOAD_SHAPE_DECODE_HEAVY;
     const sim_workload_shape *s = &sim_workload_shapes[kind];
     a->prompt = sim_rng_range(&w->rng, s->prompt_lo, s->prompt_hi);
     a->out = sim_rng_range(&w->rng, s->out_lo, s->out_hi);

@@ -44,23 +44,45 @@ enum {
     SIM_WORKLOAD_SHAPE_PREFILL_HEAVY, /* online, prefill-heavy phases */
     SIM_WORKLOAD_SHAPE_DECODE_HEAVY,  /* online, decode-heavy phases */
     SIM_WORKLOAD_SHAPE_OFFLINE,       /* offline, every phase */
+    SIM_WORKLOAD_SHAPE_CONVERSATION,  /* online, the conversation workload */
+    SIM_WORKLOAD_SHAPE_CODE,          /* online, the code-completion workload */
     SIM_WORKLOAD_N_SHAPES,
 };
 
 /* By SIM_WORKLOAD_SHAPE_*: prefill-heavy 512..1536 / 16..64, decode-heavy 64..192 /
- * 512..1536, offline 256..768 / 128..384 (prompt / output tokens). */
+ * 512..1536, offline 256..768 / 128..384, conversation 200..1800 / 100..300, code
+ * 500..2500 / 5..30 (prompt / output tokens; docs/tidal.md gives the sources). */
 extern const sim_workload_shape sim_workload_shapes[SIM_WORKLOAD_N_SHAPES];
+
+/* Generated workloads (sim_workload.kind). */
+typedef enum {
+    SIM_WORKLOAD_PHASE_SHIFT = 0,
+    SIM_WORKLOAD_CONVERSATION, /* steady: every online request of the conversation shape */
+    SIM_WORKLOAD_CODE,         /* steady: every online request of the code shape */
+    SIM_WORKLOAD_MIX,          /* steady: each online request either, with equal odds */
+} sim_workload_kind;
 
 typedef struct {
     int is_trace;
     /* trace */
     sim_workload_arrival *recs; /* n_recs, sorted by arrival */
     size_t n_recs, pos;         /* pos: the next to replay */
-    /* phase-shift generator */
+    /* generators */
+    sim_workload_kind kind;
     sim_rng rng;
     double rate, offline_frac, phase_s, duration_s;
     double t_s; /* last arrival */
 } sim_workload;
+
+/* Set *w to the steady generator of kind (not SIM_WORKLOAD_PHASE_SHIFT): Poisson arrivals
+ * at rate/s (> 0) for duration_s, offline_frac of them offline (the offline shape), from
+ * seed. */
+void sim_workload_steady(sim_workload *w, sim_workload_kind kind, double rate, double duration_s,
+                         double offline_frac, uint64_t seed);
+
+/* The kind named name ("phase-shift", "conversation", "code", "mix") into *kind. Returns 0,
+ * or -1 for an unknown name. */
+int sim_workload_kind_parse(const char *name, sim_workload_kind *kind);
 
 /* Set *w to the phase-shift generator: rate arrivals/s (> 0) for duration_s seconds,
  * phases of phase_s seconds, offline_frac in [0, 1], from seed. */
