@@ -339,10 +339,10 @@ class RoleChange(unittest.TestCase):
         """A prefill worker ordered to decode mid-prompt (chunks of 7 tokens) computes the
         rest of the prompt and hands its KV over before it switches."""
         with Cluster(roles=("prefill", "prefill", "decode"),
-                     worker_args=CHUNK + ["--debug-step-delay-ms", "40", "--log-level",
+                     worker_args=CHUNK + ["--debug-step-delay-ms", "100", "--log-level",
                                           "debug"]) as c:
-            # (13 chunks 40 ms apart: a window of half a second for the order to come
-            # mid-prompt even on a loaded host)
+            # (13 chunks 100 ms apart: a window of over a second for the order to come
+            # mid-prompt even on a loaded host under the sanitizers; 40 ms was missed once)
             wait_roles(c, {"prefill-0": "prefill", "prefill-1": "prefill", "decode-2": "decode"})
             want, n_prompt = greedy(c)  # the same text as unchunked (test_chunked)
             result = {}
