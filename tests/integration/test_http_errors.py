@@ -130,6 +130,8 @@ class Gateway:
                 "--max-body-bytes", str(MAX_BODY)] + list(args)
         if "--state-db" not in args:  # its own: another gateway may hold the default one
             argv += ["--state-db", os.path.join(self.tmp, "gateway.db")]
+        if "--sse-keepalive-s" not in args:  # these tests split events on exact bytes
+            argv += ["--sse-keepalive-s", "3600"]
         with open(self.log, "ab") as f:
             self.proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.time() + 20
