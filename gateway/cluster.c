@@ -315,6 +315,12 @@ void cluster_worker_remove(cluster_t *c, worker_t *w, const char *why)
             break;
         }
     }
+    if (w->assigned_role) { /* for its next incarnation (restore_role) */
+        remembered_role *m = &c->roles[c->next_role];
+        c->next_role = (c->next_role + 1) % REMEMBERED_ROLES;
+        snprintf(m->id, sizeof(m->id), "%s", w->id);
+        m->role = w->assigned_role;
+    }
     cluster_route_forget(w);
     free(w);
 }

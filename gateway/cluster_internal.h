@@ -56,6 +56,8 @@ typedef struct worker {
     int n_assigned;     /* requests assigned to it in any role */
     /* live role change: ROLE sent, routing skips it until it registers in target_role */
     int changing, target_role;
+    int assigned_role;      /* the role it was last ordered to (0: none): restored when a
+                             * new incarnation registers in another (cluster_msgs.c) */
     int64_t change_us;      /* when ROLE was sent */
     int emulated;           /* REGISTER / HEARTBEAT "emu" */
     int mtp_depth;          /* REGISTER "mtp": the depth it serves + 1; 0 = not reported */
@@ -134,6 +136,14 @@ typedef struct {
     uint64_t rid;  /* wire rid of the attempt */
 } owed_cancel;
 
+/* The role a removed worker was last ordered to, for its next incarnation (restore_role in
+ * cluster_msgs.c): a ring of REMEMBERED_ROLES, the oldest forgotten first. */
+#define REMEMBERED_ROLES 256
+typedef struct {
+    char id[PROTO_ID_LEN]; /* "" = free slot */
+    int role;
+} remembered_role;
+
 /* A worker id refused at registration (cluster_foreach_refused). */
 typedef struct {
     char id[PROTO_ID_LEN]; /* "" = free slot */
@@ -184,6 +194,8 @@ struct cluster {
     owed_cancel owed[OWED_CANCELS]; /* a ring: the oldest is dropped when full */
     int next_owed;
     uint64_t late[LATE_PREFILLS]; /* wire rids ended before their prefill's TOKENS: a ring */
+    remembered_role roles[REMEMBERED_ROLES]; /* of removed workers: a ring */
+    int next_role;
     int next_late;
 };
 

@@ -115,6 +115,31 @@ static void refuse(cluster_t *c, const proto_msg *m, worker_t *w, const unsigned
         schedule_dispatch(c);
 }
 
+/* A new incarnation of w registered in another role than the one it was last ordered to
+ * (the launcher, compose and Kubernetes restart a worker in the role it was started with):
+ * order it back, so that a role change made by an operator or the tidal policy outlives a
+ * crash (a fresh-user trial's crash undid changes and left no decode worker). Not when that
+ * would leave the role it registered in with no worker (the guard of cluster_set_role).
+ * A worker removed (declared dead) before it came back is remembered by its id (c->roles).
+ * same: the registration is the end of an ordered change. */
+static void restore_role(cluster_t *c, worker_t *w, int same)
+{
+    int want = w->assigned_role;
+    if (same || !want || want == w->role || w->role == PROTO_ROLE_MIXED ||
+        (want != PROTO_ROLE_PREFILL && want != PROTO_ROLE_DECODE))
+        return;
+    if (cluster_n_capable(c, w->role, w) < 1) {
+        log_warn("worker %s came back as %s, not %s as ordered before: it stays (the last %s "
+                 "worker)",
+                 w->id, proto_role_str(w->role), proto_role_str(want), proto_role_str(w->role));
+        w->assigned_role = w->role;
+        return;
+    }
+    log_info("worker %s came back as %s: restoring the role it was ordered to, %s", w->id,
+             proto_role_str(w->role), proto_role_str(want));
+    cluster_role_order(c, w, want, "restore after restart");
+}
+
 static void handle_register(cluster_t *c, const proto_msg *m, const unsigned char *id,
                             size_t id_len)
 {
@@ -158,6 +183,12 @@ static void handle_register(cluster_t *c, const proto_msg *m, const unsigned cha
         w->id_len = id_len;
         w->next = c->workers;
         c->workers = w;
+        for (remembered_role *r = c->roles; r < c->roles + REMEMBERED_ROLES; r++) {
+            if (r->id[0] && strcmp(r->id, w->id) == 0) { /* removed while ordered there */
+                w->assigned_role = r->role;
+                r->id[0] = '\0';
+            }
+        }
     }
     w->role = m->role;
     w->state = PROTO_STATE_READY;
@@ -198,6 +229,7 @@ static void handle_register(cluster_t *c, const proto_msg *m, const unsigned cha
     /* back after it was declared dead (cut off, or silent): drop what it held (before any
      * new attempt is routed to it: dispatch is deferred) */
     cluster_send_owed_cancels(c, w, w->pid);
+    restore_role(c, w, ordered);
     schedule_dispatch(c);
 }
 

@@ -127,6 +127,7 @@ int cluster_role_order(cluster_t *c, worker_t *w, int role, const char *why)
 {
     w->changing = 1; /* out of routing (and of the migration targets) from here */
     w->target_role = role;
+    w->assigned_role = role; /* also if it dies on the way: its next incarnation goes there */
     w->change_us = proto_now_us();
     w->state = PROTO_STATE_CHANGING;
     /* the moves go before ROLE: when the worker reads ROLE, every sequence it runs has its
@@ -182,6 +183,7 @@ void cluster_role_change_done(cluster_t *c, worker_t *w, int role)
                  proto_role_str(role), ms);
     } else {
         snprintf(reason, sizeof(reason), "not made: still %s", proto_role_str(role));
+        w->assigned_role = role;
         log_warn("worker %s: role change to %s not made: it registered again as %s", w->id,
                  proto_role_str(w->target_role), proto_role_str(role));
     }

@@ -470,7 +470,9 @@ http_server_t *http_server_new(struct event_base *base, const http_params *p, ch
     evhttp_set_allowed_methods(s->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
                                             EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE |
                                             EVHTTP_REQ_OPTIONS | EVHTTP_REQ_PATCH);
-    evhttp_set_timeout(s->http, p->timeout_s > 0 ? p->timeout_s : 60);
+    s->timeout_s = p->timeout_s > 0 ? p->timeout_s : 60;
+    s->keepalive_s = p->sse_keepalive_s > 0 ? p->sse_keepalive_s : 15;
+    evhttp_set_timeout(s->http, s->timeout_s);
     evhttp_set_gencb(s->http, on_request, s);
     s->bound = evhttp_bind_socket_with_handle(s->http, p->host, (ev_uint16_t)p->port);
     if (!s->bound) {

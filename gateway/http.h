@@ -41,7 +41,9 @@ typedef struct {
                               * max_body_bytes); the HTTP layer reads bodies this large */
     int timeout_s;          /* a connection that sends no bytes of its request, or takes
                              * none of our reply, for this long is closed (slowloris, stalled
-                             * readers); 0 = 60 */
+                             * readers); 0 = 60. A stream's read side has none: its
+                             * client sends nothing while it waits */
+    int sse_keepalive_s;    /* a stream idle this long gets ": keep-alive"; 0 = 15 */
     const char *model_name; /* served model name (copied) */
     int n_ctx;              /* context length in tokens */
     const tokenizer_t *tok; /* borrowed; must outlive the server */

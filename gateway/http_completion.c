@@ -11,6 +11,13 @@
  * evhttp_request, so from that moment the gw_req no longer touches it, and the request is
  * cancelled (completion_cancel).
  *
+ * A stream's client sends nothing while it waits, so the connection's read timeout
+ * (--http-timeout-s) is off for the stream (its write timeout still drops a client that
+ * stops reading, as SLOW_CLIENT_BYTES does one that reads too slowly), and an SSE comment
+ * (": keep-alive") goes out after --sse-keepalive-s without an event, so that a request
+ * waiting long for a worker or its first token is not cut by a proxy's idle timeout
+ * either (SSE clients ignore comment lines: WHATWG HTML, "Server-sent events").
+ *
  * A caller's API key with a tokens/s limit (auth.h) is charged the request's prompt plus
  * its max_tokens at admission (sink.admit: over the limit, 429 with Retry-After), and
  * given back what it did not generate when the request ends, however it ends. */
@@ -43,6 +50,8 @@ typedef struct gw_req {
     int max_tokens;         /* of the request, as charged */
     int retry_after_s;      /* admit refused the request: its Retry-After */
     struct evbuffer *sse;   /* streaming: the buffer each event goes out through (or NULL) */
+    struct event *ping_ev;  /* streaming: the keep-alive timer (--sse-keepalive-s) */
+    int64_t last_sent_us;   /* streaming: when the last event or comment went out */
     /* POST /v1/responses, streaming (responses.h): the next event's sequence_number and
      * the text sent so far (the .done events repeat it) */
     int seq;
@@ -92,6 +101,17 @@ static void settle(gw_req *g, const completion_t *c)
 
 // --- the completion's sink
 
+/* The end of a stream: the connection's own timeouts back (it may serve another request,
+ * or idle), then the last chunk. */
+static void stream_end(gw_req *g)
+{
+    struct bufferevent *bev = evhttp_connection_get_bufferevent(g->conn);
+    struct timeval t = {g->srv->timeout_s, 0};
+    if (bev)
+        bufferevent_set_timeouts(bev, &t, &t);
+    evhttp_send_reply_end(g->req);
+}
+
 /* The completion is gone (completion_sink.release): the one place a gw_req is freed. */
 static void req_free(void *ud)
 {
@@ -100,6 +120,8 @@ static void req_free(void *ud)
         evhttp_connection_set_closecb(g->conn, NULL, NULL);
     if (g->close_ev)
         event_free(g->close_ev);
+    if (g->ping_ev)
+        event_free(g->ping_ev);
     if (g->sse)
         evbuffer_free(g->sse);
     free(g->text);
@@ -116,6 +138,33 @@ static void sse_send_event(gw_req *g, const char *event, size_t n)
     if (evbuffer_add(g->sse, event, n) == 0)
         evhttp_send_reply_chunk(g->req, g->sse);
     evbuffer_drain(g->sse, evbuffer_get_length(g->sse)); /* (left over only on failure) */
+    g->last_sent_us = proto_now_us();
+}
+
+/* The keep-alive timer: a comment when nothing went out for --sse-keepalive-s. */
+static void on_ping(evutil_socket_t fd, short what, void *arg)
+{
+    gw_req *g = arg;
+    (void)fd, (void)what;
+    int64_t idle_us = g->srv->keepalive_s * 1000000LL - 100000; /* the timer's jitter */
+    if (g->req && proto_now_us() - g->last_sent_us >= idle_us) {
+        static const char ka[] = ": keep-alive\n\n";
+        sse_send_event(g, ka, sizeof(ka) - 1);
+    }
+}
+
+/* A stream's connection: no read timeout (the client sends nothing while it waits), the
+ * write timeout of --http-timeout-s, and the keep-alive timer. */
+static void stream_timers(gw_req *g)
+{
+    struct bufferevent *bev = evhttp_connection_get_bufferevent(g->conn);
+    struct timeval wt = {g->srv->timeout_s, 0}, ka = {g->srv->keepalive_s, 0};
+    if (bev)
+        bufferevent_set_timeouts(bev, NULL, &wt);
+    g->last_sent_us = proto_now_us();
+    g->ping_ev = event_new(g->srv->base, -1, EV_PERSIST, on_ping, g);
+    if (g->ping_ev)
+        event_add(g->ping_ev, &ka);
 }
 
 static void sse_send(gw_req *g, const char *payload)
@@ -303,7 +352,7 @@ static int sink_done(void *ud, const completion_t *c, api_error *e)
     if (info.kind == API_RESPONSES && completion_streaming(c)) {
         resp_stream_end(g, c);
         evhttp_connection_set_closecb(g->conn, NULL, NULL);
-        evhttp_send_reply_end(g->req);
+        stream_end(g);
     } else if (completion_streaming(c)) {
         if (info.include_usage) {
             int n_prompt, n_completion;
@@ -315,7 +364,7 @@ static int sink_done(void *ud, const completion_t *c, api_error *e)
         }
         sse_send(g, "[DONE]");
         evhttp_connection_set_closecb(g->conn, NULL, NULL);
-        evhttp_send_reply_end(g->req);
+        stream_end(g);
     } else {
         char *body;
         if (info.kind == API_RESPONSES) {
@@ -352,7 +401,7 @@ static stats_end_t sink_fail(void *ud, const completion_t *c, const api_error *e
         sse_send_named(g, "response.failed",
                        responses_event_response(&ri, "response.failed", g->seq++,
                                                 RESPONSES_FAILED, NULL, 0, 0, 0, e));
-        evhttp_send_reply_end(g->req);
+        stream_end(g);
     } else if (completion_streaming(c)) {
         /* headers are out: report in the stream, then end it as usual */
         char *body = api_error_json(e);
@@ -360,7 +409,7 @@ static stats_end_t sink_fail(void *ud, const completion_t *c, const api_error *e
             sse_send(g, body);
         free(body);
         sse_send(g, "[DONE]");
-        evhttp_send_reply_end(g->req);
+        stream_end(g);
     } else {
         http_reply_error(g->req, e);
     }
@@ -468,6 +517,7 @@ void http_completion_handle(http_server_t *s, struct evhttp_request *req, api_ki
     evhttp_add_header(h, "Content-Type", "text/event-stream");
     evhttp_add_header(h, "Cache-Control", "no-cache");
     evhttp_send_reply_start(req, 200, "OK");
+    stream_timers(g);
     if (kind == API_RESPONSES)
         resp_stream_start(g, g->c);
     if (kind == API_CHAT) { /* each choice's first delta: its role */

@@ -26,6 +26,8 @@ struct http_server {
     char *host;
     char *model; /* cx.model is this */
     int port;
+    int timeout_s;          /* --http-timeout-s */
+    int keepalive_s;        /* --sse-keepalive-s */
     completion_env cx;      /* tokenizer, limits, cluster (NULL: 503), stats (NULL: no figures) */
     batch_t *batch;         /* NULL: the Files and Batch API answer 503 */
     auth_t *auth;           /* NULL or no keys: open */

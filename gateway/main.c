@@ -41,6 +41,7 @@ static char *opt_host, *opt_ctl_bind, *opt_model, *opt_served_name, *opt_log_lev
 /* CURVE on the ctl socket (docs/security.md) */
 static char *opt_curve_secret_key, *opt_curve_authorized_keys, *opt_stats_authorized_keys;
 static long long opt_http_timeout_s;
+static long long opt_sse_keepalive_s;
 static long long opt_port, opt_max_body, opt_max_queue, opt_hb_ms, opt_dead_ms, opt_timeout_ms,
     opt_retries, opt_drain_ms, opt_stats_interval_ms, opt_stats_stall_ms, opt_stats_window_s,
     opt_kv_block_size;
@@ -76,7 +77,10 @@ static const config_entry_t settings[] = {
      "largest request body accepted; larger ones get 413"},
     {"http-timeout-s", CONFIG_INT, &opt_http_timeout_s, "60", 1, 86400,
      "close a client connection idle this long while sending its request or while a reply "
-     "waits for it to read"},
+     "waits for it to read (a stream waiting for tokens is not idle)"},
+    {"sse-keepalive-s", CONFIG_INT, &opt_sse_keepalive_s, "15", 1, 86400,
+     "a stream with no event for this long gets an SSE comment \": keep-alive\" (so that "
+     "proxies' idle timeouts do not cut a request waiting for a worker or its first token)"},
     {"max-queue", CONFIG_INT, &opt_max_queue, "1024", 0, 10000000,
      "requests waiting for a worker before new ones get 429"},
     {"heartbeat-ms", CONFIG_INT, &opt_hb_ms, "500", 10, 3600000,
@@ -423,6 +427,7 @@ int main(int argc, char **argv)
         .port = (int)opt_port,
         .max_body_bytes = (size_t)opt_max_body,
         .timeout_s = (int)opt_http_timeout_s,
+        .sse_keepalive_s = (int)opt_sse_keepalive_s,
         .max_upload_bytes = opt_state_db[0] ? (size_t)opt_batch_max_file_bytes : 0,
         .model_name = served,
         .n_ctx = n_ctx,

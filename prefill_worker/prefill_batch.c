@@ -333,35 +333,43 @@ int prefill_step(void *st)
     int n = 0, budget = (int)rt->set.max_batch_tokens;
     int blocked = prefill_blocked(p);
     int echo_taken = 0; /* an echo prompt's chunk is in the batch (one at most) */
-    /* Prompts being computed continue (they are ahead in arrival order), and queued ones
-     * are admitted in order until one does not fit (FIFO: no overtaking) or the budget of
-     * tokens is spent. */
-    for (int i = 0; i < p->n_reqs && n < cp->max_items && budget > 0; i++) {
-        preq *r = p->reqs[i];
-        if (r->echo && echo_taken && (r->state == PREQ_QUEUED || r->state == PREQ_PREFILLING))
-            break; /* the next batch takes it (FIFO: nothing after it either) */
-        if (r->state == PREQ_QUEUED) {
-            if (blocked)
+    /* Prompts being computed continue (they are ahead in arrival order), then queued
+     * online prompts, then queued offline ones (priority 1: flex and Batch API work waits
+     * for online prompts that came after it, as vLLM's priority scheduling orders them),
+     * each in arrival order until one does not fit (FIFO within a tier: no overtaking) or
+     * the budget of tokens is spent. Pass 0 is the running prompts, 1 online, 2 offline. */
+    int stop = 0;
+    for (int pass = 0; pass < 3 && !stop; pass++) {
+        for (int i = 0; i < p->n_reqs && n < cp->max_items && budget > 0; i++) {
+            preq *r = p->reqs[i];
+            if (pass == 0 ? r->state != PREQ_PREFILLING
+                          : r->state != PREQ_QUEUED || (r->priority > 0) != (pass == 2))
                 continue;
-            if (admit(p, r) < 0) { /* until a prompt leaves or the free blocks change */
-                blocked = p->blocked = 1;
-                p->blocked_free = kvcache_n_free_blocks(cp->kv);
-                continue;
+            if (r->echo && echo_taken) {
+                stop = 1; /* the next batch takes it (FIFO: nothing after it either) */
+                break;
             }
-            r->blk_sent = 0; /* cached blocks, if any, go with the first chunk */
-        } else if (r->state != PREQ_PREFILLING) {
-            continue;
+            if (r->state == PREQ_QUEUED) {
+                if (blocked)
+                    continue;
+                if (admit(p, r) < 0) { /* until a prompt leaves or the free blocks change */
+                    blocked = p->blocked = 1;
+                    p->blocked_free = kvcache_n_free_blocks(cp->kv);
+                    continue;
+                }
+                r->blk_sent = 0; /* cached blocks, if any, go with the first chunk */
+            }
+            int take = r->n_prompt - r->n_done;
+            take = take < chunk ? take : chunk;
+            if (r->echo) {
+                take = take < PREFILL_ECHO_CHUNK ? take : PREFILL_ECHO_CHUNK;
+                echo_taken = 1;
+            }
+            take = take < budget ? take : budget;
+            r->n_chunk = take;
+            budget -= take;
+            p->batch_reqs[n++] = r;
         }
-        int take = r->n_prompt - r->n_done;
-        take = take < chunk ? take : chunk;
-        if (r->echo) {
-            take = take < PREFILL_ECHO_CHUNK ? take : PREFILL_ECHO_CHUNK;
-            echo_taken = 1;
-        }
-        take = take < budget ? take : budget;
-        r->n_chunk = take;
-        budget -= take;
-        p->batch_reqs[n++] = r;
     }
     if (n == 0)
         return 0;

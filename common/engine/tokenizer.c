@@ -11,12 +11,25 @@
  * as run.c does, the merge candidate of each adjacent pair is cached and only the two
  * pairs touching a merge are recomputed: same choices, O(n) per merge instead of O(n)
  * lookups.
+ *
+ * When no piece of the vocabulary has a space after its first byte (SentencePiece's
+ * split_by_whitespace vocabularies, stories260K's among them), no merge can join a symbol
+ * to a following one that starts with a space: the text falls into independent chunks,
+ * each starting at such a symbol, whose merges are those the whole-text loop makes in
+ * them (the loop's choice at any moment is the best pair of some chunk, and a chunk's
+ * pairs change only by its own merges), so each chunk is merged alone and a chunk seen
+ * before in the same text (a repeated word) is copied from a per-call cache. Same ids as
+ * run.c's loop (tested against it, also by the tokenizer fuzzing harness); a 1 MiB prompt
+ * no longer holds the gateway's event loop for seconds.
  */
 #include "tokenizer.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <xxhash.h>
 
 #include "gguf.h"
 
@@ -39,6 +52,8 @@ struct tokenizer {
     int *sorted;       /* (n_vocab,) ids sorted by (bytes, id) */
     int byte_id[256];  /* id of the <0xXX> token of each byte, or -1 */
     size_t max_len;    /* longest piece in bytes */
+    int split_spaces;  /* no piece has ' ' after its first byte: merge chunk by chunk */
+    int one_byte[256]; /* lookup() of each 1-byte string, for the per-codepoint pass */
     int bos, eos, unk;
     char *arena;
     unsigned char bytes[256]; /* bytes[b] == b: storage for byte-token pieces */
@@ -172,6 +187,7 @@ tokenizer_t *tokenizer_load_gguf(const gguf_t *g, char *err, size_t errlen)
 
     /* pieces, with U+2581 (e2 96 81) -> ' ' */
     char *ap = t->arena;
+    t->split_spaces = 1;
     for (uint64_t i = 0; i < n; i++) {
         size_t o = 0;
         for (size_t j = 0; j < lens[i]; j++) {
@@ -186,6 +202,8 @@ tokenizer_t *tokenizer_load_gguf(const gguf_t *g, char *err, size_t errlen)
         ap[o] = '\0';
         t->piece[i] = ap;
         t->piece_len[i] = o;
+        if (o > 1 && memchr(ap + 1, ' ', o - 1))
+            t->split_spaces = 0; /* a merge may join "x" and " y": one chunk */
         if (o > t->max_len)
             t->max_len = o;
         ap += o + 1;
@@ -244,6 +262,10 @@ tokenizer_t *tokenizer_load_gguf(const gguf_t *g, char *err, size_t errlen)
         t->sorted[i] = i;
     }
     qsort_r(t->sorted, n, sizeof(int), cmp_ids, t);
+    for (int b = 0; b < 256; b++) {
+        char c = (char)b;
+        t->one_byte[b] = lookup(t, &c, 1);
+    }
 
     free(types);
     free(ptrs);
@@ -343,7 +365,7 @@ static int initial_ids(const tokenizer_t *t, const char *text, size_t len, int a
         unsigned char next = i + 1 < len ? s[i + 1] : 0;
         if ((next & 0xC0) == 0x80 && cp_len < 4)
             continue;
-        int id = lookup(t, (const char *)cp, cp_len);
+        int id = cp_len == 1 ? t->one_byte[cp[0]] : lookup(t, (const char *)cp, cp_len);
         if (id >= 0)
             toks[k++] = id;
         else
@@ -493,6 +515,116 @@ static int merge_heap(const tokenizer_t *t, int *toks, int k, char *buf)
     return m;
 }
 
+/* The chunks merge_chunks has merged in one text: open addressing over XXH3 of a chunk's
+ * symbol ids before merging; each entry points at its key and its merged ids in one arena. */
+typedef struct {
+    uint64_t hash;
+    int key, n_key, val, n_val; /* offsets into arena; n_key 0: empty slot */
+} chunk_entry;
+
+typedef struct {
+    chunk_entry *slot;
+    int cap, used; /* cap a power of two */
+    int *arena;
+    size_t arena_n, arena_cap;
+} chunk_cache;
+
+/* Chunks longer than this (in symbols) are merged without the cache. */
+#define CHUNK_CACHE_MAX 64
+
+static chunk_entry *cache_find(chunk_cache *c, uint64_t h, const int *key, int n)
+{
+    for (int i = (int)(h & (uint64_t)(c->cap - 1));; i = (i + 1) & (c->cap - 1)) {
+        chunk_entry *e = &c->slot[i];
+        if (e->n_key == 0 || (e->hash == h && e->n_key == n &&
+                              memcmp(c->arena + e->key, key, (size_t)n * sizeof(int)) == 0))
+            return e;
+    }
+}
+
+/* Append n ids to the arena; its offset, or -1 when out of memory. */
+static long cache_store(chunk_cache *c, const int *ids, int n)
+{
+    if (c->arena_n + (size_t)n > c->arena_cap) {
+        size_t cap = c->arena_cap ? 2 * c->arena_cap : 4096;
+        while (cap < c->arena_n + (size_t)n)
+            cap *= 2;
+        int *a = realloc(c->arena, cap * sizeof(int));
+        if (!a)
+            return -1;
+        c->arena = a, c->arena_cap = cap;
+    }
+    memcpy(c->arena + c->arena_n, ids, (size_t)n * sizeof(int));
+    c->arena_n += (size_t)n;
+    return (long)(c->arena_n - (size_t)n);
+}
+
+/* Remember chunk key (n ids) merged into val (m ids); 0, or -1 when out of memory (the
+ * cache then stays as it was: a miss next time, not a wrong answer). */
+static int cache_put(chunk_cache *c, uint64_t h, const int *key, int n, const int *val, int m)
+{
+    if (2 * (c->used + 1) > c->cap) {
+        int cap = c->cap ? 2 * c->cap : 1024;
+        chunk_entry *ns = calloc((size_t)cap, sizeof(*ns)), *old = c->slot;
+        if (!ns)
+            return -1;
+        int ocap = c->cap;
+        c->slot = ns, c->cap = cap;
+        for (int i = 0; i < ocap; i++)
+            if (old[i].n_key)
+                *cache_find(c, old[i].hash, c->arena + old[i].key, old[i].n_key) = old[i];
+        free(old);
+    }
+    long k = cache_store(c, key, n), v = k < 0 ? -1 : cache_store(c, val, m);
+    if (v < 0)
+        return -1;
+    *cache_find(c, h, key, n) = (chunk_entry){h, (int)k, n, (int)v, m};
+    c->used++;
+    return 0;
+}
+
+/* merge_heap's result, chunk by chunk when the vocabulary allows (the file's comment):
+ * chunks start at each symbol whose piece starts with a space. Returns the new count, or
+ * -1 when out of memory. */
+static int merge_chunks(const tokenizer_t *t, int *toks, int k, char *buf)
+{
+    if (!t->split_spaces)
+        return merge_heap(t, toks, k, buf);
+    chunk_cache c = {0};
+    int key[CHUNK_CACHE_MAX], out = 0, rc = 0;
+    for (int s = 0; s < k;) {
+        int e = s + 1;
+        while (e < k && t->piece[toks[e]][0] != ' ')
+            e++;
+        int n = e - s, m;
+        if (n > CHUNK_CACHE_MAX) {
+            m = merge_heap(t, toks + s, n, buf);
+        } else {
+            uint64_t h = XXH3_64bits(toks + s, (size_t)n * sizeof(int));
+            chunk_entry *hit = c.cap ? cache_find(&c, h, toks + s, n) : NULL;
+            if (hit && hit->n_key) {
+                m = hit->n_val;
+                memcpy(toks + s, c.arena + hit->val, (size_t)m * sizeof(int));
+            } else {
+                memcpy(key, toks + s, (size_t)n * sizeof(int));
+                m = merge_heap(t, toks + s, n, buf);
+                if (m >= 0)
+                    cache_put(&c, h, key, n, toks + s, m); /* a failure only costs a miss */
+            }
+        }
+        if (m < 0) {
+            rc = -1;
+            break;
+        }
+        memmove(toks + out, toks + s, (size_t)m * sizeof(int));
+        out += m;
+        s = e;
+    }
+    free(c.slot);
+    free(c.arena);
+    return rc < 0 ? -1 : out;
+}
+
 /* tokenizer_encode with merge as the merge loop. */
 static int encode_with(const tokenizer_t *t, const char *text, size_t len, int add_bos,
                        int *out, int cap, int *needed,
@@ -531,7 +663,7 @@ static int encode_with(const tokenizer_t *t, const char *text, size_t len, int a
 int tokenizer_encode(const tokenizer_t *t, const char *text, size_t len, int add_bos, int *out,
                      int cap, int *needed)
 {
-    return encode_with(t, text, len, add_bos, out, cap, needed, merge_heap);
+    return encode_with(t, text, len, add_bos, out, cap, needed, merge_chunks);
 }
 
 int tokenizer_encode_ref(const tokenizer_t *t, const char *text, size_t len, int add_bos,

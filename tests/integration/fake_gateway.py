@@ -216,11 +216,14 @@ class Gateway:
         self.wait(lambda: all(n in self.workers for n in names), timeout,
                   what="REGISTER of %s" % (names,))
 
-    def prefill(self, wid, tokens, max_tokens, dw="", dep="", temp=0.0, rng=0, dpk=None):
+    def prefill(self, wid, tokens, max_tokens, dw="", dep="", temp=0.0, rng=0, dpk=None,
+                pri=0):
         rid = self.next_rid
         self.next_rid += 1
         m = {"t": PREFILL, "rid": rid, "tokens": tokens, "max_tokens": max_tokens,
              "temp": temp, "top_p": 1.0, "top_k": 0, "rng": rng, "dw": dw, "dep": dep}
+        if pri:
+            m["pri"] = pri  # the offline tier
         if dpk is not None:
             m["dpk"] = dpk  # the decode worker's CURVE key
         self.send(wid, m)
@@ -324,6 +327,34 @@ def case_greedy_mixed(g):
     eq(err, None, "error")
     eq(ids, CONTINUATION, "greedy tokens")
     eq(reason, 2, "finish reason")
+    kv_free_back(g, "m0")
+
+
+def case_online_prompt_before_queued_offline(g):
+    """Queued offline prompts (pri 1) wait for an online prompt that came after them; each
+    tier stays in arrival order. One prompt per prefill batch (--max-batch-tokens), each
+    batch padded to an emulated accelerator's time (about 0.1 s), so all nine PREFILLs are
+    queued before the second batch."""
+    g.start("m0", "prefill_worker", "--role", "mixed", "--kv-bind", "tcp://127.0.0.1:*",
+            "--max-batch-tokens", str(len(PROMPT)), "--emulate", "a100-llama3-8b:dilate=20")
+    g.wait_registered("m0")
+    offline = [g.prefill("m0", PROMPT, 2, pri=1) for _ in range(8)]
+    online = g.prefill("m0", PROMPT, 2)
+    for rid in offline + [online]:
+        ids, reason, err = g.wait_done(rid, timeout=60)
+        eq(err, None, "error of %d" % rid)
+        eq(ids, CONTINUATION[:2], "greedy tokens of %d" % rid)
+
+    def first(rid):
+        return next(i for i, (_, m) in enumerate(g.events)
+                    if m.get("rid") == rid and m["t"] == TOKENS)
+    order = sorted(offline + [online], key=first)
+    # the first offline prompt may already be in the first batch; the online one is next
+    if order.index(online) > 1:
+        raise AssertionError("online prompt's first token came %d-th of 9 (order %r)"
+                             % (order.index(online) + 1, order))
+    offline_order = [r for r in order if r != online]
+    eq(offline_order, offline, "offline prompts in arrival order")
     kv_free_back(g, "m0")
 
 

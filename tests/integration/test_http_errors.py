@@ -130,6 +130,8 @@ class Gateway:
                 "--max-body-bytes", str(MAX_BODY)] + list(args)
         if "--state-db" not in args:  # its own: another gateway may hold the default one
             argv += ["--state-db", os.path.join(self.tmp, "gateway.db")]
+        if "--sse-keepalive-s" not in args:  # these tests split events on exact bytes
+            argv += ["--sse-keepalive-s", "3600"]
         with open(self.log, "ab") as f:
             self.proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.time() + 20
@@ -421,6 +423,47 @@ class RawErrorsTest(unittest.TestCase):
         st, _, headers, body = parse_response(b"HTTP/1.1 " + first)
         self.assertEqual(headers["content-type"], "application/json")
         self.assertEqual(json.loads(body)["error"]["code"], "unknown_url")
+
+
+@unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
+                     "needs %s and %s (make all)" % (GATEWAY, MODEL))
+class StreamWaitTest(unittest.TestCase):
+    """A stream waiting for a worker is not idle: --http-timeout-s (1 s here) used to cut it
+    at 1 s with no error event and no [DONE] (found by a fresh-user trial). It now waits for
+    --request-timeout-ms (3.5 s), gets an SSE comment every --sse-keepalive-s (1 s), then
+    the error event and [DONE]; and the connection's idle timeout is back afterwards."""
+
+    def test_waiting_stream_gets_keepalives_then_the_error(self):
+        gw = Gateway("--http-timeout-s", "1", "--request-timeout-ms", "3500",
+                     "--sse-keepalive-s", "1")
+        try:
+            s = socket.create_connection(("127.0.0.1", gw.port), timeout=10)
+            body = json.dumps({"prompt": "Once upon", "max_tokens": 4, "stream": True}).encode()
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                      % (len(body), body))
+            t0, out = time.time(), b""
+            while not out.endswith(b"0\r\n\r\n"):
+                chunk = s.recv(65536)
+                self.assertTrue(chunk, "closed after %.1f s: %r" % (time.time() - t0, out))
+                out += chunk
+            waited = time.time() - t0
+            self.assertTrue(out.startswith(b"HTTP/1.1 200"), out[:200])
+            self.assertGreater(waited, 3.0)
+            text = out.decode()
+            self.assertGreaterEqual(text.count(": keep-alive\n\n"), 2, text)
+            err = re.search(r"data: (\{\"error\".*?)\n\n", text)
+            self.assertIsNotNone(err, text)
+            self.assertEqual(json.loads(err.group(1))["error"]["code"], "no_worker_available")
+            self.assertIn("data: [DONE]\n\n", text)
+            # the connection idles again: closed by the server after about 1 s
+            s.settimeout(5)
+            t1 = time.time()
+            self.assertEqual(s.recv(100), b"")
+            self.assertLess(time.time() - t1, 4.0)
+            s.close()
+        finally:
+            self.assertEqual(gw.stop(), 0)
 
 
 @unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),

@@ -86,7 +86,7 @@ class ResponsesTest(unittest.TestCase):
         conn.close()
         events = []
         for block in raw.split("\n\n"):
-            if not block:
+            if not block or block.startswith(":"):  # an SSE comment (": keep-alive")
                 continue
             name, data = block.split("\n")
             self.assertTrue(name.startswith("event: ") and data.startswith("data: "), block)

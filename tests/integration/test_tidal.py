@@ -388,6 +388,31 @@ class RoleChange(unittest.TestCase):
 
 
 class Failover(unittest.TestCase):
+    def test_role_change_outlives_a_crash(self):
+        """A worker moved to decode crashes and comes back in the role it was launched with
+        (as the launcher, compose and Kubernetes restart it): the gateway orders it back to
+        decode. Before: the crash undid the change and, with the other decode worker moved
+        to prefill, left no decode worker at all (a fresh-user trial)."""
+        with Cluster(roles=("prefill", "prefill", "decode")) as c:
+            wait_roles(c, {"prefill-0": "prefill", "prefill-1": "prefill",
+                           "decode-2": "decode"})
+            self.assertEqual(set_role(c, "prefill-1", "decode")[0], 202)
+            wait_roles(c, {"prefill-1": "decode"})
+            self.assertEqual(set_role(c, "decode-2", "prefill")[0], 202)
+            wait_roles(c, {"decode-2": "prefill"})
+            c.kill("prefill-1")
+            c.start_worker("prefill-1", "prefill")  # its launch role again
+            deadline = time.time() + 30
+            while "restoring the role it was ordered to, decode" not in c.log("gateway"):
+                self.assertLess(time.time(), deadline, c.log("gateway")[-3000:])
+                time.sleep(0.05)
+            wait_roles(c, {"prefill-0": "prefill", "prefill-1": "decode",
+                           "decode-2": "prefill"}, timeout=30)
+            c.wait_healthy()
+            prompt = next(iter(REF))
+            status, text, _, done = c.stream_text(prompt, max_tokens=48)
+            self.assertEqual((status, done, text), (200, True, REF[prompt]))
+
     def test_killed_decode_worker_seeded_stream_continues_exactly(self):
         """A decode worker SIGKILLed mid-stream: the gateway re-runs its requests elsewhere
         from their tokens so far and from the sampler state the workers reported with them

@@ -875,6 +875,64 @@ static void test_tokenizer_bos_not_merged(void **state)
     tokenizer_destroy(&t);
 }
 
+/* A vocabulary with a piece spanning a space ("a b", as in vocabularies made without
+ * split_by_whitespace) must merge across it: the chunk-by-chunk merge is off there. And
+ * with a chunking vocabulary (stories260K's), a long text of repeated words (the per-call
+ * chunk cache hits) and runs of spaces gives the reference loop's ids. */
+static void test_tokenizer_chunks(void **state)
+{
+    char path[PATH_MAX], err[512];
+    snprintf(path, sizeof(path), "%s/space-vocab.gguf", tmpdir);
+    const char *strs[8] = {"<unk>", "<s>", "</s>", "\xe2\x96\x81", "a", "b",
+                           "a\xe2\x96\x81", "a\xe2\x96\x81" "b"};
+    size_t lens[8];
+    float scores[8] = {0, 0, 0, 0, 0, 0, 1, 2};
+    for (int i = 0; i < 8; i++)
+        lens[i] = strlen(strs[i]);
+    gguf_writer_t *w = gguf_writer_new();
+    gguf_writer_add_str(w, "tokenizer.ggml.model", "llama");
+    gguf_writer_add_arr_str(w, "tokenizer.ggml.tokens", strs, lens, 8);
+    gguf_writer_add_arr_f32(w, "tokenizer.ggml.scores", scores, 8);
+    assert_int_equal(gguf_writer_write(w, path, err, sizeof(err)), 0);
+    gguf_writer_destroy(&w);
+    tokenizer_t *t = tokenizer_load(path, err, sizeof(err));
+    assert_non_null(t);
+    int ids[16], ref[16];
+    /* " a b a b": prefix, then "a b" twice across the spaces */
+    assert_int_equal(tokenizer_encode(t, "a b a b", 7, 0, ids, 16, NULL), 4);
+    int want[] = {3, 7, 3, 7};
+    assert_memory_equal(ids, want, sizeof(want));
+    assert_int_equal(tokenizer_encode_ref(t, "a b a b", 7, 0, ref, 16, NULL), 4);
+    assert_memory_equal(ids, ref, sizeof(want));
+    tokenizer_destroy(&t);
+
+    enum { LEN = 20000 };
+    static const char *words[] = {"Once", " upon", " a", " time", "  there", "   was", " Lily.",
+                                  "\n", " \xc3\xa9t\xc3\xa9", " \xf0\x9f\x98\x80", " ", "x"};
+    char *text = malloc(LEN + 16);
+    int *a = malloc((LEN + 2) * sizeof(int)), *b = malloc((LEN + 2) * sizeof(int));
+    assert_non_null(text);
+    assert_non_null(a);
+    assert_non_null(b);
+    size_t len = 0;
+    unsigned rng = 7;
+    while (len < LEN) {
+        rng = rng * 1103515245u + 12345u;
+        const char *wd = words[(rng >> 8) % (sizeof(words) / sizeof(words[0]))];
+        size_t wl = strlen(wd);
+        memcpy(text + len, wd, wl);
+        len += wl;
+    }
+    int na = tokenizer_encode(g_tok, text, len, 1, a, LEN + 2, NULL);
+    int nb = tokenizer_encode_ref(g_tok, text, len, 1, b, LEN + 2, NULL);
+    assert_true(na > 0);
+    assert_int_equal(na, nb);
+    assert_memory_equal(a, b, (size_t)na * sizeof(int));
+    free(text);
+    free(a);
+    free(b);
+}
+
 static void test_tokenizer_decode(void **state)
 {
     int ids[256];
@@ -2518,6 +2576,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_tokenizer_matches_reference),
         cmocka_unit_test(test_tokenizer_encode),
         cmocka_unit_test(test_tokenizer_bos_not_merged),
+        cmocka_unit_test(test_tokenizer_chunks),
         cmocka_unit_test(test_tokenizer_decode),
         cmocka_unit_test(test_model_config),
         cmocka_unit_test(test_model_greedy_reference),
