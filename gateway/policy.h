@@ -144,6 +144,10 @@ typedef struct {
                               * pressure >= 1 moves a worker */
     int start_from_estimate; /* 1: after warmup_ms, move to the estimated split
                               * even below act_pressure (once); 0: only when the rule fires */
+    int capacity_moves;      /* 1: moves that bring the gaining role's load pressure to 1
+                              * (the donor's staying within capacity) exceed the rate cap */
+    int donor_guard;         /* 1: no move leaves the donor's load pressure above 1 (or the
+                              * gainer's, if higher) */
     /* offline admission */
     double offline_target;        /* offline fills capacity up to this online pressure */
     double preempt_pressure;      /* online pressure that preempts offline work */
@@ -171,6 +175,7 @@ typedef struct {
     int64_t first_ms;           /* the first call's time */
     int64_t last_prompt_tokens; /* cluster counters at the previous call */
     int64_t last_output_tokens, last_arrived, last_done;
+    int64_t first_arrived;      /* online_arrived at the first call */
     int rates_seeded;           /* the rates' EWMAs hold a first sample */
     int est_started;            /* the start-up estimate was applied (or not needed) */
     policy_signals sig;         /* EWMA, time constant smooth_ms */

@@ -42,6 +42,7 @@ static double opt_ttft_slo_ms, opt_tpot_slo_ms, opt_tick_ms, opt_switch_ms;
 static double opt_min_role_s, opt_window_s, opt_max_change_frac, opt_act_pressure, opt_band;
 static double opt_smooth_s, opt_reverse_hold_s, opt_warmup_s, opt_target_pressure;
 static int opt_compare_static, opt_verbose, opt_start_estimate, opt_decode_token_rate;
+static int opt_capacity_moves, opt_donor_guard;
 
 static const config_entry_t settings[] = {
     {"workers", CONFIG_INT, &opt_workers, "8", 2, 100000, "workers in the cluster"},
@@ -102,6 +103,11 @@ static const config_entry_t settings[] = {
      "policy: hysteresis band (gainer > band * donor's projected pressure)"},
     {"smooth-s", CONFIG_DOUBLE, &opt_smooth_s, "5", 0, 1e6,
      "policy: time constant of the EWMA signals"},
+    {"capacity-moves", CONFIG_BOOL, &opt_capacity_moves, "true", 0, 0,
+     "policy: moves that bring the gaining role's load pressure to 1 are not held back by the "
+     "rate cap (as far as the donor stays within capacity)"},
+    {"donor-guard", CONFIG_BOOL, &opt_donor_guard, "true", 0, 0,
+     "policy: no move leaves the donor's load pressure above 1 (or above the gainer's)"},
     {"start-from-estimate", CONFIG_BOOL, &opt_start_estimate, "true", 0, 0,
      "policy: once the first window of traffic is seen, move to the estimated split"},
     {"target-pressure", CONFIG_DOUBLE, &opt_target_pressure, "0.7", 0.01, 10,
@@ -377,6 +383,8 @@ int main(int argc, char **argv)
     pp.start_from_estimate = opt_start_estimate;
     pp.warmup_ms = (int64_t)(opt_warmup_s * 1e3);
     pp.target_pressure = opt_target_pressure;
+    pp.capacity_moves = opt_capacity_moves;
+    pp.donor_guard = opt_donor_guard;
     if (!opt_decode_token_rate)
         pp.decode_tokens_per_s = 0;
     pp.min_role_ms = (int64_t)(opt_min_role_s * 1e3);
