@@ -46,6 +46,7 @@ policy_params policy_default_params(void)
         .start_from_estimate = 1,
         .capacity_moves = 1,
         .donor_guard = 1,
+        .startup_fix = 1,
         .warmup_ms = 30000,
         .target_pressure = 0.7,
         .offline_target = 0.6,
@@ -89,6 +90,7 @@ int policy_params_check(const policy_params *p, char *err, size_t err_len)
           "start_from_estimate must be 0 or 1");
     CHECK(p->capacity_moves == 0 || p->capacity_moves == 1, "capacity_moves must be 0 or 1");
     CHECK(p->donor_guard == 0 || p->donor_guard == 1, "donor_guard must be 0 or 1");
+    CHECK(p->startup_fix == 0 || p->startup_fix == 1, "startup_fix must be 0 or 1");
     CHECK(p->offline_target >= 0, "offline_target must be >= 0");
     CHECK(p->preempt_pressure > 0, "preempt_pressure must be > 0");
     CHECK(p->offline_max_wait_ms >= 0, "offline_max_wait_ms must be >= 0");
@@ -645,9 +647,17 @@ int policy_decide(const policy_params *p, policy_state *st, const policy_input *
     /* Reversing the last change's direction needs min_role_ms since that change, and the
      * current ask episode to have lasted the hold of the reversal level. */
     int reversal = to && st->last_dir && to != st->last_dir;
-    if (reversal && (in->now_ms - st->last_change_ms < p->min_role_ms || !st->reverse_holding ||
-                     in->now_ms - st->reverse_since_ms < reverse_hold(p, st)))
+    /* ... except a capacity move undoing a change made before warmup_ms: that change was
+     * a start-up guess on a partial view of the mix (the long answers had not ended yet),
+     * not a swing of the load */
+    int startup_fix = reversal && k_capacity > 0 && p->startup_fix &&
+                      st->last_change_ms - st->first_ms < p->warmup_ms;
+    if (reversal && !startup_fix &&
+        (in->now_ms - st->last_change_ms < p->min_role_ms || !st->reverse_holding ||
+         in->now_ms - st->reverse_since_ms < reverse_hold(p, st)))
         to = 0;
+    if (startup_fix && k > k_capacity)
+        k = k_capacity;
     if (to) {
         int kmax = allowed > k_capacity ? allowed : k_capacity;
         if (k > kmax)

@@ -146,6 +146,8 @@ typedef struct {
                               * even below act_pressure (once); 0: only when the rule fires */
     int capacity_moves;      /* 1: moves that bring the gaining role's load pressure to 1
                               * (the donor's staying within capacity) exceed the rate cap */
+    int startup_fix;         /* 1: a capacity move may reverse a change made before
+                              * warmup_ms at once (no reversal guard) */
     int donor_guard;         /* 1: no move leaves the donor's load pressure above 1 (or the
                               * gainer's, if higher) */
     /* offline admission */
