@@ -49,7 +49,8 @@ static const config_entry_t settings[] = {
     {"trace", CONFIG_STRING, &opt_trace, NULL, 0, 0,
      "replay this trace (CSV arrival_s,prompt_tokens,output_tokens[,class] or JSONL)"},
     {"workload", CONFIG_STRING, &opt_workload, "phase-shift", 0, 0,
-     "generated workload when no --trace: phase-shift | conversation | code | mix"},
+     "generated workload when no --trace: phase-shift | conversation | code | mix | shift (a "
+     "day of --duration-s: code 15 % at night, 75 % in working hours, else conversation)"},
     {"duration-s", CONFIG_DOUBLE, &opt_duration_s, "600", 1, 1e7,
      "generated workloads: seconds of arrivals"},
     {"phase-s", CONFIG_DOUBLE, &opt_phase_s, "120", 1, 1e7,
@@ -349,6 +350,12 @@ int main(int argc, char **argv)
                 ws = (shape_worker_s(&cm, &sh[SIM_WORKLOAD_SHAPE_CONVERSATION], opt_tpot_slo_ms) +
                       shape_worker_s(&cm, &sh[SIM_WORKLOAD_SHAPE_CODE], opt_tpot_slo_ms)) /
                      2;
+            else if (kind == SIM_WORKLOAD_SHIFT) {
+                /* the heavier of night (15 % code) and working hours (75 %) */
+                double wc = shape_worker_s(&cm, &sh[SIM_WORKLOAD_SHAPE_CODE], opt_tpot_slo_ms);
+                double wv = shape_worker_s(&cm, &sh[SIM_WORKLOAD_SHAPE_CONVERSATION], opt_tpot_slo_ms);
+                ws = fmax(0.15 * wc + 0.85 * wv, 0.75 * wc + 0.25 * wv);
+            }
             else
                 ws = shape_worker_s(&cm,
                                     &sh[kind == SIM_WORKLOAD_CODE ? SIM_WORKLOAD_SHAPE_CODE
@@ -366,8 +373,8 @@ int main(int argc, char **argv)
                                 (uint64_t)opt_seed);
         wl_name = opt_workload;
     } else {
-        fprintf(stderr, "tidepool-sim: --workload: want phase-shift, conversation, code or mix "
-                        "(or give --trace)\n");
+        fprintf(stderr, "tidepool-sim: --workload: want phase-shift, conversation, code, mix or "
+                        "shift (or give --trace)\n");
         goto out;
     }
 
@@ -416,9 +423,10 @@ int main(int argc, char **argv)
                "phases of %.0f s, seed %lld\n",
                n, rate, 100 * opt_offline_frac, opt_duration_s, opt_phase_s, opt_seed);
     else
-        printf("workload: %s (steady), %d workers, %.2f req/s (%.0f%% offline), %.0f s, seed "
+        printf("workload: %s (%s), %d workers, %.2f req/s (%.0f%% offline), %.0f s, seed "
                "%lld\n",
-               wl_name, n, rate, 100 * opt_offline_frac, opt_duration_s, opt_seed);
+               wl_name, wl.kind == SIM_WORKLOAD_SHIFT ? "a day of the run's length" : "steady",
+               n, rate, 100 * opt_offline_frac, opt_duration_s, opt_seed);
     printf("SLO: TTFT <= %.0f ms, TPOT <= %.0f ms; capacity estimates per worker: prefill "
            "%.0f tok/s, decode %.0f seqs, %.0f tok/s; KV %.0f tokens/worker\n",
            opt_ttft_slo_ms, opt_tpot_slo_ms, pp.prefill_tokens_per_s, pp.decode_seqs_per_worker,
