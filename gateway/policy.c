@@ -365,6 +365,16 @@ static int gains(const view *v, int to, double cap_p, double cap_d)
         if (after_give > fmax(1.0, lg / cg))
             return 0;
     }
+    if (p->capacity_moves && p->donor_guard && to == POLICY_ROLE_DECODE && cap_d > 0 &&
+        cap_p - 1 > 0) {
+        /* decode beyond capacity by its sequences (they wait for decode room), prefill
+         * within it after the move: decode gains without the band (the reverse move would
+         * need prefill beyond capacity after it, which the donor guard forbids). Prefill
+         * needs no such rule: its queue term grows until the band gives way. */
+        double lp = v->st->prompt_rate / p->prefill_tokens_per_s;
+        if (load_decode(v, 0) / cap_d > 1 && lp / (cap_p - 1) <= 1)
+            return 1;
+    }
     if (to == POLICY_ROLE_PREFILL) {
         double pp = pressure_prefill(v, cap_p);
         /* decode as the donor: its full need, tokens included */

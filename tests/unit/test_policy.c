@@ -800,9 +800,40 @@ static void test_startup_fix(void **state)
         print_message("startup_fix %d: first change %lld ms, reversal %lld ms\n", fix,
                       (long long)(f->ch_ms[0] - start), (long long)reversed);
         if (fix)
-            assert_int_equal(reversed, 11000); /* the smoothed sequences pass the rule at 11 s */
+            assert_int_equal(reversed, 8000); /* the smoothed sequences pass 4 workers at 8 s */
         else
             assert_true(reversed < 0 || reversed >= f->p.min_role_ms);
+    }
+    free(f);
+}
+
+/* Decode beyond capacity gains without the band: 10 workers at 8:2, prefill 6.3 workers of
+ * load (0.79 on 8, 0.9 on 7), decode 220 sequences at 100 per worker (1.1 on 2). The band
+ * asks decode for more than 1.25 x 0.9 = 1.125, so the rule alone never moves; with
+ * capacity moves decode is beyond capacity and prefill within it after the move: one
+ * worker to decode (7:3, decode 0.73), then nothing. */
+static void test_decode_beyond_capacity_gains(void **state)
+{
+    (void)state;
+    fx *f = calloc(1, sizeof(fx));
+    for (int cm = 1; cm >= 0; cm--) {
+        fx_init(f, 8, 2);
+        f->p.prefill_tokens_per_s = 10000;
+        f->p.decode_seqs_per_worker = 100;
+        f->p.capacity_moves = cm;
+        f->prompt_rate = 63000;
+        f->c.online_decoding = 220;
+        for (int t = 0; t < 120; t++) {
+            f->c.online_arrived += 100;
+            fx_tick(f);
+        }
+        if (cm) {
+            assert_int_equal(f->n_ch, 1);
+            assert_int_equal(f->ch_role[0], POLICY_ROLE_DECODE);
+            assert_int_equal(fx_count(f, POLICY_ROLE_DECODE), 3);
+        } else {
+            assert_int_equal(f->n_ch, 0);
+        }
     }
     free(f);
 }
@@ -827,6 +858,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_estimate_rounds_to_lower_pressure),
         cmocka_unit_test(test_rates_start_as_running_mean),
         cmocka_unit_test(test_startup_fix),
+        cmocka_unit_test(test_decode_beyond_capacity_gains),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);
