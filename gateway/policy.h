@@ -35,7 +35,9 @@
  *   2d. Capacity (docs/scheduler.md "Capacity moves"): when the rule fires, the moves that
  *      bring the gainer's load pressure (rates only, one standard error 1/sqrt(n arrivals)
  *      below the measured rate) to 1 are not held back by the rate cap, as far as the
- *      donor keeps ceil(its load) workers (capacity_moves); no move leaves the donor's
+ *      donor keeps ceil(its load) workers, and decode beyond capacity by its sequences
+ *      gains without the band while prefill stays within it (capacity_moves, with
+ *      donor_guard); no move leaves the donor's
  *      load pressure above max(1, the gainer's after the move) (donor_guard); a capacity
  *      move reversing a change made before warmup_ms skips the guard of 2b (startup_fix).
  *      At the shared pressure the estimate (2c) rounds to the whole split with the lower
