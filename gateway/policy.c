@@ -355,8 +355,9 @@ static int gains(const view *v, int to, double cap_p, double cap_d)
 {
     const policy_params *p = v->p;
     if (p->donor_guard) {
-        /* the donor's load (rates, tokens included) after the move stays within capacity,
-         * or at most the gainer's: moving a worker must not just move the backlog */
+        /* the donor's load after the move (prefill: the prompt rate; decode: sequences and
+         * KV, not the token term, which lags a turning tide) stays within capacity, or at
+         * most the gainer's: moving a worker must not just move the backlog */
         double lp = v->st->prompt_rate / p->prefill_tokens_per_s, ld = load_decode(v, 0);
         double lg = to == POLICY_ROLE_PREFILL ? lp : ld, lgive = to == POLICY_ROLE_PREFILL ? ld : lp;
         double cg = (to == POLICY_ROLE_PREFILL ? cap_p : cap_d) + 1;
