@@ -44,6 +44,9 @@ policy_params policy_default_params(void)
         .window_ms = 10000,
         .min_per_role = 1,
         .start_from_estimate = 1,
+        .capacity_moves = 1,
+        .donor_guard = 1,
+        .startup_fix = 1,
         .warmup_ms = 30000,
         .target_pressure = 0.7,
         .offline_target = 0.6,
@@ -85,6 +88,9 @@ int policy_params_check(const policy_params *p, char *err, size_t err_len)
     CHECK(p->warmup_ms >= 0, "warmup_ms must be >= 0");
     CHECK(p->start_from_estimate == 0 || p->start_from_estimate == 1,
           "start_from_estimate must be 0 or 1");
+    CHECK(p->capacity_moves == 0 || p->capacity_moves == 1, "capacity_moves must be 0 or 1");
+    CHECK(p->donor_guard == 0 || p->donor_guard == 1, "donor_guard must be 0 or 1");
+    CHECK(p->startup_fix == 0 || p->startup_fix == 1, "startup_fix must be 0 or 1");
     CHECK(p->offline_target >= 0, "offline_target must be >= 0");
     CHECK(p->preempt_pressure > 0, "preempt_pressure must be > 0");
     CHECK(p->offline_max_wait_ms >= 0, "offline_max_wait_ms must be >= 0");
@@ -269,6 +275,7 @@ static void observe(const policy_params *p, policy_state *st, const policy_input
         st->last_prompt_tokens = c->prompt_tokens_arrived;
         st->last_output_tokens = c->output_tokens_done;
         st->last_arrived = c->online_arrived;
+        st->first_arrived = c->online_arrived;
         st->last_done = c->online_done;
         st->sig = *raw;
         return;
@@ -284,11 +291,14 @@ static void observe(const policy_params *p, policy_state *st, const policy_input
     st->last_done = c->online_done;
     double alpha = p->smooth_ms > 0 ? 1 - exp(-(double)dt / (double)p->smooth_ms) : 1;
     policy_signals *x = &st->sig;
-    if (!st->rates_seeded) { /* the first rate sample seeds its EWMA (not a blend with 0) */
-        st->rates_seeded = 1;
-        x->prompt_rate = raw->prompt_rate;
-        x->arrival_rate = raw->arrival_rate;
-    }
+    /* The rates start as the mean since the first call (the first sample seeds them, not
+     * a blend with 0) and become the EWMA once that is the heavier weight: one noisy
+     * first second does not stand for the first smooth_ms. */
+    double elapsed = (double)(in->now_ms - st->first_ms);
+    double alpha_rate = elapsed > 0 ? fmax(alpha, (double)dt / elapsed) : 1;
+    st->rates_seeded = 1;
+    ewma(&x->prompt_rate, raw->prompt_rate, alpha_rate);
+    ewma(&x->arrival_rate, raw->arrival_rate, alpha_rate);
     if (d_done > 0 && d_out >= 0) { /* output tokens per ended request, weighted by requests */
         double per = (double)d_out / (double)d_done;
         if (x->out_per_req <= 0)
@@ -298,8 +308,6 @@ static void observe(const policy_params *p, policy_state *st, const policy_input
     }
     ewma(&x->queued_tokens, raw->queued_tokens, alpha);
     ewma(&x->oldest_wait_ms, raw->oldest_wait_ms, alpha);
-    ewma(&x->prompt_rate, raw->prompt_rate, alpha);
-    ewma(&x->arrival_rate, raw->arrival_rate, alpha);
     ewma(&x->ttft_ms, raw->ttft_ms, alpha);
     ewma(&x->tpot_ms, raw->tpot_ms, alpha);
     ewma(&x->decoding, raw->decoding, alpha);
@@ -346,6 +354,28 @@ static void remember_changes(policy_state *st, int64_t now, int k)
 static int gains(const view *v, int to, double cap_p, double cap_d)
 {
     const policy_params *p = v->p;
+    if (p->donor_guard) {
+        /* the donor's load after the move (prefill: the prompt rate; decode: sequences and
+         * KV, not the token term, which lags a turning tide) stays within capacity, or at
+         * most the gainer's: moving a worker must not just move the backlog */
+        double lp = v->st->prompt_rate / p->prefill_tokens_per_s, ld = load_decode(v, 0);
+        double lg = to == POLICY_ROLE_PREFILL ? lp : ld, lgive = to == POLICY_ROLE_PREFILL ? ld : lp;
+        double cg = (to == POLICY_ROLE_PREFILL ? cap_p : cap_d) + 1;
+        double cgive = (to == POLICY_ROLE_PREFILL ? cap_d : cap_p) - 1;
+        double after_give = cgive > 0 ? lgive / cgive : (lgive > 0 ? PRESSURE_NO_CAPACITY : 0);
+        if (after_give > fmax(1.0, lg / cg))
+            return 0;
+    }
+    if (p->capacity_moves && p->donor_guard && to == POLICY_ROLE_DECODE && cap_d > 0 &&
+        cap_p - 1 > 0) {
+        /* decode beyond capacity by its sequences (they wait for decode room), prefill
+         * within it after the move: decode gains without the band (the reverse move would
+         * need prefill beyond capacity after it, which the donor guard forbids). Prefill
+         * needs no such rule: its queue term grows until the band gives way. */
+        double lp = v->st->prompt_rate / p->prefill_tokens_per_s;
+        if (load_decode(v, 0) / cap_d > 1 && lp / (cap_p - 1) <= 1)
+            return 1;
+    }
     if (to == POLICY_ROLE_PREFILL) {
         double pp = pressure_prefill(v, cap_p);
         /* decode as the donor: its full need, tokens included */
@@ -353,6 +383,16 @@ static int gains(const view *v, int to, double cap_p, double cap_d)
     }
     double pd = pressure_decode(v, cap_d);
     return pd >= v->act && pd > p->band * pressure_prefill(v, cap_p - 1);
+}
+
+/* The higher of the two load pressures with n_p of total workers in prefill (lp, ld:
+ * loads in workers at pressure 1). */
+static double split_pressure(double lp, double ld, int n_p, double total)
+{
+    double pp = n_p > 0 ? lp / n_p : (lp > 0 ? PRESSURE_NO_CAPACITY : 0);
+    double nd = total - n_p;
+    double pd = nd > 0 ? ld / nd : (ld > 0 ? PRESSURE_NO_CAPACITY : 0);
+    return fmax(pp, pd);
 }
 
 /* How long the rule must ask for a reversal before it happens: 0 at level 0, then
@@ -544,6 +584,15 @@ int policy_decide(const policy_params *p, policy_state *st, const policy_input *
         double d = need > have ? need - have : 0;
         double target = hot_p ? cap_p + d : cap_p - d;
         out->est_prefill = (int)lround(target);
+        if ((lp + ld) / total > p->target_pressure) {
+            /* Shared pressure: both roles at the same pressure, so round to the whole split
+             * with the lower of the two (to the nearer one, on a tie). Rounding to the
+             * nearer alone can leave the other role beyond capacity: 62.7 of 64 prefill
+             * rounds to 63 and leaves 1.3 workers of decode load on one worker. */
+            int alt = (double)out->est_prefill > target ? (int)floor(target) : (int)ceil(target);
+            if (split_pressure(lp, ld, alt, total) < split_pressure(lp, ld, out->est_prefill, total))
+                out->est_prefill = alt;
+        }
         d = (double)out->est_prefill - (double)lround(cap_p); /* whole workers */
         k_est = (int)fmax(fmin(d, (double)(n_d - p->min_per_role)),
                           -(double)(n_p - p->min_per_role));
@@ -553,12 +602,38 @@ int policy_decide(const policy_params *p, policy_state *st, const policy_input *
      * many (else one at a time while the rule holds). The first call only seeds the
      * signals: one sample is not a trend. */
     int to = 0, k = 0;
-    if (!seeded_now && allowed > 0) {
+    int lim = allowed;
+    /* Capacity moves: the workers the gaining role needs for its load pressure to reach 1,
+     * as far as the donor keeps its own load within capacity, are not held back by the
+     * rate cap (below that, the gainer's backlog grows every second). */
+    int k_capacity = 0;
+    if (p->capacity_moves && want && cap > 0 && !seeded_now) {
+        int to_p = want == POLICY_ROLE_PREFILL;
+        double lg = to_p ? lp : load_decode(&vf, 0), lgive = to_p ? ld : lp;
+        /* one standard error below the measured rate (a Poisson count of n arrivals) */
+        double n_eff = (double)(in->cluster.online_arrived - st->first_arrived);
+        n_eff = fmin(n_eff, st->sig.arrival_rate * 2e-3 * (double)p->smooth_ms);
+        lg *= n_eff > 1 ? 1 - 1 / sqrt(n_eff) : 0;
+        double cg = to_p ? cap_p : cap_d, cgive = to_p ? cap_d : cap_p;
+        int ngive = to_p ? n_d : n_p;
+        double k_need = ceil(lg - 1e-9) - cg;
+        double keep = fmax((double)p->min_per_role, ceil(lgive - 1e-9));
+        double k_room = fmin(cgive - keep, (double)ngive - p->min_per_role);
+        double kc = fmin(k_need, k_room);
+        if (kc > POLICY_MAX_ACTIONS)
+            kc = POLICY_MAX_ACTIONS;
+        k_capacity = kc > 0 ? (int)kc : 0;
+        if (k_capacity > lim)
+            lim = k_capacity;
+    }
+    if (lim > POLICY_MAX_ACTIONS)
+        lim = POLICY_MAX_ACTIONS;
+    if (!seeded_now && lim > 0) {
         to = want;
         if (to) {
             int np = n_p, nd = n_d;
             double cp = cap_p, cd = cap_d;
-            while (k < allowed && wanted_move(&vf, np, nd, cp, cd) == to) {
+            while (k < lim && wanted_move(&vf, np, nd, cp, cd) == to) {
                 k++;
                 if (to == POLICY_ROLE_PREFILL)
                     np++, nd--, cp += 1, cd -= 1;
@@ -583,12 +658,21 @@ int policy_decide(const policy_params *p, policy_state *st, const policy_input *
     /* Reversing the last change's direction needs min_role_ms since that change, and the
      * current ask episode to have lasted the hold of the reversal level. */
     int reversal = to && st->last_dir && to != st->last_dir;
-    if (reversal && (in->now_ms - st->last_change_ms < p->min_role_ms || !st->reverse_holding ||
-                     in->now_ms - st->reverse_since_ms < reverse_hold(p, st)))
+    /* ... except a capacity move undoing a change made before warmup_ms: that change was
+     * a start-up guess on a partial view of the mix (the long answers had not ended yet),
+     * not a swing of the load */
+    int startup_fix = reversal && k_capacity > 0 && p->startup_fix &&
+                      st->last_change_ms - st->first_ms < p->warmup_ms;
+    if (reversal && !startup_fix &&
+        (in->now_ms - st->last_change_ms < p->min_role_ms || !st->reverse_holding ||
+         in->now_ms - st->reverse_since_ms < reverse_hold(p, st)))
         to = 0;
+    if (startup_fix && k > k_capacity)
+        k = k_capacity;
     if (to) {
-        if (k > allowed)
-            k = allowed;
+        int kmax = allowed > k_capacity ? allowed : k_capacity;
+        if (k > kmax)
+            k = kmax;
         int from = to == POLICY_ROLE_PREFILL ? POLICY_ROLE_DECODE : POLICY_ROLE_PREFILL;
         int pos[POLICY_MAX_ACTIONS];
         int m = pick_candidates(p, in, from, k, pos);

@@ -32,6 +32,16 @@
  *      estimate at once (start_from_estimate; only if a role's load pressure exceeds band
  *      times the other's), then only when the rule of 2 fires. Before warmup_ms the rule
  *      of 2 needs pressure 1 (not act_pressure): start-up transients move little.
+ *   2d. Capacity (docs/scheduler.md "Capacity moves"): when the rule fires, the moves that
+ *      bring the gainer's load pressure (rates only, one standard error 1/sqrt(n arrivals)
+ *      below the measured rate) to 1 are not held back by the rate cap, as far as the
+ *      donor keeps ceil(its load) workers, and decode beyond capacity by its sequences
+ *      gains without the band while prefill stays within it (capacity_moves, with
+ *      donor_guard); no move leaves the donor's
+ *      load pressure above max(1, the gainer's after the move) (donor_guard); a capacity
+ *      move reversing a change made before warmup_ms skips the guard of 2b (startup_fix).
+ *      At the shared pressure the estimate (2c) rounds to the whole split with the lower
+ *      of the two pressures. The rates start as the running mean since the first call.
  *   2b. Reversal guard: a move against the last change's direction also needs min_role_ms
  *      since that change and the rule asking for it call after call for a hold that is 0
  *      after a calm spell and doubles (from reverse_hold_ms) with every reversal made
@@ -144,6 +154,12 @@ typedef struct {
                               * pressure >= 1 moves a worker */
     int start_from_estimate; /* 1: after warmup_ms, move to the estimated split
                               * even below act_pressure (once); 0: only when the rule fires */
+    int capacity_moves;      /* 1: moves that bring the gaining role's load pressure to 1
+                              * (the donor's staying within capacity) exceed the rate cap */
+    int startup_fix;         /* 1: a capacity move may reverse a change made before
+                              * warmup_ms at once (no reversal guard) */
+    int donor_guard;         /* 1: no move leaves the donor's load pressure above 1 (or the
+                              * gainer's, if higher) */
     /* offline admission */
     double offline_target;        /* offline fills capacity up to this online pressure */
     double preempt_pressure;      /* online pressure that preempts offline work */
@@ -171,7 +187,8 @@ typedef struct {
     int64_t first_ms;           /* the first call's time */
     int64_t last_prompt_tokens; /* cluster counters at the previous call */
     int64_t last_output_tokens, last_arrived, last_done;
-    int rates_seeded;           /* the rates' EWMAs hold a first sample */
+    int64_t first_arrived;      /* online_arrived at the first call */
+    int rates_seeded;           /* the rates hold a first sample */
     int est_started;            /* the start-up estimate was applied (or not needed) */
     policy_signals sig;         /* EWMA, time constant smooth_ms */
     int last_dir;               /* role gained by the last change (0 = none yet) */

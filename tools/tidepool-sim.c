@@ -42,13 +42,15 @@ static double opt_ttft_slo_ms, opt_tpot_slo_ms, opt_tick_ms, opt_switch_ms;
 static double opt_min_role_s, opt_window_s, opt_max_change_frac, opt_act_pressure, opt_band;
 static double opt_smooth_s, opt_reverse_hold_s, opt_warmup_s, opt_target_pressure;
 static int opt_compare_static, opt_verbose, opt_start_estimate, opt_decode_token_rate;
+static int opt_capacity_moves, opt_donor_guard, opt_startup_fix;
 
 static const config_entry_t settings[] = {
     {"workers", CONFIG_INT, &opt_workers, "8", 2, 100000, "workers in the cluster"},
     {"trace", CONFIG_STRING, &opt_trace, NULL, 0, 0,
      "replay this trace (CSV arrival_s,prompt_tokens,output_tokens[,class] or JSONL)"},
     {"workload", CONFIG_STRING, &opt_workload, "phase-shift", 0, 0,
-     "generated workload when no --trace: phase-shift | conversation | code | mix"},
+     "generated workload when no --trace: phase-shift | conversation | code | mix | shift (a "
+     "day of --duration-s: code 15 % at night, 75 % in working hours, else conversation)"},
     {"duration-s", CONFIG_DOUBLE, &opt_duration_s, "600", 1, 1e7,
      "generated workloads: seconds of arrivals"},
     {"phase-s", CONFIG_DOUBLE, &opt_phase_s, "120", 1, 1e7,
@@ -102,6 +104,14 @@ static const config_entry_t settings[] = {
      "policy: hysteresis band (gainer > band * donor's projected pressure)"},
     {"smooth-s", CONFIG_DOUBLE, &opt_smooth_s, "5", 0, 1e6,
      "policy: time constant of the EWMA signals"},
+    {"capacity-moves", CONFIG_BOOL, &opt_capacity_moves, "true", 0, 0,
+     "policy: moves that bring the gaining role's load pressure to 1 are not held back by the "
+     "rate cap (as far as the donor stays within capacity)"},
+    {"startup-fix", CONFIG_BOOL, &opt_startup_fix, "true", 0, 0,
+     "policy: a capacity move may undo a change made in the warm-up at once (no reversal "
+     "guard)"},
+    {"donor-guard", CONFIG_BOOL, &opt_donor_guard, "true", 0, 0,
+     "policy: no move leaves the donor's load pressure above 1 (or above the gainer's)"},
     {"start-from-estimate", CONFIG_BOOL, &opt_start_estimate, "true", 0, 0,
      "policy: once the first window of traffic is seen, move to the estimated split"},
     {"target-pressure", CONFIG_DOUBLE, &opt_target_pressure, "0.7", 0.01, 10,
@@ -340,6 +350,12 @@ int main(int argc, char **argv)
                 ws = (shape_worker_s(&cm, &sh[SIM_WORKLOAD_SHAPE_CONVERSATION], opt_tpot_slo_ms) +
                       shape_worker_s(&cm, &sh[SIM_WORKLOAD_SHAPE_CODE], opt_tpot_slo_ms)) /
                      2;
+            else if (kind == SIM_WORKLOAD_SHIFT) {
+                /* the heavier of night (15 % code) and working hours (75 %) */
+                double wc = shape_worker_s(&cm, &sh[SIM_WORKLOAD_SHAPE_CODE], opt_tpot_slo_ms);
+                double wv = shape_worker_s(&cm, &sh[SIM_WORKLOAD_SHAPE_CONVERSATION], opt_tpot_slo_ms);
+                ws = fmax(0.15 * wc + 0.85 * wv, 0.75 * wc + 0.25 * wv);
+            }
             else
                 ws = shape_worker_s(&cm,
                                     &sh[kind == SIM_WORKLOAD_CODE ? SIM_WORKLOAD_SHAPE_CODE
@@ -357,8 +373,8 @@ int main(int argc, char **argv)
                                 (uint64_t)opt_seed);
         wl_name = opt_workload;
     } else {
-        fprintf(stderr, "tidepool-sim: --workload: want phase-shift, conversation, code or mix "
-                        "(or give --trace)\n");
+        fprintf(stderr, "tidepool-sim: --workload: want phase-shift, conversation, code, mix or "
+                        "shift (or give --trace)\n");
         goto out;
     }
 
@@ -377,6 +393,9 @@ int main(int argc, char **argv)
     pp.start_from_estimate = opt_start_estimate;
     pp.warmup_ms = (int64_t)(opt_warmup_s * 1e3);
     pp.target_pressure = opt_target_pressure;
+    pp.capacity_moves = opt_capacity_moves;
+    pp.donor_guard = opt_donor_guard;
+    pp.startup_fix = opt_startup_fix;
     if (!opt_decode_token_rate)
         pp.decode_tokens_per_s = 0;
     pp.min_role_ms = (int64_t)(opt_min_role_s * 1e3);
@@ -404,9 +423,10 @@ int main(int argc, char **argv)
                "phases of %.0f s, seed %lld\n",
                n, rate, 100 * opt_offline_frac, opt_duration_s, opt_phase_s, opt_seed);
     else
-        printf("workload: %s (steady), %d workers, %.2f req/s (%.0f%% offline), %.0f s, seed "
+        printf("workload: %s (%s), %d workers, %.2f req/s (%.0f%% offline), %.0f s, seed "
                "%lld\n",
-               wl_name, n, rate, 100 * opt_offline_frac, opt_duration_s, opt_seed);
+               wl_name, wl.kind == SIM_WORKLOAD_SHIFT ? "a day of the run's length" : "steady",
+               n, rate, 100 * opt_offline_frac, opt_duration_s, opt_seed);
     printf("SLO: TTFT <= %.0f ms, TPOT <= %.0f ms; capacity estimates per worker: prefill "
            "%.0f tok/s, decode %.0f seqs, %.0f tok/s; KV %.0f tokens/worker\n",
            opt_ttft_slo_ms, opt_tpot_slo_ms, pp.prefill_tokens_per_s, pp.decode_seqs_per_worker,

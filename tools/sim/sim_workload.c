@@ -1,5 +1,5 @@
 /*
- * sim_workload: trace files and the phase-shift generator of tidepool-sim
+ * sim_workload: trace files and the generators (phase shift, steady, shift) of tidepool-sim
  * (sim_workload.h). A trace is read whole, checked line by line and sorted once; the
  * generator draws each arrival when the simulator asks for it.
  */
@@ -34,8 +34,8 @@ void sim_workload_steady(sim_workload *w, sim_workload_kind kind, double rate, d
 
 int sim_workload_kind_parse(const char *name, sim_workload_kind *kind)
 {
-    static const char *const names[] = {"phase-shift", "conversation", "code", "mix"};
-    for (int i = 0; i < 4; i++)
+    static const char *const names[] = {"phase-shift", "conversation", "code", "mix", "shift"};
+    for (int i = 0; i < 5; i++)
         if (strcmp(name, names[i]) == 0) {
             *kind = (sim_workload_kind)i;
             return 0;
@@ -52,6 +52,18 @@ void sim_workload_phase_shift(sim_workload *w, double rate, double duration_s, d
     w->duration_s = duration_s;
     w->phase_s = phase_s;
     w->offline_frac = offline_frac;
+}
+
+double sim_workload_code_share(double t_s, double day_s)
+{
+    double h = fmod(t_s, day_s) / day_s * 24;
+    if (h >= 9 && h < 17)
+        return 0.75;
+    if (h >= 7 && h < 9)
+        return 0.15 + 0.6 * (h - 7) / 2;
+    if (h >= 17 && h < 22)
+        return 0.75 - 0.6 * (h - 17) / 5;
+    return 0.15;
 }
 
 int sim_workload_phase(const sim_workload *w, double t_s)
@@ -82,6 +94,10 @@ int sim_workload_next(sim_workload *w, sim_workload_arrival *a)
     else if (w->kind == SIM_WORKLOAD_MIX)
         kind = sim_rng_uniform(&w->rng) < 0.5 ? SIM_WORKLOAD_SHAPE_CONVERSATION
                                               : SIM_WORKLOAD_SHAPE_CODE;
+    else if (w->kind == SIM_WORKLOAD_SHIFT)
+        kind = sim_rng_uniform(&w->rng) < sim_workload_code_share(w->t_s, w->duration_s)
+                   ? SIM_WORKLOAD_SHAPE_CODE
+                   : SIM_WORKLOAD_SHAPE_CONVERSATION;
     else
         kind = sim_workload_phase(w, w->t_s) == 0 ? SIM_WORKLOAD_SHAPE_PREFILL_HEAVY
                                                   : SIM_WORKLOAD_SHAPE_DECODE_HEAVY;

@@ -60,6 +60,8 @@ typedef enum {
     SIM_WORKLOAD_CONVERSATION, /* steady: every online request of the conversation shape */
     SIM_WORKLOAD_CODE,         /* steady: every online request of the code shape */
     SIM_WORKLOAD_MIX,          /* steady: each online request either, with equal odds */
+    SIM_WORKLOAD_SHIFT,        /* a compressed day (duration_s): code with the share
+                                * sim_workload_code_share, else conversation */
 } sim_workload_kind;
 
 typedef struct {
@@ -80,8 +82,8 @@ typedef struct {
 void sim_workload_steady(sim_workload *w, sim_workload_kind kind, double rate, double duration_s,
                          double offline_frac, uint64_t seed);
 
-/* The kind named name ("phase-shift", "conversation", "code", "mix") into *kind. Returns 0,
- * or -1 for an unknown name. */
+/* The kind named name ("phase-shift", "conversation", "code", "mix", "shift") into *kind.
+ * Returns 0, or -1 for an unknown name. */
 int sim_workload_kind_parse(const char *name, sim_workload_kind *kind);
 
 /* Set *w to the phase-shift generator: rate arrivals/s (> 0) for duration_s seconds,
@@ -99,6 +101,11 @@ int sim_workload_load_trace(sim_workload *w, const char *path, double max_tokens
 /* Free a trace's records (w came from sim_workload_load_trace or is zeroed); takes a
  * generator too (nothing to free). */
 void sim_workload_free(sim_workload *w);
+
+/* The shift workload's share of code requests at t_s seconds of a day of day_s seconds
+ * (t = 0: midnight; the working day of tools/bench/gen-trace.py, docs/workloads.md): 0.15
+ * at night (22-7 h), rising to 0.75 by 9 h, 0.75 until 17 h, falling to 0.15 by 22 h. */
+double sim_workload_code_share(double t_s, double day_s);
 
 /* Phase-shift: the phase at t_s seconds: 0 = prefill-heavy, 1 = decode-heavy. */
 int sim_workload_phase(const sim_workload *w, double t_s);
