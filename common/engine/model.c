@@ -493,93 +493,19 @@ static int ctx_pack_mv(model_ctx_t *ctx)
     return 0;
 }
 
-/* The activation buffers of ctx for forward calls of up to T tokens, attention scores
- * and kernel scratch for n_threads threads; ctx->m, isa and n_threads set. 0, or -1 out of
- * memory (what was allocated is freed by model_ctx_destroy). */
-static int ctx_alloc(model_ctx_t *ctx, size_t T)
-{
-    const model_config *c = &ctx->m->cfg;
-    /* widest matmul input: dim, hidden_dim, or 2 * dim (an MTP module's eh_proj) */
-    int wide = 2 * c->dim > c->hidden_dim ? 2 * c->dim : c->hidden_dim;
-    ctx->scratch_len = kern_scratch_floats(wide);
-    int ok = 1;
-    ctx->x = calloc(T * (size_t)c->dim, sizeof(float));
-    ctx->xb = calloc(T * (size_t)c->dim, sizeof(float));
-    ctx->xb2 = calloc(T * (size_t)c->dim, sizeof(float));
-    ctx->q = calloc(T * (size_t)c->dim, sizeof(float));
-    ctx->cat = calloc(T * 2 * (size_t)c->dim, sizeof(float));
-    ctx->hb = calloc(T * (size_t)c->hidden_dim, sizeof(float));
-    ctx->hb2 = calloc(T * (size_t)c->hidden_dim, sizeof(float));
-    ctx->q_d = calloc(T * (size_t)(wide / KERN_Q8_BLOCK + 1), sizeof(float));
-    ctx->q_s = calloc(T * (size_t)wide, 1);
-    ctx->att_len = (size_t)c->n_head * (size_t)c->n_ctx; /* model_forward.c: runs of tokens */
-    ctx->att = calloc((size_t)ctx->n_threads * ctx->att_len, sizeof(float));
-    ctx->scratch = calloc((size_t)ctx->n_threads * ctx->scratch_len, sizeof(float));
-    ctx->rope = calloc(T * (size_t)c->head_dim, sizeof(float));
-    if (ctx->isa == KERN_ISA_AVX512 && T >= 2) {
-        ctx->pack = malloc(kern_pack_bytes((int)T, wide));
-        ok &= ctx->pack != NULL;
-    }
-    ctx->tok_item = calloc(T, sizeof(int));
-    ctx->tok_pos = calloc(T, sizeof(int));
-    ctx->out_dst = calloc(T, sizeof(float *));
-    float ***ptrs[] = {&ctx->p_q,   &ctx->p_k,  &ctx->p_v,  &ctx->p_xb,
-                       &ctx->p_xb2, &ctx->p_hb, &ctx->p_hb2, &ctx->p_x};
-    for (size_t i = 0; i < sizeof(ptrs) / sizeof(ptrs[0]); i++)
-        ok &= (*ptrs[i] = calloc(T, sizeof(float *))) != NULL;
-    if (!ok || !ctx->x || !ctx->xb || !ctx->xb2 || !ctx->q || !ctx->cat || !ctx->hb || !ctx->hb2 ||
-        !ctx->q_d || !ctx->q_s || !ctx->att || !ctx->scratch || !ctx->rope || !ctx->tok_item ||
-        !ctx->tok_pos || !ctx->out_dst)
-        return -1;
-    /* fixed row pointers of the activation buffers */
-    for (size_t t = 0; t < T; t++) {
-        ctx->p_q[t] = ctx->q + t * (size_t)c->dim;
-        ctx->p_x[t] = ctx->x + t * (size_t)c->dim;
-        ctx->p_xb[t] = ctx->xb + t * (size_t)c->dim;
-        ctx->p_xb2[t] = ctx->xb2 + t * (size_t)c->dim;
-        ctx->p_hb[t] = ctx->hb + t * (size_t)c->hidden_dim;
-        ctx->p_hb2[t] = ctx->hb2 + t * (size_t)c->hidden_dim;
-    }
-    return 0;
-}
-
-/* The lanes of ctx (model_internal.h): one single-thread context per thread, sharing the
- * model, kernels and packed matrices, with activation buffers of its own. 0, or -1 out of
- * memory. */
-static int ctx_new_lanes(model_ctx_t *ctx)
-{
-    ctx->lane = calloc((size_t)ctx->n_threads, sizeof(*ctx->lane));
-    ctx->lane_first = calloc((size_t)ctx->max_tokens + 1, sizeof(int));
-    if (!ctx->lane || !ctx->lane_first)
-        return -1;
-    for (int i = 0; i < ctx->n_threads; i++) {
-        model_ctx_t *l = calloc(1, sizeof(*l));
-        if (!l)
-            return -1;
-        ctx->lane[i] = l;
-        l->m = ctx->m;
-        l->max_tokens = ctx->max_tokens;
-        l->n_threads = 1;
-        l->isa = ctx->isa;
-        l->order = ctx->order;
-        memcpy(l->kernel_name, ctx->kernel_name, sizeof(l->kernel_name));
-        l->mv = ctx->mv; /* borrowed */
-        l->is_lane = 1;
-        if (ctx_alloc(l, (size_t)ctx->max_tokens) != 0)
-            return -1;
-    }
-    return 0;
-}
-
 model_ctx_t *model_ctx_new_params(const model_t *m, const model_ctx_params *p)
 {
     if (!m || !p || p->max_tokens < 1 || p->n_threads < 0 || p->n_threads > 1024 ||
         p->kernel < MODEL_KERNEL_AUTO || p->kernel > MODEL_KERNEL_FAST ||
         p->max_isa < MODEL_ISA_AUTO || p->max_isa > MODEL_ISA_AVX512)
         return NULL;
+    const model_config *c = &m->cfg;
     model_ctx_t *ctx = calloc(1, sizeof(*ctx));
     if (!ctx)
         return NULL;
+    size_t T = (size_t)p->max_tokens;
+    /* widest matmul input: dim, hidden_dim, or 2 * dim (an MTP module's eh_proj) */
+    int wide = 2 * c->dim > c->hidden_dim ? 2 * c->dim : c->hidden_dim;
     ctx->m = m;
     ctx->max_tokens = p->max_tokens;
     ctx->pool = threadpool_new(p->n_threads);
@@ -597,11 +523,46 @@ model_ctx_t *model_ctx_new_params(const model_t *m, const model_ctx_params *p)
                                                   : KERN_ORDER_FAST;
     snprintf(ctx->kernel_name, sizeof(ctx->kernel_name), "%s/%s", kern_isa_name(ctx->isa),
              kern_order_name(ctx->order));
-    if (ctx_alloc(ctx, (size_t)p->max_tokens) != 0 || ctx_pack_mv(ctx) != 0 ||
-        (ctx->n_threads > 1 && m->matmul_bytes <= MODEL_LANE_MAX_BYTES &&
-         ctx_new_lanes(ctx) != 0)) {
+    ctx->scratch_len = kern_scratch_floats(wide);
+    int ok = 1;
+    ctx->x = calloc(T * (size_t)c->dim, sizeof(float));
+    ctx->xb = calloc(T * (size_t)c->dim, sizeof(float));
+    ctx->xb2 = calloc(T * (size_t)c->dim, sizeof(float));
+    ctx->q = calloc(T * (size_t)c->dim, sizeof(float));
+    ctx->cat = calloc(T * 2 * (size_t)c->dim, sizeof(float));
+    ctx->hb = calloc(T * (size_t)c->hidden_dim, sizeof(float));
+    ctx->hb2 = calloc(T * (size_t)c->hidden_dim, sizeof(float));
+    ctx->q_d = calloc(T * (size_t)(wide / KERN_Q8_BLOCK + 1), sizeof(float));
+    ctx->q_s = calloc(T * (size_t)wide, 1);
+    ctx->att_len = (size_t)c->n_head * (size_t)c->n_ctx; /* model_forward.c: runs of tokens */
+    ctx->att = calloc((size_t)ctx->n_threads * ctx->att_len, sizeof(float));
+    ctx->scratch = calloc((size_t)ctx->n_threads * ctx->scratch_len, sizeof(float));
+    ctx->rope = calloc(T * (size_t)c->head_dim, sizeof(float));
+    if (ctx->isa == KERN_ISA_AVX512 && p->max_tokens >= 2) {
+        ctx->pack = malloc(kern_pack_bytes(p->max_tokens, wide));
+        ok &= ctx->pack != NULL;
+    }
+    ctx->tok_item = calloc(T, sizeof(int));
+    ctx->tok_pos = calloc(T, sizeof(int));
+    ctx->out_dst = calloc(T, sizeof(float *));
+    float ***ptrs[] = {&ctx->p_q,   &ctx->p_k,  &ctx->p_v,  &ctx->p_xb,
+                       &ctx->p_xb2, &ctx->p_hb, &ctx->p_hb2, &ctx->p_x};
+    for (size_t i = 0; i < sizeof(ptrs) / sizeof(ptrs[0]); i++)
+        ok &= (*ptrs[i] = calloc(T, sizeof(float *))) != NULL;
+    if (!ok || !ctx->x || !ctx->xb || !ctx->xb2 || !ctx->q || !ctx->cat || !ctx->hb || !ctx->hb2 ||
+        !ctx->q_d || !ctx->q_s || !ctx->att || !ctx->scratch || !ctx->rope || !ctx->tok_item ||
+        !ctx->tok_pos || !ctx->out_dst || ctx_pack_mv(ctx) != 0) {
         model_ctx_destroy(&ctx);
         return NULL;
+    }
+    /* fixed row pointers of the activation buffers */
+    for (size_t t = 0; t < T; t++) {
+        ctx->p_q[t] = ctx->q + t * (size_t)c->dim;
+        ctx->p_x[t] = ctx->x + t * (size_t)c->dim;
+        ctx->p_xb[t] = ctx->xb + t * (size_t)c->dim;
+        ctx->p_xb2[t] = ctx->xb2 + t * (size_t)c->dim;
+        ctx->p_hb[t] = ctx->hb + t * (size_t)c->hidden_dim;
+        ctx->p_hb2[t] = ctx->hb2 + t * (size_t)c->hidden_dim;
     }
     return ctx;
 }
@@ -636,13 +597,7 @@ void model_ctx_destroy(model_ctx_t **cp)
     free(ctx->p_hb);
     free(ctx->p_hb2);
     free(ctx->p_x);
-    if (ctx->lane)
-        for (int i = 0; i < ctx->n_threads; i++)
-            model_ctx_destroy(&ctx->lane[i]);
-    free(ctx->lane);
-    free(ctx->lane_first);
-    if (!ctx->is_lane)
-        free(ctx->mv);
+    free(ctx->mv);
     free(ctx->mv_buf);
     free(ctx);
     *cp = NULL;

@@ -11,10 +11,8 @@
  * over the sequence's own blocks. The forward pass never allocates: scratch buffers are
  * sized at model_ctx_new() for a maximum number of tokens per call. The matrix products
  * and attention are split over the context's threads by output rows (by token and KV
- * head for attention), or, for a small model's batch of several sequences, the batch is
- * split by sequence (each thread runs the whole pass for its own); every output element
- * is computed by one thread in a fixed order, so the logits depend neither on the thread
- * count nor on the batch.
+ * head for attention); every output element is computed by one thread in a fixed order,
+ * so the logits depend neither on the thread count nor on the batch.
  */
 #ifndef TP_MODEL_H
 #define TP_MODEL_H
@@ -111,10 +109,6 @@ int model_ctx_n_threads(const model_ctx_t *ctx);
 int model_ctx_max_tokens(const model_ctx_t *ctx);
 /* Kernels in use, e.g. "avx2/fast" or "scalar/exact" (valid while ctx lives). */
 const char *model_ctx_kernel_name(const model_ctx_t *ctx);
-/* model_forward calls on ctx so far that ran split by sequence (small models at batch >= 2
- * on several threads: each thread the whole forward pass of its own items; model_forward.c)
- * rather than product by product. For tests and benchmarks; the logits are the same. */
-unsigned long model_ctx_split_steps(const model_ctx_t *ctx);
 
 typedef struct {
     int seq;            /* kvcache sequence id */

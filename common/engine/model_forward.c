@@ -567,14 +567,16 @@ static void run_head(model_ctx_t *ctx, const model_seq_batch *batch, int n, cons
     mm_run(&j);
 }
 
-/* The forward pass of a checked batch of T tokens on ctx's threads (or ctx alone: a
- * lane). */
-static void forward_items(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch, int n,
-                          int T, model_layer_cb cb, void *ud)
+int model_forward(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch, int n,
+                  model_layer_cb cb, void *ud)
 {
     const model_t *m = ctx->m;
+    const model_config *c = &m->cfg;
+    int T;
+    if (check_batch(ctx, kv, batch, n, 0, &T) != 0)
+        return -1;
     setup_tokens(ctx, batch, n, ctx->x);
-    for (int l = 0; l < m->cfg.n_layer; l++) {
+    for (int l = 0; l < c->n_layer; l++) {
         run_block(ctx, kv, batch, &m->layers[l], ctx->mv + l * MODEL_MV_PER_LAYER, l, T);
         if (cb)
             cb(l, ud);
@@ -582,115 +584,7 @@ static void forward_items(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch
     run_head(ctx, batch, n, NULL, NULL);
     for (int b = 0; b < n; b++)
         kvcache_seq_set_len(kv, batch[b].seq, batch[b].pos + batch[b].n_tokens);
-}
-
-/* ------------------------------------------------------------------------------------- */
-/* a batch split by sequence (small models) */
-
-/* A batch of a model with lanes (model_ctx.lane: weights in cache) whose step would run
- * (mostly) on one thread, each product being below PAR_MIN_WORK, is instead cut into
- * groups of consecutive items, and each thread runs the whole forward pass (every layer,
- * the head) of the groups it claims on its own lane, with no synchronisation until the
- * single join at the end: one hand-off per step instead of one per product. A token's
- * arithmetic does not depend on the other tokens of its call (batch invariance, model.c),
- * so the logits and the K/V written are the unsplit batch's, bit for bit.
- *
- * Groups hold at least LANE_MIN_TOKENS tokens (the EXACT matvec kernel shares each pass
- * over the weights among up to 3 tokens: smaller groups would cost more per token), and
- * there are up to LANE_GROUPS_PER_THREAD per thread, so that a worker switched out
- * mid-group on a busy machine holds back at most one small group (the caller claims the
- * rest). A step with fewer than two groups' tokens is not split. */
-#define LANE_MIN_TOKENS 4
-#define LANE_GROUPS_PER_THREAD 4
-
-typedef struct {
-    model_ctx_t *ctx;
-    kvcache_t *kv;
-    const model_seq_batch *batch;
-    int n_groups;
-    atomic_int next;
-} lane_job;
-
-static void lane_worker(void *arg, int ti, int nth)
-{
-    lane_job *j = arg;
-    model_ctx_t *lane = j->ctx->lane[ti];
-    const int *first = j->ctx->lane_first;
-    for (;;) {
-        int g = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
-        if (g >= j->n_groups)
-            break;
-        int i0 = first[g], i1 = first[g + 1], T = 0;
-        for (int i = i0; i < i1; i++)
-            T += j->batch[i].n_tokens;
-        forward_items(lane, j->kv, j->batch + i0, i1 - i0, T, NULL, NULL);
-    }
-}
-
-/* The groups of a split of batch[0..n) (T tokens) into ctx->lane_first; how many (< 2:
- * no split). */
-static int lane_groups(model_ctx_t *ctx, const model_seq_batch *batch, int n, int T)
-{
-    if (!ctx->lane || n < 2)
-        return 0;
-    /* the unsplit step's largest product: split only what would run on one thread */
-    const model_config *c = &ctx->m->cfg;
-    long big = (long)c->hidden_dim * c->dim;
-    if ((long)c->dim * c->dim > big)
-        big = (long)c->dim * c->dim;
-    if (big * T >= PAR_MIN_WORK)
-        return 0;
-    /* and, as run_inline, wake a sleeping worker only for a step worth it */
-    if (threadpool_awake(ctx->pool) == 0) {
-        const long kv_dim = (long)c->n_kv_head * c->head_dim;
-        long per_tok = (long)c->n_layer * (2L * c->dim * c->dim + 2 * kv_dim * c->dim +
-                                           3L * c->dim * c->hidden_dim) +
-                       (long)c->vocab_size * c->dim;
-        long work = per_tok * T;
-        for (int i = 0; i < n; i++) /* attention: scores and values over pos + 1 rows */
-            work += (long)c->n_layer * 2 * c->dim *
-                    ((long)batch[i].pos * batch[i].n_tokens +
-                     (long)batch[i].n_tokens * (batch[i].n_tokens + 1) / 2);
-        if (work < PAR_WAKE_WORK)
-            return 0;
-    }
-    int want = ctx->n_threads * LANE_GROUPS_PER_THREAD;
-    int per = (T + want - 1) / want;
-    if (per < LANE_MIN_TOKENS)
-        per = LANE_MIN_TOKENS;
-    int g = 0, tok = 0;
-    for (int i = 0; i < n; i++) {
-        if (tok == 0)
-            ctx->lane_first[g++] = i;
-        tok += batch[i].n_tokens;
-        if (tok >= per)
-            tok = 0;
-    }
-    ctx->lane_first[g] = n;
-    return g;
-}
-
-int model_forward(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch, int n,
-                  model_layer_cb cb, void *ud)
-{
-    int T;
-    if (check_batch(ctx, kv, batch, n, 0, &T) != 0)
-        return -1;
-    int groups = cb ? 0 : lane_groups(ctx, batch, n, T);
-    if (groups < 2) {
-        forward_items(ctx, kv, batch, n, T, cb, ud);
-        return 0;
-    }
-    lane_job j = {.ctx = ctx, .kv = kv, .batch = batch, .n_groups = groups};
-    atomic_init(&j.next, 0);
-    threadpool_run(ctx->pool, lane_worker, &j);
-    ctx->n_split++;
     return 0;
-}
-
-unsigned long model_ctx_split_steps(const model_ctx_t *ctx)
-{
-    return ctx->n_split;
 }
 
 // --- MTP modules ("nextn")

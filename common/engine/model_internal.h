@@ -30,11 +30,6 @@ typedef struct {
  * double their memory; batch-1 decode of a big model is bound by memory, not lanes). */
 #define MODEL_MV_MAX_BYTES ((size_t)64 << 20)
 
-/* Models whose matrices take at most this many bytes get lanes (model_ctx.lane): each
- * thread of a split batch reads every weight, which pays only while they stay in cache
- * (stories260K: 1 MB; the 1B-class models, 1-2 GB, keep the product-by-product split). */
-#define MODEL_LANE_MAX_BYTES ((size_t)16 << 20)
-
 struct model_nextn {
     const float *hnorm, *enorm; /* (dim,) */
     wmat eh_proj;               /* (dim, 2 * dim): [hidden half | embedding half] */
@@ -90,15 +85,6 @@ struct model_ctx {
      * not packed (another type, FAST order, scalar isa, or a model too big to copy). */
     const float **mv;
     float *mv_buf; /* the packed matrices, one allocation */
-    /* Lanes (model_forward.c: a batch split by sequence, each thread running the whole
-     * forward pass of its own items): n_threads single-thread contexts sharing m, the
-     * kernels and mv, each with activation buffers of max_tokens tokens; NULL with one
-     * thread or a model above MODEL_LANE_MAX_BYTES. lane_first: (max_tokens + 1,) the
-     * first item of each group of a split batch. */
-    model_ctx_t **lane;
-    int *lane_first;
-    int is_lane; /* 1: this context is a lane (mv borrowed, no pool) */
-    unsigned long n_split; /* model_forward calls split by sequence */
 };
 
 /* model_forward_nextn with another classifier: head (rows, dim), in the output matrix's

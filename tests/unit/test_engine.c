@@ -1119,123 +1119,6 @@ static void test_model_batch_invariance(void **state)
     runner_free(&r);
 }
 
-/* A small model's batch split by sequence over the threads (model_forward.c, lanes): the
- * logits, hidden rows and K/V (read back by the later steps) equal one thread's, bit for
- * bit, for batches of 2..40 sequences mixing decode tokens and 3-token verify runs, in a
- * paged cache of 4-token blocks; the split path is really taken; a batch with a layer
- * callback is not split (the callback still sees every layer once, in order). */
-#define LANES_MAX_SEQ 40
-static void lanes_run(const model_t *m, int n_threads, int B, float *logits, float *hidden,
-                      unsigned long *splits)
-{
-    const model_config *c = model_get_config(m);
-    const int V = c->vocab_size, D = c->dim;
-    model_ctx_params p = model_ctx_default_params();
-    p.max_tokens = 128;
-    p.n_threads = n_threads;
-    model_ctx_t *ctx = model_ctx_new_params(m, &p);
-    kvcache_params kp = {c->n_layer, c->n_kv_head, c->head_dim, 4, 16 * LANES_MAX_SEQ,
-                         LANES_MAX_SEQ, c->n_ctx};
-    kvcache_t *kv = kvcache_new(&kp);
-    assert_non_null(ctx);
-    assert_non_null(kv);
-    int seq[LANES_MAX_SEQ], len[LANES_MAX_SEQ], toks[LANES_MAX_SEQ][4];
-    int prompt[24];
-    for (int i = 0; i < 24; i++)
-        prompt[i] = 1 + (i * 53) % (V - 1);
-    /* prompts of 3..22 tokens, prefilled in batches of up to 5 sequences */
-    float *scr = malloc((size_t)V * sizeof(float) * 5);
-    assert_non_null(scr);
-    for (int s = 0; s < B; s++) {
-        seq[s] = kvcache_seq_new(kv);
-        len[s] = 3 + (s * 7) % 20;
-        assert_int_equal(kvcache_seq_reserve(kv, seq[s], len[s] + 16), KVCACHE_OK);
-    }
-    for (int s0 = 0; s0 < B; s0 += 5) {
-        model_seq_batch pb[5];
-        int k = B - s0 < 5 ? B - s0 : 5;
-        for (int i = 0; i < k; i++)
-            pb[i] = (model_seq_batch){seq[s0 + i], 0, len[s0 + i], prompt + (s0 + i) % 2, 0,
-                                      scr + (size_t)i * V, NULL, 0, NULL};
-        assert_int_equal(model_forward(ctx, kv, pb, k, NULL, NULL), 0);
-    }
-    /* three steps: every third sequence a 3-token run (logits of each token), the others
-     * one token; every fourth also returns its hidden rows */
-    model_seq_batch it[LANES_MAX_SEQ];
-    for (int step = 0; step < 3; step++) {
-        size_t lo = 0, ho = 0;
-        for (int s = 0; s < B; s++) {
-            int nt = s % 3 == 1 ? 3 : 1;
-            for (int j = 0; j < nt; j++)
-                toks[s][j] = 1 + (s * 31 + step * 17 + j * 5) % (V - 1);
-            it[s] = (model_seq_batch){seq[s], len[s], nt, toks[s], nt > 1, logits + lo,
-                                      s % 4 == 0 ? hidden + ho : NULL, 0, NULL};
-            lo += (size_t)(nt > 1 ? nt : 1) * V;
-            ho += s % 4 == 0 ? (size_t)nt * D : 0; /* logits_all: every token's row */
-            len[s] += nt;
-        }
-        assert_int_equal(model_forward(ctx, kv, it, B, NULL, NULL), 0);
-        logits += lo;
-        hidden += ho;
-    }
-    for (int s = 0; s < B; s++)
-        assert_int_equal(kvcache_seq_len(kv, seq[s]), len[s]);
-    *splits = model_ctx_split_steps(ctx);
-    /* with a layer callback: not split, every layer reported once */
-    cb_state cs = {0, -1};
-    for (int s = 0; s < B; s++)
-        it[s] = (model_seq_batch){seq[s], len[s], 1, toks[s], 0, scr, NULL, 0, NULL};
-    unsigned long before = model_ctx_split_steps(ctx);
-    assert_int_equal(model_forward(ctx, kv, it, B < 5 ? B : 5, layer_cb, &cs), 0);
-    assert_int_equal(cs.calls, c->n_layer);
-    assert_true(model_ctx_split_steps(ctx) == before);
-    free(scr);
-    kvcache_destroy(&kv);
-    model_ctx_destroy(&ctx);
-}
-
-static void test_model_lanes(void **state)
-{
-    const model_config *c = model_get_config(g_model);
-    const int V = c->vocab_size, D = c->dim;
-    const size_t n_lg = (size_t)3 * 3 * LANES_MAX_SEQ * V, n_h = (size_t)3 * 3 * LANES_MAX_SEQ * D;
-    float *ref = malloc(n_lg * sizeof(float)), *got = malloc(n_lg * sizeof(float));
-    float *href = malloc(n_h * sizeof(float)), *hgot = malloc(n_h * sizeof(float));
-    assert_non_null(ref);
-    assert_non_null(got);
-    assert_non_null(href);
-    assert_non_null(hgot);
-    const int Bs[] = {2, 5, 8, 17, 33, 40};
-    for (size_t bi = 0; bi < sizeof(Bs) / sizeof(Bs[0]); bi++) {
-        const int B = Bs[bi];
-        /* floats written: 3 steps of B items, 3 logit rows for every third */
-        size_t rows = 0, hrows = 0;
-        for (int s = 0; s < B; s++) {
-            rows += s % 3 == 1 ? 3 : 1;
-            hrows += s % 4 ? 0 : s % 3 == 1 ? 3 : 1;
-        }
-        const size_t nl = 3 * rows * (size_t)V, nh = 3 * hrows * (size_t)D;
-        unsigned long splits;
-        lanes_run(g_model, 1, B, ref, href, &splits);
-        assert_true(splits == 0);
-        for (int th = 2; th <= 3; th++) {
-            memset(got, 0, nl * sizeof(float));
-            memset(hgot, 0, nh * sizeof(float));
-            lanes_run(g_model, th, B, got, hgot, &splits);
-            if (memcmp(ref, got, nl * sizeof(float)) != 0 ||
-                memcmp(href, hgot, nh * sizeof(float)) != 0)
-                fail_msg("batch %d on %d threads: logits or hidden rows differ", B, th);
-            /* batches of 33 or more tokens are worth waking a worker: split every step */
-            if (B >= 17)
-                assert_true(splits >= 3);
-        }
-    }
-    free(ref);
-    free(got);
-    free(href);
-    free(hgot);
-}
-
 /* ------------------------------------------------------------------------------------- */
 /* kernels, thread pool, model across threads / instruction sets / weight types */
 
@@ -2639,7 +2522,6 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_model_config),
         cmocka_unit_test(test_model_greedy_reference),
         cmocka_unit_test(test_model_batch_invariance),
-        cmocka_unit_test(test_model_lanes),
         cmocka_unit_test(test_kernels_vs_reference),
         cmocka_unit_test(test_kernels_prefill_blocked),
         cmocka_unit_test(test_kernels_attention),
