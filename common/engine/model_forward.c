@@ -343,6 +343,30 @@ static void att_group(att_job *j, int t0, int nt, int g, float *att)
                    y + (size_t)u * kv_mul * hs, (size_t)kv_mul * hs * sizeof(float));
 }
 
+/* Prefetch the K and V rows [0, pos] of token t's sequence in the job's layer: the next
+ * run's, while this one computes. A block of the paged cache is a page of its own (4 KB on
+ * stories260K), which the hardware prefetchers do not cross, and at batch 32 the cache
+ * of the batch no longer fits L2 (docs/bench.md, "Aggregate decode"). */
+static void att_prefetch(const att_job *j, int t)
+{
+    const model_ctx_t *ctx = j->ctx;
+    const model_config *c = &ctx->m->cfg;
+    const int bs = kvcache_get_params(j->kv)->block_size;
+    const size_t kv_dim = (size_t)c->n_kv_head * c->head_dim;
+    const int n = ctx->tok_pos[t] + 1;
+    const int *blocks = kvcache_seq_blocks(j->kv, j->batch[ctx->tok_item[t]].seq, NULL);
+    for (int s0 = 0; s0 < n; s0 += bs) {
+        int rows = n - s0 < bs ? n - s0 : bs;
+        const char *kb = (const char *)kvcache_block_data(j->kv, j->layer, blocks[s0 / bs]);
+        const size_t bytes = (size_t)rows * kv_dim * sizeof(float),
+                     voff = (size_t)bs * kv_dim * sizeof(float);
+        for (size_t o = 0; o < bytes; o += 64) {
+            __builtin_prefetch(kb + o, 0, 3);
+            __builtin_prefetch(kb + voff + o, 0, 3);
+        }
+    }
+}
+
 static void att_worker(void *arg, int ti, int nth)
 {
     att_job *j = arg;
@@ -365,6 +389,8 @@ static void att_worker(void *arg, int ti, int nth)
             if (k % j->nt_max)
                 continue;
             int nt = b->n_tokens - k < j->nt_max ? b->n_tokens - k : j->nt_max;
+            if (g == 0 && t + nt < j->T)
+                att_prefetch(j, t + nt);
             att_group(j, t, nt, g, att);
         }
     }
