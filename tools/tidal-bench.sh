@@ -481,7 +481,7 @@ def load(name):
     # one of a single output token (the bench's mean leaves those out)
     tp = [(q["e2el_ms"] - q["ttft_ms"]) / (q["output_tokens"] - 1) if q["output_tokens"] > 1
           else 0.0 for q in r["requests"]
-          if q.get("state") == "ok" and q.get("class", "online") == "online"]
+          if q.get("state") == "ok" and q.get("class") in (None, "online")]
     tpot_sim_def = sum(tp) / len(tp) if tp else float("nan")
     return {"name": name, "r": r, "good": met["all"][0], "n": met["all"][1], "pct": pct,
             "cpu": info["cpu_s"] / info["wall_s"], "changes": sum(w.get("role_changes", 0)
