@@ -49,17 +49,21 @@ LAYER_worker         := $(LAYER_kvtransfer) worker
 LAYER_prefill_worker := $(LAYER_worker) prefill_worker
 LAYER_decode_worker  := $(LAYER_worker) decode_worker
 LAYER_gateway        := $(LAYER_engine) transport gateway
-LAYER_bench          := common tools/bench
-LAYER_sim            := $(LAYER_engine) gateway tools/sim
-LAYER_tools          := $(LAYER_worker) tools tools/bench tools/sim prefill_worker decode_worker gateway
-LAYER_tests          := $(LAYER_worker) prefill_worker decode_worker gateway tools tools/bench tools/sim
+LAYER_trace          := common tools/trace
+LAYER_bench          := common tools/trace tools/bench
+LAYER_sim            := $(LAYER_engine) gateway tools/trace tools/sim
+LAYER_tools          := $(LAYER_worker) tools tools/trace tools/bench tools/sim prefill_worker \
+                        decode_worker gateway
+LAYER_tests          := $(LAYER_worker) prefill_worker decode_worker gateway tools tools/trace \
+                        tools/bench tools/sim
 # folder -> layer (the longest matching folder wins: common/engine is the engine layer)
 LAYERS := common:common common/engine:engine transport:transport kvtransfer:kvtransfer \
           worker:worker prefill_worker:prefill_worker decode_worker:decode_worker \
-          gateway:gateway tools/bench:bench tools/sim:sim tools:tools tests:tests
+          gateway:gateway tools/trace:trace tools/bench:bench tools/sim:sim tools:tools \
+          tests:tests
 # "layer=dir,dir ..." for the checker
 LAYER_SPEC := $(foreach l,common engine transport kvtransfer worker prefill_worker decode_worker \
-                gateway bench sim tools tests,$(l)=$(subst $(space),$(comma),$(strip $(LAYER_$(l)))))
+                gateway trace bench sim tools tests,$(l)=$(subst $(space),$(comma),$(strip $(LAYER_$(l)))))
 inc = $(addprefix -I,$(LAYER_$(1)))
 $(BUILD)/obj/common/%.o:         INC = $(call inc,common)
 $(BUILD)/obj/common/engine/%.o:  INC = $(call inc,engine)
@@ -69,6 +73,7 @@ $(BUILD)/obj/worker/%.o:         INC = $(call inc,worker)
 $(BUILD)/obj/prefill_worker/%.o: INC = $(call inc,prefill_worker)
 $(BUILD)/obj/decode_worker/%.o:  INC = $(call inc,decode_worker)
 $(BUILD)/obj/gateway/%.o:        INC = $(call inc,gateway)
+$(BUILD)/obj/tools/trace/%.o:    INC = $(call inc,trace)
 $(BUILD)/obj/tools/bench/%.o:    INC = $(call inc,bench)
 $(BUILD)/obj/tools/sim/%.o:      INC = $(call inc,sim)
 $(BUILD)/obj/tools/%.o:          INC = $(call inc,tools)
@@ -84,9 +89,11 @@ A_worker         := $(call arch_src,worker)
 A_prefill_worker := $(call arch_src,prefill_worker)
 A_decode_worker  := $(call arch_src,decode_worker)
 A_gateway        := $(call arch_src,gateway)
+A_trace          := $(call arch_src,tools/trace)
 A_bench          := $(call arch_src,tools/bench)
 A_sim            := $(call arch_src,tools/sim)
-ARCHIVES := common transport kvtransfer worker prefill_worker decode_worker gateway bench sim
+ARCHIVES := common transport kvtransfer worker prefill_worker decode_worker gateway trace bench \
+            sim
 lib = $(BUILD)/lib$(1).a
 define archive_rule
 $(call lib,$(1)): $$(A_$(1):%.c=$(BUILD)/obj/%.o)

@@ -22,6 +22,7 @@ static const costmodel presets[] = {
          * One 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100) = 25 GB/s for KV. */
         .name = "a100-llama3-8b",
         .time_scale = 1,
+        .token_scale = 1,
         .peak_flops = 312e12,
         .hbm_bytes_per_s = 2.039e12,
         .hbm_bytes = 80e9,
@@ -43,6 +44,7 @@ static const costmodel presets[] = {
          * One 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100) = 50 GB/s for KV. */
         .name = "h100-llama3-8b",
         .time_scale = 1,
+        .token_scale = 1,
         .peak_flops = 989e12,
         .hbm_bytes_per_s = 3.35e12,
         .hbm_bytes = 80e9,
@@ -63,31 +65,61 @@ static const costmodel presets[] = {
 
 static const char *const preset_names[] = {"a100-llama3-8b", "h100-llama3-8b", NULL};
 
-#define DILATE_SUFFIX ":dilate="
+/* One ":key=value" suffix of a preset name: *v = the number, refused unless it is all of
+ * [num, end) and in [lo, hi] (lo_open: lo itself excluded). Returns 0 or -1. */
+static int suffix_number(const char *num, const char *end, double lo, int lo_open, double hi,
+                         double *v)
+{
+    char buf[COSTMODEL_NAME_MAX];
+    size_t n = (size_t)(end - num);
+    if (n == 0 || n >= sizeof(buf))
+        return -1;
+    memcpy(buf, num, n);
+    buf[n] = 0;
+    char *stop;
+    errno = 0;
+    double x = strtod(buf, &stop);
+    if (errno || *stop || !(x >= lo && x <= hi) || (lo_open && x == lo))
+        return -1;
+    *v = x;
+    return 0;
+}
 
 int costmodel_preset(const char *name, costmodel *out)
 {
-    if (!name)
+    if (!name || strlen(name) >= COSTMODEL_NAME_MAX)
         return -1;
-    /* "NAME" or "NAME:dilate=K" */
-    const char *suffix = strstr(name, DILATE_SUFFIX);
-    size_t base_len = suffix ? (size_t)(suffix - name) : strlen(name);
-    double scale = 1;
-    if (suffix) {
-        const char *num = suffix + strlen(DILATE_SUFFIX);
-        char *end;
-        errno = 0;
-        scale = strtod(num, &end);
-        if (errno || end == num || *end || !(scale >= 1 && scale <= 1000) ||
-            strlen(name) >= COSTMODEL_NAME_MAX)
+    /* "NAME" then ":dilate=K" and ":token-scale=S", each at most once, in any order */
+    const char *colon = strchr(name, ':');
+    size_t base_len = colon ? (size_t)(colon - name) : strlen(name);
+    double scale = 1, tokens = 1;
+    int has_dilate = 0, has_tokens = 0;
+    for (const char *p = colon; p && *p;) {
+        const char *key = p + 1, *next = strchr(key, ':');
+        const char *end = next ? next : key + strlen(key);
+        const char *eq = memchr(key, '=', (size_t)(end - key));
+        if (!eq)
             return -1;
+        size_t klen = (size_t)(eq - key);
+        if (klen == 6 && strncmp(key, "dilate", 6) == 0 && !has_dilate) {
+            if (suffix_number(eq + 1, end, 1, 0, 1000, &scale) < 0)
+                return -1;
+            has_dilate = 1;
+        } else if (klen == 11 && strncmp(key, "token-scale", 11) == 0 && !has_tokens) {
+            if (suffix_number(eq + 1, end, 0, 1, 1, &tokens) < 0)
+                return -1;
+            has_tokens = 1;
+        } else {
+            return -1;
+        }
+        p = next;
     }
     for (size_t i = 0; i < sizeof(presets) / sizeof(presets[0]); i++) {
         if (strlen(presets[i].name) == base_len && strncmp(presets[i].name, name, base_len) == 0) {
             *out = presets[i];
             out->time_scale = scale;
-            if (suffix)
-                snprintf(out->name, sizeof(out->name), "%s", name);
+            out->token_scale = tokens;
+            snprintf(out->name, sizeof(out->name), "%s", name);
             return 0;
         }
     }
@@ -109,6 +141,7 @@ int costmodel_check(const costmodel *cm, char *err, size_t err_len)
         }                                                                                          \
     } while (0)
     CHECK(cm->time_scale > 0 && cm->time_scale <= 1000, "time_scale must be in (0, 1000]");
+    CHECK(cm->token_scale >= 0 && cm->token_scale <= 1, "token_scale must be in (0, 1] (0: 1)");
     CHECK(cm->peak_flops > 0, "peak_flops must be > 0");
     CHECK(cm->hbm_bytes_per_s > 0, "hbm_bytes_per_s must be > 0");
     CHECK(cm->hbm_bytes > 0, "hbm_bytes must be > 0");
@@ -147,7 +180,8 @@ double costmodel_kv_capacity_tokens(const costmodel *cm)
 {
     double free_bytes =
         cm->hbm_bytes * cm->mem_util - costmodel_weight_bytes(cm) - cm->activation_bytes;
-    return free_bytes > 0 ? floor(free_bytes / costmodel_kv_bytes_per_token(cm)) : 0;
+    double tokens = cm->token_scale > 0 ? cm->token_scale : 1;
+    return free_bytes > 0 ? floor(free_bytes / costmodel_kv_bytes_per_token(cm) * tokens) : 0;
 }
 
 double costmodel_attn_pairs(double n_tokens, double ctx_before)

@@ -15,7 +15,9 @@
  * where attn_pairs counts (query token, key token) pairs the batch's attention visits
  * (costmodel_attn_pairs) and ctx_tokens is the total context of the running sequences.
  * Every time (these two and the KV transfer) is then multiplied by time_scale, 1 unless the
- * preset is dilated ("NAME:dilate=K", emulating the accelerator K times slower).
+ * preset is dilated ("NAME:dilate=K", emulating the accelerator K times slower). The KV
+ * capacity is multiplied by token_scale ("NAME:token-scale=S"), the scale of the requests'
+ * token counts (traces scaled for a small real model, docs/workloads.md).
  * Every parameter of every preset, and its source, is in docs/scheduler.md.
  *
  * Pure functions of a read-only parameter struct: thread-safe, no allocation.
@@ -36,6 +38,13 @@ typedef struct {
      * real work under the emulation (the small model, sockets, the client) shrinks K times
      * relative to it. Rates divide by K and latencies multiply by K. */
     double time_scale;
+    /* the requests' token scale: one token of a request stands for 1 / token_scale tokens of
+     * the emulated model (docs/workloads.md scales real traces by 0.1 to fit the small real
+     * model's context). It scales the KV capacity only (costmodel_kv_capacity_tokens), so a
+     * scaled request holds the share of the emulated cache the real one would: as many
+     * requests fit as would on the accelerator. Times are charged for the tokens as given.
+     * In (0, 1]; 0 counts as 1 (a struct filled by hand without it is unscaled). */
+    double token_scale;
     /* accelerator */
     double peak_flops;          /* dense bf16 FLOP/s */
     double hbm_bytes_per_s;     /* memory bandwidth, bytes/s */
@@ -62,10 +71,13 @@ typedef struct {
     int max_seqs;             /* running sequences per decode worker */
 } costmodel;
 
-/* Fill *out with the named preset. Returns 0, or -1 when the name is unknown.
- * Presets: "a100-llama3-8b", "h100-llama3-8b". A preset name followed by
- * ":dilate=K" (K a number in [1, 1000], e.g. "a100-llama3-8b:dilate=10") is that preset with
- * time_scale K: the same accelerator running K times slower in every respect. */
+/* Fill *out with the named preset. Returns 0, or -1 when the name is unknown or a suffix is
+ * bad. Presets: "a100-llama3-8b", "h100-llama3-8b". Suffixes, each at most once, in any
+ * order: ":dilate=K" (K a number in [1, 1000], e.g. "a100-llama3-8b:dilate=10") gives
+ * time_scale K: the same accelerator running K times slower in every respect;
+ * ":token-scale=S" (S in (0, 1], e.g. "a100-llama3-8b:dilate=10:token-scale=0.1") gives
+ * token_scale S: the KV capacity counted in tokens of requests scaled by S. out->name is the
+ * whole name given (it must be shorter than COSTMODEL_NAME_MAX). */
 int costmodel_preset(const char *name, costmodel *out);
 
 /* The preset names, NULL-terminated (static storage). */
@@ -80,8 +92,9 @@ double costmodel_kv_bytes_per_token(const costmodel *cm);
 /* Bytes of model weights: n_params * bytes_per_param. */
 double costmodel_weight_bytes(const costmodel *cm);
 
-/* Tokens of KV cache that fit on one worker: (hbm * mem_util - weights - activations) /
- * kv_bytes_per_token, at least 0. */
+/* Tokens of KV cache that fit on one worker: floor((hbm * mem_util - weights - activations)
+ * / kv_bytes_per_token * token_scale), at least 0. Emulated workers (--emulate) size their
+ * KV cache to it and tidepool-sim admits by it. */
 double costmodel_kv_capacity_tokens(const costmodel *cm);
 
 /* Attention (query, key) pairs of one prompt of n_tokens new tokens after ctx_before

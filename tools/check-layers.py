@@ -28,7 +28,7 @@ SYSTEM = {
     "event2/": {"gateway", "bench", "tools", "tests"},
     "sqlite3.h": {"gateway", "tools", "tests"},
     "sodium.h": {"gateway", "tools", "tests"},
-    "jansson.h": {"gateway", "bench", "sim", "tools", "tests"},
+    "jansson.h": {"gateway", "trace", "bench", "sim", "tools", "tests"},
 }
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]')

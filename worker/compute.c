@@ -2,6 +2,7 @@
 #include "compute.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -16,9 +17,10 @@
 
 /* Check --emulate and load its preset (logs the mode). Returns 0, or -1 on an unknown
  * preset (logged with the known ones). */
-static int emu_setup(worker_compute *cp, const char *preset)
+static int emu_setup(worker_compute *cp, const char *preset, int kv_pad)
 {
     cp->emu_on = 0;
+    cp->emu_kv_pad = kv_pad;
     if (!preset || !*preset)
         return 0;
     if (costmodel_preset(preset, &cp->emu) < 0) {
@@ -32,16 +34,22 @@ static int emu_setup(worker_compute *cp, const char *preset)
     }
     cp->emu_on = 1;
     log_warn("EMULATED accelerator '%s': prefill and decode times are the cost model's "
-             "(sleeps), not measurements; tokens come from the real model; KV transfers are "
-             "padded with zeros to the emulated model's %llu bytes per token (the KV cache "
-             "holds the real model's)",
-             cp->emu.name, (unsigned long long)compute_kv_pad_bytes_per_token(cp));
+             "(sleeps), not measurements; tokens come from the real model; KV transfers %s "
+             "%llu bytes per token; the KV cache "
+             "holds the emulated accelerator's %.0f tokens (token scale %g) unless --kv-blocks is "
+             "set",
+             cp->emu.name,
+             kv_pad ? "are padded with zeros to the emulated model's"
+                    : "carry the real model's KV only (--emulate-kv-pad false), not the emulated",
+             (unsigned long long)costmodel_kv_bytes_per_token(&cp->emu),
+             costmodel_kv_capacity_tokens(&cp->emu),
+             cp->emu.token_scale > 0 ? cp->emu.token_scale : 1);
     return 0;
 }
 
 uint64_t compute_kv_pad_bytes_per_token(const worker_compute *cp)
 {
-    return cp->emu_on ? (uint64_t)costmodel_kv_bytes_per_token(&cp->emu) : 0;
+    return cp->emu_on && cp->emu_kv_pad ? (uint64_t)costmodel_kv_bytes_per_token(&cp->emu) : 0;
 }
 
 /* Sleep until t0_us + ms (monotonic, proto_now_us). */
@@ -198,7 +206,7 @@ int compute_req_depth(const worker_compute *cp, int mtp_req)
 int compute_setup(worker_compute *cp, const worker_settings *set)
 {
     memset(cp, 0, sizeof(*cp));
-    if (emu_setup(cp, set->emulate) < 0)
+    if (emu_setup(cp, set->emulate, set->emulate_kv_pad) < 0)
         return -2;
     /* the cost model emits one token per sequence per step: no MTP when emulated */
     long long depth_set = cp->emu_on ? 0 : set->mtp_depth_set;
@@ -215,6 +223,20 @@ int compute_setup(worker_compute *cp, const worker_settings *set)
     cp->block_size = (int)set->block_size;
     int per_seq = (mc->n_ctx + cp->block_size - 1) / cp->block_size;
     long long n_blocks = set->kv_blocks ? set->kv_blocks : set->max_seqs * per_seq;
+    if (cp->emu_on && !set->kv_blocks) {
+        /* the emulated accelerator's KV capacity for the emulated model, in blocks */
+        double cap = costmodel_kv_capacity_tokens(&cp->emu);
+        n_blocks = (long long)(cap / cp->block_size);
+        if (n_blocks < 1 || n_blocks > INT_MAX) {
+            log_error("--emulate '%s': a KV capacity of %.0f tokens is %lld blocks of %d "
+                      "tokens (want 1 .. %d; --kv-blocks sets them)",
+                      cp->emu.name, cap, n_blocks, cp->block_size, INT_MAX);
+            return -2;
+        }
+        log_info("KV cache sized to the emulated accelerator's capacity: %.0f tokens, %lld "
+                 "blocks of %d tokens (--kv-blocks overrides it)",
+                 cap, n_blocks, cp->block_size);
+    }
     kvcache_params kp = {.n_layer = mc->n_layer + cp->n_mtp, /* MTP modules' K/V last */
                          .n_kv_head = mc->n_kv_head,
                          .head_dim = mc->head_dim,

@@ -51,6 +51,7 @@ typedef struct {
     float sd_prior[2];      /* acceptance each sequence's controller starts from */
     /* --emulate */
     int emu_on;
+    int emu_kv_pad; /* --emulate-kv-pad: KV transfers padded to the emulated bytes */
     costmodel emu;
 } worker_compute;
 
@@ -74,7 +75,7 @@ void compute_pad_prefill(const worker_compute *cp, const model_seq_batch *b, int
 void compute_pad_decode(const worker_compute *cp, const specdec_item *items, int n, int64_t t0_us);
 /* The KV bytes per token of the emulated model (costmodel_kv_bytes_per_token), to which
  * the KV sender pads every transfer (kvx_sender_params.pad_to_bytes_per_token); 0 when not
- * emulated (no padding). */
+ * emulated or with --emulate-kv-pad false (no padding). */
 uint64_t compute_kv_pad_bytes_per_token(const worker_compute *cp);
 
 #endif

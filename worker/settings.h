@@ -14,6 +14,7 @@ typedef struct {
     long long prefill_chunk_tokens; /* prompt tokens per sequence per forward pass */
     long long threads;              /* compute threads (0 = CPUs available) */
     char *emulate;                  /* --emulate: cost-model preset ("" = real compute) */
+    int emulate_kv_pad;             /* --emulate-kv-pad: pad KV transfers to the emulated bytes */
     char *mtp_setting;              /* --mtp: "auto" | "none" | a side file */
     long long mtp_depth_set;        /* --mtp-depth: -1 = 2 when modules are loaded */
     int mtp_adaptive;               /* --mtp-adaptive */

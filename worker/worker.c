@@ -69,7 +69,9 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
         {"kv-advertise", CONFIG_STRING, &set->kv_advertise, NULL, 0, 0,
          "decode/mixed: kv endpoint announced to the gateway (unset: the bound one)"},
         {"kv-blocks", CONFIG_INT, &set->kv_blocks, "0", 0, 1e9,
-         "KV cache blocks (0 = max-seqs full contexts)"},
+         "KV cache blocks (0 = max-seqs full contexts; with --emulate, the emulated "
+         "accelerator's capacity for the emulated model: costmodel_kv_capacity_tokens / "
+         "block-size, PRESET:token-scale=S scaling it)"},
         {"kv-watermark", CONFIG_DOUBLE, &set->kv_watermark, "0.01", 0, 0.5,
          "decode/mixed: fraction of the KV blocks a new sequence must leave free when it "
          "joins (vLLM's watermark), so that running sequences can grow before anything is "
@@ -110,6 +112,10 @@ int worker_main(proto_role_t default_role, int argc, char **argv)
          "PRESET:dilate=K runs it K times slower): each prefill/decode step is padded to "
          "its time and each KV transfer to its bytes; tokens come from the real model; MTP "
          "off (docs/scheduler.md); \"\" = real compute"},
+        {"emulate-kv-pad", CONFIG_BOOL, &set->emulate_kv_pad, "true", 0, 0,
+         "with --emulate: pad each KV transfer with zeros to the emulated model's bytes per "
+         "token (true), or send the real model's KV only (false: on a small host the padding "
+         "costs far more than the emulated link's time; tools/tidal-bench.sh turns it off)"},
         {"health-file", CONFIG_STRING, &set->health_file, "", 0, 0,
          "file rewritten at every heartbeat with the worker's state (time_ms, registered, "
          "state, ...) for container health checks (deploy/container/tidepool-health); "

@@ -198,6 +198,67 @@ static void test_dilation(void **state)
     assert_non_null(strstr(err, "time_scale"));
 }
 
+/* "PRESET:token-scale=S": the KV capacity counted in tokens of requests scaled by S (traces
+ * scaled 0.1 for the small real model), exactly floor(free bytes / bytes per token * S);
+ * every time unchanged; the suffix combines with ":dilate=K" in either order. */
+static void test_token_scale(void **state)
+{
+    (void)state;
+    costmodel a = a100(), t;
+    assert_close(a.token_scale, 1, 1e-12);
+    assert_int_equal(costmodel_preset("a100-llama3-8b:token-scale=0.1", &t), 0);
+    assert_string_equal(t.name, "a100-llama3-8b:token-scale=0.1");
+    assert_close(t.token_scale, 0.1, 1e-12);
+    assert_close(t.time_scale, 1, 1e-12);
+    /* 53.94e9 / 131072 = 411529.5 tokens; x 0.1 = 41152.95 */
+    assert_close(costmodel_kv_capacity_tokens(&a), 411529, 1e-12);
+    assert_close(costmodel_kv_capacity_tokens(&t), 41152, 1e-12);
+    assert_close(costmodel_prefill_ms(&t, 1000, costmodel_attn_pairs(1000, 0)),
+                 costmodel_prefill_ms(&a, 1000, costmodel_attn_pairs(1000, 0)), 1e-12);
+    assert_close(costmodel_decode_step_ms(&t, 48, 48 * 300.0),
+                 costmodel_decode_step_ms(&a, 48, 48 * 300.0), 1e-12);
+    assert_close(costmodel_kv_bytes_per_token(&t), 131072, 1e-12);
+    char err[128];
+    assert_int_equal(costmodel_check(&t, err, sizeof(err)), 0);
+    /* the KV limit of the largest decode batch follows: max_seqs (256) sequences of 500
+     * tokens fit in 411529 tokens, 82 in 41152 */
+    assert_int_equal(costmodel_decode_batch_within(&a, 1e6, 500), 256);
+    assert_int_equal(costmodel_decode_batch_within(&t, 1e6, 500), 82);
+    costmodel both, rev;
+    assert_int_equal(costmodel_preset("a100-llama3-8b:dilate=10:token-scale=0.1", &both), 0);
+    assert_int_equal(costmodel_preset("a100-llama3-8b:token-scale=0.1:dilate=10", &rev), 0);
+    assert_string_equal(both.name, "a100-llama3-8b:dilate=10:token-scale=0.1");
+    assert_string_equal(rev.name, "a100-llama3-8b:token-scale=0.1:dilate=10");
+    assert_close(both.time_scale, 10, 1e-12);
+    assert_close(rev.time_scale, 10, 1e-12);
+    assert_close(costmodel_kv_capacity_tokens(&both), 41152, 1e-12);
+    assert_close(costmodel_kv_capacity_tokens(&rev), 41152, 1e-12);
+    assert_int_equal(costmodel_preset("h100-llama3-8b:token-scale=1", &t), 0);
+    assert_close(costmodel_kv_capacity_tokens(&t), floor(53.94e9 / 131072), 1e-12);
+    const char *bad[] = {"a100-llama3-8b:token-scale=0",
+                         "a100-llama3-8b:token-scale=-0.1",
+                         "a100-llama3-8b:token-scale=1.5",
+                         "a100-llama3-8b:token-scale=",
+                         "a100-llama3-8b:token-scale=0.1x",
+                         "a100-llama3-8b:token-scale=0.1:token-scale=0.2",
+                         "a100-llama3-8b:token-scale",
+                         "a100-llama3-8b:tokens=0.1",
+                         "a100-llama3-8b:",
+                         "a100-llama3-8b:dilate=10:",
+                         "a100-llama3-8b:token-scale=0.1:dilate=10:dilate=2",
+                         "a100-llama3-8b:dilate=10:token-scale=0.00000000000000000000000000000001"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        assert_int_equal(costmodel_preset(bad[i], &t), -1);
+    /* a struct filled by hand without the field (0) is unscaled; out of range is refused */
+    t = a;
+    t.token_scale = 0;
+    assert_close(costmodel_kv_capacity_tokens(&t), 411529, 1e-12);
+    assert_int_equal(costmodel_check(&t, err, sizeof(err)), 0);
+    t.token_scale = 1.5;
+    assert_int_equal(costmodel_check(&t, err, sizeof(err)), -1);
+    assert_string_equal(err, "costmodel: token_scale must be in (0, 1] (0: 1)");
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -207,6 +268,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_transfer_and_batch_limit),
         cmocka_unit_test(test_presets_and_checks),
         cmocka_unit_test(test_dilation),
+        cmocka_unit_test(test_token_scale),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);

@@ -1,20 +1,16 @@
 /*
  * bench_trace: trace files and their request bodies for tidepool-bench --trace
- * (bench_trace.h). The parser accepts exactly what tidepool-sim's does (the two are kept
- * apart by the layer rules: tools/bench sees common only), so one file replays in both.
+ * (bench_trace.h). The lines are read by tools/trace/traceline.h, the simulator's parser
+ * too, so one file replays in both.
  */
-#include <ctype.h>
-#include <errno.h>
 #include <jansson.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
-#include <sys/types.h>
 
 #include "bench_trace.h"
+#include "traceline.h"
 
 struct bench_trace {
     bench_trace_req *reqs;
@@ -23,137 +19,6 @@ struct bench_trace {
     size_t n_pool;
     int bos;   /* < 0: none */
 };
-
-// --- parsing (the rules of tools/sim/sim_workload.c)
-
-static int parse_class(const char *s, int *offline)
-{
-    while (isspace((unsigned char)*s))
-        s++;
-    size_t n = strlen(s);
-    while (n > 0 && isspace((unsigned char)s[n - 1]))
-        n--;
-    static const char *const on[] = {"online", "0", "default", "auto", "interactive"};
-    static const char *const off[] = {"offline", "1", "flex", "batch"};
-    *offline = 0;
-    if (n == 0)
-        return 0;
-    for (size_t i = 0; i < sizeof(on) / sizeof(on[0]); i++)
-        if (strlen(on[i]) == n && strncasecmp(s, on[i], n) == 0)
-            return 0;
-    for (size_t i = 0; i < sizeof(off) / sizeof(off[0]); i++)
-        if (strlen(off[i]) == n && strncasecmp(s, off[i], n) == 0) {
-            *offline = 1;
-            return 0;
-        }
-    return -1;
-}
-
-static int parse_double(const char *s, double *out)
-{
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    while (isspace((unsigned char)*end))
-        end++;
-    if (errno || end == s || *end)
-        return -1;
-    *out = v;
-    return 0;
-}
-
-/* A token count: a whole number in [1, 1e9]. */
-static int tokens_ok(double v, long long *out)
-{
-    if (!(v >= 1 && v <= 1e9) || v != floor(v))
-        return -1;
-    *out = (long long)v;
-    return 0;
-}
-
-/* One CSV line (modified in place). 0, 1 when arrival_s is not a number (a header, if it
- * is the first line), -1 with why. */
-static int parse_csv(char *line, bench_trace_req *q, const char **why)
-{
-    char *f[5];
-    int n = 0;
-    for (char *p = line; n < 5;) {
-        f[n++] = p;
-        char *c = strchr(p, ',');
-        if (!c)
-            break;
-        *c = 0;
-        p = c + 1;
-    }
-    double t, pt, ot;
-    if (n < 3 || n > 4) {
-        *why = "want arrival_s,prompt_tokens,output_tokens[,class]";
-        return -1;
-    }
-    if (parse_double(f[0], &t) < 0) {
-        *why = "arrival_s is not a number";
-        return 1;
-    }
-    if (parse_double(f[1], &pt) < 0 || parse_double(f[2], &ot) < 0) {
-        *why = "prompt_tokens / output_tokens are not numbers";
-        return -1;
-    }
-    if (tokens_ok(pt, &q->prompt_tokens) < 0 || tokens_ok(ot, &q->output_tokens) < 0) {
-        *why = "prompt_tokens and output_tokens must be whole numbers in [1, 1e9]";
-        return -1;
-    }
-    q->arrival_s = t;
-    if (parse_class(n == 4 ? f[3] : "", &q->offline) < 0) {
-        *why = "class must be online or offline";
-        return -1;
-    }
-    return 0;
-}
-
-static int parse_json(const char *line, bench_trace_req *q, const char **why)
-{
-    json_error_t jerr;
-    json_t *o = json_loads(line, 0, &jerr);
-    int rc = -1;
-    if (!json_is_object(o)) {
-        *why = "not a JSON object";
-        goto out;
-    }
-    const json_t *t = json_object_get(o, "arrival_s");
-    const json_t *pt = json_object_get(o, "prompt_tokens");
-    const json_t *ot = json_object_get(o, "output_tokens");
-    if (!json_is_number(t) || !json_is_number(pt) || !json_is_number(ot)) {
-        *why = "want numbers arrival_s, prompt_tokens, output_tokens";
-        goto out;
-    }
-    if (tokens_ok(json_number_value(pt), &q->prompt_tokens) < 0 ||
-        tokens_ok(json_number_value(ot), &q->output_tokens) < 0) {
-        *why = "prompt_tokens and output_tokens must be whole numbers in [1, 1e9]";
-        goto out;
-    }
-    q->arrival_s = json_number_value(t);
-    q->offline = 0;
-    const json_t *off = json_object_get(o, "offline");
-    const json_t *cls = json_object_get(o, "class");
-    const json_t *tier = json_object_get(o, "service_tier");
-    if (off) {
-        if (!json_is_boolean(off) && !json_is_integer(off)) {
-            *why = "offline must be a boolean";
-            goto out;
-        }
-        q->offline = json_is_true(off) || (json_is_integer(off) && json_integer_value(off));
-    } else if (cls || tier) {
-        const json_t *s = cls ? cls : tier;
-        if (!json_is_string(s) || parse_class(json_string_value(s), &q->offline) < 0) {
-            *why = "class / service_tier must be online, offline or flex";
-            goto out;
-        }
-    }
-    rc = 0;
-out:
-    json_decref(o);
-    return rc;
-}
 
 static int req_cmp(const void *x, const void *y)
 {
@@ -167,45 +32,18 @@ bench_trace_t *bench_trace_load(const char *path, double time_scale, size_t max_
                                 char *err, size_t err_len)
 {
     bench_trace_t *t = calloc(1, sizeof(*t));
-    FILE *f = t ? fopen(path, "r") : NULL;
-    char *line = NULL;
-    size_t line_cap = 0, cap = 0, lineno = 0, data_lines = 0;
-    ssize_t len;
-    int rc = -1;
+    traceline_reader_t *rd = NULL;
+    size_t cap = 0;
+    int rc = -1, got;
     if (!t) {
         snprintf(err, err_len, "%s: out of memory", path);
         return NULL;
     }
     t->bos = -1;
-    if (!f) {
-        snprintf(err, err_len, "%s: %s", path, strerror(errno));
+    if (!(rd = traceline_open(path, err, err_len)))
         goto out;
-    }
-    while ((len = getline(&line, &line_cap, f)) >= 0) {
-        lineno++;
-        while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r'))
-            line[--len] = 0;
-        char *s = line;
-        while (isspace((unsigned char)*s))
-            s++;
-        if (!*s || *s == '#')
-            continue;
-        bench_trace_req q = {0};
-        const char *why = "?";
-        int r = *s == '{' ? parse_json(s, &q, &why) : parse_csv(s, &q, &why);
-        if (r == 1 && data_lines++ == 0)
-            continue; /* a CSV header */
-        data_lines++;
-        if (r != 0) {
-            snprintf(err, err_len, "%s:%zu: %s", path, lineno, why);
-            goto out;
-        }
-        if (!isfinite(q.arrival_s) || q.arrival_s < 0) {
-            snprintf(err, err_len, "%s:%zu: arrival_s must be a finite number >= 0", path,
-                     lineno);
-            goto out;
-        }
-        q.line = lineno;
+    traceline_req q;
+    while ((got = traceline_next(rd, &q, err, err_len)) == 1) {
         if (t->n == cap) {
             size_t nc = cap ? 2 * cap : 1024;
             bench_trace_req *nr = realloc(t->reqs, nc * sizeof(*nr));
@@ -216,12 +54,14 @@ bench_trace_t *bench_trace_load(const char *path, double time_scale, size_t max_
             t->reqs = nr;
             cap = nc;
         }
-        t->reqs[t->n++] = q;
+        t->reqs[t->n++] = (bench_trace_req){.arrival_s = q.arrival_s,
+                                            .prompt_tokens = q.prompt_tokens,
+                                            .output_tokens = q.output_tokens,
+                                            .offline = q.offline,
+                                            .line = q.line};
     }
-    if (ferror(f)) {
-        snprintf(err, err_len, "%s: read error", path);
+    if (got < 0)
         goto out;
-    }
     if (t->n == 0) {
         snprintf(err, err_len, "%s: no requests", path);
         goto out;
@@ -233,9 +73,7 @@ bench_trace_t *bench_trace_load(const char *path, double time_scale, size_t max_
         t->n = max_reqs;
     rc = 0;
 out:
-    free(line);
-    if (f)
-        fclose(f);
+    traceline_close(&rd);
     if (rc < 0)
         bench_trace_destroy(&t);
     return t;
