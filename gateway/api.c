@@ -3,7 +3,6 @@
  * in "code" (invalid_type, invalid_value, missing_required_parameter, ...). */
 #include "api.h"
 
-#include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
 #include <math.h>
