@@ -335,7 +335,7 @@ class CurveStats(unittest.TestCase):
                     self.assertIn("cluster", text)
                     self.assertNotIn("likely causes", text)
                     continue
-                self.assertIn("waiting for snapshots on " + stats, t.screen())
+                t.wait(lambda x: "waiting for snapshots on " + stats in x, what="waiting")
                 text = t.wait(lambda x: "likely causes" in x and (
                     why is None or "handshake with" in x), what="the hint")
                 self.assertIn("waiting for snapshots on " + stats, text)
