@@ -335,7 +335,8 @@ class CurveStats(unittest.TestCase):
                     self.assertIn("cluster", text)
                     self.assertNotIn("likely causes", text)
                     continue
-                t.wait(lambda x: "waiting for snapshots on " + stats in x, what="waiting")
+                t.wait(lambda x: "waiting for snapshots on " + stats in x, timeout=60,
+                       what="waiting")  # a sanitized build on a loaded host starts slowly
                 text = t.wait(lambda x: "likely causes" in x and (
                     why is None or "handshake with" in x), what="the hint")
                 self.assertIn("waiting for snapshots on " + stats, text)
