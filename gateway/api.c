@@ -3,7 +3,6 @@
  * in "code" (invalid_type, invalid_value, missing_required_parameter, ...). */
 #include "api.h"
 
-#include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
 #include <math.h>
@@ -534,6 +533,67 @@ static int check_responses_fields(json_t *root, api_request *r, api_error *e)
     return get_bool(root, "store", &r->store, e);
 }
 
+/* Chat's output-shaping fields this server cannot honour (it writes free text, calls no
+ * tools, has no audio): each one set to anything but its default is a 400
+ * unsupported_parameter naming it, instead of a 200 that silently ignores it. The defaults
+ * stay accepted: response_format {"type": "text"}, tool_choice / function_call "none" or
+ * "auto" (there are no tools, so both mean text), modalities ["text"], audio null. */
+static int check_chat_fields(json_t *root, api_error *e)
+{
+    json_t *v;
+    if ((v = field(root, "response_format"))) {
+        json_t *t = json_is_object(v) ? json_object_get(v, "type") : NULL;
+        if (!json_is_object(v))
+            return type_error(e, "response_format", "an object", v);
+        if (!(json_is_string(t) && strcmp(json_string_value(t), "text") == 0))
+            return api_error_set(e, 400, INVALID, "response_format", "unsupported_parameter",
+                                 "Only 'response_format' {'type': 'text'} is supported by this "
+                                 "server (no JSON mode, no structured outputs); got type "
+                                 "'%.64s'.",
+                                 json_is_string(t) ? json_string_value(t) : "(none)");
+    }
+    static const char *choices[] = {"tool_choice", "function_call"};
+    for (size_t i = 0; i < 2; i++) {
+        if (!(v = field(root, choices[i])))
+            continue;
+        if (!json_is_string(v) && !json_is_object(v))
+            return type_error(e, choices[i], "a string or an object", v);
+        const char *s = json_is_string(v) ? json_string_value(v) : NULL;
+        if (s && (strcmp(s, "none") == 0 || strcmp(s, "auto") == 0))
+            continue;
+        if (s && strcmp(s, "required") != 0)
+            return api_error_set(e, 400, INVALID, choices[i], "invalid_value",
+                                 "'%s' must be 'none', 'auto', 'required' or an object, got "
+                                 "'%.64s'.",
+                                 choices[i], s);
+        return api_error_set(e, 400, INVALID, choices[i], "unsupported_parameter",
+                             "'%s' %s is not supported by this server: it calls no tools; "
+                             "only 'none' and 'auto' (plain text) are.",
+                             choices[i], s ? "'required'" : "naming a function");
+    }
+    if ((v = field(root, "modalities"))) {
+        if (!json_is_array(v))
+            return type_error(e, "modalities", "an array of strings", v);
+        size_t i;
+        json_t *m;
+        json_array_foreach(v, i, m)
+        {
+            if (!json_is_string(m))
+                return type_error(e, "modalities", "an array of strings", m);
+            if (strcmp(json_string_value(m), "text") != 0)
+                return api_error_set(e, 400, INVALID, "modalities", "unsupported_parameter",
+                                     "Only the 'text' modality is supported by this server, got "
+                                     "'%.64s'.",
+                                     json_string_value(m));
+        }
+    }
+    if (field(root, "audio"))
+        return api_error_set(e, 400, INVALID, "audio", "unsupported_parameter",
+                             "'audio' output is not supported by this server: only the 'text' "
+                             "modality is.");
+    return 0;
+}
+
 static int parse_stop(json_t *root, api_request *r, api_error *e)
 {
     json_t *v = field(root, "stop");
@@ -610,14 +670,16 @@ static int parse_sampling(json_t *root, api_request *r, api_error *e)
         json_t *b;
         json_object_foreach(v, key, b)
         {
-            char *end = NULL;
-            errno = 0;
-            long long id = strtoll(key, &end, 10);
-            if (!*key || *end || errno || id < 0 || id > API_MAX_TOKEN_ID || key[0] == '+' ||
-                key[0] == '-' || key[0] == ' ')
+            /* canonical decimal only ("0", "17"): "01", "+1", " 1", "1e2" would name a
+             * token by another spelling (and "1" and "01" could both be given) */
+            size_t kl = strspn(key, "0123456789");
+            int canonical = kl > 0 && key[kl] == '\0' && kl <= 10 && (key[0] != '0' || kl == 1);
+            long long id = canonical ? strtoll(key, NULL, 10) : -1;
+            if (!canonical || id > API_MAX_TOKEN_ID)
                 return api_error_set(e, 400, INVALID, "logit_bias", "invalid_value",
                                      "'logit_bias' keys must be token ids (decimal integers "
-                                     ">= 0), got '%.32s'.",
+                                     ">= 0 without sign, spaces or leading zeros), got "
+                                     "'%.32s'.",
                                      key);
             double d = json_is_number(b) ? json_number_value(b) : NAN;
             if (!isfinite(d) || d < -100 || d > 100)
@@ -725,7 +787,8 @@ static int parse_fields(json_t *root, api_request *r, api_error *e)
     int rc = r->kind == API_COMPLETIONS ? parse_prompt(root, r, e)
              : r->kind == API_CHAT      ? parse_messages(root, r, e)
                                         : parse_input(root, r, e);
-    if (rc || (r->kind == API_RESPONSES && check_responses_fields(root, r, e)))
+    if (rc || (r->kind == API_RESPONSES && check_responses_fields(root, r, e)) ||
+        (r->kind == API_CHAT && check_chat_fields(root, e)))
         return -1;
 
     /* max_tokens; chat also takes max_completion_tokens (which wins when both are given);

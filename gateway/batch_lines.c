@@ -208,7 +208,11 @@ int batch_line_start(batch_t *b, job_t *j, int i)
     } else if (st == COMPLETION_FULL) {
         rc = 1;
     } else {
-        line_error_response(b, j, i, cid, NULL, &e);
+        /* refused before it became a completion: it still gets a request id of its own (as
+         * OpenAI's error lines have), with the prefix of the endpoint's response ids */
+        char rid[64];
+        batch_make_id(rid, sizeof(rid), j->kind == API_CHAT ? "chatcmpl-" : "cmpl-");
+        line_error_response(b, j, i, cid, rid, &e);
     }
     if (l) {
         free(l->custom_id);

@@ -357,10 +357,18 @@ static void on_request(struct evhttp_request *req, void *arg)
     char bid[128] = "";
     char wid[PROTO_ID_LEN] = ""; /* POST /workers/{id}/role */
     size_t plen = strlen(path);
-    if (strncmp(path, "/workers/", 9) == 0 && plen > 14 && plen - 14 < sizeof(wid) &&
+    if (strncmp(path, "/workers/", 9) == 0 && plen > 14 && plen - 14 < 3 * sizeof(wid) &&
         strcmp(path + plen - 5, "/role") == 0 && !memchr(path + 9, '/', plen - 14)) {
-        memcpy(wid, path + 9, plen - 14);
-        wid[plen - 14] = 0;
+        /* the id percent-decoded, as GET /v1/models/{id} (clients encode "decode-0" as
+         * "decode%2D0"); one that decodes to a NUL or too long for an id is no route */
+        char seg[3 * sizeof(wid)];
+        memcpy(seg, path + 9, plen - 14);
+        seg[plen - 14] = 0;
+        size_t n = 0;
+        char *id = evhttp_uridecode(seg, 0, &n);
+        if (id && n > 0 && n < sizeof(wid) && n == strlen(id))
+            memcpy(wid, id, n + 1);
+        free(id);
     }
     if (wid[0]) {
         allow = "POST";

@@ -135,8 +135,9 @@ static const config_entry_t settings[] = {
      "tidal policy: prompt tokens one prefill worker computes per second, its prefill "
      "capacity estimate (emulated workers: tidepool-sim prints the cost model's)"},
     {"tidal", CONFIG_BOOL, &opt_tidal, "false", 0, 0,
-     "apply the tidal policy's role changes (workers move between prefill and decode by "
-     "draining); off: roles change only by POST /workers/{id}/role"},
+     "apply the tidal policy's role changes (live: a prefill worker finishes its batch, a "
+     "decode worker migrates its running sequences to other decode workers; "
+     "docs/scheduler.md); off: roles change only by POST /workers/{id}/role"},
     {"tidal-min-role-s", CONFIG_DOUBLE, &opt_tidal_min_role_s, "30", 0, 1e6,
      "tidal policy: a worker stays at least this long in a role"},
     {"tidal-max-changes", CONFIG_INT, &opt_tidal_max_changes, "2", 0, 1000000,

@@ -32,12 +32,14 @@
 
 #include "config.h"
 #include "curve.h"
+#include "hsmon.h"
 #include "log.h"
 #include "protocol.h"
 
 #define MAX_EVENTS 64
 #define POLL_MS 200
 #define MAX_WORKERS 1024
+#define HINT_AFTER_S 3.0 /* no snapshot this long after the start: say what may be wrong */
 
 static char *opt_stats, *opt_curve_secret_key, *opt_curve_gateway_key;
 static long long opt_events;
@@ -122,6 +124,9 @@ typedef struct {
     uint64_t snap_gaps, ev_gaps;             /* sequence numbers missed since the start */
     int paused, sort, quit;
     uint64_t n_msgs, n_bad;
+    double started_at; /* monotonic seconds at the start */
+    int curve;         /* CURVE keys were given */
+    hsmon_t *hsmon;    /* handshake failures on the SUB socket (NULL: none watched) */
 } top_t;
 
 static const char *sort_names[] = {"id", "role", "load", "kv", "tok/s out", "ttft p99"};
@@ -376,7 +381,39 @@ static void draw(top_t *t)
     y = 2;
     if (!t->have_snap) {
         snprintf(buf, sizeof(buf), "waiting for snapshots on %s ...", opt_stats);
-        mvaddnstr(y, 1, buf, cols - 1);
+        mvaddnstr(y++, 1, buf, cols - 1);
+        double waited = mono_s() - t->started_at;
+        if (waited >= HINT_AFTER_S) {
+            char why[320];
+            y++;
+            snprintf(buf, sizeof(buf), "nothing received in %.0f s; likely causes:", waited);
+            mvaddnstr(y++, 1, buf, cols - 1);
+            if (t->hsmon && hsmon_last_failure(t->hsmon, why, sizeof(why))) {
+                attron(A_BOLD);
+                snprintf(buf, sizeof(buf), "- %s", why);
+                mvaddnstr(y++, 1, buf, cols - 1);
+                attroff(A_BOLD);
+            }
+            static const char *plain[] = {
+                "- the gateway's stats socket uses CURVE (it has --curve-secret-key): give "
+                "--curve-secret-key (this subscriber's key pair)",
+                "  and --curve-gateway-key (the gateway's .pub), the public key among the "
+                "gateway's --stats-authorized-keys;",
+                NULL};
+            static const char *curve[] = {
+                "- this key is not among the gateway's --stats-authorized-keys (else its "
+                "--curve-authorized-keys), or",
+                "  --curve-gateway-key is not the gateway's public key, or its stats socket "
+                "does not use CURVE;",
+                NULL};
+            for (const char **l = t->curve ? curve : plain; *l; l++)
+                mvaddnstr(y++, 1, *l, cols - 1);
+            snprintf(buf, sizeof(buf), "- the wrong endpoint: --stats must be the gateway's "
+                     "--stats-bind (default tcp://127.0.0.1:5558; \"\" there = off), "
+                     "reachable from here;");
+            mvaddnstr(y++, 1, buf, cols - 1);
+            mvaddnstr(y++, 1, "- no gateway running there yet.", cols - 1);
+        }
     } else {
         const msgpack_object *s = &t->snap.data;
         const msgpack_object *g = mp_get(s, "gateway"), *rq = mp_get(g, "requests");
@@ -531,6 +568,14 @@ int main(int argc, char **argv)
     t.sub = t.zctx ? zmq_socket(t.zctx, ZMQ_SUB) : NULL;
     /* a small queue: what waits is old; the publisher conflates snapshots for us */
     int linger = 0, hwm = 16;
+    t.curve = curve_on;
+    t.started_at = mono_s();
+    /* the handshake monitor's findings go on the screen (a log line would garble it) */
+    log_init("tidepool-top", LOG_LEVEL_ERROR);
+    char herr[256];
+    if (t.sub && !(t.hsmon = hsmon_start(t.zctx, t.sub, HSMON_CLIENT, curve_on, "stats", herr,
+                                         sizeof(herr))))
+        fprintf(stderr, "tidepool-top: %s (going on without it)\n", herr);
     if (!t.sub || (curve_on && curve_setup_client(t.sub, &me, gw.public_z85) < 0) ||
         zmq_setsockopt(t.sub, ZMQ_SUBSCRIBE, "", 0) < 0 ||
         zmq_setsockopt(t.sub, ZMQ_LINGER, &linger, sizeof(linger)) < 0 ||
@@ -538,6 +583,11 @@ int main(int argc, char **argv)
         zmq_connect(t.sub, opt_stats) < 0) {
         fprintf(stderr, "tidepool-top: cannot subscribe to %s: %s\n", opt_stats,
                 zmq_strerror(zmq_errno()));
+        hsmon_stop(&t.hsmon);
+        if (t.sub)
+            zmq_close(t.sub);
+        if (t.zctx)
+            zmq_ctx_term(t.zctx);
         config_free(settings);
         return 1;
     }
@@ -587,6 +637,7 @@ int main(int argc, char **argv)
         msgpack_unpacked_destroy(&t.snap);
         free(t.snap_buf);
     }
+    hsmon_stop(&t.hsmon);
     zmq_close(t.sub);
     zmq_ctx_term(t.zctx);
     config_free(settings);

@@ -42,6 +42,8 @@ struct hsmon {
     int curve; /* sock is a CURVE server or client */
     char label[32];
     atomic_uint_fast64_t n_failed, n_unlogged;
+    pthread_mutex_t last_mu; /* guards last_why: written by the thread, read by the owner */
+    char last_why[320];      /* the latest failure as logged ("" = none yet) */
     /* the thread's */
     hsmon_conn conns[HSMON_MAX_FDS];
     int next_slot;
@@ -154,6 +156,15 @@ static const char *why(const hsmon_t *m, uint16_t event, uint32_t value, char *b
 static void log_failure(hsmon_t *m, const char *addr)
 {
     char buf[256];
+    pthread_mutex_lock(&m->last_mu);
+    if (m->side == HSMON_SERVER)
+        snprintf(m->last_why, sizeof(m->last_why), "handshake from %s failed: %s", addr,
+                 why(m, m->pending_event, m->pending_value, buf, sizeof(buf)));
+    else
+        snprintf(m->last_why, sizeof(m->last_why), "handshake with %s failed: %s",
+                 m->pending_endpoint, why(m, m->pending_event, m->pending_value, buf,
+                                          sizeof(buf)));
+    pthread_mutex_unlock(&m->last_mu);
     if (m->side == HSMON_SERVER && m->pending_event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
         atomic_fetch_add(&m->n_unlogged, 1); /* the ZAP handler logged it, with the key */
     } else if (may_log(m)) {
@@ -255,6 +266,7 @@ hsmon_t *hsmon_start(void *zctx, void *sock, hsmon_side_t side, int curve, const
         snprintf(err, errlen, "out of memory");
         return NULL;
     }
+    pthread_mutex_init(&m->last_mu, NULL);
     m->sock = sock;
     m->side = side;
     m->curve = curve;
@@ -271,6 +283,7 @@ hsmon_t *hsmon_start(void *zctx, void *sock, hsmon_side_t side, int curve, const
     int zero = 0;
     if (zmq_socket_monitor(sock, mon_ep, HSMON_EVENTS) < 0) {
         snprintf(err, errlen, "handshake monitor: %s", zmq_strerror(zmq_errno()));
+        pthread_mutex_destroy(&m->last_mu);
         free(m);
         return NULL;
     }
@@ -301,6 +314,15 @@ void hsmon_get_stats(const hsmon_t *m, hsmon_stats *out)
     out->n_unlogged = atomic_load(&((hsmon_t *)m)->n_unlogged);
 }
 
+int hsmon_last_failure(hsmon_t *m, char *buf, size_t cap)
+{
+    pthread_mutex_lock(&m->last_mu);
+    int have = m->last_why[0] != 0;
+    snprintf(buf, cap, "%s", m->last_why);
+    pthread_mutex_unlock(&m->last_mu);
+    return have;
+}
+
 void hsmon_stop(hsmon_t **mp)
 {
     if (!mp || !*mp)
@@ -322,6 +344,7 @@ void hsmon_stop(hsmon_t **mp)
     }
     if (m->ctl_out)
         zmq_close(m->ctl_out);
+    pthread_mutex_destroy(&m->last_mu);
     free(m);
     *mp = NULL;
 }

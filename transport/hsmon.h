@@ -49,6 +49,12 @@ hsmon_t *hsmon_start(void *zctx, void *sock, hsmon_side_t side, int curve, const
 /* Counters, copied into *out. */
 void hsmon_get_stats(const hsmon_t *m, hsmon_stats *out);
 
+/* The latest handshake failure, as the log line says it ("handshake with ENDPOINT failed:
+ * the likely cause"), whether it was logged or not (rate limit, log level), copied into buf
+ * (cap bytes, cut). For a program that shows it rather than logs it (tidepool-top).
+ * Returns 1 when there was one, 0 (buf "") when none yet. Thread-safe. */
+int hsmon_last_failure(hsmon_t *m, char *buf, size_t cap);
+
 /* Stop monitoring (from the thread that owns sock), stop and join the thread, free the
  * monitor, NULL *m. Takes NULL. Call before zmq_ctx_term. */
 void hsmon_stop(hsmon_t **m);

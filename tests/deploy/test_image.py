@@ -127,6 +127,10 @@ class Image(unittest.TestCase):
         p = self.health(g)
         self.assertNotEqual(p.returncode, 0, p.stdout)
         self.assertIn("503", p.stdout)
+        # ... but live (the Kubernetes liveness probe): its loop answers /health
+        p = self.health(g, "live")
+        self.assertEqual(p.returncode, 0, p.stdout)
+        self.assertIn("/health 503", p.stdout)
 
         pw = self.start("prefill", "prefill", dict(base, TIDEPOOL_WORKER_ID="prefill-0",
                                                    TIDEPOOL_KV_BIND="tcp://127.0.0.1:%d" % kv_p))

@@ -177,6 +177,19 @@ class Render(unittest.TestCase):
             gw = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
             c = gw["containers"][0]
             self.assertEqual(c["readinessProbe"]["httpGet"]["path"], "/health")
+            # liveness must hold with API keys (no key needed: not /metrics, which then
+            # needs an admin key) and while no worker is there (not /health's 200):
+            # tidepool-health live takes /health's 200 or 503
+            self.assertEqual(c["livenessProbe"]["exec"]["command"],
+                             ["tidepool-health", "live"], overlay)
+            self.assertNotIn("httpGet", c["livenessProbe"], overlay)
+            for d in by_kind(docs, "Deployment") + by_kind(docs, "StatefulSet"):
+                for k in d["spec"]["template"]["spec"]["containers"]:
+                    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+                        path = k.get(probe, {}).get("httpGet", {}).get("path")
+                        self.assertIn(path, (None, "/health"),
+                                      "%s: %s %s: only /health is open with API keys" %
+                                      (overlay, d["metadata"]["name"], probe))
             self.assertIn("preStop", c["lifecycle"])
             drain_s = int(cm["data"]["TIDEPOOL_DRAIN_TIMEOUT_MS"]) / 1000
             pre_s = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
@@ -310,8 +323,11 @@ class Play:
         st, body = common.request("GET", self.ports["http"], "/workers")
         for pod, (role, kv) in self.workers.items():
             self.assertIn('"%s"' % pod, body.decode())
-        # the gateway's probes: readiness /health, liveness /metrics
-        self.assertEqual(common.request("GET", self.ports["http"], "/metrics")[0], 200)
+        # the gateway's probes: readiness /health (the test asks it: podman has no curl for
+        # an httpGet probe), liveness tidepool-health live
+        p = self.probe(self.gateway_pod, "live")
+        self.assertEqual(p.returncode, 0, p.stdout)
+        self.assertIn("gateway /health 200", p.stdout)
 
     def test_2_probes_and_drain(self):
         common.wait_health(self.ports["http"], 90, None, self.alive)

@@ -212,6 +212,16 @@ class AuthTest(unittest.TestCase):
             # past the key check: the role endpoint's own answer (a mixed worker cannot change)
             status, _, got = self.call("POST", "/workers/nobody/role", key, {"role": "decode"})
             self.assertEqual((status, got["error"]["code"]), (404, "worker_not_found"))
+            # the id is percent-decoded: "mixed%2D0" is mixed-0 (refused: mixed), not a 404
+            for wid in ("mixed%2D0", "mixed%2d0", "%6Dixed-0"):
+                status, _, got = self.call("POST", "/workers/%s/role" % wid, key,
+                                           {"role": "decode"})
+                self.assertEqual((status, got["error"]["code"]), (409, "role_change_refused"),
+                                 wid)
+            for wid in ("mixed%00-0", "mixed%2F0", "mixed-0%"):
+                status, _, got = self.call("POST", "/workers/%s/role" % wid, key,
+                                           {"role": "decode"})
+                self.assertEqual(status, 404, (wid, got))
         status, _, got = self.call("GET", "/health")
         self.assertEqual((status, got["status"]), (200, "ok"))
         status, _, got = self.call("GET", "/health", "sk-wrong-key-00000000000")

@@ -228,6 +228,8 @@ class BatchApi(unittest.TestCase):
                 codes[e["error"]["line"]] = e["error"]["code"]
             else:
                 self.assertIsNone(e["error"])
+                # a refused request has a request id too (docs/api.md "Batch API")
+                self.assertRegex(e["response"]["request_id"], r"^cmpl-[0-9a-f]{16,}$")
                 codes[e["custom_id"]] = (e["response"]["status_code"],
                                          e["response"]["body"]["error"]["code"])
         self.assertEqual(codes[2], "invalid_json_line")

@@ -310,24 +310,51 @@ class CurveStats(unittest.TestCase):
                             self.g + ".pub"], capture_output=True, text=True, timeout=30)
         self.assertEqual(p.returncode, 2)
         self.assertIn(self.d + ".pub", p.stderr)
-        # against a CURVE gateway: with its listed key it shows the snapshots; without keys
-        # it only waits
+        # against a CURVE gateway: with its listed key it shows the snapshots; without keys,
+        # or with a key it does not list, it waits and after a few seconds says why (the
+        # handshake monitor's finding, then the likely causes); against an endpoint where
+        # nothing listens, only the likely causes
         from test_top import TMUX, Tmux
         if not TMUX:
             return
         _, ep = self.gateway(*self.curve_args(), "--stats-authorized-keys",
                              os.path.join(self.keys, "dash"))
-        for keys, shown in (([], False), (["--curve-secret-key", self.d + ".key",
-                                           "--curve-gateway-key", self.g + ".pub"], True)):
-            t = Tmux([top, "--stats", ep] + keys)
+        nobody = "tcp://127.0.0.1:%d" % free_port()
+        for stats, keys, shown, why in (
+                (ep, [], False, "the server uses CURVE and this process does not"),
+                (ep, ["--curve-secret-key", self.w + ".key", "--curve-gateway-key",
+                      self.g + ".pub"], False, "the server refused this process's CURVE key"),
+                (nobody, [], False, None),
+                (ep, ["--curve-secret-key", self.d + ".key",
+                      "--curve-gateway-key", self.g + ".pub"], True, None)):
+            t = Tmux([top, "--stats", stats] + keys)
             try:
                 if shown:
                     text = t.wait(lambda x: "requests" in x and "waiting for" not in x,
                                   what="a snapshot")
                     self.assertIn("cluster", text)
+                    self.assertNotIn("likely causes", text)
+                    continue
+                t.wait(lambda x: "waiting for snapshots on " + stats in x, timeout=60,
+                       what="waiting")  # a sanitized build on a loaded host starts slowly
+                text = t.wait(lambda x: "likely causes" in x and (
+                    why is None or "handshake with" in x), what="the hint")
+                self.assertIn("waiting for snapshots on " + stats, text)
+                self.assertIn("- the wrong endpoint: --stats must be the gateway's "
+                              "--stats-bind", text)
+                if keys:
+                    self.assertIn("this key is not among the gateway's "
+                                  "--stats-authorized-keys", text)
                 else:
-                    time.sleep(2)
-                    self.assertIn("waiting for snapshots on " + ep, t.screen())
+                    self.assertIn("give --curve-secret-key", text)
+                if why is None:
+                    self.assertNotIn("handshake with", text)
+                    continue
+                line = next(x for x in text.splitlines() if "handshake with" in x)
+                self.assertIn("- handshake with %s failed: " % stats, line)
+                if not keys and why not in line:  # the other form of a plain client's
+                    why = "the server closed the connection during the handshake"
+                self.assertIn(why, line)
             finally:
                 t.kill()
                 for _ in range(50):  # the next session reuses the server's socket name

@@ -43,6 +43,10 @@ class GatewayFlags(unittest.TestCase):
         self.assertEqual(p.returncode, 0)
         for flag in ("--prefill-tokens-per-s", "--tidal-min-per-role"):
             self.assertIn(flag, p.stdout)
+        # --tidal's help says how roles change (docs/scheduler.md): migration, not draining
+        tidal = next(l for l in p.stdout.splitlines() if l.split()[:1] == ["--tidal"])
+        self.assertIn("migrates its running sequences", tidal)
+        self.assertNotIn("draining", tidal)
         for bad in (["--tidal-min-per-role", "0"], ["--prefill-tokens-per-s", "0"]):
             p = subprocess.run([os.path.join(BIN, "gateway"), "--model", MODEL] + bad,
                                capture_output=True, text=True, timeout=10)

@@ -387,6 +387,14 @@ static void test_hsmon(void **state)
         hsmon_get_stats(m, &st);
     }
     assert_true(st.n_failed >= 1);
+    /* the latest failure as its log line says it (tidepool-top shows it) */
+    char why[320] = "x";
+    int have = 0;
+    for (int i = 0; i < 300 && !(have = hsmon_last_failure(m, why, sizeof(why))); i++)
+        usleep(10000);
+    assert_int_equal(have, 1);
+    assert_non_null(strstr(why, "handshake from "));
+    assert_non_null(strstr(why, "the client does not use CURVE"));
     /* the reopen pattern of a worker's ctl socket: monitor, close, again */
     void *c = NULL;
     hsmon_t *cm = NULL;
@@ -399,6 +407,10 @@ static void test_hsmon(void **state)
         zmq_setsockopt(c, ZMQ_LINGER, &zero, sizeof(zero));
         cm = hsmon_start(ctx, c, HSMON_CLIENT, 0, "ctl", err, sizeof(err));
         assert_non_null(cm);
+        if (i == 0) { /* none yet */
+            assert_int_equal(hsmon_last_failure(cm, why, sizeof(why)), 0);
+            assert_string_equal(why, "");
+        }
         assert_int_equal(zmq_connect(c, ep), 0);
     }
     hsmon_stop(&cm);
