@@ -460,6 +460,9 @@ DEF_Q8X8(1, 1, 0)
  * and token the same operations in the same order as tile_q8x8 (acc[k] = fma(d_w * d_x,
  * (float)p[k], acc[k]) block by block, then hsum8): the same bits. */
 #define Q8X8_CHUNK 16
+#ifndef Q8X8_TOK_T
+#define Q8X8_TOK_T 3 /* up to this T (T = 4 not measured in the streaming case) */
+#endif
 #define PF_X8T 16
 TILE void tile_q8x8_tok(const int PFL0, const int PFN, const uint8_t *g, size_t so,
                         const float *xd, const int8_t *xs, int b0, int b1, __m256 *accio)
@@ -507,12 +510,12 @@ DEF_Q8X8T(q8x8t_a, 0, 2)
 DEF_Q8X8T(q8x8t_b, 2, 2)
 DEF_Q8X8T(q8x8t_n, 0, 0)
 
-/* Rows [i, i + 8) (a whole group at g) x T = 2, 3 tokens. */
+/* Rows [i, i + 8) (a whole group at g) x T = 2 .. Q8X8_TOK_T tokens. */
 static TGT void q8x8_group_tok(const uint8_t *g, size_t so, const float *xd, const int8_t *xs,
                                int n, int T, float *const *out, int i)
 {
     const int nb = n / KERN_Q8_BLOCK;
-    __m256 acc[3][8];
+    __m256 acc[Q8X8_TOK_T][8];
     for (int t = 0; t < T; t++)
         for (int r = 0; r < 8; r++)
             acc[t][r] = _mm256_setzero_ps();
@@ -520,8 +523,8 @@ static TGT void q8x8_group_tok(const uint8_t *g, size_t so, const float *xd, con
         const int e = b + Q8X8_CHUNK < nb ? b + Q8X8_CHUNK : nb;
         q8x8t_a(g, so, xd, xs, b, e, acc[0]);
         q8x8t_b(g, so, xd + nb, xs + n, b, e, acc[1]);
-        if (T == 3)
-            q8x8t_n(g, so, xd + 2 * (size_t)nb, xs + 2 * (size_t)n, b, e, acc[2]);
+        for (int t = 2; t < T; t++)
+            q8x8t_n(g, so, xd + (size_t)t * nb, xs + (size_t)t * n, b, e, acc[t]);
     }
     for (int t = 0; t < T; t++)
         for (int r = 0; r < 8; r++)
@@ -550,14 +553,18 @@ TGT void kern_x86_matmul_q8x8_avx2(const kern_mat *w, const kern_act *a, int r0,
             q8x8_1_1(GRP(i), so, i % 8, a->q_d, a->q_s, n, out, i);
         return;
     }
-    if (T <= 3) { /* the verify shapes: whole groups token by token, the rest in tiles */
-        int i = r0;
-        for (; i < r1 && i % 8 != 0; i++)
-            q8x8_r1[T](GRP(i), so, i % 8, a->q_d, a->q_s, n, out, i);
-        for (; i + 8 <= r1; i += 8)
-            q8x8_group_tok(GRP(i), so, a->q_d, a->q_s, n, T, out, i);
-        for (; i < r1; i++)
-            q8x8_r1[T](GRP(i), so, i % 8, a->q_d, a->q_s, n, out, i);
+    if (T <= Q8X8_TOK_T) { /* whole groups token by token, the rest in 1-row tiles */
+        for (int i = r0; i < r1;) {
+            if (i % 8 == 0 && i + 8 <= r1) {
+                q8x8_group_tok(GRP(i), so, a->q_d, a->q_s, n, T, out, i);
+                i += 8;
+                continue;
+            }
+            for (int t = 0; t < T; t += 3)
+                q8x8_r1[T - t < 3 ? T - t : 3](GRP(i), so, i % 8, a->q_d + (size_t)t * nb,
+                                               a->q_s + (size_t)t * n, n, out + t, i);
+            i++;
+        }
         return;
     }
     for (int rb = r0; rb < r1; rb += ROW_BLOCK) {
