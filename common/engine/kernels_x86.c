@@ -13,7 +13,8 @@
  * to floats once per block (8 rows, in the caller's scratch) from T = 8 on.
  *
  * Q8_0 matrices repacked at load (KERN_LAYOUT_Q8X8, kernels.h) have their own tiles
- * (tile_q8x8): a group of 8 rows is one linear stream, its 8 scales one load per block.
+ * (tile_q8x8): a group of 8 rows is one linear stream, its 8 scales one load per block;
+ * at T = 2, 3 (the MTP verify pass) whole groups run token by token (q8x8_group_tok).
  */
 #include "kernels_internal.h"
 
