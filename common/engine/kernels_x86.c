@@ -465,8 +465,8 @@ DEF_Q8X8(1, 1, 0)
 #define Q8X8_TOK_T 3 /* up to this T (T = 4 not measured in the streaming case) */
 #endif
 #define PF_X8T 16
-TILE void tile_q8x8_tok(const int PFL0, const int PFN, const uint8_t *g, size_t so,
-                        const float *xd, const int8_t *xs, int b0, int b1, __m256 *accio)
+TILE void tile_q8x8_tok(const int PFL0, const int PFN, const uint8_t *g, size_t so, const float *xd,
+                        const int8_t *xs, int b0, int b1, __m256 *accio)
 {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[8];
@@ -501,9 +501,8 @@ TILE void tile_q8x8_tok(const int PFL0, const int PFN, const uint8_t *g, size_t 
 }
 
 #define DEF_Q8X8T(NAME, PFL0, PFN)                                                                 \
-    static TGT __attribute__((noinline)) void NAME(const uint8_t *g, size_t so, const float *xd,  \
-                                                   const int8_t *xs, int b0, int b1,             \
-                                                   __m256 *acc)                                  \
+    static TGT __attribute__((noinline)) void NAME(const uint8_t *g, size_t so, const float *xd,   \
+                                                   const int8_t *xs, int b0, int b1, __m256 *acc)  \
     {                                                                                              \
         tile_q8x8_tok(PFL0, PFN, g, so, xd, xs, b0, b1, acc);                                      \
     }
