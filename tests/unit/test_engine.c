@@ -1219,7 +1219,7 @@ static void test_kernels_vs_reference(void **state)
 {
     const int shapes[][2] = {{1, 8},    {13, 172}, {9, 37},     {7, 96},    {21, 64},
                              {66, 352}, {5, 2048}, {24, 2048},  {19, 4096}, {16, 96},
-                             {8, 32},   {40, 352}, {16, 5632}};
+                             {8, 32},   {40, 352}, {16, 5632}, {16, 1184}};
     const int Ts[] = {1, 2, 3, 4, 5, 7, 8, 9, 13, 17};
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
         const int rows = shapes[si][0], n = shapes[si][1], q8ok = n % 32 == 0;
