@@ -70,12 +70,13 @@ kern_isa kern_isa_detect(void)
 }
 
 /* AVX-512 scratch: PACK_T tokens packed in pairs (floats, or Q8 bytes + pair scales);
- * AVX2 F16 prefill: PACK_T rows widened to floats. */
+ * AVX2 F32/F16 prefill: the blocked kernel's accumulators and panel (GB_SCRATCH_FLOATS). */
 size_t kern_scratch_floats(int n)
 {
     size_t f = (size_t)PACK_T * (size_t)n; /* float pairs */
     size_t q = (size_t)PACK_T * (size_t)n / 4 + (size_t)PACK_T * (size_t)n / 32 * 8; /* Q8 */
-    return (f > q ? f : q) + 16; /* + alignment slack */
+    size_t m = f > q ? f : q;
+    return (m > GB_SCRATCH_FLOATS ? m : GB_SCRATCH_FLOATS) + 16; /* + alignment slack */
 }
 
 /* ------------------------------------------------------------------------------------- */

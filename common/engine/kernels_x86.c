@@ -36,11 +36,7 @@
 #define PF_LIN 16384
 #define PF_LIN_ROW 4096
 
-#define ROW_BLOCK 16 /* rows per L2-resident block in prefill */
-/* F16 prefill from T = F16_WIDEN_T tokens widens WIDEN_ROWS rows at a time to floats in
- * the caller's scratch (kern_scratch_floats(n) >= PACK_T * n floats). */
-#define F16_WIDEN_T 8
-#define WIDEN_ROWS PACK_T
+#define ROW_BLOCK 16 /* rows per L2-resident block in prefill (Q8_0; F32/F16 without scratch) */
 
 #define TGT __attribute__((target("avx2,fma,f16c")))
 #define TILE static inline __attribute__((always_inline)) TGT
@@ -255,17 +251,185 @@ static const fast_fn fast_r1[2][4] = {
 static const q8_fn q8_r4[4] = {NULL, q8_4_1, q8_4_2, q8_4_3};
 static const q8_fn q8_r1[4] = {NULL, q8_1_1, q8_1_2, q8_1_3};
 
-/* F16 rows [r0, r0 + nr) of width n widened to floats at dst (nr * n floats): exact. */
-static TGT void widen_rows_f16(const uint8_t *w, size_t ws, int nr, int n, float *dst)
+/* --- FAST order prefill: the F32/F16 product blocked as a GEMM ----------------------
+ * From GB_MIN_T tokens (with the caller's scratch) the FAST kernel runs BLIS's loops
+ * around the 4-row x 3-token register tile, with the dot-product tile the order needs:
+ *
+ *   row superblocks of GB_MR rows (their weights are read from memory once per call)
+ *     token blocks of GB_TB tokens
+ *       column blocks of GB_KC columns (the token block's x[., k0 : k0 + GB_KC], 96 KB,
+ *       stays in L2 while every row of the superblock passes over it)
+ *         row panels of GB_MB rows, widened (F16, exact) or copied (F32) once into a
+ *         contiguous 16 KB panel (L1)
+ *           3-token x 4-row tiles over the panel
+ *
+ * Between column blocks a tile's 8-lane accumulators go to the accumulator buffer (GB_MR
+ * x GB_TB x 8 floats, L2) and come back unchanged, so each lane still accumulates
+ * fma(w[j], x[j], acc) for its j = k mod 8 in ascending order over the whole row: the
+ * FAST order exactly (the hsum8 and the n mod 8 tail at the last column block, as
+ * tile_fast). The blocking changes where operands come from, never an operation.
+ *
+ * Why this order (afb9008, reverted in 61c635f, had token blocks outside the row panels,
+ * so each 16-row panel streamed the token block's whole x, 768 KB-2 MB, from L3): here
+ * an activation byte comes from L3 once per GB_MR = 64 rows and from L2 once per panel,
+ * weights from memory once, so two threads sharing the L3 do not starve each other. */
+#define GB_FIRST 1
+#define GB_LAST 2
+
+/* R rows of the panel p (stride kc floats) x NT tokens of x (stride n, from column k0)
+ * over kc columns. ab: the tile's accumulators, token t row r at ab + t * lda + r * 8.
+ * mode: GB_FIRST starts from zero, else from ab; GB_LAST finishes (hsum8, the tail j in
+ * [n8, n) from the weight rows w, stride ws bytes, the output), else stores to ab. */
+TILE void tile_gb(const int R, const int NT, const float *p, int kc, const float *x, int n, int k0,
+                  float *ab, size_t lda, int mode, const uint8_t *w, size_t ws, int f16,
+                  float *const *out, int i)
+{
+    __m256 acc[4][3];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 3
+        for (int t = 0; t < NT; t++)
+            acc[r][t] = mode & GB_FIRST ? _mm256_setzero_ps()
+                                        : _mm256_load_ps(ab + (size_t)t * lda + (size_t)r * 8);
+    const float *xk = x + k0;
+#pragma GCC unroll 2
+    for (int j = 0; j < kc; j += 8) {
+        __m256 xv[3];
+#pragma GCC unroll 3
+        for (int t = 0; t < NT; t++)
+            xv[t] = _mm256_loadu_ps(xk + (size_t)t * n + j);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            __m256 wv = _mm256_load_ps(p + (size_t)r * kc + j);
+#pragma GCC unroll 3
+            for (int t = 0; t < NT; t++)
+                acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
+        }
+    }
+    if (!(mode & GB_LAST)) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 3
+            for (int t = 0; t < NT; t++)
+                _mm256_store_ps(ab + (size_t)t * lda + (size_t)r * 8, acc[r][t]);
+        return;
+    }
+    const int n8 = n & ~7;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+#pragma GCC unroll 3
+        for (int t = 0; t < NT; t++) {
+            float s = hsum8_avx2(acc[r][t]);
+            const float *xt = x + (size_t)t * n;
+            for (int j = n8; j < n; j++)
+                s = fmaf(load_w1(w + (size_t)r * ws, j, f16), xt[j], s);
+            out[t][i + r] = s;
+        }
+    }
+}
+
+#define DEF_GB(R, NT)                                                                              \
+    static TGT __attribute__((noinline)) void gb_##R##_##NT(                                       \
+        const float *p, int kc, const float *x, int n, int k0, float *ab, size_t lda, int mode,    \
+        const uint8_t *w, size_t ws, int f16, float *const *out, int i)                            \
+    {                                                                                              \
+        tile_gb(R, NT, p, kc, x, n, k0, ab, lda, mode, w, ws, f16, out, i);                        \
+    }
+DEF_GB(4, 3)
+DEF_GB(4, 2)
+DEF_GB(4, 1)
+DEF_GB(1, 3)
+DEF_GB(1, 2)
+DEF_GB(1, 1)
+
+typedef void (*gb_fn)(const float *, int, const float *, int, int, float *, size_t, int,
+                      const uint8_t *, size_t, int, float *const *, int);
+static const gb_fn gb_r4[4] = {NULL, gb_4_1, gb_4_2, gb_4_3};
+static const gb_fn gb_r1[4] = {NULL, gb_1_1, gb_1_2, gb_1_3};
+
+/* Columns [k0, k0 + kc) of nr rows (stride ws bytes) as floats into p (stride kc). */
+static TGT void gb_panel(const uint8_t *w, size_t ws, int f16, int nr, int k0, int kc, float *p)
 {
     for (int r = 0; r < nr; r++) {
-        const uint16_t *h = (const uint16_t *)(const void *)(w + (size_t)r * ws);
-        float *d = dst + (size_t)r * n;
-        int j = 0;
-        for (; j + 8 <= n; j += 8)
-            _mm256_storeu_ps(d + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))));
-        for (; j < n; j++)
-            d[j] = _cvtsh_ss(h[j]);
+        const uint8_t *row = w + (size_t)r * ws;
+        float *d = p + (size_t)r * kc;
+        if (f16) {
+            const uint16_t *h = (const uint16_t *)(const void *)row + k0;
+            for (int j = 0; j < kc; j += 8)
+                _mm256_store_ps(d + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))));
+        } else {
+            const float *f = (const float *)(const void *)row + k0;
+            for (int j = 0; j < kc; j += 8)
+                _mm256_store_ps(d + j, _mm256_loadu_ps(f + j));
+        }
+    }
+}
+
+/* The blocked FAST-order product (above) of rows [r0, r1), all T tokens; n >= 8. */
+static TGT void kern_x86_matmul_gemm_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
+                                          float *const *out, float *scratch)
+{
+    const int n = a->n, T = a->T, n8 = n & ~7, f16 = w->type == GGUF_TENSOR_F16;
+    const size_t ws = kern_row_bytes(w), es = f16 ? 2 : 4;
+    const uint8_t *base = w->data;
+    float *ab = (float *)(((uintptr_t)scratch + 31) & ~(uintptr_t)31);
+    float *pan = ab + (size_t)GB_MR * GB_TB * 8;
+    const size_t lda = (size_t)GB_MR * 8;
+    for (int rs = r0; rs < r1; rs += GB_MR) {
+        const int re = rs + GB_MR < r1 ? rs + GB_MR : r1;
+        for (int tb = 0; tb < T; tb += GB_TB) {
+            const int te = tb + GB_TB < T ? tb + GB_TB : T;
+            for (int k0 = 0; k0 < n8; k0 += GB_KC) {
+                const int kc = n8 - k0 < GB_KC ? n8 - k0 : GB_KC;
+                const int mode = (k0 == 0 ? GB_FIRST : 0) | (k0 + kc == n8 ? GB_LAST : 0);
+                for (int rb = rs; rb < re; rb += GB_MB) {
+                    const int nr = rb + GB_MB < re ? GB_MB : re - rb;
+                    const uint8_t *wr = base + (size_t)rb * ws;
+                    gb_panel(wr, ws, f16, nr, k0, kc, pan);
+                    /* the next panel's lines (the next rows at these columns, else the
+                     * superblock's first rows at the next columns), to L2, a few per token
+                     * tile: a panel widened from cold lines waits on each of them */
+                    int pnr, prow;
+                    size_t pk;
+                    if (rb + GB_MB < re) {
+                        prow = rb + GB_MB, pk = (size_t)k0;
+                        pnr = re - prow < GB_MB ? re - prow : GB_MB;
+                    } else if (k0 + GB_KC < n8) {
+                        prow = rs, pk = (size_t)k0 + GB_KC;
+                        pnr = re - rs < GB_MB ? re - rs : GB_MB;
+                    } else {
+                        prow = re, pk = 0, pnr = 0;
+                        if (te == T && re < r1)
+                            pnr = r1 - re < GB_MB ? r1 - re : GB_MB;
+                    }
+                    const int pkc = n8 - (int)pk < GB_KC ? n8 - (int)pk : GB_KC;
+                    const int lpr = (int)(((size_t)pkc * es + 63) / 64);
+                    const int per = (pnr * lpr * 3 + (te - tb) - 1) / (te - tb) + 1;
+                    const uint8_t *pw = base + (size_t)prow * ws + pk * es;
+                    int pr = 0, pl = 0;
+                    for (int t = tb; t < te; t += 3) {
+                        const int nt = te - t < 3 ? te - t : 3;
+                        for (int q = 0; q < per && pr < pnr; q++) {
+                            _mm_prefetch((const char *)(pw + (size_t)pr * ws) + 64 * pl,
+                                         _MM_HINT_T1);
+                            if (++pl == lpr) {
+                                pl = 0;
+                                pr++;
+                            }
+                        }
+                        const float *xt = a->x + (size_t)t * n;
+                        float *abt = ab + (size_t)(t - tb) * lda + (size_t)(rb - rs) * 8;
+                        int r = 0;
+                        for (; r + 4 <= nr; r += 4)
+                            gb_r4[nt](pan + (size_t)r * kc, kc, xt, n, k0, abt + (size_t)r * 8,
+                                      lda, mode, wr + (size_t)r * ws, ws, f16, out + t, rb + r);
+                        for (; r < nr; r++)
+                            gb_r1[nt](pan + (size_t)r * kc, kc, xt, n, k0, abt + (size_t)r * 8,
+                                      lda, mode, wr + (size_t)r * ws, ws, f16, out + t, rb + r);
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -275,25 +439,8 @@ TGT void kern_x86_matmul_fast_avx2(const kern_mat *w, const kern_act *a, int r0,
     const int n = a->n, T = a->T, f16 = w->type == GGUF_TENSOR_F16;
     const size_t ws = kern_row_bytes(w);
     const uint8_t *base = w->data;
-    if (f16 && T >= F16_WIDEN_T && scratch) {
-        /* prefill of F16 weights: WIDEN_ROWS rows widened to floats once, in the scratch
-         * (L2), then every token tile runs the F32 tiles over them, instead of converting
-         * each weight vector again for every 3 tokens; the same floats in the same order */
-        const size_t fs = (size_t)n * sizeof(float);
-        for (int rb = r0; rb < r1; rb += WIDEN_ROWS) {
-            int re = rb + WIDEN_ROWS < r1 ? rb + WIDEN_ROWS : r1;
-            widen_rows_f16(base + (size_t)rb * ws, ws, re - rb, n, scratch);
-            const uint8_t *sw = (const uint8_t *)scratch;
-            for (int t = 0; t < T; t += 3) {
-                int nt = T - t < 3 ? T - t : 3;
-                const float *xt = a->x + (size_t)t * n;
-                int i = rb;
-                for (; i + 4 <= re; i += 4)
-                    fast_r4[0][nt](sw + (size_t)(i - rb) * fs, fs, xt, n, out + t, i);
-                for (; i < re; i++)
-                    fast_r1[0][nt](sw + (size_t)(i - rb) * fs, fs, xt, n, out + t, i);
-            }
-        }
+    if (T >= GB_MIN_T && scratch && n >= 8) {
+        kern_x86_matmul_gemm_avx2(w, a, r0, r1, out, scratch);
         return;
     }
     if (T == 1) {
