@@ -37,6 +37,13 @@
 #define PF_LIN_ROW 4096
 
 #define ROW_BLOCK 16 /* rows per L2-resident block in prefill (Q8_0; F32/F16 without scratch) */
+/* Q8X8 prefill from Q8_PP_T tokens: Q8_PP_ROWS rows at a time under every token */
+#ifndef Q8_PP_T
+#define Q8_PP_T 16
+#endif
+#ifndef Q8_PP_ROWS
+#define Q8_PP_ROWS 16
+#endif
 
 #define TGT __attribute__((target("avx2,fma,f16c")))
 #define TILE static inline __attribute__((always_inline)) TGT
@@ -603,6 +610,17 @@ DEF_Q8X8(4, 1, 0)
 DEF_Q8X8(1, 3, 0)
 DEF_Q8X8(1, 2, 0)
 DEF_Q8X8(1, 1, 0)
+/* Prefill (T >= Q8_PP_T): the batch-1 tile's shape, a whole group x one token, without
+ * its prefetch (the group is in cache for every token after the first). Against the 4 x 3
+ * tile (q8x8_4_3), whose 12 accumulators, 3 activation and 2 weight registers spill
+ * (AVX2 has 16), and which takes |w| per row and token tile: the 8 accumulators, x, |x|
+ * and the 8 scales stay in registers, |x| is taken once per block for 8 rows. */
+static TGT __attribute__((noinline)) void q8x8_pp(const uint8_t *g, size_t so, int rr,
+                                                  const float *xd, const int8_t *xs, int n,
+                                                  float *const *out, int i)
+{
+    tile_q8x8(8, 1, 0, g, so, rr, xd, xs, n, out, i);
+}
 
 typedef void (*q8x8_fn)(const uint8_t *, size_t, int, const float *, const int8_t *, int,
                         float *const *, int);
@@ -625,6 +643,25 @@ TGT void kern_x86_matmul_q8x8_avx2(const kern_mat *w, const kern_act *a, int r0,
             q8x8_8_1(GRP(i), so, 0, a->q_d, a->q_s, n, out, i);
         for (; i < r1; i++)
             q8x8_1_1(GRP(i), so, i % 8, a->q_d, a->q_s, n, out, i);
+        return;
+    }
+    if (T >= Q8_PP_T) {
+        /* prefill: whole groups, one token at a time (q8x8_pp), Q8_PP_ROWS rows (in L1 or
+         * L2) under every token of the call before the next rows */
+        for (int rb = r0; rb < r1; rb += Q8_PP_ROWS) {
+            int re = rb + Q8_PP_ROWS < r1 ? rb + Q8_PP_ROWS : r1;
+            for (int t = 0; t < T; t++) {
+                const float *xd = a->q_d + (size_t)t * nb;
+                const int8_t *xs = a->q_s + (size_t)t * n;
+                int i = rb;
+                for (; i < re && i % 8 != 0; i++)
+                    q8x8_1_1(GRP(i), so, i % 8, xd, xs, n, out + t, i);
+                for (; i + 8 <= re; i += 8)
+                    q8x8_pp(GRP(i), so, 0, xd, xs, n, out + t, i);
+                for (; i < re; i++)
+                    q8x8_1_1(GRP(i), so, i % 8, xd, xs, n, out + t, i);
+            }
+        }
         return;
     }
     for (int rb = r0; rb < r1; rb += ROW_BLOCK) {
