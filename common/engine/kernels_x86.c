@@ -8,9 +8,12 @@
  * (R * NT independent 8-lane accumulators hide the FMA latency, each weight vector loaded
  * is used NT times, each activation vector R times); the tile shape changes which dot
  * products run side by side, never the operations of one dot product. For prefill the
- * rows are taken in blocks of ROW_BLOCK that stay in L2 while every token tile passes
- * over them, so each weight byte comes from memory once per call; F16 rows are widened
- * to floats once per block (8 rows, in the caller's scratch) from T = 8 on.
+ * rows are taken in blocks that stay in cache while every token passes over them, so
+ * each weight byte comes from memory once per call; F32/F16 prefill (T >= 8 with the
+ * caller's scratch) is blocked further, as a GEMM ("FAST order prefill" below): weight
+ * panels widened to floats in L1, activations in L2, accumulators kept in memory between
+ * column blocks, the same operations in the same order. Q8X8 prefill (T >= 16) runs
+ * whole 8-row groups one token at a time (q8x8_pp).
  *
  * Q8_0 matrices repacked at load (KERN_LAYOUT_Q8X8, kernels.h) have their own tiles
  * (tile_q8x8): a group of 8 rows is one linear stream, its 8 scales one load per block.
@@ -280,6 +283,12 @@ static const q8_fn q8_r1[4] = {NULL, q8_1_1, q8_1_2, q8_1_3};
  * so each 16-row panel streamed the token block's whole x, 768 KB-2 MB, from L3): here
  * an activation byte comes from L3 once per GB_MR = 64 rows and from L2 once per panel,
  * weights from memory once, so two threads sharing the L3 do not starve each other. */
+/* Software prefetch (1; 0: none) of the next panel's weights, spread over the token
+ * tiles of this one (measured alike with and without on the 1B shapes: kept for cold
+ * rows, whose widening otherwise waits on every line) */
+#ifndef GB_PF
+#define GB_PF 1
+#endif
 #define GB_FIRST 1
 #define GB_LAST 2
 
@@ -416,7 +425,7 @@ static TGT void kern_x86_matmul_gemm_avx2(const kern_mat *w, const kern_act *a, 
                     int pr = 0, pl = 0;
                     for (int t = tb; t < te; t += 3) {
                         const int nt = te - t < 3 ? te - t : 3;
-                        for (int q = 0; q < per && pr < pnr; q++) {
+                        for (int q = 0; GB_PF && q < per && pr < pnr; q++) {
                             _mm_prefetch((const char *)(pw + (size_t)pr * ws) + 64 * pl,
                                          _MM_HINT_T1);
                             if (++pl == lpr) {
