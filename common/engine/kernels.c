@@ -70,13 +70,12 @@ kern_isa kern_isa_detect(void)
 }
 
 /* AVX-512 scratch: PACK_T tokens packed in pairs (floats, or Q8 bytes + pair scales);
- * AVX2 F32/F16 prefill: the blocked kernel's accumulators and panel (GB_SCRATCH_FLOATS). */
+ * the reference kernels: a row as floats. */
 size_t kern_scratch_floats(int n)
 {
     size_t f = (size_t)PACK_T * (size_t)n; /* float pairs */
     size_t q = (size_t)PACK_T * (size_t)n / 4 + (size_t)PACK_T * (size_t)n / 32 * 8; /* Q8 */
-    size_t m = f > q ? f : q;
-    return (m > GB_SCRATCH_FLOATS ? m : GB_SCRATCH_FLOATS) + 16; /* + alignment slack */
+    return (f > q ? f : q) + 16; /* + alignment slack */
 }
 
 /* ------------------------------------------------------------------------------------- */

@@ -14,26 +14,17 @@
 /* Tokens the AVX-512 kernels take at once (4 pairs); sizes the per-thread scratch. */
 #define PACK_T 8
 
-/* The blocked FAST-order F32/F16 prefill kernel (kernels_x86.c, "FAST order prefill"):
- * from GB_MIN_T tokens; row superblocks of GB_MR rows, token blocks of GB_TB, column
- * blocks of GB_KC, panels of GB_MB rows; its scratch: the accumulators (GB_MR x GB_TB x
- * 8 floats), the panel (GB_MB x GB_KC floats), 32-byte alignment. */
+/* The FAST-order F32/F16 prefill kernel (kernels_x86.c, "FAST order prefill"): from
+ * GB_MIN_T tokens, row superblocks of GB_MR rows x token blocks of GB_TB tokens. */
 #ifndef GB_MIN_T
 #define GB_MIN_T 8
 #endif
 #ifndef GB_MR
-#define GB_MR 64
-#endif
-#ifndef GB_MB
-#define GB_MB 16
-#endif
-#ifndef GB_KC
-#define GB_KC 256
+#define GB_MR 128
 #endif
 #ifndef GB_TB
-#define GB_TB 96
+#define GB_TB 12
 #endif
-#define GB_SCRATCH_FLOATS ((size_t)GB_MR * GB_TB * 8 + (size_t)GB_MB * GB_KC + 8)
 
 /* Bytes of one weight row. */
 static inline size_t kern_row_bytes(const kern_mat *w)
@@ -53,7 +44,7 @@ static inline size_t kern_q8x8_gbytes(int nb)
 
 #ifdef KERN_HAVE_X86
 /* AVX2: EXACT-order F32 (scratch: kern_scratch_floats(n) floats), FAST-order F32/F16
- * (scratch: the same, or NULL: F32/F16 prefill then runs the unblocked tiles) and Q8_0
+ * (scratch: unused) and Q8_0
  * products of rows [r0, r1), all T tokens. */
 void kern_x86_matmul_exact_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
                                 float *const *out, float *scratch);

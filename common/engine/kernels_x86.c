@@ -9,11 +9,10 @@
  * is used NT times, each activation vector R times); the tile shape changes which dot
  * products run side by side, never the operations of one dot product. For prefill the
  * rows are taken in blocks that stay in cache while every token passes over them, so
- * each weight byte comes from memory once per call; F32/F16 prefill (T >= 8 with the
- * caller's scratch) is blocked further, as a GEMM ("FAST order prefill" below): weight
- * panels widened to floats in L1, activations in L2, accumulators kept in memory between
- * column blocks, the same operations in the same order. Q8X8 prefill (T >= 16) runs
- * whole 8-row groups one token at a time (q8x8_pp).
+ * each weight byte comes from memory once per call; F32/F16 prefill (T >= 8) runs row
+ * superblocks x token blocks ("FAST order prefill" below) so that a block of activations
+ * stays in L2 for many rows. Q8X8 prefill (T >= 16) runs whole 8-row groups one token at a
+ * time (q8x8_pp).
  *
  * Q8_0 matrices repacked at load (KERN_LAYOUT_Q8X8, kernels.h) have their own tiles
  * (tile_q8x8): a group of 8 rows is one linear stream, its 8 scales one load per block.
@@ -39,7 +38,7 @@
 #define PF_LIN 16384
 #define PF_LIN_ROW 4096
 
-#define ROW_BLOCK 16 /* rows per L2-resident block in prefill (Q8_0; F32/F16 without scratch) */
+#define ROW_BLOCK 16 /* rows per L2-resident block in prefill (Q8_0; F32/F16 at T < GB_MIN_T) */
 /* Q8X8 prefill from Q8_PP_T tokens: Q8_PP_ROWS rows at a time under every token */
 #ifndef Q8_PP_T
 #define Q8_PP_T 16
@@ -261,190 +260,40 @@ static const fast_fn fast_r1[2][4] = {
 static const q8_fn q8_r4[4] = {NULL, q8_4_1, q8_4_2, q8_4_3};
 static const q8_fn q8_r1[4] = {NULL, q8_1_1, q8_1_2, q8_1_3};
 
-/* --- FAST order prefill: the F32/F16 product blocked as a GEMM ----------------------
- * From GB_MIN_T tokens (with the caller's scratch) the FAST kernel runs BLIS's loops
- * around the 4-row x 3-token register tile, with the dot-product tile the order needs:
+/* --- FAST order prefill: row superblocks x token blocks ------------------------------
+ * From GB_MIN_T tokens the FAST kernel loops as llama.cpp's tinyBLAS gemm does around
+ * the same 4-row x 3-token register tile over whole rows (tile_fast, F16 converted in
+ * the tile): row superblocks of GB_MR rows, in them token blocks of GB_TB tokens (their
+ * activations, 96 KB at n = 2048, stay in L2 while every 4-row tile of the superblock
+ * passes over them), in them 4-row tiles (a tile's F16 rows, 16 KB, stay in L1 for the
+ * block's token tiles). The tiles are the unblocked kernel's, so the order is too.
  *
- *   row superblocks of GB_MR rows (their weights are read from memory once per call)
- *     token blocks of GB_TB tokens
- *       column blocks of GB_KC columns (the token block's x[., k0 : k0 + GB_KC], 96 KB,
- *       stays in L2 while every row of the superblock passes over it)
- *         row panels of GB_MB rows, widened (F16, exact) or copied (F32) once into a
- *         contiguous 16 KB panel (L1)
- *           3-token x 4-row tiles over the panel
- *
- * Between column blocks a tile's 8-lane accumulators go to the accumulator buffer (GB_MR
- * x GB_TB x 8 floats, L2) and come back unchanged, so each lane still accumulates
- * fma(w[j], x[j], acc) for its j = k mod 8 in ascending order over the whole row: the
- * FAST order exactly (the hsum8 and the n mod 8 tail at the last column block, as
- * tile_fast). The blocking changes where operands come from, never an operation.
- *
- * Why this order (afb9008, reverted in 61c635f, had token blocks outside the row panels,
- * so each 16-row panel streamed the token block's whole x, 768 KB-2 MB, from L3): here
- * an activation byte comes from L3 once per GB_MR = 64 rows and from L2 once per panel,
- * weights from memory once, so two threads sharing the L3 do not starve each other. */
-/* Software prefetch (1; 0: none) of the next panel's weights, spread over the token
- * tiles of this one (measured alike with and without on the 1B shapes: kept for cold
- * rows, whose widening otherwise waits on every line) */
-#ifndef GB_PF
-#define GB_PF 1
-#endif
-#define GB_FIRST 1
-#define GB_LAST 2
-
-/* R rows of the panel p (stride kc floats) x NT tokens of x (stride n, from column k0)
- * over kc columns. ab: the tile's accumulators, token t row r at ab + t * lda + r * 8.
- * mode: GB_FIRST starts from zero, else from ab; GB_LAST finishes (hsum8, the tail j in
- * [n8, n) from the weight rows w, stride ws bytes, the output), else stores to ab. */
-TILE void tile_gb(const int R, const int NT, const float *p, int kc, const float *x, int n, int k0,
-                  float *ab, size_t lda, int mode, const uint8_t *w, size_t ws, int f16,
-                  float *const *out, int i)
+ * Measured against the alternatives on the 1B shapes (T = 512; 2048x2048, 5632x2048,
+ * 2048x5632; CPU time, alternating, medians; docs/bench.md): F16 rows widened 8 at a time
+ * into the scratch with every token tile over them (the kernel before): 0.70x; a
+ * GEMM-blocked kernel with 16-row panels widened into L1, 256-column blocks and the
+ * 8-lane accumulators kept in memory between them: 0.75-0.8x (widening cold lines and
+ * the accumulator traffic cost more than the L1 panel saves). Superblocks of 32, 64 (48
+ * tokens) and 128 rows (12 tokens): 0.75x, 0.95x, 1x. */
+static TGT void matmul_fast_prefill(const kern_mat *w, const kern_act *a, int r0, int r1,
+                                    float *const *out)
 {
-    __m256 acc[4][3];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 3
-        for (int t = 0; t < NT; t++)
-            acc[r][t] = mode & GB_FIRST ? _mm256_setzero_ps()
-                                        : _mm256_load_ps(ab + (size_t)t * lda + (size_t)r * 8);
-    const float *xk = x + k0;
-#pragma GCC unroll 2
-    for (int j = 0; j < kc; j += 8) {
-        __m256 xv[3];
-#pragma GCC unroll 3
-        for (int t = 0; t < NT; t++)
-            xv[t] = _mm256_loadu_ps(xk + (size_t)t * n + j);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            __m256 wv = _mm256_load_ps(p + (size_t)r * kc + j);
-#pragma GCC unroll 3
-            for (int t = 0; t < NT; t++)
-                acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
-        }
-    }
-    if (!(mode & GB_LAST)) {
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-#pragma GCC unroll 3
-            for (int t = 0; t < NT; t++)
-                _mm256_store_ps(ab + (size_t)t * lda + (size_t)r * 8, acc[r][t]);
-        return;
-    }
-    const int n8 = n & ~7;
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-#pragma GCC unroll 3
-        for (int t = 0; t < NT; t++) {
-            float s = hsum8_avx2(acc[r][t]);
-            const float *xt = x + (size_t)t * n;
-            for (int j = n8; j < n; j++)
-                s = fmaf(load_w1(w + (size_t)r * ws, j, f16), xt[j], s);
-            out[t][i + r] = s;
-        }
-    }
-}
-
-#define DEF_GB(R, NT)                                                                              \
-    static TGT __attribute__((noinline)) void gb_##R##_##NT(                                       \
-        const float *p, int kc, const float *x, int n, int k0, float *ab, size_t lda, int mode,    \
-        const uint8_t *w, size_t ws, int f16, float *const *out, int i)                            \
-    {                                                                                              \
-        tile_gb(R, NT, p, kc, x, n, k0, ab, lda, mode, w, ws, f16, out, i);                        \
-    }
-DEF_GB(4, 3)
-DEF_GB(4, 2)
-DEF_GB(4, 1)
-DEF_GB(1, 3)
-DEF_GB(1, 2)
-DEF_GB(1, 1)
-
-typedef void (*gb_fn)(const float *, int, const float *, int, int, float *, size_t, int,
-                      const uint8_t *, size_t, int, float *const *, int);
-static const gb_fn gb_r4[4] = {NULL, gb_4_1, gb_4_2, gb_4_3};
-static const gb_fn gb_r1[4] = {NULL, gb_1_1, gb_1_2, gb_1_3};
-
-/* Columns [k0, k0 + kc) of nr rows (stride ws bytes) as floats into p (stride kc). */
-static TGT void gb_panel(const uint8_t *w, size_t ws, int f16, int nr, int k0, int kc, float *p)
-{
-    for (int r = 0; r < nr; r++) {
-        const uint8_t *row = w + (size_t)r * ws;
-        float *d = p + (size_t)r * kc;
-        if (f16) {
-            const uint16_t *h = (const uint16_t *)(const void *)row + k0;
-            for (int j = 0; j < kc; j += 8)
-                _mm256_store_ps(d + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))));
-        } else {
-            const float *f = (const float *)(const void *)row + k0;
-            for (int j = 0; j < kc; j += 8)
-                _mm256_store_ps(d + j, _mm256_loadu_ps(f + j));
-        }
-    }
-}
-
-/* The blocked FAST-order product (above) of rows [r0, r1), all T tokens; n >= 8. */
-static TGT void kern_x86_matmul_gemm_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
-                                          float *const *out, float *scratch)
-{
-    const int n = a->n, T = a->T, n8 = n & ~7, f16 = w->type == GGUF_TENSOR_F16;
-    const size_t ws = kern_row_bytes(w), es = f16 ? 2 : 4;
+    const int n = a->n, T = a->T, f16 = w->type == GGUF_TENSOR_F16;
+    const size_t ws = kern_row_bytes(w);
     const uint8_t *base = w->data;
-    float *ab = (float *)(((uintptr_t)scratch + 31) & ~(uintptr_t)31);
-    float *pan = ab + (size_t)GB_MR * GB_TB * 8;
-    const size_t lda = (size_t)GB_MR * 8;
     for (int rs = r0; rs < r1; rs += GB_MR) {
         const int re = rs + GB_MR < r1 ? rs + GB_MR : r1;
         for (int tb = 0; tb < T; tb += GB_TB) {
             const int te = tb + GB_TB < T ? tb + GB_TB : T;
-            for (int k0 = 0; k0 < n8; k0 += GB_KC) {
-                const int kc = n8 - k0 < GB_KC ? n8 - k0 : GB_KC;
-                const int mode = (k0 == 0 ? GB_FIRST : 0) | (k0 + kc == n8 ? GB_LAST : 0);
-                for (int rb = rs; rb < re; rb += GB_MB) {
-                    const int nr = rb + GB_MB < re ? GB_MB : re - rb;
-                    const uint8_t *wr = base + (size_t)rb * ws;
-                    gb_panel(wr, ws, f16, nr, k0, kc, pan);
-                    /* the next panel's lines (the next rows at these columns, else the
-                     * superblock's first rows at the next columns), to L2, a few per token
-                     * tile: a panel widened from cold lines waits on each of them */
-                    int pnr, prow;
-                    size_t pk;
-                    if (rb + GB_MB < re) {
-                        prow = rb + GB_MB, pk = (size_t)k0;
-                        pnr = re - prow < GB_MB ? re - prow : GB_MB;
-                    } else if (k0 + GB_KC < n8) {
-                        prow = rs, pk = (size_t)k0 + GB_KC;
-                        pnr = re - rs < GB_MB ? re - rs : GB_MB;
-                    } else {
-                        prow = re, pk = 0, pnr = 0;
-                        if (te == T && re < r1)
-                            pnr = r1 - re < GB_MB ? r1 - re : GB_MB;
-                    }
-                    const int pkc = n8 - (int)pk < GB_KC ? n8 - (int)pk : GB_KC;
-                    const int lpr = (int)(((size_t)pkc * es + 63) / 64);
-                    const int per = (pnr * lpr * 3 + (te - tb) - 1) / (te - tb) + 1;
-                    const uint8_t *pw = base + (size_t)prow * ws + pk * es;
-                    int pr = 0, pl = 0;
-                    for (int t = tb; t < te; t += 3) {
-                        const int nt = te - t < 3 ? te - t : 3;
-                        for (int q = 0; GB_PF && q < per && pr < pnr; q++) {
-                            _mm_prefetch((const char *)(pw + (size_t)pr * ws) + 64 * pl,
-                                         _MM_HINT_T1);
-                            if (++pl == lpr) {
-                                pl = 0;
-                                pr++;
-                            }
-                        }
-                        const float *xt = a->x + (size_t)t * n;
-                        float *abt = ab + (size_t)(t - tb) * lda + (size_t)(rb - rs) * 8;
-                        int r = 0;
-                        for (; r + 4 <= nr; r += 4)
-                            gb_r4[nt](pan + (size_t)r * kc, kc, xt, n, k0, abt + (size_t)r * 8,
-                                      lda, mode, wr + (size_t)r * ws, ws, f16, out + t, rb + r);
-                        for (; r < nr; r++)
-                            gb_r1[nt](pan + (size_t)r * kc, kc, xt, n, k0, abt + (size_t)r * 8,
-                                      lda, mode, wr + (size_t)r * ws, ws, f16, out + t, rb + r);
-                    }
-                }
-            }
+            int i = rs;
+            for (; i + 4 <= re; i += 4)
+                for (int t = tb; t < te; t += 3)
+                    fast_r4[f16][te - t < 3 ? te - t : 3](base + (size_t)i * ws, ws,
+                                                          a->x + (size_t)t * n, n, out + t, i);
+            for (; i < re; i++)
+                for (int t = tb; t < te; t += 3)
+                    fast_r1[f16][te - t < 3 ? te - t : 3](base + (size_t)i * ws, ws,
+                                                          a->x + (size_t)t * n, n, out + t, i);
         }
     }
 }
@@ -455,8 +304,8 @@ TGT void kern_x86_matmul_fast_avx2(const kern_mat *w, const kern_act *a, int r0,
     const int n = a->n, T = a->T, f16 = w->type == GGUF_TENSOR_F16;
     const size_t ws = kern_row_bytes(w);
     const uint8_t *base = w->data;
-    if (T >= GB_MIN_T && scratch && n >= 8) {
-        kern_x86_matmul_gemm_avx2(w, a, r0, r1, out, scratch);
+    if (T >= GB_MIN_T) {
+        matmul_fast_prefill(w, a, r0, r1, out);
         return;
     }
     if (T == 1) {

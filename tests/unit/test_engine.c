@@ -1343,16 +1343,14 @@ static void test_kernels_vs_reference(void **state)
     }
 }
 
-/* The FAST-order F32/F16 prefill kernels (T >= 8: the AVX2 one is blocked as a GEMM in
- * row superblocks of 64, token blocks of 96, column blocks of 256 and panels of 16 rows,
- * its 8-lane accumulators kept in memory between column blocks, kernels_x86.c) against
- * the single-dot reference, bit for bit, at prefill sizes test_kernels_vs_reference does
- * not reach: T from below the blocked kernel's threshold to 200, past one and two token
- * blocks and not a multiple of 3, n from below 8 (no vector step) to 2051 with n % 8
- * tails and partial column blocks, rows not a multiple of the 4-row tile, of the panel or
- * of the superblock (70, 133), row ranges cut at odd rows (superblocks starting off the
- * panel grid), with and without the scratch (NULL, AVX2: the unblocked tiles), on every
- * instruction set this CPU has. */
+/* The FAST-order F32/F16 prefill kernels (T >= 8: the AVX2 one runs row superblocks of
+ * 128 rows x token blocks of 12 tokens over the 4-row x 3-token tiles, kernels_x86.c)
+ * against the single-dot reference, bit for bit, at prefill sizes
+ * test_kernels_vs_reference does not reach: T from below the prefill threshold to 200,
+ * past many token blocks and not a multiple of 3 or of the block, n from below 8 (no
+ * vector step) to 2051 with n % 8 tails, rows not a multiple of the 4-row tile or of the
+ * superblock (133), row ranges cut at odd rows (superblocks starting off the tile grid),
+ * with and without the scratch, on every instruction set this CPU has. */
 static void test_kernels_prefill_blocked(void **state)
 {
     const int shapes[][2] = {{5, 8},    {7, 5},     {19, 300}, {33, 256}, {16, 257}, {18, 513},
