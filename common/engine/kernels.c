@@ -70,7 +70,7 @@ kern_isa kern_isa_detect(void)
 }
 
 /* AVX-512 scratch: PACK_T tokens packed in pairs (floats, or Q8 bytes + pair scales);
- * AVX2 F16 prefill: PACK_T rows widened to floats. */
+ * the reference kernels: a row as floats. */
 size_t kern_scratch_floats(int n)
 {
     size_t f = (size_t)PACK_T * (size_t)n; /* float pairs */

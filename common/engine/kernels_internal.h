@@ -14,6 +14,18 @@
 /* Tokens the AVX-512 kernels take at once (4 pairs); sizes the per-thread scratch. */
 #define PACK_T 8
 
+/* The FAST-order F32/F16 prefill kernel (kernels_x86.c, "FAST order prefill"): from
+ * GB_MIN_T tokens, row superblocks of GB_MR rows x token blocks of GB_TB tokens. */
+#ifndef GB_MIN_T
+#define GB_MIN_T 8
+#endif
+#ifndef GB_MR
+#define GB_MR 128
+#endif
+#ifndef GB_TB
+#define GB_TB 12
+#endif
+
 /* Bytes of one weight row. */
 static inline size_t kern_row_bytes(const kern_mat *w)
 {
@@ -32,7 +44,7 @@ static inline size_t kern_q8x8_gbytes(int nb)
 
 #ifdef KERN_HAVE_X86
 /* AVX2: EXACT-order F32 (scratch: kern_scratch_floats(n) floats), FAST-order F32/F16
- * (scratch: the same, or NULL: F16 prefill then converts per token tile) and Q8_0
+ * (scratch: unused) and Q8_0
  * products of rows [r0, r1), all T tokens. */
 void kern_x86_matmul_exact_avx2(const kern_mat *w, const kern_act *a, int r0, int r1,
                                 float *const *out, float *scratch);

@@ -8,9 +8,11 @@
  * (R * NT independent 8-lane accumulators hide the FMA latency, each weight vector loaded
  * is used NT times, each activation vector R times); the tile shape changes which dot
  * products run side by side, never the operations of one dot product. For prefill the
- * rows are taken in blocks of ROW_BLOCK that stay in L2 while every token tile passes
- * over them, so each weight byte comes from memory once per call; F16 rows are widened
- * to floats once per block (8 rows, in the caller's scratch) from T = 8 on.
+ * rows are taken in blocks that stay in cache while every token passes over them, so
+ * each weight byte comes from memory once per call; F32/F16 prefill (T >= 8) runs row
+ * superblocks x token blocks ("FAST order prefill" below) so that a block of activations
+ * stays in L2 for many rows. Q8X8 prefill (T >= 16) runs whole 8-row groups one token at a
+ * time (q8x8_pp).
  *
  * Q8_0 matrices repacked at load (KERN_LAYOUT_Q8X8, kernels.h) have their own tiles
  * (tile_q8x8): a group of 8 rows is one linear stream, its 8 scales one load per block;
@@ -37,11 +39,14 @@
 #define PF_LIN 16384
 #define PF_LIN_ROW 4096
 
-#define ROW_BLOCK 16 /* rows per L2-resident block in prefill */
-/* F16 prefill from T = F16_WIDEN_T tokens widens WIDEN_ROWS rows at a time to floats in
- * the caller's scratch (kern_scratch_floats(n) >= PACK_T * n floats). */
-#define F16_WIDEN_T 8
-#define WIDEN_ROWS PACK_T
+#define ROW_BLOCK 16 /* rows per L2-resident block in prefill (Q8_0; F32/F16 at T < GB_MIN_T) */
+/* Q8X8 prefill from Q8_PP_T tokens: Q8_PP_ROWS rows at a time under every token */
+#ifndef Q8_PP_T
+#define Q8_PP_T 16
+#endif
+#ifndef Q8_PP_ROWS
+#define Q8_PP_ROWS 16
+#endif
 
 #define TGT __attribute__((target("avx2,fma,f16c")))
 #define TILE static inline __attribute__((always_inline)) TGT
@@ -256,17 +261,41 @@ static const fast_fn fast_r1[2][4] = {
 static const q8_fn q8_r4[4] = {NULL, q8_4_1, q8_4_2, q8_4_3};
 static const q8_fn q8_r1[4] = {NULL, q8_1_1, q8_1_2, q8_1_3};
 
-/* F16 rows [r0, r0 + nr) of width n widened to floats at dst (nr * n floats): exact. */
-static TGT void widen_rows_f16(const uint8_t *w, size_t ws, int nr, int n, float *dst)
+/* --- FAST order prefill: row superblocks x token blocks ------------------------------
+ * From GB_MIN_T tokens the FAST kernel loops as llama.cpp's tinyBLAS gemm does around
+ * the same 4-row x 3-token register tile over whole rows (tile_fast, F16 converted in
+ * the tile): row superblocks of GB_MR rows, in them token blocks of GB_TB tokens (their
+ * activations, 96 KB at n = 2048, stay in L2 while every 4-row tile of the superblock
+ * passes over them), in them 4-row tiles (a tile's F16 rows, 16 KB, stay in L1 for the
+ * block's token tiles). The tiles are the unblocked kernel's, so the order is too.
+ *
+ * Measured against the alternatives on the 1B shapes (T = 512; 2048x2048, 5632x2048,
+ * 2048x5632; CPU time, alternating, medians; docs/bench.md): F16 rows widened 8 at a time
+ * into the scratch with every token tile over them (the kernel before): 0.70x; a
+ * GEMM-blocked kernel with 16-row panels widened into L1, 256-column blocks and the
+ * 8-lane accumulators kept in memory between them: 0.75-0.8x (widening cold lines and
+ * the accumulator traffic cost more than the L1 panel saves). Superblocks of 32, 64 (48
+ * tokens) and 128 rows (12 tokens): 0.75x, 0.95x, 1x. */
+static TGT void matmul_fast_prefill(const kern_mat *w, const kern_act *a, int r0, int r1,
+                                    float *const *out)
 {
-    for (int r = 0; r < nr; r++) {
-        const uint16_t *h = (const uint16_t *)(const void *)(w + (size_t)r * ws);
-        float *d = dst + (size_t)r * n;
-        int j = 0;
-        for (; j + 8 <= n; j += 8)
-            _mm256_storeu_ps(d + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))));
-        for (; j < n; j++)
-            d[j] = _cvtsh_ss(h[j]);
+    const int n = a->n, T = a->T, f16 = w->type == GGUF_TENSOR_F16;
+    const size_t ws = kern_row_bytes(w);
+    const uint8_t *base = w->data;
+    for (int rs = r0; rs < r1; rs += GB_MR) {
+        const int re = rs + GB_MR < r1 ? rs + GB_MR : r1;
+        for (int tb = 0; tb < T; tb += GB_TB) {
+            const int te = tb + GB_TB < T ? tb + GB_TB : T;
+            int i = rs;
+            for (; i + 4 <= re; i += 4)
+                for (int t = tb; t < te; t += 3)
+                    fast_r4[f16][te - t < 3 ? te - t : 3](base + (size_t)i * ws, ws,
+                                                          a->x + (size_t)t * n, n, out + t, i);
+            for (; i < re; i++)
+                for (int t = tb; t < te; t += 3)
+                    fast_r1[f16][te - t < 3 ? te - t : 3](base + (size_t)i * ws, ws,
+                                                          a->x + (size_t)t * n, n, out + t, i);
+        }
     }
 }
 
@@ -276,25 +305,8 @@ TGT void kern_x86_matmul_fast_avx2(const kern_mat *w, const kern_act *a, int r0,
     const int n = a->n, T = a->T, f16 = w->type == GGUF_TENSOR_F16;
     const size_t ws = kern_row_bytes(w);
     const uint8_t *base = w->data;
-    if (f16 && T >= F16_WIDEN_T && scratch) {
-        /* prefill of F16 weights: WIDEN_ROWS rows widened to floats once, in the scratch
-         * (L2), then every token tile runs the F32 tiles over them, instead of converting
-         * each weight vector again for every 3 tokens; the same floats in the same order */
-        const size_t fs = (size_t)n * sizeof(float);
-        for (int rb = r0; rb < r1; rb += WIDEN_ROWS) {
-            int re = rb + WIDEN_ROWS < r1 ? rb + WIDEN_ROWS : r1;
-            widen_rows_f16(base + (size_t)rb * ws, ws, re - rb, n, scratch);
-            const uint8_t *sw = (const uint8_t *)scratch;
-            for (int t = 0; t < T; t += 3) {
-                int nt = T - t < 3 ? T - t : 3;
-                const float *xt = a->x + (size_t)t * n;
-                int i = rb;
-                for (; i + 4 <= re; i += 4)
-                    fast_r4[0][nt](sw + (size_t)(i - rb) * fs, fs, xt, n, out + t, i);
-                for (; i < re; i++)
-                    fast_r1[0][nt](sw + (size_t)(i - rb) * fs, fs, xt, n, out + t, i);
-            }
-        }
+    if (T >= GB_MIN_T) {
+        matmul_fast_prefill(w, a, r0, r1, out);
         return;
     }
     if (T == 1) {
@@ -445,6 +457,17 @@ DEF_Q8X8(4, 1, 0)
 DEF_Q8X8(1, 3, 0)
 DEF_Q8X8(1, 2, 0)
 DEF_Q8X8(1, 1, 0)
+/* Prefill (T >= Q8_PP_T): the batch-1 tile's shape, a whole group x one token, without
+ * its prefetch (the group is in cache for every token after the first). Against the 4 x 3
+ * tile (q8x8_4_3), whose 12 accumulators, 3 activation and 2 weight registers spill
+ * (AVX2 has 16), and which takes |w| per row and token tile: the 8 accumulators, x, |x|
+ * and the 8 scales stay in registers, |x| is taken once per block for 8 rows. */
+static TGT __attribute__((noinline)) void q8x8_pp(const uint8_t *g, size_t so, int rr,
+                                                  const float *xd, const int8_t *xs, int n,
+                                                  float *const *out, int i)
+{
+    tile_q8x8(8, 1, 0, g, so, rr, xd, xs, n, out, i);
+}
 
 /* T = 2, 3 (the MTP verify shapes) on whole groups: the 8-row 1-token tile, run once per
  * token over chunks of Q8X8_CHUNK blocks (4 KB of quants, in L1), the accumulators kept in
@@ -564,6 +587,25 @@ TGT void kern_x86_matmul_q8x8_avx2(const kern_mat *w, const kern_act *a, int r0,
                 q8x8_r1[T - t < 3 ? T - t : 3](GRP(i), so, i % 8, a->q_d + (size_t)t * nb,
                                                a->q_s + (size_t)t * n, n, out + t, i);
             i++;
+        }
+        return;
+    }
+    if (T >= Q8_PP_T) {
+        /* prefill: whole groups, one token at a time (q8x8_pp), Q8_PP_ROWS rows (in L1 or
+         * L2) under every token of the call before the next rows */
+        for (int rb = r0; rb < r1; rb += Q8_PP_ROWS) {
+            int re = rb + Q8_PP_ROWS < r1 ? rb + Q8_PP_ROWS : r1;
+            for (int t = 0; t < T; t++) {
+                const float *xd = a->q_d + (size_t)t * nb;
+                const int8_t *xs = a->q_s + (size_t)t * n;
+                int i = rb;
+                for (; i < re && i % 8 != 0; i++)
+                    q8x8_1_1(GRP(i), so, i % 8, xd, xs, n, out + t, i);
+                for (; i + 8 <= re; i += 8)
+                    q8x8_pp(GRP(i), so, 0, xd, xs, n, out + t, i);
+                for (; i < re; i++)
+                    q8x8_1_1(GRP(i), so, i % 8, xd, xs, n, out + t, i);
+            }
         }
         return;
     }

@@ -1401,18 +1401,19 @@ static void test_kernels_vs_reference(void **state)
     }
 }
 
-/* The FAST-order F32/F16 prefill kernels (T >= 8: AVX2 widens F16 rows 8 at a time into
- * the scratch and runs the 4-row x 3-token tiles over row blocks, kernels_x86.c) against
- * the single-dot reference, bit for bit, at prefill sizes test_kernels_vs_reference does
- * not reach: T up to 200 and not a multiple of 3, n from below 8 (no vector step) to 2051
- * with n % 8 tails, rows not a multiple of the 4-row tile or of the 8- and 16-row blocks,
- * row ranges cut at odd rows, with and without the scratch (NULL, AVX2: F16 converted per
- * tile), on every instruction set this CPU has. */
+/* The FAST-order F32/F16 prefill kernels (T >= 8: the AVX2 one runs row superblocks of
+ * 128 rows x token blocks of 12 tokens over the 4-row x 3-token tiles, kernels_x86.c)
+ * against the single-dot reference, bit for bit, at prefill sizes
+ * test_kernels_vs_reference does not reach: T from below the prefill threshold to 200,
+ * past many token blocks and not a multiple of 3 or of the block, n from below 8 (no
+ * vector step) to 2051 with n % 8 tails, rows not a multiple of the 4-row tile or of the
+ * superblock (133), row ranges cut at odd rows (superblocks starting off the tile grid),
+ * with and without the scratch, on every instruction set this CPU has. */
 static void test_kernels_prefill_blocked(void **state)
 {
-    const int shapes[][2] = {{5, 8},    {7, 5},     {19, 300}, {33, 256}, {16, 257},
-                             {18, 513}, {37, 1000}, {4, 2051}, {21, 264}};
-    const int Ts[] = {8, 10, 96, 97, 200};
+    const int shapes[][2] = {{5, 8},    {7, 5},     {19, 300}, {33, 256}, {16, 257}, {18, 513},
+                             {37, 1000}, {4, 2051}, {21, 264}, {70, 264}, {133, 520}};
+    const int Ts[] = {7, 8, 10, 96, 97, 193, 200};
     const int Tmax = 200;
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
         const int rows = shapes[si][0], n = shapes[si][1];
@@ -1470,6 +1471,88 @@ static void test_kernels_prefill_blocked(void **state)
         free(wh);
         free(wh32);
         free(x);
+        free(ref);
+        free(got);
+        free(scratch);
+    }
+}
+
+/* The Q8_0 prefill kernels (T >= 16: the AVX2 Q8X8 one runs whole 8-row groups one token
+ * at a time, kernels_x86.c q8x8_pp) against the single-dot reference, bit for bit, in both
+ * layouts: T from just below that threshold to 200, rows not a multiple of the group or
+ * of the 16-row block, n from one block to 5632, weights and activations at the int8
+ * extremes (-127, 127: the |x| trick's signs) and an all-zero block, row ranges cut
+ * inside groups, on every instruction set this CPU has. */
+static void test_kernels_q8_prefill(void **state)
+{
+    const int shapes[][2] = {{8, 32}, {24, 96}, {40, 2048}, {72, 352}, {16, 5632}, {56, 64}};
+    const int Ts[] = {15, 16, 17, 40, 200};
+    const int Tmax = 200;
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+        const int rows = shapes[si][0], n = shapes[si][1], nb = n / KERN_Q8_BLOCK;
+        const size_t rb = (size_t)nb * KERN_Q8_BLOCK_BYTES;
+        float *wf = malloc((size_t)n * sizeof(float));
+        uint8_t *wq = malloc((size_t)rows * rb);
+        uint8_t *wx = aligned_alloc(64, kern_q8x8_bytes(rows, n));
+        float *x = malloc((size_t)Tmax * n * sizeof(float));
+        float *qd = malloc((size_t)Tmax * nb * sizeof(float));
+        int8_t *qs = malloc((size_t)Tmax * n);
+        float *ref = malloc((size_t)Tmax * rows * sizeof(float));
+        float *got = malloc((size_t)Tmax * rows * sizeof(float));
+        float *scratch = malloc(kern_scratch_floats(n) * sizeof(float));
+        float *outp[200];
+        assert_non_null(wf);
+        assert_non_null(wq);
+        assert_non_null(wx);
+        assert_non_null(x);
+        assert_non_null(qd);
+        assert_non_null(qs);
+        assert_non_null(ref);
+        assert_non_null(got);
+        assert_non_null(scratch);
+        for (int r = 0; r < rows; r++) {
+            for (int j = 0; j < n; j++) /* a block of +-amax: quants +-127 */
+                wf[j] = (r + j / 32) % 5 == 0 ? ((j + r) % 2 ? 1.0f : -1.0f)
+                                              : frand() * (j % 89 == 0 ? 16.0f : 0.5f);
+            kern_quantize_q8_0(wf, n, wq + (size_t)r * rb);
+        }
+        for (size_t i = 0; i < (size_t)Tmax * n; i++)
+            x[i] = (i / 32) % 7 == 3 ? ((i % 3) ? 4.0f : -4.0f)
+                                     : frand() * (i % 61 == 0 ? 30.0f : 2.0f);
+        if (n >= 64)
+            memset(x + 32, 0, 32 * sizeof(float)); /* an all-zero block: scale 0 */
+        kern_quantize_act(KERN_ISA_SCALAR, x, Tmax, n, qd, qs);
+        for (int t = 0; t < Tmax; t++)
+            outp[t] = got + (size_t)t * rows;
+        kern_mat mq = {wq, GGUF_TENSOR_Q8_0, rows, n, KERN_LAYOUT_GGUF}, mx;
+        assert_int_equal(kern_q8x8_pack(&mq, wx, 0, rows / 8, &mx), 0);
+        const kern_mat *mats[2] = {&mq, &mx};
+        for (size_t ti = 0; ti < sizeof(Ts) / sizeof(Ts[0]); ti++) {
+            const int T = Ts[ti];
+            for (int r = 0; r < rows; r++)
+                for (int t = 0; t < T; t++)
+                    ref[(size_t)t * rows + r] = kern_dot_q8_0(
+                        wq + (size_t)r * rb, qd + (size_t)t * nb, qs + (size_t)t * n, n);
+            kern_act a = {.x = x, .q_d = qd, .q_s = qs, .T = T, .n = n};
+            for (int mi = 0; mi < 2; mi++)
+                for (int isa = KERN_ISA_SCALAR; isa <= (int)best_isa(); isa++) {
+                    memset(got, 0xff, (size_t)Tmax * rows * sizeof(float));
+                    const int cut[] = {0, 5, rows / 2 + 3 < rows ? rows / 2 + 3 : rows, rows};
+                    for (int c = 0; c < 3; c++)
+                        kern_matmul((kern_isa)isa, KERN_ORDER_FAST, mats[mi], &a, cut[c],
+                                    cut[c + 1], outp, scratch);
+                    if (memcmp(got, ref, (size_t)T * rows * sizeof(float)) != 0)
+                        fail_msg("Q8_0 prefill kernel %s %s rows %d n %d T %d differs from the "
+                                 "reference",
+                                 kern_isa_name((kern_isa)isa), mi ? "Q8X8" : "GGUF", rows, n, T);
+                }
+        }
+        free(wf);
+        free(wq);
+        free(wx);
+        free(x);
+        free(qd);
+        free(qs);
         free(ref);
         free(got);
         free(scratch);
@@ -2583,6 +2666,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_model_batch_invariance),
         cmocka_unit_test(test_kernels_vs_reference),
         cmocka_unit_test(test_kernels_prefill_blocked),
+        cmocka_unit_test(test_kernels_q8_prefill),
         cmocka_unit_test(test_kernels_attention),
         cmocka_unit_test(test_kernels_packed),
         cmocka_unit_test(test_kernels_q8_extremes),
