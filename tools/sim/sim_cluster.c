@@ -28,7 +28,8 @@ static int req_alloc(sim_cluster *s)
 {
     if (s->free_head < 0) {
         int ncap = s->n_reqs ? 2 * s->n_reqs : 4096;
-        s->reqs = sim_mem_realloc(s->reqs, (size_t)ncap * sizeof(sreq));
+        s->reqs = sim_mem_realloc_aligned(s->reqs, (size_t)s->n_reqs * sizeof(sreq),
+                                          (size_t)ncap * sizeof(sreq), 64);
         for (int i = ncap - 1; i >= s->n_reqs; i--) {
             memset(&s->reqs[i], 0, sizeof(sreq));
             s->reqs[i].next_free = s->free_head;
@@ -143,8 +144,8 @@ static void start_prefill(sim_cluster *s, int w)
     }
     x->busy = 1;
     x->batch_start_ms = s->now;
-    sim_heap_push(&s->ev, s->now + costmodel_prefill_ms(s->cm, tokens, pairs),
-                  SIM_CLUSTER_EV_PREFILL_DONE, w, 0);
+    sim_cluster_worker_event(s, w, s->now + costmodel_prefill_ms(s->cm, tokens, pairs),
+                             SIM_CLUSTER_EV_PREFILL_DONE, 0);
 }
 
 static void wake_prefill(sim_cluster *s)
@@ -198,6 +199,8 @@ static void on_prefill_done(sim_cluster *s, int w)
 {
     sworker *x = &s->w[w];
     int freed = 0;
+    for (int i = 0; i < x->batch.n; i++) /* their cache misses at once, not one by one */
+        __builtin_prefetch(&s->reqs[x->batch.v[i]], 1);
     for (int i = 0; i < x->batch.n; i++) {
         int id = x->batch.v[i];
         sreq *r = &s->reqs[id];
@@ -248,7 +251,8 @@ static void on_prefill_done(sim_cluster *s, int w)
 void sim_cluster_switch_start(sim_cluster *s, int w, double extra_ms)
 {
     s->w[w].changing = 2;
-    sim_heap_push(&s->ev, s->now + extra_ms + s->switch_ms, SIM_CLUSTER_EV_SWITCH_DONE, w, 0);
+    sim_cluster_worker_event(s, w, s->now + extra_ms + s->switch_ms, SIM_CLUSTER_EV_SWITCH_DONE,
+                             0);
 }
 
 static void begin_change(sim_cluster *s, int w, int to)
@@ -329,7 +333,7 @@ static void on_tick(sim_cluster *s)
         if (x->role == POLICY_ROLE_DECODE) {
             sim_cluster_settle(s, i); /* last_step_ms: the step in progress now */
             p->running = x->running + x->incoming.n;
-            p->kv_blocks_used = (int)(x->kv_reserved / 16);
+            p->kv_blocks_used = (int)(s->room[i].kv_reserved / 16);
             p->kv_blocks_total = (int)(s->kv_cap / 16);
             p->decode_batch = x->running;
             if (x->running > 0) {
@@ -456,7 +460,8 @@ void sim_cluster_submit(sim_cluster *s, const sim_workload_arrival *a)
     ASSERT(a->prompt >= 1 && a->out >= 1);
     s->next = *a;
     s->next_pending = 1;
-    sim_heap_push(&s->ev, a->arrival_s * 1e3, SIM_CLUSTER_EV_ARRIVAL, 0, 0);
+    s->arr_t_ms = a->arrival_s * 1e3;
+    s->arr_seq = s->ev.next_seq++;
 }
 
 void sim_cluster_arrivals_done(sim_cluster *s)
@@ -472,7 +477,7 @@ static void finish_run(sim_cluster *s)
      * online request finished has none left anywhere. */
     ASSERT(s->online_running >= 0 && s->online_decoding >= 0 && s->offline_running >= 0);
     for (int i = 0; i < s->n_workers; i++)
-        ASSERT(s->w[i].kv_reserved >= 0 && s->w[i].assigned >= 0 && s->w[i].running >= 0 &&
+        ASSERT(s->room[i].kv_reserved >= 0 && s->room[i].assigned >= 0 && s->w[i].running >= 0 &&
                s->w[i].ctx_sum >= 0);
     if (s->now < s->hard_end_ms) {
         ASSERT(s->online_running == 0 && s->online_decoding == 0 && s->q_on.n == 0 &&
@@ -501,6 +506,30 @@ static void finish_run(sim_cluster *s)
     s->over = 1;
 }
 
+/* The earliest event of the three sources (the workers' slots, the heap, the submitted
+ * arrival), taken out into *e. Returns 0, or -1 when there is none. */
+static int next_event(sim_cluster *s, sim_heap_event *e)
+{
+    const sim_heap_event *a = s->ev.n ? &s->ev.v[0] : NULL;
+    const sim_heap_event *b = sim_heap_slot_top(&s->wev);
+    int from_slot = b && (!a || sim_heap_event_before(b->t_ms, b->seq, a->t_ms, a->seq));
+    const sim_heap_event *m = from_slot ? b : a;
+    if (s->next_pending && (!m || sim_heap_event_before(s->arr_t_ms, s->arr_seq, m->t_ms, m->seq))) {
+        *e = (sim_heap_event){.t_ms = s->arr_t_ms, .seq = s->arr_seq,
+                              .type = SIM_CLUSTER_EV_ARRIVAL};
+        return 0;
+    }
+    if (!m)
+        return -1;
+    int rc = from_slot ? sim_heap_slot_pop(&s->wev, e) : sim_heap_pop(&s->ev, e);
+    /* what the next events will touch, fetched while this one runs */
+    if (s->wev.n)
+        __builtin_prefetch(&s->w[sim_heap_slot_top(&s->wev)->id], 1);
+    if (s->ev.n && s->ev.v[0].type == SIM_CLUSTER_EV_XFER_DONE)
+        __builtin_prefetch(&s->reqs[s->ev.v[0].id], 1);
+    return rc;
+}
+
 int sim_cluster_run(sim_cluster *s)
 {
     if (s->over)
@@ -511,7 +540,7 @@ int sim_cluster_run(sim_cluster *s)
         sim_heap_push(&s->ev, 0, SIM_CLUSTER_EV_TICK, 0, 0);
     }
     sim_heap_event e;
-    while (!s->stop && sim_heap_pop(&s->ev, &e) == 0) {
+    while (!s->stop && next_event(s, &e) == 0) {
         s->now = e.t_ms;
         switch (e.type) {
         case SIM_CLUSTER_EV_ARRIVAL:
@@ -563,8 +592,8 @@ int sim_cluster_worker_get(const sim_cluster *s, int w, sim_cluster_worker_info 
     out->busy = x->busy;
     out->batch = x->busy ? x->batch.n : 0;
     out->running = x->running;
-    out->assigned = x->assigned;
-    out->kv_reserved = x->kv_reserved;
+    out->assigned = s->room[w].assigned;
+    out->kv_reserved = s->room[w].kv_reserved;
     out->steps = x->step;
     return 0;
 }
@@ -599,6 +628,16 @@ sim_cluster *sim_cluster_new(const costmodel *cm, const sim_cluster_params *p)
     sim_cluster *s = sim_mem_realloc(NULL, sizeof(*s));
     memset(s, 0, sizeof(*s));
     s->cm = cm;
+    s->sc = (sim_step_cost){
+        .weight_bytes = costmodel_weight_bytes(cm),
+        .kv_bytes_per_token = costmodel_kv_bytes_per_token(cm),
+        .mem_bytes_per_s = cm->hbm_bytes_per_s * cm->mbu,
+        .flops_per_seq = 2.0 * cm->n_params,
+        .flops_per_pair = 4.0 * cm->n_layer * (double)cm->n_head * cm->head_dim,
+        .flops_per_s = cm->peak_flops * cm->mfu_decode,
+        .overhead_ms = cm->step_overhead_ms,
+        .time_scale = cm->time_scale,
+    };
     s->pp = p->policy;
     if (!p->tidal) {
         s->pp.max_changes = 0;
@@ -620,8 +659,11 @@ sim_cluster *sim_cluster_new(const costmodel *cm, const sim_cluster_params *p)
     s->free_head = -1;
     sim_rng_seed(&s->prng, p->seed ^ 0x5eed5eed5eedull);
     policy_state_init(&s->pst);
-    s->w = sim_mem_realloc(NULL, (size_t)n_workers * sizeof(sworker));
+    s->w = sim_mem_realloc_aligned(NULL, 0, (size_t)n_workers * sizeof(sworker), 64);
     memset(s->w, 0, (size_t)n_workers * sizeof(sworker));
+    s->room = sim_mem_realloc_aligned(NULL, 0, (size_t)n_workers * sizeof(sroom), 64);
+    memset(s->room, 0, (size_t)n_workers * sizeof(sroom));
+    sim_heap_slot_init(&s->wev, n_workers);
     s->dec_list = sim_mem_realloc(NULL, (size_t)n_workers * sizeof(int));
     s->pin = sim_mem_realloc(NULL, (size_t)n_workers * sizeof(policy_worker));
     s->step_ms_buf = sim_mem_realloc(NULL, (size_t)n_workers * 2 * sizeof(double));
@@ -630,6 +672,7 @@ sim_cluster *sim_cluster_new(const costmodel *cm, const sim_cluster_params *p)
         x->role = i < p->n_prefill ? POLICY_ROLE_PREFILL : POLICY_ROLE_DECODE;
         x->role_since_ms = -1e12; /* settled: the policy may move it at once */
         x->dec_pos = -1;
+        x->fin_top = INT64_MAX;
         if (x->role == POLICY_ROLE_DECODE)
             sim_cluster_dec_list_add(s, i);
         else
@@ -649,6 +692,8 @@ void sim_cluster_destroy(sim_cluster **c)
         sim_heap_fin_free(&s->w[i].fin);
     }
     free(s->w);
+    free(s->room);
+    sim_heap_slot_free(&s->wev);
     free(s->dec_list);
     free(s->pin);
     free(s->step_ms_buf);
