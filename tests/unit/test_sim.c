@@ -139,6 +139,73 @@ static void test_heap_random_many(void **state)
     free(ref);
 }
 
+/* The slot heap: one event per id, set again = replaced (earlier or later), popped in
+ * (time, seq) order against a plain table of the live slots scanned for its minimum; the
+ * type replaced comes back; an empty heap says so. 200 ids, 20000 random operations with
+ * many ties in time, enough to fill every level of the 4-ary layout. */
+static void test_slot_heap(void **state)
+{
+    (void)state;
+    enum { N = 200, OPS = 20000 };
+    sim_heap_slot h;
+    sim_heap_slot_init(&h, N);
+    sim_heap_event e;
+    assert_int_equal(sim_heap_slot_pop(&h, &e), -1);
+    assert_null(sim_heap_slot_top(&h));
+    struct {
+        int set, type;
+        double t;
+        uint64_t seq;
+        uint32_t epoch;
+    } ref[N];
+    memset(ref, 0, sizeof(ref));
+    sim_rng r;
+    sim_rng_seed(&r, 5);
+    uint64_t seq = 0;
+    int pops = 0, replaced = 0;
+    for (int i = 0; i < OPS; i++) {
+        if (sim_rng_range(&r, 0, 2) > 0) { /* set (two in three) */
+            int id = sim_rng_range(&r, 0, N - 1);
+            double t = sim_rng_range(&r, 0, 50) * 0.25;
+            int type = sim_rng_range(&r, 1, 6);
+            int old = sim_heap_slot_set(&h, id, t, seq, type, (uint32_t)i);
+            assert_int_equal(old, ref[id].set ? ref[id].type : 0);
+            replaced += ref[id].set;
+            ref[id].set = 1;
+            ref[id].type = type;
+            ref[id].t = t;
+            ref[id].seq = seq++;
+            ref[id].epoch = (uint32_t)i;
+        } else {
+            int best = -1;
+            for (int j = 0; j < N; j++)
+                if (ref[j].set && (best < 0 || ref[j].t < ref[best].t ||
+                                   (ref[j].t == ref[best].t && ref[j].seq < ref[best].seq)))
+                    best = j;
+            if (best < 0) {
+                assert_int_equal(sim_heap_slot_pop(&h, &e), -1);
+                continue;
+            }
+            assert_true(sim_heap_slot_top(&h)->id == best);
+            assert_int_equal(sim_heap_slot_pop(&h, &e), 0);
+            assert_int_equal(e.id, best);
+            assert_true(e.t_ms == ref[best].t);
+            assert_int_equal(e.seq, ref[best].seq);
+            assert_int_equal(e.type, ref[best].type);
+            assert_int_equal(e.epoch, ref[best].epoch);
+            ref[best].set = 0;
+            pops++;
+        }
+    }
+    int left = 0;
+    for (int j = 0; j < N; j++)
+        left += ref[j].set;
+    assert_int_equal(h.n, left);
+    assert_true(pops > 5000 && replaced > 5000);
+    sim_heap_slot_free(&h);
+    assert_null(h.v);
+}
+
 typedef struct {
     int64_t step;
     int req;
@@ -722,6 +789,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_workload_steady),
         cmocka_unit_test(test_heap_order_and_ties),
         cmocka_unit_test(test_heap_random_many),
+        cmocka_unit_test(test_slot_heap),
         cmocka_unit_test(test_fin_heap),
         cmocka_unit_test(test_ivec),
         cmocka_unit_test(test_ideque),
