@@ -70,10 +70,13 @@ static costmodel toy_costmodel(void)
     return cm;
 }
 
-/* A static split (no role change) of n workers, the first n_prefill prefill; tick 100 ms. */
-static sim_cluster *toy_cluster(const costmodel *cm, int n, int n_prefill, double tpot_slo_ms)
+/* A static split (no role change) of n workers, the first n_prefill prefill; tick 100 ms;
+ * prompts in chunks of at most chunk tokens (0: only the batch budget). */
+static sim_cluster *toy_cluster_chunked(const costmodel *cm, int n, int n_prefill,
+                                        double tpot_slo_ms, int chunk)
 {
     sim_cluster_params p = sim_cluster_default_params();
+    p.prefill_chunk_tokens = chunk;
     char err[128];
     assert_int_equal(policy_params_check(&p.policy, err, sizeof(err)), 0);
     p.n_workers = n;
@@ -82,6 +85,12 @@ static sim_cluster *toy_cluster(const costmodel *cm, int n, int n_prefill, doubl
     p.tick_ms = 100;
     p.tpot_slo_ms = tpot_slo_ms;
     return sim_cluster_new(cm, &p);
+}
+
+/* The same with the default chunk limit (512 tokens: more than the toy's budget). */
+static sim_cluster *toy_cluster(const costmodel *cm, int n, int n_prefill, double tpot_slo_ms)
+{
+    return toy_cluster_chunked(cm, n, n_prefill, tpot_slo_ms, 512);
 }
 
 /* Submit an online request and run until it has arrived (the clock is at its time). */
@@ -216,12 +225,14 @@ static void test_cluster_pinned_runs(void **state)
         int64_t n_online, n_finished, n_good, steps;
         double end_ms, ttft_mean, ttft_p99, tpot_mean, tpot_p99;
     } want[] = {
-        {8, 0, 75, 8985, 8985, 8266, 69835, 149000, 579.39247356299313, 2712.3429427223632,
-         18.620039953877203, 26.704739887884305},
-        {8, 1, 75, 8985, 8985, 8266, 69670, 149000, 579.3924735629937, 2712.3429427223632,
-         18.633826520061326, 26.746564434857689},
-        {10, 0, 75, 8985, 8985, 7872, 46293, 159000, 107.35048608089994, 457.4031829007684,
-         45.26482496451802, 371.13076144470477},
+        /* chunked prefill (chunks of 512 tokens) since they were first pinned: SLO met
+         * 8266, 8266, 7872 times, TTFT mean 579.4, 579.4, 107.4 ms before it */
+        {8, 0, 75, 8985, 8985, 7734, 69734, 149000, 768.15636175618499, 3170.915393002479,
+         18.567497642834628, 26.422953015032384},
+        {8, 1, 75, 8985, 8985, 7734, 69665, 149000, 768.15636175618567, 3170.915393002479,
+         18.573000273399085, 26.468910528387759},
+        {10, 0, 75, 8985, 8985, 7875, 46309, 160000, 132.16813154282238, 712.44918800112691,
+         44.986940558755485, 367.23585837432705},
     };
     int bad = 0;
     for (size_t k = 0; k < sizeof(want) / sizeof(want[0]); k++) {
@@ -259,14 +270,20 @@ static void test_cluster_pinned_runs(void **state)
  *   105.2803;
  *   10 decode steps over contexts 101..110: 10 * 5 + 1e-6 * 1055 = 50.001055 ms, done at
  *   155.281355; TPOT (155.281355 - 105.00505) / 10 = 5.0276305 ms;
- *   the run stops at the first tick after it, 200 ms. */
+ *   the run stops at the first tick after it, 200 ms.
+ * In chunks of 60 tokens: [0, 60 + 1e-6 * 1830 + 5 = 65.00183], then 40 after 60 (pairs
+ * 820 + 2400) to 65.00183 + 45.00322 = 110.00505 (one more batch overhead): TTFT
+ * 110.00505, the KV (its transfer began with the first chunk, at 0) at max(110.00505 +
+ * 0.27525, 0.5505) = 110.2803, done at 160.281355, the same TPOT. */
 static void test_cluster_one_request(void **state)
 {
     (void)state;
     const costmodel cm = toy_costmodel();
-    for (int strict = 0; strict < 2; strict++) {
-        /* TPOT 5.0276305 meets a 50 ms SLO, not a 5.02 ms one */
-        sim_cluster *c = toy_cluster(&cm, 2, 1, strict ? 5.02 : 50);
+    for (int strict = 0; strict < 3; strict++) {
+        /* TPOT 5.0276305 meets a 50 ms SLO, not a 5.02 ms one; 2: chunks of 60 */
+        sim_cluster *c = strict < 2 ? toy_cluster(&cm, 2, 1, strict ? 5.02 : 50)
+                                    : toy_cluster_chunked(&cm, 2, 1, 50, 60);
+        double ttft = strict < 2 ? 105.00505 : 110.00505;
         toy_arrive(c, 0, 100, 11);
         sim_cluster_worker_info p = toy_worker(c, 0), d = toy_worker(c, 1);
         assert_int_equal(p.role, POLICY_ROLE_PREFILL);
@@ -280,12 +297,12 @@ static void test_cluster_one_request(void **state)
         sim_cluster_figures_get(c, &f);
         assert_int_equal(f.n_online, 1);
         assert_int_equal(f.n_finished, 1);
-        assert_int_equal(f.n_good, strict ? 0 : 1);
+        assert_int_equal(f.n_good, strict == 1 ? 0 : 1);
         assert_int_equal(f.n_offline, 0);
         assert_int_equal(f.changes, 0);
         assert_int_equal(f.final_prefill, 1);
-        assert_close(f.ttft_mean_ms, 105.00505, 1e-12);
-        assert_close(f.ttft_p99_ms, 105.00505, 1e-12);
+        assert_close(f.ttft_mean_ms, ttft, 1e-12);
+        assert_close(f.ttft_p99_ms, ttft, 1e-12);
         assert_close(f.tpot_mean_ms, 5.0276305, 1e-12);
         assert_close(f.tpot_p99_ms, 5.0276305, 1e-12);
         assert_true(f.end_ms == 200);
@@ -300,17 +317,23 @@ static void test_cluster_one_request(void **state)
     }
 }
 
-/* The prefill budget (150 tokens): an idle worker starts at once; prompts queued while it
- * is busy go in one batch up to the budget; a longer prompt runs alone. Output 1 token, so
- * every request ends with its prefill (TPOT 0).
- *   R1 100 at 0:      batch [0, 105.00505]                          TTFT 105.00505
- *   R2 40 at 10, R3 100 at 20: batch of 140 tokens, pairs 820 + 5050:
- *                     140 + 0.00587 + 5 = 145.00587, ends 250.01092  TTFT 240.01092, 230.01092
- *   R4 100 at 30:     240 > 150, next batch alone, ends 355.01597    TTFT 325.01597
- *   R5 200 at 40:     over the budget, alone: 200 + 1e-6 * 20100 + 5 = 205.0201,
- *                     ends 560.03607                                 TTFT 520.03607
- * mean 1420.07893 / 5 = 284.015786; p99 at rank 3.96: 325.01597 + 0.96 * 195.0201 =
- * 512.235266; the run stops at the tick of 600 ms. */
+/* The prefill budget (150 tokens), chunked as tidepool's prefill worker does: an idle
+ * worker starts at once; prompts queued while it is busy fill the next batch up to the
+ * budget, the last one's chunk cut to fit, and a prompt's later chunks go first in the
+ * batches after (a chunk of n tokens after d attends to n (n + 1) / 2 + d n pairs). Output
+ * 1 token, so every request ends with its prefill (TPOT 0).
+ *   R1 100 at 0:      batch [0, 105.00505]                                TTFT 105.00505
+ *   R2 40 at 10, R3 100 at 20, R4 100 at 30: R2, R3 and R4's first 10 tokens, pairs
+ *                     820 + 5050 + 55: 150 + 0.005925 + 5, ends 260.010975
+ *                                                  TTFT R2 250.010975, R3 240.010975
+ *   R5 200 at 40:     R4's last 90 (pairs 4095 + 900) and R5's first 60 (1830):
+ *                     150 + 0.006825 + 5, ends 415.0178               TTFT R4 385.0178
+ *                     R5's last 140 (pairs 9870 + 8400): 140 + 0.01827 + 5,
+ *                     ends 560.03607                                  TTFT R5 520.03607
+ * mean 1500.08087 / 5 = 300.016174; p99 at rank 3.96: 385.0178 + 0.96 * 135.01827 =
+ * 514.6353392; the run stops at the tick of 600 ms. (Before prompts were chunked, a prompt
+ * that did not fit waited for the next batch and one over the budget ran alone: mean
+ * 284.015786.) */
 static void test_cluster_prefill_batches(void **state)
 {
     (void)state;
@@ -328,8 +351,8 @@ static void test_cluster_prefill_batches(void **state)
     sim_cluster_figures_get(c, &f);
     assert_int_equal(f.n_finished, 5);
     assert_int_equal(f.n_good, 5);
-    assert_close(f.ttft_mean_ms, 284.015786, 1e-12);
-    assert_close(f.ttft_p99_ms, 512.235266, 1e-12);
+    assert_close(f.ttft_mean_ms, 300.016174, 1e-12);
+    assert_close(f.ttft_p99_ms, 514.6353392, 1e-12);
     assert_true(f.tpot_mean_ms == 0 && f.tpot_p99_ms == 0);
     assert_true(f.end_ms == 600);
     sim_cluster_worker_info d = toy_worker(c, 1);

@@ -103,39 +103,73 @@ static int have_prefill_work(const sim_cluster *s)
            (!s->reserve_dispatch && s->q_off.n > 0 && s->offline_running < s->offline_limit);
 }
 
+/* Add request id's next chunk to worker w's batch: at most the chunk limit and the budget
+ * left; the online prompt tokens it covers leave the count of queued ones. */
+static void take_chunk(sim_cluster *s, sprompt *e, int *budget, double *tokens, double *pairs)
+{
+    const sreq *r = &s->reqs[e->id];
+    int pt = r->prompt + r->gen;
+    int take = pt - e->done;
+    if (s->chunk_tokens > 0 && take > s->chunk_tokens)
+        take = s->chunk_tokens;
+    if (take > *budget)
+        take = *budget;
+    e->chunk = take;
+    *budget -= take;
+    *tokens += take;
+    *pairs += costmodel_attn_pairs(take, e->done);
+    if (s->reserve_dispatch || !r->offline) { /* counted in q_on_tokens (its prompt part) */
+        int before = e->done < r->prompt ? e->done : r->prompt;
+        int after = e->done + take < r->prompt ? e->done + take : r->prompt;
+        s->q_on_tokens -= after - before;
+    }
+}
+
+/* Start prompt id on worker w (it left its queue): its first chunk joins the batch. */
+static void admit_prompt(sim_cluster *s, sworker *x, int id, int *budget, double *tokens,
+                         double *pairs)
+{
+    if (x->prog.n == x->prog.cap) {
+        x->prog.cap = x->prog.cap ? 2 * x->prog.cap : 16;
+        x->prog.v = sim_mem_realloc(x->prog.v, (size_t)x->prog.cap * sizeof(sprompt));
+    }
+    sprompt *e = &x->prog.v[x->prog.n++];
+    *e = (sprompt){.id = id, .done = 0, .chunk = 0, .start_ms = s->now};
+    s->reqs[id].state = SIM_CLUSTER_RQ_PREFILL;
+    take_chunk(s, e, budget, tokens, pairs);
+}
+
+/* Worker w's next batch, as tidepool's prefill worker builds it (prefill_worker/
+ * prefill_batch.c): the next chunk of every prompt being computed, in order, then queued
+ * prompts (online first, then offline within the policy's limit) while the token budget
+ * lasts, the last one's chunk cut to fit; at most max_seqs prompts. A worker changing role
+ * admits none (it finishes the prompts it has begun). Nothing to do: it is listed idle. */
 static void start_prefill(sim_cluster *s, int w)
 {
     sworker *x = &s->w[w];
     double tokens = 0, pairs = 0;
-    int budget = s->cm->prefill_token_budget;
-    x->batch.n = 0;
-    while (s->q_on.n > 0) {
-        sreq *r = &s->reqs[sim_ideque_front(&s->q_on)];
-        int pt = r->prompt + r->gen;
-        if (x->batch.n > 0 && tokens + pt > budget)
-            break;
-        int id = sim_ideque_pop_front(&s->q_on);
-        s->q_on_tokens -= r->prompt;
-        if (!s->reserve_dispatch) /* else counted when dispatched */
-            s->online_running++;
-        r->state = SIM_CLUSTER_RQ_PREFILL;
-        sim_ivec_push(&x->batch, id);
-        tokens += pt;
-        pairs += costmodel_attn_pairs(pt, 0);
+    int budget = s->cm->prefill_token_budget, max_items = s->cm->max_seqs;
+    int n = 0;
+    for (; n < x->prog.n && n < max_items && budget > 0; n++)
+        take_chunk(s, &x->prog.v[n], &budget, &tokens, &pairs);
+    if (n == x->prog.n && !x->changing) {
+        while (s->q_on.n > 0 && n < max_items && budget > 0) {
+            int id = sim_ideque_pop_front(&s->q_on);
+            if (!s->reserve_dispatch) /* else counted when dispatched */
+                s->online_running++;
+            admit_prompt(s, x, id, &budget, &tokens, &pairs);
+            n++;
+        }
+        while (!s->reserve_dispatch && s->q_off.n > 0 && s->offline_running < s->offline_limit &&
+               n < max_items && budget > 0) {
+            int id = sim_ideque_pop_front(&s->q_off);
+            s->offline_running++;
+            admit_prompt(s, x, id, &budget, &tokens, &pairs);
+            n++;
+        }
     }
-    while (!s->reserve_dispatch && s->q_off.n > 0 && s->offline_running < s->offline_limit) {
-        sreq *r = &s->reqs[sim_ideque_front(&s->q_off)];
-        int pt = r->prompt + r->gen;
-        if (x->batch.n > 0 && tokens + pt > budget)
-            break;
-        int id = sim_ideque_pop_front(&s->q_off);
-        s->offline_running++;
-        r->state = SIM_CLUSTER_RQ_PREFILL;
-        sim_ivec_push(&x->batch, id);
-        tokens += pt;
-        pairs += costmodel_attn_pairs(pt, 0);
-    }
-    if (x->batch.n == 0) {
+    x->n_batch = n;
+    if (n == 0) {
         if (!x->idle_listed) {
             x->idle_listed = 1;
             sim_ivec_push(&s->idle_prefill, w);
@@ -143,7 +177,6 @@ static void start_prefill(sim_cluster *s, int w)
         return;
     }
     x->busy = 1;
-    x->batch_start_ms = s->now;
     sim_cluster_worker_event(s, w, s->now + costmodel_prefill_ms(s->cm, tokens, pairs),
                              SIM_CLUSTER_EV_PREFILL_DONE, 0);
 }
@@ -195,15 +228,26 @@ void sim_cluster_dispatch(sim_cluster *s)
         wake_prefill(s);
 }
 
+/* Worker w's batch ended: every prompt whose last chunk it held has its first token now
+ * (TTFT) and its KV on the way to a decode worker, arriving layer by layer at
+ * max(now + transfer / n_layer, its first chunk's start + transfer). */
 static void on_prefill_done(sim_cluster *s, int w)
 {
     sworker *x = &s->w[w];
-    int freed = 0;
-    for (int i = 0; i < x->batch.n; i++) /* their cache misses at once, not one by one */
-        __builtin_prefetch(&s->reqs[x->batch.v[i]], 1);
-    for (int i = 0; i < x->batch.n; i++) {
-        int id = x->batch.v[i];
+    int freed = 0, kept = 0;
+    for (int i = 0; i < x->n_batch; i++) /* their cache misses at once, not one by one */
+        __builtin_prefetch(&s->reqs[x->prog.v[i].id], 1);
+    for (int i = 0; i < x->prog.n; i++) {
+        sprompt e = x->prog.v[i];
+        int id = e.id;
         sreq *r = &s->reqs[id];
+        if (i < x->n_batch)
+            e.done += e.chunk;
+        e.chunk = 0;
+        if (e.done < r->prompt + r->gen) { /* more chunks to come */
+            x->prog.v[kept++] = e;
+            continue;
+        }
         if (r->first_ms < 0) {
             r->first_ms = s->now;
             if (!r->offline)
@@ -222,7 +266,7 @@ static void on_prefill_done(sim_cluster *s, int w)
         if (!r->offline)
             s->online_decoding++;
         double xfer = sim_cluster_kv_transfer_ms(s, r);
-        double arrive = fmax(s->now + xfer / s->cm->n_layer, x->batch_start_ms + xfer);
+        double arrive = fmax(s->now + xfer / s->cm->n_layer, e.start_ms + xfer);
         if (r->worker >= 0 && sim_cluster_accepts(s, r->worker)) { /* reserved at dispatch */
             r->state = SIM_CLUSTER_RQ_XFER;
             sim_heap_push(&s->ev, arrive, SIM_CLUSTER_EV_XFER_DONE, id, r->epoch);
@@ -234,9 +278,10 @@ static void on_prefill_done(sim_cluster *s, int w)
         }
         sim_cluster_place_decode(s, id, arrive, 0);
     }
-    x->batch.n = 0;
+    x->prog.n = kept;
+    x->n_batch = 0;
     x->busy = 0;
-    if (x->changing)
+    if (x->changing && kept == 0)
         sim_cluster_switch_start(s, w, 0);
     else
         start_prefill(s, w);
@@ -343,7 +388,7 @@ static void on_tick(sim_cluster *s)
                 np++;
             }
         } else {
-            p->running = x->batch.n;
+            p->running = x->prog.n;
         }
     }
     /* TPOT p90 over the sequences being decoded: each decode worker's step time, weighted
@@ -590,7 +635,7 @@ int sim_cluster_worker_get(const sim_cluster *s, int w, sim_cluster_worker_info 
     out->role = x->role;
     out->changing = x->changing;
     out->busy = x->busy;
-    out->batch = x->busy ? x->batch.n : 0;
+    out->batch = x->busy ? x->n_batch : 0;
     out->running = x->running;
     out->assigned = s->room[w].assigned;
     out->kv_reserved = s->room[w].kv_reserved;
@@ -609,6 +654,7 @@ sim_cluster_params sim_cluster_default_params(void)
         .tidal = 1,
         .drain = 0,
         .reserve_dispatch = 0,
+        .prefill_chunk_tokens = 512,
         .tick_ms = 1000,
         .switch_ms = 500,
         .ttft_slo_ms = 2000,
@@ -648,6 +694,8 @@ sim_cluster *sim_cluster_new(const costmodel *cm, const sim_cluster_params *p)
     s->drain = p->drain;
     s->single_steps = p->single_steps;
     s->reserve_dispatch = p->reserve_dispatch;
+    ASSERT(p->prefill_chunk_tokens >= 0);
+    s->chunk_tokens = p->prefill_chunk_tokens;
     s->tick_ms = p->tick_ms;
     s->switch_ms = p->switch_ms;
     s->ttft_slo_ms = p->ttft_slo_ms;
@@ -687,7 +735,7 @@ void sim_cluster_destroy(sim_cluster **c)
     if (!s)
         return;
     for (int i = 0; i < s->n_workers; i++) {
-        sim_ivec_free(&s->w[i].batch);
+        free(s->w[i].prog.v);
         sim_ivec_free(&s->w[i].incoming);
         sim_heap_fin_free(&s->w[i].fin);
     }

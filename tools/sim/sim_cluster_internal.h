@@ -62,6 +62,20 @@ typedef struct {
 } sreq;
 _Static_assert(sizeof(sreq) <= 64, "a request fits one cache line");
 
+/* A prompt being computed on a prefill worker, in chunks (prefill_worker/prefill_batch.c). */
+typedef struct {
+    int id;          /* the request */
+    int done;        /* its tokens (prompt + tokens so far) computed */
+    int chunk;       /* its tokens in the running batch, 0 none */
+    double start_ms; /* when its first chunk began (its KV transfer starts then) */
+} sprompt;
+
+/* A prefill worker's prompts being computed, in arrival order (a plain growable array). */
+typedef struct {
+    sprompt *v;
+    int n, cap;
+} sprompts;
+
 /* A worker. The fields a decode step reads come first (one cache line); the KV room
  * placement looks at is apart, in sim_cluster.room, a compact array. */
 typedef struct {
@@ -88,8 +102,8 @@ typedef struct {
     sim_ivec incoming;
     /* prefill */
     int busy, idle_listed;
-    sim_ivec batch;
-    double batch_start_ms;
+    int n_batch;      /* prompts in the running batch: prog.v[0 .. n_batch) */
+    sprompts prog;    /* prompts being computed, in arrival order */
 } sworker;
 
 /* A decode worker's room (placement reads these for random workers: kept compact). */
@@ -115,6 +129,7 @@ struct sim_cluster {
     int drain;            /* --role-change drain */
     int single_steps;     /* sim_cluster_params.single_steps */
     int reserve_dispatch; /* --decode-reserve dispatch */
+    int chunk_tokens;     /* sim_cluster_params.prefill_chunk_tokens, 0 = no limit */
     double tick_ms, switch_ms, ttft_slo_ms, tpot_slo_ms, kv_cap, hard_end_ms;
     sim_cluster_tick_fn on_tick;
     void *tick_ctx;
