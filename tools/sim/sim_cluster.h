@@ -28,9 +28,10 @@
  *     far (recompute).
  *
  * The caller feeds the arrivals one at a time (sim_cluster_submit) and runs the events in
- * between (sim_cluster_run). Events sit in one binary heap ordered by (time, insertion), so
- * a run is deterministic: the same parameters and arrivals give the same figures, bit for
- * bit. Memory grows with the requests in the system; running out of it ends the program
+ * between (sim_cluster_run). Events are ordered by (time, insertion) (the workers' own in a
+ * heap with one slot per worker, the others in a second heap, sharing one count of
+ * insertions: sim_cluster_internal.h), so a run is deterministic: the same parameters and
+ * arrivals give the same figures, bit for bit. Memory grows with the requests in the system; running out of it ends the program
  * (sim_mem.h). One cluster per run; not thread-safe.
  */
 #ifndef TP_SIM_CLUSTER_H
