@@ -34,7 +34,7 @@
 // --- settings ------------------------------------------------------------------------------
 
 static long long opt_workers, opt_seed, opt_initial_prefill, opt_max_changes, opt_max_seqs,
-    opt_max_batch_tokens, opt_min_per_role;
+    opt_max_batch_tokens, opt_min_per_role, opt_chunk_tokens;
 static char *opt_trace, *opt_workload, *opt_policy, *opt_preset, *opt_role_change,
     *opt_decode_reserve;
 static double opt_duration_s, opt_phase_s, opt_rate, opt_load, opt_offline_frac;
@@ -80,6 +80,9 @@ static const config_entry_t settings[] = {
      "sequences per decode worker (the engine's --max-seqs; 0 = the preset's)"},
     {"max-batch-tokens", CONFIG_INT, &opt_max_batch_tokens, "0", 0, 100000000,
      "prompt tokens per prefill batch (the engine's --max-batch-tokens; 0 = the preset's)"},
+    {"prefill-chunk-tokens", CONFIG_INT, &opt_chunk_tokens, "512", 0, 100000000,
+     "tokens of one prompt per prefill batch (the engine's --prefill-chunk-tokens): a longer "
+     "prompt is computed over several batches; 0 = only --max-batch-tokens limits it"},
     {"role-change", CONFIG_STRING, &opt_role_change, "migrate", 0, 0,
      "a decode worker leaving decode: migrate (its sequences move to other decode workers) "
      "| drain (it takes no new sequence and finishes its own)"},
@@ -180,6 +183,7 @@ static void sim_run(const costmodel *cm, const policy_params *pp, const sim_work
     p.tidal = tidal;
     p.drain = strcmp(opt_role_change, "drain") == 0;
     p.reserve_dispatch = strcmp(opt_decode_reserve, "dispatch") == 0;
+    p.prefill_chunk_tokens = (int)opt_chunk_tokens;
     p.tick_ms = opt_tick_ms;
     p.switch_ms = opt_switch_ms;
     p.ttft_slo_ms = opt_ttft_slo_ms;
@@ -432,9 +436,10 @@ int main(int argc, char **argv)
            opt_ttft_slo_ms, opt_tpot_slo_ms, pp.prefill_tokens_per_s, pp.decode_seqs_per_worker,
            pp.decode_tokens_per_s,
            costmodel_kv_capacity_tokens(&cm));
-    printf("engine: max-seqs %d, max-batch-tokens %d; a decode worker leaving decode: %s; decode "
-           "room reserved at %s; policy tick %.0f ms\n",
-           cm.max_seqs, cm.prefill_token_budget, opt_role_change, opt_decode_reserve, opt_tick_ms);
+    printf("engine: max-seqs %d, max-batch-tokens %d, prefill-chunk-tokens %lld; a decode worker "
+           "leaving decode: %s; decode room reserved at %s; policy tick %.0f ms\n",
+           cm.max_seqs, cm.prefill_token_budget, opt_chunk_tokens, opt_role_change,
+           opt_decode_reserve, opt_tick_ms);
 
     int tidal_p = opt_initial_prefill > 0 ? (int)opt_initial_prefill : n / 2;
     int n_runs = 0;

@@ -5,10 +5,7 @@
  * independent Python implementation of xoshiro256** / splitmix64, the percentile
  * (quickselect) against sorting, the phase-shift workload (determinism, bounds by phase,
  * counts) and traces (formats, stable order, every refusal with file and line, the shape
- * statistics worked by hand), and the simulated cluster on a toy cost model whose times
- * are worked by hand: one request's prefill, KV transfer and decode steps, the prefill
- * token budget batching the queue, and decode placement (most free KV, a sequence that
- * fits nowhere waits and is pulled by the worker that frees room).
+ * statistics worked by hand). The simulated cluster: test_sim_cluster.c.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -21,9 +18,6 @@
 #include <unistd.h>
 #include <cmocka.h>
 
-#include "costmodel.h"
-#include "policy.h"
-#include "sim_cluster.h"
 #include "sim_heap.h"
 #include "sim_ideque.h"
 #include "sim_ivec.h"
@@ -143,6 +137,73 @@ static void test_heap_random_many(void **state)
     assert_int_equal(h.n, 0);
     sim_heap_free(&h);
     free(ref);
+}
+
+/* The slot heap: one event per id, set again = replaced (earlier or later), popped in
+ * (time, seq) order against a plain table of the live slots scanned for its minimum; the
+ * type replaced comes back; an empty heap says so. 200 ids, 20000 random operations with
+ * many ties in time, enough to fill every level of the 4-ary layout. */
+static void test_slot_heap(void **state)
+{
+    (void)state;
+    enum { N = 200, OPS = 20000 };
+    sim_heap_slot h;
+    sim_heap_slot_init(&h, N);
+    sim_heap_event e;
+    assert_int_equal(sim_heap_slot_pop(&h, &e), -1);
+    assert_null(sim_heap_slot_top(&h));
+    struct {
+        int set, type;
+        double t;
+        uint64_t seq;
+        uint32_t epoch;
+    } ref[N];
+    memset(ref, 0, sizeof(ref));
+    sim_rng r;
+    sim_rng_seed(&r, 5);
+    uint64_t seq = 0;
+    int pops = 0, replaced = 0;
+    for (int i = 0; i < OPS; i++) {
+        if (sim_rng_range(&r, 0, 2) > 0) { /* set (two in three) */
+            int id = sim_rng_range(&r, 0, N - 1);
+            double t = sim_rng_range(&r, 0, 50) * 0.25;
+            int type = sim_rng_range(&r, 1, 6);
+            int old = sim_heap_slot_set(&h, id, t, seq, type, (uint32_t)i);
+            assert_int_equal(old, ref[id].set ? ref[id].type : 0);
+            replaced += ref[id].set;
+            ref[id].set = 1;
+            ref[id].type = type;
+            ref[id].t = t;
+            ref[id].seq = seq++;
+            ref[id].epoch = (uint32_t)i;
+        } else {
+            int best = -1;
+            for (int j = 0; j < N; j++)
+                if (ref[j].set && (best < 0 || ref[j].t < ref[best].t ||
+                                   (ref[j].t == ref[best].t && ref[j].seq < ref[best].seq)))
+                    best = j;
+            if (best < 0) {
+                assert_int_equal(sim_heap_slot_pop(&h, &e), -1);
+                continue;
+            }
+            assert_true(sim_heap_slot_top(&h)->id == best);
+            assert_int_equal(sim_heap_slot_pop(&h, &e), 0);
+            assert_int_equal(e.id, best);
+            assert_true(e.t_ms == ref[best].t);
+            assert_int_equal(e.seq, ref[best].seq);
+            assert_int_equal(e.type, ref[best].type);
+            assert_int_equal(e.epoch, ref[best].epoch);
+            ref[best].set = 0;
+            pops++;
+        }
+    }
+    int left = 0;
+    for (int j = 0; j < N; j++)
+        left += ref[j].set;
+    assert_int_equal(h.n, left);
+    assert_true(pops > 5000 && replaced > 5000);
+    sim_heap_slot_free(&h);
+    assert_null(h.v);
 }
 
 typedef struct {
@@ -703,290 +764,6 @@ static void test_shape_stats(void **state)
     assert_true(mp > 64 && mp < 1536 && mc > 64 && mc < 1536 + 768);
 }
 
-// --- the simulated cluster
-
-/* A toy accelerator with round figures (costmodel.h's formulas):
- *   weights 5e8 params * 2 B = 1e9 B; KV 2 * 2 layers * 1 KV head * 125 * 1 B = 500 B/token;
- *   KV capacity (1.0005e9 - 1e9) / 500 = 1000 tokens; attention 4 * 2 * 1 * 125 = 1000
- *   FLOPs per (query, key) pair.
- *   prefill_ms(n, pairs) = max((1e9 n + 1000 pairs) / 1e12 s, 1e9 B / 5e11 B/s = 2 ms) + 5
- *                        = n + 1e-6 pairs + 5                    (n >= 2 tokens)
- *   step_ms(b, ctx)      = max(2 + 1e-6 ctx, b + 1e-6 ctx) + 3 = 5 + 1e-6 ctx   (b <= 2)
- *   transfer_ms(n)       = 0.5 + 1e3 * 500 n / 1e9 = 0.5 + 5e-4 n
- * 150 prompt tokens per prefill batch, 4 sequences per decode worker. */
-static costmodel toy_costmodel(void)
-{
-    costmodel cm = {
-        .name = "toy",
-        .time_scale = 1,
-        .peak_flops = 1e12,
-        .hbm_bytes_per_s = 5e11,
-        .hbm_bytes = 1.0005e9,
-        .mfu_prefill = 1,
-        .mfu_decode = 1,
-        .mbu = 1,
-        .mem_util = 1,
-        .activation_bytes = 0,
-        .prefill_overhead_ms = 5,
-        .step_overhead_ms = 3,
-        .link_bytes_per_s = 1e9,
-        .link_latency_ms = 0.5,
-        .n_params = 5e8,
-        .bytes_per_param = 2,
-        .n_layer = 2,
-        .d_model = 250,
-        .n_head = 1,
-        .n_kv_head = 1,
-        .head_dim = 125,
-        .kv_bytes_per_elem = 1,
-        .prefill_token_budget = 150,
-        .max_seqs = 4,
-    };
-    char err[128];
-    assert_int_equal(costmodel_check(&cm, err, sizeof(err)), 0);
-    assert_true(costmodel_kv_capacity_tokens(&cm) == 1000);
-    return cm;
-}
-
-/* A static split (no role change) of n workers, the first n_prefill prefill; tick 100 ms. */
-static sim_cluster *toy_cluster(const costmodel *cm, int n, int n_prefill, double tpot_slo_ms)
-{
-    sim_cluster_params p = sim_cluster_default_params();
-    char err[128];
-    assert_int_equal(policy_params_check(&p.policy, err, sizeof(err)), 0);
-    p.n_workers = n;
-    p.n_prefill = n_prefill;
-    p.tidal = 0;
-    p.tick_ms = 100;
-    p.tpot_slo_ms = tpot_slo_ms;
-    return sim_cluster_new(cm, &p);
-}
-
-/* Submit an online request and run until it has arrived (the clock is at its time). */
-static void toy_arrive(sim_cluster *c, double t_ms, int prompt, int out)
-{
-    sim_workload_arrival a = {.arrival_s = t_ms / 1e3, .prompt = prompt, .out = out};
-    sim_cluster_submit(c, &a);
-    assert_int_equal(sim_cluster_run(c), 1);
-    assert_true(sim_cluster_now_ms(c) == t_ms);
-}
-
-static sim_cluster_worker_info toy_worker(const sim_cluster *c, int w)
-{
-    sim_cluster_worker_info x;
-    assert_int_equal(sim_cluster_worker_get(c, w, &x), 0);
-    return x;
-}
-
-/* Runs of decode steps (one event up to the next finish, cut by joins, preemptions and
- * role changes) give the same figures, bit for bit, as one event per step: tidal with
- * migration and with draining, offline preemption, reservation at dispatch, a static split;
- * a phase-shifting workload at 70% and 130% of capacity on the a100 preset. */
-static void test_cluster_step_runs_exact(void **state)
-{
-    (void)state;
-    costmodel cm;
-    assert_int_equal(costmodel_preset("a100-llama3-8b", &cm), 0);
-    struct {
-        int n, tidal, drain, dispatch;
-        double rate;
-    } cases[] = {
-        {16, 1, 0, 0, 60}, {16, 1, 1, 0, 60}, {16, 1, 0, 1, 110}, {12, 0, 0, 0, 90},
-        {24, 1, 0, 0, 160}, {16, 1, 0, 0, 250}, {8, 1, 0, 1, 150}, {8, 1, 0, 0, 400},
-    };
-    int64_t preempted = 0;
-    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
-        sim_cluster_figures f[2];
-        int64_t steps[2] = {0, 0};
-        for (int single = 0; single < 2; single++) {
-            sim_workload wl;
-            sim_workload_phase_shift(&wl, cases[k].rate, 120, 30, 0.2, 7 + k);
-            sim_cluster_params p = sim_cluster_default_params();
-            p.n_workers = cases[k].n;
-            p.n_prefill = cases[k].n / 2;
-            p.tidal = cases[k].tidal;
-            p.drain = cases[k].drain;
-            p.reserve_dispatch = cases[k].dispatch;
-            p.policy.min_role_ms = 5000;
-            p.hard_end_ms = 400e3;
-            p.single_steps = single;
-            sim_cluster *c = sim_cluster_new(&cm, &p);
-            sim_workload_arrival a;
-            if (sim_workload_next(&wl, &a))
-                sim_cluster_submit(c, &a);
-            while (sim_cluster_run(c)) {
-                if (sim_workload_next(&wl, &a))
-                    sim_cluster_submit(c, &a);
-                else
-                    sim_cluster_arrivals_done(c);
-            }
-            sim_cluster_figures_get(c, &f[single]);
-            for (int w = 0; w < p.n_workers; w++) {
-                sim_cluster_worker_info x;
-                assert_int_equal(sim_cluster_worker_get(c, w, &x), 0);
-                steps[single] += x.steps;
-            }
-            sim_cluster_destroy(&c);
-            sim_workload_free(&wl);
-        }
-        assert_true(f[0].n_finished > 1000);
-        assert_int_equal(f[0].n_finished, f[1].n_finished);
-        assert_int_equal(f[0].n_good, f[1].n_good);
-        assert_int_equal(f[0].n_offline_done, f[1].n_offline_done);
-        assert_int_equal(f[0].offline_tokens, f[1].offline_tokens);
-        assert_int_equal(f[0].changes, f[1].changes);
-        assert_int_equal(f[0].preemptions, f[1].preemptions);
-        assert_int_equal(f[0].final_prefill, f[1].final_prefill);
-        assert_true(f[0].end_ms == f[1].end_ms);
-        assert_true(f[0].ttft_mean_ms == f[1].ttft_mean_ms);
-        assert_true(f[0].ttft_p99_ms == f[1].ttft_p99_ms);
-        assert_true(f[0].tpot_mean_ms == f[1].tpot_mean_ms);
-        assert_true(f[0].tpot_p99_ms == f[1].tpot_p99_ms);
-        assert_int_equal(steps[0], steps[1]);
-        if (cases[k].tidal)
-            assert_true(f[0].changes > 0);
-        preempted += f[0].preemptions;
-    }
-    assert_true(preempted > 0); /* the preemption cut is exercised */
-}
-
-/* One request, prompt 100, output 11, on one prefill and one decode worker:
- *   prefill [0, 100 + 1e-6 * 5050 + 5 = 105.00505]: TTFT 105.00505 ms;
- *   KV of 101 tokens (the first output token's included): transfer 0.5 + 5e-4 * 101 =
- *   0.5505 ms, arriving layer by layer at max(105.00505 + 0.5505 / 2, 0 + 0.5505) =
- *   105.2803;
- *   10 decode steps over contexts 101..110: 10 * 5 + 1e-6 * 1055 = 50.001055 ms, done at
- *   155.281355; TPOT (155.281355 - 105.00505) / 10 = 5.0276305 ms;
- *   the run stops at the first tick after it, 200 ms. */
-static void test_cluster_one_request(void **state)
-{
-    (void)state;
-    const costmodel cm = toy_costmodel();
-    for (int strict = 0; strict < 2; strict++) {
-        /* TPOT 5.0276305 meets a 50 ms SLO, not a 5.02 ms one */
-        sim_cluster *c = toy_cluster(&cm, 2, 1, strict ? 5.02 : 50);
-        toy_arrive(c, 0, 100, 11);
-        sim_cluster_worker_info p = toy_worker(c, 0), d = toy_worker(c, 1);
-        assert_int_equal(p.role, POLICY_ROLE_PREFILL);
-        assert_true(p.busy && p.batch == 1);
-        assert_int_equal(d.role, POLICY_ROLE_DECODE);
-        assert_true(d.kv_reserved == 0 && d.assigned == 0);
-        sim_cluster_arrivals_done(c);
-        assert_int_equal(sim_cluster_run(c), 0);
-        assert_int_equal(sim_cluster_run(c), 0); /* over stays over */
-        sim_cluster_figures f;
-        sim_cluster_figures_get(c, &f);
-        assert_int_equal(f.n_online, 1);
-        assert_int_equal(f.n_finished, 1);
-        assert_int_equal(f.n_good, strict ? 0 : 1);
-        assert_int_equal(f.n_offline, 0);
-        assert_int_equal(f.changes, 0);
-        assert_int_equal(f.final_prefill, 1);
-        assert_close(f.ttft_mean_ms, 105.00505, 1e-12);
-        assert_close(f.ttft_p99_ms, 105.00505, 1e-12);
-        assert_close(f.tpot_mean_ms, 5.0276305, 1e-12);
-        assert_close(f.tpot_p99_ms, 5.0276305, 1e-12);
-        assert_true(f.end_ms == 200);
-        d = toy_worker(c, 1);
-        assert_true(d.steps == 10 && d.kv_reserved == 0 && d.assigned == 0 && d.running == 0);
-        sim_cluster_worker_info none;
-        assert_int_equal(sim_cluster_worker_get(c, 2, &none), -1);
-        assert_int_equal(sim_cluster_worker_get(c, -1, &none), -1);
-        sim_cluster_destroy(&c);
-        assert_null(c);
-        sim_cluster_destroy(&c); /* takes NULL */
-    }
-}
-
-/* The prefill budget (150 tokens): an idle worker starts at once; prompts queued while it
- * is busy go in one batch up to the budget; a longer prompt runs alone. Output 1 token, so
- * every request ends with its prefill (TPOT 0).
- *   R1 100 at 0:      batch [0, 105.00505]                          TTFT 105.00505
- *   R2 40 at 10, R3 100 at 20: batch of 140 tokens, pairs 820 + 5050:
- *                     140 + 0.00587 + 5 = 145.00587, ends 250.01092  TTFT 240.01092, 230.01092
- *   R4 100 at 30:     240 > 150, next batch alone, ends 355.01597    TTFT 325.01597
- *   R5 200 at 40:     over the budget, alone: 200 + 1e-6 * 20100 + 5 = 205.0201,
- *                     ends 560.03607                                 TTFT 520.03607
- * mean 1420.07893 / 5 = 284.015786; p99 at rank 3.96: 325.01597 + 0.96 * 195.0201 =
- * 512.235266; the run stops at the tick of 600 ms. */
-static void test_cluster_prefill_batches(void **state)
-{
-    (void)state;
-    const costmodel cm = toy_costmodel();
-    sim_cluster *c = toy_cluster(&cm, 2, 1, 50);
-    const int prompt[] = {100, 40, 100, 100, 200};
-    for (int i = 0; i < 5; i++) {
-        toy_arrive(c, 10.0 * i, prompt[i], 1);
-        sim_cluster_worker_info p = toy_worker(c, 0);
-        assert_true(p.busy && p.batch == 1); /* R1's, all along */
-    }
-    sim_cluster_arrivals_done(c);
-    assert_int_equal(sim_cluster_run(c), 0);
-    sim_cluster_figures f;
-    sim_cluster_figures_get(c, &f);
-    assert_int_equal(f.n_finished, 5);
-    assert_int_equal(f.n_good, 5);
-    assert_close(f.ttft_mean_ms, 284.015786, 1e-12);
-    assert_close(f.ttft_p99_ms, 512.235266, 1e-12);
-    assert_true(f.tpot_mean_ms == 0 && f.tpot_p99_ms == 0);
-    assert_true(f.end_ms == 600);
-    sim_cluster_worker_info d = toy_worker(c, 1);
-    assert_true(d.steps == 0); /* nothing was decoded */
-    sim_cluster_destroy(&c);
-}
-
-/* Decode placement over two decode workers (1 and 2, KV 1000 tokens each), each request's
- * KV reserved for prompt + output when its prefill ends (prefill 105.00505 ms for 100
- * tokens); looked at when the next request arrives:
- *   A 100+500 = 600 at 0:    both free 1000, the first listed wins: w1 = 600
- *   B 100+200 = 300 at 200:  w2 (free 1000 against 400):            w2 = 300
- *   C 100+400 = 500 at 400:  does not fit w1 (400 free), w2 has 700: w2 = 800
- *   D 100+350 = 450 at 600:  fits nowhere (400, 200 free): waits
- *   at 800: still waiting (B's 199 steps of ~5.0003 ms from 305.28 end near 1300.4)
- *   at 1500: B finished on w2, freeing 300: D pulled there:        w2 = 500 + 450 = 950
- * (A ends near 2600 and C near 2500: both still running at 1500.) */
-static void test_cluster_decode_placement(void **state)
-{
-    (void)state;
-    const costmodel cm = toy_costmodel();
-    sim_cluster *c = toy_cluster(&cm, 3, 1, 50);
-    static const struct {
-        double t_ms;
-        int prompt, out;
-        int64_t kv1, kv2; /* KV reserved on workers 1 and 2 once it has arrived */
-        int assigned1, assigned2;
-    } steps[] = {
-        {0, 100, 500, 0, 0, 0, 0},       /* A */
-        {200, 100, 200, 600, 0, 1, 0},   /* B */
-        {400, 100, 400, 600, 300, 1, 1}, /* C */
-        {600, 100, 350, 600, 800, 1, 2}, /* D */
-        {800, 10, 1, 600, 800, 1, 2},    /* (D waits) */
-        {1500, 10, 1, 600, 950, 1, 2},   /* (D on w2, B gone) */
-    };
-    for (size_t i = 0; i < sizeof(steps) / sizeof(steps[0]); i++) {
-        toy_arrive(c, steps[i].t_ms, steps[i].prompt, steps[i].out);
-        sim_cluster_worker_info w1 = toy_worker(c, 1), w2 = toy_worker(c, 2);
-        if (w1.kv_reserved != steps[i].kv1 || w2.kv_reserved != steps[i].kv2 ||
-            w1.assigned != steps[i].assigned1 || w2.assigned != steps[i].assigned2)
-            fail_msg("at %.0f ms: w1 %lld tokens / %d seqs, w2 %lld / %d; want %lld / %d, "
-                     "%lld / %d",
-                     steps[i].t_ms, (long long)w1.kv_reserved, w1.assigned,
-                     (long long)w2.kv_reserved, w2.assigned, (long long)steps[i].kv1,
-                     steps[i].assigned1, (long long)steps[i].kv2, steps[i].assigned2);
-    }
-    sim_cluster_arrivals_done(c);
-    assert_int_equal(sim_cluster_run(c), 0);
-    sim_cluster_figures f;
-    sim_cluster_figures_get(c, &f);
-    assert_int_equal(f.n_online, 6);
-    assert_int_equal(f.n_finished, 6);
-    for (int w = 1; w <= 2; w++) {
-        sim_cluster_worker_info x = toy_worker(c, w);
-        assert_true(x.kv_reserved == 0 && x.assigned == 0 && x.running == 0);
-    }
-    sim_cluster_destroy(&c);
-}
-
 static int setup_dir(void **state)
 {
     (void)state;
@@ -1012,6 +789,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_workload_steady),
         cmocka_unit_test(test_heap_order_and_ties),
         cmocka_unit_test(test_heap_random_many),
+        cmocka_unit_test(test_slot_heap),
         cmocka_unit_test(test_fin_heap),
         cmocka_unit_test(test_ivec),
         cmocka_unit_test(test_ideque),
@@ -1022,10 +800,6 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_trace_load),
         cmocka_unit_test(test_trace_errors),
         cmocka_unit_test(test_shape_stats),
-        cmocka_unit_test(test_cluster_step_runs_exact),
-        cmocka_unit_test(test_cluster_one_request),
-        cmocka_unit_test(test_cluster_prefill_batches),
-        cmocka_unit_test(test_cluster_decode_placement),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);

@@ -28,7 +28,8 @@ static int req_alloc(sim_cluster *s)
 {
     if (s->free_head < 0) {
         int ncap = s->n_reqs ? 2 * s->n_reqs : 4096;
-        s->reqs = sim_mem_realloc(s->reqs, (size_t)ncap * sizeof(sreq));
+        s->reqs = sim_mem_realloc_aligned(s->reqs, (size_t)s->n_reqs * sizeof(sreq),
+                                          (size_t)ncap * sizeof(sreq), 64);
         for (int i = ncap - 1; i >= s->n_reqs; i--) {
             memset(&s->reqs[i], 0, sizeof(sreq));
             s->reqs[i].next_free = s->free_head;
@@ -102,39 +103,73 @@ static int have_prefill_work(const sim_cluster *s)
            (!s->reserve_dispatch && s->q_off.n > 0 && s->offline_running < s->offline_limit);
 }
 
+/* Add request id's next chunk to worker w's batch: at most the chunk limit and the budget
+ * left; the online prompt tokens it covers leave the count of queued ones. */
+static void take_chunk(sim_cluster *s, sprompt *e, int *budget, double *tokens, double *pairs)
+{
+    const sreq *r = &s->reqs[e->id];
+    int pt = r->prompt + r->gen;
+    int take = pt - e->done;
+    if (s->chunk_tokens > 0 && take > s->chunk_tokens)
+        take = s->chunk_tokens;
+    if (take > *budget)
+        take = *budget;
+    e->chunk = take;
+    *budget -= take;
+    *tokens += take;
+    *pairs += costmodel_attn_pairs(take, e->done);
+    if (s->reserve_dispatch || !r->offline) { /* counted in q_on_tokens (its prompt part) */
+        int before = e->done < r->prompt ? e->done : r->prompt;
+        int after = e->done + take < r->prompt ? e->done + take : r->prompt;
+        s->q_on_tokens -= after - before;
+    }
+}
+
+/* Start prompt id on worker w (it left its queue): its first chunk joins the batch. */
+static void admit_prompt(sim_cluster *s, sworker *x, int id, int *budget, double *tokens,
+                         double *pairs)
+{
+    if (x->prog.n == x->prog.cap) {
+        x->prog.cap = x->prog.cap ? 2 * x->prog.cap : 16;
+        x->prog.v = sim_mem_realloc(x->prog.v, (size_t)x->prog.cap * sizeof(sprompt));
+    }
+    sprompt *e = &x->prog.v[x->prog.n++];
+    *e = (sprompt){.id = id, .done = 0, .chunk = 0, .start_ms = s->now};
+    s->reqs[id].state = SIM_CLUSTER_RQ_PREFILL;
+    take_chunk(s, e, budget, tokens, pairs);
+}
+
+/* Worker w's next batch, as tidepool's prefill worker builds it (prefill_worker/
+ * prefill_batch.c): the next chunk of every prompt being computed, in order, then queued
+ * prompts (online first, then offline within the policy's limit) while the token budget
+ * lasts, the last one's chunk cut to fit; at most max_seqs prompts. A worker changing role
+ * admits none (it finishes the prompts it has begun). Nothing to do: it is listed idle. */
 static void start_prefill(sim_cluster *s, int w)
 {
     sworker *x = &s->w[w];
     double tokens = 0, pairs = 0;
-    int budget = s->cm->prefill_token_budget;
-    x->batch.n = 0;
-    while (s->q_on.n > 0) {
-        sreq *r = &s->reqs[sim_ideque_front(&s->q_on)];
-        int pt = r->prompt + r->gen;
-        if (x->batch.n > 0 && tokens + pt > budget)
-            break;
-        int id = sim_ideque_pop_front(&s->q_on);
-        s->q_on_tokens -= r->prompt;
-        if (!s->reserve_dispatch) /* else counted when dispatched */
-            s->online_running++;
-        r->state = SIM_CLUSTER_RQ_PREFILL;
-        sim_ivec_push(&x->batch, id);
-        tokens += pt;
-        pairs += costmodel_attn_pairs(pt, 0);
+    int budget = s->cm->prefill_token_budget, max_items = s->cm->max_seqs;
+    int n = 0;
+    for (; n < x->prog.n && n < max_items && budget > 0; n++)
+        take_chunk(s, &x->prog.v[n], &budget, &tokens, &pairs);
+    if (n == x->prog.n && !x->changing) {
+        while (s->q_on.n > 0 && n < max_items && budget > 0) {
+            int id = sim_ideque_pop_front(&s->q_on);
+            if (!s->reserve_dispatch) /* else counted when dispatched */
+                s->online_running++;
+            admit_prompt(s, x, id, &budget, &tokens, &pairs);
+            n++;
+        }
+        while (!s->reserve_dispatch && s->q_off.n > 0 && s->offline_running < s->offline_limit &&
+               n < max_items && budget > 0) {
+            int id = sim_ideque_pop_front(&s->q_off);
+            s->offline_running++;
+            admit_prompt(s, x, id, &budget, &tokens, &pairs);
+            n++;
+        }
     }
-    while (!s->reserve_dispatch && s->q_off.n > 0 && s->offline_running < s->offline_limit) {
-        sreq *r = &s->reqs[sim_ideque_front(&s->q_off)];
-        int pt = r->prompt + r->gen;
-        if (x->batch.n > 0 && tokens + pt > budget)
-            break;
-        int id = sim_ideque_pop_front(&s->q_off);
-        s->offline_running++;
-        r->state = SIM_CLUSTER_RQ_PREFILL;
-        sim_ivec_push(&x->batch, id);
-        tokens += pt;
-        pairs += costmodel_attn_pairs(pt, 0);
-    }
-    if (x->batch.n == 0) {
+    x->n_batch = n;
+    if (n == 0) {
         if (!x->idle_listed) {
             x->idle_listed = 1;
             sim_ivec_push(&s->idle_prefill, w);
@@ -142,9 +177,8 @@ static void start_prefill(sim_cluster *s, int w)
         return;
     }
     x->busy = 1;
-    x->batch_start_ms = s->now;
-    sim_heap_push(&s->ev, s->now + costmodel_prefill_ms(s->cm, tokens, pairs),
-                  SIM_CLUSTER_EV_PREFILL_DONE, w, 0);
+    sim_cluster_worker_event(s, w, s->now + costmodel_prefill_ms(s->cm, tokens, pairs),
+                             SIM_CLUSTER_EV_PREFILL_DONE, 0);
 }
 
 static void wake_prefill(sim_cluster *s)
@@ -194,13 +228,26 @@ void sim_cluster_dispatch(sim_cluster *s)
         wake_prefill(s);
 }
 
+/* Worker w's batch ended: every prompt whose last chunk it held has its first token now
+ * (TTFT) and its KV on the way to a decode worker, arriving layer by layer at
+ * max(now + transfer / n_layer, its first chunk's start + transfer). */
 static void on_prefill_done(sim_cluster *s, int w)
 {
     sworker *x = &s->w[w];
-    int freed = 0;
-    for (int i = 0; i < x->batch.n; i++) {
-        int id = x->batch.v[i];
+    int freed = 0, kept = 0;
+    for (int i = 0; i < x->n_batch; i++) /* their cache misses at once, not one by one */
+        __builtin_prefetch(&s->reqs[x->prog.v[i].id], 1);
+    for (int i = 0; i < x->prog.n; i++) {
+        sprompt e = x->prog.v[i];
+        int id = e.id;
         sreq *r = &s->reqs[id];
+        if (i < x->n_batch)
+            e.done += e.chunk;
+        e.chunk = 0;
+        if (e.done < r->prompt + r->gen) { /* more chunks to come */
+            x->prog.v[kept++] = e;
+            continue;
+        }
         if (r->first_ms < 0) {
             r->first_ms = s->now;
             if (!r->offline)
@@ -219,7 +266,7 @@ static void on_prefill_done(sim_cluster *s, int w)
         if (!r->offline)
             s->online_decoding++;
         double xfer = sim_cluster_kv_transfer_ms(s, r);
-        double arrive = fmax(s->now + xfer / s->cm->n_layer, x->batch_start_ms + xfer);
+        double arrive = fmax(s->now + xfer / s->cm->n_layer, e.start_ms + xfer);
         if (r->worker >= 0 && sim_cluster_accepts(s, r->worker)) { /* reserved at dispatch */
             r->state = SIM_CLUSTER_RQ_XFER;
             sim_heap_push(&s->ev, arrive, SIM_CLUSTER_EV_XFER_DONE, id, r->epoch);
@@ -231,9 +278,10 @@ static void on_prefill_done(sim_cluster *s, int w)
         }
         sim_cluster_place_decode(s, id, arrive, 0);
     }
-    x->batch.n = 0;
+    x->prog.n = kept;
+    x->n_batch = 0;
     x->busy = 0;
-    if (x->changing)
+    if (x->changing && kept == 0)
         sim_cluster_switch_start(s, w, 0);
     else
         start_prefill(s, w);
@@ -248,7 +296,8 @@ static void on_prefill_done(sim_cluster *s, int w)
 void sim_cluster_switch_start(sim_cluster *s, int w, double extra_ms)
 {
     s->w[w].changing = 2;
-    sim_heap_push(&s->ev, s->now + extra_ms + s->switch_ms, SIM_CLUSTER_EV_SWITCH_DONE, w, 0);
+    sim_cluster_worker_event(s, w, s->now + extra_ms + s->switch_ms, SIM_CLUSTER_EV_SWITCH_DONE,
+                             0);
 }
 
 static void begin_change(sim_cluster *s, int w, int to)
@@ -329,7 +378,7 @@ static void on_tick(sim_cluster *s)
         if (x->role == POLICY_ROLE_DECODE) {
             sim_cluster_settle(s, i); /* last_step_ms: the step in progress now */
             p->running = x->running + x->incoming.n;
-            p->kv_blocks_used = (int)(x->kv_reserved / 16);
+            p->kv_blocks_used = (int)(s->room[i].kv_reserved / 16);
             p->kv_blocks_total = (int)(s->kv_cap / 16);
             p->decode_batch = x->running;
             if (x->running > 0) {
@@ -339,7 +388,7 @@ static void on_tick(sim_cluster *s)
                 np++;
             }
         } else {
-            p->running = x->batch.n;
+            p->running = x->prog.n;
         }
     }
     /* TPOT p90 over the sequences being decoded: each decode worker's step time, weighted
@@ -456,7 +505,8 @@ void sim_cluster_submit(sim_cluster *s, const sim_workload_arrival *a)
     ASSERT(a->prompt >= 1 && a->out >= 1);
     s->next = *a;
     s->next_pending = 1;
-    sim_heap_push(&s->ev, a->arrival_s * 1e3, SIM_CLUSTER_EV_ARRIVAL, 0, 0);
+    s->arr_t_ms = a->arrival_s * 1e3;
+    s->arr_seq = s->ev.next_seq++;
 }
 
 void sim_cluster_arrivals_done(sim_cluster *s)
@@ -472,7 +522,7 @@ static void finish_run(sim_cluster *s)
      * online request finished has none left anywhere. */
     ASSERT(s->online_running >= 0 && s->online_decoding >= 0 && s->offline_running >= 0);
     for (int i = 0; i < s->n_workers; i++)
-        ASSERT(s->w[i].kv_reserved >= 0 && s->w[i].assigned >= 0 && s->w[i].running >= 0 &&
+        ASSERT(s->room[i].kv_reserved >= 0 && s->room[i].assigned >= 0 && s->w[i].running >= 0 &&
                s->w[i].ctx_sum >= 0);
     if (s->now < s->hard_end_ms) {
         ASSERT(s->online_running == 0 && s->online_decoding == 0 && s->q_on.n == 0 &&
@@ -501,6 +551,30 @@ static void finish_run(sim_cluster *s)
     s->over = 1;
 }
 
+/* The earliest event of the three sources (the workers' slots, the heap, the submitted
+ * arrival), taken out into *e. Returns 0, or -1 when there is none. */
+static int next_event(sim_cluster *s, sim_heap_event *e)
+{
+    const sim_heap_event *a = s->ev.n ? &s->ev.v[0] : NULL;
+    const sim_heap_event *b = sim_heap_slot_top(&s->wev);
+    int from_slot = b && (!a || sim_heap_event_before(b->t_ms, b->seq, a->t_ms, a->seq));
+    const sim_heap_event *m = from_slot ? b : a;
+    if (s->next_pending && (!m || sim_heap_event_before(s->arr_t_ms, s->arr_seq, m->t_ms, m->seq))) {
+        *e = (sim_heap_event){.t_ms = s->arr_t_ms, .seq = s->arr_seq,
+                              .type = SIM_CLUSTER_EV_ARRIVAL};
+        return 0;
+    }
+    if (!m)
+        return -1;
+    int rc = from_slot ? sim_heap_slot_pop(&s->wev, e) : sim_heap_pop(&s->ev, e);
+    /* what the next events will touch, fetched while this one runs */
+    if (s->wev.n)
+        __builtin_prefetch(&s->w[sim_heap_slot_top(&s->wev)->id], 1);
+    if (s->ev.n && s->ev.v[0].type == SIM_CLUSTER_EV_XFER_DONE)
+        __builtin_prefetch(&s->reqs[s->ev.v[0].id], 1);
+    return rc;
+}
+
 int sim_cluster_run(sim_cluster *s)
 {
     if (s->over)
@@ -511,7 +585,7 @@ int sim_cluster_run(sim_cluster *s)
         sim_heap_push(&s->ev, 0, SIM_CLUSTER_EV_TICK, 0, 0);
     }
     sim_heap_event e;
-    while (!s->stop && sim_heap_pop(&s->ev, &e) == 0) {
+    while (!s->stop && next_event(s, &e) == 0) {
         s->now = e.t_ms;
         switch (e.type) {
         case SIM_CLUSTER_EV_ARRIVAL:
@@ -561,10 +635,10 @@ int sim_cluster_worker_get(const sim_cluster *s, int w, sim_cluster_worker_info 
     out->role = x->role;
     out->changing = x->changing;
     out->busy = x->busy;
-    out->batch = x->busy ? x->batch.n : 0;
+    out->batch = x->busy ? x->n_batch : 0;
     out->running = x->running;
-    out->assigned = x->assigned;
-    out->kv_reserved = x->kv_reserved;
+    out->assigned = s->room[w].assigned;
+    out->kv_reserved = s->room[w].kv_reserved;
     out->steps = x->step;
     return 0;
 }
@@ -580,6 +654,7 @@ sim_cluster_params sim_cluster_default_params(void)
         .tidal = 1,
         .drain = 0,
         .reserve_dispatch = 0,
+        .prefill_chunk_tokens = 512,
         .tick_ms = 1000,
         .switch_ms = 500,
         .ttft_slo_ms = 2000,
@@ -599,6 +674,16 @@ sim_cluster *sim_cluster_new(const costmodel *cm, const sim_cluster_params *p)
     sim_cluster *s = sim_mem_realloc(NULL, sizeof(*s));
     memset(s, 0, sizeof(*s));
     s->cm = cm;
+    s->sc = (sim_step_cost){
+        .weight_bytes = costmodel_weight_bytes(cm),
+        .kv_bytes_per_token = costmodel_kv_bytes_per_token(cm),
+        .mem_bytes_per_s = cm->hbm_bytes_per_s * cm->mbu,
+        .flops_per_seq = 2.0 * cm->n_params,
+        .flops_per_pair = 4.0 * cm->n_layer * (double)cm->n_head * cm->head_dim,
+        .flops_per_s = cm->peak_flops * cm->mfu_decode,
+        .overhead_ms = cm->step_overhead_ms,
+        .time_scale = cm->time_scale,
+    };
     s->pp = p->policy;
     if (!p->tidal) {
         s->pp.max_changes = 0;
@@ -609,6 +694,8 @@ sim_cluster *sim_cluster_new(const costmodel *cm, const sim_cluster_params *p)
     s->drain = p->drain;
     s->single_steps = p->single_steps;
     s->reserve_dispatch = p->reserve_dispatch;
+    ASSERT(p->prefill_chunk_tokens >= 0);
+    s->chunk_tokens = p->prefill_chunk_tokens;
     s->tick_ms = p->tick_ms;
     s->switch_ms = p->switch_ms;
     s->ttft_slo_ms = p->ttft_slo_ms;
@@ -620,8 +707,11 @@ sim_cluster *sim_cluster_new(const costmodel *cm, const sim_cluster_params *p)
     s->free_head = -1;
     sim_rng_seed(&s->prng, p->seed ^ 0x5eed5eed5eedull);
     policy_state_init(&s->pst);
-    s->w = sim_mem_realloc(NULL, (size_t)n_workers * sizeof(sworker));
+    s->w = sim_mem_realloc_aligned(NULL, 0, (size_t)n_workers * sizeof(sworker), 64);
     memset(s->w, 0, (size_t)n_workers * sizeof(sworker));
+    s->room = sim_mem_realloc_aligned(NULL, 0, (size_t)n_workers * sizeof(sroom), 64);
+    memset(s->room, 0, (size_t)n_workers * sizeof(sroom));
+    sim_heap_slot_init(&s->wev, n_workers);
     s->dec_list = sim_mem_realloc(NULL, (size_t)n_workers * sizeof(int));
     s->pin = sim_mem_realloc(NULL, (size_t)n_workers * sizeof(policy_worker));
     s->step_ms_buf = sim_mem_realloc(NULL, (size_t)n_workers * 2 * sizeof(double));
@@ -630,6 +720,7 @@ sim_cluster *sim_cluster_new(const costmodel *cm, const sim_cluster_params *p)
         x->role = i < p->n_prefill ? POLICY_ROLE_PREFILL : POLICY_ROLE_DECODE;
         x->role_since_ms = -1e12; /* settled: the policy may move it at once */
         x->dec_pos = -1;
+        x->fin_top = INT64_MAX;
         if (x->role == POLICY_ROLE_DECODE)
             sim_cluster_dec_list_add(s, i);
         else
@@ -644,11 +735,13 @@ void sim_cluster_destroy(sim_cluster **c)
     if (!s)
         return;
     for (int i = 0; i < s->n_workers; i++) {
-        sim_ivec_free(&s->w[i].batch);
+        free(s->w[i].prog.v);
         sim_ivec_free(&s->w[i].incoming);
         sim_heap_fin_free(&s->w[i].fin);
     }
     free(s->w);
+    free(s->room);
+    sim_heap_slot_free(&s->wev);
     free(s->dec_list);
     free(s->pin);
     free(s->step_ms_buf);

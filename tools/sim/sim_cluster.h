@@ -6,17 +6,21 @@
  *
  *   - gateway: online and offline FIFO queues; online first; offline prompts start only
  *     while fewer than the policy's offline limit are running.
- *   - prefill worker: when idle, takes prompts from the queue up to the token budget (a
- *     longer prompt runs alone) and computes them for costmodel_prefill_ms; the first token
- *     (TTFT) is out at the end of the batch. KV moves to a decode worker chosen then (most
- *     free KV of two random ones, else the best of all; with at most 16 decode workers
- *     always the best of all, the first listed on a tie), layer by layer: it arrives at
- *     max(end + transfer/n_layer, start + transfer).
+ *   - prefill worker: batches as tidepool's does (chunked prefill): each batch takes the
+ *     next chunk (at most prefill_chunk_tokens) of every prompt it is computing, then
+ *     prompts from the queue while the token budget (max-batch-tokens) lasts, the last
+ *     one's chunk cut to fit, and takes costmodel_prefill_ms for its tokens and attention
+ *     pairs (a chunk attends to the prompt's tokens before it); a long prompt thus spans
+ *     several batches, and its first token (TTFT) is out at the end of its last chunk's.
+ *     KV moves to a decode worker chosen then (most free KV of two random ones, else the
+ *     best of all; with at most 16 decode workers always the best of all, the first listed
+ *     on a tie), layer by layer: it arrives at max(end + transfer/n_layer, start of its
+ *     first chunk + transfer).
  *   - decode worker: continuous batching; a step over the running sequences takes
  *     costmodel_decode_step_ms(batch, total context); arrivals join at step boundaries;
  *     KV is reserved for prompt + output. No room anywhere: the sequence waits (online
  *     first) and is pulled by the next worker that frees KV.
- *   - role change: a prefill worker finishes its batch; a decode worker migrates its
+ *   - role change: a prefill worker finishes the prompts it has begun; a decode worker migrates its
  *     sequences (their KV over the link, one after another) at the next step boundary, or
  *     drains them; then either pays switch_ms before serving in the new role.
  *   - the policy runs every tick_ms (the first tick at time 0) on the figures a real
@@ -24,9 +28,10 @@
  *     far (recompute).
  *
  * The caller feeds the arrivals one at a time (sim_cluster_submit) and runs the events in
- * between (sim_cluster_run). Events sit in one binary heap ordered by (time, insertion), so
- * a run is deterministic: the same parameters and arrivals give the same figures, bit for
- * bit. Memory grows with the requests in the system; running out of it ends the program
+ * between (sim_cluster_run). Events are ordered by (time, insertion) (the workers' own in a
+ * heap with one slot per worker, the others in a second heap, sharing one count of
+ * insertions: sim_cluster_internal.h), so a run is deterministic: the same parameters and
+ * arrivals give the same figures, bit for bit. Memory grows with the requests in the system; running out of it ends the program
  * (sim_mem.h). One cluster per run; not thread-safe.
  */
 #ifndef TP_SIM_CLUSTER_H
@@ -64,6 +69,9 @@ typedef struct {
     int drain;            /* a decode worker leaving decode: 1 drains, 0 migrates */
     int reserve_dispatch; /* decode room reserved: 1 before prefill (at dispatch, as
                            * tidepool's gateway does), 0 when prefill ends */
+    int prefill_chunk_tokens; /* tokens of one prompt per prefill batch (a worker's
+                               * --prefill-chunk-tokens): a longer prompt is computed over
+                               * several batches; 0 = only the batch budget limits it */
     double tick_ms;       /* policy interval, > 0 */
     double switch_ms;     /* role change cost after draining, >= 0 */
     double ttft_slo_ms;   /* a finished online request within both SLOs counts as good */
@@ -98,7 +106,7 @@ typedef struct {
     int role;            /* POLICY_ROLE_PREFILL | POLICY_ROLE_DECODE (the current one) */
     int changing;        /* 0, 1 = draining, 2 = switching */
     int busy;            /* prefill: a batch is running */
-    int batch;           /* prefill: prompts in the running batch */
+    int batch;           /* prefill: prompts in the running batch (a chunk of each) */
     int running;         /* decode: sequences in the batch */
     int assigned;        /* decode: sequences holding room here (running, joining, on
                           * their way) */
@@ -107,7 +115,7 @@ typedef struct {
 } sim_cluster_worker_info;
 
 /* Defaults: the tool's (policy_default_params, 8 workers, 4 prefill, tidal, migrate,
- * reserve when prefill ends, tick 1000 ms, switch 500 ms, SLOs 2000 / 50 ms, no hard end,
+ * reserve when prefill ends, chunks of 512 prompt tokens, tick 1000 ms, switch 500 ms, SLOs 2000 / 50 ms, no hard end,
  * seed 1, no tick callback). */
 sim_cluster_params sim_cluster_default_params(void);
 

@@ -36,7 +36,7 @@ int sim_cluster_choose_decode(sim_cluster *s, int need, int scan)
     if (s->n_dec <= 16) {
         for (int i = 0; i < s->n_dec; i++) {
             int w = s->dec_list[i];
-            int64_t f = (int64_t)s->kv_cap - s->w[w].kv_reserved;
+            int64_t f = (int64_t)s->kv_cap - s->room[w].kv_reserved;
             if (sim_cluster_fits(s, w, need) && f > best_free)
                 best = w, best_free = f;
         }
@@ -44,7 +44,7 @@ int sim_cluster_choose_decode(sim_cluster *s, int need, int scan)
     }
     for (int k = 0; k < 2; k++) {
         int w = s->dec_list[sim_rng_next(&s->prng) % (uint64_t)s->n_dec];
-        int64_t f = (int64_t)s->kv_cap - s->w[w].kv_reserved;
+        int64_t f = (int64_t)s->kv_cap - s->room[w].kv_reserved;
         if (sim_cluster_fits(s, w, need) && f > best_free)
             best = w, best_free = f;
     }
@@ -54,7 +54,7 @@ int sim_cluster_choose_decode(sim_cluster *s, int need, int scan)
         return -1;
     for (int i = 0; i < s->n_dec; i++) {
         int w = s->dec_list[i];
-        int64_t f = (int64_t)s->kv_cap - s->w[w].kv_reserved;
+        int64_t f = (int64_t)s->kv_cap - s->room[w].kv_reserved;
         if (sim_cluster_fits(s, w, need) && f > best_free)
             best = w, best_free = f;
     }
@@ -69,8 +69,8 @@ int sim_cluster_choose_decode(sim_cluster *s, int need, int scan)
 void sim_cluster_hold(sim_cluster *s, int id, int w)
 {
     sreq *r = &s->reqs[id];
-    s->w[w].kv_reserved += r->need;
-    s->w[w].assigned++;
+    s->room[w].kv_reserved += r->need;
+    s->room[w].assigned++;
     r->worker = w;
 }
 
@@ -85,7 +85,7 @@ static void reserve(sim_cluster *s, int id, int w, double arrive_ms)
 void sim_cluster_unreserve(sim_cluster *s, int id)
 {
     sreq *r = &s->reqs[id];
-    sworker *x = &s->w[r->worker];
+    sroom *x = &s->room[r->worker];
     x->kv_reserved -= r->need;
     x->assigned--;
     r->worker = -1;
@@ -168,7 +168,7 @@ void sim_cluster_settle(sim_cluster *s, int w)
         x->step_t0 = t;
         x->step++;
         x->ctx_sum += x->running;
-        x->last_step_ms = costmodel_decode_step_ms(s->cm, x->running, (double)x->ctx_sum);
+        x->last_step_ms = sim_cluster_step_ms(s, x->running, (double)x->ctx_sum);
     }
 }
 
@@ -179,19 +179,24 @@ void sim_cluster_cut(sim_cluster *s, int w)
     if (!x->stepping || x->step + 1 >= x->step_end)
         return;
     x->step_end = x->step + 1;
-    sim_heap_push(&s->ev, x->step_t0 + x->last_step_ms, SIM_CLUSTER_EV_STEP_DONE, w,
-                  ++x->step_epoch);
+    sim_cluster_worker_event(s, w, x->step_t0 + x->last_step_ms, SIM_CLUSTER_EV_STEP_DONE,
+                             ++x->step_epoch);
 }
 
 static void start_step(sim_cluster *s, int w)
 {
     sworker *x = &s->w[w];
+    for (int i = 0; i < x->incoming.n; i++)
+        __builtin_prefetch(&s->reqs[x->incoming.v[i]], 1);
     for (int i = 0; i < x->incoming.n; i++) {
         int id = x->incoming.v[i];
         sreq *r = &s->reqs[id];
         r->state = SIM_CLUSTER_RQ_RUNNING;
         r->s0 = x->step;
-        sim_heap_fin_push(&x->fin, (sim_heap_fin_entry){x->step + (r->out - r->gen), id, r->epoch});
+        int64_t fin_step = x->step + (r->out - r->gen);
+        sim_heap_fin_push(&x->fin, (sim_heap_fin_entry){fin_step, id, r->epoch});
+        if (fin_step < x->fin_top)
+            x->fin_top = fin_step;
         x->ctx_sum += r->prompt + r->gen;
         x->running++;
         if (r->offline) {
@@ -203,23 +208,23 @@ static void start_step(sim_cluster *s, int w)
     if (x->running > 0) {
         /* the steps up to the next sequence's finish are known: one event for the run (a
          * join, a preemption or a role change cuts it short: sim_cluster_cut) */
-        int64_t run = x->fin.n > 0 ? x->fin.v[0].step - x->step : 1;
+        int64_t run = x->fin.n > 0 ? x->fin_top - x->step : 1;
         if (run < 1)
             run = 1;
         if (run > MAX_RUN)
             run = MAX_RUN;
         if (s->single_steps)
             run = 1;
-        x->last_step_ms = costmodel_decode_step_ms(s->cm, x->running, (double)x->ctx_sum);
+        x->last_step_ms = sim_cluster_step_ms(s, x->running, (double)x->ctx_sum);
         x->step_t0 = s->now;
         x->step_end = x->step + run;
         double t = s->now + x->last_step_ms;
         int64_t ctx = x->ctx_sum;
         for (int64_t j = 1; j < run; j++) {
             ctx += x->running;
-            t += costmodel_decode_step_ms(s->cm, x->running, (double)ctx);
+            t += sim_cluster_step_ms(s, x->running, (double)ctx);
         }
-        sim_heap_push(&s->ev, t, SIM_CLUSTER_EV_STEP_DONE, w, ++x->step_epoch);
+        sim_cluster_worker_event(s, w, t, SIM_CLUSTER_EV_STEP_DONE, ++x->step_epoch);
         x->stepping = 1;
     } else {
         x->stepping = 0;
@@ -262,6 +267,7 @@ void sim_cluster_migrate_all(sim_cluster *s, int w)
         sim_cluster_place_decode(s, id, s->now + t_acc, 1);
     }
     x->fin.n = 0;
+    x->fin_top = INT64_MAX;
     x->incoming.n = 0;
     x->running = 0;
     x->ctx_sum = 0;
@@ -281,15 +287,16 @@ void sim_cluster_on_step_done(sim_cluster *s, int w, uint32_t epoch)
     x->step++;
     x->ctx_sum += x->running;
     int freed = 0;
-    while (x->fin.n > 0 && x->fin.v[0].step <= x->step) {
+    while (x->fin_top <= x->step) {
         sim_heap_fin_entry e = sim_heap_fin_pop(&x->fin);
+        x->fin_top = x->fin.n > 0 ? x->fin.v[0].step : INT64_MAX;
         sreq *r = &s->reqs[e.req];
         if (r->epoch != e.epoch || r->state != SIM_CLUSTER_RQ_RUNNING || r->worker != w)
             continue;
         x->ctx_sum -= r->prompt + r->out;
         x->running--;
-        x->kv_reserved -= r->need;
-        x->assigned--;
+        s->room[w].kv_reserved -= r->need;
+        s->room[w].assigned--;
         r->gen = r->out;
         sim_cluster_finish_req(s, e.req);
         freed = 1;

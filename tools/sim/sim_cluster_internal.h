@@ -14,6 +14,8 @@
 
 #include <stdint.h>
 
+#include "log.h"
+
 #include "costmodel.h"
 #include "policy.h"
 #include "sim_cluster.h"
@@ -45,35 +47,44 @@ enum {
     SIM_CLUSTER_RQ_RUNNING,  /* in its decode worker's batch */
 };
 
+/* One request: 64 bytes, one cache line (the array is aligned to 64), since touching a
+ * request is most of what an event costs at 10,000 workers. */
 typedef struct {
     double arrival_ms, first_ms; /* first_ms < 0: no token yet */
+    int64_t s0;                  /* worker step when it joined the batch */
     int prompt, out;             /* tokens */
     int gen;                     /* tokens generated so far (the first included) */
     int worker;                  /* decode worker holding its reservation, -1 none */
-    int64_t s0;                  /* worker step when it joined the batch */
     int need;                    /* KV tokens reserved: prompt + out */
     uint32_t epoch;              /* bumped whenever it leaves a place (stale entries) */
-    uint8_t offline, state;
     int next_free;
+    uint8_t offline, state;
 } sreq;
+_Static_assert(sizeof(sreq) <= 64, "a request fits one cache line");
 
+/* A prompt being computed on a prefill worker, in chunks (prefill_worker/prefill_batch.c). */
 typedef struct {
-    int role;     /* POLICY_ROLE_PREFILL | POLICY_ROLE_DECODE */
-    int target;   /* role it is changing to */
-    int changing; /* 0, 1 = draining, 2 = switching */
-    double role_since_ms;
-    /* prefill */
-    int busy, idle_listed;
-    sim_ivec batch;
-    double batch_start_ms;
-    /* decode */
-    int stepping, dec_pos;
+    int id;          /* the request */
+    int done;        /* its tokens (prompt + tokens so far) computed */
+    int chunk;       /* its tokens in the running batch, 0 none */
+    double start_ms; /* when its first chunk began (its KV transfer starts then) */
+} sprompt;
+
+/* A prefill worker's prompts being computed, in arrival order (a plain growable array). */
+typedef struct {
+    sprompt *v;
+    int n, cap;
+} sprompts;
+
+/* A worker. The fields a decode step reads come first (one cache line); the KV room
+ * placement looks at is apart, in sim_cluster.room, a compact array. */
+typedef struct {
+    /* decode: the step and its run */
+    int stepping;
+    int running;           /* sequences in the batch */
     int64_t step, ctx_sum; /* completed steps; context tokens of the running sequences */
-    int running, assigned; /* in the batch; reserved here (running + incoming + in flight) */
-    int64_t kv_reserved;   /* tokens */
-    sim_heap_fin fin;
-    sim_ivec incoming;
-    double last_step_ms; /* the step in progress */
+    int64_t fin_top;       /* fin's earliest finish step, INT64_MAX when fin is empty */
+    double last_step_ms;   /* the step in progress */
     /* Runs of steps (sim_cluster_decode.c): between two events that change a batch (a
      * sequence finishing, joining or leaving, a role change) its steps are known in
      * advance, so one STEP_DONE event stands for a run of them. step_t0 is when the step in
@@ -82,22 +93,55 @@ typedef struct {
     double step_t0;
     int64_t step_end;
     uint32_t step_epoch;
+    int changing; /* 0, 1 = draining, 2 = switching */
+    int role;     /* POLICY_ROLE_PREFILL | POLICY_ROLE_DECODE */
+    int target;   /* role it is changing to */
+    double role_since_ms;
+    int dec_pos;
+    sim_heap_fin fin;
+    sim_ivec incoming;
+    /* prefill */
+    int busy, idle_listed;
+    int n_batch;      /* prompts in the running batch: prog.v[0 .. n_batch) */
+    sprompts prog;    /* prompts being computed, in arrival order */
 } sworker;
+
+/* A decode worker's room (placement reads these for random workers: kept compact). */
+typedef struct {
+    int64_t kv_reserved; /* tokens */
+    int assigned;        /* reserved here (running + incoming + in flight) */
+} sroom;
+
+/* costmodel_decode_step_ms's constants, computed once by the same expressions (so the
+ * inline step time below is the function's, bit for bit): it runs for every decode step. */
+typedef struct {
+    double weight_bytes, kv_bytes_per_token, mem_bytes_per_s; /* bytes, bytes/s */
+    double flops_per_seq, flops_per_pair, flops_per_s;
+    double overhead_ms, time_scale;
+} sim_step_cost;
 
 struct sim_cluster {
     /* configuration */
     const costmodel *cm;
+    sim_step_cost sc;
     policy_params pp;
     int n_workers;
     int drain;            /* --role-change drain */
     int single_steps;     /* sim_cluster_params.single_steps */
     int reserve_dispatch; /* --decode-reserve dispatch */
+    int chunk_tokens;     /* sim_cluster_params.prefill_chunk_tokens, 0 = no limit */
     double tick_ms, switch_ms, ttft_slo_ms, tpot_slo_ms, kv_cap, hard_end_ms;
     sim_cluster_tick_fn on_tick;
     void *tick_ctx;
-    /* clock and events */
+    /* clock and events: the workers' own events (a prefill batch, a run of decode steps, a
+     * role switch: at most one pending per worker) in wev, the rest (transfers, the tick)
+     * in ev, the submitted arrival apart (arr_*); all three ordered by one count of
+     * sequence numbers (ev.next_seq), so the order is that of one heap. */
     double now;
     sim_heap ev;
+    sim_heap_slot wev;
+    double arr_t_ms;
+    uint64_t arr_seq;
     int started, stop, over;
     /* requests */
     sreq *reqs;
@@ -109,6 +153,7 @@ struct sim_cluster {
      * online requests waiting at the gateway for decode room, q_off the offline ones, and
      * q_on both kinds once dispatched (their decode room reserved). */
     sworker *w;
+    sroom *room;
     sim_ideque q_on, q_off, q_gw, pend_on, pend_off;
     int64_t q_on_tokens;
     sim_ivec idle_prefill;
@@ -136,6 +181,19 @@ struct sim_cluster {
     sim_cluster_figures fig; /* when over */
 };
 
+/* costmodel_decode_step_ms(cm, batch, ctx_tokens), inline, from s->sc. */
+static inline double sim_cluster_step_ms(const sim_cluster *s, double batch, double ctx_tokens)
+{
+    const sim_step_cost *c = &s->sc;
+    if (batch <= 0)
+        return 0;
+    if (ctx_tokens < 0)
+        ctx_tokens = 0;
+    double t_mem = (c->weight_bytes + c->kv_bytes_per_token * ctx_tokens) / c->mem_bytes_per_s;
+    double t_compute = (c->flops_per_seq * batch + c->flops_per_pair * ctx_tokens) / c->flops_per_s;
+    return (1e3 * (t_mem > t_compute ? t_mem : t_compute) + c->overhead_ms) * c->time_scale;
+}
+
 /* Worker w takes new sequences: a decode worker not changing role. */
 static inline int sim_cluster_accepts(const sim_cluster *s, int w)
 {
@@ -145,8 +203,17 @@ static inline int sim_cluster_accepts(const sim_cluster *s, int w)
 /* Worker w has room for a sequence of need KV tokens (and a slot). */
 static inline int sim_cluster_fits(const sim_cluster *s, int w, int need)
 {
-    const sworker *x = &s->w[w];
+    const sroom *x = &s->room[w];
     return x->kv_reserved + need <= s->kv_cap && x->assigned < s->cm->max_seqs;
+}
+
+/* Worker w's event (SIM_CLUSTER_EV_PREFILL_DONE, _STEP_DONE or _SWITCH_DONE) at t_ms: it
+ * replaces the one w had, which must be a stale run of steps (ASSERT). */
+static inline void sim_cluster_worker_event(sim_cluster *s, int w, double t_ms, int type,
+                                            uint32_t epoch)
+{
+    int old = sim_heap_slot_set(&s->wev, w, t_ms, s->ev.next_seq++, type, epoch);
+    ASSERT(old == 0 || old == SIM_CLUSTER_EV_STEP_DONE);
 }
 
 /* Time (ms) to move request r's KV (prompt + tokens so far) over the link. */

@@ -5,11 +5,16 @@
  *
  *   sim_heap      the events of the simulation, ordered by (time, sequence number): equal
  *                 times pop in insertion order, so runs are deterministic.
+ *   sim_heap_slot the events that belong to one worker (at most one pending each: its
+ *                 prefill batch, its run of decode steps, its role switch), one slot per
+ *                 worker, ordered like sim_heap: setting a worker's slot again replaces
+ *                 its event in place (O(log n)), so a replaced event never sits in a heap
+ *                 waiting to be skipped, and the heap never holds more than the workers.
  *   sim_heap_fin  per decode worker, its sequences ordered by (finish step, request).
  *
- * Both are plain structs: zero-initialized is empty; v[0..n) is the heap (v[0] the
- * minimum, the rest in heap order, which callers may scan but not reorder); n = 0 empties
- * it. Not thread-safe.
+ * sim_heap and sim_heap_fin are plain structs: zero-initialized is empty; v[0..n) is the
+ * heap (v[0] the minimum, the rest in heap order, which callers may scan but not reorder);
+ * n = 0 empties it. sim_heap_slot is set up with sim_heap_slot_init. Not thread-safe.
  */
 #ifndef TP_SIM_HEAP_H
 #define TP_SIM_HEAP_H
@@ -42,6 +47,43 @@ int sim_heap_pop(sim_heap *h, sim_heap_event *out);
 
 /* Free the array; h is empty (and reusable) afterwards. */
 void sim_heap_free(sim_heap *h);
+
+/* Whether event a comes before b: by time, then sequence number. */
+static inline int sim_heap_event_before(double a_t_ms, uint64_t a_seq, double b_t_ms,
+                                        uint64_t b_seq)
+{
+    return a_t_ms < b_t_ms || (a_t_ms == b_t_ms && a_seq < b_seq);
+}
+
+// --- one event slot per worker
+
+typedef struct {
+    sim_heap_event *v; /* (n_ids + 3): the heap of the set slots in v[3 .. 3 + n) */
+    int *pos;          /* (n_ids): where id's event is in the heap, -1 none */
+    int n, n_ids;
+} sim_heap_slot;
+
+/* The earliest set slot's event (borrowed until the next change), or NULL when none. */
+static inline const sim_heap_event *sim_heap_slot_top(const sim_heap_slot *h)
+{
+    return h->n ? &h->v[3] : NULL;
+}
+
+/* An empty heap for ids 0..n_ids-1 (n_ids >= 0). */
+void sim_heap_slot_init(sim_heap_slot *h, int n_ids);
+
+/* Set id's event to (t_ms, seq, type, epoch), replacing the one it had if any. seq comes
+ * from the caller (sim_heap.next_seq, so that both heaps order by one count). Returns the
+ * type of the event replaced, or 0 when id had none. */
+int sim_heap_slot_set(sim_heap_slot *h, int id, double t_ms, uint64_t seq, int type,
+                      uint32_t epoch);
+
+/* Remove the earliest event (by time, then seq) into *out (out->id: its slot). Returns 0,
+ * or -1 when no slot is set (*out untouched). */
+int sim_heap_slot_pop(sim_heap_slot *h, sim_heap_event *out);
+
+/* Free the arrays; h must be set up again (sim_heap_slot_init) before reuse. */
+void sim_heap_slot_free(sim_heap_slot *h);
 
 // --- finish steps (per decode worker)
 

@@ -12,4 +12,9 @@
  * is the caller's (free()). */
 void *sim_mem_realloc(void *p, size_t n);
 
+/* Like sim_mem_realloc, the result aligned to align bytes (a power of two, a multiple of
+ * sizeof(void *)): p (NULL, or a result of this call) holds old_n bytes, which are
+ * copied (min(old_n, n)), and is freed. The result is the caller's (free()). */
+void *sim_mem_realloc_aligned(void *p, size_t old_n, size_t n, size_t align);
+
 #endif
