@@ -443,7 +443,10 @@ void kern_matmul(kern_isa isa, kern_order order, const kern_mat *w, const kern_a
     }
 #ifdef KERN_HAVE_X86
     /* batch 1 is bound by memory bandwidth: the AVX2 kernels reach it */
-    if (isa == KERN_ISA_AVX512 && a->T >= 2) {
+    /* (the AVX-512 kernels pack activations into the scratch unless kern_pack_bind did:
+     * without either, the AVX2 kernels, which need none, do the work) */
+    if (isa == KERN_ISA_AVX512 && a->T >= 2 &&
+        (scratch || (q8 ? a->qp != NULL : a->xp != NULL))) {
         kern_x86_matmul_avx512(w, a, r0, r1, out, scratch);
         return;
     }

@@ -100,7 +100,8 @@ size_t kern_scratch_floats(int n);
 /* out[t][i] = dot(W[i], a->x[t]) for rows i in [r0, r1) and t in [0, a->T), in the
  * order defined above (order is ignored for Q8_0, which needs a->q_d/q_s). out holds T
  * row pointers (each row is written at [r0, r1) only). scratch: kern_scratch_floats(n)
- * floats private to the calling thread. Weight rows are read once per call: all T
+ * floats private to the calling thread (NULL is allowed in FAST order and for Q8_0, at a
+ * cost: on AVX-512 without packed activations the AVX2 kernels run). Weight rows are read once per call: all T
  * tokens are applied to a block of rows while it is in cache. Thread-safe for disjoint
  * row ranges. */
 void kern_matmul(kern_isa isa, kern_order order, const kern_mat *w, const kern_act *a, int r0,
