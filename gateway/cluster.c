@@ -199,6 +199,7 @@ void cluster_req_detach(cluster_t *c, req_t *r, int cancel)
     }
     r->pw = r->dw = r->mw = NULL;
     r->p_qtok = r->d_blocks = 0;
+    req_drop_held(r);
 }
 
 int cluster_late_prefill(const cluster_t *c, uint64_t wire)

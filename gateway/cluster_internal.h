@@ -116,6 +116,12 @@ typedef struct req {
      * re-runs go elsewhere when another pair can take them (pick) */
     char shun[PROTO_ID_LEN];
     size_t shun_len;
+    /* TOKENS (and the FINISH after them) from the decode worker that overtook the prefill
+     * worker's first token: the two come over different connections, and with logprobs
+     * the decode worker does not repeat that token. Held (owned: tokens, lps) until it
+     * arrives, dropped with the attempt (cluster_req_detach); NULL = none. */
+    proto_msg *held;
+    int held_finish; /* FINISH reason + 1 held after them, 0 = none */
 } req_t;
 
 typedef struct {
@@ -260,8 +266,20 @@ static inline req_t *req_find(cluster_t *c, uint64_t rid)
     return NULL;
 }
 
+/* Forget the held TOKENS/FINISH of r's attempt (req_t.held). */
+static inline void req_drop_held(req_t *r)
+{
+    if (r->held) {
+        proto_msg_clear(r->held);
+        free(r->held);
+        r->held = NULL;
+    }
+    r->held_finish = 0;
+}
+
 static inline void req_free(req_t *r)
 {
+    req_drop_held(r);
     free(r->tokens);
     free(r->samp);
     free(r);

@@ -318,6 +318,74 @@ static void note_timing(req_t *r, const worker_t *w, const proto_msg *m)
         t->step_us = m->step_us;
 }
 
+static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m);
+
+/* TOKENS m from r's decode worker start past what is known: when the prefill worker's
+ * first token has not come yet (it travels over another connection, and the decode worker
+ * repeats it only without logprobs), keep m (and what follows it in order) until it does,
+ * instead of re-running the request. Returns 1 if held, 0 when the gap is a real loss. */
+static int hold_tokens(req_t *r, const worker_t *w, const proto_msg *m)
+{
+    if (w != r->dw || !r->pw || r->pw == w || r->p_started || r->n_gen != r->base ||
+        m->n_tokens < 1)
+        return 0;
+    proto_msg *h = r->held;
+    if (h && (h->index + h->n_tokens != m->index || r->held_finish ||
+              h->n_tokens + m->n_tokens > r->max_tokens || !h->lps != !m->lps))
+        return 0;
+    int n0 = h ? h->n_tokens : 0, n = n0 + m->n_tokens;
+    int *tok = realloc(h ? h->tokens : NULL, (size_t)n * sizeof(int));
+    if (!tok)
+        return 0;
+    if (!h) {
+        h = calloc(1, sizeof(*h));
+        if (!h) {
+            free(tok);
+            return 0;
+        }
+        proto_msg_init(h, PROTO_TOKENS);
+        h->rid = m->rid;
+        h->index = m->index;
+        h->xfer_us = m->xfer_us, h->xfer_bytes = m->xfer_bytes, h->step_us = m->step_us;
+        h->queue_us = m->queue_us, h->prefill_us = m->prefill_us;
+        r->held = h;
+    }
+    h->tokens = tok;
+    if (m->lps) {
+        proto_logprob *lps = realloc(h->lps, (size_t)n * sizeof(*lps));
+        if (!lps) {
+            req_drop_held(r);
+            return 0;
+        }
+        memcpy(lps + n0, m->lps, (size_t)m->n_tokens * sizeof(*lps));
+        h->lps = lps;
+    }
+    memcpy(tok + n0, m->tokens, (size_t)m->n_tokens * sizeof(int));
+    h->n_tokens = n;
+    h->rng = m->rng;
+    log_rdebug(r->rid, "TOKENS [%d, %d) from %s before the prefill worker's first token: held",
+               m->index, m->index + m->n_tokens, w->id);
+    return 1;
+}
+
+/* The prefill worker's first token came: hand r the decode worker's held TOKENS, then the
+ * FINISH held after them. */
+static void replay_held(cluster_t *c, req_t *r)
+{
+    proto_msg *h = r->held;
+    int fin = r->held_finish;
+    worker_t *dw = r->dw;
+    uint64_t wire = h->rid;
+    r->held = NULL;
+    r->held_finish = 0;
+    handle_tokens(c, dw, h);
+    proto_msg_clear(h);
+    free(h);
+    /* r may have ended (max_tokens, a stop string): look its attempt up again */
+    if (fin && (r = attempt_of(c, wire, dw)) != NULL)
+        cluster_req_end_finish(c, r, fin - 1, 0);
+}
+
 static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
 {
     req_t *r = attempt_of(c, m->rid, w);
@@ -395,6 +463,8 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
     r->since_us = proto_now_us();
     note_timing(r, w, m);
     long start = (long)r->base + m->index;
+    if (start > r->n_gen && hold_tokens(r, w, m))
+        return;
     if (start > r->n_gen) { /* tokens in between were lost: re-run from what is known */
         char why[160];
         snprintf(why, sizeof(why), "TOKENS from %s start at %ld but only %d are known", w->id,
@@ -426,7 +496,10 @@ static void handle_tokens(cluster_t *c, worker_t *w, const proto_msg *m)
         cluster_req_detach(c, r, r->n_gen < r->max_tokens);
         cluster_req_unlink(c, r);
         req_free(r);
+        return;
     }
+    if (r->held && w == r->pw)
+        replay_held(c, r);
 }
 
 /* A TOKENS message from w that could not be decoded (an id below 0 or past 2^31, a bad
@@ -449,6 +522,10 @@ static void handle_finish(cluster_t *c, worker_t *w, const proto_msg *m)
     req_t *r = attempt_of(c, m->rid, w);
     if (!r)
         return;
+    if (r->held && w == r->dw && !r->held_finish) {
+        r->held_finish = m->reason + 1; /* after the held TOKENS, once they can be used */
+        return;
+    }
     note_timing(r, w, m);
     /* A FINISH from the prefill worker (e.g. EOS as the first token) means the decode
      * worker, if another one, must not go on. */

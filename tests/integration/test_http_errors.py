@@ -953,6 +953,66 @@ class FakeWorkerTest(unittest.TestCase):
         self.assertIsNotNone(c)
         self.assertEqual(c["rid"], m["rid"] + 5)
 
+    def pd_pair(self):
+        """A prefill and a decode worker, and a function that heartbeats both (the test's
+        pauses are longer than --dead-after-ms)."""
+        p = self.worker("w-p", role=1)
+        d = self.worker("w-d", role=2, kvep="tcp://127.0.0.1:1")
+
+        def hb():
+            for w, role in ((p, 1), (d, 2)):
+                w.send(HEARTBEAT, wid=w.wid, role=role, state=1, running=0, queued=0, qtok=0,
+                       kv_total=1000, kv_free=1000, tok_in=0, tok_out=0)
+        return p, d, hb
+
+    def test_decode_tokens_with_logprobs_overtaking_the_prefill_are_held(self):
+        """With logprobs the decode worker does not repeat the first token (it has not its
+        logprobs), so its first TOKENS start at 1; when they (and its FINISH) reach the
+        gateway before the prefill worker's TOKENS of token 0 (another connection; a
+        prefill batch's tokens go out at the end of the batch), they are held until that
+        token comes, not taken for lost tokens: before, each attempt was re-run and the
+        request failed with 503 after the retries (test_choices' best_of on a fast host)."""
+        p, d, hb = self.pd_pair()
+        res = self.start({"prompt": "hi", "max_tokens": 4, "temperature": 0, "logprobs": 0})
+        m = p.recv(want=(PREFILL,))
+        self.assertEqual(m["dw"], "w-d")
+        self.assertEqual(m["lpk"], 1)
+        d.send(TOKENS, rid=m["rid"], index=1, tokens=ids_of("bc"),
+               lp=[[-0.5, [], []], [-0.25, [], []]])
+        d.send(TOKENS, rid=m["rid"], index=3, tokens=ids_of("d"), lp=[[-0.125, [], []]])
+        d.send(FINISH, rid=m["rid"], reason=2)
+        hb()
+        self.assertIsNone(p.recv(0.3, want=(PREFILL, CANCEL)), "the attempt was re-run")
+        hb()
+        p.send(TOKENS, rid=m["rid"], index=0, tokens=ids_of("a"), lp=[[-1.0, [], []]])
+        p.send(FINISH, rid=m["rid"], reason=2)
+        st, _, data = res()
+        self.assertEqual(st, 200, data)
+        ch = json.loads(data)["choices"][0]
+        self.assertEqual(ch["text"], "abcd")
+        self.assertEqual(ch["logprobs"]["token_logprobs"], [-1.0, -0.5, -0.25, -0.125])
+        self.assertEqual(ch["finish_reason"], "length")
+        self.assertIsNone(p.recv(0.2, want=(PREFILL, CANCEL)))
+        self.assertIsNone(d.recv(0.05, want=(PREFILL, CANCEL)))
+
+    def test_decode_tokens_gap_the_prefill_cannot_fill_is_rerun(self):
+        """Held TOKENS that the prefill worker's first token does not reach (index 2 with
+        1 known) are a real loss: the attempt is re-run from what is known."""
+        p, d, hb = self.pd_pair()
+        res = self.start({"prompt": "hi", "max_tokens": 4, "temperature": 0, "logprobs": 0})
+        m = p.recv(want=(PREFILL,))
+        d.send(TOKENS, rid=m["rid"], index=2, tokens=ids_of("c"), lp=[[-0.5, [], []]])
+        p.send(TOKENS, rid=m["rid"], index=0, tokens=ids_of("a"), lp=[[-1.0, [], []]])
+        m2 = p.recv(want=(PREFILL,))
+        self.assertIsNotNone(m2, "a real gap was not re-run")
+        hb()
+        d.send(TOKENS, rid=m2["rid"], index=0, tokens=ids_of("xyz"),
+               lp=[[-1.0, [], []], [-1.0, [], []], [-1.0, [], []]])
+        d.send(FINISH, rid=m2["rid"], reason=2)
+        st, _, data = res()
+        self.assertEqual(st, 200, data)
+        self.assertEqual(json.loads(data)["choices"][0]["text"], "axyz")
+
     def test_avoided_pair_not_used_while_another_is_busy(self):
         """While a failed pair is avoided, a request that the other pair can take once its
         decode worker has room again waits for it rather than going over the failed link
