@@ -15,6 +15,7 @@
 
 #include "api.h"
 #include "batch_internal.h"
+#include "http.h"
 #include "log.h"
 #include "multipart.h"
 #include "store.h"
@@ -28,7 +29,7 @@ static void reply_body(struct evhttp_request *req, int status, const char *type,
     struct evbuffer *buf = evbuffer_new();
     if (buf && body)
         evbuffer_add(buf, body, len);
-    evhttp_send_reply(req, status, NULL, buf);
+    http_send_reply(req, status, buf);
     if (buf)
         evbuffer_free(buf);
 }

@@ -24,6 +24,20 @@
 
 // --- replies
 
+void http_send_reply(struct evhttp_request *req, int status, struct evbuffer *body)
+{
+    if (evhttp_request_get_command(req) == EVHTTP_REQ_HEAD) {
+        char len[32];
+        snprintf(len, sizeof len, "%zu", body ? evbuffer_get_length(body) : (size_t)0);
+        struct evkeyvalq *h = evhttp_request_get_output_headers(req);
+        evhttp_remove_header(h, "Content-Length");
+        evhttp_add_header(h, "Content-Length", len);
+        if (body)
+            evbuffer_drain(body, evbuffer_get_length(body));
+    }
+    evhttp_send_reply(req, status, NULL, body);
+}
+
 void http_reply_json(struct evhttp_request *req, int status, const char *body)
 {
     struct evkeyvalq *h = evhttp_request_get_output_headers(req);
@@ -31,7 +45,7 @@ void http_reply_json(struct evhttp_request *req, int status, const char *body)
     struct evbuffer *b = evbuffer_new();
     if (b && body)
         evbuffer_add(b, body, strlen(body));
-    evhttp_send_reply(req, status, NULL, b);
+    http_send_reply(req, status, b);
     if (b)
         evbuffer_free(b);
 }

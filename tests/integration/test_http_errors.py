@@ -288,6 +288,39 @@ class HttpErrorsTest(unittest.TestCase):
                                                      "max_tokens": 1})
         self.assertEqual(st, 503)  # valid, but no worker within --request-timeout-ms
 
+    def test_head_has_headers_only(self):
+        """HEAD gets GET's status and headers with the Content-Length of GET's body, and no
+        body (RFC 9110 9.3.2): libevent 2.1 sent the body after a HEAD reply's headers, with
+        no Content-Length, so a kept-alive client read those bytes as the start of its next
+        response (`curl -I URL URL`: "Excess found")."""
+        paths = ["/v1/models", "/v1/models/stories260K", "/v1/models/nope", "/health",
+                 "/v1/batches", "/v1/files/file-nope", "/metrics", "/workers",
+                 "/v1/completions", "/v1/nope"]
+        stable = {"/v1/models", "/v1/models/stories260K", "/v1/models/nope", "/health",
+                  "/v1/batches", "/v1/files/file-nope"}  # (404, 405 name the method)
+        for path in paths:
+            with self.subTest(path):
+                get_status, _, get_body = self.gw.request("GET", path)
+                two = (b"HEAD %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode() +
+                       b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                out, closed = raw_exchange(self.gw.port, two)
+                self.assertTrue(closed, out[:300])
+                head, rest = out.split(b"\r\n\r\n", 1)
+                # the next response follows the HEAD reply's blank line at once
+                self.assertTrue(rest.startswith(b"HTTP/1.1 200 OK\r\n"), out[:600])
+                st, _, headers, _ = parse_response(head + b"\r\n\r\n")
+                want_status = 405 if path == "/v1/completions" else get_status
+                self.assertEqual(st, want_status, out[:300])
+                self.assertIn("content-length", headers, out[:300])
+                if path in stable:
+                    self.assertEqual(int(headers["content-length"]), len(get_body), path)
+                if path == "/v1/completions":  # the 405 of a HEAD: its error body's length
+                    self.assertEqual(headers.get("allow"), "POST")
+                    body = ('{"error":{"message":"Method HEAD is not allowed for '
+                            '/v1/completions (use POST).","type":"invalid_request_error",'
+                            '"param":null,"code":"method_not_allowed"}}')
+                    self.assertEqual(int(headers["content-length"]), len(body))
+
     def test_no_worker_does_not_hang(self):
         t0 = time.time()
         st, h, data = self.gw.request("POST", CMPL, {"prompt": "hi", "max_tokens": 4})
