@@ -359,11 +359,23 @@ static void on_request(struct evhttp_request *req, void *arg)
     if (reject_ambiguous_framing(req))
         return;
     enum evhttp_cmd_type method = evhttp_request_get_command(req);
+    char msg[300];
+    /* A request target in origin form is an absolute path (RFC 9112 3.2.1), but libevent
+     * parses one that starts with "//" as a network-path reference: "//x/metrics" came out
+     * as host "x", path "/metrics", and was served as /metrics, past any proxy rule on the
+     * path. Such a target is its own path, which no route has: 404. */
+    const char *target = evhttp_request_get_uri(req);
+    if (target && target[0] == '/' && target[1] == '/') {
+        int n = (int)strcspn(target, "?#");
+        snprintf(msg, sizeof(msg), "Invalid URL (%s %.*s)", method_str(method),
+                 n < 200 ? n : 200, target);
+        http_reply_error_msg(req, 404, "invalid_request_error", NULL, "unknown_url", msg);
+        return;
+    }
     const struct evhttp_uri *uri = evhttp_request_get_evhttp_uri(req);
     const char *path = uri ? evhttp_uri_get_path(uri) : NULL;
     if (!path || !*path)
         path = "/";
-    char msg[300];
 
     const char *allow = NULL;
     int kind = -1;

@@ -288,6 +288,30 @@ class HttpErrorsTest(unittest.TestCase):
                                                      "max_tokens": 1})
         self.assertEqual(st, 503)  # valid, but no worker within --request-timeout-ms
 
+    def test_double_slash_target_is_its_own_path(self):
+        """A request target starting with "//" is an origin-form path (RFC 9112 3.2.1), not
+        a host: libevent read "//x/metrics" as host x, path /metrics, and the gateway served
+        /metrics (and "//x/v1/completions" as a completion), past a proxy's path rules."""
+        for target, method in [("//x/metrics", "GET"), ("//v1/models", "GET"),
+                               ("//x/v1/completions?a=1", "POST"), ("//x/health", "HEAD")]:
+            with self.subTest(target):
+                body = b'{"prompt":"a","max_tokens":1}' if method == "POST" else b""
+                data = (b"%s %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                        b"Content-Length: %d\r\n\r\n" % (method.encode(), target.encode(),
+                                                         len(body)) + body)
+                out, closed = raw_exchange(self.gw.port, data)
+                st, _, headers, got = parse_response(out)
+                self.assertEqual(st, 404, out[:300])
+                if method != "HEAD":
+                    self.assertEqual(json.loads(got), {"error": {
+                        "message": "Invalid URL (%s %s)" % (method, target.split("?")[0]),
+                        "type": "invalid_request_error", "param": None,
+                        "code": "unknown_url"}})
+        # the absolute form still names the host and the path (RFC 9112 3.2.2)
+        out, _ = raw_exchange(self.gw.port, b"GET http://x/v1/models HTTP/1.1\r\nHost: x\r\n"
+                                            b"Connection: close\r\n\r\n")
+        self.assertTrue(out.startswith(b"HTTP/1.1 200 OK\r\n"), out[:300])
+
     def test_head_has_headers_only(self):
         """HEAD gets GET's status and headers with the Content-Length of GET's body, and no
         body (RFC 9110 9.3.2): libevent 2.1 sent the body after a HEAD reply's headers, with
