@@ -288,6 +288,30 @@ class HttpErrorsTest(unittest.TestCase):
                                                      "max_tokens": 1})
         self.assertEqual(st, 503)  # valid, but no worker within --request-timeout-ms
 
+    def test_http10_keepalive_stream_ends_with_the_connection(self):
+        """An HTTP/1.0 stream is delimited by the connection's end: libevent answered a 1.0
+        client that sent "Connection: keep-alive" with "Connection: keep-alive" and
+        "Content-Length: 0", then the events, and kept the connection open."""
+        body = json.dumps({"prompt": "Once", "max_tokens": 2, "stream": True}).encode()
+        for extra in (b"Connection: keep-alive\r\n", b"Connection: Keep-Alive, foo\r\n", b""):
+            with self.subTest(extra):
+                data = (b"POST /v1/completions HTTP/1.0\r\n" + extra +
+                        b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                t0 = time.time()
+                out, closed = raw_exchange(self.gw.port, data, timeout=8)
+                self.assertTrue(closed, out[:400])  # ends after the error event, ~0.8 s
+                self.assertLess(time.time() - t0, 6)
+                head, events = out.split(b"\r\n\r\n", 1)
+                lines = head.decode("latin-1").split("\r\n")
+                self.assertEqual(lines[0], "HTTP/1.0 200 OK")
+                headers = {k.strip().lower(): v.strip() for k, v in
+                           (line.split(":", 1) for line in lines[1:])}
+                self.assertNotIn("content-length", headers, head)
+                self.assertEqual(headers.get("connection", "close").lower(), "close", head)
+                self.assertTrue(events.startswith(b"data: {"), out[:400])
+                self.assertTrue(events.endswith(b"data: [DONE]\n\n"), out[-200:])
+                self.assertIn(b'"code":"no_worker_available"', events)
+
     def test_double_slash_target_is_its_own_path(self):
         """A request target starting with "//" is an origin-form path (RFC 9112 3.2.1), not
         a host: libevent read "//x/metrics" as host x, path /metrics, and the gateway served
