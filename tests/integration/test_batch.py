@@ -11,6 +11,7 @@
 
 import json
 import os
+import re
 import sqlite3
 import sys
 import threading
@@ -352,6 +353,19 @@ class Cancel(unittest.TestCase):
             # the worker is free again: an online request is served at once
             status, r = c.complete("Once upon a time", max_tokens=4)
             self.assertEqual(status, 200)
+            # every request received ended in one bucket: the lines the cancel stopped count
+            # as cancelled (finished_reason "abort"); they were in none, so received ran
+            # ahead of the ends by them for good (docs/stats.md: received = finished +
+            # failed + cancelled + in flight)
+            status, text = c.request("GET", "/metrics")
+            got = {}
+            for m in re.finditer(r'(?m)^tidepool_(\w+)\{([^}]*)\} (\S+)$', text):
+                reason = re.search(r'finished_reason="(\w+)"', m.group(2))
+                got[m.group(1) + (":" + reason.group(1) if reason else "")] = float(m.group(3))
+            ends = (got["request_success_total:stop"] + got["request_success_total:length"] +
+                    got["request_success_total:abort"] + got["request_failure_total"])
+            self.assertEqual(got["requests_received_total"], ends, got)
+            self.assertGreaterEqual(got["request_success_total:abort"], 1, got)
 
 
 class Restart(unittest.TestCase):
