@@ -129,7 +129,8 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
 
 /* The owner gives up on the request (its client went away, its batch was cancelled): it
  * is cancelled in the cluster, counted as cancelled ("abort") with status (logged: 499)
- * and why, and freed (sink->release, no other callback). Takes NULL; sets *c to NULL before the release. */
+ * and why, and freed (sink->release, no other callback). Takes NULL; sets *c to NULL
+ * before the release. */
 void completion_cancel(completion_t **c, int status, const char *why);
 
 /* Forget the request without an answer or a count (shutdown): cancelled in the cluster

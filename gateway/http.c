@@ -367,8 +367,8 @@ static void on_request(struct evhttp_request *req, void *arg)
     const char *target = evhttp_request_get_uri(req);
     if (target && target[0] == '/' && target[1] == '/') {
         int n = (int)strcspn(target, "?#");
-        snprintf(msg, sizeof(msg), "Invalid URL (%s %.*s)", method_str(method),
-                 n < 200 ? n : 200, target);
+        snprintf(msg, sizeof(msg), "Invalid URL (%s %.*s)", method_str(method), n < 200 ? n : 200,
+                 target);
         http_reply_error_msg(req, 404, "invalid_request_error", NULL, "unknown_url", msg);
         return;
     }
