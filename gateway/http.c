@@ -198,18 +198,37 @@ static void on_accept_error(struct evconnlistener *l, void *arg)
         evconnlistener_disable(l);
 }
 
+/* Whether v is a Content-Length value: 1*DIGIT between optional whitespace (RFC 9110
+ * 8.6). libevent reads it with strtoll, which also takes "+48" and "-0". */
+static int content_length_ok(const char *v)
+{
+    while (*v == ' ' || *v == '\t')
+        v++;
+    const char *d = v;
+    while (*v >= '0' && *v <= '9')
+        v++;
+    if (v == d)
+        return 0;
+    while (*v == ' ' || *v == '\t')
+        v++;
+    return *v == 0;
+}
+
 /* Requests whose framing is ambiguous are refused and their connection closed, so that
  * nothing after them is read as a request (request smuggling): several Content-Length
- * headers (RFC 9112 6.3: 400), or a Transfer-Encoding other than one "chunked", which
- * libevent would ignore and read the body as the next request (RFC 9112 6.1: a coding the
- * server does not understand gets 501). Returns 1 when req was answered. */
+ * headers (RFC 9112 6.3: 400), one that is not a plain decimal number ("+48", which
+ * libevent takes and a proxy in front may not: 400), or a Transfer-Encoding other than one
+ * "chunked", which libevent would ignore and read the body as the next request (RFC 9112
+ * 6.1: a coding the server does not understand gets 501). Returns 1 when req was
+ * answered. */
 static int reject_ambiguous_framing(struct evhttp_request *req)
 {
-    int n_cl = 0, n_te = 0, te_ok = 1;
+    int n_cl = 0, n_te = 0, te_ok = 1, cl_ok = 1;
     struct evkeyvalq *h = evhttp_request_get_input_headers(req);
     for (struct evkeyval *kv = h->tqh_first; kv; kv = kv->next.tqe_next) {
         if (evutil_ascii_strcasecmp(kv->key, "Content-Length") == 0) {
             n_cl++;
+            cl_ok &= content_length_ok(kv->value);
         } else if (evutil_ascii_strcasecmp(kv->key, "Transfer-Encoding") == 0) {
             n_te++;
             const char *v = kv->value;
@@ -223,7 +242,7 @@ static int reject_ambiguous_framing(struct evhttp_request *req)
             te_ok &= len == 7 && evutil_ascii_strncasecmp(v, "chunked", 7) == 0;
         }
     }
-    if (n_cl <= 1 && n_te == 0)
+    if (n_cl <= 1 && n_te == 0 && cl_ok)
         return 0;
     if (n_te > 0 && (n_te > 1 || !te_ok)) {
         evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
@@ -232,11 +251,12 @@ static int reject_ambiguous_framing(struct evhttp_request *req)
                              "Only \"Transfer-Encoding: chunked\" is supported.");
         return 1;
     }
-    if (n_cl <= 1)
+    if (n_cl <= 1 && cl_ok)
         return 0;
     evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
     http_reply_error_msg(req, 400, "invalid_request_error", NULL, "bad_framing",
-                         "The request has more than one Content-Length header.");
+                         n_cl > 1 ? "The request has more than one Content-Length header."
+                                  : "The Content-Length header is not a decimal number.");
     return 1;
 }
 

@@ -288,6 +288,33 @@ class HttpErrorsTest(unittest.TestCase):
                                                      "max_tokens": 1})
         self.assertEqual(st, 503)  # valid, but no worker within --request-timeout-ms
 
+    def test_content_length_must_be_digits(self):
+        """Content-Length is 1*DIGIT (RFC 9110 8.6): libevent's strtoll took "+7" and "-0",
+        which a proxy in front may read otherwise (request smuggling): 400 bad_framing, the
+        connection closed, nothing after the body answered."""
+        smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+        for cl, body in ((b"+7", b'{"a":1}'), (b"-0", b""), (b"+0", b""), (b"0 7", b'{"a":1}')):
+            with self.subTest(cl):
+                req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + cl +
+                       b"\r\n\r\n" + body + smuggled)
+                out, closed = raw_exchange(self.gw.port, req)
+                self.assertTrue(closed, out[:300])
+                self.assertEqual(out.count(b"HTTP/1.1 "), 1, out[:600])
+                st, _, headers, payload = parse_response(out)
+                self.assertEqual(st, 400, out[:300])
+                self.assertEqual(headers.get("connection"), "close")
+                code = json.loads(payload)["error"]["code"]
+                self.assertIn(code, ("bad_framing", "bad_request"), payload)  # libevent: "0 7"
+        # digits, also with leading zeros or padding, are a length
+        body = b'{"prompt": ""}'
+        for cl in (b"%d" % len(body), b"00%d" % len(body), b" %d " % len(body)):
+            with self.subTest(cl):
+                req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                       b"Content-Length: " + cl + b"\r\n\r\n" + body)
+                out, _ = raw_exchange(self.gw.port, req)
+                st, _, _, payload = parse_response(out)
+                self.assertEqual((st, json.loads(payload)["error"]["param"]), (400, "prompt"))
+
     def test_http10_keepalive_stream_ends_with_the_connection(self):
         """An HTTP/1.0 stream is delimited by the connection's end: libevent answered a 1.0
         client that sent "Connection: keep-alive" with "Connection: keep-alive" and
