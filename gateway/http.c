@@ -337,7 +337,19 @@ static void reply_401(struct evhttp_request *req, const char *msg)
  * answered (401, 403, or 429 with Retry-After for a key over its requests/s limit). */
 static int authorize(http_server_t *s, struct evhttp_request *req, need_t need, auth_key **key)
 {
-    const char *h = evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization");
+    /* One Authorization field (RFC 9110 11.6.2 has no list form): with two, the first one
+     * decided, so "Bearer GOOD" then "Bearer nope" passed and the other order did not */
+    struct evkeyvalq *in = evhttp_request_get_input_headers(req);
+    int n_auth = 0;
+    for (struct evkeyval *kv = in->tqh_first; kv; kv = kv->next.tqe_next)
+        n_auth += evutil_ascii_strcasecmp(kv->key, "Authorization") == 0;
+    if (n_auth > 1) {
+        log_refused(req, "401: more than one Authorization header");
+        reply_401(req, "More than one Authorization header was sent; send one, with your API "
+                       "key as a Bearer token.");
+        return -1;
+    }
+    const char *h = evhttp_find_header(in, "Authorization");
     auth_status_t st = auth_check(s->auth, h, key);
     if (st != AUTH_OK) {
         log_refused(req, st == AUTH_MISSING ? "401: no API key" : "401: an unknown API key");
