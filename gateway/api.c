@@ -838,6 +838,10 @@ static int parse_fields(json_t *root, api_request *r, api_error *e)
         if (iu && !json_is_null(iu) && !json_is_boolean(iu))
             return type_error(e, "stream_options", "a boolean include_usage", iu);
         r->include_usage = iu && json_is_true(iu);
+        /* as OpenAI and vLLM: a client that forgot "stream" would get no usage chunk */
+        if (!r->stream && r->kind != API_RESPONSES)
+            return api_error_set(e, 400, INVALID, "stream_options", "invalid_value",
+                                 "'stream_options' is only allowed when 'stream' is true.");
     }
     if ((v = field(root, "service_tier"))) {
         if (!json_is_string(v))

@@ -15,6 +15,7 @@
 
 #include "api.h"
 #include "batch_internal.h"
+#include "http.h"
 #include "log.h"
 #include "multipart.h"
 #include "store.h"
@@ -28,7 +29,7 @@ static void reply_body(struct evhttp_request *req, int status, const char *type,
     struct evbuffer *buf = evbuffer_new();
     if (buf && body)
         evbuffer_add(buf, body, len);
-    evhttp_send_reply(req, status, NULL, buf);
+    http_send_reply(req, status, buf);
     if (buf)
         evbuffer_free(buf);
 }
@@ -36,10 +37,13 @@ static void reply_body(struct evhttp_request *req, int status, const char *type,
 static void reply_obj(struct evhttp_request *req, int status, json_t *obj)
 {
     char *s = obj ? json_dumps(obj, JSON_COMPACT) : NULL;
-    if (s)
+    if (s) {
         reply_body(req, status, "application/json", s, strlen(s));
-    else
-        reply_body(req, 500, "application/json", "{\"error\":{\"message\":\"out of memory\"}}", 38);
+    } else { /* obj NULL (out of memory) or not JSON text */
+        static const char oom[] = "{\"error\":{\"message\":\"out of memory\",\"type\":"
+                                  "\"server_error\",\"param\":null,\"code\":null}}";
+        reply_body(req, 500, "application/json", oom, sizeof(oom) - 1);
+    }
     free(s);
 }
 
@@ -96,9 +100,14 @@ static int query_get(struct evhttp_request *req, const char *key, char *out, siz
 
 static json_t *file_json(const store_file *f)
 {
+    /* valid UTF-8 whatever the database holds (jansson refuses to build a string of
+     * anything else: the object was NULL, the reply a 500) */
+    char name[sizeof(f->filename)];
+    snprintf(name, sizeof(name), "%s", f->filename);
+    api_utf8_trim(name);
     return json_pack("{s:s, s:s, s:I, s:I, s:n, s:s, s:s, s:s, s:n}", "id", f->id, "object", "file",
                      "bytes", (json_int_t)f->bytes, "created_at", (json_int_t)f->created_at,
-                     "expires_at", "filename", f->filename, "purpose", f->purpose, "status",
+                     "expires_at", "filename", name, "purpose", f->purpose, "status",
                      "processed", "status_details");
 }
 
@@ -194,6 +203,10 @@ static void handle_upload(batch_t *b, struct evhttp_request *req, const batch_ca
     batch_make_id(f.id, sizeof(f.id), "file-");
     snprintf(f.purpose, sizeof(f.purpose), "batch");
     snprintf(f.filename, sizeof(f.filename), "%s", filename);
+    /* the client's name for it, cut at a byte count: valid UTF-8 (a byte that starts no
+     * character becomes '?', a character cut at the end is dropped), as the file object
+     * must be JSON text */
+    api_utf8_trim(f.filename);
     if (store_file_put(b->store, &f, data, dlen) < 0) {
         reply_err(req, 500, NULL, "storage_error", "The file could not be saved.");
         return;

@@ -223,12 +223,13 @@ int batch_line_start(batch_t *b, job_t *j, int i)
     return rc;
 }
 
-/* Stop every running line of j (cancel): they go back to pending. */
+/* Stop every running line of j (cancel): they go back to pending. Each is counted as
+ * cancelled (docs/stats.md: every request received ends in one bucket). */
 void batch_job_stop_lines(batch_t *b, job_t *j)
 {
     while (j->running.head) {
         line_t *l = completion_ud(j->running.head);
         j->state[l->index] = LINE_PENDING;
-        completion_destroy(&l->c); /* cancels it in the cluster; frees l */
+        completion_cancel(&l->c, 499, "the batch was cancelled"); /* in the cluster; frees l */
     }
 }

@@ -127,14 +127,15 @@ completion_status_t completion_start(const completion_env *env, api_kind_t kind,
                                      size_t len, const completion_sink *sink, void *ud,
                                      completion_list *list, completion_t **out, api_error *e);
 
-/* The owner gives up on the request (its client went away): it is cancelled in the
- * cluster, counted as cancelled ("abort") with status (logged: 499) and why, and freed
- * (sink->release, no other callback). Takes NULL; sets *c to NULL before the release. */
+/* The owner gives up on the request (its client went away, its batch was cancelled): it
+ * is cancelled in the cluster, counted as cancelled ("abort") with status (logged: 499)
+ * and why, and freed (sink->release, no other callback). Takes NULL; sets *c to NULL
+ * before the release. */
 void completion_cancel(completion_t **c, int status, const char *why);
 
-/* Forget the request without an answer or a count (shutdown; a batch cancelled or taken
- * back): cancelled in the cluster when there is one, then freed (sink->release). Takes
- * NULL; sets *c to NULL before the release. */
+/* Forget the request without an answer or a count (shutdown): cancelled in the cluster
+ * when there is one, then freed (sink->release). Takes NULL; sets *c to NULL before the
+ * release. */
 void completion_destroy(completion_t **c);
 
 // --- accessors (c borrowed; strings valid while c lives)

@@ -24,6 +24,20 @@
 
 // --- replies
 
+void http_send_reply(struct evhttp_request *req, int status, struct evbuffer *body)
+{
+    if (evhttp_request_get_command(req) == EVHTTP_REQ_HEAD) {
+        char len[32];
+        snprintf(len, sizeof len, "%zu", body ? evbuffer_get_length(body) : (size_t)0);
+        struct evkeyvalq *h = evhttp_request_get_output_headers(req);
+        evhttp_remove_header(h, "Content-Length");
+        evhttp_add_header(h, "Content-Length", len);
+        if (body)
+            evbuffer_drain(body, evbuffer_get_length(body));
+    }
+    evhttp_send_reply(req, status, NULL, body);
+}
+
 void http_reply_json(struct evhttp_request *req, int status, const char *body)
 {
     struct evkeyvalq *h = evhttp_request_get_output_headers(req);
@@ -31,7 +45,7 @@ void http_reply_json(struct evhttp_request *req, int status, const char *body)
     struct evbuffer *b = evbuffer_new();
     if (b && body)
         evbuffer_add(b, body, strlen(body));
-    evhttp_send_reply(req, status, NULL, b);
+    http_send_reply(req, status, b);
     if (b)
         evbuffer_free(b);
 }
@@ -184,18 +198,37 @@ static void on_accept_error(struct evconnlistener *l, void *arg)
         evconnlistener_disable(l);
 }
 
+/* Whether v is a Content-Length value: 1*DIGIT between optional whitespace (RFC 9110
+ * 8.6). libevent reads it with strtoll, which also takes "+48" and "-0". */
+static int content_length_ok(const char *v)
+{
+    while (*v == ' ' || *v == '\t')
+        v++;
+    const char *d = v;
+    while (*v >= '0' && *v <= '9')
+        v++;
+    if (v == d)
+        return 0;
+    while (*v == ' ' || *v == '\t')
+        v++;
+    return *v == 0;
+}
+
 /* Requests whose framing is ambiguous are refused and their connection closed, so that
  * nothing after them is read as a request (request smuggling): several Content-Length
- * headers (RFC 9112 6.3: 400), or a Transfer-Encoding other than one "chunked", which
- * libevent would ignore and read the body as the next request (RFC 9112 6.1: a coding the
- * server does not understand gets 501). Returns 1 when req was answered. */
+ * headers (RFC 9112 6.3: 400), one that is not a plain decimal number ("+48", which
+ * libevent takes and a proxy in front may not: 400), or a Transfer-Encoding other than one
+ * "chunked", which libevent would ignore and read the body as the next request (RFC 9112
+ * 6.1: a coding the server does not understand gets 501). Returns 1 when req was
+ * answered. */
 static int reject_ambiguous_framing(struct evhttp_request *req)
 {
-    int n_cl = 0, n_te = 0, te_ok = 1;
+    int n_cl = 0, n_te = 0, te_ok = 1, cl_ok = 1;
     struct evkeyvalq *h = evhttp_request_get_input_headers(req);
     for (struct evkeyval *kv = h->tqh_first; kv; kv = kv->next.tqe_next) {
         if (evutil_ascii_strcasecmp(kv->key, "Content-Length") == 0) {
             n_cl++;
+            cl_ok &= content_length_ok(kv->value);
         } else if (evutil_ascii_strcasecmp(kv->key, "Transfer-Encoding") == 0) {
             n_te++;
             const char *v = kv->value;
@@ -209,7 +242,7 @@ static int reject_ambiguous_framing(struct evhttp_request *req)
             te_ok &= len == 7 && evutil_ascii_strncasecmp(v, "chunked", 7) == 0;
         }
     }
-    if (n_cl <= 1 && n_te == 0)
+    if (n_cl <= 1 && n_te == 0 && cl_ok)
         return 0;
     if (n_te > 0 && (n_te > 1 || !te_ok)) {
         evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
@@ -218,11 +251,12 @@ static int reject_ambiguous_framing(struct evhttp_request *req)
                              "Only \"Transfer-Encoding: chunked\" is supported.");
         return 1;
     }
-    if (n_cl <= 1)
+    if (n_cl <= 1 && cl_ok)
         return 0;
     evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
     http_reply_error_msg(req, 400, "invalid_request_error", NULL, "bad_framing",
-                         "The request has more than one Content-Length header.");
+                         n_cl > 1 ? "The request has more than one Content-Length header."
+                                  : "The Content-Length header is not a decimal number.");
     return 1;
 }
 
@@ -303,7 +337,19 @@ static void reply_401(struct evhttp_request *req, const char *msg)
  * answered (401, 403, or 429 with Retry-After for a key over its requests/s limit). */
 static int authorize(http_server_t *s, struct evhttp_request *req, need_t need, auth_key **key)
 {
-    const char *h = evhttp_find_header(evhttp_request_get_input_headers(req), "Authorization");
+    /* One Authorization field (RFC 9110 11.6.2 has no list form): with two, the first one
+     * decided, so "Bearer GOOD" then "Bearer nope" passed and the other order did not */
+    struct evkeyvalq *in = evhttp_request_get_input_headers(req);
+    int n_auth = 0;
+    for (struct evkeyval *kv = in->tqh_first; kv; kv = kv->next.tqe_next)
+        n_auth += evutil_ascii_strcasecmp(kv->key, "Authorization") == 0;
+    if (n_auth > 1) {
+        log_refused(req, "401: more than one Authorization header");
+        reply_401(req, "More than one Authorization header was sent; send one, with your API "
+                       "key as a Bearer token.");
+        return -1;
+    }
+    const char *h = evhttp_find_header(in, "Authorization");
     auth_status_t st = auth_check(s->auth, h, key);
     if (st != AUTH_OK) {
         log_refused(req, st == AUTH_MISSING ? "401: no API key" : "401: an unknown API key");
@@ -345,11 +391,23 @@ static void on_request(struct evhttp_request *req, void *arg)
     if (reject_ambiguous_framing(req))
         return;
     enum evhttp_cmd_type method = evhttp_request_get_command(req);
+    char msg[300];
+    /* A request target in origin form is an absolute path (RFC 9112 3.2.1), but libevent
+     * parses one that starts with "//" as a network-path reference: "//x/metrics" came out
+     * as host "x", path "/metrics", and was served as /metrics, past any proxy rule on the
+     * path. Such a target is its own path, which no route has: 404. */
+    const char *target = evhttp_request_get_uri(req);
+    if (target && target[0] == '/' && target[1] == '/') {
+        int n = (int)strcspn(target, "?#");
+        snprintf(msg, sizeof(msg), "Invalid URL (%s %.*s)", method_str(method), n < 200 ? n : 200,
+                 target);
+        http_reply_error_msg(req, 404, "invalid_request_error", NULL, "unknown_url", msg);
+        return;
+    }
     const struct evhttp_uri *uri = evhttp_request_get_evhttp_uri(req);
     const char *path = uri ? evhttp_uri_get_path(uri) : NULL;
     if (!path || !*path)
         path = "/";
-    char msg[300];
 
     const char *allow = NULL;
     int kind = -1;

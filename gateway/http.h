@@ -30,6 +30,8 @@
 #include "tokenizer.h"
 
 struct event_base;
+struct evbuffer;
+struct evhttp_request;
 
 typedef struct http_server http_server_t;
 
@@ -79,6 +81,13 @@ void http_server_stop_accepting(http_server_t *s);
 
 /* Completion requests in flight (admitted and not yet answered). */
 int http_server_n_active(const http_server_t *s);
+
+/* Answer req with status and body (NULL: empty; borrowed, drained), as evhttp_send_reply,
+ * except that a HEAD request gets the headers alone with the Content-Length of the body a
+ * GET would get (RFC 9110 9.3.2). libevent 2.1 would write the body after a HEAD reply's
+ * headers, without a Content-Length, and a kept-alive client would read those bytes as the
+ * start of the next response. Every complete reply of the gateway goes through this. */
+void http_send_reply(struct evhttp_request *req, int status, struct evbuffer *body);
 
 /* Free the server. Destroy the cluster first (it fails the requests still in flight,
  * which answers them). Takes NULL; sets *s to NULL. */

@@ -196,7 +196,7 @@ void http_admin_metrics(http_server_t *s, struct evhttp_request *req)
     } else {
         evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type",
                           METRICS_CONTENT_TYPE);
-        evhttp_send_reply(req, 200, "OK", b);
+        http_send_reply(req, 200, b);
     }
     if (b)
         evbuffer_free(b);

@@ -26,6 +26,7 @@
 #include <event2/bufferevent.h>
 #include <event2/event.h>
 #include <event2/http.h>
+#include <event2/http_struct.h>
 #include <event2/keyvalq_struct.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -516,6 +517,14 @@ void http_completion_handle(http_server_t *s, struct evhttp_request *req, api_ki
     struct evkeyvalq *h = evhttp_request_get_output_headers(req);
     evhttp_add_header(h, "Content-Type", "text/event-stream");
     evhttp_add_header(h, "Cache-Control", "no-cache");
+    if (req->major == 1 && req->minor == 0) {
+        /* HTTP/1.0 has no chunked encoding: the stream ends with the connection (RFC 9112
+         * 6.3). libevent 2.1 answered a 1.0 client that asked for keep-alive with
+         * "Connection: keep-alive" and "Content-Length: 0" before the events and then kept
+         * the connection open: the client read an empty body, or waited for the end. */
+        evhttp_remove_header(evhttp_request_get_input_headers(req), "Connection");
+        evhttp_add_header(h, "Connection", "close");
+    }
     evhttp_send_reply_start(req, 200, "OK");
     stream_timers(g);
     if (kind == API_RESPONSES)

@@ -154,6 +154,28 @@ class AuthTest(unittest.TestCase):
                 self.assertEqual(h.get("www-authenticate"), "Bearer", (method, path))
                 self.assertEqual(h.get("content-type"), "application/json")
 
+    def test_two_authorization_headers(self):
+        """One Authorization field only: with two, the first decided (a right key then a
+        wrong one was served, the other order refused)."""
+        for first, second in ((ALICE, "sk-wrong-key-00000000000"),
+                              ("sk-wrong-key-00000000000", ALICE), (ALICE, ALICE), (ADMIN, ALICE)):
+            for path in ("/v1/models", "/workers"):
+                conn = http.client.HTTPConnection("127.0.0.1", self.c.port, timeout=60)
+                conn.putrequest("GET", path)
+                conn.putheader("Authorization", "Bearer " + first)
+                conn.putheader("Authorization", "Bearer " + second)
+                conn.endheaders()
+                r = conn.getresponse()
+                got = json.loads(r.read())
+                conn.close()
+                self.assertEqual(r.status, 401, (first, second, path, got))
+                self.assertEqual(r.getheader("WWW-Authenticate"), "Bearer")
+                self.assertEqual(got, {"error": {
+                    "message": "More than one Authorization header was sent; send one, with "
+                               "your API key as a Bearer token.",
+                    "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}})
+        self.assertEqual(self.call("GET", "/v1/models", ALICE)[0], 200)
+
     def test_exact_bytes(self):
         conn = http.client.HTTPConnection("127.0.0.1", self.c.port, timeout=60)
         conn.request("GET", "/v1/models", headers=bearer("sk-wrong-key-00000000000"))

@@ -288,6 +288,114 @@ class HttpErrorsTest(unittest.TestCase):
                                                      "max_tokens": 1})
         self.assertEqual(st, 503)  # valid, but no worker within --request-timeout-ms
 
+    def test_content_length_must_be_digits(self):
+        """Content-Length is 1*DIGIT (RFC 9110 8.6): libevent's strtoll took "+7" and "-0",
+        which a proxy in front may read otherwise (request smuggling): 400 bad_framing, the
+        connection closed, nothing after the body answered."""
+        smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+        for cl, body in ((b"+7", b'{"a":1}'), (b"-0", b""), (b"+0", b""), (b"0 7", b'{"a":1}')):
+            with self.subTest(cl):
+                req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + cl +
+                       b"\r\n\r\n" + body + smuggled)
+                out, closed = raw_exchange(self.gw.port, req)
+                self.assertTrue(closed, out[:300])
+                self.assertEqual(out.count(b"HTTP/1.1 "), 1, out[:600])
+                st, _, headers, payload = parse_response(out)
+                self.assertEqual(st, 400, out[:300])
+                self.assertEqual(headers.get("connection"), "close")
+                code = json.loads(payload)["error"]["code"]
+                self.assertIn(code, ("bad_framing", "bad_request"), payload)  # libevent: "0 7"
+        # digits, also with leading zeros or padding, are a length
+        body = b'{"prompt": ""}'
+        for cl in (b"%d" % len(body), b"00%d" % len(body), b" %d " % len(body)):
+            with self.subTest(cl):
+                req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                       b"Content-Length: " + cl + b"\r\n\r\n" + body)
+                out, _ = raw_exchange(self.gw.port, req)
+                st, _, _, payload = parse_response(out)
+                self.assertEqual((st, json.loads(payload)["error"]["param"]), (400, "prompt"))
+
+    def test_http10_keepalive_stream_ends_with_the_connection(self):
+        """An HTTP/1.0 stream is delimited by the connection's end: libevent answered a 1.0
+        client that sent "Connection: keep-alive" with "Connection: keep-alive" and
+        "Content-Length: 0", then the events, and kept the connection open."""
+        body = json.dumps({"prompt": "Once", "max_tokens": 2, "stream": True}).encode()
+        for extra in (b"Connection: keep-alive\r\n", b"Connection: Keep-Alive, foo\r\n", b""):
+            with self.subTest(extra):
+                data = (b"POST /v1/completions HTTP/1.0\r\n" + extra +
+                        b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                t0 = time.time()
+                out, closed = raw_exchange(self.gw.port, data, timeout=8)
+                self.assertTrue(closed, out[:400])  # ends after the error event, ~0.8 s
+                self.assertLess(time.time() - t0, 6)
+                head, events = out.split(b"\r\n\r\n", 1)
+                lines = head.decode("latin-1").split("\r\n")
+                self.assertEqual(lines[0], "HTTP/1.0 200 OK")
+                headers = {k.strip().lower(): v.strip() for k, v in
+                           (line.split(":", 1) for line in lines[1:])}
+                self.assertNotIn("content-length", headers, head)
+                self.assertEqual(headers.get("connection", "close").lower(), "close", head)
+                self.assertTrue(events.startswith(b"data: {"), out[:400])
+                self.assertTrue(events.endswith(b"data: [DONE]\n\n"), out[-200:])
+                self.assertIn(b'"code":"no_worker_available"', events)
+
+    def test_double_slash_target_is_its_own_path(self):
+        """A request target starting with "//" is an origin-form path (RFC 9112 3.2.1), not
+        a host: libevent read "//x/metrics" as host x, path /metrics, and the gateway served
+        /metrics (and "//x/v1/completions" as a completion), past a proxy's path rules."""
+        for target, method in [("//x/metrics", "GET"), ("//v1/models", "GET"),
+                               ("//x/v1/completions?a=1", "POST"), ("//x/health", "HEAD")]:
+            with self.subTest(target):
+                body = b'{"prompt":"a","max_tokens":1}' if method == "POST" else b""
+                data = (b"%s %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                        b"Content-Length: %d\r\n\r\n" % (method.encode(), target.encode(),
+                                                         len(body)) + body)
+                out, closed = raw_exchange(self.gw.port, data)
+                st, _, headers, got = parse_response(out)
+                self.assertEqual(st, 404, out[:300])
+                if method != "HEAD":
+                    self.assertEqual(json.loads(got), {"error": {
+                        "message": "Invalid URL (%s %s)" % (method, target.split("?")[0]),
+                        "type": "invalid_request_error", "param": None,
+                        "code": "unknown_url"}})
+        # the absolute form still names the host and the path (RFC 9112 3.2.2)
+        out, _ = raw_exchange(self.gw.port, b"GET http://x/v1/models HTTP/1.1\r\nHost: x\r\n"
+                                            b"Connection: close\r\n\r\n")
+        self.assertTrue(out.startswith(b"HTTP/1.1 200 OK\r\n"), out[:300])
+
+    def test_head_has_headers_only(self):
+        """HEAD gets GET's status and headers with the Content-Length of GET's body, and no
+        body (RFC 9110 9.3.2): libevent 2.1 sent the body after a HEAD reply's headers, with
+        no Content-Length, so a kept-alive client read those bytes as the start of its next
+        response (`curl -I URL URL`: "Excess found")."""
+        paths = ["/v1/models", "/v1/models/stories260K", "/v1/models/nope", "/health",
+                 "/v1/batches", "/v1/files/file-nope", "/metrics", "/workers",
+                 "/v1/completions", "/v1/nope"]
+        stable = {"/v1/models", "/v1/models/stories260K", "/v1/models/nope", "/health",
+                  "/v1/batches", "/v1/files/file-nope"}  # (404, 405 name the method)
+        for path in paths:
+            with self.subTest(path):
+                get_status, _, get_body = self.gw.request("GET", path)
+                two = (b"HEAD %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode() +
+                       b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                out, closed = raw_exchange(self.gw.port, two)
+                self.assertTrue(closed, out[:300])
+                head, rest = out.split(b"\r\n\r\n", 1)
+                # the next response follows the HEAD reply's blank line at once
+                self.assertTrue(rest.startswith(b"HTTP/1.1 200 OK\r\n"), out[:600])
+                st, _, headers, _ = parse_response(head + b"\r\n\r\n")
+                want_status = 405 if path == "/v1/completions" else get_status
+                self.assertEqual(st, want_status, out[:300])
+                self.assertIn("content-length", headers, out[:300])
+                if path in stable:
+                    self.assertEqual(int(headers["content-length"]), len(get_body), path)
+                if path == "/v1/completions":  # the 405 of a HEAD: its error body's length
+                    self.assertEqual(headers.get("allow"), "POST")
+                    body = ('{"error":{"message":"Method HEAD is not allowed for '
+                            '/v1/completions (use POST).","type":"invalid_request_error",'
+                            '"param":null,"code":"method_not_allowed"}}')
+                    self.assertEqual(int(headers["content-length"]), len(body))
+
     def test_no_worker_does_not_hang(self):
         t0 = time.time()
         st, h, data = self.gw.request("POST", CMPL, {"prompt": "hi", "max_tokens": 4})

@@ -152,6 +152,16 @@ static const vcase cases[] = {
     {"stream int", C, "{\"prompt\": \"hi\", \"stream\": 1}", 400, "stream", "invalid_type"},
     {"stream_options string", C, "{\"prompt\": \"hi\", \"stream_options\": \"x\"}", 400,
      "stream_options", "invalid_type"},
+    /* only with stream, as OpenAI and vLLM (null is absent) */
+    {"stream_options without stream", C,
+     "{\"prompt\": \"hi\", \"stream_options\": {\"include_usage\": true}}", 400,
+     "stream_options", "invalid_value"},
+    {"stream_options stream false", CH,
+     "{\"messages\": [{\"role\": \"user\", \"content\": \"U\"}], \"stream\": false, "
+     "\"stream_options\": {}}",
+     400, "stream_options", "invalid_value"},
+    {"stream_options null without stream", C, "{\"prompt\": \"hi\", \"stream_options\": null}",
+     0, NULL, NULL},
     {"n 2", C, "{\"prompt\": \"hi\", \"n\": 2}", 0, NULL, NULL},
     {"n 128", CH, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"n\": 128}", 0,
      NULL, NULL},
