@@ -70,8 +70,8 @@ void batch_set_stats(batch_t *b, stats_t *stats);
 void batch_destroy(batch_t **b);
 
 typedef enum {
-    BATCH_ROUTE_FILES = 0,    /* POST /v1/files */
-    BATCH_ROUTE_FILE,         /* GET /v1/files/{id} */
+    BATCH_ROUTE_FILES = 0,    /* POST (upload) / GET (list) /v1/files */
+    BATCH_ROUTE_FILE,         /* GET / DELETE /v1/files/{id} */
     BATCH_ROUTE_FILE_CONTENT, /* GET /v1/files/{id}/content */
     BATCH_ROUTE_BATCHES,      /* GET (list) / POST (create) /v1/batches */
     BATCH_ROUTE_BATCH,        /* GET /v1/batches/{id} */

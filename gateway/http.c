@@ -235,12 +235,12 @@ static int batch_route(const char *path, char *id, size_t cap, const char **allo
         batch_route_t route;
     } routes[] = {
         {"/v1/files/", "/content", "GET", BATCH_ROUTE_FILE_CONTENT},
-        {"/v1/files/", "", "GET", BATCH_ROUTE_FILE},
+        {"/v1/files/", "", "GET, DELETE", BATCH_ROUTE_FILE},
         {"/v1/batches/", "/cancel", "POST", BATCH_ROUTE_CANCEL},
         {"/v1/batches/", "", "GET", BATCH_ROUTE_BATCH},
     };
     if (strcmp(path, "/v1/files") == 0) {
-        *allow = "POST";
+        *allow = "GET, POST";
         return BATCH_ROUTE_FILES;
     }
     if (strcmp(path, "/v1/batches") == 0) {
@@ -397,6 +397,7 @@ static void on_request(struct evhttp_request *req, void *arg)
     }
     int is_get = method == EVHTTP_REQ_GET || method == EVHTTP_REQ_HEAD;
     if (!((strstr(allow, "POST") && method == EVHTTP_REQ_POST) ||
+          (strstr(allow, "DELETE") && method == EVHTTP_REQ_DELETE) ||
           (strstr(allow, "GET") && is_get))) {
         evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", allow);
         snprintf(msg, sizeof(msg), "Method %s is not allowed for %.200s (use %s).",

@@ -44,7 +44,17 @@ static const char *schema =
     "CREATE TABLE IF NOT EXISTS batches(id TEXT PRIMARY KEY, object TEXT NOT NULL, owner TEXT);"
     "CREATE TABLE IF NOT EXISTS results(batch_id TEXT NOT NULL, line INTEGER NOT NULL,"
     " ok INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY(batch_id, line));"
+    /* deleted files: no content, only where they stood in the list (seq: their files rowid),
+     * so that a list cursor naming one still works; also keeps rowids from being reused */
+    "CREATE TABLE IF NOT EXISTS deleted_files(seq INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQUE,"
+    " created_at INTEGER NOT NULL, owner TEXT);"
     "INSERT OR IGNORE INTO meta(key, value) VALUES('schema_version', '2');";
+
+/* Made after a migration (it needs the owner column). The file list reads only this index:
+ * owner is stored after the content, so reading it from the table walks every overflow page
+ * of the file. */
+static const char *indexes = "CREATE INDEX IF NOT EXISTS files_list ON files(created_at, purpose,"
+                             " owner, id, filename, bytes);";
 
 /* Version 1 -> 2: the owner columns (API keys); rows from before have none. */
 static const char *migrate_1_2 = "BEGIN IMMEDIATE;"
@@ -178,6 +188,11 @@ store_t *store_open(const char *path, char *err, size_t errlen)
                  SCHEMA_VERSION);
         goto fail;
     }
+    if (sqlite3_exec(s->db, indexes, NULL, NULL, &msg) != SQLITE_OK) {
+        snprintf(err, errlen, "%s: cannot create the indexes: %s", path,
+                 msg ? msg : sqlite3_errmsg(s->db));
+        goto fail;
+    }
     if (sqlite3_prepare_v2(s->db,
                            "INSERT INTO batches(id, object, owner) VALUES(?1, ?2, ?3) ON "
                            "CONFLICT(id) DO UPDATE SET object = excluded.object",
@@ -227,13 +242,30 @@ void store_close(store_t **ps)
 
 // --- files
 
+/* Columns (id, purpose, filename, bytes, created_at, owner) of st into *out. */
+static void file_row(sqlite3_stmt *st, store_file *out)
+{
+    memset(out, 0, sizeof(*out));
+    const char *owner = (const char *)sqlite3_column_text(st, 5);
+    snprintf(out->id, sizeof(out->id), "%s", (const char *)sqlite3_column_text(st, 0));
+    snprintf(out->purpose, sizeof(out->purpose), "%s", (const char *)sqlite3_column_text(st, 1));
+    snprintf(out->filename, sizeof(out->filename), "%s", (const char *)sqlite3_column_text(st, 2));
+    out->bytes = sqlite3_column_int64(st, 3);
+    out->created_at = sqlite3_column_int64(st, 4);
+    snprintf(out->owner, sizeof(out->owner), "%s", owner ? owner : "");
+}
+
 int store_file_put(store_t *s, const store_file *f, const void *content, size_t len)
 {
     sqlite3_stmt *st = NULL;
     int rc = -1;
     if (sqlite3_prepare_v2(s->db,
-                           "INSERT INTO files(id, purpose, filename, bytes, created_at, content, "
-                           "owner) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                           /* rowids only grow, past deleted files too: the list's order
+                            * (created_at, rowid) and its cursors stay stable */
+                           "INSERT INTO files(rowid, id, purpose, filename, bytes, created_at, "
+                           "content, owner) VALUES((SELECT coalesce(max(m), 0) + 1 FROM (SELECT "
+                           "max(rowid) AS m FROM files UNION ALL SELECT max(seq) FROM "
+                           "deleted_files)), ?1, ?2, ?3, ?4, ?5, ?6, ?7)",
                            -1, &st, NULL) != SQLITE_OK)
         goto out;
     sqlite3_bind_text(st, 1, f->id, -1, SQLITE_STATIC);
@@ -269,16 +301,7 @@ int store_file_get(store_t *s, const char *id, store_file *out)
     if (step == SQLITE_DONE) {
         rc = 1;
     } else if (step == SQLITE_ROW) {
-        memset(out, 0, sizeof(*out));
-        snprintf(out->id, sizeof(out->id), "%s", (const char *)sqlite3_column_text(st, 0));
-        snprintf(out->purpose, sizeof(out->purpose), "%s",
-                 (const char *)sqlite3_column_text(st, 1));
-        snprintf(out->filename, sizeof(out->filename), "%s",
-                 (const char *)sqlite3_column_text(st, 2));
-        out->bytes = sqlite3_column_int64(st, 3);
-        out->created_at = sqlite3_column_int64(st, 4);
-        const char *owner = (const char *)sqlite3_column_text(st, 5);
-        snprintf(out->owner, sizeof(out->owner), "%s", owner ? owner : "");
+        file_row(st, out);
         rc = 0;
     }
 out:
@@ -317,6 +340,136 @@ int store_file_content(store_t *s, const char *id, char **data, size_t *len)
 out:
     if (rc < 0)
         log_error("%s: cannot read file %s: %s", s->path, id, sqlite3_errmsg(s->db));
+    sqlite3_finalize(st);
+    return rc;
+}
+
+/* Run sql (one statement) with text parameters ?1 = a, ?2 = b and integer ?3 = c (those it
+ * has); SQLITE_DONE or the error. */
+static int exec_bound(store_t *s, const char *sql, const char *a, const char *b, int64_t c)
+{
+    sqlite3_stmt *st = NULL;
+    int rc = sqlite3_prepare_v2(s->db, sql, -1, &st, NULL);
+    if (rc == SQLITE_OK) {
+        int n = sqlite3_bind_parameter_count(st);
+        if (n >= 1)
+            sqlite3_bind_text(st, 1, a, -1, SQLITE_STATIC);
+        if (n >= 2)
+            sqlite3_bind_text(st, 2, b, -1, SQLITE_STATIC);
+        if (n >= 3)
+            sqlite3_bind_int64(st, 3, c);
+        rc = sqlite3_step(st);
+    }
+    sqlite3_finalize(st);
+    return rc;
+}
+
+int store_file_delete(store_t *s, const char *id, const char *results_of, int ok)
+{
+    if (store_flush(s) < 0) /* nothing queued may write after the delete */
+        return -1;
+    /* secure_delete: the freed pages (the content's overflow pages) are overwritten with
+     * zeros, so the bytes leave the database file, not only the table */
+    if (sqlite3_exec(s->db, "PRAGMA secure_delete = ON", NULL, NULL, NULL) != SQLITE_OK ||
+        sqlite3_exec(s->db, "BEGIN IMMEDIATE", NULL, NULL, NULL) != SQLITE_OK) {
+        log_error("%s: cannot delete file %s: %s", s->path, id, sqlite3_errmsg(s->db));
+        sqlite3_exec(s->db, "PRAGMA secure_delete = OFF", NULL, NULL, NULL);
+        return -1;
+    }
+    int rc = exec_bound(s,
+                        "INSERT INTO deleted_files(seq, id, created_at, owner) SELECT rowid, id, "
+                        "created_at, owner FROM files WHERE id = ?1",
+                        id, NULL, 0);
+    int found = sqlite3_changes(s->db) > 0;
+    if (rc == SQLITE_DONE && found)
+        rc = exec_bound(s, "DELETE FROM files WHERE id = ?1", id, NULL, 0);
+    if (rc == SQLITE_DONE && found && results_of)
+        rc = exec_bound(s, "DELETE FROM results WHERE batch_id = ?1 AND ok = ?3",
+                        results_of, NULL, ok);
+    if (rc != SQLITE_DONE || sqlite3_exec(s->db, "COMMIT", NULL, NULL, NULL) != SQLITE_OK) {
+        log_error("%s: cannot delete file %s: %s", s->path, id, sqlite3_errmsg(s->db));
+        sqlite3_exec(s->db, "ROLLBACK", NULL, NULL, NULL);
+        sqlite3_exec(s->db, "PRAGMA secure_delete = OFF", NULL, NULL, NULL);
+        return -1;
+    }
+    sqlite3_exec(s->db, "PRAGMA secure_delete = OFF", NULL, NULL, NULL);
+    if (!found)
+        return 1;
+    /* The WAL still holds the frames that wrote the content (and now the zeroed pages):
+     * copy the zeros into the database file and empty the WAL. The gateway is the only
+     * connection, so nothing blocks the checkpoint; if it fails the content is gone from
+     * the tables and the next automatic checkpoint overwrites it. */
+    int log_frames = 0, ckpt = 0;
+    if (sqlite3_wal_checkpoint_v2(s->db, NULL, SQLITE_CHECKPOINT_TRUNCATE, &log_frames, &ckpt) !=
+        SQLITE_OK)
+        log_warn("%s: checkpoint after deleting file %s failed: %s", s->path, id,
+                 sqlite3_errmsg(s->db));
+    return 0;
+}
+
+int store_file_list(store_t *s, const store_file_query *q,
+                    int (*fn)(const store_file *f, void *ud), void *ud, int *has_more)
+{
+    *has_more = 0;
+    sqlite3_stmt *st = NULL;
+    int rc = -1;
+    int64_t at = 0, seq = 0;
+    if (q->after) { /* the cursor's place: a file, or a deleted one */
+        if (sqlite3_prepare_v2(s->db,
+                               "SELECT created_at, rowid, owner FROM files WHERE id = ?1 UNION "
+                               "ALL SELECT created_at, seq, owner FROM deleted_files WHERE id = ?1",
+                               -1, &st, NULL) != SQLITE_OK)
+            goto out;
+        sqlite3_bind_text(st, 1, q->after, -1, SQLITE_STATIC);
+        int step = sqlite3_step(st);
+        if (step == SQLITE_ROW) {
+            const char *owner = (const char *)sqlite3_column_text(st, 2);
+            at = sqlite3_column_int64(st, 0);
+            seq = sqlite3_column_int64(st, 1);
+            if (q->owner && (!owner || strcmp(owner, q->owner) != 0))
+                step = SQLITE_DONE; /* another key's: as if there were none */
+        }
+        if (step != SQLITE_ROW) {
+            rc = step == SQLITE_DONE ? 1 : -1;
+            goto out;
+        }
+        sqlite3_finalize(st);
+        st = NULL;
+    }
+    const char *sql_desc =
+        "SELECT id, purpose, filename, bytes, created_at, owner FROM files INDEXED BY files_list "
+        "WHERE (?1 IS NULL OR purpose = ?1) AND (?2 IS NULL OR owner = ?2) AND (?3 = 0 OR "
+        "(created_at, rowid) < (?4, ?5)) ORDER BY created_at DESC, rowid DESC LIMIT ?6";
+    const char *sql_asc =
+        "SELECT id, purpose, filename, bytes, created_at, owner FROM files INDEXED BY files_list "
+        "WHERE (?1 IS NULL OR purpose = ?1) AND (?2 IS NULL OR owner = ?2) AND (?3 = 0 OR "
+        "(created_at, rowid) > (?4, ?5)) ORDER BY created_at, rowid LIMIT ?6";
+    if (sqlite3_prepare_v2(s->db, q->desc ? sql_desc : sql_asc, -1, &st, NULL) != SQLITE_OK)
+        goto out;
+    if (q->purpose)
+        sqlite3_bind_text(st, 1, q->purpose, -1, SQLITE_STATIC);
+    if (q->owner)
+        sqlite3_bind_text(st, 2, q->owner, -1, SQLITE_STATIC);
+    sqlite3_bind_int(st, 3, q->after != NULL);
+    sqlite3_bind_int64(st, 4, at);
+    sqlite3_bind_int64(st, 5, seq);
+    sqlite3_bind_int64(st, 6, (int64_t)q->limit + 1); /* one more: has_more */
+    int step, n = 0;
+    while ((step = sqlite3_step(st)) == SQLITE_ROW) {
+        if (n++ == q->limit) {
+            *has_more = 1;
+            break;
+        }
+        store_file f;
+        file_row(st, &f);
+        if (fn(&f, ud))
+            break;
+    }
+    if (step == SQLITE_ROW || step == SQLITE_DONE)
+        rc = 0;
+out:
+    if (rc < 0)
+        log_error("%s: cannot list files: %s", s->path, sqlite3_errmsg(s->db));
     sqlite3_finalize(st);
     return rc;
 }

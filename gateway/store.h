@@ -11,8 +11,10 @@
  * Files are written at once (an upload is answered only once its file is durable).
  *
  * Tables (schema version 2): files(id, purpose, filename, bytes, created_at, content, owner),
+ * deleted_files(seq, id, created_at, owner: where a deleted file stood, no content),
  * batches(id, object: the batch's JSON, owner), results(batch_id, line, ok, body: one JSONL
- * line). owner is the id of the API key that created the object (auth.h; never the key),
+ * line). deleted_files and the files_list index are created when missing (no version
+ * change: a gateway that does not know them ignores them). owner is the id of the API key that created the object (auth.h; never the key),
  * NULL when there is none (no keys configured, or a row from before version 2). A version 1
  * database is migrated when opened (the owner columns added, NULL in every old row).
  * One thread at a time (the gateway's loop thread).
@@ -58,6 +60,29 @@ int store_file_get(store_t *s, const char *id, store_file *out);
 /* The content of file id: *data is malloc'd (NUL-terminated, len bytes before the NUL),
  * the caller's. 0, 1 when there is no such file, -1 on error. */
 int store_file_content(store_t *s, const char *id, char **data, size_t *len);
+
+/* Delete file id and its content in one transaction, committed before returning, and when
+ * results_of is not NULL also the stored results of batch results_of with that ok (1: its
+ * output file's lines, 0: its error file's). The freed pages are overwritten with zeros
+ * (PRAGMA secure_delete) and the WAL checkpointed and truncated, so the bytes leave the
+ * database's files, not only its tables. A row in deleted_files keeps the file's place for
+ * list cursors. 0, 1 when there is no such file (nothing changed), -1 on error (nothing
+ * changed). Pending writes are flushed first. Costs a write of the file's size. */
+int store_file_delete(store_t *s, const char *id, const char *results_of, int ok);
+
+typedef struct {
+    const char *purpose; /* only files of this purpose; NULL = any */
+    const char *owner;   /* only this owner's files (and cursor); NULL = every owner's */
+    const char *after;   /* cursor: start after this file (which may be deleted); NULL = none */
+    int desc;            /* 1: newest first (created_at, then creation order), 0: oldest */
+    int limit;           /* at most this many (>= 1) */
+} store_file_query;
+
+/* Call fn for the files q selects, in q's order (fn returns 0 to go on); *has_more is 1
+ * when more files follow the last one given. 0, 1 when q->after names no file (nor deleted
+ * file) of q->owner, -1 on error. Reads only the files_list index, never the content. */
+int store_file_list(store_t *s, const store_file_query *q,
+                    int (*fn)(const store_file *f, void *ud), void *ud, int *has_more);
 
 // --- batches and results (queued until store_flush)
 
