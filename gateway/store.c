@@ -155,8 +155,12 @@ store_t *store_open(const char *path, char *err, size_t errlen)
         goto fail;
     }
     sqlite3_busy_timeout(s->db, 2000);
-    if (sqlite3_exec(s->db, "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;", NULL, NULL,
-                     &msg) != SQLITE_OK ||
+    /* secure_delete: whatever a delete or an update frees (a deleted file's overflow pages,
+     * a replaced row's old bytes) is overwritten with zeros, so that deleted content leaves
+     * the database file and not only its tables (DELETE /v1/files/{id}) */
+    if (sqlite3_exec(s->db,
+                     "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA secure_delete=ON;",
+                     NULL, NULL, &msg) != SQLITE_OK ||
         sqlite3_exec(s->db, schema, NULL, NULL, &msg) != SQLITE_OK) {
         snprintf(err, errlen, "%s: not a usable state database: %s", path,
                  msg ? msg : sqlite3_errmsg(s->db));
@@ -368,12 +372,8 @@ int store_file_delete(store_t *s, const char *id, const char *results_of, int ok
 {
     if (store_flush(s) < 0) /* nothing queued may write after the delete */
         return -1;
-    /* secure_delete: the freed pages (the content's overflow pages) are overwritten with
-     * zeros, so the bytes leave the database file, not only the table */
-    if (sqlite3_exec(s->db, "PRAGMA secure_delete = ON", NULL, NULL, NULL) != SQLITE_OK ||
-        sqlite3_exec(s->db, "BEGIN IMMEDIATE", NULL, NULL, NULL) != SQLITE_OK) {
+    if (sqlite3_exec(s->db, "BEGIN IMMEDIATE", NULL, NULL, NULL) != SQLITE_OK) {
         log_error("%s: cannot delete file %s: %s", s->path, id, sqlite3_errmsg(s->db));
-        sqlite3_exec(s->db, "PRAGMA secure_delete = OFF", NULL, NULL, NULL);
         return -1;
     }
     int rc = exec_bound(s,
@@ -389,16 +389,15 @@ int store_file_delete(store_t *s, const char *id, const char *results_of, int ok
     if (rc != SQLITE_DONE || sqlite3_exec(s->db, "COMMIT", NULL, NULL, NULL) != SQLITE_OK) {
         log_error("%s: cannot delete file %s: %s", s->path, id, sqlite3_errmsg(s->db));
         sqlite3_exec(s->db, "ROLLBACK", NULL, NULL, NULL);
-        sqlite3_exec(s->db, "PRAGMA secure_delete = OFF", NULL, NULL, NULL);
         return -1;
     }
-    sqlite3_exec(s->db, "PRAGMA secure_delete = OFF", NULL, NULL, NULL);
     if (!found)
         return 1;
     /* The WAL still holds the frames that wrote the content (and now the zeroed pages):
-     * copy the zeros into the database file and empty the WAL. The gateway is the only
-     * connection, so nothing blocks the checkpoint; if it fails the content is gone from
-     * the tables and the next automatic checkpoint overwrites it. */
+     * copy the zeros into the database file and empty the WAL. Only another reader of the
+     * database (an operator's sqlite3) can hold it up, for the busy timeout; then it is
+     * logged, the content is gone from the tables, and its old WAL frames go as the WAL is
+     * reused. */
     int log_frames = 0, ckpt = 0;
     if (sqlite3_wal_checkpoint_v2(s->db, NULL, SQLITE_CHECKPOINT_TRUNCATE, &log_frames, &ckpt) !=
         SQLITE_OK)

@@ -2,7 +2,8 @@
  * store: the gateway's durable state in one SQLite file: uploaded and generated files,
  * batch objects, and the result of every finished batch line.
  *
- * The database runs in WAL mode with synchronous=NORMAL: a commit costs no fsync (the WAL
+ * The database runs in WAL mode with synchronous=NORMAL and secure_delete (freed space is
+ * overwritten with zeros: deleted content does not linger in free pages): a commit costs no fsync (the WAL
  * is synced at checkpoints), and a committed transaction survives a crash of the process
  * (not necessarily of the machine). Batch objects and line results are not written when
  * they are put: they are queued in memory and written by store_flush() in one transaction,
@@ -67,7 +68,8 @@ int store_file_content(store_t *s, const char *id, char **data, size_t *len);
  * (PRAGMA secure_delete) and the WAL checkpointed and truncated, so the bytes leave the
  * database's files, not only its tables. A row in deleted_files keeps the file's place for
  * list cursors. 0, 1 when there is no such file (nothing changed), -1 on error (nothing
- * changed). Pending writes are flushed first. Costs a write of the file's size. */
+ * changed). Pending writes are flushed first. Costs a write of the file's size (the zeros)
+ * and a checkpoint, on the caller's thread. */
 int store_file_delete(store_t *s, const char *id, const char *results_of, int ok);
 
 typedef struct {
