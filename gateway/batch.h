@@ -22,6 +22,11 @@
  * may only read its owner's input file. A caller that sees everything (no keys configured,
  * or an admin key) sees objects of every owner and objects without one.
  *
+ * GET /v1/files lists a caller's files (purpose, limit, order, after); DELETE /v1/files/{id}
+ * deletes a file and its bytes (store.h), refused with 409 file_in_use while a batch that is
+ * not final names it (its input is read again at every resume), and deleting a final
+ * batch's output or error file deletes the batch's stored results of that kind too.
+ *
  * Uploads are parsed by multipart.h. Loop thread only.
  */
 #ifndef TP_GW_BATCH_H

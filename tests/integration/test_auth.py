@@ -137,7 +137,8 @@ class AuthTest(unittest.TestCase):
     V1_ROUTES = [("POST", "/v1/chat/completions", CHAT), ("POST", "/v1/completions", COMPLETION),
                  ("GET", "/v1/models", None), ("GET", "/v1/models/stories260K", None),
                  ("POST", "/v1/files?purpose=batch", None), ("GET", "/v1/files/file-x", None),
-                 ("GET", "/v1/files/file-x/content", None), ("GET", "/v1/batches", None),
+                 ("GET", "/v1/files/file-x/content", None), ("GET", "/v1/files", None),
+                 ("DELETE", "/v1/files/file-x", None), ("GET", "/v1/batches", None),
                  ("POST", "/v1/batches", {"input_file_id": "file-x",
                                           "endpoint": "/v1/completions",
                                           "completion_window": "24h"}),
@@ -272,11 +273,21 @@ class AuthTest(unittest.TestCase):
             self.assertNotIn(bid, [x["id"] for x in got["data"]])
             status, _, got = self.call("GET", "/v1/batches?after=" + bid, key)
             self.assertEqual((status, got["error"]["code"]), (404, "batch_not_found"))
+            # nor list, page from or delete her file
+            self.assertEqual(self.call("DELETE", "/v1/files/" + fid, key)[::2], (404, no_file))
+            status, _, got = self.call("GET", "/v1/files", key)
+            self.assertEqual(status, 200)
+            self.assertNotIn(fid, [x["id"] for x in got["data"]])
+            status, _, got = self.call("GET", "/v1/files?after=" + fid, key)
+            self.assertEqual((status, got), (404, {"error": dict(no_file["error"],
+                                                                 param="after")}))
         # the same answers for a nonexistent object (the bodies above are those of 404s)
         self.assertEqual(self.call("GET", "/v1/files/file-nope", BOB)[0], 404)
         # alice and the admins see them
         for key in (ALICE, ADMIN, FLAG_ADMIN):
             self.assertEqual(self.call("GET", "/v1/files/" + fid, key)[0], 200)
+            status, _, got = self.call("GET", "/v1/files", key)
+            self.assertIn(fid, [x["id"] for x in got["data"]])
             status, _, got = self.call("GET", "/v1/batches", key)
             self.assertIn(bid, [x["id"] for x in got["data"]])
         b = self.wait_batch(ALICE, bid)
@@ -287,6 +298,12 @@ class AuthTest(unittest.TestCase):
         self.assertEqual(len(text.strip().split("\n")) if isinstance(text, str) else 1, 2)
         self.assertEqual(self.call("GET", "/v1/files/%s/content" % out, BOB)[0], 404)
         self.assertEqual(self.call("GET", "/v1/files/%s/content" % out, ADMIN)[0], 200)
+        # the owner deletes her output file; an admin deletes her input file
+        self.assertEqual(self.call("DELETE", "/v1/files/" + out, ALICE)[::2],
+                         (200, {"id": out, "object": "file", "deleted": True}))
+        self.assertEqual(self.call("DELETE", "/v1/files/" + fid, ADMIN)[::2],
+                         (200, {"id": fid, "object": "file", "deleted": True}))
+        self.assertEqual(self.call("GET", "/v1/files/" + fid, ALICE)[0], 404)
         # bob's own batch is his; alice does not see it; list shows each only their own
         status, _, f2 = self.call("POST", "/v1/files", BOB, raw=upload_body(batch_lines(1)),
                                   headers=h)
