@@ -71,6 +71,10 @@ void batch_set_cluster(batch_t *b, cluster_t *c);
 /* Count lines in stats (borrowed; may be NULL). */
 void batch_set_stats(batch_t *b, stats_t *stats);
 
+/* The module's store (store.h), for the gateway's other durable state (stored responses);
+ * borrowed, valid until batch_destroy. */
+struct store *batch_store(batch_t *b);
+
 /* Flush what is pending to the database, close it and free. Takes NULL; NULLs *b. */
 void batch_destroy(batch_t **b);
 

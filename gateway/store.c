@@ -19,11 +19,14 @@
 
 #define SCHEMA_VERSION 2
 
+typedef enum { OP_BATCH = 0, OP_RESULT, OP_RESPONSE } op_kind;
+
 typedef struct {
-    int is_result; /* 0: batch object, 1: line result */
-    char *batch_id;
-    char *owner; /* batch objects: the owner's key id, NULL = none */
+    op_kind kind;
+    char *batch_id; /* a response's id for OP_RESPONSE */
+    char *owner;    /* batch objects and responses: the owner's key id, NULL = none */
     int line, ok;
+    int64_t created_at; /* responses */
     char *json;
 } store_op;
 
@@ -31,7 +34,7 @@ struct store {
     sqlite3 *db;
     char *path;
     int lock_fd; /* <path>.lock, flock'ed for as long as the store is open (-1 = none) */
-    sqlite3_stmt *put_batch, *put_result;
+    sqlite3_stmt *put_batch, *put_result, *put_response;
     store_op *ops;
     int n_ops, cap_ops;
 };
@@ -46,6 +49,8 @@ static const char *schema =
     " ok INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY(batch_id, line));"
     /* deleted files: no content, only where they stood in the list (seq: their files rowid),
      * so that a list cursor naming one still works; also keeps rowids from being reused */
+    "CREATE TABLE IF NOT EXISTS responses(id TEXT PRIMARY KEY, owner TEXT,"
+    " created_at INTEGER NOT NULL, object TEXT NOT NULL);"
     "CREATE TABLE IF NOT EXISTS deleted_files(seq INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQUE,"
     " created_at INTEGER NOT NULL, owner TEXT);"
     "INSERT OR IGNORE INTO meta(key, value) VALUES('schema_version', '2');";
@@ -204,7 +209,11 @@ store_t *store_open(const char *path, char *err, size_t errlen)
         sqlite3_prepare_v2(s->db,
                            "INSERT OR REPLACE INTO results(batch_id, line, ok, body) "
                            "VALUES(?1, ?2, ?3, ?4)",
-                           -1, &s->put_result, NULL) != SQLITE_OK) {
+                           -1, &s->put_result, NULL) != SQLITE_OK ||
+        sqlite3_prepare_v2(s->db,
+                           "INSERT OR REPLACE INTO responses(id, owner, created_at, object) "
+                           "VALUES(?1, ?2, ?3, ?4)",
+                           -1, &s->put_response, NULL) != SQLITE_OK) {
         snprintf(err, errlen, "%s: %s", path, sqlite3_errmsg(s->db));
         goto fail;
     }
@@ -235,6 +244,7 @@ void store_close(store_t **ps)
     free(s->ops);
     sqlite3_finalize(s->put_batch);
     sqlite3_finalize(s->put_result);
+    sqlite3_finalize(s->put_response);
     if (s->db)
         sqlite3_close(s->db);
     if (s->lock_fd >= 0)
@@ -368,6 +378,20 @@ static int exec_bound(store_t *s, const char *sql, const char *a, const char *b,
     return rc;
 }
 
+/* After a delete: the WAL still holds the frames that wrote the deleted content (and now
+ * the zeroed pages): copy the zeros into the database file and empty the WAL. Only another
+ * reader of the database (an operator's sqlite3) can hold it up, for the busy timeout; then
+ * it is logged, the content is gone from the tables, and its old WAL frames go as the WAL
+ * is reused. */
+static void purge_wal(store_t *s, const char *what)
+{
+    int log_frames = 0, ckpt = 0;
+    if (sqlite3_wal_checkpoint_v2(s->db, NULL, SQLITE_CHECKPOINT_TRUNCATE, &log_frames, &ckpt) !=
+        SQLITE_OK)
+        log_warn("%s: checkpoint after deleting %s failed: %s", s->path, what,
+                 sqlite3_errmsg(s->db));
+}
+
 int store_file_delete(store_t *s, const char *id, const char *results_of, int ok)
 {
     if (store_flush(s) < 0) /* nothing queued may write after the delete */
@@ -393,16 +417,7 @@ int store_file_delete(store_t *s, const char *id, const char *results_of, int ok
     }
     if (!found)
         return 1;
-    /* The WAL still holds the frames that wrote the content (and now the zeroed pages):
-     * copy the zeros into the database file and empty the WAL. Only another reader of the
-     * database (an operator's sqlite3) can hold it up, for the busy timeout; then it is
-     * logged, the content is gone from the tables, and its old WAL frames go as the WAL is
-     * reused. */
-    int log_frames = 0, ckpt = 0;
-    if (sqlite3_wal_checkpoint_v2(s->db, NULL, SQLITE_CHECKPOINT_TRUNCATE, &log_frames, &ckpt) !=
-        SQLITE_OK)
-        log_warn("%s: checkpoint after deleting file %s failed: %s", s->path, id,
-                 sqlite3_errmsg(s->db));
+    purge_wal(s, id);
     return 0;
 }
 
@@ -475,8 +490,8 @@ out:
 
 // --- queued writes
 
-static int push_op(store_t *s, int is_result, const char *batch_id, const char *owner, int line,
-                   int ok, const char *json)
+static int push_op(store_t *s, op_kind kind, const char *batch_id, const char *owner, int line,
+                   int ok, int64_t created_at, const char *json)
 {
     if (s->n_ops >= STORE_MAX_PENDING && store_flush(s) < 0 && s->n_ops >= 4 * STORE_MAX_PENDING)
         return -1; /* the disk keeps failing: refuse rather than grow without bound */
@@ -488,7 +503,7 @@ static int push_op(store_t *s, int is_result, const char *batch_id, const char *
         s->ops = v;
         s->cap_ops = cap;
     }
-    store_op op = {.is_result = is_result, .line = line, .ok = ok};
+    store_op op = {.kind = kind, .line = line, .ok = ok, .created_at = created_at};
     op.batch_id = strdup(batch_id);
     op.json = strdup(json);
     op.owner = owner && owner[0] ? strdup(owner) : NULL;
@@ -502,12 +517,62 @@ static int push_op(store_t *s, int is_result, const char *batch_id, const char *
 
 int store_batch_put(store_t *s, const char *id, const char *owner, const char *json)
 {
-    return push_op(s, 0, id, owner, 0, 0, json);
+    return push_op(s, OP_BATCH, id, owner, 0, 0, 0, json);
 }
 
 int store_result_put(store_t *s, const char *batch_id, int line, int ok, const char *json)
 {
-    return push_op(s, 1, batch_id, NULL, line, ok, json);
+    return push_op(s, OP_RESULT, batch_id, NULL, line, ok, 0, json);
+}
+
+// --- responses
+
+int store_response_put(store_t *s, const char *id, const char *owner, int64_t created_at,
+                       const char *json)
+{
+    return push_op(s, OP_RESPONSE, id, owner, 0, 0, created_at, json);
+}
+
+int store_response_get(store_t *s, const char *id, char **json, char *owner, size_t owner_cap)
+{
+    *json = NULL;
+    if (store_flush(s) < 0)
+        return -1;
+    sqlite3_stmt *st = NULL;
+    int rc = -1;
+    if (sqlite3_prepare_v2(s->db, "SELECT object, owner FROM responses WHERE id = ?1", -1, &st,
+                           NULL) != SQLITE_OK)
+        goto out;
+    sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
+    int step = sqlite3_step(st);
+    if (step == SQLITE_DONE) {
+        rc = 1;
+    } else if (step == SQLITE_ROW) {
+        const char *o = (const char *)sqlite3_column_text(st, 1);
+        snprintf(owner, owner_cap, "%s", o ? o : "");
+        *json = strdup((const char *)sqlite3_column_text(st, 0));
+        rc = *json ? 0 : -1;
+    }
+out:
+    if (rc < 0)
+        log_error("%s: cannot read response %s: %s", s->path, id, sqlite3_errmsg(s->db));
+    sqlite3_finalize(st);
+    return rc;
+}
+
+int store_response_delete(store_t *s, const char *id)
+{
+    if (store_flush(s) < 0)
+        return -1;
+    int rc = exec_bound(s, "DELETE FROM responses WHERE id = ?1", id, NULL, 0);
+    if (rc != SQLITE_DONE) {
+        log_error("%s: cannot delete response %s: %s", s->path, id, sqlite3_errmsg(s->db));
+        return -1;
+    }
+    if (sqlite3_changes(s->db) == 0)
+        return 1;
+    purge_wal(s, id);
+    return 0;
 }
 
 int store_n_pending(const store_t *s)
@@ -525,13 +590,20 @@ int store_flush(store_t *s)
     }
     for (int i = 0; i < s->n_ops; i++) {
         const store_op *op = &s->ops[i];
-        sqlite3_stmt *st = op->is_result ? s->put_result : s->put_batch;
+        sqlite3_stmt *st = op->kind == OP_RESULT     ? s->put_result
+                           : op->kind == OP_RESPONSE ? s->put_response
+                                                     : s->put_batch;
         sqlite3_reset(st);
         sqlite3_clear_bindings(st);
         sqlite3_bind_text(st, 1, op->batch_id, -1, SQLITE_STATIC);
-        if (op->is_result) {
+        if (op->kind == OP_RESULT) {
             sqlite3_bind_int(st, 2, op->line);
             sqlite3_bind_int(st, 3, op->ok);
+            sqlite3_bind_text(st, 4, op->json, -1, SQLITE_STATIC);
+        } else if (op->kind == OP_RESPONSE) {
+            if (op->owner)
+                sqlite3_bind_text(st, 2, op->owner, -1, SQLITE_STATIC);
+            sqlite3_bind_int64(st, 3, op->created_at);
             sqlite3_bind_text(st, 4, op->json, -1, SQLITE_STATIC);
         } else {
             sqlite3_bind_text(st, 2, op->json, -1, SQLITE_STATIC);

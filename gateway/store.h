@@ -13,8 +13,9 @@
  *
  * Tables (schema version 2): files(id, purpose, filename, bytes, created_at, content, owner),
  * deleted_files(seq, id, created_at, owner: where a deleted file stood, no content),
+ * responses(id, owner, created_at, object: a stored Responses API object's JSON),
  * batches(id, object: the batch's JSON, owner), results(batch_id, line, ok, body: one JSONL
- * line). deleted_files and the files_list index are created when missing (no version
+ * line). responses, deleted_files and the files_list index are created when missing (no version
  * change: a gateway that does not know them ignores them). owner is the id of the API key that created the object (auth.h; never the key),
  * NULL when there is none (no keys configured, or a row from before version 2). A version 1
  * database is migrated when opened (the owner columns added, NULL in every old row).
@@ -108,6 +109,21 @@ int store_result_put(store_t *s, const char *batch_id, int line, int ok, const c
 int store_results_foreach(store_t *s, const char *batch_id, int ok,
                           int (*fn)(int line, int ok, const char *json, size_t len, void *ud),
                           void *ud);
+
+// --- responses (POST /v1/responses with store, GET / DELETE /v1/responses/{id})
+
+/* Queue the insert-or-replace of response id (json: the response object, copied; owner:
+ * the creator's API key id, NULL or "" = none; created_at unix seconds). 0 or -1 (OOM). */
+int store_response_put(store_t *s, const char *id, const char *owner, int64_t created_at,
+                       const char *json);
+
+/* Response id (pending writes flushed first): *json malloc'd, the caller's; its owner into
+ * owner (owner_cap bytes; "" = none). 0, 1 when there is none (*json NULL), -1 on error. */
+int store_response_get(store_t *s, const char *id, char **json, char *owner, size_t owner_cap);
+
+/* Delete response id, committed, its bytes overwritten and the WAL truncated as
+ * store_file_delete. 0, 1 when there is none, -1 on error. */
+int store_response_delete(store_t *s, const char *id);
 
 /* Write every queued put in one transaction. 0, or -1 (the writes stay queued and the
  * next flush tries again). */

@@ -103,7 +103,8 @@ class AuthTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         # a decode step takes >= 20 ms: a 150-token request is still running 0.2 s later
-        cls.c = key_cluster(worker_args=["--debug-step-delay-ms", "20"])
+        cls.c = key_cluster(worker_args=["--debug-step-delay-ms", "20"],
+                            extra=["--responses-store", "true"])
         cls.c.start()
 
     @classmethod
@@ -142,7 +143,8 @@ class AuthTest(unittest.TestCase):
                  ("POST", "/v1/batches", {"input_file_id": "file-x",
                                           "endpoint": "/v1/completions",
                                           "completion_window": "24h"}),
-                 ("GET", "/v1/batches/batch_x", None), ("POST", "/v1/batches/batch_x/cancel", None)]
+                 ("GET", "/v1/batches/batch_x", None), ("POST", "/v1/batches/batch_x/cancel", None),
+                 ("GET", "/v1/responses/resp_x", None), ("DELETE", "/v1/responses/resp_x", None)]
 
     def test_v1_needs_a_key(self):
         for method, path, body in self.V1_ROUTES:
@@ -320,6 +322,24 @@ class AuthTest(unittest.TestCase):
         self.assertIn(bid, ids)
         # the log names the owner by its id, never by the key
         self.assertRegex(self.c.log("gateway"), r"batch %s created: .* key [0-9a-f]{12}" % bid)
+
+    def test_stored_response_ownership(self):
+        status, _, r = self.call("POST", "/v1/responses", ALICE, {
+            "input": "Tell me a story.", "max_output_tokens": 4, "temperature": 0})
+        self.assertEqual(status, 200, r)
+        rid = r["id"]
+        gone = {"error": {"message": "Response with id '%s' not found." % rid,
+                          "type": "invalid_request_error", "param": "response_id",
+                          "code": "response_not_found"}}
+        self.assertEqual(self.call("GET", "/v1/responses/" + rid)[0], 401)
+        for key in (BOB, FLAG_USER):  # another key: as if there were none
+            self.assertEqual(self.call("GET", "/v1/responses/" + rid, key)[::2], (404, gone))
+            self.assertEqual(self.call("DELETE", "/v1/responses/" + rid, key)[::2], (404, gone))
+        for key in (ALICE, ADMIN):
+            self.assertEqual(self.call("GET", "/v1/responses/" + rid, key)[::2], (200, r))
+        self.assertEqual(self.call("DELETE", "/v1/responses/" + rid, ALICE)[::2],
+                         (200, {"id": rid, "object": "response", "deleted": True}))
+        self.assertEqual(self.call("GET", "/v1/responses/" + rid, ADMIN)[::2], (404, gone))
 
     def test_request_rate_limit(self):
         status, _, _ = self.call("GET", "/v1/models", SLOW)

@@ -545,6 +545,42 @@ static void test_store_list_delete(void **state)
     store_close(&s);
 }
 
+/* Stored responses: a put is queued and a get sees it (it flushes first), with its owner;
+ * a delete removes it (1 after); it survives a reopen. */
+static void test_store_responses(void **state)
+{
+    (void)state;
+    char path[400], err[256], owner[32];
+    snprintf(path, sizeof(path), "%s/resp.db", tmpdir);
+    store_t *s = store_open(path, err, sizeof(err));
+    assert_non_null(s);
+    assert_int_equal(store_response_put(s, "resp_a", "k1", 7, "{\"id\":\"resp_a\"}"), 0);
+    assert_int_equal(store_response_put(s, "resp_b", NULL, 8, "{\"id\":\"resp_b\"}"), 0);
+    assert_int_equal(store_n_pending(s), 2);
+    char *json;
+    assert_int_equal(store_response_get(s, "resp_a", &json, owner, sizeof(owner)), 0);
+    assert_int_equal(store_n_pending(s), 0);
+    assert_string_equal(json, "{\"id\":\"resp_a\"}");
+    assert_string_equal(owner, "k1");
+    free(json);
+    assert_int_equal(store_response_get(s, "resp_b", &json, owner, sizeof(owner)), 0);
+    assert_string_equal(owner, "");
+    free(json);
+    assert_int_equal(store_response_get(s, "resp_x", &json, owner, sizeof(owner)), 1);
+    assert_null(json);
+    assert_int_equal(store_response_delete(s, "resp_a"), 0);
+    assert_int_equal(store_response_delete(s, "resp_a"), 1);
+    assert_int_equal(store_response_get(s, "resp_a", &json, owner, sizeof(owner)), 1);
+    store_close(&s);
+    s = store_open(path, err, sizeof(err));
+    assert_non_null(s);
+    assert_int_equal(store_response_get(s, "resp_b", &json, owner, sizeof(owner)), 0);
+    assert_string_equal(json, "{\"id\":\"resp_b\"}");
+    free(json);
+    assert_int_equal(store_response_get(s, "resp_a", &json, owner, sizeof(owner)), 1);
+    store_close(&s);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -557,6 +593,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_store_order_and_errors),
         cmocka_unit_test(test_store_migrate_v1),
         cmocka_unit_test(test_store_list_delete),
+        cmocka_unit_test(test_store_responses),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);
