@@ -479,6 +479,11 @@ void batch_set_cluster(batch_t *b, cluster_t *c)
     kick(b);
 }
 
+struct store *batch_store(batch_t *b)
+{
+    return b->store;
+}
+
 void batch_set_stats(batch_t *b, stats_t *stats)
 {
     b->cx.stats = stats;

@@ -22,6 +22,11 @@
  * may only read its owner's input file. A caller that sees everything (no keys configured,
  * or an admin key) sees objects of every owner and objects without one.
  *
+ * GET /v1/files lists a caller's files (purpose, limit, order, after); DELETE /v1/files/{id}
+ * deletes a file and its bytes (store.h), refused with 409 file_in_use while a batch that is
+ * not final names it (its input is read again at every resume), and deleting a final
+ * batch's output or error file deletes the batch's stored results of that kind too.
+ *
  * Uploads are parsed by multipart.h. Loop thread only.
  */
 #ifndef TP_GW_BATCH_H
@@ -66,12 +71,16 @@ void batch_set_cluster(batch_t *b, cluster_t *c);
 /* Count lines in stats (borrowed; may be NULL). */
 void batch_set_stats(batch_t *b, stats_t *stats);
 
+/* The module's store (store.h), for the gateway's other durable state (stored responses);
+ * borrowed, valid until batch_destroy. */
+struct store *batch_store(batch_t *b);
+
 /* Flush what is pending to the database, close it and free. Takes NULL; NULLs *b. */
 void batch_destroy(batch_t **b);
 
 typedef enum {
-    BATCH_ROUTE_FILES = 0,    /* POST /v1/files */
-    BATCH_ROUTE_FILE,         /* GET /v1/files/{id} */
+    BATCH_ROUTE_FILES = 0,    /* POST (upload) / GET (list) /v1/files */
+    BATCH_ROUTE_FILE,         /* GET / DELETE /v1/files/{id} */
     BATCH_ROUTE_FILE_CONTENT, /* GET /v1/files/{id}/content */
     BATCH_ROUTE_BATCHES,      /* GET (list) / POST (create) /v1/batches */
     BATCH_ROUTE_BATCH,        /* GET /v1/batches/{id} */

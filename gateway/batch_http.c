@@ -1,5 +1,6 @@
 /* batch_http: the HTTP routes of the batch module (batch.h): POST /v1/files (multipart or
- * raw upload of a JSONL file), GET /v1/files/{id}[/content], POST and GET /v1/batches,
+ * raw upload of a JSONL file), GET /v1/files (list), GET and DELETE /v1/files/{id},
+ * GET /v1/files/{id}/content, POST and GET /v1/batches,
  * GET /v1/batches/{id} and POST /v1/batches/{id}/cancel. Replies are JSON (an OpenAI error
  * body on failure). An object the caller may not see (visible()) is answered exactly as
  * one that does not exist. */
@@ -247,6 +248,152 @@ static void handle_file(batch_t *b, struct evhttp_request *req, const char *id, 
     free(data);
 }
 
+/* OpenAI's file purposes: a list may ask for any of them (this server stores only "batch"
+ * and "batch_output": the others list nothing); another value is 400. */
+static const char *const purposes[] = {"assistants", "assistants_output", "batch",
+                                       "batch_output", "fine-tune", "fine-tune-results",
+                                       "vision", "user_data", "evals"};
+
+static int add_file(const store_file *f, void *ud)
+{
+    return json_array_append_new(ud, file_json(f)) < 0;
+}
+
+/* GET /v1/files[?purpose=P&limit=N&order=asc|desc&after=ID]: the caller's files, newest
+ * first unless order=asc, OpenAI's list object. */
+static void handle_file_list(batch_t *b, struct evhttp_request *req, const batch_caller *who)
+{
+    const struct evhttp_uri *uri = evhttp_request_get_evhttp_uri(req);
+    const char *qs = uri ? evhttp_uri_get_query(uri) : NULL;
+    struct evkeyvalq kv; /* initialized by evhttp_parse_query_str, also when it fails */
+    if (evhttp_parse_query_str(qs ? qs : "", &kv) < 0) {
+        reply_err(req, 400, NULL, "invalid_value",
+                  "The query string could not be parsed (each parameter must be name=value).");
+        return;
+    }
+    store_file_query q = {.desc = 1, .limit = 10000,
+                          .owner = who->see_all ? NULL : who->owner ? who->owner : ""};
+    const char *v;
+    if ((v = evhttp_find_header(&kv, "limit"))) {
+        char *end;
+        long l = strtol(v, &end, 10);
+        if (!v[0] || *end || l < 1 || l > 10000) {
+            reply_err(req, 400, "limit", "invalid_value",
+                      "'limit' must be an integer from 1 to 10000, got '%.40s'.", v);
+            goto out;
+        }
+        q.limit = (int)l;
+    }
+    if ((v = evhttp_find_header(&kv, "order"))) {
+        if (strcmp(v, "asc") && strcmp(v, "desc")) {
+            reply_err(req, 400, "order", "invalid_value",
+                      "'order' must be 'asc' or 'desc', got '%.40s'.", v);
+            goto out;
+        }
+        q.desc = strcmp(v, "desc") == 0;
+    }
+    if ((v = evhttp_find_header(&kv, "purpose"))) {
+        size_t i = 0;
+        while (i < sizeof(purposes) / sizeof(purposes[0]) && strcmp(v, purposes[i]))
+            i++;
+        if (i == sizeof(purposes) / sizeof(purposes[0])) {
+            reply_err(req, 400, "purpose", "invalid_value",
+                      "'purpose' must be one of assistants, assistants_output, batch, "
+                      "batch_output, fine-tune, fine-tune-results, vision, user_data, evals; got "
+                      "'%.40s'.",
+                      v);
+            goto out;
+        }
+        q.purpose = v;
+    }
+    if ((v = evhttp_find_header(&kv, "after"))) {
+        if (!v[0] || strlen(v) >= sizeof(((store_file *)0)->id)) {
+            reply_err(req, 400, "after", "invalid_value", "'after' must be a file id.");
+            goto out;
+        }
+        q.after = v;
+    }
+    json_t *data = json_array();
+    int has_more = 0;
+    int rc = data ? store_file_list(b->store, &q, add_file, data, &has_more) : -1;
+    if (rc != 0) {
+        if (rc > 0)
+            reply_err(req, 404, "after", "file_not_found", "No such File object: %.100s",
+                      q.after);
+        else
+            reply_err(req, 500, NULL, "storage_error", "The files could not be listed.");
+        json_decref(data);
+        goto out;
+    }
+    size_t n = json_array_size(data);
+    json_t *o = json_pack(
+        "{s:s, s:o, s:o, s:o, s:b}", "object", "list", "data", data, "first_id",
+        n ? json_incref(json_object_get(json_array_get(data, 0), "id")) : json_null(), "last_id",
+        n ? json_incref(json_object_get(json_array_get(data, n - 1), "id")) : json_null(),
+        "has_more", has_more);
+    reply_obj(req, 200, o);
+    json_decref(o);
+out:
+    evhttp_clear_headers(&kv);
+}
+
+/* DELETE /v1/files/{id}. A file that a batch which is not final names (its input file, or
+ * a result file written while it finalizes) is refused with 409 file_in_use: the batch
+ * reads its input file again whenever the gateway restarts (resume), and the answer
+ * "deleted" must mean the bytes are gone. Deleting a final batch's output or error file
+ * also deletes the batch's stored results of that kind (they hold the same lines). */
+static void handle_file_delete(batch_t *b, struct evhttp_request *req, const char *id,
+                               const batch_caller *who)
+{
+    store_file f;
+    int rc = store_file_get(b->store, id, &f);
+    if (rc > 0 || (rc == 0 && !visible(who, f.owner))) {
+        reply_err(req, 404, "file_id", "file_not_found", "No such File object: %.100s", id);
+        return;
+    }
+    if (rc < 0) {
+        reply_err(req, 500, NULL, "storage_error", "The file could not be read.");
+        return;
+    }
+    static const char *const keys[] = {"input_file_id", "output_file_id", "error_file_id"};
+    const char *results_of = NULL;
+    int ok = 0;
+    for (int i = 0; i < b->n_jobs; i++) {
+        job_t *j = b->jobs[i];
+        for (int k = 0; k < 3; k++) {
+            const char *v = json_string_value(json_object_get(j->obj, keys[k]));
+            if (!v || strcmp(v, id) != 0)
+                continue;
+            if (!is_final(j->status)) {
+                reply_err(req, 409, "file_id", "file_in_use",
+                          "The file %.100s is the %s file of batch %s, which is %s: cancel the "
+                          "batch or wait until it ends, then delete the file.",
+                          id, k == 0 ? "input" : k == 1 ? "output" : "error", j->id,
+                          batch_status_names[j->status]);
+                return;
+            }
+            if (k > 0) {
+                results_of = j->id;
+                ok = k == 1;
+            }
+        }
+    }
+    rc = store_file_delete(b->store, id, results_of, ok);
+    if (rc != 0) {
+        if (rc > 0)
+            reply_err(req, 404, "file_id", "file_not_found", "No such File object: %.100s", id);
+        else
+            reply_err(req, 500, NULL, "storage_error", "The file could not be deleted.");
+        return;
+    }
+    log_info("file %s deleted (%s, %lld bytes%s%s), key %s", id, f.purpose, (long long)f.bytes,
+             results_of ? ", and the stored results of batch " : "",
+             results_of ? results_of : "", who_str(who));
+    json_t *o = json_pack("{s:s, s:s, s:b}", "id", id, "object", "file", "deleted", 1);
+    reply_obj(req, 200, o);
+    json_decref(o);
+}
+
 // --- HTTP: batches
 
 /* Batch id if who may see it, else NULL. */
@@ -461,9 +608,17 @@ void batch_handle(batch_t *b, struct evhttp_request *req, batch_route_t route, c
     enum evhttp_cmd_type m = evhttp_request_get_command(req);
     switch (route) {
     case BATCH_ROUTE_FILES:
-        handle_upload(b, req, who);
+        if (m == EVHTTP_REQ_POST)
+            handle_upload(b, req, who);
+        else
+            handle_file_list(b, req, who);
         return;
     case BATCH_ROUTE_FILE:
+        if (m == EVHTTP_REQ_DELETE) {
+            handle_file_delete(b, req, id ? id : "", who);
+            return;
+        }
+        /* fall through */
     case BATCH_ROUTE_FILE_CONTENT:
         handle_file(b, req, id ? id : "", route == BATCH_ROUTE_FILE_CONTENT, who);
         return;

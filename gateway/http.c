@@ -269,12 +269,12 @@ static int batch_route(const char *path, char *id, size_t cap, const char **allo
         batch_route_t route;
     } routes[] = {
         {"/v1/files/", "/content", "GET", BATCH_ROUTE_FILE_CONTENT},
-        {"/v1/files/", "", "GET", BATCH_ROUTE_FILE},
+        {"/v1/files/", "", "GET, DELETE", BATCH_ROUTE_FILE},
         {"/v1/batches/", "/cancel", "POST", BATCH_ROUTE_CANCEL},
         {"/v1/batches/", "", "GET", BATCH_ROUTE_BATCH},
     };
     if (strcmp(path, "/v1/files") == 0) {
-        *allow = "POST";
+        *allow = "GET, POST";
         return BATCH_ROUTE_FILES;
     }
     if (strcmp(path, "/v1/batches") == 0) {
@@ -414,6 +414,7 @@ static void on_request(struct evhttp_request *req, void *arg)
     int broute = -1;
     char bid[128] = "";
     char wid[PROTO_ID_LEN] = ""; /* POST /workers/{id}/role */
+    char rid[128] = "";          /* GET / DELETE /v1/responses/{id} */
     size_t plen = strlen(path);
     if (strncmp(path, "/workers/", 9) == 0 && plen > 14 && plen - 14 < 3 * sizeof(wid) &&
         strcmp(path + plen - 5, "/role") == 0 && !memchr(path + 9, '/', plen - 14)) {
@@ -441,6 +442,10 @@ static void on_request(struct evhttp_request *req, void *arg)
     } else if (strcmp(path, "/v1/responses") == 0) { /* responses.h */
         allow = "POST";
         kind = API_RESPONSES;
+    } else if (strncmp(path, "/v1/responses/", 14) == 0 && plen > 14 && plen - 14 < sizeof(rid) &&
+               !strchr(path + 14, '/')) {
+        allow = "GET, DELETE";
+        memcpy(rid, path + 14, plen - 14 + 1);
     } else if (strcmp(path, "/tokenize") == 0 || strcmp(path, "/detokenize") == 0) {
         allow = "POST"; /* vLLM's paths, outside /v1 */
     } else if (strcmp(path, "/v1/models") == 0 || strncmp(path, "/v1/models/", 11) == 0 ||
@@ -455,6 +460,7 @@ static void on_request(struct evhttp_request *req, void *arg)
     }
     int is_get = method == EVHTTP_REQ_GET || method == EVHTTP_REQ_HEAD;
     if (!((strstr(allow, "POST") && method == EVHTTP_REQ_POST) ||
+          (strstr(allow, "DELETE") && method == EVHTTP_REQ_DELETE) ||
           (strstr(allow, "GET") && is_get))) {
         evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", allow);
         snprintf(msg, sizeof(msg), "Method %s is not allowed for %.200s (use %s).",
@@ -484,6 +490,8 @@ static void on_request(struct evhttp_request *req, void *arg)
                                  "the Batch API is not enabled");
     } else if (kind >= 0)
         http_completion_handle(s, req, (api_kind_t)kind, key);
+    else if (rid[0])
+        http_responses_stored(s, req, rid, key);
     else if (strcmp(path, "/health") == 0)
         http_admin_health(s, req);
     else if (strcmp(path, "/workers") == 0)
@@ -538,6 +546,7 @@ http_server_t *http_server_new(struct event_base *base, const http_params *p, ch
                                             EVHTTP_REQ_OPTIONS | EVHTTP_REQ_PATCH);
     s->timeout_s = p->timeout_s > 0 ? p->timeout_s : 60;
     s->keepalive_s = p->sse_keepalive_s > 0 ? p->sse_keepalive_s : 15;
+    s->responses_store = p->responses_store;
     evhttp_set_timeout(s->http, s->timeout_s);
     evhttp_set_gencb(s->http, on_request, s);
     s->bound = evhttp_bind_socket_with_handle(s->http, p->host, (ev_uint16_t)p->port);

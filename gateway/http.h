@@ -49,6 +49,9 @@ typedef struct {
     const char *model_name; /* served model name (copied) */
     int n_ctx;              /* context length in tokens */
     const tokenizer_t *tok; /* borrowed; must outlive the server */
+    int responses_store;    /* 1: keep each /v1/responses object whose request has "store"
+                             * (default true) in the Batch API's store (http_server_set_batch)
+                             * for GET and DELETE /v1/responses/{id}; 0: nothing is kept */
 } http_params;
 
 /* Bind and start serving on base. The server answers 503 to completion requests until
@@ -65,8 +68,9 @@ void http_server_set_cluster(http_server_t *s, cluster_t *c);
  * serve them at GET /metrics. Without it /metrics answers 503. */
 void http_server_set_stats(http_server_t *s, stats_t *stats);
 
-/* Serve the Files and Batch API from b (borrowed; must outlive the server). Without it
- * those routes answer 503. */
+/* Serve the Files and Batch API from b (borrowed; must outlive the server), and keep stored
+ * responses in its store (http_params.responses_store). Without it those routes answer 503
+ * and no response is stored. */
 void http_server_set_batch(http_server_t *s, batch_t *b);
 
 /* Require the API keys of a (borrowed; must outlive the server). Without it, or with no key

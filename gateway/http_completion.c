@@ -37,6 +37,7 @@
 #include "log.h"
 #include "protocol.h"
 #include "responses.h"
+#include "store.h"
 
 #define SLOW_CLIENT_BYTES (8u << 20) /* unsent SSE bytes before a client is dropped */
 
@@ -218,6 +219,52 @@ static responses_info resp_info(gw_req *g, const completion_t *c)
     return ri;
 }
 
+/* A finished response whose request has "store" (default true), when the server keeps
+ * them: its object (body) is queued into the store, written at the batch module's next
+ * flush (a GET flushes first), owned by the caller's key. */
+static void resp_store(gw_req *g, const completion_t *c, const char *body)
+{
+    http_server_t *s = g->srv;
+    if (!s->responses_store || !s->batch || !body || !completion_request_params(c).store)
+        return;
+    api_response_info ai = completion_info(c);
+    if (store_response_put(batch_store(s->batch), ai.id, g->key ? auth_key_id(g->key) : NULL,
+                           ai.created, body) < 0)
+        log_rwarn(completion_rid(c), "response %s could not be stored", ai.id);
+}
+
+void http_responses_stored(http_server_t *s, struct evhttp_request *req, const char *id,
+                           auth_key *key)
+{
+    char *json = NULL, owner[32] = "";
+    int rc = s->batch ? store_response_get(batch_store(s->batch), id, &json, owner,
+                                           sizeof(owner))
+                      : 1; /* nothing is stored without the store */
+    if (rc == 0 && key && !auth_key_get_params(key).admin && strcmp(owner, auth_key_id(key)))
+        rc = 1; /* another key's: as if there were none */
+    if (rc == 0 && evhttp_request_get_command(req) == EVHTTP_REQ_DELETE)
+        rc = store_response_delete(batch_store(s->batch), id);
+    if (rc > 0) {
+        api_error e;
+        api_error_set(&e, 404, "invalid_request_error", "response_id", "response_not_found",
+                      "Response with id '%.100s' not found.", id);
+        api_utf8_trim(e.message);
+        http_reply_error(req, &e);
+    } else if (rc < 0) {
+        http_reply_error_msg(req, 500, "server_error", NULL, "storage_error",
+                             "The response store failed.");
+    } else if (evhttp_request_get_command(req) == EVHTTP_REQ_DELETE) {
+        char body[200]; /* a stored id is "resp_" and hex digits: nothing to escape */
+        snprintf(body, sizeof(body), "{\"id\":\"%s\",\"object\":\"response\",\"deleted\":true}",
+                 id);
+        log_info("response %s deleted", id);
+        http_reply_json(req, 200, body);
+    } else {
+        http_reply_json(req, 200, json);
+    }
+    free(json);
+}
+
 /* Streaming a response: the events before any text. */
 static void resp_stream_start(gw_req *g, const completion_t *c)
 {
@@ -275,6 +322,11 @@ static void resp_stream_end(gw_req *g, const completion_t *c)
     sse_send_named(g, type,
                    responses_event_response(&ri, type, g->seq++, status, g->text, g->text_len,
                                             n_in, n_out, NULL));
+    if (g->srv->responses_store && completion_request_params(c).store) {
+        char *obj = responses_format_object(&ri, status, g->text, g->text_len, n_in, n_out, NULL);
+        resp_store(g, c, obj);
+        free(obj);
+    }
 }
 
 /* Streaming: one chunk of text, the per-token path: formatted straight into one buffer
@@ -376,6 +428,7 @@ static int sink_done(void *ud, const completion_t *c, api_error *e)
             completion_usage(c, &n_in, &n_out);
             body = responses_format_object(&ri, responses_status(finish), text, len, n_in, n_out,
                                            NULL);
+            resp_store(g, c, body);
         } else {
             body = completion_format_response(c);
         }

@@ -28,6 +28,7 @@ struct http_server {
     int port;
     int timeout_s;          /* --http-timeout-s */
     int keepalive_s;        /* --sse-keepalive-s */
+    int responses_store;    /* http_params.responses_store */
     completion_env cx;      /* tokenizer, limits, cluster (NULL: 503), stats (NULL: no figures) */
     batch_t *batch;         /* NULL: the Files and Batch API answer 503 */
     auth_t *auth;           /* NULL or no keys: open */
@@ -52,6 +53,12 @@ void http_reply_error_msg(struct evhttp_request *req, int status, const char *ty
  * when key, the caller's API key (NULL: none), is over its tokens/s limit). */
 void http_completion_handle(http_server_t *s, struct evhttp_request *req, api_kind_t kind,
                             auth_key *key);
+/* GET or DELETE /v1/responses/{id} (the method was checked) on behalf of key (NULL: none):
+ * the stored response object, or {"id", "object": "response", "deleted": true}; 404
+ * response_not_found for an id that is not stored or is another key's (an admin key sees
+ * every key's). */
+void http_responses_stored(http_server_t *s, struct evhttp_request *req, const char *id,
+                           auth_key *key);
 /* Forget every request still in flight without an answer (the server is freed before the
  * cluster: each is cancelled there); evhttp_free frees their evhttp requests. */
 void http_completion_abandon_all(http_server_t *s);

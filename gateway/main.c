@@ -57,6 +57,7 @@ static config_strings opt_api_keys, opt_admin_api_keys;
 static char *opt_api_key_file;
 /* tidal role changes */
 static int opt_tidal;
+static int opt_responses_store;
 static double opt_tidal_min_role_s;
 static long long opt_tidal_max_changes, opt_tidal_min_per_role;
 
@@ -113,6 +114,10 @@ static const config_entry_t settings[] = {
      "window of the latency percentiles on the stats socket"},
     {"state-db", CONFIG_STRING, &opt_state_db, "build/state/gateway.db", 0, 0,
      "SQLite file of the Batch API's files, batches and results (\"\" = Batch API off)"},
+    {"responses-store", CONFIG_BOOL, &opt_responses_store, "false", 0, 0,
+     "keep /v1/responses answers (requests with store, default true) in --state-db for GET "
+     "and DELETE /v1/responses/{id} (as vLLM's VLLM_ENABLE_RESPONSES_API_STORE; off: none "
+     "kept)"},
     {"batch-max-file-bytes", CONFIG_INT, &opt_batch_max_file_bytes, "104857600", 1, 1073741824,
      "largest file accepted by POST /v1/files"},
     {"batch-max-lines", CONFIG_INT, &opt_batch_max_lines, "50000", 1, 10000000,
@@ -366,6 +371,11 @@ int main(int argc, char **argv)
         config_free(settings);
         return 2;
     }
+    if (opt_responses_store && !opt_state_db[0]) {
+        fprintf(stderr, "--responses-store needs a --state-db (it is \"\")\n");
+        config_free(settings);
+        return 2;
+    }
     log_init("gateway", level);
     config_log(settings);
     signal(SIGPIPE, SIG_IGN);
@@ -433,6 +443,7 @@ int main(int argc, char **argv)
         .model_name = served,
         .n_ctx = n_ctx,
         .tok = tok,
+        .responses_store = opt_responses_store,
     };
     app.http = http_server_new(app.base, &hp, err, sizeof(err));
     if (!app.http) {

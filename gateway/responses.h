@@ -10,7 +10,8 @@
  * then response.completed (or response.incomplete when max_output_tokens ended it); each
  * event has "type" and "sequence_number" (0, 1, ... in the stream), and is sent as
  * "event: <type>\ndata: <json>\n\n". A failure after the start is an "error" event, then
- * response.failed. Nothing is stored ("store" is echoed back, docs/api.md).
+ * response.failed. A finished object is stored only when the gateway runs with
+ * --responses-store (http_completion.c; "store" is echoed back either way, docs/api.md).
  */
 #ifndef TP_GW_RESPONSES_H
 #define TP_GW_RESPONSES_H

@@ -103,7 +103,8 @@ class AuthTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         # a decode step takes >= 20 ms: a 150-token request is still running 0.2 s later
-        cls.c = key_cluster(worker_args=["--debug-step-delay-ms", "20"])
+        cls.c = key_cluster(worker_args=["--debug-step-delay-ms", "20"],
+                            extra=["--responses-store", "true"])
         cls.c.start()
 
     @classmethod
@@ -137,11 +138,13 @@ class AuthTest(unittest.TestCase):
     V1_ROUTES = [("POST", "/v1/chat/completions", CHAT), ("POST", "/v1/completions", COMPLETION),
                  ("GET", "/v1/models", None), ("GET", "/v1/models/stories260K", None),
                  ("POST", "/v1/files?purpose=batch", None), ("GET", "/v1/files/file-x", None),
-                 ("GET", "/v1/files/file-x/content", None), ("GET", "/v1/batches", None),
+                 ("GET", "/v1/files/file-x/content", None), ("GET", "/v1/files", None),
+                 ("DELETE", "/v1/files/file-x", None), ("GET", "/v1/batches", None),
                  ("POST", "/v1/batches", {"input_file_id": "file-x",
                                           "endpoint": "/v1/completions",
                                           "completion_window": "24h"}),
-                 ("GET", "/v1/batches/batch_x", None), ("POST", "/v1/batches/batch_x/cancel", None)]
+                 ("GET", "/v1/batches/batch_x", None), ("POST", "/v1/batches/batch_x/cancel", None),
+                 ("GET", "/v1/responses/resp_x", None), ("DELETE", "/v1/responses/resp_x", None)]
 
     def test_v1_needs_a_key(self):
         for method, path, body in self.V1_ROUTES:
@@ -294,11 +297,21 @@ class AuthTest(unittest.TestCase):
             self.assertNotIn(bid, [x["id"] for x in got["data"]])
             status, _, got = self.call("GET", "/v1/batches?after=" + bid, key)
             self.assertEqual((status, got["error"]["code"]), (404, "batch_not_found"))
+            # nor list, page from or delete her file
+            self.assertEqual(self.call("DELETE", "/v1/files/" + fid, key)[::2], (404, no_file))
+            status, _, got = self.call("GET", "/v1/files", key)
+            self.assertEqual(status, 200)
+            self.assertNotIn(fid, [x["id"] for x in got["data"]])
+            status, _, got = self.call("GET", "/v1/files?after=" + fid, key)
+            self.assertEqual((status, got), (404, {"error": dict(no_file["error"],
+                                                                 param="after")}))
         # the same answers for a nonexistent object (the bodies above are those of 404s)
         self.assertEqual(self.call("GET", "/v1/files/file-nope", BOB)[0], 404)
         # alice and the admins see them
         for key in (ALICE, ADMIN, FLAG_ADMIN):
             self.assertEqual(self.call("GET", "/v1/files/" + fid, key)[0], 200)
+            status, _, got = self.call("GET", "/v1/files", key)
+            self.assertIn(fid, [x["id"] for x in got["data"]])
             status, _, got = self.call("GET", "/v1/batches", key)
             self.assertIn(bid, [x["id"] for x in got["data"]])
         b = self.wait_batch(ALICE, bid)
@@ -309,6 +322,12 @@ class AuthTest(unittest.TestCase):
         self.assertEqual(len(text.strip().split("\n")) if isinstance(text, str) else 1, 2)
         self.assertEqual(self.call("GET", "/v1/files/%s/content" % out, BOB)[0], 404)
         self.assertEqual(self.call("GET", "/v1/files/%s/content" % out, ADMIN)[0], 200)
+        # the owner deletes her output file; an admin deletes her input file
+        self.assertEqual(self.call("DELETE", "/v1/files/" + out, ALICE)[::2],
+                         (200, {"id": out, "object": "file", "deleted": True}))
+        self.assertEqual(self.call("DELETE", "/v1/files/" + fid, ADMIN)[::2],
+                         (200, {"id": fid, "object": "file", "deleted": True}))
+        self.assertEqual(self.call("GET", "/v1/files/" + fid, ALICE)[0], 404)
         # bob's own batch is his; alice does not see it; list shows each only their own
         status, _, f2 = self.call("POST", "/v1/files", BOB, raw=upload_body(batch_lines(1)),
                                   headers=h)
@@ -325,6 +344,24 @@ class AuthTest(unittest.TestCase):
         self.assertIn(bid, ids)
         # the log names the owner by its id, never by the key
         self.assertRegex(self.c.log("gateway"), r"batch %s created: .* key [0-9a-f]{12}" % bid)
+
+    def test_stored_response_ownership(self):
+        status, _, r = self.call("POST", "/v1/responses", ALICE, {
+            "input": "Tell me a story.", "max_output_tokens": 4, "temperature": 0})
+        self.assertEqual(status, 200, r)
+        rid = r["id"]
+        gone = {"error": {"message": "Response with id '%s' not found." % rid,
+                          "type": "invalid_request_error", "param": "response_id",
+                          "code": "response_not_found"}}
+        self.assertEqual(self.call("GET", "/v1/responses/" + rid)[0], 401)
+        for key in (BOB, FLAG_USER):  # another key: as if there were none
+            self.assertEqual(self.call("GET", "/v1/responses/" + rid, key)[::2], (404, gone))
+            self.assertEqual(self.call("DELETE", "/v1/responses/" + rid, key)[::2], (404, gone))
+        for key in (ALICE, ADMIN):
+            self.assertEqual(self.call("GET", "/v1/responses/" + rid, key)[::2], (200, r))
+        self.assertEqual(self.call("DELETE", "/v1/responses/" + rid, ALICE)[::2],
+                         (200, {"id": rid, "object": "response", "deleted": True}))
+        self.assertEqual(self.call("GET", "/v1/responses/" + rid, ADMIN)[::2], (404, gone))
 
     def test_request_rate_limit(self):
         status, _, _ = self.call("GET", "/v1/models", SLOW)

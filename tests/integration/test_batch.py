@@ -4,11 +4,15 @@
 - the Files and Batch API: upload (multipart and raw), create, poll, output lines equal to
   the non-streaming answers of the same greedy requests, bad lines in the error file, every
   bad request a 4xx OpenAI error, cancel;
+- files listed (purpose, limit, order, after) and deleted, with exact bodies; a file a
+  running batch names is refused (409) until the batch ends; a deleted file's bytes leave
+  the database file and its WAL, and it stays deleted across a restart;
 - a gateway SIGKILLed in the middle of a batch and restarted on the same state database and
   ports loses no finished line and finishes the rest;
 - online requests are served before queued offline ones, and offline work is preempted
   (and still answered in full) when online load rises."""
 
+import http.client
 import json
 import os
 import re
@@ -337,7 +341,7 @@ class BatchApi(unittest.TestCase):
         check(c.request("GET", "/v1/files/file-nope/content"), 404, "file_not_found")
         check(c.request("GET", "/v1/batches?limit=0"), 400, "invalid_value", "limit")
         check(c.request("GET", "/v1/batches?after=batch_nope"), 404)
-        check(c.request("GET", "/v1/files"), 405, "method_not_allowed")
+        check(c.request("DELETE", "/v1/files"), 405, "method_not_allowed")
         check(c.request("DELETE", "/v1/batches"), 405, "method_not_allowed")
         check(c.request("GET", "/v1/batches/x/y"), 404, "unknown_url")
         # a finished batch cannot be cancelled; an output file cannot be a batch's input
@@ -345,6 +349,219 @@ class BatchApi(unittest.TestCase):
         b = wait_batch(c, b["id"])
         check(c.request("POST", "/v1/batches/%s/cancel" % b["id"]), 400, "invalid_state")
         check(create(c, b["output_file_id"]), 400, "invalid_value", "input_file_id")
+
+
+def no_file(fid, param="file_id"):
+    return {"error": {"message": "No such File object: " + fid, "type": "invalid_request_error",
+                      "param": param, "code": "file_not_found"}}
+
+
+def bad_value(param, message):
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param,
+                      "code": "invalid_value"}}
+
+
+def raw_request(c, method, path):
+    """(status, Allow header, body bytes) of one bodiless request."""
+    conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=60)
+    conn.request(method, path, headers=c.auth_headers({}))
+    r = conn.getresponse()
+    out = (r.status, r.getheader("Allow"), r.read())
+    conn.close()
+    return out
+
+
+class Files(unittest.TestCase):
+    """GET /v1/files and DELETE /v1/files/{id} on a gateway of its own (no worker needed)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.c = Cluster(roles=())
+        cls.c.start_gateway()
+        deadline = time.time() + 20
+        while True:
+            try:
+                cls.c.request("GET", "/v1/batches", timeout=2)
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.c.stop()
+        assert cls.c.sanitizer_reports() == []
+
+    def listing(self, query=""):
+        status, lst = self.c.request("GET", "/v1/files" + query)
+        self.assertEqual(status, 200, lst)
+        return lst
+
+    def test_list_and_delete(self):
+        c = self.c
+        files = []
+        for i in range(3):
+            status, f = upload(c, line("r%d" % i, completion_body("Hi", 2)),
+                               filename="in%d.jsonl" % i)
+            self.assertEqual(status, 200, f)
+            files.append(f)
+        ids = [f["id"] for f in files]
+        # newest first (created_at, then upload order), every field as the upload answered
+        lst = self.listing()
+        self.assertEqual(lst["object"], "list")
+        self.assertEqual(lst["has_more"], False)
+        mine = [x for x in lst["data"] if x["id"] in ids]
+        self.assertEqual(mine, files[::-1])
+        self.assertEqual(lst["first_id"], lst["data"][0]["id"])
+        self.assertEqual(lst["last_id"], lst["data"][-1]["id"])
+        asc = self.listing("?order=asc")
+        self.assertEqual([x["id"] for x in asc["data"]], [x["id"] for x in lst["data"]][::-1])
+        self.assertEqual([x for x in asc["data"] if x["id"] in ids], files)
+        # pages of 2 by cursor give the whole list
+        pages, after = [], ""
+        while True:
+            p = self.listing("?limit=2" + after)
+            pages += p["data"]
+            self.assertLessEqual(len(p["data"]), 2)
+            if not p["has_more"]:
+                break
+            self.assertEqual(len(p["data"]), 2)
+            after = "&after=" + p["last_id"]
+        self.assertEqual(pages, lst["data"])
+        self.assertEqual(self.listing("?limit=1&order=desc")["has_more"], True)
+        self.assertEqual(self.listing("?purpose=fine-tune"),
+                         {"object": "list", "data": [], "first_id": None, "last_id": None,
+                          "has_more": False})
+        self.assertTrue(all(x["purpose"] == "batch" for x in self.listing("?purpose=batch")["data"]))
+        # bad query parameters
+        limit_msg = "'limit' must be an integer from 1 to 10000, got '%s'."
+        for q, param, msg in (("limit=0", "limit", limit_msg % "0"),
+                              ("limit=10001", "limit", limit_msg % "10001"),
+                              ("limit=2x", "limit", limit_msg % "2x"),
+                              ("limit=", "limit", limit_msg % ""),
+                              ("order=up", "order", "'order' must be 'asc' or 'desc', got 'up'."),
+                              ("purpose=nope", "purpose",
+                               "'purpose' must be one of assistants, assistants_output, batch, "
+                               "batch_output, fine-tune, fine-tune-results, vision, user_data, "
+                               "evals; got 'nope'."),
+                              ("after=", "after", "'after' must be a file id."),
+                              ("limit", None, "The query string could not be parsed (each "
+                               "parameter must be name=value).")):
+            self.assertEqual(c.request("GET", "/v1/files?" + q), (400, bad_value(param, msg)), q)
+        self.assertEqual(c.request("GET", "/v1/files?after=file-nope"),
+                         (404, no_file("file-nope", "after")))
+        # delete the middle one
+        gone = ids[1]
+        self.assertEqual(c.request("DELETE", "/v1/files/" + gone),
+                         (200, {"id": gone, "object": "file", "deleted": True}))
+        self.assertEqual(c.request("GET", "/v1/files/" + gone), (404, no_file(gone)))
+        self.assertEqual(c.request("GET", "/v1/files/%s/content" % gone), (404, no_file(gone)))
+        self.assertEqual(c.request("DELETE", "/v1/files/" + gone), (404, no_file(gone)))
+        self.assertEqual(c.request("DELETE", "/v1/files/file-nope"), (404, no_file("file-nope")))
+        after = self.listing()
+        self.assertEqual(after["data"], [x for x in lst["data"] if x["id"] != gone])
+        # a deleted file is still a cursor (a client deleting what it pages through)
+        self.assertEqual(self.listing("?after=" + gone)["data"][0], files[0])
+        self.assertEqual(self.listing("?order=asc&after=" + gone)["data"][0], files[2])
+        self.assertEqual(c.request("GET", "/v1/files/" + ids[0]), (200, files[0]))
+
+    def test_methods(self):
+        c = self.c
+        for method, path, allow in (("DELETE", "/v1/files", "GET, POST"),
+                                    ("PUT", "/v1/files", "GET, POST"),
+                                    ("POST", "/v1/files/file-x", "GET, DELETE"),
+                                    ("PATCH", "/v1/files/file-x", "GET, DELETE"),
+                                    ("DELETE", "/v1/files/file-x/content", "GET"),
+                                    ("DELETE", "/v1/batches/batch_x", "GET")):
+            status, got_allow, body = raw_request(c, method, path)
+            self.assertEqual((status, got_allow), (405, allow), (method, path))
+            self.assertEqual(json.loads(body), {"error": {
+                "message": "Method %s is not allowed for %s (use %s)." % (method, path, allow),
+                "type": "invalid_request_error", "param": None, "code": "method_not_allowed"}})
+        status, _, body = raw_request(c, "HEAD", "/v1/files")
+        self.assertEqual((status, body), (200, b""))
+
+
+class FileInUse(unittest.TestCase):
+    """A batch's input file cannot be deleted while the batch runs (409), can once it ended;
+    deleting a final batch's result files deletes their bytes and the batch's stored results
+    of that kind, the batch object stays; all of it holds across a gateway restart."""
+
+    MARK = "zq7marker"  # in custom_ids: the input file, the results and the output file
+
+    def test_delete_while_running_and_after(self):
+        with Cluster(roles=("mixed",), worker_args=["--debug-step-delay-ms", "25"],
+                     gateway_args=["--batch-max-inflight", "1"]) as c:
+            n = 6
+            text = "\n".join(line("%s-%d" % (self.MARK, i), completion_body("Once upon a time", 40))
+                             for i in range(n))
+            status, f = upload(c, text)
+            self.assertEqual(status, 200, f)
+            status, b = create(c, f["id"])
+            self.assertEqual(status, 200, b)
+            bid, fid = b["id"], f["id"]
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                status, b = c.request("GET", "/v1/batches/" + bid)
+                if b["request_counts"]["completed"] >= 1:
+                    break
+                time.sleep(0.05)
+            self.assertEqual(b["status"], "in_progress", b)
+            in_use = {"error": {
+                "message": "The file %s is the input file of batch %s, which is in_progress: "
+                           "cancel the batch or wait until it ends, then delete the file." %
+                           (fid, bid),
+                "type": "invalid_request_error", "param": "file_id", "code": "file_in_use"}}
+            self.assertEqual(c.request("DELETE", "/v1/files/" + fid), (409, in_use))
+            # still in use after a restart (the batch is resumed from its input file)
+            c.kill("gateway")
+            c.start_gateway()
+            c.wait_healthy(30)
+            status, b = c.request("GET", "/v1/batches/" + bid)
+            if b["status"] == "in_progress":
+                self.assertEqual(c.request("DELETE", "/v1/files/" + fid), (409, in_use))
+            status, b = c.request("POST", "/v1/batches/%s/cancel" % bid)
+            self.assertEqual(status, 200, b)
+            b = wait_batch(c, bid, until=("cancelled",))
+            done = b["request_counts"]["completed"]
+            self.assertGreaterEqual(done, 1)
+            out = b["output_file_id"]
+            self.assertEqual(len(file_lines(c, out)), done)
+            # the batch ended: its files may go
+            self.assertEqual(c.request("DELETE", "/v1/files/" + fid),
+                             (200, {"id": fid, "object": "file", "deleted": True}))
+            self.assertEqual(len(file_lines(c, out)), done)  # the results are not lost
+            def rows():  # a connection of its own, closed: a reader would hold the checkpoint
+                db = sqlite3.connect(c.state_db)
+                n = db.execute("SELECT count(*) FROM results WHERE batch_id = ? AND ok = 1",
+                               (bid,)).fetchone()[0]
+                db.close()
+                return n
+
+            self.assertEqual(rows(), done)
+            self.assertEqual(c.request("DELETE", "/v1/files/" + out),
+                             (200, {"id": out, "object": "file", "deleted": True}))
+            self.assertEqual(rows(), 0)
+            if b["error_file_id"]:
+                self.assertEqual(c.request("DELETE", "/v1/files/" + b["error_file_id"])[0], 200)
+            status, b2 = c.request("GET", "/v1/batches/" + bid)
+            self.assertEqual((status, b2), (200, b))  # the batch keeps its ids, as OpenAI's
+            for name in ("", "-wal"):
+                path = c.state_db + name
+                data = open(path, "rb").read() if os.path.exists(path) else b""
+                self.assertNotIn(self.MARK.encode(), data, path)
+            # deleted for good: after a restart too
+            c.kill("gateway")
+            c.start_gateway()
+            c.wait_healthy(30)
+            for x in (fid, out):
+                self.assertEqual(c.request("GET", "/v1/files/" + x), (404, no_file(x)))
+                self.assertEqual(c.request("DELETE", "/v1/files/" + x), (404, no_file(x)))
+            status, lst = c.request("GET", "/v1/files")
+            self.assertEqual([x["id"] for x in lst["data"]], [])
+            self.assertEqual(c.request("GET", "/v1/batches/" + bid), (200, b))
+            self.assertIn("file %s deleted (batch_output, " % out, c.log("gateway"))
 
 
 class Cancel(unittest.TestCase):

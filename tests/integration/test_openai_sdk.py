@@ -4,7 +4,9 @@ The SDK is installed once with `npm install --prefix build/npm openai@4` (cached
 build/; the test is skipped, saying why, when node or npm is missing or the registry
 cannot be reached). tests/integration/sdk/openai_sdk.mjs makes chat and completions calls
 (streamed and not), `n: 2` with a seed, batched prompts (text and token ids) and
-`client.responses.create` (streamed and not) and prints what the SDK parsed; every text
+`client.responses.create` (streamed and not), `client.files` create / list (paginated) /
+retrieve / del (also deleting every file while paging through them), and prints what the
+SDK parsed; every text
 must equal the gateway's own greedy (or seeded, at a pinned MTP depth) answer to the same
 request over plain HTTP, and batched prompts' choices the one-prompt answers."""
 
@@ -149,6 +151,17 @@ class OpenAISdkTest(unittest.TestCase):
                          (text, text, usage, status))
         self.assertEqual(got["refusal"], {"status": 400, "param": "previous_response_id",
                                           "code": "unsupported_parameter"})
+
+        # files: newest first over pages of 2; a deleted file is a 404 to the SDK; deleting
+        # each file while paging by one (the cursor is the file just deleted) reaches them all
+        up = got["files_uploaded"]
+        self.assertEqual(got["files_listed"], up[::-1])
+        self.assertEqual(got["files_batch"], up)
+        self.assertEqual(got["file_deleted"], {"id": up[1], "object": "file", "deleted": True})
+        self.assertEqual(got["file_gone"], {"status": 404, "param": "file_id",
+                                            "code": "file_not_found"})
+        self.assertEqual(got["files_deleted_paging"], [up[2], up[0]])
+        self.assertEqual(got["files_left"], 0)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
 """POST /v1/responses (the Responses API, text) end to end, over plain HTTP: the response
 object and the streamed events equal the chat completion of the same conversation
 (instructions as a system message first), every event numbered in order; the refusals
-(stateful and tool features, bad input) are 400s naming the field."""
+(stateful and tool features, bad input) are 400s naming the field; without
+--responses-store nothing is kept (GET /v1/responses/{id} is 404), with it a stored response
+(streamed or not) is GET's answer byte for byte, survives a restart, and DELETE removes it
+and its bytes."""
 
+import http.client
 import json
 import os
 import sys
@@ -139,6 +143,87 @@ class ResponsesTest(unittest.TestCase):
             self.assertEqual((b["error"]["param"], b["error"]["code"]), (param, code), body)
         status, b = self.c.request("GET", "/v1/responses")
         self.assertEqual(status, 405, b)
+
+    def test_nothing_stored_by_default(self):
+        status, r = self.c.request("POST", "/v1/responses", {
+            "input": "Tell me a story.", "max_output_tokens": 4, "temperature": 0})
+        self.assertEqual((status, r["store"]), (200, True))
+        for method in ("GET", "DELETE"):
+            self.assertEqual(self.c.request(method, "/v1/responses/" + r["id"]),
+                             (404, not_found(r["id"])))
+        status, b = self.c.request("PUT", "/v1/responses/" + r["id"])
+        self.assertEqual((status, b["error"]["code"]), (405, "method_not_allowed"))
+        status, b = self.c.request("GET", "/v1/responses/%s/input_items" % r["id"])
+        self.assertEqual((status, b["error"]["code"]), (404, "unknown_url"))
+
+
+def not_found(rid):
+    return {"error": {"message": "Response with id '%s' not found." % rid,
+                      "type": "invalid_request_error", "param": "response_id",
+                      "code": "response_not_found"}}
+
+
+class StoredResponses(unittest.TestCase):
+    def get_raw(self, c, rid):
+        conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=60)
+        conn.request("GET", "/v1/responses/" + rid)
+        r = conn.getresponse()
+        out = (r.status, r.read())
+        conn.close()
+        return out
+
+    def test_store_get_delete(self):
+        with Cluster(roles=("mixed",), gateway_args=["--responses-store", "true"]) as c:
+            body = {"input": "Tell me a story.", "instructions": INSTR, "max_output_tokens": 12,
+                    "temperature": 0}
+            conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=60)
+            conn.request("POST", "/v1/responses", body=json.dumps(body).encode(),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            raw = resp.read()
+            conn.close()
+            self.assertEqual(resp.status, 200, raw)
+            r = json.loads(raw)
+            self.assertEqual(r["store"], True)
+            self.assertEqual(self.get_raw(c, r["id"]), (200, raw))  # the very same bytes
+            # streamed: the stored object is the last event's
+            status, events, _ = c.stream("/v1/responses", dict(body, input="The cat"))
+            self.assertEqual(status, 200)
+            final = events[-1]["response"]
+            self.assertEqual(c.request("GET", "/v1/responses/" + final["id"]), (200, final))
+            # "store": false keeps nothing
+            status, r2 = c.request("POST", "/v1/responses", dict(body, store=False))
+            self.assertEqual((status, r2["store"]), (200, False))
+            self.assertEqual(c.request("GET", "/v1/responses/" + r2["id"]),
+                             (404, not_found(r2["id"])))
+            # kept across a restart
+            c.kill("gateway")
+            c.start_gateway()
+            c.wait_healthy(30)
+            self.assertEqual(self.get_raw(c, r["id"]), (200, raw))
+            self.assertEqual(c.request("DELETE", "/v1/responses/" + r["id"]),
+                             (200, {"id": r["id"], "object": "response", "deleted": True}))
+            for method in ("GET", "DELETE"):
+                self.assertEqual(c.request(method, "/v1/responses/" + r["id"]),
+                                 (404, not_found(r["id"])))
+            self.assertEqual(c.request("GET", "/v1/responses/" + final["id"]), (200, final))
+            files = b""  # its bytes are gone from the database's files; the other's are not
+            for name in ("", "-wal"):
+                path = c.state_db + name
+                files += open(path, "rb").read() if os.path.exists(path) else b""
+            self.assertNotIn(r["id"][5:].encode(), files)
+            self.assertIn(final["id"][5:].encode(), files)
+            self.assertEqual(c.sanitizer_reports(), [])
+
+    def test_needs_a_state_db(self):
+        c = Cluster(roles=(), gateway_args=["--responses-store", "true"])
+        c.state_db = ""
+        try:
+            p = c.start_gateway()
+            self.assertEqual(p.wait(timeout=20), 2)
+            self.assertIn("--responses-store needs a --state-db", c.log("gateway"))
+        finally:
+            c.stop()
 
 
 if __name__ == "__main__":

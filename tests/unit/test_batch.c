@@ -6,7 +6,8 @@
  * refuse without reading past the end); each malformed body is also parsed from an exact-size
  * heap copy so that AddressSanitizer catches any over-read. The store tests use a database
  * in a temporary directory: files round-trip, queued writes are invisible until flushed and
- * survive a close and reopen, results come back by line and filtered by ok.
+ * survive a close and reopen, results come back by line and filtered by ok; files list in
+ * order, by owner and purpose, with cursors, and a deleted file's bytes leave the database.
  *
  *   build/tests/test_batch [case-name-filter]
  */
@@ -410,6 +411,176 @@ static void test_store_migrate_v1(void **state)
     sqlite3_close(db);
 }
 
+// --- list and delete
+
+typedef struct {
+    char ids[8][64];
+    int n;
+} id_list;
+
+static int add_id(const store_file *f, void *ud)
+{
+    id_list *l = ud;
+    if (l->n < 8)
+        snprintf(l->ids[l->n++], sizeof(l->ids[0]), "%s", f->id);
+    return 0;
+}
+
+/* The ids q lists, joined by spaces, then "+" when has_more; "#1" / "#-1" for 1 / -1. */
+static const char *list_str(store_t *s, store_file_query q, char *out, size_t cap)
+{
+    id_list l = {0};
+    int more = -1;
+    int rc = store_file_list(s, &q, add_id, &l, &more);
+    if (rc != 0) {
+        snprintf(out, cap, "#%d", rc);
+        return out;
+    }
+    size_t n = 0;
+    out[0] = 0;
+    for (int i = 0; i < l.n; i++)
+        n += (size_t)snprintf(out + n, cap - n, "%s%s", i ? " " : "", l.ids[i]);
+    snprintf(out + n, cap - n, "%s", more ? "+" : "");
+    return out;
+}
+
+/* Does the file at path hold needle (a missing file holds nothing)? */
+static int file_holds(const char *path, const char *needle)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return 0;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = malloc((size_t)n + 1);
+    assert_non_null(buf);
+    size_t got = fread(buf, 1, (size_t)n, f);
+    fclose(f);
+    int found = got > 0 && memmem(buf, got, needle, strlen(needle)) != NULL;
+    free(buf);
+    return found;
+}
+
+/* Files listed newest (or oldest) first by created_at then creation order, filtered by
+ * purpose and owner, paged by a cursor that may be a deleted file; a delete removes the row,
+ * its results of one kind, and its bytes from the database file and the WAL; after a
+ * reopen the file stays deleted and its cursor still works. */
+static void test_store_list_delete(void **state)
+{
+    (void)state;
+    char path[400], wal[420], err[256], got[200];
+    snprintf(path, sizeof(path), "%s/list.db", tmpdir);
+    snprintf(wal, sizeof(wal), "%s-wal", path);
+    store_t *s = store_open(path, err, sizeof(err));
+    assert_non_null(s);
+    store_file a = {.id = "a", .purpose = "batch", .filename = "a", .created_at = 10};
+    store_file b = {.id = "b", .purpose = "batch", .filename = "b", .created_at = 10};
+    store_file c = {.id = "c", .purpose = "batch", .filename = "c", .created_at = 11,
+                    .owner = "o1"};
+    store_file d = {.id = "d", .purpose = "batch_output", .filename = "d", .created_at = 9};
+    /* b's content: 64 KiB (overflow pages) holding a marker */
+    size_t big_n = 64 * 1024;
+    char *big = malloc(big_n);
+    assert_non_null(big);
+    for (size_t i = 0; i < big_n; i++)
+        big[i] = (char)('a' + i % 23);
+    memcpy(big + 30000, "SECRET-MARKER-7f3e", 18);
+    assert_int_equal(store_file_put(s, &a, "x", 1), 0);
+    assert_int_equal(store_file_put(s, &b, big, big_n), 0);
+    assert_int_equal(store_file_put(s, &c, "x", 1), 0);
+    assert_int_equal(store_file_put(s, &d, "x", 1), 0);
+    free(big);
+    store_file_query q = {.desc = 1, .limit = 100};
+    assert_string_equal(list_str(s, q, got, sizeof(got)), "c b a d");
+    q.desc = 0;
+    assert_string_equal(list_str(s, q, got, sizeof(got)), "d a b c");
+    q = (store_file_query){.desc = 1, .limit = 2};
+    assert_string_equal(list_str(s, q, got, sizeof(got)), "c b+");
+    q.after = "b";
+    assert_string_equal(list_str(s, q, got, sizeof(got)), "a d");
+    q.limit = 1;
+    assert_string_equal(list_str(s, q, got, sizeof(got)), "a+");
+    q = (store_file_query){.desc = 1, .limit = 100, .owner = "o1"};
+    assert_string_equal(list_str(s, q, got, sizeof(got)), "c");
+    q.after = "a"; /* no owner: not o1's cursor */
+    assert_string_equal(list_str(s, q, got, sizeof(got)), "#1");
+    q = (store_file_query){.desc = 1, .limit = 100, .purpose = "batch_output"};
+    assert_string_equal(list_str(s, q, got, sizeof(got)), "d");
+    q = (store_file_query){.desc = 1, .limit = 100, .after = "nope"};
+    assert_string_equal(list_str(s, q, got, sizeof(got)), "#1");
+
+    /* b was batch_x's output file: its ok results go with it, the error ones stay */
+    assert_int_equal(store_result_put(s, "batch_x", 0, 1, "{\"SECRET-MARKER-7f3e\":1}"), 0);
+    assert_int_equal(store_result_put(s, "batch_x", 1, 0, "{\"e\":1}"), 0);
+    assert_int_equal(store_flush(s), 0);
+    assert_true(file_holds(path, "SECRET-MARKER-7f3e") || file_holds(wal, "SECRET-MARKER-7f3e"));
+    assert_int_equal(store_file_delete(s, "b", "batch_x", 1), 0);
+    assert_int_equal(store_file_delete(s, "b", "batch_x", 1), 1); /* gone */
+    assert_int_equal(store_file_delete(s, "nope", NULL, 0), 1);
+    store_file g;
+    assert_int_equal(store_file_get(s, "b", &g), 1);
+    char *content;
+    size_t len;
+    assert_int_equal(store_file_content(s, "b", &content, &len), 1);
+    assert_int_equal(count_rows(path, "batch_x"), 1);
+    assert_false(file_holds(path, "SECRET-MARKER-7f3e"));
+    assert_false(file_holds(wal, "SECRET-MARKER-7f3e"));
+    /* the deleted file's place: a cursor still; a new file at the same second comes after */
+    store_file e = {.id = "e", .purpose = "batch", .filename = "e", .created_at = 10};
+    assert_int_equal(store_file_put(s, &e, "x", 1), 0);
+    q = (store_file_query){.desc = 1, .limit = 100, .after = "b"};
+    assert_string_equal(list_str(s, q, got, sizeof(got)), "a d");
+    q.desc = 0;
+    assert_string_equal(list_str(s, q, got, sizeof(got)), "e c");
+    store_close(&s);
+
+    s = store_open(path, err, sizeof(err)); /* deleted for good */
+    assert_non_null(s);
+    assert_int_equal(store_file_get(s, "b", &g), 1);
+    q = (store_file_query){.desc = 1, .limit = 100};
+    assert_string_equal(list_str(s, q, got, sizeof(got)), "c e a d");
+    q.after = "b";
+    assert_string_equal(list_str(s, q, got, sizeof(got)), "a d");
+    store_close(&s);
+}
+
+/* Stored responses: a put is queued and a get sees it (it flushes first), with its owner;
+ * a delete removes it (1 after); it survives a reopen. */
+static void test_store_responses(void **state)
+{
+    (void)state;
+    char path[400], err[256], owner[32];
+    snprintf(path, sizeof(path), "%s/resp.db", tmpdir);
+    store_t *s = store_open(path, err, sizeof(err));
+    assert_non_null(s);
+    assert_int_equal(store_response_put(s, "resp_a", "k1", 7, "{\"id\":\"resp_a\"}"), 0);
+    assert_int_equal(store_response_put(s, "resp_b", NULL, 8, "{\"id\":\"resp_b\"}"), 0);
+    assert_int_equal(store_n_pending(s), 2);
+    char *json;
+    assert_int_equal(store_response_get(s, "resp_a", &json, owner, sizeof(owner)), 0);
+    assert_int_equal(store_n_pending(s), 0);
+    assert_string_equal(json, "{\"id\":\"resp_a\"}");
+    assert_string_equal(owner, "k1");
+    free(json);
+    assert_int_equal(store_response_get(s, "resp_b", &json, owner, sizeof(owner)), 0);
+    assert_string_equal(owner, "");
+    free(json);
+    assert_int_equal(store_response_get(s, "resp_x", &json, owner, sizeof(owner)), 1);
+    assert_null(json);
+    assert_int_equal(store_response_delete(s, "resp_a"), 0);
+    assert_int_equal(store_response_delete(s, "resp_a"), 1);
+    assert_int_equal(store_response_get(s, "resp_a", &json, owner, sizeof(owner)), 1);
+    store_close(&s);
+    s = store_open(path, err, sizeof(err));
+    assert_non_null(s);
+    assert_int_equal(store_response_get(s, "resp_b", &json, owner, sizeof(owner)), 0);
+    assert_string_equal(json, "{\"id\":\"resp_b\"}");
+    free(json);
+    assert_int_equal(store_response_get(s, "resp_a", &json, owner, sizeof(owner)), 1);
+    store_close(&s);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -421,6 +592,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_store_queue_and_reopen),
         cmocka_unit_test(test_store_order_and_errors),
         cmocka_unit_test(test_store_migrate_v1),
+        cmocka_unit_test(test_store_list_delete),
+        cmocka_unit_test(test_store_responses),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);

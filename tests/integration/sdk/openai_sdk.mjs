@@ -129,6 +129,38 @@ async function main() {
     if (ev.response) out.response_stream.status = ev.response.status;
   }
 
+  // files: upload, list (auto-paginated by `after`), retrieve, delete; then delete every
+  // file while paging through them one at a time (each next page's cursor is a file just
+  // deleted)
+  const line = JSON.stringify({
+    custom_id: "a", method: "POST", url: "/v1/completions",
+    body: { model, prompt: "Hi", max_tokens: 2 },
+  });
+  out.files_uploaded = [];
+  for (let i = 0; i < 3; i++) {
+    const f = await client.files.create({
+      file: await OpenAI.toFile(Buffer.from(line + "\n"), `in${i}.jsonl`), purpose: "batch",
+    });
+    out.files_uploaded.push(f.id);
+  }
+  out.files_listed = [];
+  for await (const f of client.files.list({ limit: 2 })) out.files_listed.push(f.id);
+  out.files_batch = (await client.files.list({ purpose: "batch", order: "asc" })).data.map(
+    (f) => f.id);
+  out.file_deleted = await client.files.del(out.files_uploaded[1]);
+  try {
+    await client.files.retrieve(out.files_uploaded[1]);
+    out.file_gone = null;
+  } catch (e) {
+    out.file_gone = { status: e.status, param: e.param, code: e.code };
+  }
+  out.files_deleted_paging = [];
+  for await (const f of client.files.list({ limit: 1 })) {
+    await client.files.del(f.id);
+    out.files_deleted_paging.push(f.id);
+  }
+  out.files_left = (await client.files.list()).data.length;
+
   // a refusal is an SDK error with the gateway's status and message
   try {
     await client.responses.create({ model, input: "x", previous_response_id: "resp_1" });
