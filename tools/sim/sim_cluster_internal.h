@@ -67,14 +67,21 @@ typedef struct {
     int id;          /* the request */
     int done;        /* its tokens (prompt + tokens so far) computed */
     int chunk;       /* its tokens in the running batch, 0 none */
+    int total;       /* tokens to compute: the request's prompt + gen (fixed meanwhile) */
+    int prompt;      /* the request's prompt */
+    int counted;     /* its prompt part is in sim_cluster.q_on_tokens */
     double start_ms; /* when its first chunk began (its KV transfer starts then) */
-} sprompt;
+} sprompt; /* the request's fields a chunk needs, copied: a chunk touches no request */
 
-/* A prefill worker's prompts being computed, in arrival order (a plain growable array). */
+/* A prefill worker's prompts being computed, in arrival order: a growable array that
+ * starts in the worker's SIM_PROG_INLINE entries of sim_cluster.prog_inl (one block for
+ * all workers, so the next event's prompts can be fetched from the worker's index alone),
+ * moved to an allocation of its own when it outgrows them. */
 typedef struct {
     sprompt *v;
     int n, cap;
 } sprompts;
+#define SIM_PROG_INLINE 8
 
 /* A worker. The fields a decode step reads come first (one cache line); the KV room
  * placement looks at is apart, in sim_cluster.room, a compact array. */
@@ -154,6 +161,7 @@ struct sim_cluster {
      * q_on both kinds once dispatched (their decode room reserved). */
     sworker *w;
     sroom *room;
+    sprompt *prog_inl; /* (n_workers, SIM_PROG_INLINE): where each worker's prompts start */
     sim_ideque q_on, q_off, q_gw, pend_on, pend_off;
     int64_t q_on_tokens;
     sim_ivec idle_prefill;
