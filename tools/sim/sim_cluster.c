@@ -591,6 +591,11 @@ static int next_event(sim_cluster *s, sim_heap_event *e)
             const char *p = (const char *)&s->prog_inl[(size_t)t->id * SIM_PROG_INLINE];
             for (size_t k = 0; k < SIM_PROG_INLINE * sizeof(sprompt); k += 64)
                 __builtin_prefetch(p + k, 1);
+        } else if (t->type == SIM_CLUSTER_EV_STEP_DONE) { /* the finish heap's top levels */
+            const char *p = (const char *)&s->fin_inl[(size_t)t->id * SIM_FIN_STRIDE];
+            __builtin_prefetch(p, 1);
+            __builtin_prefetch(p + 64, 1);
+            __builtin_prefetch(&s->inc_inl[(size_t)t->id * SIM_INC_INLINE], 1);
         }
     }
     if (s->ev.n && s->ev.v[0].type == SIM_CLUSTER_EV_XFER_DONE)
@@ -735,6 +740,10 @@ sim_cluster *sim_cluster_new(const costmodel *cm, const sim_cluster_params *p)
     s->room = sim_mem_realloc_aligned(NULL, 0, (size_t)n_workers * sizeof(sroom), 64);
     s->prog_inl = sim_mem_realloc_aligned(
         NULL, 0, (size_t)n_workers * SIM_PROG_INLINE * sizeof(sprompt), 64);
+    s->fin_inl = sim_mem_realloc_aligned(
+        NULL, 0, (size_t)n_workers * SIM_FIN_STRIDE * sizeof(sim_heap_fin_entry), 64);
+    s->inc_inl = sim_mem_realloc_aligned(NULL, 0, (size_t)n_workers * SIM_INC_INLINE * sizeof(int),
+                                         64);
     memset(s->room, 0, (size_t)n_workers * sizeof(sroom));
     sim_heap_slot_init(&s->wev, n_workers);
     s->dec_list = sim_mem_realloc(NULL, (size_t)n_workers * sizeof(int));
@@ -748,6 +757,10 @@ sim_cluster *sim_cluster_new(const costmodel *cm, const sim_cluster_params *p)
         x->fin_top = INT64_MAX;
         x->prog.v = &s->prog_inl[(size_t)i * SIM_PROG_INLINE];
         x->prog.cap = SIM_PROG_INLINE;
+        x->fin = (sim_heap_fin){.v = &s->fin_inl[(size_t)i * SIM_FIN_STRIDE],
+                                .cap = SIM_FIN_INLINE, .ext = 1};
+        x->incoming = (sim_ivec){.v = &s->inc_inl[(size_t)i * SIM_INC_INLINE],
+                                 .cap = SIM_INC_INLINE, .ext = 1};
         if (x->role == POLICY_ROLE_DECODE)
             sim_cluster_dec_list_add(s, i);
         else
@@ -770,6 +783,8 @@ void sim_cluster_destroy(sim_cluster **c)
     free(s->w);
     free(s->room);
     free(s->prog_inl);
+    free(s->fin_inl);
+    free(s->inc_inl);
     sim_heap_slot_free(&s->wev);
     free(s->dec_list);
     free(s->pin);

@@ -288,6 +288,7 @@ void sim_cluster_on_step_done(sim_cluster *s, int w, uint32_t epoch)
     x->ctx_sum += x->running;
     int freed = 0;
     while (x->fin_top <= x->step) {
+        __builtin_prefetch(&s->reqs[x->fin.v[0].req], 1); /* while the heap sifts */
         sim_heap_fin_entry e = sim_heap_fin_pop(&x->fin);
         x->fin_top = x->fin.n > 0 ? x->fin.v[0].step : INT64_MAX;
         sreq *r = &s->reqs[e.req];

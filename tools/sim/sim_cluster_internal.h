@@ -82,6 +82,13 @@ typedef struct {
     int n, cap;
 } sprompts;
 #define SIM_PROG_INLINE 8
+/* Likewise each decode worker's finish heap and incoming list start in blocks of their own
+ * (sim_cluster.fin_inl, .inc_inl: a worker's block found from its index). The finish
+ * blocks are SIM_FIN_INLINE entries apart plus one line, so that the roots of 10,000 heaps
+ * do not all fall in the same cache sets. */
+#define SIM_FIN_INLINE 256
+#define SIM_FIN_STRIDE (SIM_FIN_INLINE + 4)
+#define SIM_INC_INLINE 16
 
 /* A worker. The fields a decode step reads come first (one cache line); the KV room
  * placement looks at is apart, in sim_cluster.room, a compact array. */
@@ -162,6 +169,8 @@ struct sim_cluster {
     sworker *w;
     sroom *room;
     sprompt *prog_inl; /* (n_workers, SIM_PROG_INLINE): where each worker's prompts start */
+    sim_heap_fin_entry *fin_inl; /* (n_workers, SIM_FIN_STRIDE): finish heaps' first blocks */
+    int *inc_inl;                /* (n_workers, SIM_INC_INLINE): incoming lists' */
     sim_ideque q_on, q_off, q_gw, pend_on, pend_off;
     int64_t q_on_tokens;
     sim_ivec idle_prefill;

@@ -4,6 +4,7 @@
  * every level.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "log.h"
 #include "sim_heap.h"
@@ -194,8 +195,16 @@ static int fin_less(const sim_heap_fin_entry *a, const sim_heap_fin_entry *b)
 void sim_heap_fin_push(sim_heap_fin *h, sim_heap_fin_entry e)
 {
     if (h->n == h->cap) {
-        h->cap = h->cap ? 2 * h->cap : 64;
-        h->v = sim_mem_realloc(h->v, (size_t)h->cap * sizeof(*h->v));
+        int ncap = h->cap ? 2 * h->cap : 64;
+        if (h->ext) {
+            sim_heap_fin_entry *v = sim_mem_realloc(NULL, (size_t)ncap * sizeof(*h->v));
+            memcpy(v, h->v, (size_t)h->n * sizeof(*h->v));
+            h->v = v;
+            h->ext = 0;
+        } else {
+            h->v = sim_mem_realloc(h->v, (size_t)ncap * sizeof(*h->v));
+        }
+        h->cap = ncap;
     }
     int i = h->n++;
     while (i > 0) {
@@ -216,6 +225,7 @@ sim_heap_fin_entry sim_heap_fin_pop(sim_heap_fin *h)
     int i = 0, n = h->n;
     for (;;) {
         int l = 2 * i + 1, r = l + 1, m = i;
+        __builtin_prefetch(&h->v[4 * i + 3]); /* the grandchildren, a level ahead */
         const sim_heap_fin_entry *mv = &last;
         if (l < n && fin_less(&h->v[l], mv)) {
             m = l;
@@ -235,7 +245,8 @@ sim_heap_fin_entry sim_heap_fin_pop(sim_heap_fin *h)
 
 void sim_heap_fin_free(sim_heap_fin *h)
 {
-    free(h->v);
+    if (!h->ext)
+        free(h->v);
     h->v = NULL;
-    h->n = h->cap = 0;
+    h->n = h->cap = h->ext = 0;
 }

@@ -113,6 +113,8 @@ typedef struct {
 typedef struct {
     sim_heap_fin_entry *v;
     int n, cap;
+    int ext; /* v is a buffer the caller lent (cap entries): copied out when outgrown, never
+              * freed here */
 } sim_heap_fin;
 
 /* Add e. */
