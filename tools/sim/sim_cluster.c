@@ -284,7 +284,7 @@ static void on_prefill_done(sim_cluster *s, int w)
         double arrive = fmax(s->now + xfer / s->cm->n_layer, e.start_ms + xfer);
         if (r->worker >= 0 && sim_cluster_accepts(s, r->worker)) { /* reserved at dispatch */
             r->state = SIM_CLUSTER_RQ_XFER;
-            sim_heap_push(&s->ev, arrive, SIM_CLUSTER_EV_XFER_DONE, id, r->epoch);
+            sim_heap_push_aux(&s->ev, arrive, SIM_CLUSTER_EV_XFER_DONE, id, r->epoch, r->worker);
             continue;
         }
         if (r->worker >= 0) { /* its worker left decode meanwhile */
@@ -598,8 +598,13 @@ static int next_event(sim_cluster *s, sim_heap_event *e)
             __builtin_prefetch(&s->inc_inl[(size_t)t->id * SIM_INC_INLINE], 1);
         }
     }
-    if (s->ev.n && s->ev.v[0].type == SIM_CLUSTER_EV_XFER_DONE)
-        __builtin_prefetch(&s->reqs[s->ev.v[0].id], 1);
+    if (s->ev.n && s->ev.v[0].type == SIM_CLUSTER_EV_XFER_DONE) { /* the request, its worker */
+        const sim_heap_event *t = &s->ev.v[0];
+        __builtin_prefetch(&s->reqs[t->id], 1);
+        __builtin_prefetch(&s->w[t->aux], 1);
+        __builtin_prefetch((const char *)(&s->w[t->aux] + 1) - 1, 1);
+        __builtin_prefetch(&s->inc_inl[(size_t)t->aux * SIM_INC_INLINE], 1);
+    }
     return rc;
 }
 

@@ -79,7 +79,7 @@ static void reserve(sim_cluster *s, int id, int w, double arrive_ms)
     sreq *r = &s->reqs[id];
     sim_cluster_hold(s, id, w);
     r->state = SIM_CLUSTER_RQ_XFER;
-    sim_heap_push(&s->ev, arrive_ms, SIM_CLUSTER_EV_XFER_DONE, id, r->epoch);
+    sim_heap_push_aux(&s->ev, arrive_ms, SIM_CLUSTER_EV_XFER_DONE, id, r->epoch, w);
 }
 
 void sim_cluster_unreserve(sim_cluster *s, int id)

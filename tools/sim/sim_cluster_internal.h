@@ -50,7 +50,8 @@ enum {
 /* One request: 64 bytes, one cache line (the array is aligned to 64), since touching a
  * request is most of what an event costs at 10,000 workers. */
 typedef struct {
-    double arrival_ms, first_ms; /* first_ms < 0: no token yet */
+    _Alignas(64) double arrival_ms; /* (the alignment pads the record to the full line) */
+    double first_ms;                /* < 0: no token yet */
     int64_t s0;                  /* worker step when it joined the batch */
     int prompt, out;             /* tokens */
     int gen;                     /* tokens generated so far (the first included) */
@@ -60,7 +61,7 @@ typedef struct {
     int next_free;
     uint8_t offline, state;
 } sreq;
-_Static_assert(sizeof(sreq) <= 64, "a request fits one cache line");
+_Static_assert(sizeof(sreq) == 64, "a request is one cache line");
 
 /* A prompt being computed on a prefill worker, in chunks (prefill_worker/prefill_batch.c). */
 typedef struct {

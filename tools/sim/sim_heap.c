@@ -19,11 +19,17 @@ static int ev_less(const sim_heap_event *a, const sim_heap_event *b)
 
 void sim_heap_push(sim_heap *h, double t_ms, int type, int id, uint32_t epoch)
 {
+    sim_heap_push_aux(h, t_ms, type, id, epoch, -1);
+}
+
+void sim_heap_push_aux(sim_heap *h, double t_ms, int type, int id, uint32_t epoch, int aux)
+{
     if (h->n == h->cap) {
         h->cap = h->cap ? 2 * h->cap : 1024;
         h->v = sim_mem_realloc(h->v, h->cap * sizeof(*h->v));
     }
-    sim_heap_event e = {.t_ms = t_ms, .seq = h->next_seq++, .type = type, .id = id, .epoch = epoch};
+    sim_heap_event e = {
+        .t_ms = t_ms, .seq = h->next_seq++, .type = type, .id = id, .epoch = epoch, .aux = aux};
     size_t i = h->n++;
     while (i > 0) {
         size_t parent = (i - 1) / 2;
@@ -135,7 +141,8 @@ static void slot_top_update(sim_heap_slot *h)
 {
     const sim_heap_slot_node *r = &SLOT_AT(h, 0);
     int id = SLOT_ID(r->key);
-    h->top = (sim_heap_event){.t_ms = r->t_ms,
+    h->top = (sim_heap_event){.aux = -1,
+                              .t_ms = r->t_ms,
                               .seq = r->key >> SIM_HEAP_SLOT_ID_BITS,
                               .type = h->info[id].type,
                               .id = id,

@@ -30,6 +30,7 @@ typedef struct {
     int type;       /* EV_* of the simulator */
     int id;         /* worker or request, by type */
     uint32_t epoch; /* request epoch when the event was made (stale events are skipped) */
+    int aux;        /* the caller's (sim_heap_push_aux), else -1; in the padding */
 } sim_heap_event;
 
 typedef struct {
@@ -38,8 +39,11 @@ typedef struct {
     uint64_t next_seq; /* seq of the next push */
 } sim_heap;
 
-/* Add an event at t_ms with the next sequence number. */
+/* Add an event at t_ms with the next sequence number (aux -1). */
 void sim_heap_push(sim_heap *h, double t_ms, int type, int id, uint32_t epoch);
+
+/* sim_heap_push with the event's aux set (a hint for the caller: what it will touch). */
+void sim_heap_push_aux(sim_heap *h, double t_ms, int type, int id, uint32_t epoch, int aux);
 
 /* Remove the earliest event (smallest t_ms, then smallest seq) into *out. Returns 0, or -1
  * when the heap is empty (*out untouched). */
