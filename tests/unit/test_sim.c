@@ -288,6 +288,54 @@ static void test_ivec(void **state)
     sim_ivec_free(&a);
 }
 
+/* Lent buffers (tidepool-sim's per-worker blocks): an ivec and a finish heap that start in
+ * the caller's buffer hold the same elements as owned ones through growth past it, the
+ * heap the very same array (migration walks it in array order, so a lent block must not
+ * change that order); the buffer is never freed (ASan would catch it) and left as it was
+ * when outgrown. */
+static void test_lent_buffers(void **state)
+{
+    (void)state;
+    int buf[4] = {0};
+    sim_ivec a = {.v = buf, .cap = 4, .ext = 1};
+    for (int i = 0; i < 100; i++)
+        sim_ivec_push(&a, i + 1);
+    assert_int_equal(a.ext, 0);
+    assert_true(a.v != buf);
+    for (int i = 0; i < 100; i++)
+        assert_int_equal(a.v[i], i + 1);
+    assert_int_equal(buf[3], 4);
+    sim_ivec_free(&a);
+    sim_ivec b = {.v = buf, .cap = 4, .ext = 1};
+    sim_ivec_push(&b, 9);
+    assert_int_equal(buf[0], 9);
+    sim_ivec_free(&b); /* must not free buf */
+    assert_null(b.v);
+
+    sim_heap_fin_entry fbuf[8];
+    sim_heap_fin lent = {.v = fbuf, .cap = 8, .ext = 1}, own = {0};
+    sim_rng r;
+    sim_rng_seed(&r, 11);
+    for (int i = 0; i < 3000; i++) {
+        if (sim_rng_range(&r, 0, 2) > 0 || own.n == 0) {
+            sim_heap_fin_entry e = {sim_rng_range(&r, 0, 40), sim_rng_range(&r, 0, 30),
+                                    (uint32_t)i};
+            sim_heap_fin_push(&lent, e);
+            sim_heap_fin_push(&own, e);
+        } else {
+            sim_heap_fin_entry x = sim_heap_fin_pop(&lent), y = sim_heap_fin_pop(&own);
+            assert_true(x.step == y.step && x.req == y.req && x.epoch == y.epoch);
+        }
+        assert_int_equal(lent.n, own.n);
+        for (int k = 0; k < own.n; k++)
+            assert_true(lent.v[k].step == own.v[k].step && lent.v[k].req == own.v[k].req &&
+                        lent.v[k].epoch == own.v[k].epoch);
+    }
+    assert_true(own.n > 8 && lent.ext == 0);
+    sim_heap_fin_free(&lent);
+    sim_heap_fin_free(&own);
+}
+
 /* FIFO across growth while the ring is wrapped (head in the middle), pushes at the front,
  * and 200000 random operations against a plain model (an array with room on both sides). */
 static void test_ideque(void **state)
@@ -349,6 +397,17 @@ static void test_mem(void **state)
     p = sim_mem_realloc(p, 10000);
     assert_int_equal(p[99], 1);
     free(p);
+
+    /* aligned: contents copied; a block of 2 MB or more aligned to 2 MB (huge pages) */
+    char *q = sim_mem_realloc_aligned(NULL, 0, 1000, 64);
+    assert_int_equal((uintptr_t)q % 64, 0);
+    memset(q, 5, 1000);
+    q = sim_mem_realloc_aligned(q, 1000, (size_t)3 << 20, 64);
+    assert_int_equal((uintptr_t)q % ((uintptr_t)2 << 20), 0);
+    assert_int_equal(q[0], 5);
+    assert_int_equal(q[999], 5);
+    q[((size_t)3 << 20) - 1] = 1;
+    free(q);
 }
 
 // --- random numbers
@@ -792,6 +851,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_slot_heap),
         cmocka_unit_test(test_fin_heap),
         cmocka_unit_test(test_ivec),
+        cmocka_unit_test(test_lent_buffers),
         cmocka_unit_test(test_ideque),
         cmocka_unit_test(test_mem),
         cmocka_unit_test(test_rng_known_values),

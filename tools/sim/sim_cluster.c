@@ -107,9 +107,7 @@ static int have_prefill_work(const sim_cluster *s)
  * left; the online prompt tokens it covers leave the count of queued ones. */
 static void take_chunk(sim_cluster *s, sprompt *e, int *budget, double *tokens, double *pairs)
 {
-    const sreq *r = &s->reqs[e->id];
-    int pt = r->prompt + r->gen;
-    int take = pt - e->done;
+    int take = e->total - e->done;
     if (s->chunk_tokens > 0 && take > s->chunk_tokens)
         take = s->chunk_tokens;
     if (take > *budget)
@@ -118,9 +116,9 @@ static void take_chunk(sim_cluster *s, sprompt *e, int *budget, double *tokens, 
     *budget -= take;
     *tokens += take;
     *pairs += costmodel_attn_pairs(take, e->done);
-    if (s->reserve_dispatch || !r->offline) { /* counted in q_on_tokens (its prompt part) */
-        int before = e->done < r->prompt ? e->done : r->prompt;
-        int after = e->done + take < r->prompt ? e->done + take : r->prompt;
+    if (e->counted) { /* counted in q_on_tokens (its prompt part) */
+        int before = e->done < e->prompt ? e->done : e->prompt;
+        int after = e->done + take < e->prompt ? e->done + take : e->prompt;
         s->q_on_tokens -= after - before;
     }
 }
@@ -130,12 +128,26 @@ static void admit_prompt(sim_cluster *s, sworker *x, int id, int *budget, double
                          double *pairs)
 {
     if (x->prog.n == x->prog.cap) {
-        x->prog.cap = x->prog.cap ? 2 * x->prog.cap : 16;
-        x->prog.v = sim_mem_realloc(x->prog.v, (size_t)x->prog.cap * sizeof(sprompt));
+        int w = (int)(x - s->w);
+        sprompt *inl = &s->prog_inl[(size_t)w * SIM_PROG_INLINE];
+        x->prog.cap *= 2;
+        if (x->prog.v == inl) {
+            x->prog.v = sim_mem_realloc(NULL, (size_t)x->prog.cap * sizeof(sprompt));
+            memcpy(x->prog.v, inl, (size_t)x->prog.n * sizeof(sprompt));
+        } else {
+            x->prog.v = sim_mem_realloc(x->prog.v, (size_t)x->prog.cap * sizeof(sprompt));
+        }
     }
     sprompt *e = &x->prog.v[x->prog.n++];
-    *e = (sprompt){.id = id, .done = 0, .chunk = 0, .start_ms = s->now};
-    s->reqs[id].state = SIM_CLUSTER_RQ_PREFILL;
+    sreq *r = &s->reqs[id];
+    *e = (sprompt){.id = id,
+                   .done = 0,
+                   .chunk = 0,
+                   .total = r->prompt + r->gen,
+                   .prompt = r->prompt,
+                   .counted = s->reserve_dispatch || !r->offline,
+                   .start_ms = s->now};
+    r->state = SIM_CLUSTER_RQ_PREFILL;
     take_chunk(s, e, budget, tokens, pairs);
 }
 
@@ -235,19 +247,22 @@ static void on_prefill_done(sim_cluster *s, int w)
 {
     sworker *x = &s->w[w];
     int freed = 0, kept = 0;
-    for (int i = 0; i < x->n_batch; i++) /* their cache misses at once, not one by one */
-        __builtin_prefetch(&s->reqs[x->prog.v[i].id], 1);
+    for (int i = 0; i < x->n_batch; i++) { /* the cache misses of those done, at once */
+        const sprompt *e = &x->prog.v[i];
+        if (e->done + e->chunk >= e->total)
+            __builtin_prefetch(&s->reqs[e->id], 1);
+    }
     for (int i = 0; i < x->prog.n; i++) {
         sprompt e = x->prog.v[i];
-        int id = e.id;
-        sreq *r = &s->reqs[id];
         if (i < x->n_batch)
             e.done += e.chunk;
         e.chunk = 0;
-        if (e.done < r->prompt + r->gen) { /* more chunks to come */
+        if (e.done < e.total) { /* more chunks to come */
             x->prog.v[kept++] = e;
             continue;
         }
+        int id = e.id;
+        sreq *r = &s->reqs[id];
         if (r->first_ms < 0) {
             r->first_ms = s->now;
             if (!r->offline)
@@ -269,7 +284,7 @@ static void on_prefill_done(sim_cluster *s, int w)
         double arrive = fmax(s->now + xfer / s->cm->n_layer, e.start_ms + xfer);
         if (r->worker >= 0 && sim_cluster_accepts(s, r->worker)) { /* reserved at dispatch */
             r->state = SIM_CLUSTER_RQ_XFER;
-            sim_heap_push(&s->ev, arrive, SIM_CLUSTER_EV_XFER_DONE, id, r->epoch);
+            sim_heap_push_aux(&s->ev, arrive, SIM_CLUSTER_EV_XFER_DONE, id, r->epoch, r->worker);
             continue;
         }
         if (r->worker >= 0) { /* its worker left decode meanwhile */
@@ -568,10 +583,28 @@ static int next_event(sim_cluster *s, sim_heap_event *e)
         return -1;
     int rc = from_slot ? sim_heap_slot_pop(&s->wev, e) : sim_heap_pop(&s->ev, e);
     /* what the next events will touch, fetched while this one runs */
-    if (s->wev.n)
-        __builtin_prefetch(&s->w[sim_heap_slot_top(&s->wev)->id], 1);
-    if (s->ev.n && s->ev.v[0].type == SIM_CLUSTER_EV_XFER_DONE)
-        __builtin_prefetch(&s->reqs[s->ev.v[0].id], 1);
+    if (s->wev.n) {
+        const sim_heap_event *t = sim_heap_slot_top(&s->wev);
+        __builtin_prefetch(&s->w[t->id], 1);
+        __builtin_prefetch((const char *)(&s->w[t->id] + 1) - 1, 1); /* it spans two lines */
+        if (t->type == SIM_CLUSTER_EV_PREFILL_DONE) {
+            const char *p = (const char *)&s->prog_inl[(size_t)t->id * SIM_PROG_INLINE];
+            for (size_t k = 0; k < SIM_PROG_INLINE * sizeof(sprompt); k += 64)
+                __builtin_prefetch(p + k, 1);
+        } else if (t->type == SIM_CLUSTER_EV_STEP_DONE) { /* the finish heap's top levels */
+            const char *p = (const char *)&s->fin_inl[(size_t)t->id * SIM_FIN_STRIDE];
+            __builtin_prefetch(p, 1);
+            __builtin_prefetch(p + 64, 1);
+            __builtin_prefetch(&s->inc_inl[(size_t)t->id * SIM_INC_INLINE], 1);
+        }
+    }
+    if (s->ev.n && s->ev.v[0].type == SIM_CLUSTER_EV_XFER_DONE) { /* the request, its worker */
+        const sim_heap_event *t = &s->ev.v[0];
+        __builtin_prefetch(&s->reqs[t->id], 1);
+        __builtin_prefetch(&s->w[t->aux], 1);
+        __builtin_prefetch((const char *)(&s->w[t->aux] + 1) - 1, 1);
+        __builtin_prefetch(&s->inc_inl[(size_t)t->aux * SIM_INC_INLINE], 1);
+    }
     return rc;
 }
 
@@ -710,6 +743,12 @@ sim_cluster *sim_cluster_new(const costmodel *cm, const sim_cluster_params *p)
     s->w = sim_mem_realloc_aligned(NULL, 0, (size_t)n_workers * sizeof(sworker), 64);
     memset(s->w, 0, (size_t)n_workers * sizeof(sworker));
     s->room = sim_mem_realloc_aligned(NULL, 0, (size_t)n_workers * sizeof(sroom), 64);
+    s->prog_inl = sim_mem_realloc_aligned(
+        NULL, 0, (size_t)n_workers * SIM_PROG_INLINE * sizeof(sprompt), 64);
+    s->fin_inl = sim_mem_realloc_aligned(
+        NULL, 0, (size_t)n_workers * SIM_FIN_STRIDE * sizeof(sim_heap_fin_entry), 64);
+    s->inc_inl = sim_mem_realloc_aligned(NULL, 0, (size_t)n_workers * SIM_INC_INLINE * sizeof(int),
+                                         64);
     memset(s->room, 0, (size_t)n_workers * sizeof(sroom));
     sim_heap_slot_init(&s->wev, n_workers);
     s->dec_list = sim_mem_realloc(NULL, (size_t)n_workers * sizeof(int));
@@ -721,6 +760,12 @@ sim_cluster *sim_cluster_new(const costmodel *cm, const sim_cluster_params *p)
         x->role_since_ms = -1e12; /* settled: the policy may move it at once */
         x->dec_pos = -1;
         x->fin_top = INT64_MAX;
+        x->prog.v = &s->prog_inl[(size_t)i * SIM_PROG_INLINE];
+        x->prog.cap = SIM_PROG_INLINE;
+        x->fin = (sim_heap_fin){.v = &s->fin_inl[(size_t)i * SIM_FIN_STRIDE],
+                                .cap = SIM_FIN_INLINE, .ext = 1};
+        x->incoming = (sim_ivec){.v = &s->inc_inl[(size_t)i * SIM_INC_INLINE],
+                                 .cap = SIM_INC_INLINE, .ext = 1};
         if (x->role == POLICY_ROLE_DECODE)
             sim_cluster_dec_list_add(s, i);
         else
@@ -735,12 +780,16 @@ void sim_cluster_destroy(sim_cluster **c)
     if (!s)
         return;
     for (int i = 0; i < s->n_workers; i++) {
-        free(s->w[i].prog.v);
+        if (s->w[i].prog.v != &s->prog_inl[(size_t)i * SIM_PROG_INLINE])
+            free(s->w[i].prog.v);
         sim_ivec_free(&s->w[i].incoming);
         sim_heap_fin_free(&s->w[i].fin);
     }
     free(s->w);
     free(s->room);
+    free(s->prog_inl);
+    free(s->fin_inl);
+    free(s->inc_inl);
     sim_heap_slot_free(&s->wev);
     free(s->dec_list);
     free(s->pin);

@@ -79,7 +79,7 @@ static void reserve(sim_cluster *s, int id, int w, double arrive_ms)
     sreq *r = &s->reqs[id];
     sim_cluster_hold(s, id, w);
     r->state = SIM_CLUSTER_RQ_XFER;
-    sim_heap_push(&s->ev, arrive_ms, SIM_CLUSTER_EV_XFER_DONE, id, r->epoch);
+    sim_heap_push_aux(&s->ev, arrive_ms, SIM_CLUSTER_EV_XFER_DONE, id, r->epoch, w);
 }
 
 void sim_cluster_unreserve(sim_cluster *s, int id)
@@ -288,6 +288,7 @@ void sim_cluster_on_step_done(sim_cluster *s, int w, uint32_t epoch)
     x->ctx_sum += x->running;
     int freed = 0;
     while (x->fin_top <= x->step) {
+        __builtin_prefetch(&s->reqs[x->fin.v[0].req], 1); /* while the heap sifts */
         sim_heap_fin_entry e = sim_heap_fin_pop(&x->fin);
         x->fin_top = x->fin.n > 0 ? x->fin.v[0].step : INT64_MAX;
         sreq *r = &s->reqs[e.req];

@@ -50,7 +50,8 @@ enum {
 /* One request: 64 bytes, one cache line (the array is aligned to 64), since touching a
  * request is most of what an event costs at 10,000 workers. */
 typedef struct {
-    double arrival_ms, first_ms; /* first_ms < 0: no token yet */
+    _Alignas(64) double arrival_ms; /* (the alignment pads the record to the full line) */
+    double first_ms;                /* < 0: no token yet */
     int64_t s0;                  /* worker step when it joined the batch */
     int prompt, out;             /* tokens */
     int gen;                     /* tokens generated so far (the first included) */
@@ -60,21 +61,35 @@ typedef struct {
     int next_free;
     uint8_t offline, state;
 } sreq;
-_Static_assert(sizeof(sreq) <= 64, "a request fits one cache line");
+_Static_assert(sizeof(sreq) == 64, "a request is one cache line");
 
 /* A prompt being computed on a prefill worker, in chunks (prefill_worker/prefill_batch.c). */
 typedef struct {
     int id;          /* the request */
     int done;        /* its tokens (prompt + tokens so far) computed */
     int chunk;       /* its tokens in the running batch, 0 none */
+    int total;       /* tokens to compute: the request's prompt + gen (fixed meanwhile) */
+    int prompt;      /* the request's prompt */
+    int counted;     /* its prompt part is in sim_cluster.q_on_tokens */
     double start_ms; /* when its first chunk began (its KV transfer starts then) */
-} sprompt;
+} sprompt; /* the request's fields a chunk needs, copied: a chunk touches no request */
 
-/* A prefill worker's prompts being computed, in arrival order (a plain growable array). */
+/* A prefill worker's prompts being computed, in arrival order: a growable array that
+ * starts in the worker's SIM_PROG_INLINE entries of sim_cluster.prog_inl (one block for
+ * all workers, so the next event's prompts can be fetched from the worker's index alone),
+ * moved to an allocation of its own when it outgrows them. */
 typedef struct {
     sprompt *v;
     int n, cap;
 } sprompts;
+#define SIM_PROG_INLINE 8
+/* Likewise each decode worker's finish heap and incoming list start in blocks of their own
+ * (sim_cluster.fin_inl, .inc_inl: a worker's block found from its index). The finish
+ * blocks are SIM_FIN_INLINE entries apart plus one line, so that the roots of 10,000 heaps
+ * do not all fall in the same cache sets. */
+#define SIM_FIN_INLINE 256
+#define SIM_FIN_STRIDE (SIM_FIN_INLINE + 4)
+#define SIM_INC_INLINE 16
 
 /* A worker. The fields a decode step reads come first (one cache line); the KV room
  * placement looks at is apart, in sim_cluster.room, a compact array. */
@@ -154,6 +169,9 @@ struct sim_cluster {
      * q_on both kinds once dispatched (their decode room reserved). */
     sworker *w;
     sroom *room;
+    sprompt *prog_inl; /* (n_workers, SIM_PROG_INLINE): where each worker's prompts start */
+    sim_heap_fin_entry *fin_inl; /* (n_workers, SIM_FIN_STRIDE): finish heaps' first blocks */
+    int *inc_inl;                /* (n_workers, SIM_INC_INLINE): incoming lists' */
     sim_ideque q_on, q_off, q_gw, pend_on, pend_off;
     int64_t q_on_tokens;
     sim_ivec idle_prefill;

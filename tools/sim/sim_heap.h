@@ -30,6 +30,7 @@ typedef struct {
     int type;       /* EV_* of the simulator */
     int id;         /* worker or request, by type */
     uint32_t epoch; /* request epoch when the event was made (stale events are skipped) */
+    int aux;        /* the caller's (sim_heap_push_aux), else -1; in the padding */
 } sim_heap_event;
 
 typedef struct {
@@ -38,8 +39,11 @@ typedef struct {
     uint64_t next_seq; /* seq of the next push */
 } sim_heap;
 
-/* Add an event at t_ms with the next sequence number. */
+/* Add an event at t_ms with the next sequence number (aux -1). */
 void sim_heap_push(sim_heap *h, double t_ms, int type, int id, uint32_t epoch);
+
+/* sim_heap_push with the event's aux set (a hint for the caller: what it will touch). */
+void sim_heap_push_aux(sim_heap *h, double t_ms, int type, int id, uint32_t epoch, int aux);
 
 /* Remove the earliest event (smallest t_ms, then smallest seq) into *out. Returns 0, or -1
  * when the heap is empty (*out untouched). */
@@ -57,23 +61,40 @@ static inline int sim_heap_event_before(double a_t_ms, uint64_t a_seq, double b_
 
 // --- one event slot per worker
 
+/* A set slot in the heap: 16 bytes, so a node's four children share one cache line. key
+ * is seq << SIM_HEAP_SLOT_ID_BITS | id (seqs are unique, so it orders as seq does). */
 typedef struct {
-    sim_heap_event *v; /* (n_ids + 3): the heap of the set slots in v[3 .. 3 + n) */
-    int *pos;          /* (n_ids): where id's event is in the heap, -1 none */
+    double t_ms;
+    uint64_t key;
+} sim_heap_slot_node;
+#define SIM_HEAP_SLOT_ID_BITS 20 /* ids < 2^20; seqs < 2^44 (ASSERT) */
+
+/* What the heap keeps per id apart from its node. */
+typedef struct {
+    int pos;        /* where id's node is in the heap, -1 none */
+    int type;
+    uint32_t epoch;
+} sim_heap_slot_info;
+
+typedef struct {
+    sim_heap_slot_node *v;    /* (n_ids + 3): the heap of the set slots in v[3 .. 3 + n) */
+    sim_heap_slot_info *info; /* (n_ids) */
+    sim_heap_event top;       /* the earliest set slot's event, when n > 0 */
     int n, n_ids;
 } sim_heap_slot;
 
 /* The earliest set slot's event (borrowed until the next change), or NULL when none. */
 static inline const sim_heap_event *sim_heap_slot_top(const sim_heap_slot *h)
 {
-    return h->n ? &h->v[3] : NULL;
+    return h->n ? &h->top : NULL;
 }
 
-/* An empty heap for ids 0..n_ids-1 (n_ids >= 0). */
+/* An empty heap for ids 0..n_ids-1 (0 <= n_ids < 2^SIM_HEAP_SLOT_ID_BITS). */
 void sim_heap_slot_init(sim_heap_slot *h, int n_ids);
 
 /* Set id's event to (t_ms, seq, type, epoch), replacing the one it had if any. seq comes
- * from the caller (sim_heap.next_seq, so that both heaps order by one count). Returns the
+ * from the caller (sim_heap.next_seq, so that both heaps order by one count; < 2^44,
+ * ASSERT). Returns the
  * type of the event replaced, or 0 when id had none. */
 int sim_heap_slot_set(sim_heap_slot *h, int id, double t_ms, uint64_t seq, int type,
                       uint32_t epoch);
@@ -96,6 +117,8 @@ typedef struct {
 typedef struct {
     sim_heap_fin_entry *v;
     int n, cap;
+    int ext; /* v is a buffer the caller lent (cap entries): copied out when outgrown, never
+              * freed here */
 } sim_heap_fin;
 
 /* Add e. */

@@ -14,7 +14,9 @@ void *sim_mem_realloc(void *p, size_t n);
 
 /* Like sim_mem_realloc, the result aligned to align bytes (a power of two, a multiple of
  * sizeof(void *)): p (NULL, or a result of this call) holds old_n bytes, which are
- * copied (min(old_n, n)), and is freed. The result is the caller's (free()). */
+ * copied (min(old_n, n)), and is freed. The result is the caller's (free()). Blocks of
+ * 2 MB or more are aligned to 2 MB and advised to use transparent huge pages (fewer TLB
+ * misses for arrays touched at random). */
 void *sim_mem_realloc_aligned(void *p, size_t old_n, size_t n, size_t align);
 
 #endif
