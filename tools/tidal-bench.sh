@@ -43,6 +43,8 @@
 #   TIDAL_ARGS="--tidal-min-role-s 3 --smooth-s 2 --tidal-max-changes 4 --tidal-min-per-role 2
 #               --stats-window-s 5"
 #   PREFILL_TOK_S= (the policy's prefill capacity; default: tidepool-sim's cost-model figure)
+#   DECODE_TOK_S= (the policy's decode token capacity, --decode-tokens-per-s; default:
+#     tidepool-sim's cost-model figure, as the simulator's policy has it; 0: unknown)
 #   OFFLINE=1  OFFLINE_LINES=400  OFFLINE_WORDS=8  OFFLINE_TOKENS=60  OFFLINE_WAIT_S=600 (aging)
 #   SIM1000=1  KEEP=0 (1: keep the run directories)  MODEL=build/models/stories260K.gguf
 #   TRACE= (a trace file; empty: the phase-shift workload above)  OFFLINE_TIMEOUT_S=3600
@@ -80,6 +82,7 @@ SHORT_LEN=${SHORT_LEN:-8}
 SLO=${SLO:-ttft:5000,tpot:500}
 TIDAL_ARGS=${TIDAL_ARGS:-"--tidal-min-role-s 3 --smooth-s 2 --tidal-max-changes 4 --tidal-min-per-role 2 --stats-window-s 5"}
 PREFILL_TOK_S=${PREFILL_TOK_S:-}
+DECODE_TOK_S=${DECODE_TOK_S:-}
 OFFLINE=${OFFLINE:-1}
 OFFLINE_LINES=${OFFLINE_LINES:-400}
 OFFLINE_WORDS=${OFFLINE_WORDS:-8}
@@ -392,16 +395,23 @@ SIM_ARGS=(--workers 8 --preset "$PRESET" --max-seqs "$MAX_SEQS" --max-batch-toke
           --min-role-s "$(tidal_arg --tidal-min-role-s 30)" --smooth-s "$(tidal_arg --smooth-s 5)"
           --max-changes "$(tidal_arg --tidal-max-changes 2)"
           --min-per-role "$(tidal_arg --tidal-min-per-role 1)")
-if [ -z "$PREFILL_TOK_S" ]; then
-    [ -n "$SIM_TRACE" ] || { echo "tidal-bench: set PREFILL_TOK_S when SPLITS is empty" >&2; exit 2; }
-    PREFILL_TOK_S=$("$BIN/tidepool-sim" "${SIM_ARGS[@]}" --trace "$SIM_TRACE" --policy static:2 2>/dev/null |
-        sed -n 's/.*capacity estimates per worker: prefill \([0-9]*\) tok\/s.*/\1/p')
+if [ -z "$PREFILL_TOK_S" ] || [ -z "$DECODE_TOK_S" ]; then
+    [ -n "$SIM_TRACE" ] || { echo "tidal-bench: set PREFILL_TOK_S and DECODE_TOK_S when SPLITS is empty" >&2; exit 2; }
+    # "capacity estimates per worker: prefill P tok/s, decode S seqs, D tok/s"
+    CAP_LINE=$("$BIN/tidepool-sim" "${SIM_ARGS[@]}" --trace "$SIM_TRACE" --policy static:2 2>/dev/null |
+        grep 'capacity estimates per worker' || true)
+    [ -n "$PREFILL_TOK_S" ] ||
+        PREFILL_TOK_S=$(sed -n 's/.*capacity estimates per worker: prefill \([0-9]*\) tok\/s.*/\1/p' <<<"$CAP_LINE")
+    [ -n "$DECODE_TOK_S" ] ||
+        DECODE_TOK_S=$(sed -n 's/.*, decode [0-9]* seqs, \([0-9]*\) tok\/s.*/\1/p' <<<"$CAP_LINE")
 fi
+# the policy's capacity figures, the simulator's (its policy gets the same)
+POLICY_CAP=(--prefill-tokens-per-s "$PREFILL_TOK_S" --decode-tokens-per-s "${DECODE_TOK_S:-0}")
 # shellcheck disable=SC2086  # TIDAL_ARGS is a list of flags
 {
-    echo "tidal-bench: tidal from $TIDAL_START (policy prefill capacity $PREFILL_TOK_S tok/s per worker) ..." >&2
+    echo "tidal-bench: tidal from $TIDAL_START (policy capacity per worker: prefill $PREFILL_TOK_S tok/s, decode ${DECODE_TOK_S:-0} tok/s) ..." >&2
     run_one tidal "${TIDAL_START%%:*}" "${TIDAL_START##*:}" 0 --tidal $TIDAL_ARGS \
-        --prefill-tokens-per-s "$PREFILL_TOK_S"
+        "${POLICY_CAP[@]}"
     CONFIGS+=(tidal)
     [ -n "$SIM_TRACE" ] || SIM_TRACE=$OUT/tidal/trace.csv
     if [ "$OFFLINE" = 1 ] && [ -n "$TRACE" ] && ((N_OFFLINE > 0)); then
@@ -409,18 +419,18 @@ fi
         # alone for as long: the cluster's capacity for it
         echo "tidal-bench: tidal + the trace's $N_OFFLINE offline lines as a Batch API job ..." >&2
         run_one tidal-offline "${TIDAL_START%%:*}" "${TIDAL_START##*:}" 1 --tidal $TIDAL_ARGS \
-            --prefill-tokens-per-s "$PREFILL_TOK_S" --offline-max-wait-s "$OFFLINE_WAIT_S"
+            "${POLICY_CAP[@]}" --offline-max-wait-s "$OFFLINE_WAIT_S"
         echo "tidal-bench: tidal, the Batch API job alone ..." >&2
         RUN_TRACE=none
         RUN_LIMIT_S=$(python3 -c "print(int($DURATION + 1))")
         run_one offline-only "${TIDAL_START%%:*}" "${TIDAL_START##*:}" 1 --tidal $TIDAL_ARGS \
-            --prefill-tokens-per-s "$PREFILL_TOK_S" --offline-max-wait-s "$OFFLINE_WAIT_S"
+            "${POLICY_CAP[@]}" --offline-max-wait-s "$OFFLINE_WAIT_S"
         RUN_TRACE=$OUT/online.csv
         RUN_LIMIT_S=""
     elif [ "$OFFLINE" = 1 ] && [ -z "$TRACE" ]; then
         echo "tidal-bench: tidal + a Batch API job of $OFFLINE_LINES offline requests ..." >&2
         run_one tidal-offline "${TIDAL_START%%:*}" "${TIDAL_START##*:}" 1 --tidal $TIDAL_ARGS \
-            --prefill-tokens-per-s "$PREFILL_TOK_S" --offline-max-wait-s "$OFFLINE_WAIT_S"
+            "${POLICY_CAP[@]}" --offline-max-wait-s "$OFFLINE_WAIT_S"
     fi
 }
 # How a decode worker left decode in the tidal run: migrated its sequences, or drained them
@@ -445,7 +455,7 @@ fi
 
 echo "tidal-bench: EMULATED cluster of 8 workers ($PRESET, max-seqs $MAX_SEQS, max-batch-tokens" \
     "$MAX_BATCH_TOKENS; nice $NICE; KV padding $KV_PAD_ARG); $WORKLOAD; SLO $SLO; seed $SEED; tidal: $TIDAL_ARGS" \
-    "--prefill-tokens-per-s $PREFILL_TOK_S"
+    "${POLICY_CAP[*]}"
 OFFLINE_WAIT_S=$OFFLINE_WAIT_S TRACE=$TRACE DURATION=$DURATION BIN_S=$BIN_S WARM_S=$WARM_S \
     TIE_PCT=$TIE_PCT python3 - "$OUT" "$TTFT_SLO" "$TPOT_SLO" "$SIM1000" "$OFFLINE" \
     "$((SECONDS - T_START))" \
