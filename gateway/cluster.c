@@ -238,6 +238,10 @@ void cluster_req_end_finish(cluster_t *c, req_t *r, int reason, int cancel)
     cluster_req_unlink(c, r);
     log_rdebug(r->rid, "finished (%s) after %d tokens",
                reason == PROTO_FINISH_STOP ? "stop" : "length", r->n_gen);
+    if (!r->offline) { /* the tidal policy's decode token term (cluster_policy_tick) */
+        c->online_done++;
+        c->online_output_tokens += r->n_gen;
+    }
     r->cb->on_finish(r->ud, reason);
     req_free(r);
 }
@@ -859,8 +863,10 @@ cluster_status_t cluster_submit(cluster_t *c, const cluster_job *job, void *ud, 
     rlist_t *q = qlist(c, r);
     list_push(q, r, 0);
     *rid = r->rid;
-    if (!r->offline)
+    if (!r->offline) {
         c->online_prompt_tokens += r->n_prompt;
+        c->online_arrived++;
+    }
     /* Start at once when nobody is ahead, so a burst does not fill the queue with
      * requests that have somewhere to go; only a request that must wait counts against
      * max_queue. An offline request also needs an empty online queue and an offline slot. */

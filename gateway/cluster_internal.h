@@ -185,6 +185,9 @@ struct cluster {
     int pworkers_cap;
     int64_t last_policy_us;
     int64_t online_prompt_tokens; /* online prompt tokens ever admitted */
+    int64_t online_arrived;       /* online requests ever admitted */
+    int64_t online_done;          /* online requests that finished (not failed) ... */
+    int64_t online_output_tokens; /* ... and the tokens they generated */
     int offline_max_running;
     uint64_t n_preempted;
     int policy_failed; /* logged once */

@@ -103,6 +103,9 @@ void cluster_policy_tick(cluster_t *c, int64_t now)
     if (c->p.tidal && c->lat_fn)
         c->lat_fn(c->lat_ud, now, &cl->ttft_p90_ms, &cl->tpot_p90_ms);
     cl->prompt_tokens_arrived = c->online_prompt_tokens;
+    cl->online_arrived = c->online_arrived;
+    cl->online_done = c->online_done;
+    cl->output_tokens_done = c->online_output_tokens;
     cl->offline_queued = c->oqueue.n;
     cl->offline_running = c->n_off_running;
     int64_t oldest = now;

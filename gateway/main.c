@@ -51,7 +51,7 @@ static char *opt_routing;
 static double opt_routing_load_weight;
 static long long opt_batch_max_file_bytes, opt_batch_max_lines, opt_batch_max_inflight;
 static double opt_offline_max_wait_s, opt_offline_target, opt_preempt_pressure, opt_smooth_s,
-    opt_ttft_slo_ms, opt_tpot_slo_ms, opt_prefill_tok_s;
+    opt_ttft_slo_ms, opt_tpot_slo_ms, opt_prefill_tok_s, opt_decode_tok_s;
 /* API keys */
 static config_strings opt_api_keys, opt_admin_api_keys;
 static char *opt_api_key_file;
@@ -139,6 +139,10 @@ static const config_entry_t settings[] = {
     {"prefill-tokens-per-s", CONFIG_DOUBLE, &opt_prefill_tok_s, "10000", 1, 1e9,
      "tidal policy: prompt tokens one prefill worker computes per second, its prefill "
      "capacity estimate (emulated workers: tidepool-sim prints the cost model's)"},
+    {"decode-tokens-per-s", CONFIG_DOUBLE, &opt_decode_tok_s, "0", 0, 1e9,
+     "tidal policy: output tokens one decode worker emits per second at full batch within "
+     "the TPOT SLO, its decode token capacity (0 = unknown: decode load from the sequence "
+     "count alone; emulated workers: tidepool-sim prints the cost model's)"},
     {"tidal", CONFIG_BOOL, &opt_tidal, "false", 0, 0,
      "apply the tidal policy's role changes (live: a prefill worker finishes its batch, a "
      "decode worker migrates its running sequences to other decode workers; "
@@ -478,6 +482,7 @@ int main(int argc, char **argv)
     cp.policy.ttft_slo_ms = opt_ttft_slo_ms;
     cp.policy.tpot_slo_ms = opt_tpot_slo_ms;
     cp.policy.prefill_tokens_per_s = opt_prefill_tok_s;
+    cp.policy.decode_tokens_per_s = opt_decode_tok_s;
     cp.policy.min_role_ms = (int64_t)(opt_tidal_min_role_s * 1000);
     cp.policy.max_changes = (int)opt_tidal_max_changes;
     cp.policy.min_per_role = (int)opt_tidal_min_per_role;

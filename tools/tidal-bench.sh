@@ -43,6 +43,8 @@
 #   TIDAL_ARGS="--tidal-min-role-s 3 --smooth-s 2 --tidal-max-changes 4 --tidal-min-per-role 2
 #               --stats-window-s 5"
 #   PREFILL_TOK_S= (the policy's prefill capacity; default: tidepool-sim's cost-model figure)
+#   DECODE_TOK_S= (the policy's decode token capacity, --decode-tokens-per-s; default:
+#     tidepool-sim's cost-model figure, as the simulator's policy has it; 0: unknown)
 #   OFFLINE=1  OFFLINE_LINES=400  OFFLINE_WORDS=8  OFFLINE_TOKENS=60  OFFLINE_WAIT_S=600 (aging)
 #   SIM1000=1  KEEP=0 (1: keep the run directories)  MODEL=build/models/stories260K.gguf
 #   TRACE= (a trace file; empty: the phase-shift workload above)  OFFLINE_TIMEOUT_S=3600
@@ -56,6 +58,11 @@
 #   KV_PAD=0: the workers' --emulate-kv-pad (1: every KV transfer padded to the emulated
 #     model's 131072 bytes per token, real bytes over loopback: at 30 req/s that is hundreds
 #     of MB/s, seconds per transfer on this host, where the emulated link takes milliseconds)
+#   PREFIX_CACHE=0: the workers' --prefix-cache (0: off, as the simulator, which models no
+#     prefix cache; the trace's prompts are token runs at random offsets of one token
+#     pool (2,048 words or more), so some share leading blocks by chance: with it on, 5.6-6.6 %
+#     of the prompt tokens of azure-conv at 100 % hit (more with more prefill workers),
+#     3.6-3.9 % of azure-code's: prefill capacity the simulator does not have)
 #   TIE_PCT=2: two emulated runs whose goodputs differ by less than this many percent (of
 #     the larger) are a tie (the noise of one run on a shared host); the simulator's ties are
 #     exact (it is deterministic)
@@ -80,6 +87,7 @@ SHORT_LEN=${SHORT_LEN:-8}
 SLO=${SLO:-ttft:5000,tpot:500}
 TIDAL_ARGS=${TIDAL_ARGS:-"--tidal-min-role-s 3 --smooth-s 2 --tidal-max-changes 4 --tidal-min-per-role 2 --stats-window-s 5"}
 PREFILL_TOK_S=${PREFILL_TOK_S:-}
+DECODE_TOK_S=${DECODE_TOK_S:-}
 OFFLINE=${OFFLINE:-1}
 OFFLINE_LINES=${OFFLINE_LINES:-400}
 OFFLINE_WORDS=${OFFLINE_WORDS:-8}
@@ -97,6 +105,9 @@ TIE_PCT=${TIE_PCT:-2}
 KV_PAD=${KV_PAD:-0}
 KV_PAD_ARG=false
 [ "$KV_PAD" = 1 ] && KV_PAD_ARG=true
+PREFIX_CACHE=${PREFIX_CACHE:-0}
+PREFIX_CACHE_ARG=false
+[ "$PREFIX_CACHE" = 1 ] && PREFIX_CACHE_ARG=true
 if [ "$NICE" != 0 ]; then
     renice -n "$NICE" -p $$ >/dev/null ||
         { echo "tidal-bench: renice -n $NICE failed (NICE=0 to run at the default)" >&2; exit 2; }
@@ -219,7 +230,7 @@ run_one() {
         # settings the simulator is given too
         "$BIN/prefill_worker" --role "$role" --gateway "$ctl" --model "$MODEL" \
             --worker-id "w$i" --kv-bind "tcp://127.0.0.1:$(free_port)" --emulate "$PRESET" \
-            --emulate-kv-pad "$KV_PAD_ARG" --threads 1 --max-seqs "$MAX_SEQS" \
+            --emulate-kv-pad "$KV_PAD_ARG" --prefix-cache "$PREFIX_CACHE_ARG" --threads 1 --max-seqs "$MAX_SEQS" \
             --max-batch-tokens "$MAX_BATCH_TOKENS" \
             --heartbeat-ms 200 --log-level warn >"$dir/w$i.log" 2>&1 &
         PIDS+=($!)
@@ -392,16 +403,23 @@ SIM_ARGS=(--workers 8 --preset "$PRESET" --max-seqs "$MAX_SEQS" --max-batch-toke
           --min-role-s "$(tidal_arg --tidal-min-role-s 30)" --smooth-s "$(tidal_arg --smooth-s 5)"
           --max-changes "$(tidal_arg --tidal-max-changes 2)"
           --min-per-role "$(tidal_arg --tidal-min-per-role 1)")
-if [ -z "$PREFILL_TOK_S" ]; then
-    [ -n "$SIM_TRACE" ] || { echo "tidal-bench: set PREFILL_TOK_S when SPLITS is empty" >&2; exit 2; }
-    PREFILL_TOK_S=$("$BIN/tidepool-sim" "${SIM_ARGS[@]}" --trace "$SIM_TRACE" --policy static:2 2>/dev/null |
-        sed -n 's/.*capacity estimates per worker: prefill \([0-9]*\) tok\/s.*/\1/p')
+if [ -z "$PREFILL_TOK_S" ] || [ -z "$DECODE_TOK_S" ]; then
+    [ -n "$SIM_TRACE" ] || { echo "tidal-bench: set PREFILL_TOK_S and DECODE_TOK_S when SPLITS is empty" >&2; exit 2; }
+    # "capacity estimates per worker: prefill P tok/s, decode S seqs, D tok/s"
+    CAP_LINE=$("$BIN/tidepool-sim" "${SIM_ARGS[@]}" --trace "$SIM_TRACE" --policy static:2 2>/dev/null |
+        grep 'capacity estimates per worker' || true)
+    [ -n "$PREFILL_TOK_S" ] ||
+        PREFILL_TOK_S=$(sed -n 's/.*capacity estimates per worker: prefill \([0-9]*\) tok\/s.*/\1/p' <<<"$CAP_LINE")
+    [ -n "$DECODE_TOK_S" ] ||
+        DECODE_TOK_S=$(sed -n 's/.*, decode [0-9]* seqs, \([0-9]*\) tok\/s.*/\1/p' <<<"$CAP_LINE")
 fi
+# the policy's capacity figures, the simulator's (its policy gets the same)
+POLICY_CAP=(--prefill-tokens-per-s "$PREFILL_TOK_S" --decode-tokens-per-s "${DECODE_TOK_S:-0}")
 # shellcheck disable=SC2086  # TIDAL_ARGS is a list of flags
 {
-    echo "tidal-bench: tidal from $TIDAL_START (policy prefill capacity $PREFILL_TOK_S tok/s per worker) ..." >&2
+    echo "tidal-bench: tidal from $TIDAL_START (policy capacity per worker: prefill $PREFILL_TOK_S tok/s, decode ${DECODE_TOK_S:-0} tok/s) ..." >&2
     run_one tidal "${TIDAL_START%%:*}" "${TIDAL_START##*:}" 0 --tidal $TIDAL_ARGS \
-        --prefill-tokens-per-s "$PREFILL_TOK_S"
+        "${POLICY_CAP[@]}"
     CONFIGS+=(tidal)
     [ -n "$SIM_TRACE" ] || SIM_TRACE=$OUT/tidal/trace.csv
     if [ "$OFFLINE" = 1 ] && [ -n "$TRACE" ] && ((N_OFFLINE > 0)); then
@@ -409,18 +427,18 @@ fi
         # alone for as long: the cluster's capacity for it
         echo "tidal-bench: tidal + the trace's $N_OFFLINE offline lines as a Batch API job ..." >&2
         run_one tidal-offline "${TIDAL_START%%:*}" "${TIDAL_START##*:}" 1 --tidal $TIDAL_ARGS \
-            --prefill-tokens-per-s "$PREFILL_TOK_S" --offline-max-wait-s "$OFFLINE_WAIT_S"
+            "${POLICY_CAP[@]}" --offline-max-wait-s "$OFFLINE_WAIT_S"
         echo "tidal-bench: tidal, the Batch API job alone ..." >&2
         RUN_TRACE=none
         RUN_LIMIT_S=$(python3 -c "print(int($DURATION + 1))")
         run_one offline-only "${TIDAL_START%%:*}" "${TIDAL_START##*:}" 1 --tidal $TIDAL_ARGS \
-            --prefill-tokens-per-s "$PREFILL_TOK_S" --offline-max-wait-s "$OFFLINE_WAIT_S"
+            "${POLICY_CAP[@]}" --offline-max-wait-s "$OFFLINE_WAIT_S"
         RUN_TRACE=$OUT/online.csv
         RUN_LIMIT_S=""
     elif [ "$OFFLINE" = 1 ] && [ -z "$TRACE" ]; then
         echo "tidal-bench: tidal + a Batch API job of $OFFLINE_LINES offline requests ..." >&2
         run_one tidal-offline "${TIDAL_START%%:*}" "${TIDAL_START##*:}" 1 --tidal $TIDAL_ARGS \
-            --prefill-tokens-per-s "$PREFILL_TOK_S" --offline-max-wait-s "$OFFLINE_WAIT_S"
+            "${POLICY_CAP[@]}" --offline-max-wait-s "$OFFLINE_WAIT_S"
     fi
 }
 # How a decode worker left decode in the tidal run: migrated its sequences, or drained them
@@ -444,8 +462,8 @@ if [ "$SIM1000" = 1 ]; then
 fi
 
 echo "tidal-bench: EMULATED cluster of 8 workers ($PRESET, max-seqs $MAX_SEQS, max-batch-tokens" \
-    "$MAX_BATCH_TOKENS; nice $NICE; KV padding $KV_PAD_ARG); $WORKLOAD; SLO $SLO; seed $SEED; tidal: $TIDAL_ARGS" \
-    "--prefill-tokens-per-s $PREFILL_TOK_S"
+    "$MAX_BATCH_TOKENS; nice $NICE; KV padding $KV_PAD_ARG; prefix cache $PREFIX_CACHE_ARG); $WORKLOAD; SLO $SLO; seed $SEED; tidal: $TIDAL_ARGS" \
+    "${POLICY_CAP[*]}"
 OFFLINE_WAIT_S=$OFFLINE_WAIT_S TRACE=$TRACE DURATION=$DURATION BIN_S=$BIN_S WARM_S=$WARM_S \
     TIE_PCT=$TIE_PCT python3 - "$OUT" "$TTFT_SLO" "$TPOT_SLO" "$SIM1000" "$OFFLINE" \
     "$((SECONDS - T_START))" \

@@ -41,20 +41,23 @@ class GatewayFlags(unittest.TestCase):
         p = subprocess.run([os.path.join(BIN, "gateway"), "--help"], capture_output=True,
                            text=True, timeout=10)
         self.assertEqual(p.returncode, 0)
-        for flag in ("--prefill-tokens-per-s", "--tidal-min-per-role"):
+        for flag in ("--prefill-tokens-per-s", "--decode-tokens-per-s", "--tidal-min-per-role"):
             self.assertIn(flag, p.stdout)
         # --tidal's help says how roles change (docs/scheduler.md): migration, not draining
         tidal = next(l for l in p.stdout.splitlines() if l.split()[:1] == ["--tidal"])
         self.assertIn("migrates its running sequences", tidal)
         self.assertNotIn("draining", tidal)
-        for bad in (["--tidal-min-per-role", "0"], ["--prefill-tokens-per-s", "0"]):
+        for bad in (["--tidal-min-per-role", "0"], ["--prefill-tokens-per-s", "0"],
+                    ["--decode-tokens-per-s", "-1"]):
             p = subprocess.run([os.path.join(BIN, "gateway"), "--model", MODEL] + bad,
                                capture_output=True, text=True, timeout=10)
             self.assertEqual(p.returncode, 2, bad)
         with Cluster(gateway_args=["--tidal", "--prefill-tokens-per-s", "945",
+                                   "--decode-tokens-per-s", "369",
                                    "--tidal-min-per-role", "2"]) as c:
             log = c.log("gateway")
             self.assertIn("prefill-tokens-per-s = 945", log)
+            self.assertIn("decode-tokens-per-s = 369", log)
             self.assertIn("tidal-min-per-role = 2", log)
             # one worker of each role: min_per_role 2 only means the policy moves nothing
             self.assertEqual(c.complete("Once upon a time", max_tokens=48)[0], 200)
@@ -75,8 +78,11 @@ class Script(unittest.TestCase):
                      "'=': within 3 %", "pairs (EMULATED vs SIMULATED): static 4:4 ",
                      "the emulated and simulated rankings of the configurations run here: ",
                      ">= 0.99x: ", "OFFLINE (EMULATED", "without offline", "with offline",
-                     "KV padding false", "a100-llama3-8b:dilate=10:token-scale=0.1"):
+                     "KV padding false", "prefix cache false",
+                     "a100-llama3-8b:dilate=10:token-scale=0.1"):
             self.assertIn(want, out)
+        # the gateway's policy gets the simulator's capacity figures, decode's token rate too
+        self.assertRegex(out, r"--prefill-tokens-per-s [1-9]\d* --decode-tokens-per-s [1-9]\d*")
         # run as root the cluster is niced above everything else (NICE=-10 by default)
         self.assertIn("nice %d" % (-10 if os.geteuid() == 0 else 0), out)
         row = next(l for l in out.splitlines() if l.startswith("tidal "))

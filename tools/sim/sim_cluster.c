@@ -428,8 +428,10 @@ static void on_tick(sim_cluster *s)
     if (s->reserve_dispatch) {
         /* What tidepool's gateway reports: prompts are queued at the prefill workers (their
          * tokens come with heartbeats, not their wait), and requests waiting at the gateway
-         * wait for decode room, so they count as decoding. */
-        c->online_decoding = s->online_decoding + (int)s->q_gw.n;
+         * wait for decode room, so they count as decoding; so does every dispatched request
+         * from dispatch on, its prefill not yet done included (it holds its decode slot:
+         * gateway/cluster_tidal.c counts the whole active list). */
+        c->online_decoding = s->online_running + (int)s->q_gw.n;
     } else {
         c->oldest_wait_ms =
             s->q_on.n ? (int64_t)(s->now - s->reqs[sim_ideque_front(&s->q_on)].arrival_ms) : 0;

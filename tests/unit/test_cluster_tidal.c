@@ -1,0 +1,118 @@
+/*
+ * test_cluster_tidal: what the gateway feeds the tidal policy (gateway/cluster_tidal.c,
+ * docs/scheduler.md "How the gateway feeds the policy"). The online request counters the
+ * decode token term and the capacity moves' standard error need (online_arrived,
+ * online_done, output_tokens_done) are counted where a request is admitted and where it
+ * finishes, online requests only, and reach policy_decide on every tick, as tidepool-sim
+ * feeds them: before, the gateway left them 0, so its policy never saw an arrival rate.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "cluster_internal.h"
+#include "policy.h"
+
+static int n_finished;
+
+static void on_finish(void *ud, int reason)
+{
+    (void)ud;
+    (void)reason;
+    n_finished++;
+}
+
+static const cluster_callbacks CB = {.on_finish = on_finish};
+
+static cluster_t *new_cluster(void)
+{
+    cluster_t *c = calloc(1, sizeof(*c));
+    assert_non_null(c);
+    c->p.policy = policy_default_params();
+    c->p.tidal = 1;
+    policy_state_init(&c->pstate);
+    return c;
+}
+
+/* An online (or offline) request that ran and generated n_gen tokens, on the active list. */
+static req_t *running_req(cluster_t *c, uint64_t rid, int offline, int n_gen)
+{
+    req_t *r = calloc(1, sizeof(*r));
+    assert_non_null(r);
+    r->rid = rid;
+    r->offline = offline;
+    r->n_prompt = 100;
+    r->n_gen = n_gen;
+    r->max_tokens = n_gen;
+    r->cb = &CB;
+    list_push(&c->active, r, 0);
+    if (offline)
+        c->n_off_running++;
+    return r;
+}
+
+/* Finishing counts online requests and their tokens; offline ones are not counted. */
+static void test_finish_counts_online_output(void **state)
+{
+    (void)state;
+    cluster_t *c = new_cluster();
+    n_finished = 0;
+    cluster_req_end_finish(c, running_req(c, 1, 0, 7), PROTO_FINISH_LENGTH, 0);
+    cluster_req_end_finish(c, running_req(c, 2, 1, 50), PROTO_FINISH_LENGTH, 0);
+    cluster_req_end_finish(c, running_req(c, 3, 0, 13), PROTO_FINISH_STOP, 0);
+    assert_int_equal(n_finished, 3);
+    assert_int_equal(c->online_done, 2);
+    assert_int_equal(c->online_output_tokens, 20);
+    assert_int_equal(c->n_off_running, 0);
+    assert_null(c->active.head);
+    free(c);
+}
+
+/* Each tick hands the counters to the policy: its state follows them (the rates it
+ * derives are differences of these between calls). */
+static void test_tick_feeds_the_counters(void **state)
+{
+    (void)state;
+    cluster_t *c = new_cluster();
+    c->online_prompt_tokens = 4000;
+    c->online_arrived = 31;
+    c->online_done = 12;
+    c->online_output_tokens = 240;
+    cluster_policy_tick(c, 1000000);
+    assert_int_equal(c->pstate.n_calls, 1);
+    assert_int_equal(c->pstate.last_prompt_tokens, 4000);
+    assert_int_equal(c->pstate.first_arrived, 31);
+    assert_int_equal(c->pstate.last_arrived, 31);
+    assert_int_equal(c->pstate.last_done, 12);
+    assert_int_equal(c->pstate.last_output_tokens, 240);
+    /* one second later: 31 more requests, 10 more ended with 200 tokens */
+    c->online_prompt_tokens = 8000;
+    c->online_arrived = 62;
+    c->online_done = 22;
+    c->online_output_tokens = 440;
+    cluster_policy_tick(c, 2000000);
+    assert_int_equal(c->pstate.n_calls, 2);
+    assert_int_equal(c->pstate.last_arrived, 62);
+    assert_int_equal(c->pstate.last_done, 22);
+    assert_int_equal(c->pstate.last_output_tokens, 440);
+    /* the first rate sample seeds the rate (running mean): 31 req/s, 4000 tok/s */
+    assert_true(c->pstate.sig.arrival_rate > 30.999 && c->pstate.sig.arrival_rate < 31.001);
+    assert_true(c->pstate.sig.prompt_rate > 3999.9 && c->pstate.sig.prompt_rate < 4000.1);
+    assert_true(c->pstate.sig.out_per_req > 19.999 && c->pstate.sig.out_per_req < 20.001);
+    free(c->pworkers);
+    free(c);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_finish_counts_online_output),
+        cmocka_unit_test(test_tick_feeds_the_counters),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
