@@ -2,9 +2,9 @@
  * bench_engine: throughput of the engine's forward pass, in-process, per model file.
  *
  *   bench_engine [--threads N] [--kernel auto|exact|fast] [--isa scalar|avx2|avx512]
- *                [--quick | --tg | --pp [--pp-tokens N] | --batched | --roof]
+ *                [--quick | --tg | --pp [--pp-tokens N] | --batched | --roof | --verify]
  *                MODEL.gguf...
- *   bench_engine [--threads N] --kern
+ *   bench_engine [--threads N] [--isa avx2|avx512] --kern
  *
  * For each model: prefill of one 128-token prompt, and of four 128-token prompts in one
  * call (best of a few runs), and of one 512-token prompt (one run on the 1B-class models);
@@ -41,15 +41,21 @@
  * that run, the share of the machine it had), for the pp512 side by side; --pp-tokens N
  * (1..512): an N-token prompt instead (llama-bench's ppN).
  *
- * --kern: no model; the Q8_0 batch-1 kernel alone on ~300 MB random matrices (2048- and
- * 5632-wide rows), GGUF layout against the Q8X8 one loaded model matrices get (kernels.h),
- * with a streaming read of as many bytes, alternating, medians: GB/s and the fraction of
- * the read rate, the kernel's own roofline without the rest of a forward pass; T = 3 on
- * the same matrices (the MTP verify shape: time over the GGUF T = 1 time, and the Q8X8
- * T = 3 / T = 1 ratio); the same Q8X8 products on a 256 KB slice that stays in L2 (the
- * compute alone), with the CPU seconds of each run (robust to time slicing) over the
- * streamed T = 1 run's: T = 3's compute over T = 1's stream bounds the verify ratio from
- * below; and the prefill kernel (T = 64) in both layouts.
+ * --verify: the MTP verify shapes at batch 1 (bench_verify): passes of 1, 2 and 3 tokens
+ * at context 64, lines "verify MODEL ISA: 1 token MS ms; 2 tokens xR2, 3 tokens xR3 (CPU
+ * time ...)"; without --isa on an AVX-512 machine, avx2 and avx512 contexts of the same
+ * loaded model side by side, interleaved, and their time ratios.
+ *
+ * --kern: no model; the Q8_0 kernels alone (bench_kern) per instruction set (--isa X: X
+ * alone; else avx2 and avx512 side by side when the CPU has AVX-512) on ~300 MB random
+ * matrices (2048- and 5632-wide rows), GGUF layout against the Q8X8 one loaded model
+ * matrices get (kernels.h), with a streaming read of as many bytes, alternating, medians:
+ * T = 1 GB/s and the fraction of the read rate, the kernel's own roofline without the
+ * rest of a forward pass; T = 2, 3 on the same matrices (the MTP verify shapes) as time
+ * over the same kernel's T = 1; the Q8X8 products on a 256 KB slice that stays in L2 (the
+ * compute alone), with the CPU seconds of each run over the streamed T = 1 run's (the
+ * many short L2 runs include the pool's wake-ups and spins: an upper bound); and the
+ * batched and prefill shapes (T = 8, 16, 32, 64) in both layouts.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -698,6 +704,73 @@ static double bench_decode(bench *b, model_ctx_t *ctx, int B, int steps, double 
     return bench_decode_rb(b, ctx, B, steps, cores, NULL, NULL);
 }
 
+/* --verify: the MTP verify shapes at batch 1: one sequence at context CTX, a forward pass
+ * of 1, 2 and 3 tokens (logits of each, as specdec's verify), per context of ctxs[0..nc)
+ * (one per isa), all interleaved round by round, `rounds` rounds; prints per context the
+ * median 1-token pass (wall ms) and the 2- and 3-token passes over it (medians of the
+ * per-round ratios, wall and CPU seconds), and with two contexts the second's passes over
+ * the first's. 0, -1 when a pass fails. */
+static int bench_verify(bench *b, model_ctx_t *const *ctxs, const char *const *names, int nc,
+                        int rounds, const char *path)
+{
+    enum { MAXR = 64 };
+    int seq = kvcache_seq_new(b->kv);
+    if (seq < 0 || rounds > MAXR || kvcache_seq_reserve(b->kv, seq, CTX + 3) != KVCACHE_OK)
+        return -1;
+    for (int i = 0; i < CTX + 3; i++)
+        b->toks[i] = rand_tok(b->c->vocab_size);
+    model_seq_batch p = {seq, 0, CTX, b->toks, 0, b->logits, NULL, 0, NULL};
+    if (model_forward(ctxs[0], b->kv, &p, 1, NULL, NULL) != 0)
+        return -1;
+    double w[2][4][MAXR], c[2][4][MAXR];
+    for (int r = -1; r < rounds; r++) /* round -1: warm-up */
+        for (int k = 0; k < nc; k++)
+            for (int n = 1; n <= 3; n++) {
+                model_seq_batch v = {.seq = seq, .pos = CTX, .n_tokens = n,
+                                     .tokens = b->toks + CTX, .logits_all = 1,
+                                     .logits = b->logits};
+                double t0 = now_s(), c0 = cpu_s();
+                if (model_forward(ctxs[k], b->kv, &v, 1, NULL, NULL) != 0)
+                    return -1;
+                if (r >= 0) {
+                    w[k][n][r] = now_s() - t0;
+                    c[k][n][r] = cpu_s() - c0;
+                }
+            }
+    kvcache_seq_free(b->kv, seq);
+    double med[2][4], rw[2][4], rc[2][4], x[MAXR];
+    for (int k = 0; k < nc; k++)
+        for (int n = 1; n <= 3; n++) {
+            for (int r = 0; r < rounds; r++)
+                x[r] = w[k][n][r];
+            qsort(x, (size_t)rounds, sizeof(double), cmp_double);
+            med[k][n] = x[rounds / 2];
+            for (int r = 0; r < rounds; r++)
+                x[r] = w[k][n][r] / w[k][1][r];
+            qsort(x, (size_t)rounds, sizeof(double), cmp_double);
+            rw[k][n] = x[rounds / 2];
+            for (int r = 0; r < rounds; r++)
+                x[r] = c[k][n][r] / c[k][1][r];
+            qsort(x, (size_t)rounds, sizeof(double), cmp_double);
+            rc[k][n] = x[rounds / 2];
+        }
+    for (int k = 0; k < nc; k++)
+        printf("verify %s %s: 1 token %.2f ms; 2 tokens x%.3f, 3 tokens x%.3f (CPU time x%.3f, "
+               "x%.3f)\n",
+               path, names[k], med[k][1] * 1e3, rw[k][2], rw[k][3], rc[k][2], rc[k][3]);
+    if (nc == 2) {
+        printf("verify %s %s / %s time:", path, names[1], names[0]);
+        for (int n = 1; n <= 3; n++) {
+            for (int r = 0; r < rounds; r++)
+                x[r] = w[1][n][r] / w[0][n][r];
+            qsort(x, (size_t)rounds, sizeof(double), cmp_double);
+            printf(" %d token%s x%.3f", n, n > 1 ? "s" : "", x[rounds / 2]);
+        }
+        printf("\n");
+    }
+    return 0;
+}
+
 static const char *weight_type(const model_t *m, const model_config *c)
 {
     /* by bytes per weight of the matrices */
@@ -756,7 +829,7 @@ static int bench_tokenizer(const char *path, size_t n)
 static int usage(void)
 {
     fprintf(stderr, "usage: bench_engine [--threads N] [--kernel auto|exact|fast] "
-                    "[--isa scalar|avx2|avx512] [--quick | --tg | --pp | --batched | --roof] "
+                    "[--isa scalar|avx2|avx512] [--quick | --tg | --pp | --batched | --roof | --verify] "
                     "[--pp-tokens N] "
                     "MODEL.gguf... | --kern\n");
     return 2;
@@ -774,7 +847,7 @@ static int pick(const char *s, const char *const *names)
 int main(int argc, char **argv)
 {
     model_ctx_params cp = model_ctx_default_params();
-    int quick = 0, tg = 0, pp = 0, kern = 0, batched = 0, roof = 0, pp_len = PP_LONG;
+    int quick = 0, tg = 0, pp = 0, kern = 0, batched = 0, roof = 0, verify = 0, pp_len = PP_LONG;
     int first = 1;
     static const char *const kernels[] = {"auto", "exact", "fast", NULL};
     static const char *const isas[] = {"auto", "scalar", "avx2", "avx512", NULL};
@@ -796,6 +869,8 @@ int main(int argc, char **argv)
             kern = 1;
         } else if (strcmp(o, "--roof") == 0) {
             roof = 1;
+        } else if (strcmp(o, "--verify") == 0) {
+            verify = 1;
         } else if (strcmp(o, "--pp-tokens") == 0 && v) {
             char *end;
             errno = 0;
@@ -829,7 +904,7 @@ int main(int argc, char **argv)
             return usage();
         }
     }
-    if (quick + tg + pp + batched + kern + roof > 1 || (kern ? first < argc : first == argc))
+    if (quick + tg + pp + batched + kern + roof + verify > 1 || (kern ? first < argc : first == argc))
         return usage(); /* one mode; models, or --kern alone */
     if (kern) {
         /* --isa X: X alone (at most what the CPU has); else every SIMD isa it has */
@@ -888,6 +963,28 @@ int main(int argc, char **argv)
             } else {
                 printf("pp %s %.3f cores %.2f\n", argv[a], r, cores);
             }
+            goto next;
+        }
+        if (verify) {
+            /* --isa X: X alone; else avx2 and the best isa side by side when they differ */
+            model_ctx_t *ctxs[2] = {b.ctx, NULL};
+            const char *names[2] = {model_ctx_kernel_name(b.ctx), NULL};
+            int nc = 1;
+            if (cp.max_isa == MODEL_ISA_AUTO && kern_isa_detect() > KERN_ISA_AVX2) {
+                model_ctx_params p2 = cp;
+                p2.max_isa = MODEL_ISA_AVX2;
+                ctxs[0] = model_ctx_new_params(m, &p2);
+                ctxs[1] = b.ctx;
+                names[0] = kern_isa_name(KERN_ISA_AVX2);
+                names[1] = kern_isa_name(kern_isa_detect());
+                nc = ctxs[0] ? 2 : 0;
+            }
+            if (nc == 0 || bench_verify(&b, ctxs, names, nc, big ? 15 : 63, argv[a]) != 0) {
+                fprintf(stderr, "bench_engine: %s: forward pass failed\n", argv[a]);
+                rc = 1;
+            }
+            if (nc == 2)
+                model_ctx_destroy(&ctxs[0]);
             goto next;
         }
         if (roof) {
