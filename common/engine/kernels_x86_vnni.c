@@ -91,8 +91,8 @@ TILEV void tile_vnni(const int R, const int NT, const int PF, const uint8_t *g, 
                 const __m256i wv = _mm256_loadu_si256((const __m256i *)(q + 32 * r));
                 const __m256i sw = _mm256_mask_sub_epi8(wv, neg[t], zero, wv);
                 const __m256i p = _mm256_dpbusd_epi32(zero, ax[t], sw);
-                acc[r][t] =
-                    _mm256_fmadd_ps(_mm256_set1_ps(dr[8 * t + r]), _mm256_cvtepi32_ps(p), acc[r][t]);
+                acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(dr[8 * t + r]), _mm256_cvtepi32_ps(p),
+                                            acc[r][t]);
             }
         }
     }
@@ -133,8 +133,8 @@ TILEV void tile_z(const int NT, const int PF, const uint8_t *g, size_t so, const
                 (const __m256i *)(xs + (size_t)t * n + (size_t)b * KERN_Q8_BLOCK)));
             neg[t] = _mm512_movepi8_mask(xv);
             ax[t] = _mm512_abs_epi8(xv);
-            dd[t] = _mm512_castps256_ps512(
-                _mm256_mul_ps(dv, _mm256_set1_ps(xd[(size_t)t * nb + b])));
+            dd[t] =
+                _mm512_castps256_ps512(_mm256_mul_ps(dv, _mm256_set1_ps(xd[(size_t)t * nb + b])));
         }
         const uint8_t *q = g + so + (size_t)b * 256;
         if (PF) {

@@ -726,8 +726,11 @@ static int bench_verify(bench *b, model_ctx_t *const *ctxs, const char *const *n
     for (int r = -1; r < rounds; r++) /* round -1: warm-up */
         for (int k = 0; k < nc; k++)
             for (int n = 1; n <= 3; n++) {
-                model_seq_batch v = {.seq = seq, .pos = CTX, .n_tokens = n,
-                                     .tokens = b->toks + CTX, .logits_all = 1,
+                model_seq_batch v = {.seq = seq,
+                                     .pos = CTX,
+                                     .n_tokens = n,
+                                     .tokens = b->toks + CTX,
+                                     .logits_all = 1,
                                      .logits = b->logits};
                 double t0 = now_s(), c0 = cpu_s();
                 if (model_forward(ctxs[k], b->kv, &v, 1, NULL, NULL) != 0)
@@ -828,10 +831,11 @@ static int bench_tokenizer(const char *path, size_t n)
 
 static int usage(void)
 {
-    fprintf(stderr, "usage: bench_engine [--threads N] [--kernel auto|exact|fast] "
-                    "[--isa scalar|avx2|avx512] [--quick | --tg | --pp | --batched | --roof | --verify] "
-                    "[--pp-tokens N] "
-                    "MODEL.gguf... | --kern\n");
+    fprintf(stderr,
+            "usage: bench_engine [--threads N] [--kernel auto|exact|fast] "
+            "[--isa scalar|avx2|avx512] [--quick | --tg | --pp | --batched | --roof | --verify] "
+            "[--pp-tokens N] "
+            "MODEL.gguf... | --kern\n");
     return 2;
 }
 
@@ -904,7 +908,8 @@ int main(int argc, char **argv)
             return usage();
         }
     }
-    if (quick + tg + pp + batched + kern + roof + verify > 1 || (kern ? first < argc : first == argc))
+    if (quick + tg + pp + batched + kern + roof + verify > 1 ||
+        (kern ? first < argc : first == argc))
         return usage(); /* one mode; models, or --kern alone */
     if (kern) {
         /* --isa X: X alone (at most what the CPU has); else every SIMD isa it has */
