@@ -1,31 +1,35 @@
 /*
- * kernels_x86_vnni: the Q8_0 kernels of AVX-512 machines (kern_matmul's Q8_0 products at
- * KERN_ISA_AVX512) for matrices in the KERN_LAYOUT_Q8X8 form, with AVX-512 VNNI on
- * 256-bit registers (AVX512VL: 32 of them), bit-identical to kern_dot_q8_0 as every
+ * kernels_x86_vnni: the Q8_0 products of AVX-512 machines (kern_matmul at
+ * KERN_ISA_AVX512: kern_x86_matmul_q8_avx512), bit-identical to kern_dot_q8_0 as every
  * kernel is (kernels.h).
  *
- * One tile (tile_vnni) does R rows of an 8-row group x NT tokens over whole rows. Per
- * block step: the 8 rows' f16 scales in one load and conversion, times each token's
- * activation scale (d_w * d_x, the product the reference rounds) for all 8 rows at once;
- * each token's quants x, |x| and the mask of its negative bytes; per row and token the
- * weights negated where x is negative (one masked subtraction: w in [-127, 127] in Q8X8,
- * so no overflow), vpdpbusd(|x|, that) = the exact integer sums p[k] of the reference's 4
- * products per lane (unsigned x signed bytes, no saturation: 4 * 127 * 127 fits), and
- * acc[k] = fma(d_w * d_x, (float)p[k], acc[k]); then hsum8 as hsum8_ref. So per row,
- * token and block: 4 vector operations (AVX2: 5, the pair products and pair sums
- * separately), and with 32 registers an 8-row x 3-token tile keeps its 24 accumulators
- * in registers: the MTP verify shapes (T = 2, 3) read each weight once, from memory,
- * like batch 1. Prefill and batched decode (T >= 4) run each group under all tokens, 3
- * at a time, while it is in L1.
+ * Routing: KERN_LAYOUT_Q8X8 matrices (what a loaded model has) at T = 1 .. 3 (batch 1
+ * and the MTP verify shapes) run the VNNI tiles here; T >= 4 (batched decode, prefill)
+ * and GGUF-layout matrices the pair-interleaved AVX-512 path (kernels_x86.c
+ * kern_x86_matmul_avx512: from T = 8 1.8-4.4x the AVX2 kernels, and 1.6-1.9x this file's
+ * 8-row x 3-token ymm tile, measured), GGUF at T = 1 the AVX2 kernel.
  *
- * Batch 1 streams the weights: software prefetch PF_V bytes ahead along the group's
- * linear stream (as the AVX2 tile_q8x8). GGUF-layout matrices (no Q8X8 form) keep the
- * AVX2 kernel at T = 1 and the pair-interleaved AVX-512 one (kernels_x86.c) above.
+ * The VNNI tiles, per row, token and 32-element block: the weights negated where the
+ * activation quant x is negative (one masked subtraction: Q8X8 quants are in [-127, 127],
+ * so no overflow), vpdpbusd(|x|, that) = the reference's exact integer sums p[k] of 4
+ * products per lane (unsigned x signed bytes, no saturation: 4 * 127 * 127 fits), the
+ * conversion and acc[k] = fma(d_w * d_x, (float)p[k], acc[k]); hsum8 as hsum8_ref. The
+ * 8 rows' f16 scales come in one load and conversion per block and are multiplied by each
+ * token's d_x once (the product the reference rounds). tile_z (whole groups) puts rows 2k
+ * and 2k + 1 of a block in one 512-bit register (one 64-byte load; x broadcast to both
+ * halves; the two rows' d_w * d_x put in the halves by one permutation): 5 instructions
+ * per two rows and token where AVX2 needs 5 per row (the pair products and pair sums
+ * separately), and the 8-row x 3-token tile's 12 accumulators fit the 32 registers, so
+ * the verify pass reads each weight once, from memory, as batch 1 does. tile_vnni (1 row,
+ * 256-bit) takes the rows of groups cut by a row range. Batch 1 and verify stream the
+ * weights: software prefetch PF_V bytes ahead along the group's linear stream, as the
+ * AVX2 tile_q8x8 (1024 and 2048 measured alike in noise).
  *
- * Measured before these kernels on a 2-core AMD EPYC (Zen 4) with `bench_engine --kern`
- * (avx2 and avx512 side by side, alternating, medians): the pair-interleaved AVX-512 path
- * lost to the AVX2 Q8X8 token-by-token groups at T = 2, 3 (time over T = 1: 1.82 / 2.41
- * against 1.14 / 1.52 on 2048-wide rows) and won from T = 8 (1.8-4.4x).
+ * Measured on a 2-core AMD EPYC (Zen 4, shared, load average 7-12): L2-resident, one
+ * thread, CPU time, against the AVX2 Q8X8 kernels: T = 1 1.54x, T = 2 2.22x, T = 3 1.96x
+ * the rate; the 1B Q8_0 model's verify pass (`bench_engine --verify`) 3 tokens / 1 x1.12
+ * against x1.39 on AVX2. Before this file, the pair-interleaved path at T = 2, 3 lost to
+ * the AVX2 Q8X8 groups (time over T = 1: 1.82 / 2.41 against 1.14 / 1.52).
  */
 #include "kernels_internal.h"
 
