@@ -442,6 +442,10 @@ void kern_matmul(kern_isa isa, kern_order order, const kern_mat *w, const kern_a
         return;
     }
 #ifdef KERN_HAVE_X86
+    if (isa == KERN_ISA_AVX512 && q8) {
+        kern_x86_matmul_q8_avx512(w, a, r0, r1, out, scratch);
+        return;
+    }
     /* batch 1 is bound by memory bandwidth: the AVX2 kernels reach it */
     /* (the AVX-512 kernels pack activations into the scratch unless kern_pack_bind did:
      * without either, the AVX2 kernels, which need none, do the work) */

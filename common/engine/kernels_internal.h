@@ -58,6 +58,10 @@ void kern_x86_matmul_q8x8_avx2(const kern_mat *w, const kern_act *a, int r0, int
 /* AVX-512, T >= 2: F32/F16 (FAST) and Q8_0 (either layout); scratch: kern_scratch_floats(n) floats. */
 void kern_x86_matmul_avx512(const kern_mat *w, const kern_act *a, int r0, int r1, float *const *out,
                             float *scratch);
+/* AVX-512 (kernels_x86_vnni.c): Q8_0 products of rows [r0, r1), any T >= 1, either
+ * layout; scratch: kern_scratch_floats(n) floats. */
+void kern_x86_matmul_q8_avx512(const kern_mat *w, const kern_act *a, int r0, int r1,
+                               float *const *out, float *scratch);
 void kern_x86_quantize_act_avx2(const float *x, int T, int n, float *q_d, int8_t *q_s);
 /* Interleave nt <= PACK_T tokens in pairs (layouts in kernels_x86.c). */
 void kern_x86_pack_pairs_f32(const float *x, int n, int nt, float *xp);

@@ -2,9 +2,9 @@
  * bench_engine: throughput of the engine's forward pass, in-process, per model file.
  *
  *   bench_engine [--threads N] [--kernel auto|exact|fast] [--isa scalar|avx2|avx512]
- *                [--quick | --tg | --pp [--pp-tokens N] | --batched | --roof]
+ *                [--quick | --tg | --pp [--pp-tokens N] | --batched | --roof | --verify]
  *                MODEL.gguf...
- *   bench_engine [--threads N] --kern
+ *   bench_engine [--threads N] [--isa avx2|avx512] --kern
  *
  * For each model: prefill of one 128-token prompt, and of four 128-token prompts in one
  * call (best of a few runs), and of one 512-token prompt (one run on the 1B-class models);
@@ -41,15 +41,21 @@
  * that run, the share of the machine it had), for the pp512 side by side; --pp-tokens N
  * (1..512): an N-token prompt instead (llama-bench's ppN).
  *
- * --kern: no model; the Q8_0 batch-1 kernel alone on ~300 MB random matrices (2048- and
- * 5632-wide rows), GGUF layout against the Q8X8 one loaded model matrices get (kernels.h),
- * with a streaming read of as many bytes, alternating, medians: GB/s and the fraction of
- * the read rate, the kernel's own roofline without the rest of a forward pass; T = 3 on
- * the same matrices (the MTP verify shape: time over the GGUF T = 1 time, and the Q8X8
- * T = 3 / T = 1 ratio); the same Q8X8 products on a 256 KB slice that stays in L2 (the
- * compute alone), with the CPU seconds of each run (robust to time slicing) over the
- * streamed T = 1 run's: T = 3's compute over T = 1's stream bounds the verify ratio from
- * below; and the prefill kernel (T = 64) in both layouts.
+ * --verify: the MTP verify shapes at batch 1 (bench_verify): passes of 1, 2 and 3 tokens
+ * at context 64, lines "verify MODEL ISA: 1 token MS ms; 2 tokens xR2, 3 tokens xR3 (CPU
+ * time ...)"; without --isa on an AVX-512 machine, avx2 and avx512 contexts of the same
+ * loaded model side by side, interleaved, and their time ratios.
+ *
+ * --kern: no model; the Q8_0 kernels alone (bench_kern) per instruction set (--isa X: X
+ * alone; else avx2 and avx512 side by side when the CPU has AVX-512) on ~300 MB random
+ * matrices (2048- and 5632-wide rows), GGUF layout against the Q8X8 one loaded model
+ * matrices get (kernels.h), with a streaming read of as many bytes, alternating, medians:
+ * T = 1 GB/s and the fraction of the read rate, the kernel's own roofline without the
+ * rest of a forward pass; T = 2, 3 on the same matrices (the MTP verify shapes) as time
+ * over the same kernel's T = 1; the Q8X8 products on a 256 KB slice that stays in L2 (the
+ * compute alone), with the CPU seconds of each run over the streamed T = 1 run's (the
+ * many short L2 runs include the pool's wake-ups and spins: an upper bound); and the
+ * batched and prefill shapes (T = 8, 16, 32, 64) in both layouts.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -223,7 +229,7 @@ static int cmp_double(const void *a, const void *b)
 
 static uint64_t rng_state = 0x5eed;
 
-/* --- the Q8_0 batch-1 kernel alone, GGUF vs Q8X8 layout, side by side ---------------- */
+/* --- the Q8_0 kernels alone, per instruction set and layout, side by side ------------ */
 
 /* Random bytes for Q8_0 blocks, never 0x80: quants in [-127, 127] as a quantizer writes
  * them (kern_q8x8_pack refuses -128); the callers then set the scales. */
@@ -236,10 +242,15 @@ static void rand_q8(uint8_t *w, size_t bytes)
     }
 }
 
+/* One kern_matmul over all rows by the pool in 16-row chunks (as the model's), each
+ * thread with its own scratch (kern_scratch_floats(n) floats at scratch + ti * scr). */
 typedef struct {
+    kern_isa isa;
     const kern_mat *w;
     const kern_act *a;
     float *const *out;
+    float *scratch;
+    size_t scr;
     int chunk;
     atomic_int next;
 } kb_job;
@@ -247,12 +258,14 @@ typedef struct {
 static void kb_worker(void *arg, int ti, int nth)
 {
     kb_job *j = arg;
+    (void)nth;
     for (;;) {
         int r0 = atomic_fetch_add(&j->next, 1) * j->chunk;
         if (r0 >= j->w->rows)
             break;
         int r1 = r0 + j->chunk < j->w->rows ? r0 + j->chunk : j->w->rows;
-        kern_matmul(kern_isa_detect(), KERN_ORDER_FAST, j->w, j->a, r0, r1, j->out, NULL);
+        kern_matmul(j->isa, KERN_ORDER_FAST, j->w, j->a, r0, r1, j->out,
+                    j->scratch + (size_t)ti * j->scr);
     }
 }
 
@@ -270,169 +283,201 @@ static void kb_rb_worker(void *arg, int ti, int nth)
     r->sum[ti] = rb_sum(r->p + (size_t)ti * per, per);
 }
 
-/* --kern: a Q8_0 matrix of ~300 MB (n = 2048 and 5632 wide rows, random), its T = 1
- * product by n_threads threads in 16-row chunks (as the model's) in the GGUF layout and
- * in the Q8X8 one, and a streaming read of as many bytes, alternating REPS times; prints
- * the median GB/s of each and their ratios. Returns 0, 1 on out of memory. */
-/* The Q8_0 prefill kernel: T = 64 tokens x a 2048 x 2048 matrix (4.4 MB, the L3) in both
- * layouts, alternating, medians: multiply-adds per second. */
-static int bench_kern_pp(int n_threads)
+#define KB_TMAX 64
+/* The activations of KB_TMAX tokens (n wide) and their Q8 form; NULL on out of memory. */
+typedef struct {
+    float *x, *qd;
+    int8_t *qs;
+    float *o;
+    float *outp[KB_TMAX];
+    float *scratch;
+    size_t scr;
+} kb_bufs;
+
+static int kb_bufs_new(kb_bufs *k, int n, int rows, int n_threads)
 {
-    threadpool_t *pool = threadpool_new(n_threads);
-    const int n = 2048, nb = n / 32, rows = 2048, T = 64;
-    if (!pool)
-        return 1;
-    const size_t bytes = (size_t)rows * nb * 34;
-    uint8_t *w = malloc(bytes), *wx = aligned_alloc(64, kern_q8x8_bytes(rows, n));
-    float *x = malloc((size_t)T * n * 4), *qd = malloc((size_t)T * nb * 4);
-    int8_t *qs = malloc((size_t)T * n);
-    float *o = malloc((size_t)T * rows * 4);
-    float *outp[64];
-    if (!w || !wx || !x || !qd || !qs || !o)
-        return 1;
-    for (int t = 0; t < T; t++)
-        outp[t] = o + (size_t)t * rows;
-    rand_q8(w, bytes);
-    for (int r = 0; r < rows * nb; r++) {
-        uint16_t h = gguf_fp32_to_fp16(0.01f);
-        memcpy(w + (size_t)r * 34, &h, 2);
-    }
-    for (int i = 0; i < T * n; i++)
-        x[i] = (float)(i % 17) - 8.0f;
-    kern_quantize_act(kern_isa_detect(), x, T, n, qd, qs);
-    kern_mat mg = {w, GGUF_TENSOR_Q8_0, rows, n, KERN_LAYOUT_GGUF}, mx;
-    if (kern_q8x8_pack(&mg, wx, 0, rows / 8, &mx) != 0)
-        return 1;
-    kern_act a = {.x = x, .q_d = qd, .q_s = qs, .T = T, .n = n};
-    enum { REPS = 21 };
-    double t[2][REPS];
-    for (int rep = 0; rep < REPS; rep++)
-        for (int v = 0; v < 2; v++) {
-            double t0 = now_s();
-            kb_job j = {v == 0 ? &mg : &mx, &a, outp, 16, 0};
-            threadpool_run(pool, kb_worker, &j);
-            t[v][rep] = now_s() - t0;
-        }
-    double g[2];
-    for (int v = 0; v < 2; v++) {
-        qsort(t[v], REPS, sizeof(double), cmp_double);
-        g[v] = (double)rows * n * T / t[v][REPS / 2] / 1e9;
-    }
-    printf("kern q8_0 T=%d n=%d %d threads: GGUF %.2f, Q8X8 %.2f G multiply-adds/s (%.2fx)\n", T,
-           n, n_threads, g[0], g[1], g[1] / g[0]);
-    threadpool_destroy(&pool);
-    free(w);
-    free(wx);
-    free(x);
-    free(qd);
-    free(qs);
-    free(o);
+    const int nb = n / KERN_Q8_BLOCK;
+    k->x = malloc((size_t)KB_TMAX * n * sizeof(float));
+    k->qd = malloc((size_t)KB_TMAX * nb * sizeof(float));
+    k->qs = malloc((size_t)KB_TMAX * n);
+    k->o = malloc((size_t)KB_TMAX * rows * sizeof(float));
+    k->scr = kern_scratch_floats(n);
+    k->scratch = malloc(k->scr * sizeof(float) * (size_t)n_threads);
+    if (!k->x || !k->qd || !k->qs || !k->o || !k->scratch)
+        return -1;
+    for (int i = 0; i < KB_TMAX * n; i++)
+        k->x[i] = (float)((i * 7) % 17) - 8.0f + 0.01f * (float)(i % 13);
+    kern_quantize_act(KERN_ISA_SCALAR, k->x, KB_TMAX, n, k->qd, k->qs);
+    for (int t = 0; t < KB_TMAX; t++)
+        k->outp[t] = k->o + (size_t)t * rows;
     return 0;
 }
 
-static int bench_kern(int n_threads)
+static void kb_bufs_free(kb_bufs *k)
 {
-    if (bench_kern_pp(n_threads) != 0)
+    free(k->x);
+    free(k->qd);
+    free(k->qs);
+    free(k->o);
+    free(k->scratch);
+}
+
+static double kb_run(threadpool_t *pool, kb_bufs *k, kern_isa isa, const kern_mat *w, int T)
+{
+    kern_act a = {.x = k->x, .q_d = k->qd, .q_s = k->qs, .T = T, .n = w->cols};
+    kb_job j = {isa, w, &a, k->outp, k->scratch, k->scr, 16, 0};
+    double t0 = now_s();
+    threadpool_run(pool, kb_worker, &j);
+    return now_s() - t0;
+}
+
+/* A random Q8_0 matrix (rows, n), scales 0.01, and its Q8X8 form; 0, -1 on failure. */
+static int kb_mats(int rows, int n, uint8_t **w, uint8_t **wx, kern_mat *mg, kern_mat *mx)
+{
+    const int nb = n / KERN_Q8_BLOCK;
+    const size_t bytes = (size_t)rows * nb * KERN_Q8_BLOCK_BYTES;
+    *w = malloc(bytes);
+    *wx = aligned_alloc(64, kern_q8x8_bytes(rows, n));
+    if (!*w || !*wx)
+        return -1;
+    rand_q8(*w, bytes);
+    uint16_t h = gguf_fp32_to_fp16(0.01f);
+    for (size_t r = 0; r < (size_t)rows * nb; r++)
+        memcpy(*w + r * KERN_Q8_BLOCK_BYTES, &h, 2);
+    *mg = (kern_mat){*w, GGUF_TENSOR_Q8_0, rows, n, KERN_LAYOUT_GGUF};
+    return kern_q8x8_pack(mg, *wx, 0, rows / 8, mx);
+}
+
+/* Batched and prefill shapes: T = 8, 16, 32, 64 tokens x a 2048 x 2048 matrix (4.4 MB,
+ * the L3) per isa and layout, alternating, medians: G multiply-adds per second. */
+static int bench_kern_pp(threadpool_t *pool, int n_threads, const kern_isa *isas, int n_isa)
+{
+    const int n = 2048, rows = 2048, Ts[4] = {8, 16, 32, 64};
+    uint8_t *w = NULL, *wx = NULL;
+    kern_mat m[2];
+    kb_bufs k;
+    if (kb_mats(rows, n, &w, &wx, &m[0], &m[1]) != 0 || kb_bufs_new(&k, n, rows, n_threads) != 0)
         return 1;
+    enum { REPS = 11 };
+    for (int ti = 0; ti < 4; ti++) {
+        const int T = Ts[ti];
+        double t[2][2][REPS]; /* isa, layout */
+        for (int rep = 0; rep < REPS; rep++)
+            for (int i = 0; i < n_isa; i++)
+                for (int l = 0; l < 2; l++)
+                    t[i][l][rep] = kb_run(pool, &k, isas[i], &m[l], T);
+        printf("kern q8_0 T=%d n=%d %d threads, G multiply-adds/s:", T, n, n_threads);
+        double g[2][2];
+        for (int i = 0; i < n_isa; i++)
+            for (int l = 0; l < 2; l++) {
+                qsort(t[i][l], REPS, sizeof(double), cmp_double);
+                g[i][l] = (double)rows * n * T / t[i][l][REPS / 2] / 1e9;
+                printf(" %s %s %.2f", kern_isa_name(isas[i]), l ? "Q8X8" : "GGUF", g[i][l]);
+            }
+        if (n_isa == 2)
+            printf("; %s / %s: GGUF %.2fx, Q8X8 %.2fx", kern_isa_name(isas[1]),
+                   kern_isa_name(isas[0]), g[1][0] / g[0][0], g[1][1] / g[0][1]);
+        printf("\n");
+    }
+    kb_bufs_free(&k);
+    free(w);
+    free(wx);
+    return 0;
+}
+
+/* --kern: for n = 2048 and 5632 wide rows, a ~300 MB Q8_0 matrix (random) in the GGUF and
+ * the Q8X8 layout; per isa and layout its T = 1, 2, 3 products streamed from memory and a
+ * streaming read of as many bytes, alternating REPS times, medians: T = 1 GB/s and its
+ * fraction of the read rate, T = 2 and 3 (the MTP verify shapes) as time over the same
+ * kernel's T = 1; then the same Q8X8 products on a 256 KB slice that stays in L2 (the
+ * compute alone) in CPU seconds (robust to time slicing) over the streamed T = 1 run's:
+ * T = 3's compute over T = 1's stream bounds the verify ratio from below; then
+ * bench_kern_pp. isas: the instruction sets to compare (1 or 2). Returns 0, 1 on out of
+ * memory. */
+static int bench_kern(int n_threads, const kern_isa *isas, int n_isa)
+{
     const int ns[2] = {2048, 5632};
     threadpool_t *pool = threadpool_new(n_threads);
     if (!pool)
         return 1;
-    for (int k = 0; k < 2; k++) {
-        const int n = ns[k], nb = n / KERN_Q8_BLOCK;
+    for (int ni = 0; ni < 2; ni++) {
+        const int n = ns[ni], nb = n / KERN_Q8_BLOCK;
         const int rows = (int)(((size_t)300 << 20) / ((size_t)nb * KERN_Q8_BLOCK_BYTES)) / 16 * 16;
         const size_t bytes = (size_t)rows * nb * KERN_Q8_BLOCK_BYTES;
-        uint8_t *w = malloc(bytes), *wx = aligned_alloc(64, kern_q8x8_bytes(rows, n));
-        float *x = malloc((size_t)n * sizeof(float)), *qd = malloc((size_t)nb * sizeof(float));
-        int8_t *qs = malloc((size_t)n);
-        float *o = malloc((size_t)3 * rows * sizeof(float));
-        float *x3 = malloc((size_t)3 * n * sizeof(float)), *qd3 = malloc((size_t)3 * nb * 4);
-        int8_t *qs3 = malloc((size_t)3 * n);
-        if (!x3 || !qd3 || !qs3)
-            return 1;
-        for (int i = 0; i < 3 * n; i++)
-            x3[i] = (float)(i % 13) - 6.0f;
-        kern_quantize_act(kern_isa_detect(), x3, 3, n, qd3, qs3);
+        uint8_t *w = NULL, *wx = NULL;
+        kern_mat m[2];
+        kb_bufs k;
         uint64_t *rb = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (!w || !wx || !x || !qd || !qs || !o || !rb)
+        if (!rb || kb_mats(rows, n, &w, &wx, &m[0], &m[1]) != 0 ||
+            kb_bufs_new(&k, n, rows, n_threads) != 0)
             return 1;
-        rand_q8(w, bytes);
-        for (int r = 0; r < rows; r++)
-            for (int b = 0; b < nb; b++) {
-                uint16_t h = gguf_fp32_to_fp16(0.01f);
-                memcpy(w + ((size_t)r * nb + b) * KERN_Q8_BLOCK_BYTES, &h, 2);
-            }
-        for (int i = 0; i < n; i++)
-            x[i] = (float)(i % 17) - 8.0f;
         memset(rb, 1, (bytes + 63) / 64 * 64);
-        kern_quantize_act(kern_isa_detect(), x, 1, n, qd, qs);
-        kern_mat mg = {w, GGUF_TENSOR_Q8_0, rows, n, KERN_LAYOUT_GGUF}, mx;
-        if (kern_q8x8_pack(&mg, wx, 0, rows / 8, &mx) != 0)
-            return 1;
-        kern_act a = {.x = x, .q_d = qd, .q_s = qs, .T = 1, .n = n};
-        kern_act a3 = {.x = x3, .q_d = qd3, .q_s = qs3, .T = 3, .n = n};
-        float *outp[3] = {o, o + rows, o + 2 * (size_t)rows};
         /* the compute alone: the first KW rows of the Q8X8 matrix (256 KB, in each core's
          * L2), rows / KW times over: as many block products as the streamed runs */
         const int kw = (int)(((size_t)256 << 10) / ((size_t)nb * KERN_Q8_BLOCK_BYTES)) / 16 * 16;
-        kern_mat mw = mx;
+        kern_mat mw = m[1];
         mw.rows = kw;
-        enum { REPS = 15, NV = 7 };
-        /* T=1: GGUF, Q8X8, read; T=3: GGUF, Q8X8; L2-resident Q8X8: T=1, T=3 */
-        double t[NV][REPS], c[NV][REPS];
-        for (int rep = 0; rep < REPS; rep++)
-            for (int v = 0; v < NV; v++) {
-                double t0 = now_s(), c0 = cpu_s();
-                if (v >= 5) {
-                    for (int rep2 = 0; rep2 < rows / kw; rep2++) {
-                        kb_job j = {&mw, v == 6 ? &a3 : &a, outp, 16, 0};
-                        threadpool_run(pool, kb_worker, &j);
+        enum { REPS = 15 };
+        /* per isa: [layout][T - 1] streamed, [2][T - 1] L2-resident Q8X8; then the read */
+        double t[2][3][3][REPS], c[2][3][3][REPS], tr[REPS];
+        for (int rep = 0; rep < REPS; rep++) {
+            for (int i = 0; i < n_isa; i++)
+                for (int v = 0; v < 3; v++)
+                    for (int T = 1; T <= 3; T++) {
+                        double c0 = cpu_s(), d = 0;
+                        if (v < 2)
+                            d = kb_run(pool, &k, isas[i], &m[v], T);
+                        else
+                            for (int r2 = 0; r2 < rows / kw; r2++)
+                                d += kb_run(pool, &k, isas[i], &mw, T);
+                        t[i][v][T - 1][rep] = d;
+                        c[i][v][T - 1][rep] = cpu_s() - c0;
                     }
-                } else if (v != 2) {
-                    kb_job j = {v == 1 || v >= 4 ? &mx : &mg, v >= 3 ? &a3 : &a, outp, 16, 0};
-                    threadpool_run(pool, kb_worker, &j);
-                } else {
-                    kb_rb r = {rb, bytes / 8, n_threads, {0}};
-                    threadpool_run(pool, kb_rb_worker, &r);
-                    volatile uint64_t sink = r.sum[0];
-                    (void)sink;
-                }
-                t[v][rep] = now_s() - t0;
-                c[v][rep] = cpu_s() - c0;
-            }
-        double med[NV], cmed[NV];
-        for (int v = 0; v < NV; v++) {
-            qsort(t[v], REPS, sizeof(double), cmp_double);
-            qsort(c[v], REPS, sizeof(double), cmp_double);
-            med[v] = (double)bytes / t[v][REPS / 2] / 1e9;
-            cmed[v] = c[v][REPS / 2];
+            double t0 = now_s();
+            kb_rb r = {rb, bytes / 8, n_threads, {0}};
+            threadpool_run(pool, kb_rb_worker, &r);
+            tr[rep] = now_s() - t0;
+            volatile uint64_t sink = r.sum[0];
+            (void)sink;
         }
-        printf("kern q8_0 T=1 n=%d %d threads (%.0f MB): GGUF %.2f GB/s, Q8X8 %.2f GB/s (%.2fx), "
-               "read %.2f GB/s; of read: GGUF %.0f%%, Q8X8 %.0f%%\n",
-               n, n_threads, bytes / 1e6, med[0], med[1], med[1] / med[0], med[2],
-               100 * med[0] / med[2], 100 * med[1] / med[2]);
-        printf("kern q8_0 T=3 n=%d (the verify shape): time / GGUF T=1's: GGUF %.2f, Q8X8 %.2f; "
-               "Q8X8 T=3 / T=1 %.2f\n",
-               n, med[0] / med[3], med[0] / med[4], med[1] / med[4]);
-        /* CPU seconds (both threads): robust to time slicing on a shared machine; the
-         * L2-resident runs are the compute alone, so T=3's compute over T=1's stream is
-         * the least T=3 / T=1 can be with compute and memory fully overlapped */
-        printf("kern q8_0 n=%d CPU time, Q8X8: T=3 stream / T=1 stream %.2f; compute alone "
-               "(L2-resident) T=1 %.2f, T=3 %.2f of the T=1 stream\n",
-               n, cmed[4] / cmed[1], cmed[5] / cmed[1], cmed[6] / cmed[1]);
+        qsort(tr, REPS, sizeof(double), cmp_double);
+        const double read = (double)bytes / tr[REPS / 2] / 1e9;
+        double gb1[2][2];
+        printf("kern q8_0 n=%d %d threads (%.0f MB), read %.2f GB/s\n", n, n_threads, bytes / 1e6,
+               read);
+        for (int i = 0; i < n_isa; i++) {
+            double tm[3][3], cm[3][3];
+            for (int v = 0; v < 3; v++)
+                for (int T = 0; T < 3; T++) {
+                    qsort(t[i][v][T], REPS, sizeof(double), cmp_double);
+                    qsort(c[i][v][T], REPS, sizeof(double), cmp_double);
+                    tm[v][T] = t[i][v][T][REPS / 2];
+                    cm[v][T] = c[i][v][T][REPS / 2];
+                }
+            for (int v = 0; v < 2; v++) {
+                gb1[i][v] = (double)bytes / tm[v][0] / 1e9;
+                printf("kern q8_0 n=%d %-6s %s: T=1 %.2f GB/s (%.0f%% of read); time over T=1: "
+                       "T=2 %.2f, T=3 %.2f\n",
+                       n, kern_isa_name(isas[i]), v ? "Q8X8" : "GGUF", gb1[i][v],
+                       100 * gb1[i][v] / read, tm[v][1] / tm[v][0], tm[v][2] / tm[v][0]);
+            }
+            printf("kern q8_0 n=%d %-6s Q8X8 CPU time over the T=1 stream: T=2 stream %.2f, T=3 "
+                   "stream %.2f; compute alone (L2-resident) T=1 %.2f, T=2 %.2f, T=3 %.2f\n",
+                   n, kern_isa_name(isas[i]), cm[1][1] / cm[1][0], cm[1][2] / cm[1][0],
+                   cm[2][0] / cm[1][0], cm[2][1] / cm[1][0], cm[2][2] / cm[1][0]);
+        }
+        if (n_isa == 2)
+            printf("kern q8_0 n=%d T=1 %s / %s: GGUF %.2fx, Q8X8 %.2fx\n", n,
+                   kern_isa_name(isas[1]), kern_isa_name(isas[0]), gb1[1][0] / gb1[0][0],
+                   gb1[1][1] / gb1[0][1]);
+        kb_bufs_free(&k);
         free(w);
         free(wx);
-        free(x);
-        free(qd);
-        free(qs);
-        free(o);
-        free(x3);
-        free(qd3);
-        free(qs3);
         free(rb);
     }
+    int rc = bench_kern_pp(pool, n_threads, isas, n_isa);
     threadpool_destroy(&pool);
-    return 0;
+    return rc;
 }
 
 static int rand_tok(int vocab)
@@ -659,6 +704,76 @@ static double bench_decode(bench *b, model_ctx_t *ctx, int B, int steps, double 
     return bench_decode_rb(b, ctx, B, steps, cores, NULL, NULL);
 }
 
+/* --verify: the MTP verify shapes at batch 1: one sequence at context CTX, a forward pass
+ * of 1, 2 and 3 tokens (logits of each, as specdec's verify), per context of ctxs[0..nc)
+ * (one per isa), all interleaved round by round, `rounds` rounds; prints per context the
+ * median 1-token pass (wall ms) and the 2- and 3-token passes over it (medians of the
+ * per-round ratios, wall and CPU seconds), and with two contexts the second's passes over
+ * the first's. 0, -1 when a pass fails. */
+static int bench_verify(bench *b, model_ctx_t *const *ctxs, const char *const *names, int nc,
+                        int rounds, const char *path)
+{
+    enum { MAXR = 64 };
+    int seq = kvcache_seq_new(b->kv);
+    if (seq < 0 || rounds > MAXR || kvcache_seq_reserve(b->kv, seq, CTX + 3) != KVCACHE_OK)
+        return -1;
+    for (int i = 0; i < CTX + 3; i++)
+        b->toks[i] = rand_tok(b->c->vocab_size);
+    model_seq_batch p = {seq, 0, CTX, b->toks, 0, b->logits, NULL, 0, NULL};
+    if (model_forward(ctxs[0], b->kv, &p, 1, NULL, NULL) != 0)
+        return -1;
+    double w[2][4][MAXR], c[2][4][MAXR];
+    for (int r = -1; r < rounds; r++) /* round -1: warm-up */
+        for (int k = 0; k < nc; k++)
+            for (int n = 1; n <= 3; n++) {
+                model_seq_batch v = {.seq = seq,
+                                     .pos = CTX,
+                                     .n_tokens = n,
+                                     .tokens = b->toks + CTX,
+                                     .logits_all = 1,
+                                     .logits = b->logits};
+                double t0 = now_s(), c0 = cpu_s();
+                if (model_forward(ctxs[k], b->kv, &v, 1, NULL, NULL) != 0)
+                    return -1;
+                if (r >= 0) {
+                    w[k][n][r] = now_s() - t0;
+                    c[k][n][r] = cpu_s() - c0;
+                }
+            }
+    kvcache_seq_free(b->kv, seq);
+    double med[2][4], rw[2][4], rc[2][4], x[MAXR];
+    for (int k = 0; k < nc; k++)
+        for (int n = 1; n <= 3; n++) {
+            for (int r = 0; r < rounds; r++)
+                x[r] = w[k][n][r];
+            qsort(x, (size_t)rounds, sizeof(double), cmp_double);
+            med[k][n] = x[rounds / 2];
+            for (int r = 0; r < rounds; r++)
+                x[r] = w[k][n][r] / w[k][1][r];
+            qsort(x, (size_t)rounds, sizeof(double), cmp_double);
+            rw[k][n] = x[rounds / 2];
+            for (int r = 0; r < rounds; r++)
+                x[r] = c[k][n][r] / c[k][1][r];
+            qsort(x, (size_t)rounds, sizeof(double), cmp_double);
+            rc[k][n] = x[rounds / 2];
+        }
+    for (int k = 0; k < nc; k++)
+        printf("verify %s %s: 1 token %.2f ms; 2 tokens x%.3f, 3 tokens x%.3f (CPU time x%.3f, "
+               "x%.3f)\n",
+               path, names[k], med[k][1] * 1e3, rw[k][2], rw[k][3], rc[k][2], rc[k][3]);
+    if (nc == 2) {
+        printf("verify %s %s / %s time:", path, names[1], names[0]);
+        for (int n = 1; n <= 3; n++) {
+            for (int r = 0; r < rounds; r++)
+                x[r] = w[1][n][r] / w[0][n][r];
+            qsort(x, (size_t)rounds, sizeof(double), cmp_double);
+            printf(" %d token%s x%.3f", n, n > 1 ? "s" : "", x[rounds / 2]);
+        }
+        printf("\n");
+    }
+    return 0;
+}
+
 static const char *weight_type(const model_t *m, const model_config *c)
 {
     /* by bytes per weight of the matrices */
@@ -716,10 +831,11 @@ static int bench_tokenizer(const char *path, size_t n)
 
 static int usage(void)
 {
-    fprintf(stderr, "usage: bench_engine [--threads N] [--kernel auto|exact|fast] "
-                    "[--isa scalar|avx2|avx512] [--quick | --tg | --pp | --batched | --roof] "
-                    "[--pp-tokens N] "
-                    "MODEL.gguf... | --kern\n");
+    fprintf(stderr,
+            "usage: bench_engine [--threads N] [--kernel auto|exact|fast] "
+            "[--isa scalar|avx2|avx512] [--quick | --tg | --pp | --batched | --roof | --verify] "
+            "[--pp-tokens N] "
+            "MODEL.gguf... | --kern\n");
     return 2;
 }
 
@@ -735,7 +851,7 @@ static int pick(const char *s, const char *const *names)
 int main(int argc, char **argv)
 {
     model_ctx_params cp = model_ctx_default_params();
-    int quick = 0, tg = 0, pp = 0, kern = 0, batched = 0, roof = 0, pp_len = PP_LONG;
+    int quick = 0, tg = 0, pp = 0, kern = 0, batched = 0, roof = 0, verify = 0, pp_len = PP_LONG;
     int first = 1;
     static const char *const kernels[] = {"auto", "exact", "fast", NULL};
     static const char *const isas[] = {"auto", "scalar", "avx2", "avx512", NULL};
@@ -757,6 +873,8 @@ int main(int argc, char **argv)
             kern = 1;
         } else if (strcmp(o, "--roof") == 0) {
             roof = 1;
+        } else if (strcmp(o, "--verify") == 0) {
+            verify = 1;
         } else if (strcmp(o, "--pp-tokens") == 0 && v) {
             char *end;
             errno = 0;
@@ -790,10 +908,24 @@ int main(int argc, char **argv)
             return usage();
         }
     }
-    if (quick + tg + pp + batched + kern + roof > 1 || (kern ? first < argc : first == argc))
+    if (quick + tg + pp + batched + kern + roof + verify > 1 ||
+        (kern ? first < argc : first == argc))
         return usage(); /* one mode; models, or --kern alone */
-    if (kern)
-        return bench_kern(cp.n_threads > 0 ? cp.n_threads : threadpool_default_threads());
+    if (kern) {
+        /* --isa X: X alone (at most what the CPU has); else every SIMD isa it has */
+        kern_isa best = kern_isa_detect(), kisas[2];
+        int n_isa = 0;
+        if (cp.max_isa != MODEL_ISA_AUTO) {
+            kern_isa want = (kern_isa)((int)cp.max_isa - 1); /* MODEL_ISA_x = KERN_ISA_x + 1 */
+            kisas[n_isa++] = want < best ? want : best;
+        } else {
+            if (best == KERN_ISA_AVX512)
+                kisas[n_isa++] = KERN_ISA_AVX2;
+            kisas[n_isa++] = best;
+        }
+        return bench_kern(cp.n_threads > 0 ? cp.n_threads : threadpool_default_threads(), kisas,
+                          n_isa);
+    }
     int rc = 0;
     for (int a = first; a < argc; a++) {
         char err[512];
@@ -836,6 +968,28 @@ int main(int argc, char **argv)
             } else {
                 printf("pp %s %.3f cores %.2f\n", argv[a], r, cores);
             }
+            goto next;
+        }
+        if (verify) {
+            /* --isa X: X alone; else avx2 and the best isa side by side when they differ */
+            model_ctx_t *ctxs[2] = {b.ctx, NULL};
+            const char *names[2] = {model_ctx_kernel_name(b.ctx), NULL};
+            int nc = 1;
+            if (cp.max_isa == MODEL_ISA_AUTO && kern_isa_detect() > KERN_ISA_AVX2) {
+                model_ctx_params p2 = cp;
+                p2.max_isa = MODEL_ISA_AVX2;
+                ctxs[0] = model_ctx_new_params(m, &p2);
+                ctxs[1] = b.ctx;
+                names[0] = kern_isa_name(KERN_ISA_AVX2);
+                names[1] = kern_isa_name(kern_isa_detect());
+                nc = ctxs[0] ? 2 : 0;
+            }
+            if (nc == 0 || bench_verify(&b, ctxs, names, nc, big ? 15 : 63, argv[a]) != 0) {
+                fprintf(stderr, "bench_engine: %s: forward pass failed\n", argv[a]);
+                rc = 1;
+            }
+            if (nc == 2)
+                model_ctx_destroy(&ctxs[0]);
             goto next;
         }
         if (roof) {

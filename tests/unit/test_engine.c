@@ -1597,6 +1597,87 @@ static void test_kernels_attention(void **state)
     }
 }
 
+/* The Q8X8 kernels of small T (1-3: batch 1 and the MTP verify shapes; kernels_x86_vnni.c
+ * on AVX-512, kernels_x86.c q8x8 tiles on AVX2) and the T = 4, 5 past them, against the
+ * single-dot reference, bit for bit, on every isa this CPU has: odd and even T, rows not a
+ * multiple of the 8-row group, row ranges cut inside groups (1-row tiles before and after
+ * whole groups), n from one block to 5632, blocks of weights and activations at +-127
+ * (their quants' extremes) and an all-zero activation block. */
+static void test_kernels_q8x8_small_t(void **state)
+{
+    (void)state;
+    const int shapes[][2] = {{8, 32}, {16, 64}, {24, 96}, {40, 2048}, {72, 160}, {16, 5632}};
+    enum { TM = 5 };
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+        const int rows = shapes[si][0], n = shapes[si][1], nb = n / KERN_Q8_BLOCK;
+        const size_t rb = (size_t)nb * KERN_Q8_BLOCK_BYTES;
+        float *wf = malloc((size_t)n * sizeof(float));
+        uint8_t *wq = malloc((size_t)rows * rb);
+        uint8_t *wx = aligned_alloc(64, kern_q8x8_bytes(rows, n));
+        float *x = malloc((size_t)TM * n * sizeof(float));
+        float *qd = malloc((size_t)TM * nb * sizeof(float));
+        int8_t *qs = malloc((size_t)TM * n);
+        float *ref = malloc((size_t)TM * rows * sizeof(float));
+        float *got = malloc((size_t)TM * rows * sizeof(float));
+        float *scratch = malloc(kern_scratch_floats(n) * sizeof(float));
+        float *outp[TM];
+        assert_non_null(wf);
+        assert_non_null(wq);
+        assert_non_null(wx);
+        assert_non_null(x);
+        assert_non_null(qd);
+        assert_non_null(qs);
+        assert_non_null(ref);
+        assert_non_null(got);
+        assert_non_null(scratch);
+        for (int r = 0; r < rows; r++) {
+            for (int j = 0; j < n; j++) /* every third block +-amax: quants +-127 */
+                wf[j] = (r + j / 32) % 3 == 0 ? ((j * 5 + r) % 3 ? 1.0f : -1.0f)
+                                              : frand() * (j % 83 == 0 ? 16.0f : 0.5f);
+            kern_quantize_q8_0(wf, n, wq + (size_t)r * rb);
+        }
+        for (size_t i = 0; i < (size_t)TM * n; i++)
+            x[i] = (i / 32) % 4 == 1 ? ((i % 5) < 2 ? 3.0f : -3.0f)
+                                     : frand() * (i % 57 == 0 ? 20.0f : 2.0f);
+        if (n >= 64)
+            memset(x + n + 32, 0, 32 * sizeof(float)); /* token 1: an all-zero block */
+        kern_quantize_act(KERN_ISA_SCALAR, x, TM, n, qd, qs);
+        for (int t = 0; t < TM; t++)
+            outp[t] = got + (size_t)t * rows;
+        kern_mat mq = {wq, GGUF_TENSOR_Q8_0, rows, n, KERN_LAYOUT_GGUF}, mx;
+        assert_int_equal(kern_q8x8_pack(&mq, wx, 0, rows / 8, &mx), 0);
+        for (int T = 1; T <= TM; T++) {
+            for (int r = 0; r < rows; r++)
+                for (int t = 0; t < T; t++)
+                    ref[(size_t)t * rows + r] = kern_dot_q8_0(
+                        wq + (size_t)r * rb, qd + (size_t)t * nb, qs + (size_t)t * n, n);
+            kern_act a = {.x = x, .q_d = qd, .q_s = qs, .T = T, .n = n};
+            /* whole; cut inside the first group and inside the last */
+            const int cuts[][4] = {{0, rows, rows, rows}, {0, 3, rows - 5, rows}};
+            for (int isa = KERN_ISA_SCALAR; isa <= (int)best_isa(); isa++)
+                for (int ci = 0; ci < 2; ci++) {
+                    memset(got, 0xff, (size_t)TM * rows * sizeof(float));
+                    for (int c = 0; c < 3; c++)
+                        kern_matmul((kern_isa)isa, KERN_ORDER_FAST, &mx, &a, cuts[ci][c],
+                                    cuts[ci][c + 1], outp, scratch);
+                    if (memcmp(got, ref, (size_t)T * rows * sizeof(float)) != 0)
+                        fail_msg("Q8X8 kernel %s rows %d n %d T %d (%s) differs from the "
+                                 "reference",
+                                 kern_isa_name((kern_isa)isa), rows, n, T, ci ? "cut" : "whole");
+                }
+        }
+        free(wf);
+        free(wq);
+        free(wx);
+        free(x);
+        free(qd);
+        free(qs);
+        free(ref);
+        free(got);
+        free(scratch);
+    }
+}
+
 /* Q8_0 quants at the ends of int8: a matrix with a -128 quant has no Q8X8 form
  * (kern_q8x8_pack refuses it: the Q8X8 kernels negate weights by the activation's sign),
  * and its GGUF-layout products still match the reference in every isa; with the -128s
@@ -2670,6 +2751,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_kernels_attention),
         cmocka_unit_test(test_kernels_packed),
         cmocka_unit_test(test_kernels_q8_extremes),
+        cmocka_unit_test(test_kernels_q8x8_small_t),
         cmocka_unit_test(test_kernels_q8_format),
         cmocka_unit_test(test_threadpool),
         cmocka_unit_test(test_matvec_vs_reference),
