@@ -446,13 +446,17 @@ void kern_matmul(kern_isa isa, kern_order order, const kern_mat *w, const kern_a
         kern_x86_matmul_q8_avx512(w, a, r0, r1, out, scratch);
         return;
     }
-    /* batch 1 is bound by memory bandwidth: the AVX2 kernels reach it */
-    /* (the AVX-512 kernels pack activations into the scratch unless kern_pack_bind did:
-     * without either, the AVX2 kernels, which need none, do the work) */
-    if (isa == KERN_ISA_AVX512 && a->T >= 2 &&
-        (scratch || (q8 ? a->qp != NULL : a->xp != NULL))) {
-        kern_x86_matmul_avx512(w, a, r0, r1, out, scratch);
-        return;
+    /* batch 1 is bound by memory bandwidth: the AVX2 kernels reach it. F32/F16 without
+     * packed pairs and without a scratch to pack them into: AVX2 (the same bits). */
+    if (isa == KERN_ISA_AVX512 && a->T >= 2) {
+        if (a->xp && a->T >= F512_MIN_T) {
+            kern_x86_matmul_fast_avx512(w, a, r0, r1, out);
+            return;
+        }
+        if (scratch || a->xp) {
+            kern_x86_matmul_avx512(w, a, r0, r1, out, scratch);
+            return;
+        }
     }
     if (isa >= KERN_ISA_AVX2) {
         if (q8 && w->layout == KERN_LAYOUT_Q8X8)

@@ -62,6 +62,14 @@ void kern_x86_matmul_avx512(const kern_mat *w, const kern_act *a, int r0, int r1
  * layout; scratch: kern_scratch_floats(n) floats. */
 void kern_x86_matmul_q8_avx512(const kern_mat *w, const kern_act *a, int r0, int r1,
                                float *const *out, float *scratch);
+/* AVX-512, T >= 2, F32/F16 in the FAST order (kernels_x86_512f.c); needs a->xp (kern_pack_act's
+ * token pairs for all T tokens). kern_matmul uses it from F512_MIN_T tokens (prefill), and
+ * kern_x86_matmul_avx512 below that (batch decode), where they measured alike. */
+#ifndef F512_MIN_T
+#define F512_MIN_T 128
+#endif
+void kern_x86_matmul_fast_avx512(const kern_mat *w, const kern_act *a, int r0, int r1,
+                                 float *const *out);
 void kern_x86_quantize_act_avx2(const float *x, int T, int n, float *q_d, int8_t *q_s);
 /* Interleave nt <= PACK_T tokens in pairs (layouts in kernels_x86.c). */
 void kern_x86_pack_pairs_f32(const float *x, int n, int nt, float *xp);

@@ -14,6 +14,12 @@
  * stays in L2 for many rows. Q8X8 prefill (T >= 16) runs whole 8-row groups one token at a
  * time (q8x8_pp).
  *
+ * The AVX-512 kernels at the end (two tokens per register) take every T >= 2 on an AVX-512
+ * CPU, F32/F16 prefill from F512_MIN_T tokens excepted: kernels_x86_512f.c (larger tiles
+ * and the prefill's blocking). On the AVX-512 machine (AMD EPYC family 26, 512-bit FMA
+ * units) the AVX-512 F16 products ran 1.6-1.7x the AVX2 ones at T = 8 .. 512 and ~1.1x
+ * at T = 2, 3 (the kernels alone, CPU time; docs/bench.md).
+ *
  * Q8_0 matrices repacked at load (KERN_LAYOUT_Q8X8, kernels.h) have their own tiles
  * (tile_q8x8): a group of 8 rows is one linear stream, its 8 scales one load per block;
  * at T = 2, 3 (the MTP verify pass) whole groups run token by token (q8x8_group_tok).
@@ -945,9 +951,10 @@ TGT512 void kern_x86_matmul_avx512(const kern_mat *w, const kern_act *a, int r0,
     const int x8 = w->layout == KERN_LAYOUT_Q8X8;
     const size_t ws = kern_row_bytes(w);
     const uint8_t *base = w->data;
-    float *xp = align64(scratch);
+    /* no pointer arithmetic on a NULL scratch (the caller packed the activations) */
+    float *xp = scratch ? align64(scratch) : NULL;
     uint8_t *qp = (uint8_t *)xp;
-    float *dp = (float *)(qp + (size_t)PACK_T / 2 * nb * 64);
+    float *dp = qp ? (float *)(qp + (size_t)PACK_T / 2 * nb * 64) : NULL;
     for (int rb = r0; rb < r1; rb += ROW_BLOCK512) {
         int re = rb + ROW_BLOCK512 < r1 ? rb + ROW_BLOCK512 : r1;
         for (int t = 0; t < T; t += PACK_T) {
@@ -955,9 +962,12 @@ TGT512 void kern_x86_matmul_avx512(const kern_mat *w, const kern_act *a, int r0,
             int np = (nt + 1) / 2;
             if (packed) {
                 size_t p0 = (size_t)t / 2;
-                xp = (float *)a->xp + p0 * steps * 16;
-                qp = (uint8_t *)a->qp + p0 * nb * 64;
-                dp = (float *)a->dp + p0 * nb * 16;
+                if (q8) {
+                    qp = (uint8_t *)a->qp + p0 * nb * 64;
+                    dp = (float *)a->dp + p0 * nb * 16;
+                } else {
+                    xp = (float *)a->xp + p0 * steps * 16;
+                }
             } else if (q8) {
                 kern_x86_pack_pairs_q8(a->q_d + (size_t)t * nb, a->q_s + (size_t)t * n, n, nt, qp,
                                        dp);

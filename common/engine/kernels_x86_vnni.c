@@ -224,8 +224,12 @@ void kern_x86_matmul_q8_avx512(const kern_mat *w, const kern_act *a, int r0, int
         matmul_q8x8_vnni(w, a, r0, r1, out);
         return;
     }
-    if (a->T == 1) {
-        kern_x86_matmul_q8_avx2(w, a, r0, r1, out);
+    /* batch 1, or no packed pairs and no scratch to pack them into: AVX2 (the same bits) */
+    if (a->T == 1 || (!scratch && !a->qp)) {
+        if (w->layout == KERN_LAYOUT_Q8X8)
+            kern_x86_matmul_q8x8_avx2(w, a, r0, r1, out);
+        else
+            kern_x86_matmul_q8_avx2(w, a, r0, r1, out);
         return;
     }
     kern_x86_matmul_avx512(w, a, r0, r1, out, scratch);

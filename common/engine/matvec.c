@@ -15,7 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "kernels_internal.h"
+#include "matvec_internal.h"
 
 #ifdef KERN_HAVE_X86
 #include <immintrin.h>
@@ -566,6 +566,10 @@ void matvec_exact_f32(kern_isa isa, const float *wp, int rows, int n, const floa
     if (r0 >= r1 || T < 1)
         return;
 #ifdef KERN_HAVE_X86
+    if (isa >= KERN_ISA_AVX512 && T >= 2 && r0 % MATVEC_GROUP == 0) {
+        matvec_x86_exact_avx512(wp, n, x, T, r0, r1, out);
+        return;
+    }
     if (isa >= KERN_ISA_AVX2 && r0 % MATVEC_GROUP == 0) {
         matvec_avx2(wp, n, x, T, r0, r1, out);
         return;

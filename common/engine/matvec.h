@@ -41,8 +41,9 @@ void matvec_pack_f32(const float *w, int rows, int n, float *dst);
 /* out[t][i] = dot(W[i], x[t]) in the EXACT order (kern_dot_exact_f32, bit for bit) for
  * rows i in [r0, r1) and tokens t in [0, T), from the packed form wp of W (rows, n)
  * (matvec_pack_f32); x is (T, n), out holds T row pointers, each written at [r0, r1)
- * only. isa >= KERN_ISA_AVX2 uses the AVX2 kernel when r0 is a multiple of MATVEC_GROUP,
- * otherwise the portable reference (the same arithmetic). Thread-safe for
+ * only. isa >= KERN_ISA_AVX2 uses the AVX2 kernel when r0 is a multiple of MATVEC_GROUP
+ * (AVX-512 from T = 2: 16 rows per register, matvec_x86_512.c), otherwise the portable
+ * reference (the same arithmetic). Thread-safe for
  * disjoint row ranges. */
 void matvec_exact_f32(kern_isa isa, const float *wp, int rows, int n, const float *x, int T,
                       int r0, int r1, float *const *out);

@@ -1818,6 +1818,94 @@ static void test_kernels_packed(void **state)
     free(buf);
 }
 
+/* The AVX-512 FAST-order F32/F16 kernels (kernels_x86_512f.c from F512_MIN_T = 128 tokens:
+ * 4-row x 5-pair tiles over row superblocks and token blocks of 10; kernels_x86.c's below),
+ * activations packed in token pairs as the forward pass packs them, against the
+ * single-dot reference, bit for bit: T odd and even from one pair to past the threshold
+ * and several token blocks, rows not a multiple of the tile or of the superblock, n
+ * from 1 (no vector step) with every n % 8 and n % 16 tail, row ranges cut at odd rows,
+ * the packed pairs written in pieces (kern_pack_act over token pairs), and the same
+ * products unpacked (with and without a scratch: the other kernels) giving the same bits. */
+static void test_kernels_avx512_fast(void **state)
+{
+    if (best_isa() < KERN_ISA_AVX512)
+        skip();
+    const int shapes[][2] = {{1, 1},    {3, 7},    {4, 8},     {5, 9},    {13, 15}, {9, 16},
+                             {6, 17},   {25, 100}, {133, 264}, {130, 72}, {7, 2051}};
+    const int Ts[] = {2, 3, 4, 5, 7, 11, 12, 13, 25, 61, 128, 129, 131, 150, 201};
+    const int Tmax = 201;
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+        const int rows = shapes[si][0], n = shapes[si][1];
+        float *wf = malloc((size_t)rows * n * sizeof(float));
+        uint16_t *wh = malloc((size_t)rows * n * sizeof(uint16_t));
+        float *wh32 = malloc((size_t)rows * n * sizeof(float));
+        float *x = malloc((size_t)Tmax * n * sizeof(float));
+        float *ref = malloc((size_t)Tmax * rows * sizeof(float));
+        float *got = malloc((size_t)Tmax * rows * sizeof(float));
+        float *scratch = malloc(kern_scratch_floats(n) * sizeof(float));
+        void *buf = malloc(kern_pack_bytes(Tmax, n));
+        float *outp[201];
+        assert_non_null(wf);
+        assert_non_null(wh);
+        assert_non_null(wh32);
+        assert_non_null(x);
+        assert_non_null(ref);
+        assert_non_null(got);
+        assert_non_null(scratch);
+        assert_non_null(buf);
+        for (size_t i = 0; i < (size_t)rows * n; i++) {
+            wf[i] = frand() * (i % 89 == 0 ? 16.0f : 0.5f);
+            wh[i] = gguf_fp32_to_fp16(wf[i]);
+            wh32[i] = gguf_fp16_to_fp32(wh[i]);
+        }
+        for (size_t i = 0; i < (size_t)Tmax * n; i++)
+            x[i] = frand() * (i % 61 == 0 ? 30.0f : 2.0f);
+        for (int t = 0; t < Tmax; t++)
+            outp[t] = got + (size_t)t * rows;
+        const kern_mat mats[2] = {{wf, GGUF_TENSOR_F32, rows, n, KERN_LAYOUT_GGUF},
+                                  {wh, GGUF_TENSOR_F16, rows, n, KERN_LAYOUT_GGUF}};
+        for (int mi = 0; mi < 2; mi++) {
+            const float *w32 = mi ? wh32 : wf;
+            for (size_t ti = 0; ti < sizeof(Ts) / sizeof(Ts[0]); ti++) {
+                const int T = Ts[ti];
+                for (int r = 0; r < rows; r++)
+                    for (int t = 0; t < T; t++)
+                        ref[(size_t)t * rows + r] =
+                            kern_dot_fast_f32(w32 + (size_t)r * n, x + (size_t)t * n, n);
+                kern_act a = {.x = x, .T = T, .n = n};
+                kern_pack_bind(KERN_ISA_AVX512, &a, 1, 0, buf);
+                assert_non_null(a.xp);
+                for (int t = 0; t < T; t += 4) /* in pieces of two pairs */
+                    kern_pack_act(KERN_ISA_AVX512, &a, t, t + 4 < T ? t + 4 : T);
+                const int cut[] = {0, rows / 3 | 1, rows - 2 > 0 ? rows - 2 : rows, rows};
+                for (int packed = 0; packed < 2; packed++)
+                    for (int sc = 0; sc < 2; sc++) {
+                        kern_act b = a;
+                        if (!packed)
+                            b.xp = NULL;
+                        memset(got, 0xff, (size_t)Tmax * rows * sizeof(float));
+                        for (int c = 0; c < 3; c++)
+                            kern_matmul(KERN_ISA_AVX512, KERN_ORDER_FAST, &mats[mi], &b, cut[c],
+                                        cut[c + 1], outp, sc ? scratch : NULL);
+                        if (memcmp(got, ref, (size_t)T * rows * sizeof(float)) != 0)
+                            fail_msg("avx512 fast kernel %s rows %d n %d T %d (%s, %s scratch) "
+                                     "differs from the reference",
+                                     mi ? "f16" : "f32", rows, n, T,
+                                     packed ? "packed" : "unpacked", sc ? "with" : "no");
+                    }
+            }
+        }
+        free(wf);
+        free(wh);
+        free(wh32);
+        free(x);
+        free(ref);
+        free(got);
+        free(scratch);
+        free(buf);
+    }
+}
+
 /* Q8_0 blocks as GGUF stores them: f16 scale (little-endian) then 32 int8. */
 static void test_kernels_q8_format(void **state)
 {
@@ -1972,9 +2060,12 @@ static void test_threadpool(void **state)
 static void test_matvec_vs_reference(void **state)
 {
     const int shapes[][2] = {{1, 8},    {7, 1},    {8, 64},   {13, 172}, {33, 37},
-                             {172, 64}, {64, 172}, {120, 9},  {512, 64}, {200, 5}};
-    const int ranges[][2] = {{0, 1 << 20}, {8, 1 << 20}, {0, 5}, {16, 40}, {3, 30}, {24, 25}};
-    const kern_isa isas[] = {KERN_ISA_SCALAR, KERN_ISA_AVX2};
+                             {172, 64}, {64, 172}, {120, 9},  {512, 64}, {200, 5},
+                             {48, 17},  {136, 3},  {40, 64}};
+    const int ranges[][2] = {{0, 1 << 20}, {8, 1 << 20}, {0, 5}, {16, 40}, {3, 30}, {24, 25},
+                             {8, 72},      {40, 130}};
+    /* AVX-512 (matvec_x86_512.c): 4, 2, 1 pairs of groups and a last odd group */
+    const kern_isa isas[] = {KERN_ISA_SCALAR, KERN_ISA_AVX2, KERN_ISA_AVX512};
     const int have_avx2 = kern_isa_detect() >= KERN_ISA_AVX2;
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
         const int rows = shapes[si][0], n = shapes[si][1], Tmax = 8;
@@ -2000,8 +2091,8 @@ static void test_matvec_vs_reference(void **state)
             assert_true(wp[((size_t)g * n) * 8 + 7] == 0.0f);
         for (int t = 0; t < Tmax; t++)
             outp[t] = got + (size_t)t * rows;
-        for (size_t ii = 0; ii < 2; ii++) {
-            if (isas[ii] == KERN_ISA_AVX2 && !have_avx2)
+        for (size_t ii = 0; ii < 3; ii++) {
+            if (isas[ii] > kern_isa_detect())
                 continue;
             for (size_t ri = 0; ri < sizeof(ranges) / sizeof(ranges[0]); ri++) {
                 int r0 = ranges[ri][0], r1 = ranges[ri][1] < rows ? ranges[ri][1] : rows;
@@ -2750,6 +2841,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_kernels_q8_prefill),
         cmocka_unit_test(test_kernels_attention),
         cmocka_unit_test(test_kernels_packed),
+        cmocka_unit_test(test_kernels_avx512_fast),
         cmocka_unit_test(test_kernels_q8_extremes),
         cmocka_unit_test(test_kernels_q8x8_small_t),
         cmocka_unit_test(test_kernels_q8_format),
