@@ -62,6 +62,8 @@ struct specdec {
     float *ph0, *ph1;    /* (max_prefill, dim) */
     model_seq_batch *pb; /* (max_items,) */
     int *pidx;           /* (max_items,) */
+    int profiling;
+    specdec_profile prof;
 };
 
 // --- the rule
@@ -257,6 +259,25 @@ void specdec_destroy(specdec_t **sp)
     free(sd->pidx);
     free(sd);
     *sp = NULL;
+}
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+void specdec_set_profiling(specdec_t *sd, int on)
+{
+    sd->profiling = on != 0;
+    if (on)
+        memset(&sd->prof, 0, sizeof(sd->prof));
+}
+
+void specdec_get_profile(const specdec_t *sd, specdec_profile *out)
+{
+    *out = sd->prof;
 }
 
 void specdec_set_sampling(specdec_t *sd, specdec_sampling mode)
@@ -476,6 +497,9 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
     const model_config *c = model_get_config(sd->m);
     const size_t D = (size_t)sd->dim, V = (size_t)sd->vocab;
     int n1 = 0, n2 = 0;
+    double pt[5] = {0};
+    if (sd->profiling)
+        pt[0] = now_ms();
 
     /* module 1: catch up over c1 .. n-1, draft at n-1 */
     for (int i = 0; i < n; i++) {
@@ -514,6 +538,8 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
     }
     if (n1 && fwd_chunks(sd, ctx, kv, 1, sd->b1, n1) != 0)
         return -1;
+    if (sd->profiling)
+        pt[1] = now_ms();
 
     /* module 2: catch up over c1-1 .. n-2 with real tokens, draft at n-1 from d1 */
     for (int i = 0; i < n; i++) {
@@ -548,6 +574,8 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
     }
     if (n2 && fwd_chunks(sd, ctx, kv, 2, sd->b2, n2) != 0)
         return -1;
+    if (sd->profiling)
+        pt[2] = now_ms();
 
     /* verify [t_n, d1, d2] in one pass for every sequence */
     for (int i = 0; i < n; i++) {
@@ -568,6 +596,8 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
     }
     if (n && fwd_chunks(sd, ctx, kv, 0, sd->bv, n) != 0)
         return -1;
+    if (sd->profiling)
+        pt[3] = now_ms();
 
     /* accept, roll back, update the module state */
     for (int i = 0; i < n; i++) {
@@ -617,17 +647,18 @@ int specdec_step(specdec_t *sd, model_ctx_t *ctx, kvcache_t *kv, specdec_item *i
             st->n_rows++;
         }
     }
+    if (sd->profiling) {
+        pt[4] = now_ms();
+        sd->prof.mod1_ms += pt[1] - pt[0];
+        sd->prof.mod2_ms += pt[2] - pt[1];
+        sd->prof.verify_ms += pt[3] - pt[2];
+        sd->prof.rest_ms += pt[4] - pt[3];
+        sd->prof.steps++;
+    }
     return 0;
 }
 
 // --- costs and the controller
-
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
 
 #define COST_PROMPT 16
 #define COST_REPS 5

@@ -90,6 +90,20 @@ void specdec_destroy(specdec_t **sd);
 /* Default SPECDEC_SAMPLE_REJECTION. */
 void specdec_set_sampling(specdec_t *sd, specdec_sampling mode);
 
+/* Where specdec_step's wall time goes, summed over the steps since profiling was turned on
+ * (for benchmarks; off by default, when the step reads no clock): milliseconds from the
+ * step's start through the module 1 pass (the checks and the batch set-up included), then
+ * d1's draft and the module 2 pass, then d2's draft and the verify pass, then the rest
+ * (accept rule, KV rollback, state copies); steps counted (calls, not sequences). */
+typedef struct {
+    double mod1_ms, mod2_ms, verify_ms, rest_ms;
+    long steps;
+} specdec_profile;
+/* on != 0: start profiling from zero; 0: stop (the figures are kept). */
+void specdec_set_profiling(specdec_t *sd, int on);
+/* The figures so far into *out. */
+void specdec_get_profile(const specdec_t *sd, specdec_profile *out);
+
 /* Floats of the hand-off state a prefill leaves for the first decode step: h_0 at the
  * prompt's last position and h_1 (module 1's output) one position before, 2 * dim. */
 int specdec_hand_floats(const specdec_t *sd);

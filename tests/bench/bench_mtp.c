@@ -1,7 +1,8 @@
 /*
  * bench_mtp: the MTP2 decode path, in-process (engine level: model + modules + specdec).
  *
- *   bench_mtp [--quick] STORIES.gguf STORIES-MTP.gguf SYNTH-1B.gguf
+ *   bench_mtp [--quick] [--isa avx2|avx512] [--rounds N] STORIES.gguf STORIES-MTP.gguf
+ *             SYNTH-1B.gguf
  *
  * 1. Acceptance on held-out prompts (24 story openings that are neither reference prompts
  *    nor from the trainer's data): greedy draft-and-verify, 128 tokens per prompt, at depth
@@ -20,14 +21,21 @@
  *    measured here by specdec_measure_costs and the acceptance of part 1) picks at batch 1.
  * 3. On the synthetic 1B-class model (no trained modules exist for it): a side file of two
  *    modules shaped like trained ones (each block a copy of the model's last block, random
- *    eh_proj in the model's matrix type) is written once next to it, and the step cost at
- *    depth 1 and 2 relative to a plain decode step is measured at batch 1 and 4
- *    (specdec_measure_costs), along with the pure verify ratio (a forward pass of 2 and 3
- *    tokens vs 1; target <= 1.15 for 3; also in CPU seconds, which time slicing on a
- *    shared machine moves less than the wall time) and a module pass with the full head
- *    vs the draft head (both models). From the acceptance of part 1, it prints the
- *    speedup trained modules of that acceptance would give there: E_d / cost_d, E_1 = 1 + a1,
- *    E_2 = 1 + a1 + a1 a2 (target >= 1.6 at depth 2, batch 1).
+ *    eh_proj in the model's matrix type) is written once next to it. Per instruction set
+ *    (--isa X: X alone; without it, on an AVX-512 machine, AVX2 and AVX-512 contexts of the
+ *    one loaded model side by side), N interleaved rounds (--rounds; default 3 with
+ *    --quick, else 7), each: a module pass of one token with the full and the draft head,
+ *    the pure verify ratio (a forward pass of 2 and 3 tokens vs 1; target <= 1.15 for 3;
+ *    also in CPU seconds, which time slicing on a shared machine moves less than the wall
+ *    time), the step cost at depth 1 and 2 relative to a plain decode step at batch 1
+ *    (specdec_measure_costs), and where a depth-2 step's time goes (specdec profiling:
+ *    module 1, module 2, verify, the rest, against a plain step); medians and ranges of
+ *    the per-round ratios. From the acceptance of part 1, the speedup trained modules of
+ *    that acceptance would give there: E_d / cost_d, E_1 = 1 + a1, E_2 = 1 + a1 + a1 a2
+ *    (target >= 1.6 at depth 2, batch 1). Without --quick, one measurement at batch 1, 2, 4.
+ *    The synthetic modules' drafts are almost never accepted, so their module passes are
+ *    the shortest (module 1 over 1 position, module 2 over 2); trained ones that accept a
+ *    drafts run a + 1 and a + 1 or a + 2.
  *
  * Numbers are ratios within one run on one (possibly shared) machine.
  */
@@ -98,7 +106,7 @@ typedef struct {
     int max_tokens;
 } rig;
 
-static int rig_init(rig *r, const model_t *m, const mtp_t *mt, int max_tokens)
+static int rig_init(rig *r, const model_t *m, const mtp_t *mt, int max_tokens, model_isa isa)
 {
     memset(r, 0, sizeof(*r));
     r->m = m;
@@ -114,7 +122,10 @@ static int rig_init(rig *r, const model_t *m, const mtp_t *mt, int max_tokens)
                          .max_seqs = MAXB + 8,
                          .max_seq_len = c->n_ctx};
     r->kv = kvcache_new(&kp);
-    r->ctx = model_ctx_new(m, max_tokens);
+    model_ctx_params cp = model_ctx_default_params();
+    cp.max_tokens = max_tokens;
+    cp.max_isa = isa;
+    r->ctx = model_ctx_new_params(m, &cp);
     r->sd = specdec_new(m, mt, MAXB + 8, MAXB, max_tokens);
     r->smp = sampler_new(c->vocab_size);
     r->logits = malloc((size_t)MAXB * c->vocab_size * sizeof(float));
@@ -339,8 +350,10 @@ static int write_synth_modules(const model_t *m, const char *path)
 }
 
 /* A module pass of one token at context 64 (module 1, logits wanted), with the full head
- * and with the draft head: fastest of reps interleaved rounds, seconds, into t[0], t[1]. */
-static void time_module_pass(rig *r, int reps, double t[2])
+ * and with the draft head: fastest of reps interleaved rounds, seconds, into t[0], t[1];
+ * then with the draft head over 2 and 3 positions (61 .. 63, the last one's logits), the
+ * shapes a step's module passes take after accepted drafts, into t[2], t[3]. */
+static void time_module_pass(rig *r, int reps, double t[4])
 {
     const model_config *c = r->c;
     int seq = kvcache_seq_new(r->kv), toks[66];
@@ -353,11 +366,13 @@ static void time_module_pass(rig *r, int reps, double t[2])
     /* module 1's cache over 0..63 */
     b = (model_seq_batch){.seq = seq, .n_tokens = 64, .tokens = toks + 1, .hidden_in = r->h0};
     mtp_forward(r->ctx, r->kv, r->mt, 1, &b, 1);
-    t[0] = t[1] = 1e30;
+    t[0] = t[1] = t[2] = t[3] = 1e30;
     for (int rep = 0; rep < reps; rep++) {
-        for (int h = 0; h < 2; h++) {
-            b = (model_seq_batch){.seq = seq, .pos = 63, .n_tokens = 1, .tokens = toks + 64,
-                                  .logits = r->logits, .hidden_in = r->h0 + 63 * (size_t)c->dim};
+        for (int h = 0; h < 4; h++) {
+            int nt = h < 2 ? 1 : h; /* tokens */
+            b = (model_seq_batch){.seq = seq, .pos = 64 - nt, .n_tokens = nt,
+                                  .tokens = toks + 65 - nt, .logits = r->logits,
+                                  .hidden_in = r->h0 + (64 - nt) * (size_t)c->dim};
             double t0 = now_s();
             if (h)
                 mtp_forward_draft(r->ctx, r->kv, r->mt, 1, &b, 1);
@@ -444,17 +459,86 @@ static double ratio_or_nan(double a, double b)
     return b > 0 ? a / b : NAN;
 }
 
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Median of v[0..n) (sorts v). */
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof(double), cmp_d);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Where a step's time goes: one sequence of a 16-token random prompt (context 16 .. ~50),
+ * n_steps greedy steps at `depth` with specdec profiling on; the profile into *out.
+ * Returns 0 or -1. */
+static int profile_steps(rig *r, int depth, int n_steps, specdec_profile *out)
+{
+    const model_config *c = r->c;
+    enum { P = 16 };
+    int toks[P], seq = kvcache_seq_new(r->kv);
+    static float hand[2 * 4096];
+    if (seq < 0 || c->dim > 4096 ||
+        kvcache_seq_reserve(r->kv, seq, P + n_steps * (SPECDEC_MAX_DEPTH + 1) + 1) != KVCACHE_OK)
+        return -1;
+    for (int i = 0; i < P; i++)
+        toks[i] = 3 + (i * 7919 + depth * 104729) % (c->vocab_size - 3);
+    model_seq_batch b = {.seq = seq, .n_tokens = P, .tokens = toks, .logits = r->logits,
+                         .hidden = r->h0, .hidden_all = 1};
+    specdec_prefill_item pit = {.seq = seq, .n_tokens = P, .prompt = toks, .n_prompt = P,
+                                .h0 = r->h0, .depth = depth, .hand = hand};
+    int rc = -1;
+    if (model_forward(r->ctx, r->kv, &b, 1, NULL, NULL) != 0 ||
+        (depth > 0 && specdec_prefill(r->sd, r->ctx, r->kv, &pit, 1) != 0))
+        goto done;
+    sampler_params greedy = {.temperature = 0.0f, .top_p = 1.0f};
+    uint64_t rng = 1;
+    int last = sampler_sample(r->smp, &greedy, &rng, r->logits), pos = P;
+    specdec_seq_start(r->sd, seq, P, last, depth > 0 ? hand : NULL, depth);
+    for (int k = 0; k <= n_steps; k++) {
+        specdec_item it = {.seq = seq, .pos = pos, .last = last, .depth = depth, .sp = &greedy,
+                           .rng = &rng};
+        if (k == 1)
+            specdec_set_profiling(r->sd, 1); /* the first step untimed */
+        if (specdec_step(r->sd, r->ctx, r->kv, &it, 1) != 0)
+            goto done;
+        pos += it.n_tokens;
+        last = it.tokens[it.n_tokens - 1];
+    }
+    specdec_get_profile(r->sd, out);
+    specdec_set_profiling(r->sd, 0);
+    rc = 0;
+done:
+    kvcache_seq_free(r->kv, seq);
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
-    int quick = 0, a = 1;
-    if (a < argc && strcmp(argv[a], "--quick") == 0) {
-        quick = 1;
-        a++;
+    int quick = 0, a = 1, rounds_1b = 0;
+    model_isa isa_opt = MODEL_ISA_AUTO;
+    for (; a < argc; a++) {
+        if (strcmp(argv[a], "--quick") == 0) {
+            quick = 1;
+        } else if (strcmp(argv[a], "--isa") == 0 && a + 1 < argc &&
+                   (strcmp(argv[a + 1], "avx2") == 0 || strcmp(argv[a + 1], "avx512") == 0)) {
+            isa_opt = strcmp(argv[++a], "avx2") == 0 ? MODEL_ISA_AVX2 : MODEL_ISA_AVX512;
+        } else if (strcmp(argv[a], "--rounds") == 0 && a + 1 < argc && atoi(argv[a + 1]) > 0) {
+            rounds_1b = atoi(argv[++a]);
+        } else {
+            break;
+        }
     }
     if (argc - a != 3) {
-        fprintf(stderr, "usage: bench_mtp [--quick] STORIES.gguf STORIES-MTP.gguf SYNTH-1B.gguf\n");
+        fprintf(stderr, "usage: bench_mtp [--quick] [--isa avx2|avx512] [--rounds N] STORIES.gguf "
+                        "STORIES-MTP.gguf SYNTH-1B.gguf\n");
         return 2;
     }
+    if (rounds_1b == 0)
+        rounds_1b = quick ? 3 : 7;
     const char *mpath = argv[a], *mtpath = argv[a + 1], *bigpath = argv[a + 2];
     char err[512];
     model_t *m = model_load(mpath, err, sizeof(err));
@@ -466,7 +550,7 @@ int main(int argc, char **argv)
     }
     const model_config *c = model_get_config(m);
     rig r;
-    if (rig_init(&r, m, mt, 1024) != 0) {
+    if (rig_init(&r, m, mt, 1024, isa_opt) != 0) {
         fprintf(stderr, "bench_mtp: out of memory\n");
         return 1;
     }
@@ -556,7 +640,7 @@ int main(int argc, char **argv)
                c->vocab_size, full[0], full[1], 100.0 * mal2 / full[0], 100.0 * mal2s / full[1]);
     }
     {
-        double tm[2];
+        double tm[4];
         time_module_pass(&r, quick ? 200 : 1000, tm);
         printf("  module pass (1 token, context 64): full head %.1f us, draft head %.1f us (x%.3f)\n",
                tm[0] * 1e6, tm[1] * 1e6, tm[1] / tm[0]);
@@ -654,7 +738,7 @@ int main(int argc, char **argv)
         }
     }
     rig rb;
-    if (rig_init(&rb, big, bmt, 256) != 0) {
+    if (rig_init(&rb, big, bmt, 256, isa_opt) != 0) {
         fprintf(stderr, "bench_mtp: out of memory (1B)\n");
         return 1;
     }
@@ -662,41 +746,133 @@ int main(int argc, char **argv)
     printf("  %s: dim %d, %d layers, vocab %d, kernels %s, %d threads; modules %.0f MB each\n",
            bc->name, bc->dim, bc->n_layer, bc->vocab_size, model_ctx_kernel_name(rb.ctx),
            model_ctx_n_threads(rb.ctx), (double)mtp_matmul_bytes(bmt, 1) / 1e6);
-    {
-        double tm[2];
-        time_module_pass(&rb, quick ? 3 : 5, tm);
-        printf("  module pass (1 token, context 64): full head %.1f ms, draft head (%d of %d) %.1f ms "
-               "(x%.3f)\n",
-               tm[0] * 1e3, mtp_draft_vocab(bmt), bc->vocab_size, tm[1] * 1e3, tm[1] / tm[0]);
+    /* per instruction set (--isa X: X alone; else AVX2 and the best the CPU has, side by
+     * side), interleaved rounds; each round: a module pass of one token with the full and
+     * with the draft head, a forward pass of 1, 2 and 3 tokens, the step costs
+     * (specdec_measure_costs at batch 1) and where a depth-2 step's time goes (specdec
+     * profiling, against a plain step's); medians over the rounds of the per-round ratios */
+    model_ctx_t *ctxs[2] = {rb.ctx, NULL};
+    const char *names[2] = {model_ctx_kernel_name(rb.ctx), NULL};
+    int n_isa = 1;
+    if (isa_opt == MODEL_ISA_AUTO && kern_isa_detect() > KERN_ISA_AVX2) {
+        model_ctx_params p2 = model_ctx_default_params();
+        p2.max_tokens = 256;
+        p2.max_isa = MODEL_ISA_AVX2;
+        ctxs[0] = model_ctx_new_params(big, &p2);
+        ctxs[1] = rb.ctx;
+        if (!ctxs[0]) {
+            fprintf(stderr, "bench_mtp: out of memory (1B)\n");
+            return 1;
+        }
+        names[0] = model_ctx_kernel_name(ctxs[0]);
+        names[1] = model_ctx_kernel_name(ctxs[1]);
+        n_isa = 2;
     }
-    /* pure verify: one sequence at context 64, a pass of 1, 2, 3 tokens */
-    {
-        double tv[4], cv[4];
-        time_verify(&rb, quick ? 5 : 9, tv, cv);
-        printf("  verify pass at batch 1: 1 token %.1f ms; 2 tokens x%.3f; 3 tokens x%.3f (target "
-               "<= 1.15: %s)\n",
-               tv[1] * 1e3, tv[2] / tv[1], tv[3] / tv[1], tv[3] / tv[1] <= 1.15 ? "met" : "not met");
-        printf("  the same in CPU time (both threads): 1 token %.1f ms; 2 tokens x%.3f; 3 tokens "
-               "x%.3f\n",
-               cv[1] * 1e3, cv[2] / cv[1], cv[3] / cv[1]);
-    }
-    specdec_costs costs;
-    if (specdec_measure_costs(rb.sd, rb.ctx, rb.kv, quick ? 1 : 4, 20000.0, &costs) != 0) {
-        fprintf(stderr, "bench_mtp: cost measurement failed\n");
-        return 1;
-    }
+    enum { MAXR = 64, NQ = 20 };
+    if (rounds_1b > MAXR)
+        rounds_1b = MAXR;
+    /* per isa, per round: 0 full-head module pass / 1-token pass, 1 draft-head one,
+     * 2 draft / full, 3 verify 2/1, 4 verify 3/1, 5 CPU 3/1, 6 C1, 7 C2, 8 plain step ms,
+     * 9..12 depth-2 step's module 1, module 2, verify, rest / plain step, 13 their sum,
+     * 14 E1/C1, 15 E2/C2, 16 and 17 module pass of 2 and 3 tokens / 1, 18 C2 with the
+     * module passes of the measured acceptance, 19 E2 / that */
+    static double q[2][NQ][MAXR];
     double e1 = 1 + a1, e2 = 1 + a1 + a1 * a2;
-    printf("  whole MTP step (module passes + verify) vs a plain step, and the speedup of\n"
-           "  modules with the acceptance measured above (E1 = %.3f, E2 = %.3f tokens/step):\n",
-           e1, e2);
-    printf("  %-6s %12s %10s %10s %12s %12s\n", "batch", "plain ms", "d1 cost", "d2 cost",
-           "d1 speedup", "d2 speedup");
-    for (int k = 0; k < costs.n; k++)
-        printf("  %-6d %12.1f %9.3fx %9.3fx %11.2fx %11.2fx\n", costs.batch[k], costs.plain_ms[k],
-               costs.ratio[k][1], costs.ratio[k][2], e1 / costs.ratio[k][1],
-               e2 / costs.ratio[k][2]);
-    printf("  projected MTP2 speedup at batch 1: x%.2f (target >= 1.6: %s)\n", e2 / costs.ratio[0][2],
-           e2 / costs.ratio[0][2] >= 1.6 ? "met" : "not met");
+    const int psteps = quick ? 6 : 12;
+    for (int rep = 0; rep < rounds_1b; rep++) {
+        for (int i = 0; i < n_isa; i++) {
+            rb.ctx = ctxs[i];
+            double tm[4], tv[4], cv[4];
+            specdec_costs costs;
+            specdec_profile p0, p2;
+            time_module_pass(&rb, 1, tm);
+            time_verify(&rb, 1, tv, cv);
+            if (specdec_measure_costs(rb.sd, rb.ctx, rb.kv, 1, 20000.0, &costs) != 0 ||
+                profile_steps(&rb, 2, psteps, &p2) != 0 || profile_steps(&rb, 0, psteps, &p0) != 0) {
+                fprintf(stderr, "bench_mtp: cost measurement failed\n");
+                return 1;
+            }
+            double plain = (p0.mod1_ms + p0.mod2_ms + p0.verify_ms + p0.rest_ms) / (double)p0.steps;
+            double *v[NQ];
+            for (int k = 0; k < NQ; k++)
+                v[k] = &q[i][k][rep];
+            *v[0] = tm[0] / tv[1];
+            *v[1] = tm[1] / tv[1];
+            *v[2] = tm[1] / tm[0];
+            *v[3] = tv[2] / tv[1];
+            *v[4] = tv[3] / tv[1];
+            *v[5] = cv[3] / cv[1];
+            *v[6] = costs.ratio[0][1];
+            *v[7] = costs.ratio[0][2];
+            *v[8] = costs.plain_ms[0];
+            *v[9] = p2.mod1_ms / (double)p2.steps / plain;
+            *v[10] = p2.mod2_ms / (double)p2.steps / plain;
+            *v[11] = p2.verify_ms / (double)p2.steps / plain;
+            *v[12] = p2.rest_ms / (double)p2.steps / plain;
+            *v[13] = *v[9] + *v[10] + *v[11] + *v[12];
+            *v[14] = e1 / costs.ratio[0][1];
+            *v[15] = e2 / costs.ratio[0][2];
+            /* the synthetic modules' steps accept nothing (module 1 over 1 position, module
+             * 2 over 2); at the measured acceptance, after a step that accepted a drafts
+             * module 1 runs a + 1 positions and module 2 2, 2, 3 (a = 0, 1, 2): the extra
+             * module time, in module passes of 1, 2, 3 tokens (draft head) */
+            double m1 = tm[1] / tv[1], m2 = tm[2] / tv[1], m3 = tm[3] / tv[1];
+            double pa1 = a1 * (1 - a2), pa2 = a1 * a2;
+            *v[16] = m2 / m1;
+            *v[17] = m3 / m1;
+            *v[18] = costs.ratio[0][2] + pa1 * (m2 - m1) + pa2 * ((m3 - m1) + (m3 - m2));
+            *v[19] = e2 / *v[18];
+        }
+    }
+    rb.ctx = ctxs[n_isa - 1];
+    printf("  %d interleaved rounds per instruction set, medians [min - max] of per-round ratios;\n"
+           "  E1 = %.3f, E2 = %.3f tokens/step (the acceptance measured above)\n",
+           rounds_1b, e1, e2);
+    double med[2][NQ], lo[2][NQ], hi[2][NQ];
+    for (int i = 0; i < n_isa; i++)
+        for (int k = 0; k < NQ; k++) {
+            med[i][k] = median(q[i][k], rounds_1b); /* sorted: [0] and [n-1] are the range */
+            lo[i][k] = q[i][k][0];
+            hi[i][k] = q[i][k][rounds_1b - 1];
+        }
+    static const char *const lab[NQ] = {
+        "module pass, full head / 1-token pass", "module pass, draft head / 1-token pass",
+        "module pass, draft / full head", "verify pass 2 tokens / 1", "verify pass 3 tokens / 1",
+        "verify pass 3 tokens / 1, CPU time", "whole depth-1 step / plain (C1)",
+        "whole depth-2 step / plain (C2)", "plain step ms", "  d2 step: module 1 (+ checks)",
+        "  d2 step: d1 draft + module 2", "  d2 step: d2 draft + verify",
+        "  d2 step: accept, rollback, copies", "  d2 step: sum (profiled) / plain",
+        "projected speedup depth 1 (E1/C1)", "projected speedup depth 2 (E2/C2)",
+        "module pass (draft head) 2 tokens / 1", "module pass (draft head) 3 tokens / 1",
+        "C2 at the measured acceptance's shapes", "projected speedup depth 2, those shapes"};
+    for (int k = 0; k < NQ; k++) {
+        printf("  %-42s", lab[k]);
+        for (int i = 0; i < n_isa; i++)
+            printf("  %s %7.3f [%.3f - %.3f]", names[i], med[i][k], lo[i][k], hi[i][k]);
+        printf("\n");
+    }
+    for (int i = 0; i < n_isa; i++)
+        printf("  projected MTP2 speedup at batch 1, %s: x%.2f (target >= 1.6: %s; x%.2f with the "
+               "module passes of the measured acceptance); verify 3 / 1 x%.3f (target <= 1.15: "
+               "%s)\n",
+               names[i], med[i][15], med[i][15] >= 1.6 ? "met" : "not met", med[i][19], med[i][4],
+               med[i][4] <= 1.15 ? "met" : "not met");
+    if (!quick) {
+        specdec_costs costs;
+        if (specdec_measure_costs(rb.sd, rb.ctx, rb.kv, 4, 20000.0, &costs) != 0) {
+            fprintf(stderr, "bench_mtp: cost measurement failed\n");
+            return 1;
+        }
+        printf("  %s, one measurement per batch size:\n  %-6s %12s %10s %10s %12s %12s\n",
+               names[n_isa - 1], "batch", "plain ms", "d1 cost", "d2 cost", "d1 speedup",
+               "d2 speedup");
+        for (int k = 0; k < costs.n; k++)
+            printf("  %-6d %12.1f %9.3fx %9.3fx %11.2fx %11.2fx\n", costs.batch[k],
+                   costs.plain_ms[k], costs.ratio[k][1], costs.ratio[k][2],
+                   e1 / costs.ratio[k][1], e2 / costs.ratio[k][2]);
+    }
+    if (n_isa == 2)
+        model_ctx_destroy(&ctxs[0]);
     rig_free(&rb);
     mtp_destroy(&bmt);
     model_destroy(&big);

@@ -28,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "gguf.h"
@@ -1686,6 +1687,61 @@ static void test_specdec_ctl(void **state)
 }
 
 /* The measured costs are sane: ratios >= ~1 and growing with depth at larger batches. */
+/* specdec profiling: off by default (nothing counted); on: every step call counted, the
+ * three passes' shares positive, the sum within the decode's wall time, the output the
+ * plain greedy one; off again: the figures kept; on again: from zero. */
+static double wall_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+static void test_specdec_profile(void **state)
+{
+    const model_config *c = model_get_config(g_model);
+    enum { NG = 40 };
+    encode_prompts();
+    sampler_params sp = {.temperature = 0.0f, .top_p = 1.0f};
+    int two = 2;
+    const int *pr = g_prompt_toks[1];
+    int ref[NG], nref = plain_greedy(pr, g_prompt_n[1], NG, ref);
+    int a[NG], *oa = a, na;
+    rig r;
+    rig_init(&r, g_mtp, 4, c->n_ctx);
+    specdec_profile p;
+    dec_stats st = {0};
+    decode(&r, 1, &pr, &g_prompt_n[1], &two, NULL, &sp, NULL, NG, &oa, &na, &st);
+    specdec_get_profile(r.sd, &p);
+    assert_int_equal(p.steps, 0);
+    assert_true(p.mod1_ms == 0.0 && p.mod2_ms == 0.0 && p.verify_ms == 0.0 && p.rest_ms == 0.0);
+
+    specdec_set_profiling(r.sd, 1);
+    dec_stats st2 = {0};
+    double t0 = wall_ms();
+    decode(&r, 1, &pr, &g_prompt_n[1], &two, NULL, &sp, NULL, NG, &oa, &na, &st2);
+    double wall = wall_ms() - t0;
+    assert_int_equal(na, nref);
+    assert_memory_equal(a, ref, (size_t)nref * sizeof(int));
+    specdec_get_profile(r.sd, &p);
+    assert_int_equal(p.steps, st2.steps); /* one sequence: one item per call */
+    assert_true(st2.accepted > 0);
+    assert_true(p.mod1_ms > 0 && p.mod2_ms > 0 && p.verify_ms > 0 && p.rest_ms >= 0);
+    assert_true(p.mod1_ms + p.mod2_ms + p.verify_ms + p.rest_ms <= wall);
+
+    specdec_set_profiling(r.sd, 0);
+    decode(&r, 1, &pr, &g_prompt_n[1], &two, NULL, &sp, NULL, NG, &oa, &na, NULL);
+    specdec_profile p2;
+    specdec_get_profile(r.sd, &p2);
+    assert_memory_equal(&p2, &p, sizeof(p));
+    specdec_set_profiling(r.sd, 1);
+    specdec_get_profile(r.sd, &p2);
+    assert_int_equal(p2.steps, 0);
+    assert_true(p2.verify_ms == 0.0);
+    specdec_set_profiling(r.sd, 0);
+    rig_free(&r);
+}
+
 static void test_specdec_measure(void **state)
 {
     const model_config *c = model_get_config(g_model);
@@ -1734,6 +1790,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_specdec_ctl),
         cmocka_unit_test(test_specdec_logprobs),
         cmocka_unit_test(test_specdec_measure),
+        cmocka_unit_test(test_specdec_profile),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);
