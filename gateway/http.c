@@ -169,6 +169,7 @@ static void on_reply_done(struct evhttp_request *req, void *arg)
     http_server_t *s = arg;
     if (s->cx.stats)
         stats_http_response(s->cx.stats, evhttp_request_get_response_code(req));
+    httpconn_reply_done(s->conns, evhttp_request_get_connection(req));
 }
 
 /* Running out of file descriptors makes accept() fail at once, every time the listener
@@ -387,6 +388,7 @@ static int authorize(http_server_t *s, struct evhttp_request *req, need_t need, 
 static void on_request(struct evhttp_request *req, void *arg)
 {
     http_server_t *s = arg;
+    httpconn_request_read(s->conns, evhttp_request_get_connection(req));
     evhttp_request_set_on_complete_cb(req, on_reply_done, s);
     if (reject_ambiguous_framing(req))
         return;
@@ -547,6 +549,23 @@ http_server_t *http_server_new(struct event_base *base, const http_params *p, ch
     s->timeout_s = p->timeout_s > 0 ? p->timeout_s : 60;
     s->keepalive_s = p->sse_keepalive_s > 0 ? p->sse_keepalive_s : 15;
     s->responses_store = p->responses_store;
+    s->max_unsent = p->max_unsent_bytes > 0 ? p->max_unsent_bytes : (size_t)8 << 20;
+    httpconn_params cp = httpconn_default_params();
+    if (p->max_connections > 0)
+        cp.max_connections = p->max_connections;
+    if (p->header_timeout_s > 0)
+        cp.header_timeout_s = p->header_timeout_s;
+    if (p->body_timeout_s > 0)
+        cp.body_timeout_s = p->body_timeout_s;
+    if (p->body_min_rate > 0)
+        cp.body_min_rate = p->body_min_rate;
+    else if (p->body_min_rate < 0)
+        cp.body_min_rate = 0;
+    s->conns = httpconn_new(base, s->http, &cp);
+    if (!s->conns) {
+        snprintf(err, errlen, "out of memory");
+        goto fail;
+    }
     evhttp_set_timeout(s->http, s->timeout_s);
     evhttp_set_gencb(s->http, on_request, s);
     s->bound = evhttp_bind_socket_with_handle(s->http, p->host, (ev_uint16_t)p->port);
@@ -580,6 +599,7 @@ void http_server_set_cluster(http_server_t *s, cluster_t *c)
 void http_server_set_stats(http_server_t *s, stats_t *stats)
 {
     s->cx.stats = stats;
+    httpconn_set_stats(s->conns, stats);
 }
 
 void http_server_set_batch(http_server_t *s, batch_t *b)
@@ -619,7 +639,8 @@ void http_server_destroy(http_server_t **ps)
     if (error_server == s)
         error_server = NULL;
     if (s->http)
-        evhttp_free(s->http);
+        evhttp_free(s->http); /* closes every connection (httpconn sees them go) */
+    httpconn_destroy(&s->conns);
     free(s->host);
     free(s->model);
     free(s);
