@@ -215,18 +215,50 @@ static int content_length_ok(const char *v)
     return *v == 0;
 }
 
+/* Whether the NUL-terminated k is a field name: 1*tchar (RFC 9110 5.6.2). */
+static int field_name_ok(const char *k)
+{
+    static const char extra[] = "!#$%&'*+-.^_`|~";
+    if (!*k)
+        return 0;
+    for (; *k; k++) {
+        unsigned char ch = (unsigned char)*k;
+        if (!((ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+              (ch && strchr(extra, ch))))
+            return 0;
+    }
+    return 1;
+}
+
 /* Requests whose framing is ambiguous are refused and their connection closed, so that
  * nothing after them is read as a request (request smuggling): several Content-Length
  * headers (RFC 9112 6.3: 400), one that is not a plain decimal number ("+48", which
  * libevent takes and a proxy in front may not: 400), or a Transfer-Encoding other than one
  * "chunked", which libevent would ignore and read the body as the next request (RFC 9112
- * 6.1: a coding the server does not understand gets 501). Returns 1 when req was
+ * 6.1: a coding the server does not understand gets 501), or a header field name
+ * that is not a token ("Content-Length : 5": 400 bad_header). Returns 1 when req was
  * answered. */
 static int reject_ambiguous_framing(struct evhttp_request *req)
 {
     int n_cl = 0, n_te = 0, te_ok = 1, cl_ok = 1;
     struct evkeyvalq *h = evhttp_request_get_input_headers(req);
     for (struct evkeyval *kv = h->tqh_first; kv; kv = kv->next.tqe_next) {
+        if (!field_name_ok(kv->key)) {
+            /* "Content-Length : 5" is no Content-Length to libevent, which then read the
+             * body as the next request, while a proxy that trims the name forwarded it as
+             * a body: a smuggled request (RFC 9112 5.1: such a request MUST get 400) */
+            char msg[200];
+            int n = (int)strlen(kv->key);
+            snprintf(msg, sizeof(msg),
+                     "The request has a header field name that is not a token (whitespace "
+                     "before the colon?): \"%.*s\".",
+                     n < 64 ? n : 64, kv->key);
+            api_error e;
+            api_error_set(&e, 400, "invalid_request_error", NULL, "bad_header", "%s", msg);
+            evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
+            http_reply_error(req, &e);
+            return 1;
+        }
         if (evutil_ascii_strcasecmp(kv->key, "Content-Length") == 0) {
             n_cl++;
             cl_ok &= content_length_ok(kv->value);
