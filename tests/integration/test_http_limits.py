@@ -260,6 +260,56 @@ class MaxConnections(unittest.TestCase):
 
 @unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
                      "needs %s and %s (make all)" % (GATEWAY, MODEL))
+class DeadlinesAndStreams(unittest.TestCase):
+    """A request being answered has no deadline (a stream longer than the header timeout
+    runs to its end); the bytes of a pipelined request sent with it count from the end of
+    that answer: a whole one is served, a partial one gets its 408 a header timeout after
+    the stream ended."""
+
+    def test_stream_longer_than_the_deadlines_then_pipelined(self):
+        c = Cluster(roles=("mixed",), gateway_args=["--http-header-timeout-s", "1",
+                                                    "--http-body-timeout-s", "1",
+                                                    "--http-body-min-rate", "0"],
+                    worker_args=["--debug-step-delay-ms", "60"])
+        c.start()
+        try:
+            body = json.dumps({"prompt": "Once upon a time", "max_tokens": 40, "stream": True,
+                               "temperature": 0}).encode()
+            req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                   b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            whole = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            s = socket.create_connection(("127.0.0.1", c.port), timeout=15)
+            t0 = time.time()
+            s.sendall(req + whole)
+            data, how = read_all(s, 15)
+            s.close()
+            self.assertEqual(how, "closed")
+            self.assertGreater(time.time() - t0, 1.5)  # 40 tokens at >= 60 ms a step
+            self.assertEqual(data.count(b"HTTP/1.1 200 OK"), 2, data[-300:])
+            self.assertIn(b"data: [DONE]", data)
+            self.assertNotIn(b"408", data)
+            # the same with the second request's headers never finished
+            s = socket.create_connection(("127.0.0.1", c.port), timeout=15)
+            s.sendall(req + b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            data = b""
+            while b"0\r\n\r\n" not in data:  # the stream's last chunk
+                chunk = s.recv(65536)
+                self.assertTrue(chunk, data[-300:])
+                data += chunk
+            t_end = time.time()
+            self.assertIn(b"data: [DONE]", data)
+            rest, how = read_all(s, 5)
+            s.close()
+            self.assertEqual(how, "closed")
+            self.assertTrue(rest.startswith(b"HTTP/1.1 408 Request Timeout"), rest[:200])
+            self.assertGreater(time.time() - t_end, 0.7)
+        finally:
+            c.stop()
+        self.assertEqual(c.sanitizer_reports(), [])
+
+
+@unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
+                     "needs %s and %s (make all)" % (GATEWAY, MODEL))
 class SlowReader(unittest.TestCase):
     """A streaming client that never reads: its answer piles up in the gateway until
     --stream-max-unsent-bytes, then the connection is closed at once (it used to stay open,
