@@ -41,6 +41,7 @@ typedef struct conn_rec {
     int last_cr;         /* its last byte was '\r' */
     uint64_t body_bytes; /* bytes after the header block */
     int64_t t_start_us;  /* HEAD: its first byte; BODY: the end of its headers */
+    int64_t t_idle_us;   /* WAIT: since when (the oldest idle one is closed first) */
     void (*close_cb)(struct evhttp_connection *, void *);
     void *close_arg;
     struct conn_rec *prev, *next;
@@ -376,6 +377,26 @@ static void on_closed(struct evhttp_connection *conn, void *arg)
     release(r);
 }
 
+/* Close the connection that has been idle longest (WAIT: between requests, nothing of the
+ * next one received), except self, to make room for a new one: a keep-alive connection
+ * may be closed whenever it is idle (RFC 9112 9.8), so idle connections cannot hold every
+ * slot; as nginx reuses its idle keep-alive connections when it runs out. 1 if one was
+ * closed. */
+static int evict_idle(struct httpconn *h, conn_rec *self)
+{
+    conn_rec *oldest = NULL;
+    for (conn_rec *r = h->conns; r; r = r->next)
+        if (r != self && r->state == C_WAIT && !r->over_limit &&
+            (!oldest || r->t_idle_us < oldest->t_idle_us))
+            oldest = r;
+    if (!oldest)
+        return 0;
+    log_debug("http: closing the connection idle for the longest (%.1f s) for a new one",
+              (double)(proto_now_us() - oldest->t_idle_us) / 1e6);
+    evhttp_connection_free(oldest->evcon); /* runs on_closed: oldest is freed */
+    return 1;
+}
+
 /* The record's first timer: evhttp has set the connection up. */
 static void attach(conn_rec *r)
 {
@@ -396,7 +417,10 @@ static void attach(conn_rec *r)
         r->fd = -1; /* out of memory: not found by find(), still counted and closed */
     evhttp_connection_set_closecb(r->evcon, on_closed, r);
     r->state = C_WAIT;
+    r->t_idle_us = proto_now_us();
     bufferevent_decref(bev); /* evhttp's own reference remains */
+    if (r->over_limit && h->n_open > h->p.max_connections && evict_idle(h, r))
+        r->over_limit = 0;
     if (r->over_limit) {
         char msg[200];
         snprintf(msg, sizeof(msg), "503: a connection over --max-connections (%d)",
@@ -541,7 +565,8 @@ void httpconn_reply_done(httpconn_t *h, struct evhttp_connection *conn)
     if (!r || r->state != C_BUSY)
         return;
     r->state = C_WAIT;
-    advance(r, proto_now_us());
+    r->t_idle_us = proto_now_us();
+    advance(r, r->t_idle_us);
 }
 
 void httpconn_set_close_cb(httpconn_t *h, struct evhttp_connection *conn,

@@ -12,8 +12,9 @@
  * large upload at a modest rate is not cut). A request that misses one gets 408
  * request_timeout (an OpenAI-style JSON body) and its connection is closed; a connection
  * that sent nothing of its next request is left to evhttp's idle timeout, which closes it
- * without a reply. Over max_connections a new connection gets 503 too_many_connections
- * (Retry-After: 1) at once and is closed.
+ * without a reply. Over max_connections a new connection takes the place of the one idle
+ * longest (between requests: closed, as a keep-alive connection may be), or when none is
+ * idle gets 503 too_many_connections (Retry-After: 1) at once and is closed.
  *
  * How it sees connections without patching libevent: evhttp_set_bevcb makes every accepted
  * connection's bufferevent here, so each one is counted, and a callback on that

@@ -91,8 +91,8 @@ static const config_entry_t settings[] = {
      "bytes of a body that buy it one more second (0 = the whole body within "
      "--http-body-timeout-s)"},
     {"max-connections", CONFIG_INT, &opt_max_connections, "4096", 1, 10000000,
-     "HTTP connections open at once; a connection past it gets 503 too_many_connections "
-     "and is closed"},
+     "HTTP connections open at once; a connection past it closes the one idle longest, or "
+     "when none is idle gets 503 too_many_connections"},
     {"stream-max-unsent-bytes", CONFIG_INT, &opt_max_unsent, "8388608", 4096, 1073741824,
      "a stream whose client leaves this many bytes unread is dropped (its connection closed, "
      "its request cancelled)"},

@@ -221,13 +221,37 @@ class MaxConnections(unittest.TestCase):
         gw = Gateway("--max-connections", str(self.MAX),
                      "--stats-bind", "tcp://127.0.0.1:%d" % free_port())
         try:
-            idle = [socket.create_connection(("127.0.0.1", gw.port), timeout=5)
-                    for _ in range(self.MAX)]
+            def conn():
+                return socket.create_connection(("127.0.0.1", gw.port), timeout=5)
+
+            def is_open(s):
+                r, _, _ = select.select([s], [], [], 0.2)
+                return not r
+            tok = b'{"prompt": "Once"}'
+            tokenize = (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                        b"Content-Length: %d\r\n\r\n" % len(tok) + tok)
+            # MAX idle connections (nothing sent): a new one takes the place of the one
+            # idle longest, which is closed (as a keep-alive connection may be)
+            idle = []
+            for _ in range(self.MAX):
+                idle.append(conn())
+                time.sleep(0.1)
+            s = conn()
+            s.sendall(tokenize)
+            data, how = read_all(s, 5)
+            s.close()
+            self.assertTrue(data.startswith(b"HTTP/1.1 200 OK"), data[:200])
+            self.assertEqual(read_all(idle[0], 2), (b"", "closed"))
+            self.assertEqual([is_open(x) for x in idle[1:]], [True] * (self.MAX - 1))
+            # MAX connections each in the middle of a request: none can be closed, so the
+            # next one is refused; a client that sends its request at once still reads the
+            # 503 (the socket lingers: no reset for the bytes it sent)
+            busy = idle[1:] + [conn()]
+            for x in busy:
+                x.sendall(b"GET /health HTTP/1.1\r\n")
             time.sleep(0.3)
-            # the next one: a client that sends its request at once still reads the 503
-            # (the socket lingers: no reset for the bytes it sent)
-            s = socket.create_connection(("127.0.0.1", gw.port), timeout=5)
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            s = conn()
+            s.sendall(tokenize)
             data, how = read_all(s, 5)
             s.close()
             self.assertEqual(how, "closed")
@@ -239,18 +263,19 @@ class MaxConnections(unittest.TestCase):
                 "message": "The server has too many connections open (--max-connections 4). "
                            "Please try again in 1s.",
                 "type": "server_error", "param": None, "code": "too_many_connections"}})
+            self.assertEqual([is_open(x) for x in busy], [True] * self.MAX)
             # one closes: its place is free again
-            idle.pop().close()
+            busy.pop().close()
             time.sleep(0.3)
             st, _, data = gw.request("GET", "/metrics")
             self.assertEqual(st, 200)
             text = data.decode()
             self.assertRegex(text, r'(?m)^tidepool_http_connections_refused_total\{[^}]*\} 1$')
-            # the 3 idle ones and this one
+            # the 3 busy ones and this one
             self.assertRegex(text, r'(?m)^tidepool_http_connections\{[^}]*\} 4$')
             self.assertRegex(text, r'(?m)^tidepool_http_responses_total\{[^}]*code="503"\} 1$')
-            for s in idle:
-                s.close()
+            for x in busy:
+                x.close()
             time.sleep(0.3)
             self.assertEqual(metric(gw, "http_connections"), 1)
         finally:
