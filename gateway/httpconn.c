@@ -33,7 +33,8 @@ typedef struct conn_rec {
     struct event *timer;             /* attach, then the request's deadline */
     int fd;                          /* -1 until attached */
     conn_state state;
-    int over_limit; /* accepted past max_connections: refused at attach */
+    int over_limit; /* accepted past max_connections: at attach the connection idle
+                     * longest is closed for it, or (none idle) it is refused */
     /* the scanner, over the bytes of the current (or, while BUSY, the next) request */
     int seen;            /* some of it arrived */
     int head_done;       /* its header block's empty line arrived */
