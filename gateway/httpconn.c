@@ -43,6 +43,7 @@ typedef struct conn_rec {
     uint64_t body_bytes; /* bytes after the header block */
     int64_t t_start_us;  /* HEAD: its first byte; BODY: the end of its headers */
     int64_t t_idle_us;   /* WAIT: since when (the oldest idle one is closed first) */
+    int served;          /* a reply went out on it (an idle keep-alive connection) */
     void (*close_cb)(struct evhttp_connection *, void *);
     void *close_arg;
     struct conn_rec *prev, *next;
@@ -379,15 +380,19 @@ static void on_closed(struct evhttp_connection *conn, void *arg)
 }
 
 /* Close the connection that has been idle longest (WAIT: between requests, nothing of the
- * next one received), except self, to make room for a new one: a keep-alive connection
+ * next one received; one that never had a request only after HTTPCONN_FRESH_MS, so that a
+ * client's new connection is not closed before its request had time to arrive), except
+ * self, to make room for a new one: a keep-alive connection
  * may be closed whenever it is idle (RFC 9112 9.8), so idle connections cannot hold every
  * slot; as nginx reuses its idle keep-alive connections when it runs out. 1 if one was
  * closed. */
 static int evict_idle(struct httpconn *h, conn_rec *self)
 {
     conn_rec *oldest = NULL;
+    int64_t fresh_after = proto_now_us() - HTTPCONN_FRESH_MS * 1000LL;
     for (conn_rec *r = h->conns; r; r = r->next)
         if (r != self && r->state == C_WAIT && !r->over_limit &&
+            (r->served || r->t_idle_us <= fresh_after) &&
             (!oldest || r->t_idle_us < oldest->t_idle_us))
             oldest = r;
     if (!oldest)
@@ -566,6 +571,7 @@ void httpconn_reply_done(httpconn_t *h, struct evhttp_connection *conn)
     if (!r || r->state != C_BUSY)
         return;
     r->state = C_WAIT;
+    r->served = 1;
     r->t_idle_us = proto_now_us();
     advance(r, r->t_idle_us);
 }

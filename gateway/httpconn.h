@@ -13,7 +13,8 @@
  * request_timeout (an OpenAI-style JSON body) and its connection is closed; a connection
  * that sent nothing of its next request is left to evhttp's idle timeout, which closes it
  * without a reply. Over max_connections a new connection takes the place of the one idle
- * longest (between requests: closed, as a keep-alive connection may be), or when none is
+ * longest (between requests: closed, as a keep-alive connection may be; one that never
+ * had a request only once HTTPCONN_FRESH_MS old), or when none is
  * idle gets 503 too_many_connections (Retry-After: 1) at once and is closed.
  *
  * How it sees connections without patching libevent: evhttp_set_bevcb makes every accepted
@@ -42,6 +43,7 @@
 #define HTTPCONN_LINGER_MS 2000           /* a refused connection's socket, at most */
 #define HTTPCONN_LINGER_BYTES (256 << 10) /* ... or until this much was discarded */
 #define HTTPCONN_MAX_LINGER 1024          /* sockets lingering at once; more: closed at once */
+#define HTTPCONN_FRESH_MS 1000            /* a new connection's grace before it counts as idle */
 
 struct event_base;
 struct evhttp;

@@ -231,11 +231,19 @@ class MaxConnections(unittest.TestCase):
             tokenize = (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
                         b"Content-Length: %d\r\n\r\n" % len(tok) + tok)
             # MAX idle connections (nothing sent): a new one takes the place of the one
-            # idle longest, which is closed (as a keep-alive connection may be)
+            # idle longest, which is closed (as a keep-alive connection may be), but only
+            # once they are 1 s old: a client's new connection has that long to send
             idle = []
             for _ in range(self.MAX):
                 idle.append(conn())
-                time.sleep(0.1)
+                time.sleep(0.05)
+            s = conn()
+            s.sendall(tokenize)
+            data, how = read_all(s, 5)
+            s.close()
+            self.assertTrue(data.startswith(b"HTTP/1.1 503"), data[:200])
+            self.assertEqual([is_open(x) for x in idle], [True] * self.MAX)
+            time.sleep(1.0)
             s = conn()
             s.sendall(tokenize)
             data, how = read_all(s, 5)
@@ -270,10 +278,10 @@ class MaxConnections(unittest.TestCase):
             st, _, data = gw.request("GET", "/metrics")
             self.assertEqual(st, 200)
             text = data.decode()
-            self.assertRegex(text, r'(?m)^tidepool_http_connections_refused_total\{[^}]*\} 1$')
+            self.assertRegex(text, r'(?m)^tidepool_http_connections_refused_total\{[^}]*\} 2$')
             # the 3 busy ones and this one
             self.assertRegex(text, r'(?m)^tidepool_http_connections\{[^}]*\} 4$')
-            self.assertRegex(text, r'(?m)^tidepool_http_responses_total\{[^}]*code="503"\} 1$')
+            self.assertRegex(text, r'(?m)^tidepool_http_responses_total\{[^}]*code="503"\} 2$')
             for x in busy:
                 x.close()
             time.sleep(0.3)
