@@ -169,6 +169,7 @@ static void on_reply_done(struct evhttp_request *req, void *arg)
     http_server_t *s = arg;
     if (s->cx.stats)
         stats_http_response(s->cx.stats, evhttp_request_get_response_code(req));
+    httpconn_reply_done(s->conns, evhttp_request_get_connection(req));
 }
 
 /* Running out of file descriptors makes accept() fail at once, every time the listener
@@ -214,18 +215,50 @@ static int content_length_ok(const char *v)
     return *v == 0;
 }
 
+/* Whether the NUL-terminated k is a field name: 1*tchar (RFC 9110 5.6.2). */
+static int field_name_ok(const char *k)
+{
+    static const char extra[] = "!#$%&'*+-.^_`|~";
+    if (!*k)
+        return 0;
+    for (; *k; k++) {
+        unsigned char ch = (unsigned char)*k;
+        if (!((ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+              (ch && strchr(extra, ch))))
+            return 0;
+    }
+    return 1;
+}
+
 /* Requests whose framing is ambiguous are refused and their connection closed, so that
  * nothing after them is read as a request (request smuggling): several Content-Length
  * headers (RFC 9112 6.3: 400), one that is not a plain decimal number ("+48", which
  * libevent takes and a proxy in front may not: 400), or a Transfer-Encoding other than one
  * "chunked", which libevent would ignore and read the body as the next request (RFC 9112
- * 6.1: a coding the server does not understand gets 501). Returns 1 when req was
+ * 6.1: a coding the server does not understand gets 501), or a header field name
+ * that is not a token ("Content-Length : 5": 400 bad_header). Returns 1 when req was
  * answered. */
 static int reject_ambiguous_framing(struct evhttp_request *req)
 {
     int n_cl = 0, n_te = 0, te_ok = 1, cl_ok = 1;
     struct evkeyvalq *h = evhttp_request_get_input_headers(req);
     for (struct evkeyval *kv = h->tqh_first; kv; kv = kv->next.tqe_next) {
+        if (!field_name_ok(kv->key)) {
+            /* "Content-Length : 5" is no Content-Length to libevent, which then read the
+             * body as the next request, while a proxy that trims the name forwarded it as
+             * a body: a smuggled request (RFC 9112 5.1: such a request MUST get 400) */
+            char msg[200];
+            int n = (int)strlen(kv->key);
+            snprintf(msg, sizeof(msg),
+                     "The request has a header field name that is not a token (whitespace "
+                     "before the colon?): \"%.*s\".",
+                     n < 64 ? n : 64, kv->key);
+            api_error e;
+            api_error_set(&e, 400, "invalid_request_error", NULL, "bad_header", "%s", msg);
+            evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
+            http_reply_error(req, &e);
+            return 1;
+        }
         if (evutil_ascii_strcasecmp(kv->key, "Content-Length") == 0) {
             n_cl++;
             cl_ok &= content_length_ok(kv->value);
@@ -387,6 +420,7 @@ static int authorize(http_server_t *s, struct evhttp_request *req, need_t need, 
 static void on_request(struct evhttp_request *req, void *arg)
 {
     http_server_t *s = arg;
+    httpconn_request_read(s->conns, evhttp_request_get_connection(req));
     evhttp_request_set_on_complete_cb(req, on_reply_done, s);
     if (reject_ambiguous_framing(req))
         return;
@@ -547,6 +581,23 @@ http_server_t *http_server_new(struct event_base *base, const http_params *p, ch
     s->timeout_s = p->timeout_s > 0 ? p->timeout_s : 60;
     s->keepalive_s = p->sse_keepalive_s > 0 ? p->sse_keepalive_s : 15;
     s->responses_store = p->responses_store;
+    s->max_unsent = p->max_unsent_bytes > 0 ? p->max_unsent_bytes : (size_t)8 << 20;
+    httpconn_params cp = httpconn_default_params();
+    if (p->max_connections > 0)
+        cp.max_connections = p->max_connections;
+    if (p->header_timeout_s > 0)
+        cp.header_timeout_s = p->header_timeout_s;
+    if (p->body_timeout_s > 0)
+        cp.body_timeout_s = p->body_timeout_s;
+    if (p->body_min_rate > 0)
+        cp.body_min_rate = p->body_min_rate;
+    else if (p->body_min_rate < 0)
+        cp.body_min_rate = 0;
+    s->conns = httpconn_new(base, s->http, &cp);
+    if (!s->conns) {
+        snprintf(err, errlen, "out of memory");
+        goto fail;
+    }
     evhttp_set_timeout(s->http, s->timeout_s);
     evhttp_set_gencb(s->http, on_request, s);
     s->bound = evhttp_bind_socket_with_handle(s->http, p->host, (ev_uint16_t)p->port);
@@ -580,6 +631,7 @@ void http_server_set_cluster(http_server_t *s, cluster_t *c)
 void http_server_set_stats(http_server_t *s, stats_t *stats)
 {
     s->cx.stats = stats;
+    httpconn_set_stats(s->conns, stats);
 }
 
 void http_server_set_batch(http_server_t *s, batch_t *b)
@@ -619,7 +671,8 @@ void http_server_destroy(http_server_t **ps)
     if (error_server == s)
         error_server = NULL;
     if (s->http)
-        evhttp_free(s->http);
+        evhttp_free(s->http); /* closes every connection (httpconn sees them go) */
+    httpconn_destroy(&s->conns);
     free(s->host);
     free(s->model);
     free(s);

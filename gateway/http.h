@@ -42,10 +42,18 @@ typedef struct {
     size_t max_upload_bytes; /* POST /v1/files: largest file (0 = no uploads beyond
                               * max_body_bytes); the HTTP layer reads bodies this large */
     int timeout_s;          /* a connection that sends no bytes of its request, or takes
-                             * none of our reply, for this long is closed (slowloris, stalled
-                             * readers); 0 = 60. A stream's read side has none: its
-                             * client sends nothing while it waits */
+                             * none of our reply, for this long is closed (idle connections,
+                             * stalled readers; a request trickled byte by byte is cut by
+                             * header_timeout_s / body_timeout_s); 0 = 60. A stream's read
+                             * side has none: its client sends nothing while it waits */
     int sse_keepalive_s;    /* a stream idle this long gets ": keep-alive"; 0 = 15 */
+    /* connection limits and request deadlines (httpconn.h; 0 = httpconn's default) */
+    int max_connections;    /* open at once; more get 503 too_many_connections */
+    int header_timeout_s;   /* a request's headers within this of its first byte, else 408 */
+    int body_timeout_s;     /* its body within this of its headers, plus ... */
+    int body_min_rate;      /* ... 1 s per this many bytes received (-1 = none) */
+    size_t max_unsent_bytes; /* a stream whose client leaves this much unread is dropped and
+                              * its request cancelled; 0 = 8 MiB */
     const char *model_name; /* served model name (copied) */
     int n_ctx;              /* context length in tokens */
     const tokenizer_t *tok; /* borrowed; must outlive the server */

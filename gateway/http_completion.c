@@ -13,7 +13,7 @@
  *
  * A stream's client sends nothing while it waits, so the connection's read timeout
  * (--http-timeout-s) is off for the stream (its write timeout still drops a client that
- * stops reading, as SLOW_CLIENT_BYTES does one that reads too slowly), and an SSE comment
+ * stops reading, as --stream-max-unsent-bytes does one that reads too slowly), and an SSE comment
  * (": keep-alive") goes out after --sse-keepalive-s without an event, so that a request
  * waiting long for a worker or its first token is not cut by a proxy's idle timeout
  * either (SSE clients ignore comment lines: WHATWG HTML, "Server-sent events").
@@ -39,7 +39,6 @@
 #include "responses.h"
 #include "store.h"
 
-#define SLOW_CLIENT_BYTES (8u << 20) /* unsent SSE bytes before a client is dropped */
 
 typedef struct gw_req {
     http_server_t *srv;
@@ -51,6 +50,7 @@ typedef struct gw_req {
     int charged;            /* tokens taken from key's tokens/s bucket, not yet settled */
     int max_tokens;         /* of the request, as charged */
     int retry_after_s;      /* admit refused the request: its Retry-After */
+    int slow;               /* streaming: its client fell too far behind (sink_check) */
     struct evbuffer *sse;   /* streaming: the buffer each event goes out through (or NULL) */
     struct event *ping_ev;  /* streaming: the keep-alive timer (--sse-keepalive-s) */
     int64_t last_sent_us;   /* streaming: when the last event or comment went out */
@@ -119,7 +119,7 @@ static void req_free(void *ud)
 {
     gw_req *g = ud;
     if (g->conn && g->req)
-        evhttp_connection_set_closecb(g->conn, NULL, NULL);
+        httpconn_set_close_cb(g->srv->conns, g->conn, NULL, NULL);
     if (g->close_ev)
         event_free(g->close_ev);
     if (g->ping_ev)
@@ -363,18 +363,22 @@ static void sink_text(void *ud, const completion_t *c, int index, const char *te
         free(ev);
 }
 
-/* Streaming: a client that reads slower than we generate has its answer ended here rather
- * than buffered without bound. */
+/* Streaming: a client that reads slower than we generate (or not at all) is dropped once
+ * --stream-max-unsent-bytes of its answer wait in the connection's output, rather than
+ * buffered without bound; its request fails (sink_fail closes the connection) and is
+ * cancelled on its workers. */
 static int sink_check(void *ud, const completion_t *c, api_error *e)
 {
     gw_req *g = ud;
     if (!completion_streaming(c))
         return 0;
     struct bufferevent *bev = evhttp_connection_get_bufferevent(g->conn);
-    if (!bev || evbuffer_get_length(bufferevent_get_output(bev)) <= SLOW_CLIENT_BYTES)
+    size_t unsent = bev ? evbuffer_get_length(bufferevent_get_output(bev)) : 0;
+    if (unsent <= g->srv->max_unsent)
         return 0;
-    log_rwarn(completion_rid(c), "client too slow (%u bytes unsent): request ended",
-              SLOW_CLIENT_BYTES);
+    log_rwarn(completion_rid(c), "client too slow (%zu bytes unsent): connection closed, "
+              "request cancelled", unsent);
+    g->slow = 1;
     api_error_set(e, 503, "server_error", NULL, "slow_client", "the client reads too slowly");
     return -1;
 }
@@ -404,7 +408,7 @@ static int sink_done(void *ud, const completion_t *c, api_error *e)
     api_response_info info = completion_info(c);
     if (info.kind == API_RESPONSES && completion_streaming(c)) {
         resp_stream_end(g, c);
-        evhttp_connection_set_closecb(g->conn, NULL, NULL);
+        httpconn_set_close_cb(g->srv->conns, g->conn, NULL, NULL);
         stream_end(g);
     } else if (completion_streaming(c)) {
         if (info.include_usage) {
@@ -416,7 +420,7 @@ static int sink_done(void *ud, const completion_t *c, api_error *e)
             free(chunk);
         }
         sse_send(g, "[DONE]");
-        evhttp_connection_set_closecb(g->conn, NULL, NULL);
+        httpconn_set_close_cb(g->srv->conns, g->conn, NULL, NULL);
         stream_end(g);
     } else {
         char *body;
@@ -432,7 +436,7 @@ static int sink_done(void *ud, const completion_t *c, api_error *e)
         } else {
             body = completion_format_response(c);
         }
-        evhttp_connection_set_closecb(g->conn, NULL, NULL);
+        httpconn_set_close_cb(g->srv->conns, g->conn, NULL, NULL);
         if (body)
             http_reply_json(g->req, 200, body);
         else
@@ -448,7 +452,19 @@ static stats_end_t sink_fail(void *ud, const completion_t *c, const api_error *e
 {
     gw_req *g = ud;
     settle(g, c);
-    evhttp_connection_set_closecb(g->conn, NULL, NULL);
+    httpconn_set_close_cb(g->srv->conns, g->conn, NULL, NULL);
+    if (g->slow) {
+        /* Nothing more can reach it: what waits is dropped with the connection now, not
+         * after --http-timeout-s of it taking nothing (the buffer is already at the cap).
+         * The evhttp request goes with the connection. */
+        if (g->srv->cx.stats)
+            stats_http_event(g->srv->cx.stats, STATS_HTTP_SLOW_CLIENT);
+        struct evhttp_connection *conn = g->conn;
+        g->req = NULL;
+        g->conn = NULL;
+        evhttp_connection_free(conn);
+        return STATS_END_FAILED;
+    }
     if (completion_streaming(c) && completion_info(c).kind == API_RESPONSES) {
         responses_info ri = resp_info(g, c);
         sse_send_named(g, "error", responses_event_error(g->seq++, e));
@@ -562,7 +578,7 @@ void http_completion_handle(http_server_t *s, struct evhttp_request *req, api_ki
         http_reply_error(req, &e);
         return;
     }
-    evhttp_connection_set_closecb(g->conn, on_close, g);
+    httpconn_set_close_cb(g->srv->conns, g->conn, on_close, g);
     if (!completion_streaming(g->c)) {
         watch_close(g);
         return;
@@ -597,7 +613,7 @@ void http_completion_abandon_all(http_server_t *s)
 {
     while (s->active.head) {
         gw_req *g = completion_ud(s->active.head);
-        evhttp_connection_set_closecb(g->conn, NULL, NULL);
+        httpconn_set_close_cb(g->srv->conns, g->conn, NULL, NULL);
         g->req = NULL;             /* evhttp_free frees the requests */
         completion_destroy(&g->c); /* cancels it in the cluster; frees g */
     }

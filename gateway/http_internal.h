@@ -14,6 +14,7 @@
 #include "batch.h"
 #include "completion.h"
 #include "http.h"
+#include "httpconn.h"
 
 struct evhttp;
 struct evhttp_bound_socket;
@@ -28,6 +29,8 @@ struct http_server {
     int port;
     int timeout_s;          /* --http-timeout-s */
     int keepalive_s;        /* --sse-keepalive-s */
+    size_t max_unsent;      /* --stream-max-unsent-bytes */
+    httpconn_t *conns;      /* the connections: limits, request deadlines, close handlers */
     int responses_store;    /* http_params.responses_store */
     completion_env cx;      /* tokenizer, limits, cluster (NULL: 503), stats (NULL: no figures) */
     batch_t *batch;         /* NULL: the Files and Batch API answer 503 */

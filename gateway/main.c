@@ -42,6 +42,8 @@ static char *opt_host, *opt_ctl_bind, *opt_model, *opt_served_name, *opt_log_lev
 static char *opt_curve_secret_key, *opt_curve_authorized_keys, *opt_stats_authorized_keys;
 static long long opt_http_timeout_s;
 static long long opt_sse_keepalive_s;
+static long long opt_max_connections, opt_header_timeout_s, opt_body_timeout_s;
+static long long opt_body_min_rate, opt_max_unsent;
 static long long opt_port, opt_max_body, opt_max_queue, opt_hb_ms, opt_dead_ms, opt_timeout_ms,
     opt_retries, opt_drain_ms, opt_stats_interval_ms, opt_stats_stall_ms, opt_stats_window_s,
     opt_kv_block_size;
@@ -79,6 +81,21 @@ static const config_entry_t settings[] = {
     {"http-timeout-s", CONFIG_INT, &opt_http_timeout_s, "60", 1, 86400,
      "close a client connection idle this long while sending its request or while a reply "
      "waits for it to read (a stream waiting for tokens is not idle)"},
+    {"http-header-timeout-s", CONFIG_INT, &opt_header_timeout_s, "20", 1, 86400,
+     "a request's line and headers must arrive within this many seconds of its first byte, "
+     "else 408 request_timeout and the connection is closed (slowloris)"},
+    {"http-body-timeout-s", CONFIG_INT, &opt_body_timeout_s, "30", 1, 86400,
+     "a request's body must arrive within this many seconds of its headers, plus 1 s per "
+     "--http-body-min-rate bytes received, else 408 request_timeout"},
+    {"http-body-min-rate", CONFIG_INT, &opt_body_min_rate, "1024", 0, 1000000000,
+     "bytes of a body that buy it one more second (0 = the whole body within "
+     "--http-body-timeout-s)"},
+    {"max-connections", CONFIG_INT, &opt_max_connections, "4096", 1, 10000000,
+     "HTTP connections open at once; a connection past it closes the one idle longest, or "
+     "when none is idle gets 503 too_many_connections"},
+    {"stream-max-unsent-bytes", CONFIG_INT, &opt_max_unsent, "8388608", 4096, 1073741824,
+     "a stream whose client leaves this many bytes unread is dropped (its connection closed, "
+     "its request cancelled)"},
     {"sse-keepalive-s", CONFIG_INT, &opt_sse_keepalive_s, "15", 1, 86400,
      "a stream with no event for this long gets an SSE comment \": keep-alive\" (so that "
      "proxies' idle timeouts do not cut a request waiting for a worker or its first token)"},
@@ -431,6 +448,11 @@ int main(int argc, char **argv)
         rl.rlim_cur = rl.rlim_max;
         setrlimit(RLIMIT_NOFILE, &rl);
     }
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
+        (long long)rl.rlim_cur < opt_max_connections + 256)
+        log_warn("the descriptor limit (%llu) is below --max-connections (%lld) + 256: "
+                 "accept() will fail first (the gateway then pauses accepting)",
+                 (unsigned long long)rl.rlim_cur, opt_max_connections);
 
     app.base = event_base_new();
     if (!app.base) {
@@ -443,6 +465,11 @@ int main(int argc, char **argv)
         .max_body_bytes = (size_t)opt_max_body,
         .timeout_s = (int)opt_http_timeout_s,
         .sse_keepalive_s = (int)opt_sse_keepalive_s,
+        .max_connections = (int)opt_max_connections,
+        .header_timeout_s = (int)opt_header_timeout_s,
+        .body_timeout_s = (int)opt_body_timeout_s,
+        .body_min_rate = opt_body_min_rate > 0 ? (int)opt_body_min_rate : -1,
+        .max_unsent_bytes = (size_t)opt_max_unsent,
         .max_upload_bytes = opt_state_db[0] ? (size_t)opt_batch_max_file_bytes : 0,
         .model_name = served,
         .n_ctx = n_ctx,

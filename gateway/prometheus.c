@@ -275,6 +275,29 @@ void prometheus_write(const stats_t *s, const cluster_t *c, FILE *f)
         metrics_label lb[2] = {ml, {"code", code}};
         metrics_write_sample(f, full, NULL, lb, 2, (double)n);
     }
+    write_one(f, s, "http_connections", "gauge", "HTTP client connections open.",
+              g.http_connections);
+    write_one(f, s, "http_connections_refused_total", "counter",
+              "HTTP connections refused because --max-connections were open (503).",
+              (double)g.http_events[STATS_HTTP_REFUSED]);
+    NAME(full, "http_request_timeouts_total");
+    metrics_write_header(f, full, "counter",
+                         "Requests that did not arrive in time (408), by the part that was late: "
+                         "header (--http-header-timeout-s) or body (--http-body-timeout-s, "
+                         "--http-body-min-rate).");
+    const struct {
+        const char *phase;
+        uint64_t n;
+    } late[] = {{"header", g.http_events[STATS_HTTP_HEADER_TIMEOUT]},
+                {"body", g.http_events[STATS_HTTP_BODY_TIMEOUT]}};
+    for (int i = 0; i < 2; i++) {
+        metrics_label lb[2] = {ml, {"phase", late[i].phase}};
+        metrics_write_sample(f, full, NULL, lb, 2, (double)late[i].n);
+    }
+    write_one(f, s, "http_slow_clients_total", "counter",
+              "Streaming clients dropped because they fell more than --stream-max-unsent-bytes "
+              "behind (their requests cancelled).",
+              (double)g.http_events[STATS_HTTP_SLOW_CLIENT]);
     write_one(f, s, "gateway_start_time_seconds", "gauge",
               "Start time of the gateway, seconds since the epoch.",
               (double)g.started_wall_ms / 1000.0);

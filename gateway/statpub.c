@@ -299,10 +299,15 @@ static void pk_gateway(msgpack_packer *pk, const stats_gateway_figures *g)
     pk_i64(pk, "queued", g->queued);
     pk_i64(pk, "running", g->running);
     pk_key(pk, "http");
-    msgpack_pack_map(pk, 3);
+    msgpack_pack_map(pk, 8);
     pk_u64(pk, "2xx", g->http_2xx);
     pk_u64(pk, "4xx", g->http_4xx);
     pk_u64(pk, "5xx", g->http_5xx);
+    pk_i64(pk, "connections", g->http_connections);
+    pk_u64(pk, "connections_refused", g->http_events[STATS_HTTP_REFUSED]);
+    pk_u64(pk, "header_timeouts", g->http_events[STATS_HTTP_HEADER_TIMEOUT]);
+    pk_u64(pk, "body_timeouts", g->http_events[STATS_HTTP_BODY_TIMEOUT]);
+    pk_u64(pk, "slow_clients", g->http_events[STATS_HTTP_SLOW_CLIENT]);
     pk_u64(pk, "prompt_tokens", g->prompt_tokens);
     pk_u64(pk, "generation_tokens", g->generation_tokens);
 }

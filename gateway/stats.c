@@ -90,6 +90,8 @@ struct stats {
     uint64_t prompt_tokens, generation_tokens;
     uint64_t offline_generation_tokens, offline_preemptions;
     uint64_t http_status[600]; /* by status code (100..599) */
+    uint64_t http_events[STATS_HTTP_N];
+    int http_connections;
     stats_worker **workers;
     int n_workers, cap_workers;
     stats_event events[STATS_MAX_EVENTS]; /* ring */
@@ -213,6 +215,17 @@ void stats_http_response(stats_t *s, int status)
 {
     if (status >= 100 && status < 600)
         s->http_status[status]++;
+}
+
+void stats_http_event(stats_t *s, stats_http_event_t e)
+{
+    if ((unsigned)e < STATS_HTTP_N)
+        s->http_events[e]++;
+}
+
+void stats_http_connections(stats_t *s, int n_open)
+{
+    s->http_connections = n_open;
 }
 
 void stats_request_received(stats_t *s)
@@ -449,6 +462,8 @@ void stats_get_gateway(const stats_t *s, const cluster_t *c, stats_gateway_figur
         else if (st >= 500)
             out->http_5xx += s->http_status[st];
     }
+    out->http_connections = s->http_connections;
+    memcpy(out->http_events, s->http_events, sizeof(out->http_events));
     out->prompt_tokens = s->prompt_tokens;
     out->generation_tokens = s->generation_tokens;
     out->offline_generation_tokens = s->offline_generation_tokens;

@@ -53,6 +53,21 @@ void stats_destroy(stats_t **s);
 /* An HTTP response with this status went out (any path). */
 void stats_http_response(stats_t *s, int status);
 
+/* What the HTTP layer did to a connection (httpconn.h, http_completion.c). */
+typedef enum {
+    STATS_HTTP_REFUSED = 0,    /* a connection over --max-connections: 503, closed */
+    STATS_HTTP_HEADER_TIMEOUT, /* 408: a request's headers did not arrive in time */
+    STATS_HTTP_BODY_TIMEOUT,   /* 408: its body did not arrive in time */
+    STATS_HTTP_SLOW_CLIENT,    /* a stream's client fell too far behind: dropped */
+    STATS_HTTP_N
+} stats_http_event_t;
+
+/* Count one of those (e outside the enum: ignored). */
+void stats_http_event(stats_t *s, stats_http_event_t e);
+
+/* The HTTP connections open now (a gauge; the HTTP layer sets it as they come and go). */
+void stats_http_connections(stats_t *s, int n_open);
+
 /* A completion request arrived (POST /v1/completions or /v1/chat/completions). Every
  * received request later ends in exactly one of: stats_request_rejected(), or, once
  * admitted, stats_request_end(). */
@@ -145,6 +160,8 @@ typedef struct {
     uint64_t received, rejected, finished, finished_stop, finished_length, failed, cancelled;
     uint64_t failed_total; /* rejected + failed after admission */
     uint64_t http_2xx, http_4xx, http_5xx;
+    int http_connections;                         /* open now */
+    uint64_t http_events[STATS_HTTP_N];           /* by stats_http_event_t, since start */
     uint64_t prompt_tokens, generation_tokens;
     uint64_t offline_generation_tokens; /* of offline requests answered */
     uint64_t offline_preemptions;       /* offline requests preempted (cluster events) */

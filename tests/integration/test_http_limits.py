@@ -1,0 +1,398 @@
+"""The gateway's connection limits against hostile or broken clients (gateway/httpconn.h):
+request deadlines (a request trickled a byte at a time gets 408 once its headers or its body
+are late, where --http-timeout-s alone, restarting with every byte, never cut it), the
+--max-connections cap (503 too_many_connections, the connection closed without a reset),
+and a streaming client that stops reading (dropped once --stream-max-unsent-bytes wait,
+its request cancelled on the worker).
+
+Starts build/bin/gateway (and, for the slow reader, a mixed worker) on free loopback ports.
+    python3 -m unittest -v tests/integration/test_http_limits.py
+"""
+
+import json
+import os
+import re
+import select
+import socket
+import sys
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import Cluster, free_port  # noqa: E402
+from test_http_errors import GATEWAY, MODEL, Gateway  # noqa: E402
+
+HEADER_S = 2
+BODY_S = 2
+MIN_RATE = 100  # bytes/s: each 100 bytes of a body buy it 1 s more
+IDLE_S = 4      # --http-timeout-s
+
+MSG_HEADER = ("The request's headers were not received within 2 s of its first byte "
+              "(--http-header-timeout-s).")
+MSG_BODY = ("The request's body was not received in time: it must arrive within 2 s of the "
+            "headers, plus 1 s per 100 bytes received (--http-body-timeout-s, "
+            "--http-body-min-rate).")
+
+
+def read_all(s, timeout):
+    """Everything s receives until the peer closes (b"" more) or timeout; (data, closed)."""
+    out = b""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        r, _, _ = select.select([s], [], [], max(0.0, deadline - time.time()))
+        if not r:
+            break
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            return out, "reset"
+        if not chunk:
+            return out, "closed"
+        out += chunk
+    return out, None
+
+
+def trickle(s, data, every_s, limit_s):
+    """Send data a byte every every_s seconds until it is all sent, the server answers, or
+    limit_s passed; returns the time the server's first byte came (None: it did not)."""
+    t0 = time.time()
+    for b in data:
+        r, _, _ = select.select([s], [], [], every_s)
+        if r:
+            return time.time() - t0
+        if time.time() - t0 > limit_s:
+            return None
+        try:
+            s.sendall(bytes([b]))
+        except OSError:
+            break
+    r, _, _ = select.select([s], [], [], max(0.0, limit_s - (time.time() - t0)))
+    return time.time() - t0 if r else None
+
+
+def split_reply(data):
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    return lines[0], headers, body
+
+
+def metric(gw, name, labels=""):
+    st, _, data = gw.request("GET", "/metrics")
+    assert st == 200, data[:200]
+    m = re.search(r'^tidepool_%s\{model_name="[^"]*"%s\} (\S+)$' % (name, labels), data.decode(),
+                  re.M)
+    return float(m.group(1)) if m else None
+
+
+@unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
+                     "needs %s and %s (make all)" % (GATEWAY, MODEL))
+class RequestDeadlines(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.gw = Gateway("--http-header-timeout-s", str(HEADER_S), "--http-body-timeout-s",
+                         str(BODY_S), "--http-body-min-rate", str(MIN_RATE),
+                         "--http-timeout-s", str(IDLE_S),
+                         "--stats-bind", "tcp://127.0.0.1:%d" % free_port())
+
+    @classmethod
+    def tearDownClass(cls):
+        assert cls.gw.stop() == 0
+
+    def connect(self):
+        return socket.create_connection(("127.0.0.1", self.gw.port), timeout=10)
+
+    def check_408(self, data, message):
+        status, headers, body = split_reply(data)
+        self.assertEqual(status, "HTTP/1.1 408 Request Timeout")
+        self.assertEqual(headers["content-type"], "application/json")
+        self.assertEqual(headers["connection"], "close")
+        self.assertEqual(int(headers["content-length"]), len(body))
+        self.assertEqual(json.loads(body), {"error": {
+            "message": message, "type": "invalid_request_error", "param": None,
+            "code": "request_timeout"}})
+
+    def test_trickled_headers_get_408(self):
+        """A byte every 0.25 s: evhttp's timer (4 s) restarts with each one and never fires
+        (it was cut at no time at all: 8 bytes in 320 s measured); the header deadline
+        counts from the first byte."""
+        before = metric(self.gw, "http_request_timeouts_total", ',phase="header"')
+        s = self.connect()
+        req = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * 200 + b"\r\n\r\n"
+        t = trickle(s, req, 0.25, HEADER_S + 3)
+        self.assertIsNotNone(t, "no answer to a trickled request within %d s" % (HEADER_S + 3))
+        self.assertGreaterEqual(t, HEADER_S - 0.3)
+        data, how = read_all(s, 3)
+        s.close()
+        self.assertEqual(how, "closed")
+        self.check_408(data, MSG_HEADER)
+        self.assertEqual(metric(self.gw, "http_request_timeouts_total", ',phase="header"'),
+                         before + 1)
+        self.assertIn("408: request headers not received within 2 s", self.gw.read_log())
+
+    def test_trickled_body_gets_408(self):
+        """Headers at once, then a body at 20 bytes/s against a minimum of 100: late after
+        2 s + 1 s per 100 bytes, i.e. at about 2.5 s."""
+        before = metric(self.gw, "http_request_timeouts_total", ',phase="body"')
+        s = self.connect()
+        body = json.dumps({"prompt": "x" * 1000}).encode()
+        s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body))
+        t0 = time.time()
+        for i in range(0, len(body), 10):
+            r, _, _ = select.select([s], [], [], 0.5)
+            if r or time.time() - t0 > 8:
+                break
+            s.sendall(body[i:i + 10])
+        elapsed = time.time() - t0
+        data, how = read_all(s, 3)
+        s.close()
+        self.assertEqual(how, "closed")
+        self.check_408(data, MSG_BODY)
+        self.assertGreater(elapsed, 2.0)
+        self.assertLess(elapsed, 5.0)
+        self.assertEqual(metric(self.gw, "http_request_timeouts_total", ',phase="body"'),
+                         before + 1)
+
+    def test_slow_body_above_the_rate_is_served(self):
+        """A body at about 300 bytes/s for 4 s (longer than --http-body-timeout-s, but over
+        the minimum rate) is read and answered."""
+        text = "Once upon a time " * 70
+        body = json.dumps({"prompt": text}).encode()
+        s = self.connect()
+        s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+        t0 = time.time()
+        for i in range(0, len(body), 60):
+            time.sleep(0.2)
+            s.sendall(body[i:i + 60])
+        self.assertGreater(time.time() - t0, BODY_S + 1)
+        data, how = read_all(s, 5)
+        s.close()
+        status, _, payload = split_reply(data)
+        self.assertEqual(status, "HTTP/1.1 200 OK", data[:300])
+        self.assertEqual(json.loads(payload)["count"], len(json.loads(payload)["tokens"]))
+
+    def test_idle_before_a_request_is_not_late(self):
+        """The header clock starts at a request's first byte: a connection idle for longer
+        than --http-header-timeout-s (but less than --http-timeout-s) is served, the first
+        request and the next one on the same connection alike; an idle connection is
+        closed after --http-timeout-s without a reply."""
+        s = self.connect()
+        for _ in range(2):
+            time.sleep(HEADER_S + 1)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += s.recv(65536)
+            status, headers, body = split_reply(data)
+            while len(body) < int(headers["content-length"]):
+                body += s.recv(65536)
+            self.assertEqual(status, "HTTP/1.1 503 Service Unavailable")  # no workers
+        t0 = time.time()
+        data, how = read_all(s, IDLE_S + 3)
+        s.close()
+        self.assertEqual((data, how), (b"", "closed"))
+        self.assertGreater(time.time() - t0, IDLE_S - 1)
+
+    def test_pipelined_requests_are_answered(self):
+        """Two requests in one write: the second one waits in the input while the first is
+        answered, and is not taken for a late request."""
+        s = self.connect()
+        body = b'{"prompt": "Once"}'
+        one = (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+               + body)
+        s.sendall(one + one.replace(b"Host: x", b"Host: x\r\nConnection: close"))
+        data, how = read_all(s, 5)
+        s.close()
+        self.assertEqual(how, "closed")
+        self.assertEqual(data.count(b"HTTP/1.1 200 OK"), 2, data)
+
+
+@unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
+                     "needs %s and %s (make all)" % (GATEWAY, MODEL))
+class MaxConnections(unittest.TestCase):
+    MAX = 4
+
+    def test_connections_over_the_limit_get_503(self):
+        gw = Gateway("--max-connections", str(self.MAX),
+                     "--stats-bind", "tcp://127.0.0.1:%d" % free_port())
+        try:
+            def conn():
+                return socket.create_connection(("127.0.0.1", gw.port), timeout=5)
+
+            def is_open(s):
+                r, _, _ = select.select([s], [], [], 0.2)
+                return not r
+            tok = b'{"prompt": "Once"}'
+            tokenize = (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                        b"Content-Length: %d\r\n\r\n" % len(tok) + tok)
+            # MAX idle connections (nothing sent): a new one takes the place of the one
+            # idle longest, which is closed (as a keep-alive connection may be), but only
+            # once they are 1 s old: a client's new connection has that long to send
+            idle = []
+            for _ in range(self.MAX):
+                idle.append(conn())
+                time.sleep(0.05)
+            s = conn()
+            s.sendall(tokenize)
+            data, how = read_all(s, 5)
+            s.close()
+            self.assertTrue(data.startswith(b"HTTP/1.1 503"), data[:200])
+            self.assertEqual([is_open(x) for x in idle], [True] * self.MAX)
+            time.sleep(1.0)
+            s = conn()
+            s.sendall(tokenize)
+            data, how = read_all(s, 5)
+            s.close()
+            self.assertTrue(data.startswith(b"HTTP/1.1 200 OK"), data[:200])
+            self.assertEqual(read_all(idle[0], 2), (b"", "closed"))
+            self.assertEqual([is_open(x) for x in idle[1:]], [True] * (self.MAX - 1))
+            # MAX connections each in the middle of a request: none can be closed, so the
+            # next one is refused; a client that sends its request at once still reads the
+            # 503 (the socket lingers: no reset for the bytes it sent)
+            busy = idle[1:] + [conn()]
+            for x in busy:
+                x.sendall(b"GET /health HTTP/1.1\r\n")
+            time.sleep(0.3)
+            s = conn()
+            s.sendall(tokenize)
+            data, how = read_all(s, 5)
+            s.close()
+            self.assertEqual(how, "closed")
+            status, headers, body = split_reply(data)
+            self.assertEqual(status, "HTTP/1.1 503 Service Unavailable")
+            self.assertEqual(headers["retry-after"], "1")
+            self.assertEqual(headers["connection"], "close")
+            self.assertEqual(json.loads(body), {"error": {
+                "message": "The server has too many connections open (--max-connections 4). "
+                           "Please try again in 1s.",
+                "type": "server_error", "param": None, "code": "too_many_connections"}})
+            self.assertEqual([is_open(x) for x in busy], [True] * self.MAX)
+            # one closes: its place is free again
+            busy.pop().close()
+            time.sleep(0.3)
+            st, _, data = gw.request("GET", "/metrics")
+            self.assertEqual(st, 200)
+            text = data.decode()
+            self.assertRegex(text, r'(?m)^tidepool_http_connections_refused_total\{[^}]*\} 2$')
+            # the 3 busy ones and this one
+            self.assertRegex(text, r'(?m)^tidepool_http_connections\{[^}]*\} 4$')
+            self.assertRegex(text, r'(?m)^tidepool_http_responses_total\{[^}]*code="503"\} 2$')
+            for x in busy:
+                x.close()
+            time.sleep(0.3)
+            self.assertEqual(metric(gw, "http_connections"), 1)
+        finally:
+            self.assertEqual(gw.stop(), 0)
+        self.assertIn("503: a connection over --max-connections (4)", gw.read_log())
+
+
+@unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
+                     "needs %s and %s (make all)" % (GATEWAY, MODEL))
+class DeadlinesAndStreams(unittest.TestCase):
+    """A request being answered has no deadline (a stream longer than the header timeout
+    runs to its end); the bytes of a pipelined request sent with it count from the end of
+    that answer: a whole one is served, a partial one gets its 408 a header timeout after
+    the stream ended."""
+
+    def test_stream_longer_than_the_deadlines_then_pipelined(self):
+        c = Cluster(roles=("mixed",), gateway_args=["--http-header-timeout-s", "1",
+                                                    "--http-body-timeout-s", "1",
+                                                    "--http-body-min-rate", "0"],
+                    worker_args=["--debug-step-delay-ms", "60"])
+        c.start()
+        try:
+            body = json.dumps({"prompt": "Once upon a time", "max_tokens": 40, "stream": True,
+                               "temperature": 0}).encode()
+            req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                   b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            whole = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            s = socket.create_connection(("127.0.0.1", c.port), timeout=15)
+            t0 = time.time()
+            s.sendall(req + whole)
+            data, how = read_all(s, 15)
+            s.close()
+            self.assertEqual(how, "closed")
+            self.assertGreater(time.time() - t0, 1.5)  # 40 tokens at >= 60 ms a step
+            self.assertEqual(data.count(b"HTTP/1.1 200 OK"), 2, data[-300:])
+            self.assertIn(b"data: [DONE]", data)
+            self.assertNotIn(b"408", data)
+            # the same with the second request's headers never finished
+            s = socket.create_connection(("127.0.0.1", c.port), timeout=15)
+            s.sendall(req + b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            data = b""
+            while b"0\r\n\r\n" not in data:  # the stream's last chunk
+                chunk = s.recv(65536)
+                self.assertTrue(chunk, data[-300:])
+                data += chunk
+            t_end = time.time()
+            self.assertIn(b"data: [DONE]", data)
+            rest, how = read_all(s, 5)
+            s.close()
+            self.assertEqual(how, "closed")
+            self.assertTrue(rest.startswith(b"HTTP/1.1 408 Request Timeout"), rest[:200])
+            self.assertGreater(time.time() - t_end, 0.7)
+        finally:
+            c.stop()
+        self.assertEqual(c.sanitizer_reports(), [])
+
+
+@unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
+                     "needs %s and %s (make all)" % (GATEWAY, MODEL))
+class SlowReader(unittest.TestCase):
+    """A streaming client that never reads: its answer piles up in the gateway until
+    --stream-max-unsent-bytes, then the connection is closed at once (it used to stay open,
+    holding the buffer, until --http-timeout-s of no progress) and the request cancelled on
+    the worker, which frees its sequences."""
+
+    def test_stalled_stream_is_dropped_and_cancelled(self):
+        c = Cluster(roles=("mixed",), gateway_args=["--stream-max-unsent-bytes", "65536",
+                                                    "--http-timeout-s", "60"],
+                    worker_args=["--debug-step-delay-ms", "20"])
+        c.start()
+        try:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", c.port))
+            body = json.dumps({"prompt": "Once upon a time", "max_tokens": 400, "n": 16,
+                               "logprobs": 5, "stream": True, "ignore_eos": True}).encode()
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            # 400 steps at >= 20 ms: 8 s or more if it ran to the end
+            deadline = time.time() + 20
+            while time.time() < deadline and "client too slow" not in c.log("gateway"):
+                time.sleep(0.1)
+            self.assertIn("connection closed, request cancelled", c.log("gateway"))
+            t_drop = time.time()
+            # the client now reads: what the kernel held, then the end, at once
+            data, how = read_all(s, 5)
+            s.close()
+            self.assertIn(how, ("closed", "reset"))
+            self.assertLess(time.time() - t_drop, 5)
+            self.assertTrue(data.startswith(b"HTTP/1.1 200 OK"), data[:100])
+            self.assertNotIn(b"[DONE]", data)
+            # the worker let the 16 sequences go
+            deadline = time.time() + 5
+            running = None
+            while time.time() < deadline:
+                st, w = c.request("GET", "/workers")
+                running = [x["running"] for x in w["workers"]]
+                if running == [0]:
+                    break
+                time.sleep(0.1)
+            self.assertEqual(running, [0])
+            st, text = c.request("GET", "/metrics")
+            self.assertRegex(text, r'(?m)^tidepool_http_slow_clients_total\{[^}]*\} 1$')
+            self.assertRegex(text, r'(?m)^tidepool_request_success_total\{[^}]*'
+                                   r'finished_reason="length"\} 0$')
+        finally:
+            c.stop()
+        self.assertEqual(c.sanitizer_reports(), [])
+
+
+if __name__ == "__main__":
+    unittest.main()
