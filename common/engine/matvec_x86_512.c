@@ -22,6 +22,10 @@
 #ifdef KERN_HAVE_X86
 #include <immintrin.h>
 
+/* Tokens per tile at most (tile16's 4 x NT accumulators, NT broadcasts and the weight
+ * register fit the 32 zmm registers at NT = 6). */
+#define MV512_NT_MAX 6
+
 #define TGT512M __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
 
 /* Lanes [0, 16) of acc to o[i, i + 16), clipped at r1. */
@@ -39,19 +43,19 @@ static TGT512M inline __attribute__((always_inline)) void tile16(const float *wp
                                                                  const int NT)
 {
     const float *w0 = wp + (size_t)(i / MATVEC_GROUP) * gs;
-    const float *xt[3];
-    __m512 acc[4][3];
-#pragma GCC unroll 3
+    const float *xt[MV512_NT_MAX];
+    __m512 acc[4][MV512_NT_MAX];
+#pragma GCC unroll 6
     for (int u = 0; u < NT; u++)
         xt[u] = x + (size_t)(t + u) * n;
 #pragma GCC unroll 8
     for (int p = 0; p < P; p++)
-#pragma GCC unroll 3
+#pragma GCC unroll 6
         for (int u = 0; u < NT; u++)
             acc[p][u] = _mm512_setzero_ps();
     for (int j = 0; j < n; j++) {
-        __m512 xv[3];
-#pragma GCC unroll 3
+        __m512 xv[MV512_NT_MAX];
+#pragma GCC unroll 6
         for (int u = 0; u < NT; u++)
             xv[u] = _mm512_set1_ps(xt[u][j]);
 #pragma GCC unroll 8
@@ -59,14 +63,14 @@ static TGT512M inline __attribute__((always_inline)) void tile16(const float *wp
             const float *c = w0 + (size_t)(2 * p) * gs + (size_t)j * MATVEC_GROUP;
             const __m512 wv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_load_ps(c)),
                                                  _mm256_load_ps(c + gs), 1);
-#pragma GCC unroll 3
+#pragma GCC unroll 6
             for (int u = 0; u < NT; u++)
                 acc[p][u] = _mm512_add_ps(acc[p][u], _mm512_mul_ps(wv, xv[u]));
         }
     }
 #pragma GCC unroll 8
     for (int p = 0; p < P; p++)
-#pragma GCC unroll 3
+#pragma GCC unroll 6
         for (int u = 0; u < NT; u++)
             store16(out[t + u], i + 16 * p, r1, acc[p][u]);
 }
@@ -77,19 +81,19 @@ static TGT512M inline __attribute__((always_inline)) void tile8(const float *wp,
                                                                 int t, int i, int r1, const int NT)
 {
     const float *w0 = wp + (size_t)(i / MATVEC_GROUP) * gs;
-    __m256 acc[3];
-#pragma GCC unroll 3
+    __m256 acc[MV512_NT_MAX];
+#pragma GCC unroll 6
     for (int u = 0; u < NT; u++)
         acc[u] = _mm256_setzero_ps();
     for (int j = 0; j < n; j++) {
         const __m256 wv = _mm256_load_ps(w0 + (size_t)j * MATVEC_GROUP);
-#pragma GCC unroll 3
+#pragma GCC unroll 6
         for (int u = 0; u < NT; u++)
             acc[u] = _mm256_add_ps(
                 acc[u], _mm256_mul_ps(wv, _mm256_broadcast_ss(x + (size_t)(t + u) * n + j)));
     }
     const int m = r1 - i < 8 ? r1 - i : 8;
-#pragma GCC unroll 3
+#pragma GCC unroll 6
     for (int u = 0; u < NT; u++)
         _mm256_mask_storeu_ps(out[t + u] + i, (__mmask8)((1u << m) - 1), acc[u]);
 }
@@ -117,15 +121,19 @@ T16(2, 3)
 T16(1, 1)
 T16(1, 2)
 T16(1, 3)
+T16(4, 6)
+T16(2, 6)
+T16(1, 6)
 T8(1)
 T8(2)
 T8(3)
+T8(6)
 
 typedef void (*mv_fn)(const float *, size_t, int, const float *, float *const *, int, int, int);
-static const mv_fn t16_4[4] = {NULL, t16_4_1, t16_4_2, t16_4_3};
-static const mv_fn t16_2[4] = {NULL, t16_2_1, t16_2_2, t16_2_3};
-static const mv_fn t16_1[4] = {NULL, t16_1_1, t16_1_2, t16_1_3};
-static const mv_fn t8_[4] = {NULL, t8_1, t8_2, t8_3};
+static const mv_fn t16_4[7] = {NULL, t16_4_1, t16_4_2, t16_4_3, NULL, NULL, t16_4_6};
+static const mv_fn t16_2[7] = {NULL, t16_2_1, t16_2_2, t16_2_3, NULL, NULL, t16_2_6};
+static const mv_fn t16_1[7] = {NULL, t16_1_1, t16_1_2, t16_1_3, NULL, NULL, t16_1_6};
+static const mv_fn t8_[7] = {NULL, t8_1, t8_2, t8_3, NULL, NULL, t8_6};
 
 /* Rows [r0, r1) for NT tokens from t: 4, 2, 1 pairs of groups while their last group
  * starts before r1 (the packing pads a group's rows with zeros), then one group. */
@@ -148,7 +156,11 @@ TGT512M void matvec_x86_exact_avx512(const float *wp, int n, const float *x, int
 {
     const size_t gs = (size_t)n * MATVEC_GROUP; /* floats per group */
     int t = 0;
-    /* as the AVX2 kernel: triples, pairs for the last 2 or 4, then one */
+    /* sextets while 6 or more are left (the pair loads and inserts of a column shared by
+     * twice the tokens); then as the AVX2 kernel: triples, pairs for the last 2 or 4,
+     * then one */
+    for (; T - t >= 6; t += 6)
+        rows16(wp, gs, n, x, out, t, r0, r1, 6);
     for (; T - t >= 3 && T - t != 4; t += 3)
         rows16(wp, gs, n, x, out, t, r0, r1, 3);
     for (; t + 2 <= T; t += 2)

@@ -2068,12 +2068,12 @@ static void test_matvec_vs_reference(void **state)
     const kern_isa isas[] = {KERN_ISA_SCALAR, KERN_ISA_AVX2, KERN_ISA_AVX512};
     const int have_avx2 = kern_isa_detect() >= KERN_ISA_AVX2;
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
-        const int rows = shapes[si][0], n = shapes[si][1], Tmax = 8;
+        const int rows = shapes[si][0], n = shapes[si][1], Tmax = 14;
         float *w = malloc((size_t)rows * n * sizeof(float));
         float *wp = aligned_alloc(32, matvec_packed_floats(rows, n) * sizeof(float) + 32);
         float *x = malloc((size_t)Tmax * n * sizeof(float));
         float *got = malloc((size_t)Tmax * rows * sizeof(float));
-        float *outp[8];
+        float *outp[14];
         assert_non_null(w);
         assert_non_null(wp);
         assert_non_null(x);
