@@ -13,6 +13,15 @@
  *                      max(TTFT p90, oldest gateway wait) / TTFT SLO)
  *        decode  = max(online decoding sequences / (n_decode * decode_seqs_per_worker),
  *                      KV use / kv_high * online share, TPOT p90 / TPOT SLO)
+ *   1d. Decode's own sequences: with decode room reserved at dispatch, online decoding
+ *      counts the requests whose prompt is still at a prefill worker (P of them) and those
+ *      waiting for room (G). Where decode is the *gainer* of a move (2, 2d) its sequence
+ *      load is its own instead: D = the sequences past their prefill, plus the share
+ *      D / (D + P) of the G waiting (a slot frees at the pace of its holder's stage). A
+ *      prompt burst fills the slots from dispatch on, but more decode workers do not
+ *      compute those prompts sooner. Where decode is the donor, and in the estimate and
+ *      offline admission, every held slot counts (a prompt burst must not let prefill
+ *      take the decode room it holds).
  *   2. Move workers from role B to role A when pressure(A) >= act_pressure and
  *      pressure(A) > band * pressure(B after losing one worker); the candidates have been
  *      in their role min_role_ms; role B keeps min_per_role workers; the moves stay within
@@ -105,6 +114,12 @@ typedef struct {
     int online_queued;             /* online requests waiting for a prefill worker */
     int online_running;            /* online requests admitted (prefill .. finish) */
     int online_decoding;           /* online sequences decoding or waiting for decode room */
+    int online_prefilling;         /* of online_decoding: requests holding decode room (reserved
+                                    * at dispatch) whose prompt is still queued at or computed
+                                    * by a prefill worker; 0 = none or not reported */
+    int online_wait_room;          /* of online_decoding: requests waiting for decode room
+                                    * before their prefill (at the gateway); 0 = none or not
+                                    * reported */
     int64_t prompt_tokens_arrived; /* counter: online prompt tokens ever admitted */
     int64_t online_arrived;        /* counter: online requests ever admitted */
     int64_t online_done;           /* counter: online requests that ended ... */
@@ -176,6 +191,8 @@ typedef struct {
     double out_per_req;      /* output tokens per ended online request (0 = none yet) */
     double ttft_ms, tpot_ms; /* p90s, 0 when unknown */
     double decoding;         /* online sequences decoding or waiting for decode room */
+    double decode_own;       /* of them, decode's own: past their prefill, plus the share of
+                              * those waiting for room that these hold up (1d in policy.h) */
     double kv_frac;          /* KV use fraction of decode-capable workers, online share */
 } policy_signals;
 
