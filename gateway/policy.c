@@ -124,6 +124,20 @@ static double load_prefill(const view *v)
     return fmax(q, st->prompt_rate / p->prefill_tokens_per_s);
 }
 
+/* Decode's own sequences (policy.h 1d): those past their prefill, the part of the slots
+ * prompts hold that prefill's spare capacity could use (1 - its load pressure r), and the
+ * same share of the requests waiting for room. */
+static double own_sequences(const view *v)
+{
+    const policy_signals *st = v->st;
+    double dec = st->decoding, pre = fmin(st->prefilling, dec);
+    double wait = fmin(st->wait_room, dec - pre);
+    double past = dec - pre - wait, held = past + pre;
+    double r = v->cap_p0 > 0 ? fmin(1.0, load_prefill(v) / v->cap_p0) : 1.0;
+    double mine = past + pre * (1 - r);
+    return mine + (held > 0 ? wait * mine / held : wait);
+}
+
 /* The decode load in workers at pressure 1: online sequences over the slots, KV use
  * (measured with cap_d0) and, with tokens set and decode_tokens_per_s known, requests/s
  * times the output tokens per ended request over a worker's token rate. The sequence count
@@ -136,7 +150,7 @@ static double load_decode_with(const view *v, int tokens, int own)
 {
     const policy_params *p = v->p;
     const policy_signals *st = v->st;
-    double u = (own ? st->decode_own : st->decoding) / p->decode_seqs_per_worker;
+    double u = (own ? own_sequences(v) : st->decoding) / p->decode_seqs_per_worker;
     if (tokens && p->decode_tokens_per_s > 0)
         u = fmax(u, st->arrival_rate * st->out_per_req / p->decode_tokens_per_s);
     return fmax(u, st->kv_frac / p->kv_high * v->cap_d0);
@@ -261,15 +275,13 @@ static void observe(const policy_params *p, policy_state *st, const policy_input
         }
     }
     double decoding = c->online_decoding > 0 ? c->online_decoding : 0;
-    /* decode's own (policy.h 1d): past the prefill, and its share of those waiting */
+    /* of them: holding room before their prefill ended, waiting for room (policy.h 1d) */
     double pre = c->online_prefilling > 0 ? c->online_prefilling : 0;
     double wait = c->online_wait_room > 0 ? c->online_wait_room : 0;
     if (pre + wait > decoding) { /* inconsistent figures: trust the total */
-        double f = pre + wait > 0 ? decoding / (pre + wait) : 0;
+        double f = decoding / (pre + wait);
         pre *= f, wait *= f;
     }
-    double past = decoding - pre - wait;
-    double own = past + (past + pre > 0 ? wait * past / (past + pre) : wait);
     double offline = c->offline_running > 0 ? c->offline_running : 0;
     double share = decoding + offline > 0 ? decoding / (decoding + offline) : 1;
     memset(raw, 0, sizeof(*raw));
@@ -278,7 +290,8 @@ static void observe(const policy_params *p, policy_state *st, const policy_input
     raw->ttft_ms = c->ttft_p90_ms > 0 ? c->ttft_p90_ms : (ttft_n > 0 ? ttft_sum / ttft_n : 0);
     raw->tpot_ms = c->tpot_p90_ms > 0 ? c->tpot_p90_ms : (tpot_w > 0 ? tpot_sum / tpot_w : 0);
     raw->decoding = decoding;
-    raw->decode_own = own;
+    raw->prefilling = pre;
+    raw->wait_room = wait;
     raw->kv_frac = kv_total > 0 ? kv_used / kv_total * share : 0;
     int64_t dt = st->initialized ? in->now_ms - st->last_ms : 0;
     if (dt > 0) {
@@ -333,7 +346,8 @@ static void observe(const policy_params *p, policy_state *st, const policy_input
     ewma(&x->ttft_ms, raw->ttft_ms, alpha);
     ewma(&x->tpot_ms, raw->tpot_ms, alpha);
     ewma(&x->decoding, raw->decoding, alpha);
-    ewma(&x->decode_own, raw->decode_own, alpha);
+    ewma(&x->prefilling, raw->prefilling, alpha);
+    ewma(&x->wait_room, raw->wait_room, alpha);
     ewma(&x->kv_frac, raw->kv_frac, alpha);
 }
 

@@ -842,9 +842,10 @@ static void test_decode_beyond_capacity_gains(void **state)
  * session 10): 8 workers at 7:1, 48 sequences a decode worker, prefill 5.95 workers of
  * prompt rate (0.85 on 7, 0.99 on 6), and 63 online sequences counted as decoding: the 48
  * slots of the one decode worker held from dispatch and 15 requests waiting for room.
- * When 45 of the 48 holders are prompts still at a prefill worker, decode's own load is 3 +
- * 15 x 3 / 48 = 3.9 sequences, and no worker moves (counting all 63 as decode's shortage,
- * 1.31 workers of load, took a prefill worker to decode just before the next burst). When
+ * When 45 of the 48 holders are prompts still at a prefill worker, prefill's load pressure
+ * is r = 0.85 and decode's own load 3 + 45 x 0.15 = 9.75 sequences, plus 15 x 9.75 / 48 of
+ * the waiting: 12.8, 0.27 workers, and no worker moves (counting all 63 as decode's
+ * shortage, 1.31 workers of load, took a prefill worker to decode before the next burst). When
  * the 48 are decoding, decode is short: one worker moves (6:2), then nothing (decode 0.66;
  * prefill may not take it back: decode would be beyond capacity again). The burst comes
  * after 35 s of calm (10 sequences, 5 of them prefilling: no move), as code100's do. */
