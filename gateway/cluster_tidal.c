@@ -85,13 +85,18 @@ void cluster_policy_tick(cluster_t *c, int64_t now)
             continue;
         cl->online_running++;
         /* every assigned request holds a decode slot and KV from dispatch on, before its
-         * prefill starts: that is decode demand (a prompt burst otherwise hides it) */
+         * prefill starts: that is decode demand (a prompt burst otherwise hides it) ... */
         decoding++;
+        /* ... but until its first token its prompt is prefill's work, not decode's: the
+         * policy does not count it as decode's own shortage (policy.h 1d) */
+        if (r->pw && !r->p_started)
+            cl->online_prefilling++;
     }
     /* A request waits here only when no decode worker has room, unless there is no prefill
      * worker at all: only then is it a prefill shortage (docs/scheduler.md). */
     if (have_prefill) {
         decoding += c->queue.n;
+        cl->online_wait_room = c->queue.n;
     } else {
         cl->online_queued = c->queue.n;
         for (const req_t *r = c->queue.head; r; r = r->next)

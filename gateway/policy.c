@@ -124,6 +124,20 @@ static double load_prefill(const view *v)
     return fmax(q, st->prompt_rate / p->prefill_tokens_per_s);
 }
 
+/* Decode's own sequences (policy.h 1d): those past their prefill, the part of the slots
+ * prompts hold that prefill's spare capacity could use (1 - its load pressure r), and the
+ * same share of the requests waiting for room. */
+static double own_sequences(const view *v)
+{
+    const policy_signals *st = v->st;
+    double dec = st->decoding, pre = fmin(st->prefilling, dec);
+    double wait = fmin(st->wait_room, dec - pre);
+    double past = dec - pre - wait, held = past + pre;
+    double r = v->cap_p0 > 0 ? fmin(1.0, load_prefill(v) / v->cap_p0) : 1.0;
+    double mine = past + pre * (1 - r);
+    return mine + (held > 0 ? wait * mine / held : wait);
+}
+
 /* The decode load in workers at pressure 1: online sequences over the slots, KV use
  * (measured with cap_d0) and, with tokens set and decode_tokens_per_s known, requests/s
  * times the output tokens per ended request over a worker's token rate. The sequence count
@@ -132,14 +146,25 @@ static double load_prefill(const view *v)
  * decode hurts (the estimate, and decode as the donor of a move), not to make decode gain
  * workers or to hold back offline work: there it would take slack from prefill that a
  * turning tide needs (docs/tidal.md). */
-static double load_decode(const view *v, int tokens)
+static double load_decode_with(const view *v, int tokens, int own)
 {
     const policy_params *p = v->p;
     const policy_signals *st = v->st;
-    double u = st->decoding / p->decode_seqs_per_worker;
+    double u = (own ? own_sequences(v) : st->decoding) / p->decode_seqs_per_worker;
     if (tokens && p->decode_tokens_per_s > 0)
         u = fmax(u, st->arrival_rate * st->out_per_req / p->decode_tokens_per_s);
     return fmax(u, st->kv_frac / p->kv_high * v->cap_d0);
+}
+
+static double load_decode(const view *v, int tokens)
+{
+    return load_decode_with(v, tokens, 0);
+}
+
+/* Decode's load as the gainer of a move: its own sequences (policy.h 1d), no token term. */
+static double load_decode_gain(const view *v)
+{
+    return load_decode_with(v, 0, 1);
 }
 
 /* Prefill pressure with cap prefill workers. Load terms scale with 1/cap exactly; the
@@ -156,8 +181,9 @@ static double pressure_prefill(const view *v, double cap)
     return fmax(load_prefill(v) / cap, lat * scale);
 }
 
-/* Decode pressure with cap decode workers; tokens: count the token term (load_decode). */
-static double pressure_decode_with(const view *v, double cap, int tokens)
+/* Decode pressure with cap decode workers; tokens: count the token term (load_decode);
+ * own: decode's own sequences (load_decode_gain). */
+static double pressure_decode_with(const view *v, double cap, int tokens, int own)
 {
     const policy_params *p = v->p;
     const policy_signals *st = v->st;
@@ -167,12 +193,12 @@ static double pressure_decode_with(const view *v, double cap, int tokens)
                    ? PRESSURE_NO_CAPACITY
                    : 0;
     double scale = v->cap_d0 > 0 ? v->cap_d0 / cap : 1;
-    return fmax(load_decode(v, tokens) / cap, lat * scale);
+    return fmax(load_decode_with(v, tokens, own) / cap, lat * scale);
 }
 
 static double pressure_decode(const view *v, double cap)
 {
-    return pressure_decode_with(v, cap, 0);
+    return pressure_decode_with(v, cap, 0, 0);
 }
 
 // --- inputs and smoothing ----------------------------------------------------------------
@@ -249,6 +275,13 @@ static void observe(const policy_params *p, policy_state *st, const policy_input
         }
     }
     double decoding = c->online_decoding > 0 ? c->online_decoding : 0;
+    /* of them: holding room before their prefill ended, waiting for room (policy.h 1d) */
+    double pre = c->online_prefilling > 0 ? c->online_prefilling : 0;
+    double wait = c->online_wait_room > 0 ? c->online_wait_room : 0;
+    if (pre + wait > decoding) { /* inconsistent figures: trust the total */
+        double f = decoding / (pre + wait);
+        pre *= f, wait *= f;
+    }
     double offline = c->offline_running > 0 ? c->offline_running : 0;
     double share = decoding + offline > 0 ? decoding / (decoding + offline) : 1;
     memset(raw, 0, sizeof(*raw));
@@ -257,6 +290,8 @@ static void observe(const policy_params *p, policy_state *st, const policy_input
     raw->ttft_ms = c->ttft_p90_ms > 0 ? c->ttft_p90_ms : (ttft_n > 0 ? ttft_sum / ttft_n : 0);
     raw->tpot_ms = c->tpot_p90_ms > 0 ? c->tpot_p90_ms : (tpot_w > 0 ? tpot_sum / tpot_w : 0);
     raw->decoding = decoding;
+    raw->prefilling = pre;
+    raw->wait_room = wait;
     raw->kv_frac = kv_total > 0 ? kv_used / kv_total * share : 0;
     int64_t dt = st->initialized ? in->now_ms - st->last_ms : 0;
     if (dt > 0) {
@@ -311,6 +346,8 @@ static void observe(const policy_params *p, policy_state *st, const policy_input
     ewma(&x->ttft_ms, raw->ttft_ms, alpha);
     ewma(&x->tpot_ms, raw->tpot_ms, alpha);
     ewma(&x->decoding, raw->decoding, alpha);
+    ewma(&x->prefilling, raw->prefilling, alpha);
+    ewma(&x->wait_room, raw->wait_room, alpha);
     ewma(&x->kv_frac, raw->kv_frac, alpha);
 }
 
@@ -358,8 +395,9 @@ static int gains(const view *v, int to, double cap_p, double cap_d)
         /* the donor's load after the move (prefill: the prompt rate; decode: sequences and
          * KV, not the token term, which lags a turning tide) stays within capacity, or at
          * most the gainer's: moving a worker must not just move the backlog */
-        double lp = v->st->prompt_rate / p->prefill_tokens_per_s, ld = load_decode(v, 0);
-        double lg = to == POLICY_ROLE_PREFILL ? lp : ld, lgive = to == POLICY_ROLE_PREFILL ? ld : lp;
+        double lp = v->st->prompt_rate / p->prefill_tokens_per_s;
+        double lg = to == POLICY_ROLE_PREFILL ? lp : load_decode_gain(v);
+        double lgive = to == POLICY_ROLE_PREFILL ? load_decode(v, 0) : lp;
         double cg = (to == POLICY_ROLE_PREFILL ? cap_p : cap_d) + 1;
         double cgive = (to == POLICY_ROLE_PREFILL ? cap_d : cap_p) - 1;
         double after_give = cgive > 0 ? lgive / cgive : (lgive > 0 ? PRESSURE_NO_CAPACITY : 0);
@@ -368,20 +406,21 @@ static int gains(const view *v, int to, double cap_p, double cap_d)
     }
     if (p->capacity_moves && p->donor_guard && to == POLICY_ROLE_DECODE && cap_d > 0 &&
         cap_p - 1 > 0) {
-        /* decode beyond capacity by its sequences (they wait for decode room), prefill
-         * within it after the move: decode gains without the band (the reverse move would
-         * need prefill beyond capacity after it, which the donor guard forbids). Prefill
-         * needs no such rule: its queue term grows until the band gives way. */
+        /* decode beyond capacity by its own sequences (they wait for decode room; not the
+         * slots prompts still at a prefill worker hold, policy.h 1d), prefill within it
+         * after the move: decode gains without the band (the reverse move would need
+         * prefill beyond capacity after it, which the donor guard forbids). Prefill needs
+         * no such rule: its queue term grows until the band gives way. */
         double lp = v->st->prompt_rate / p->prefill_tokens_per_s;
-        if (load_decode(v, 0) / cap_d > 1 && lp / (cap_p - 1) <= 1)
+        if (load_decode_gain(v) / cap_d > 1 && lp / (cap_p - 1) <= 1)
             return 1;
     }
     if (to == POLICY_ROLE_PREFILL) {
         double pp = pressure_prefill(v, cap_p);
         /* decode as the donor: its full need, tokens included */
-        return pp >= v->act && pp > p->band * pressure_decode_with(v, cap_d - 1, 1);
+        return pp >= v->act && pp > p->band * pressure_decode_with(v, cap_d - 1, 1, 0);
     }
-    double pd = pressure_decode(v, cap_d);
+    double pd = pressure_decode_with(v, cap_d, 0, 1); /* decode as the gainer: its own */
     return pd >= v->act && pd > p->band * pressure_prefill(v, cap_p - 1);
 }
 
@@ -609,7 +648,7 @@ int policy_decide(const policy_params *p, policy_state *st, const policy_input *
     int k_capacity = 0;
     if (p->capacity_moves && want && cap > 0 && !seeded_now) {
         int to_p = want == POLICY_ROLE_PREFILL;
-        double lg = to_p ? lp : load_decode(&vf, 0), lgive = to_p ? ld : lp;
+        double lg = to_p ? lp : load_decode_gain(&vf), lgive = to_p ? ld : lp;
         /* one standard error below the measured rate (a Poisson count of n arrivals) */
         double n_eff = (double)(in->cluster.online_arrived - st->first_arrived);
         n_eff = fmin(n_eff, st->sig.arrival_rate * 2e-3 * (double)p->smooth_ms);

@@ -13,6 +13,17 @@
  *                      max(TTFT p90, oldest gateway wait) / TTFT SLO)
  *        decode  = max(online decoding sequences / (n_decode * decode_seqs_per_worker),
  *                      KV use / kv_high * online share, TPOT p90 / TPOT SLO)
+ *   1d. Decode's own sequences: with decode room reserved at dispatch, online decoding
+ *      counts the requests whose prompt is still at a prefill worker (P of them) and those
+ *      waiting for room (G). Where decode is the *gainer* of a move (2, 2d) its sequence
+ *      load is its own instead: D = the sequences past their prefill, plus the part
+ *      P * (1 - r) of the prompts' slots, r = prefill's load pressure (rates and queue,
+ *      at most 1), plus the share (D + P(1 - r)) / (D + P) of the G waiting. More decode
+ *      room lets more prompts into prefill, which computes them sooner only as far as
+ *      it has spare capacity: a prompt burst on a busy prefill side fills the slots from
+ *      dispatch on, and more decode workers would only lengthen its queue. Where decode
+ *      is the donor, and in the estimate and offline admission, every held slot counts (a
+ *      prompt burst must not let prefill take the decode room it holds).
  *   2. Move workers from role B to role A when pressure(A) >= act_pressure and
  *      pressure(A) > band * pressure(B after losing one worker); the candidates have been
  *      in their role min_role_ms; role B keeps min_per_role workers; the moves stay within
@@ -105,6 +116,12 @@ typedef struct {
     int online_queued;             /* online requests waiting for a prefill worker */
     int online_running;            /* online requests admitted (prefill .. finish) */
     int online_decoding;           /* online sequences decoding or waiting for decode room */
+    int online_prefilling;         /* of online_decoding: requests holding decode room (reserved
+                                    * at dispatch) whose prompt is still queued at or computed
+                                    * by a prefill worker; 0 = none or not reported */
+    int online_wait_room;          /* of online_decoding: requests waiting for decode room
+                                    * before their prefill (at the gateway); 0 = none or not
+                                    * reported */
     int64_t prompt_tokens_arrived; /* counter: online prompt tokens ever admitted */
     int64_t online_arrived;        /* counter: online requests ever admitted */
     int64_t online_done;           /* counter: online requests that ended ... */
@@ -176,6 +193,8 @@ typedef struct {
     double out_per_req;      /* output tokens per ended online request (0 = none yet) */
     double ttft_ms, tpot_ms; /* p90s, 0 when unknown */
     double decoding;         /* online sequences decoding or waiting for decode room */
+    double prefilling;       /* of them, holding decode room before their prefill ended */
+    double wait_room;        /* of them, waiting for decode room (1d) */
     double kv_frac;          /* KV use fraction of decode-capable workers, online share */
 } policy_signals;
 

@@ -108,11 +108,53 @@ static void test_tick_feeds_the_counters(void **state)
     free(c);
 }
 
+/* Decode room held from dispatch: every assigned online request and every request waiting
+ * at the gateway (a prefill worker is up) counts as decoding, and of them the gateway names
+ * the prompts not yet prefilled (no first token from the prefill worker) and the waiting
+ * ones: 3 of 4 assigned still prefilling, 1 decoding, 2 waiting (policy.h 1d). */
+static void test_tick_names_prefilling_and_waiting(void **state)
+{
+    (void)state;
+    cluster_t *c = new_cluster();
+    worker_t *wp = calloc(1, sizeof(*wp)), *wd = calloc(1, sizeof(*wd));
+    assert_non_null(wp);
+    assert_non_null(wd);
+    wp->role = PROTO_ROLE_PREFILL;
+    wp->state = wd->state = PROTO_STATE_READY;
+    wd->role = PROTO_ROLE_DECODE;
+    wd->max_seqs = 48;
+    wp->next = wd;
+    c->workers = wp;
+    req_t *rs[6];
+    for (int i = 0; i < 4; i++) {
+        rs[i] = running_req(c, (uint64_t)(10 + i), 0, 0);
+        rs[i]->pw = wp;
+        rs[i]->dw = wd;
+        rs[i]->p_started = i == 3;
+    }
+    for (int i = 4; i < 6; i++) {
+        rs[i] = calloc(1, sizeof(*rs[i]));
+        assert_non_null(rs[i]);
+        list_push(&c->queue, rs[i], 0);
+    }
+    cluster_policy_tick(c, 1000000); /* the first call seeds the signals with this call's */
+    assert_true(c->pstate.sig.decoding == 6);
+    assert_true(c->pstate.sig.prefilling == 3);
+    assert_true(c->pstate.sig.wait_room == 2);
+    for (int i = 0; i < 6; i++)
+        free(rs[i]);
+    free(wp);
+    free(wd);
+    free(c->pworkers);
+    free(c);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_finish_counts_online_output),
         cmocka_unit_test(test_tick_feeds_the_counters),
+        cmocka_unit_test(test_tick_names_prefilling_and_waiting),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

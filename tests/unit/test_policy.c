@@ -5,7 +5,7 @@
  * the decisions: no actions under steady load, a growing queue is answered one worker per
  * window, no flapping, never below one worker per role, the rate cap, offline admission
  * and aging, determinism, input checks, the split estimate on crafted figures and the
- * rate cap at 10,000 workers.
+ * rate cap at 10,000 workers, and decode's own sequences against the slots prompts hold.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -838,6 +838,74 @@ static void test_decode_beyond_capacity_gains(void **state)
     free(f);
 }
 
+/* Decode's own sequences (policy.h 1d), the figures of code100's burst (docs/tidal.md,
+ * session 10): 8 workers at 7:1, 48 sequences a decode worker, prefill 5.95 workers of
+ * prompt rate (0.85 on 7, 0.99 on 6), and 63 online sequences counted as decoding: the 48
+ * slots of the one decode worker held from dispatch and 15 requests waiting for room.
+ * When 45 of the 48 holders are prompts still at a prefill worker, prefill's load pressure
+ * is r = 0.85 and decode's own load 3 + 45 x 0.15 = 9.75 sequences, plus 15 x 9.75 / 48 of
+ * the waiting: 12.8, 0.27 workers, and no worker moves (counting all 63 as decode's
+ * shortage, 1.31 workers of load, took a prefill worker to decode before the next burst). When
+ * the 48 are decoding, decode is short: one worker moves (6:2), then nothing (decode 0.66;
+ * prefill may not take it back: decode would be beyond capacity again). The burst comes
+ * after 35 s of calm (10 sequences, 5 of them prefilling: no move), as code100's do. */
+static void test_decode_own_sequences(void **state)
+{
+    (void)state;
+    fx *f = calloc(1, sizeof(fx));
+    for (int held_by_prompts = 1; held_by_prompts >= 0; held_by_prompts--) {
+        fx_init(f, 7, 1);
+        f->p.prefill_tokens_per_s = 1000;
+        f->p.decode_seqs_per_worker = 48;
+        f->p.ttft_slo_ms = 5000;
+        f->p.tpot_slo_ms = 500;
+        f->prompt_rate = 5950;
+        for (int t = 0; t < 60; t++) {
+            if (t == 35) { /* the burst, past the warm-up and the start-up estimate */
+                f->c.queued_prompt_tokens = 3000;
+                f->c.online_decoding = 63;
+                f->c.online_prefilling = held_by_prompts ? 45 : 0;
+                f->c.online_wait_room = 15;
+            } else if (t == 0) { /* between bursts: 10 sequences, 5 of them prefilling */
+                f->c.online_decoding = 10;
+                f->c.online_prefilling = 5;
+            }
+            f->c.online_arrived += 30;
+            fx_tick(f);
+        }
+        if (held_by_prompts) {
+            if (f->n_ch != 0)
+                fail_msg("slots held by prompts: %d role changes, want none", f->n_ch);
+        } else {
+            assert_int_equal(f->n_ch, 1);
+            assert_int_equal(f->ch_role[0], POLICY_ROLE_DECODE);
+            assert_int_equal(fx_count(f, POLICY_ROLE_DECODE), 2);
+        }
+    }
+    free(f);
+}
+
+/* ... and as the donor every held slot counts: a flooded prefill queue (no arrival rate)
+ * with 200 held slots on 6 decode workers, 180 of them by prompts still at a prefill
+ * worker: decode keeps ceil(200 / 48) = 5 workers (by its own 20 sequences it would go down
+ * to one, and the prompts dispatched next would wait for room). */
+static void test_donor_counts_held_slots(void **state)
+{
+    (void)state;
+    fx *f = calloc(1, sizeof(fx));
+    fx_init(f, 2, 6);
+    f->p.min_role_ms = 0;
+    f->p.decode_seqs_per_worker = 48;
+    f->c.queued_prompt_tokens = 1000000000;
+    f->c.oldest_wait_ms = 60000;
+    f->c.online_decoding = 200;
+    f->c.online_prefilling = 180;
+    for (int t = 0; t < 100; t++)
+        fx_tick(f);
+    assert_int_equal(fx_count(f, POLICY_ROLE_DECODE), 5);
+    free(f);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -859,6 +927,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_rates_start_as_running_mean),
         cmocka_unit_test(test_startup_fix),
         cmocka_unit_test(test_decode_beyond_capacity_gains),
+        cmocka_unit_test(test_decode_own_sequences),
+        cmocka_unit_test(test_donor_counts_held_slots),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);

@@ -432,6 +432,9 @@ static void on_tick(sim_cluster *s)
          * from dispatch on, its prefill not yet done included (it holds its decode slot:
          * gateway/cluster_tidal.c counts the whole active list). */
         c->online_decoding = s->online_running + (int)s->q_gw.n;
+        /* of them: prompts still at a prefill worker, and requests waiting for room */
+        c->online_prefilling = s->online_running - s->online_decoding;
+        c->online_wait_room = (int)s->q_gw.n;
     } else {
         c->oldest_wait_ms =
             s->q_on.n ? (int64_t)(s->now - s->reqs[sim_ideque_front(&s->q_on)].arrival_ms) : 0;
