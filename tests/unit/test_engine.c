@@ -1401,6 +1401,71 @@ static void test_kernels_vs_reference(void **state)
     }
 }
 
+/* Random F32 and F16 (GGUF layout) matrices of rows x n, Tmax tokens of activations
+ * (weights and activations with a few large values) and buffers for the products, as the
+ * FAST-order kernel tests use them; fx_ref writes the single-dot reference of T tokens. */
+typedef struct {
+    int rows, n, Tmax;
+    float *wf, *wh32, *x, *ref, *got, *scratch;
+    uint16_t *wh;
+    float *outp[256];
+    kern_mat mats[2]; /* F32, F16 */
+} fast_fx;
+
+static void fx_init(fast_fx *f, int rows, int n, int Tmax)
+{
+    assert_true(Tmax <= 256);
+    f->rows = rows;
+    f->n = n;
+    f->Tmax = Tmax;
+    f->wf = malloc((size_t)rows * n * sizeof(float));
+    f->wh = malloc((size_t)rows * n * sizeof(uint16_t));
+    f->wh32 = malloc((size_t)rows * n * sizeof(float));
+    f->x = malloc((size_t)Tmax * n * sizeof(float));
+    f->ref = malloc((size_t)Tmax * rows * sizeof(float));
+    f->got = malloc((size_t)Tmax * rows * sizeof(float));
+    f->scratch = malloc(kern_scratch_floats(n) * sizeof(float));
+    assert_non_null(f->wf);
+    assert_non_null(f->wh);
+    assert_non_null(f->wh32);
+    assert_non_null(f->x);
+    assert_non_null(f->ref);
+    assert_non_null(f->got);
+    assert_non_null(f->scratch);
+    for (size_t i = 0; i < (size_t)rows * n; i++) {
+        f->wf[i] = frand() * (i % 89 == 0 ? 16.0f : 0.5f);
+        f->wh[i] = gguf_fp32_to_fp16(f->wf[i]);
+        f->wh32[i] = gguf_fp16_to_fp32(f->wh[i]);
+    }
+    for (size_t i = 0; i < (size_t)Tmax * n; i++)
+        f->x[i] = frand() * (i % 61 == 0 ? 30.0f : 2.0f);
+    for (int t = 0; t < Tmax; t++)
+        f->outp[t] = f->got + (size_t)t * rows;
+    f->mats[0] = (kern_mat){f->wf, GGUF_TENSOR_F32, rows, n, KERN_LAYOUT_GGUF};
+    f->mats[1] = (kern_mat){f->wh, GGUF_TENSOR_F16, rows, n, KERN_LAYOUT_GGUF};
+}
+
+/* The reference products of matrix mi (0 F32, 1 F16) and the first T tokens into f->ref. */
+static void fx_ref(fast_fx *f, int mi, int T)
+{
+    const float *w32 = mi ? f->wh32 : f->wf;
+    for (int r = 0; r < f->rows; r++)
+        for (int t = 0; t < T; t++)
+            f->ref[(size_t)t * f->rows + r] =
+                kern_dot_fast_f32(w32 + (size_t)r * f->n, f->x + (size_t)t * f->n, f->n);
+}
+
+static void fx_free(fast_fx *f)
+{
+    free(f->wf);
+    free(f->wh);
+    free(f->wh32);
+    free(f->x);
+    free(f->ref);
+    free(f->got);
+    free(f->scratch);
+}
+
 /* The FAST-order F32/F16 prefill kernels (T >= 8: the AVX2 one runs row superblocks of
  * 128 rows x token blocks of 12 tokens over the 4-row x 3-token tiles, kernels_x86.c)
  * against the single-dot reference, bit for bit, at prefill sizes
@@ -1417,49 +1482,21 @@ static void test_kernels_prefill_blocked(void **state)
     const int Tmax = 200;
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
         const int rows = shapes[si][0], n = shapes[si][1];
-        float *wf = malloc((size_t)rows * n * sizeof(float));
-        uint16_t *wh = malloc((size_t)rows * n * sizeof(uint16_t));
-        float *wh32 = malloc((size_t)rows * n * sizeof(float));
-        float *x = malloc((size_t)Tmax * n * sizeof(float));
-        float *ref = malloc((size_t)Tmax * rows * sizeof(float));
-        float *got = malloc((size_t)Tmax * rows * sizeof(float));
-        float *scratch = malloc(kern_scratch_floats(n) * sizeof(float));
-        float *outp[200];
-        assert_non_null(wf);
-        assert_non_null(wh);
-        assert_non_null(wh32);
-        assert_non_null(x);
-        assert_non_null(ref);
-        assert_non_null(got);
-        assert_non_null(scratch);
-        for (size_t i = 0; i < (size_t)rows * n; i++) {
-            wf[i] = frand() * (i % 89 == 0 ? 16.0f : 0.5f);
-            wh[i] = gguf_fp32_to_fp16(wf[i]);
-            wh32[i] = gguf_fp16_to_fp32(wh[i]);
-        }
-        for (size_t i = 0; i < (size_t)Tmax * n; i++)
-            x[i] = frand() * (i % 61 == 0 ? 30.0f : 2.0f);
-        for (int t = 0; t < Tmax; t++)
-            outp[t] = got + (size_t)t * rows;
-        const kern_mat mats[2] = {{wf, GGUF_TENSOR_F32, rows, n, KERN_LAYOUT_GGUF},
-                                  {wh, GGUF_TENSOR_F16, rows, n, KERN_LAYOUT_GGUF}};
+        fast_fx f;
+        fx_init(&f, rows, n, Tmax);
         for (int mi = 0; mi < 2; mi++) {
-            const float *w32 = mi ? wh32 : wf;
             for (size_t ti = 0; ti < sizeof(Ts) / sizeof(Ts[0]); ti++) {
                 const int T = Ts[ti];
-                for (int r = 0; r < rows; r++)
-                    for (int t = 0; t < T; t++)
-                        ref[(size_t)t * rows + r] =
-                            kern_dot_fast_f32(w32 + (size_t)r * n, x + (size_t)t * n, n);
-                kern_act a = {.x = x, .T = T, .n = n};
+                fx_ref(&f, mi, T);
+                kern_act a = {.x = f.x, .T = T, .n = n};
                 for (int isa = KERN_ISA_SCALAR; isa <= (int)best_isa(); isa++)
                     for (int sc = isa == KERN_ISA_SCALAR; sc < 2; sc++) { /* scalar: needs it */
-                        memset(got, 0xff, (size_t)Tmax * rows * sizeof(float));
+                        memset(f.got, 0xff, (size_t)Tmax * rows * sizeof(float));
                         const int cut[] = {0, rows / 3 | 1, rows - 2 > 0 ? rows - 2 : rows, rows};
                         for (int c = 0; c < 3; c++)
-                            kern_matmul((kern_isa)isa, KERN_ORDER_FAST, &mats[mi], &a, cut[c],
-                                        cut[c + 1], outp, sc ? scratch : NULL);
-                        if (memcmp(got, ref, (size_t)T * rows * sizeof(float)) != 0)
+                            kern_matmul((kern_isa)isa, KERN_ORDER_FAST, &f.mats[mi], &a, cut[c],
+                                        cut[c + 1], f.outp, sc ? f.scratch : NULL);
+                        if (memcmp(f.got, f.ref, (size_t)T * rows * sizeof(float)) != 0)
                             fail_msg("prefill kernel %s %s rows %d n %d T %d%s differs from the "
                                      "reference",
                                      kern_isa_name((kern_isa)isa), mi ? "f16" : "f32", rows, n, T,
@@ -1467,13 +1504,7 @@ static void test_kernels_prefill_blocked(void **state)
                     }
             }
         }
-        free(wf);
-        free(wh);
-        free(wh32);
-        free(x);
-        free(ref);
-        free(got);
-        free(scratch);
+        fx_free(&f);
     }
 }
 
@@ -1836,43 +1867,15 @@ static void test_kernels_avx512_fast(void **state)
     const int Tmax = 201;
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
         const int rows = shapes[si][0], n = shapes[si][1];
-        float *wf = malloc((size_t)rows * n * sizeof(float));
-        uint16_t *wh = malloc((size_t)rows * n * sizeof(uint16_t));
-        float *wh32 = malloc((size_t)rows * n * sizeof(float));
-        float *x = malloc((size_t)Tmax * n * sizeof(float));
-        float *ref = malloc((size_t)Tmax * rows * sizeof(float));
-        float *got = malloc((size_t)Tmax * rows * sizeof(float));
-        float *scratch = malloc(kern_scratch_floats(n) * sizeof(float));
+        fast_fx f;
+        fx_init(&f, rows, n, Tmax);
         void *buf = malloc(kern_pack_bytes(Tmax, n));
-        float *outp[201];
-        assert_non_null(wf);
-        assert_non_null(wh);
-        assert_non_null(wh32);
-        assert_non_null(x);
-        assert_non_null(ref);
-        assert_non_null(got);
-        assert_non_null(scratch);
         assert_non_null(buf);
-        for (size_t i = 0; i < (size_t)rows * n; i++) {
-            wf[i] = frand() * (i % 89 == 0 ? 16.0f : 0.5f);
-            wh[i] = gguf_fp32_to_fp16(wf[i]);
-            wh32[i] = gguf_fp16_to_fp32(wh[i]);
-        }
-        for (size_t i = 0; i < (size_t)Tmax * n; i++)
-            x[i] = frand() * (i % 61 == 0 ? 30.0f : 2.0f);
-        for (int t = 0; t < Tmax; t++)
-            outp[t] = got + (size_t)t * rows;
-        const kern_mat mats[2] = {{wf, GGUF_TENSOR_F32, rows, n, KERN_LAYOUT_GGUF},
-                                  {wh, GGUF_TENSOR_F16, rows, n, KERN_LAYOUT_GGUF}};
         for (int mi = 0; mi < 2; mi++) {
-            const float *w32 = mi ? wh32 : wf;
             for (size_t ti = 0; ti < sizeof(Ts) / sizeof(Ts[0]); ti++) {
                 const int T = Ts[ti];
-                for (int r = 0; r < rows; r++)
-                    for (int t = 0; t < T; t++)
-                        ref[(size_t)t * rows + r] =
-                            kern_dot_fast_f32(w32 + (size_t)r * n, x + (size_t)t * n, n);
-                kern_act a = {.x = x, .T = T, .n = n};
+                fx_ref(&f, mi, T);
+                kern_act a = {.x = f.x, .T = T, .n = n};
                 kern_pack_bind(KERN_ISA_AVX512, &a, 1, 0, buf);
                 assert_non_null(a.xp);
                 for (int t = 0; t < T; t += 4) /* in pieces of two pairs */
@@ -1883,11 +1886,11 @@ static void test_kernels_avx512_fast(void **state)
                         kern_act b = a;
                         if (!packed)
                             b.xp = NULL;
-                        memset(got, 0xff, (size_t)Tmax * rows * sizeof(float));
+                        memset(f.got, 0xff, (size_t)Tmax * rows * sizeof(float));
                         for (int c = 0; c < 3; c++)
-                            kern_matmul(KERN_ISA_AVX512, KERN_ORDER_FAST, &mats[mi], &b, cut[c],
-                                        cut[c + 1], outp, sc ? scratch : NULL);
-                        if (memcmp(got, ref, (size_t)T * rows * sizeof(float)) != 0)
+                            kern_matmul(KERN_ISA_AVX512, KERN_ORDER_FAST, &f.mats[mi], &b, cut[c],
+                                        cut[c + 1], f.outp, sc ? f.scratch : NULL);
+                        if (memcmp(f.got, f.ref, (size_t)T * rows * sizeof(float)) != 0)
                             fail_msg("avx512 fast kernel %s rows %d n %d T %d (%s, %s scratch) "
                                      "differs from the reference",
                                      mi ? "f16" : "f32", rows, n, T,
@@ -1895,13 +1898,7 @@ static void test_kernels_avx512_fast(void **state)
                     }
             }
         }
-        free(wf);
-        free(wh);
-        free(wh32);
-        free(x);
-        free(ref);
-        free(got);
-        free(scratch);
+        fx_free(&f);
         free(buf);
     }
 }
