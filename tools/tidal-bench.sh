@@ -36,7 +36,8 @@
 #   BUILD=build  PRESET=a100-llama3-8b:dilate=10:token-scale=0.1 (the traces' token scale:
 #     the workers' KV cache and the simulator's hold the A100's capacity x 0.1, 41152 tokens)
 #   MAX_SEQS=48  MAX_BATCH_TOKENS=1024
-#   SPLITS="3:5 4:4 5:3"  TIDAL_START=4:4  SEED=1
+#   SPLITS="3:5 4:4 5:3" (SPLITS=" ", a space: no static split, tidal only; an empty
+#     SPLITS means the default)  TIDAL_START=4:4  SEED=1
 #   PHASE_S=30  PHASES=4  RATE=16 (prefill-heavy req/s)  DECODE_RATE=41 (decode-heavy req/s)
 #   PROMPT_WORDS=95:125 (prefill-heavy prompts)  OUTPUT_TOKENS=20:60 (decode-heavy answers)
 #   SHORT_LEN=8 (the short side of each phase)  SLO=ttft:5000,tpot:500
@@ -404,7 +405,7 @@ SIM_ARGS=(--workers 8 --preset "$PRESET" --max-seqs "$MAX_SEQS" --max-batch-toke
           --max-changes "$(tidal_arg --tidal-max-changes 2)"
           --min-per-role "$(tidal_arg --tidal-min-per-role 1)")
 if [ -z "$PREFILL_TOK_S" ] || [ -z "$DECODE_TOK_S" ]; then
-    [ -n "$SIM_TRACE" ] || { echo "tidal-bench: set PREFILL_TOK_S and DECODE_TOK_S when SPLITS is empty" >&2; exit 2; }
+    [ -n "$SIM_TRACE" ] || { echo "tidal-bench: set PREFILL_TOK_S and DECODE_TOK_S when SPLITS is \" \" (no static split)" >&2; exit 2; }
     # "capacity estimates per worker: prefill P tok/s, decode S seqs, D tok/s"
     CAP_LINE=$("$BIN/tidepool-sim" "${SIM_ARGS[@]}" --trace "$SIM_TRACE" --policy static:2 2>/dev/null |
         grep 'capacity estimates per worker' || true)
