@@ -43,6 +43,18 @@ static inline size_t kern_q8x8_gbytes(int nb)
 }
 
 #ifdef KERN_HAVE_X86
+#include <immintrin.h>
+
+/* The sum of a register's 8 floats in hsum8_ref's order (kernels.c):
+ * ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)); every x86 kernel's row reduction. */
+static inline __attribute__((always_inline, target("avx"))) float kern_x86_hsum8(__m256 v)
+{
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+    return _mm_cvtss_f32(s1);
+}
+
 /* AVX2: EXACT-order F32 (scratch: kern_scratch_floats(n) floats), FAST-order F32/F16
  * (scratch: unused) and Q8_0
  * products of rows [r0, r1), all T tokens. */

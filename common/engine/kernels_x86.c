@@ -57,15 +57,6 @@
 #define TGT __attribute__((target("avx2,fma,f16c")))
 #define TILE static inline __attribute__((always_inline)) TGT
 
-/* ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), as hsum8_ref */
-TILE float hsum8_avx2(__m256 v)
-{
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
-    return _mm_cvtss_f32(s1);
-}
-
 TILE __m256 load_w8(const uint8_t *row, int j, int f16)
 {
     if (f16)
@@ -115,7 +106,7 @@ TILE void tile_fast(const int R, const int NT, const int f16, const uint8_t *wro
     for (int r = 0; r < R; r++) {
 #pragma GCC unroll 3
         for (int t = 0; t < NT; t++) {
-            float s = hsum8_avx2(acc[r][t]);
+            float s = kern_x86_hsum8(acc[r][t]);
             const float *xt = x + (size_t)t * n;
             for (int j = n8; j < n; j++)
                 s = fmaf(load_w1(wrow + (size_t)r * ws, j, f16), xt[j], s);
@@ -170,7 +161,7 @@ TILE void tile_q8(const int R, const int NT, const uint8_t *wrow, size_t ws, con
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 3
         for (int t = 0; t < NT; t++)
-            out[t][i + r] = hsum8_avx2(acc[r][t]);
+            out[t][i + r] = kern_x86_hsum8(acc[r][t]);
 }
 
 /* Q8_0 at batch 1 with short rows: one token, R rows whose 34-byte blocks are read side
@@ -210,7 +201,7 @@ TILE void tile_q8_lin(const int R, const uint8_t *wrow, size_t ws, size_t lim, c
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
-        out[0][i + r] = hsum8_avx2(acc[r]);
+        out[0][i + r] = kern_x86_hsum8(acc[r]);
 }
 
 static TGT __attribute__((noinline)) void q8lin_8(const uint8_t *w, size_t ws, size_t lim,
@@ -438,7 +429,7 @@ TILE void tile_q8x8(const int R, const int NT, const int PF, const uint8_t *g, s
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 3
         for (int t = 0; t < NT; t++)
-            out[t][i + r] = hsum8_avx2(acc[r][t]);
+            out[t][i + r] = kern_x86_hsum8(acc[r][t]);
 }
 
 /* Batch-1 prefetch distance along a group's stream: `bench_engine --kern` (2 threads, 300 MB
@@ -557,7 +548,7 @@ static TGT void q8x8_group_tok(const uint8_t *g, size_t so, const float *xd, con
     }
     for (int t = 0; t < T; t++)
         for (int r = 0; r < 8; r++)
-            out[t][i + r] = hsum8_avx2(acc[t][r]);
+            out[t][i + r] = kern_x86_hsum8(acc[t][r]);
 }
 
 typedef void (*q8x8_fn)(const uint8_t *, size_t, int, const float *, const int8_t *, int,
@@ -823,7 +814,7 @@ TILE512 void tile512_fast(const int R, const int NP, const int f16, const uint8_
                     break;
                 __m256 half =
                     h ? _mm512_extractf32x8_ps(acc[r][p], 1) : _mm512_castps512_ps256(acc[r][p]);
-                float sum = hsum8_avx2(half);
+                float sum = kern_x86_hsum8(half);
                 const float *xt = x + (size_t)t * n;
                 for (int j = n8; j < n; j++)
                     sum = fmaf(load_w1(wrow + (size_t)r * ws, j, f16), xt[j], sum);
@@ -880,7 +871,7 @@ TILE512 void tile512_q8(const int R, const int NP, const q8_addr *ad, const uint
 #pragma GCC unroll 4
         for (int p = 0; p < NP; p++)
             for (int h = 0; h < 2 && 2 * p + h < nt; h++)
-                out[2 * p + h][i + r] = hsum8_avx2(h ? _mm512_extractf32x8_ps(acc[r][p], 1)
+                out[2 * p + h][i + r] = kern_x86_hsum8(h ? _mm512_extractf32x8_ps(acc[r][p], 1)
                                                      : _mm512_castps512_ps256(acc[r][p]));
 }
 
@@ -1019,7 +1010,7 @@ TGT void kern_x86_dot_rows_fast_avx2(const float *q, const float *k, size_t k_st
             a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + j), a2);
             a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + j), a3);
         }
-        float s0 = hsum8_avx2(a0), s1 = hsum8_avx2(a1), s2 = hsum8_avx2(a2), s3 = hsum8_avx2(a3);
+        float s0 = kern_x86_hsum8(a0), s1 = kern_x86_hsum8(a1), s2 = kern_x86_hsum8(a2), s3 = kern_x86_hsum8(a3);
         for (int j = n8; j < n; j++) {
             s0 = fmaf(q[j], k0[j], s0);
             s1 = fmaf(q[j], k1[j], s1);
@@ -1036,7 +1027,7 @@ TGT void kern_x86_dot_rows_fast_avx2(const float *q, const float *k, size_t k_st
         __m256 a0 = _mm256_setzero_ps();
         for (int j = 0; j < n8; j += 8)
             a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(kr + j), a0);
-        float s0 = hsum8_avx2(a0);
+        float s0 = kern_x86_hsum8(a0);
         for (int j = n8; j < n; j++)
             s0 = fmaf(q[j], kr[j], s0);
         out[r] = s0;

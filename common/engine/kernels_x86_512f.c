@@ -50,15 +50,6 @@
 #define TB512 10 /* even: token blocks start on a pair */
 #endif
 
-/* ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), as hsum8_ref */
-TILE512F float hsum8_512f(__m256 v)
-{
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
-    return _mm_cvtss_f32(s1);
-}
-
 /* Weights 8s .. 8s + 7 of a row, in both halves. */
 TILE512F __m512 w16(const uint8_t *row, int s, int f16)
 {
@@ -110,7 +101,7 @@ TILE512F void tile(const int R, const int NP, const int f16, const uint8_t *wrow
         for (int p = 0; p < NP; p++)
             for (int h = 0; h < 2 && 2 * p + h < nt; h++) {
                 const int t = 2 * p + h;
-                float sum = hsum8_512f(h ? _mm512_extractf32x8_ps(acc[r][p], 1)
+                float sum = kern_x86_hsum8(h ? _mm512_extractf32x8_ps(acc[r][p], 1)
                                          : _mm512_castps512_ps256(acc[r][p]));
                 const float *xt = x + (size_t)t * n;
                 for (int j = n8; j < n; j++)

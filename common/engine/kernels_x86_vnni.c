@@ -43,15 +43,6 @@
 #define PF_V 1024 /* bytes ahead along a group's stream (batch 1, verify) */
 #endif
 
-/* ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), as hsum8_ref */
-TILEV float hsum8_v(__m256 v)
-{
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
-    return _mm_cvtss_f32(s1);
-}
-
 /* R rows [rr, rr + R) of the group at g (quants from so) x NT tokens (xd, xs: token 0's
  * scales and quants, strides nb and n); results to out[t][i + r]. PF: prefetch distance
  * in bytes (0: none). */
@@ -104,7 +95,7 @@ TILEV void tile_vnni(const int R, const int NT, const int PF, const uint8_t *g, 
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int t = 0; t < NT; t++)
-            out[t][i + r] = hsum8_v(acc[r][t]);
+            out[t][i + r] = kern_x86_hsum8(acc[r][t]);
 }
 
 /* Whole groups x NT <= 3 tokens on 512-bit registers: a register holds the 8 lanes of
@@ -164,8 +155,8 @@ TILEV void tile_z(const int NT, const int PF, const uint8_t *g, size_t so, const
     for (int k = 0; k < 4; k++)
 #pragma GCC unroll 3
         for (int t = 0; t < NT; t++) {
-            out[t][i + 2 * k] = hsum8_v(_mm512_castps512_ps256(acc[k][t]));
-            out[t][i + 2 * k + 1] = hsum8_v(_mm512_extractf32x8_ps(acc[k][t], 1));
+            out[t][i + 2 * k] = kern_x86_hsum8(_mm512_castps512_ps256(acc[k][t]));
+            out[t][i + 2 * k + 1] = kern_x86_hsum8(_mm512_extractf32x8_ps(acc[k][t], 1));
         }
 }
 
