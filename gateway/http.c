@@ -338,26 +338,10 @@ typedef enum { NEED_NONE = 0, NEED_KEY, NEED_ADMIN } need_t;
     "You didn't provide an API key. You need to provide your API key in an Authorization " \
     "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
 
-/* A refused request's log line (INFO), at most one a second: a client trying keys in a
- * loop must not flood the log. Never names a key, only its id. */
+/* A refused request's log line (httpconn_log_refusal: rate-limited, names no key). */
 static void log_refused(struct evhttp_request *req, const char *what)
 {
-    static int64_t last_us;
-    static long n_quiet;
-    int64_t now = proto_now_us();
-    if (last_us && now - last_us < 1000000) {
-        n_quiet++;
-        return;
-    }
-    char *addr = NULL;
-    ev_uint16_t port = 0;
-    struct evhttp_connection *conn = evhttp_request_get_connection(req);
-    if (conn)
-        evhttp_connection_get_peer(conn, &addr, &port);
-    log_info("%s (client %s:%u; %ld more refused since the last such line)", what,
-             addr ? addr : "?", (unsigned)port, n_quiet);
-    last_us = now;
-    n_quiet = 0;
+    httpconn_log_refusal(evhttp_request_get_connection(req), what);
 }
 
 static void reply_401(struct evhttp_request *req, const char *msg)

@@ -238,8 +238,7 @@ static void refuse(conn_rec *r, const char *reason, const char *extra, const api
     evhttp_connection_free(r->evcon); /* runs on_closed: r is freed */
 }
 
-/* At most one log line a second for refusals (a flood must not fill the log). */
-static void log_refusal(conn_rec *r, const char *what)
+void httpconn_log_refusal(struct evhttp_connection *conn, const char *what)
 {
     static int64_t last_us;
     static long n_quiet;
@@ -250,9 +249,10 @@ static void log_refusal(conn_rec *r, const char *what)
     }
     char *addr = NULL;
     ev_uint16_t port = 0;
-    evhttp_connection_get_peer(r->evcon, &addr, &port);
-    log_info("%s (client %s:%u; %ld more such since the last line)", what, addr ? addr : "?",
-             (unsigned)port, n_quiet);
+    if (conn)
+        evhttp_connection_get_peer(conn, &addr, &port);
+    log_info("%s (client %s:%u; %ld more refused since the last such line)", what,
+             addr ? addr : "?", (unsigned)port, n_quiet);
     last_us = now;
     n_quiet = 0;
 }
@@ -431,7 +431,7 @@ static void attach(conn_rec *r)
         char msg[200];
         snprintf(msg, sizeof(msg), "503: a connection over --max-connections (%d)",
                  h->p.max_connections);
-        log_refusal(r, msg);
+        httpconn_log_refusal(r->evcon, msg);
         if (h->stats)
             stats_http_event(h->stats, STATS_HTTP_REFUSED);
         api_error e;
@@ -460,7 +460,7 @@ static void on_timer(evutil_socket_t fd, short what, void *arg)
     if (r->state == C_HEAD) {
         snprintf(msg, sizeof(msg), "408: request headers not received within %d s",
                  h->p.header_timeout_s);
-        log_refusal(r, msg);
+        httpconn_log_refusal(r->evcon, msg);
         if (h->stats)
             stats_http_event(h->stats, STATS_HTTP_HEADER_TIMEOUT);
         api_error_set(&e, 408, "invalid_request_error", NULL, "request_timeout",
@@ -476,7 +476,7 @@ static void on_timer(evutil_socket_t fd, short what, void *arg)
         }
         snprintf(msg, sizeof(msg), "408: request body not received in time (%llu bytes in %.1f s)",
                  (unsigned long long)r->body_bytes, (double)(now - r->t_start_us) / 1e6);
-        log_refusal(r, msg);
+        httpconn_log_refusal(r->evcon, msg);
         if (h->stats)
             stats_http_event(h->stats, STATS_HTTP_BODY_TIMEOUT);
         if (h->p.body_min_rate > 0)

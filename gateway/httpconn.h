@@ -83,6 +83,13 @@ void httpconn_reply_done(httpconn_t *h, struct evhttp_connection *conn);
 void httpconn_set_close_cb(httpconn_t *h, struct evhttp_connection *conn,
                            void (*cb)(struct evhttp_connection *, void *), void *arg);
 
+/* Log a refused request or connection of conn (INFO): what happened, then the client's
+ * address. At most one line a second for all refusals of the process, each saying how many
+ * were left out since the one before, so that a client looping on bad requests or keys
+ * cannot flood the log. what must never hold a secret (name a key by its id only). conn
+ * may be NULL (address shown as "?"). Loop thread only. */
+void httpconn_log_refusal(struct evhttp_connection *conn, const char *what);
+
 /* Connections open (tracked; lingering sockets not counted). */
 int httpconn_n_open(const httpconn_t *h);
 

@@ -86,7 +86,7 @@ int main(int argc, char **argv)
 {
     const char *model_path = NULL, *prompt = NULL;
     double max_tokens = -1, temperature = 0, top_p = 1, top_k = 0, seed = 0, n_lp = -1;
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) { /* every option takes a value */
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         int bad = 0;
@@ -119,7 +119,6 @@ int main(int argc, char **argv)
             usage(stderr);
             return 2;
         }
-        i++;
     }
     if (!model_path || !prompt || max_tokens < 0) {
         usage(stderr);

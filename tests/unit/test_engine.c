@@ -884,7 +884,7 @@ static void test_tokenizer_chunks(void **state)
     char path[PATH_MAX], err[512];
     snprintf(path, sizeof(path), "%s/space-vocab.gguf", tmpdir);
     const char *strs[8] = {"<unk>", "<s>", "</s>", "\xe2\x96\x81", "a", "b",
-                           "a\xe2\x96\x81", "a\xe2\x96\x81" "b"};
+                           "a\xe2\x96\x81", "a\xe2\x96\x81\x62" /* a, U+2581, b */};
     size_t lens[8];
     float scores[8] = {0, 0, 0, 0, 0, 0, 1, 2};
     for (int i = 0; i < 8; i++)
