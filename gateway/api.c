@@ -415,6 +415,12 @@ static int render_messages(json_t *msgs, const char *param, const char *instruct
         oom |= buf_add(&b, ": ", 2);
         if (content && json_is_string(content)) {
             oom |= buf_add(&b, json_string_value(content), json_string_length(content));
+        } else if (content && json_is_array(content) && json_array_size(content) == 0) {
+            free(b.p); /* OpenAI's answer to an empty content array */
+            return api_error_set(e, 400, INVALID, param, "empty_array",
+                                 "Invalid '%s[%zu].content': empty array. Expected an array "
+                                 "with minimum length 1, but got an empty array instead.",
+                                 param, i);
         } else if (content && json_is_array(content)) {
             size_t j;
             json_t *part;

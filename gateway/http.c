@@ -573,6 +573,8 @@ http_server_t *http_server_new(struct event_base *base, const http_params *p, ch
         cp.header_timeout_s = p->header_timeout_s;
     if (p->body_timeout_s > 0)
         cp.body_timeout_s = p->body_timeout_s;
+    cp.body_max_bytes = p->max_body_bytes;
+    cp.upload_max_bytes = p->max_upload_bytes;
     if (p->body_min_rate > 0)
         cp.body_min_rate = p->body_min_rate;
     else if (p->body_min_rate < 0)

@@ -41,6 +41,10 @@ typedef struct conn_rec {
     size_t line_len;     /* bytes of the current line so far */
     int last_cr;         /* its last byte was '\r' */
     uint64_t body_bytes; /* bytes after the header block */
+    size_t n_lines;      /* lines of the header block ended so far */
+    char line0[128];     /* the start of its request line (NUL-terminated, no '\r') */
+    size_t line0_len;
+    int too_large;       /* its body passed its cap: refused on the next timer */
     int64_t t_start_us;  /* HEAD: its first byte; BODY: the end of its headers */
     int64_t t_idle_us;   /* WAIT: since when (the oldest idle one is closed first) */
     int served;          /* a reply went out on it (an idle keep-alive connection) */
@@ -296,6 +300,51 @@ static void scanner_reset(conn_rec *r)
     r->seen = r->head_done = r->last_cr = 0;
     r->line_len = 0;
     r->body_bytes = 0;
+    r->n_lines = 0;
+    r->line0_len = 0;
+    r->line0[0] = 0;
+    r->too_large = 0;
+}
+
+/* 1 if the request line in line0 is an upload (POST /v1/files, origin or absolute form). */
+static int is_upload(const char *line)
+{
+    if (strncmp(line, "POST ", 5) != 0)
+        return 0;
+    const char *t = line + 5;
+    if (strncmp(t, "http://", 7) == 0 || strncmp(t, "https://", 8) == 0) {
+        t = strchr(strstr(t, "//") + 2, '/');
+        if (!t)
+            return 0;
+    }
+    static const char path[] = "/v1/files";
+    size_t n = sizeof(path) - 1;
+    return strncmp(t, path, n) == 0 && (t[n] == ' ' || t[n] == '?' || t[n] == 0);
+}
+
+/* The body limit of r's current request's route (0: none). */
+static size_t body_limit(const conn_rec *r)
+{
+    const httpconn_params *p = &r->h->p;
+    return is_upload(r->line0) ? p->upload_max_bytes : p->body_max_bytes;
+}
+
+/* The most body bytes r's current request may send before it is cut (UINT64_MAX: no cap). */
+static uint64_t body_cap(const conn_rec *r)
+{
+    size_t limit = body_limit(r);
+    return limit ? (uint64_t)limit + HTTPCONN_BODY_SLACK : UINT64_MAX;
+}
+
+/* r's body (BODY: being read by evhttp) passed its cap: refuse it from the timer (not from
+ * inside the bufferevent's own callback, which evhttp_connection_free would pull out from
+ * under libevent). */
+static void check_cap(conn_rec *r)
+{
+    if (r->state == C_BODY && !r->too_large && r->body_bytes > body_cap(r)) {
+        r->too_large = 1;
+        arm(r, 0);
+    }
 }
 
 /* Feed the client's next n bytes to r's scanner. evhttp reads lines ending in "\n" with an
@@ -313,9 +362,14 @@ static void scan(conn_rec *r, const unsigned char *p, size_t n)
                 r->head_done = 1;
             r->line_len = 0;
             r->last_cr = 0;
+            r->n_lines++;
         } else {
             r->line_len++;
             r->last_cr = ch == '\r';
+            if (r->n_lines == 0 && ch != '\r' && r->line0_len + 1 < sizeof(r->line0)) {
+                r->line0[r->line0_len++] = (char)ch;
+                r->line0[r->line0_len] = 0;
+            }
         }
     }
     r->body_bytes += n - i;
@@ -365,6 +419,7 @@ static void on_input(struct evbuffer *buf, const struct evbuffer_cb_info *info, 
     }
     if (r->state == C_WAIT || r->state == C_HEAD)
         advance(r, proto_now_us());
+    check_cap(r);
 }
 
 // --- libevent's callbacks
@@ -468,6 +523,17 @@ static void on_timer(evutil_socket_t fd, short what, void *arg)
                       "(--http-header-timeout-s).",
                       h->p.header_timeout_s);
         refuse(r, "Request Timeout", "", &e);
+    } else if (r->state == C_BODY && r->too_large) {
+        int up = is_upload(r->line0);
+        snprintf(msg, sizeof(msg), "413: a request body cut at %llu bytes (limit %zu)",
+                 (unsigned long long)r->body_bytes, body_limit(r));
+        httpconn_log_refusal(r->evcon, msg);
+        api_error_set(&e, 413, "invalid_request_error", NULL,
+                      up ? "file_too_large" : "request_too_large",
+                      "The request body is more than %llu bytes; the limit is %zu bytes (%s).",
+                      (unsigned long long)body_cap(r), body_limit(r),
+                      up ? "--batch-max-file-bytes" : "--max-body-bytes");
+        refuse(r, "Payload Too Large", "", &e);
     } else if (r->state == C_BODY) {
         int64_t dl = body_deadline_us(r);
         if (now < dl) {
@@ -574,6 +640,7 @@ void httpconn_reply_done(httpconn_t *h, struct evhttp_connection *conn)
     r->served = 1;
     r->t_idle_us = proto_now_us();
     advance(r, r->t_idle_us);
+    check_cap(r); /* a pipelined request's body may be past its cap already */
 }
 
 void httpconn_set_close_cb(httpconn_t *h, struct evhttp_connection *conn,

@@ -10,7 +10,8 @@
  * client_header_timeout), its body within body_timeout_s of the end of the headers, plus one
  * second per body_min_rate bytes of it received (Apache mod_reqtimeout's MinRate, so that a
  * large upload at a modest rate is not cut). A request that misses one gets 408
- * request_timeout (an OpenAI-style JSON body) and its connection is closed; a connection
+ * request_timeout (an OpenAI-style JSON body) and its connection is closed (a body past its
+ * route's cap gets 413 request_too_large the same way, as it arrives); a connection
  * that sent nothing of its next request is left to evhttp's idle timeout, which closes it
  * without a reply. Over max_connections a new connection takes the place of the one idle
  * longest (between requests: closed, as a keep-alive connection may be; one that never
@@ -44,6 +45,7 @@
 #define HTTPCONN_LINGER_BYTES (256 << 10) /* ... or until this much was discarded */
 #define HTTPCONN_MAX_LINGER 1024          /* sockets lingering at once; more: closed at once */
 #define HTTPCONN_FRESH_MS 1000            /* a new connection's grace before it counts as idle */
+#define HTTPCONN_BODY_SLACK (64 << 10)    /* framing, multipart headers: past a body's limit */
 
 struct event_base;
 struct evhttp;
@@ -56,9 +58,18 @@ typedef struct {
     int header_timeout_s; /* a request's line and headers within this of its first byte */
     int body_timeout_s;   /* its body within this of the end of its headers, plus ... */
     int body_min_rate;    /* ... 1 s per this many bytes of it received (bytes/s; 0: none) */
+    /* A request whose body grows past its route's limit plus HTTPCONN_BODY_SLACK gets 413
+     * request_too_large and is closed while it arrives, so one connection cannot make the
+     * gateway buffer more than its route may take (the HTTP layer's own cut-off is the
+     * largest of all routes'): upload_max_bytes for POST /v1/files, body_max_bytes for
+     * every other route. Bytes after the header block count (chunked framing too); a body
+     * within the slack reaches the route, which answers 413 itself. 0: no cap. */
+    size_t body_max_bytes;
+    size_t upload_max_bytes;
 } httpconn_params;
 
-/* 4096 connections, 20 s for the headers, 30 s plus 1 s per 1024 bytes for a body. */
+/* 4096 connections, 20 s for the headers, 30 s plus 1 s per 1024 bytes for a body; no
+ * body cap. */
 httpconn_params httpconn_default_params(void);
 
 /* Watch every connection http accepts from now on (it installs its bufferevent callback

@@ -394,5 +394,99 @@ class SlowReader(unittest.TestCase):
         self.assertEqual(c.sanitizer_reports(), [])
 
 
+def send_until_answered(s, head, chunks, limit):
+    """Send head, then the chunks, until the server answers or limit bytes of body went
+    out; (body bytes sent when the first reply byte was readable, or None)."""
+    s.sendall(head)
+    sent = 0
+    for chunk in chunks:
+        r, _, _ = select.select([s], [], [], 0)
+        if r:
+            return sent
+        if sent >= limit:
+            return None
+        try:
+            s.sendall(chunk)
+        except OSError:  # the server closed: its answer is waiting
+            return sent
+        sent += len(chunk)
+    r, _, _ = select.select([s], [], [], 5)
+    return sent if r else None
+
+
+@unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
+                     "needs %s and %s (make all)" % (GATEWAY, MODEL))
+class BodyCaps(unittest.TestCase):
+    """A body past its route's limit (plus 64 KiB of slack) is answered 413 while it
+    arrives, so a client cannot make the gateway buffer more than the route takes: before,
+    any body up to the HTTP layer's cut-off (that of uploads, 100 MiB by default) was read
+    whole before the 413."""
+
+    BIG = 64 << 20   # what the client offers
+    SEEN = 32 << 20  # the reply must come before this much was sent (kernel buffers: a few MB)
+
+    @classmethod
+    def setUpClass(cls):
+        cls.gw = Gateway()  # --max-body-bytes 16384, uploads up to 100 MiB (the default)
+
+    @classmethod
+    def tearDownClass(cls):
+        assert cls.gw.stop() == 0
+
+    def check_413(self, s, sent, code, limit, flag):
+        self.assertIsNotNone(sent, "no answer before %d bytes of the body" % self.SEEN)
+        self.assertLess(sent, self.SEEN)
+        data, how = read_all(s, 5)
+        s.close()
+        self.assertIn(how, ("closed", "reset"))
+        status, headers, body = split_reply(data)
+        self.assertEqual(status, "HTTP/1.1 413 Payload Too Large")
+        self.assertEqual(headers["content-type"], "application/json")
+        self.assertEqual(headers["connection"], "close")
+        self.assertEqual(json.loads(body), {"error": {
+            "message": "The request body is more than %d bytes; the limit is %d bytes (%s)."
+                       % (limit + 65536, limit, flag),
+            "type": "invalid_request_error", "param": None, "code": code}})
+
+    def big_post(self, path, chunked):
+        s = socket.create_connection(("127.0.0.1", self.gw.port), timeout=10)
+        piece = b"x" * 65536
+        if chunked:
+            head = (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n" % path)
+            chunk = b"%x\r\n%s\r\n" % (len(piece), piece)
+        else:
+            head = (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % (path, self.BIG))
+            chunk = piece
+        sent = send_until_answered(s, head, (chunk for _ in range(self.BIG // len(piece))),
+                                   self.SEEN)
+        return s, sent
+
+    def test_completion_body_cut_while_it_arrives(self):
+        s, sent = self.big_post(b"/v1/completions", chunked=False)
+        self.check_413(s, sent, "request_too_large", 16384, "--max-body-bytes")
+
+    def test_chunked_body_cut_while_it_arrives(self):
+        s, sent = self.big_post(b"/v1/chat/completions", chunked=True)
+        self.check_413(s, sent, "request_too_large", 16384, "--max-body-bytes")
+
+    def test_upload_not_cut_below_the_file_limit(self):
+        s, sent = self.big_post(b"/v1/files?x=1", chunked=True)
+        s.close()
+        self.assertIsNone(sent)  # 64 MiB < 100 MiB: read on, no answer before 32 MiB
+
+    def test_just_over_the_limit_gets_the_routes_own_413(self):
+        """Within the slack the route reads the body and answers with its exact size."""
+        st, _, data = self.gw.request("POST", "/v1/completions", b"x" * 20000)
+        self.assertEqual(st, 413)
+        self.assertEqual(json.loads(data)["error"]["message"],
+                         "The request body is 20000 bytes; the limit is 16384 bytes.")
+
+    def test_the_gateway_still_serves(self):
+        st, _, _ = self.gw.request("GET", "/v1/models")
+        self.assertEqual(st, 200)
+
+
 if __name__ == "__main__":
     unittest.main()

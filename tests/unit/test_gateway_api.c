@@ -56,6 +56,7 @@ static const vcase cases[] = {
     {"prompt empty", C, "{\"prompt\": \"\"}", 400, "prompt", "invalid_value"},
     {"prompt object", C, "{\"prompt\": {}}", 400, "prompt", "invalid_type"},
     {"prompt two strings", C, "{\"prompt\": [\"a\", \"b\"]}", 0, NULL, NULL},
+    /* llama-server's mix of text and token-id prompts in one batch (OpenAI's schema has not) */
     {"prompt batch string and ids", C, "{\"prompt\": [\"a\", [5, 6]]}", 0, NULL, NULL},
     {"prompt batch int element", C, "{\"prompt\": [\"a\", 5]}", 400, "prompt", "invalid_type"},
     {"prompt batch empty string", C, "{\"prompt\": [\"a\", \"\"]}", 400, "prompt",
@@ -85,6 +86,8 @@ static const vcase cases[] = {
      "invalid_value"},
     {"message content int", CH, "{\"messages\": [{\"role\": \"user\", \"content\": 5}]}", 400,
      "messages", "invalid_type"},
+    {"message content empty array", CH, "{\"messages\": [{\"role\": \"user\", \"content\": []}]}",
+     400, "messages", "empty_array"},
     {"message image part", CH,
      "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}", 400,
      "messages", "invalid_value"},
