@@ -404,8 +404,16 @@ static int authorize(http_server_t *s, struct evhttp_request *req, need_t need, 
 static void on_request(struct evhttp_request *req, void *arg)
 {
     http_server_t *s = arg;
-    httpconn_request_read(s->conns, evhttp_request_get_connection(req));
+    int seen = httpconn_request_read(s->conns, evhttp_request_get_connection(req));
     evhttp_request_set_on_complete_cb(req, on_reply_done, s);
+    if (seen & HTTPCONN_REQ_NUL) {
+        /* libevent keeps a field value up to its first NUL: "Bearer KEY\0junk" would pass
+         * as "Bearer KEY", a Content-Length "5\0..." as 5 */
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
+        http_reply_error_msg(req, 400, "invalid_request_error", NULL, "bad_header",
+                             "The request's header block holds a NUL byte (RFC 9110 5.5).");
+        return;
+    }
     if (reject_ambiguous_framing(req))
         return;
     enum evhttp_cmd_type method = evhttp_request_get_command(req);

@@ -45,6 +45,7 @@ typedef struct conn_rec {
     char line0[128];     /* the start of its request line (NUL-terminated, no '\r') */
     size_t line0_len;
     int too_large;       /* its body passed its cap: refused on the next timer */
+    int nul_in_head;     /* a NUL byte in its header block */
     int64_t t_start_us;  /* HEAD: its first byte; BODY: the end of its headers */
     int64_t t_idle_us;   /* WAIT: since when (the oldest idle one is closed first) */
     int served;          /* a reply went out on it (an idle keep-alive connection) */
@@ -304,6 +305,7 @@ static void scanner_reset(conn_rec *r)
     r->line0_len = 0;
     r->line0[0] = 0;
     r->too_large = 0;
+    r->nul_in_head = 0;
 }
 
 /* 1 if the request line in line0 is an upload (POST /v1/files, origin or absolute form). */
@@ -366,6 +368,7 @@ static void scan(conn_rec *r, const unsigned char *p, size_t n)
         } else {
             r->line_len++;
             r->last_cr = ch == '\r';
+            r->nul_in_head |= ch == 0;
             if (r->n_lines == 0 && ch != '\r' && r->line0_len + 1 < sizeof(r->line0)) {
                 r->line0[r->line0_len++] = (char)ch;
                 r->line0[r->line0_len] = 0;
@@ -620,15 +623,17 @@ void httpconn_set_stats(httpconn_t *h, stats_t *stats)
     set_gauge(h);
 }
 
-void httpconn_request_read(httpconn_t *h, struct evhttp_connection *conn)
+int httpconn_request_read(httpconn_t *h, struct evhttp_connection *conn)
 {
     conn_rec *r = h ? find(h, conn) : NULL;
     if (!r)
-        return;
+        return 0;
+    int seen = r->nul_in_head ? HTTPCONN_REQ_NUL : 0;
     r->state = C_BUSY;
     evtimer_del(r->timer);
     scanner_reset(r);
     scan_buffer(r, bufferevent_get_input(r->bev), 0); /* a pipelined next request */
+    return seen;
 }
 
 void httpconn_reply_done(httpconn_t *h, struct evhttp_connection *conn)

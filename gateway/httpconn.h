@@ -80,10 +80,15 @@ httpconn_t *httpconn_new(struct event_base *base, struct evhttp *http, const htt
 /* Count refusals, timeouts and open connections in stats (borrowed; NULL: not counted). */
 void httpconn_set_stats(httpconn_t *h, stats_t *stats);
 
+#define HTTPCONN_REQ_NUL 1 /* its header block held a NUL byte (libevent cut the field there) */
+
 /* evhttp handed the server a whole request of conn (its request callback): its clocks stop
  * until httpconn_reply_done. Bytes after it in conn's input (pipelining) are the next
- * request's. Untracked connections are ignored (so are all the calls below). */
-void httpconn_request_read(httpconn_t *h, struct evhttp_connection *conn);
+ * request's. Returns what the scanner saw in the request's bytes that evhttp does not
+ * tell: 0, or HTTPCONN_REQ_NUL (RFC 9110 5.5: a field value must not hold NUL; the server
+ * answers 400 and closes). Untracked connections are ignored (0; so are all the calls
+ * below). */
+int httpconn_request_read(httpconn_t *h, struct evhttp_connection *conn);
 
 /* conn's reply went out (the request's on-complete callback): its next request's clock
  * starts now if some of it has arrived, else at its first byte. */

@@ -104,6 +104,27 @@ class Hardening(unittest.TestCase):
                            "(whitespace before the colon?): \"%s\"." % name.decode(),
                 "type": "invalid_request_error", "param": None, "code": "bad_header"}})
 
+    def test_nul_in_a_header_is_refused(self):
+        """libevent keeps a field value up to its first NUL ("Content-Length: 18\\0 99" was
+        18; "Bearer KEY\\0junk" would be "Bearer KEY"): RFC 9110 5.5, 400, closed."""
+        smuggled = b"GET /workers HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        body = b'{"prompt": "Once"}'
+        for head in (b"Content-Length: %d\x00 %d\r\n" % (len(body), len(body) + len(smuggled)),
+                     b"Content-Length: %d\r\nX-Note: a\x00b\r\n" % len(body)):
+            req = b"POST /tokenize HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n" + body + smuggled
+            out = raw(self.c.port, req)
+            self.assertTrue(out.startswith(b"HTTP/1.1 400"), (head, out[:200]))
+            self.assertEqual(out.count(b"HTTP/1.1 "), 1, (head, "a smuggled response came back"))
+            hdrs, payload = out.split(b"\r\n\r\n", 1)
+            self.assertIn(b"Connection: close", hdrs)
+            self.assertEqual(json.loads(payload), {"error": {
+                "message": "The request's header block holds a NUL byte (RFC 9110 5.5).",
+                "type": "invalid_request_error", "param": None, "code": "bad_header"}})
+        # the same request without the NUL is served (and the connection stays usable)
+        req = (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+               b"Connection: close\r\n\r\n%s" % (len(body), body))
+        self.assertTrue(raw(self.c.port, req).startswith(b"HTTP/1.1 200"))
+
     def test_slowloris_connection_is_closed(self):
         s = socket.create_connection(("127.0.0.1", self.c.port), timeout=10)
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n")  # never finished
