@@ -55,7 +55,11 @@
  * over the same kernel's T = 1; the Q8X8 products on a 256 KB slice that stays in L2 (the
  * compute alone), with the CPU seconds of each run over the streamed T = 1 run's (the
  * many short L2 runs include the pool's wake-ups and spins: an upper bound); and the
- * batched and prefill shapes (T = 8, 16, 32, 64) in both layouts.
+ * batched and prefill shapes (T = 8, 16, 32, 64) in both layouts. Also per isa, robust to a
+ * shared machine (kb_l1_ns): the Q8X8 products of one 8-row group kept in cache, on one
+ * thread, the minimum CPU time over KL_REPS runs, in ns per row, block and token, beside
+ * one core's share of the streamed T = 1 pass per row and block; their ratio at T = 3 is
+ * the verify pass's floor on that machine (compute and memory overlapped perfectly).
  */
 #include <errno.h>
 #include <pthread.h>
@@ -95,6 +99,14 @@ static double cpu_s(void)
     getrusage(RUSAGE_SELF, &ru);
     return (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 +
            (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
+}
+
+/* CPU seconds the calling thread used. */
+static double thread_cpu_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 /* --- read bandwidth: the bound of a batch-1 decode step, which only reads weights ---- */
@@ -331,6 +343,29 @@ static double kb_run(threadpool_t *pool, kb_bufs *k, kern_isa isa, const kern_ma
     return now_s() - t0;
 }
 
+/* The compute alone, robust to a shared machine: the first group (8 rows) of the Q8X8
+ * matrix w, which stays in L1 or L2 after the first call, times T tokens on the calling
+ * thread, many calls per run; the minimum over KL_REPS runs of the thread's CPU time (time
+ * slices lost to other processes, and their cache evictions, only ever add). Returns ns per
+ * row, block and token. */
+#define KL_REPS 61
+static double kb_l1_ns(kb_bufs *k, kern_isa isa, const kern_mat *w, int T)
+{
+    kern_mat g = *w;
+    g.rows = 8;
+    const int nb = w->cols / KERN_Q8_BLOCK, iters = (1 << 17) / (nb * T); /* ~1 ms a run */
+    kern_act a = {.x = k->x, .q_d = k->qd, .q_s = k->qs, .T = T, .n = w->cols};
+    double best = 1e30;
+    for (int rep = 0; rep < KL_REPS; rep++) {
+        double c0 = thread_cpu_s();
+        for (int it = 0; it < iters; it++)
+            kern_matmul(isa, KERN_ORDER_FAST, &g, &a, 0, 8, k->outp, k->scratch);
+        double c = thread_cpu_s() - c0;
+        best = c < best ? c : best;
+    }
+    return best / ((double)iters * 8 * nb * T) * 1e9;
+}
+
 /* A random Q8_0 matrix (rows, n), scales 0.01, and its Q8X8 form; 0, -1 on failure. */
 static int kb_mats(int rows, int n, uint8_t **w, uint8_t **wx, kern_mat *mg, kern_mat *mx)
 {
@@ -465,6 +500,15 @@ static int bench_kern(int n_threads, const kern_isa *isas, int n_isa)
                    "stream %.2f; compute alone (L2-resident) T=1 %.2f, T=2 %.2f, T=3 %.2f\n",
                    n, kern_isa_name(isas[i]), cm[1][1] / cm[1][0], cm[1][2] / cm[1][0],
                    cm[2][0] / cm[1][0], cm[2][1] / cm[1][0], cm[2][2] / cm[1][0]);
+            /* one core's share of the streamed T = 1 pass, per row and block */
+            const double s1 = tm[1][0] * n_threads / ((double)rows * nb) * 1e9;
+            double l1[3];
+            for (int T = 1; T <= 3; T++)
+                l1[T - 1] = kb_l1_ns(&k, isas[i], &m[1], T);
+            printf("kern q8_0 n=%d %-6s Q8X8 compute, one group in cache, min CPU: T=1 %.3f, T=2 "
+                   "%.3f, T=3 %.3f ns per row, block and token; T=1 stream %.3f ns per row and "
+                   "block per core; T=3 compute / T=1 stream %.2f\n",
+                   n, kern_isa_name(isas[i]), l1[0], l1[1], l1[2], s1, 3 * l1[2] / s1);
         }
         if (n_isa == 2)
             printf("kern q8_0 n=%d T=1 %s / %s: GGUF %.2fx, Q8X8 %.2fx\n", n,
