@@ -256,13 +256,12 @@ rows_nt(const float *wp, size_t gs, int n, const float *x, float *const *out, in
         (NT == 1 ? tile1x1 : NT == 2 ? tile1x2 : tile1x3)(wp, gs, n, x, out, t, i, r1);
 }
 
-/* Rows [r0, r1) for every token: six tokens at a time while six are left (2-group tiles,
- * then one group), then three (a 3-token verify pass in one sweep), pairs for the last 2
- * or 4 (two pairs beat a triple and a single), then one. */
-static TGT void rows_all(const float *wp, size_t gs, int n, const float *x, int T, int r0, int r1,
-                         float *const *out)
+static TGT void matvec_avx2(const float *wp, int n, const float *x, int T, int r0, int r1,
+                            float *const *out)
 {
+    const size_t gs = (size_t)n * MATVEC_GROUP; /* floats per group */
     int t = 0;
+    /* six tokens at a time while six are left: 2-group tiles, then one group */
     for (; T - t >= 6; t += 6) {
         int i = r0;
         for (; i + MATVEC_GROUP < r1; i += 2 * MATVEC_GROUP)
@@ -272,29 +271,14 @@ static TGT void rows_all(const float *wp, size_t gs, int n, const float *x, int 
             tile1x3(wp, gs, n, x, out, t + 3, i, r1);
         }
     }
+    /* three tokens at a time share the weight loads (a 3-token verify pass in one sweep),
+     * pairs for the last 2 or 4 (two pairs beat a triple and a single), then one */
     for (; T - t >= 3 && T - t != 4; t += 3)
         rows_nt(wp, gs, n, x, out, t, r0, r1, 3);
     for (; t + 2 <= T; t += 2)
         rows_nt(wp, gs, n, x, out, t, r0, r1, 2);
     if (t < T)
         rows_nt(wp, gs, n, x, out, t, r0, r1, 1);
-}
-
-#ifndef MATVEC_BLOCK_BYTES
-#define MATVEC_BLOCK_BYTES 8192
-#endif
-static TGT void matvec_avx2(const float *wp, int n, const float *x, int T, int r0, int r1,
-                            float *const *out)
-{
-    const size_t gs = (size_t)n * MATVEC_GROUP; /* floats per group */
-    int rb = r1 - r0;
-    if (T >= 6) {
-        rb = MATVEC_BLOCK_BYTES / (n * (int)sizeof(float)) / (2 * MATVEC_GROUP) * (2 * MATVEC_GROUP);
-        if (rb < 2 * MATVEC_GROUP)
-            rb = 2 * MATVEC_GROUP;
-    }
-    for (int b0 = r0; b0 < r1; b0 += rb)
-        rows_all(wp, gs, n, x, T, b0, r1 - b0 < rb ? r1 : b0 + rb, out);
 }
 #endif
 
