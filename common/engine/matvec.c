@@ -1,9 +1,11 @@
 /*
  * matvec: see matvec.h. The reference kernel is the definition (one chain per output
  * element over the packed layout); the AVX2 kernel runs tiles of groups x tokens, each
- * tile's weight loads shared by its tokens: 3 tokens x 2 groups (a 3-token MTP verify
- * pass in one sweep over the weights), 2 x 4, 1 x 8 (6-8 independent chains: enough for
- * the add latency, and no register spills), then narrower tiles for the last groups.
+ * tile's weight loads shared by its tokens: 6 tokens x 2 groups while six tokens are left
+ * (12 chains), 3 tokens x 2 groups (a 3-token MTP verify pass in one sweep over the
+ * weights), 2 x 4, 1 x 8 (6-8 independent chains: enough for the add latency, and no
+ * register spills), then narrower tiles for the last groups. matvec_attend_exact is one
+ * decode token's whole attention (every head, one pass over its K and V rows).
  * Compiled with a target attribute whatever the build flags and used only when the
  * caller's isa says so. No FMA contraction: -std=c11 builds with -ffp-contract=off, and
  * the intrinsics are separate multiplies and adds.

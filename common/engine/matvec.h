@@ -1,7 +1,8 @@
 /*
  * matvec: F32 matrix products in run.c's EXACT order vectorised across output rows
  * instead of across tokens, the EXACT-order attention helpers (scores, softmax,
- * weighted sums of values) vectorised across positions or heads, and expf bit for bit the
+ * weighted sums of values) vectorised across positions or heads, one decode token's
+ * whole attention in one pass over its K and V rows, and expf bit for bit the
  * C library's, vectorised (the softmax and SwiGLU's exponentials: ~15% of a stories260K
  * step as libm calls).
  *
