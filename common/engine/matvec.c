@@ -650,7 +650,8 @@ static TGT void attend_avx2(const float *q, int n_head, int kv_mul, const float 
 {
     const int n_kv = n_head / kv_mul, S = (n + 7) & ~7; /* S: floats per head's row in att */
     for (int r0 = 0; r0 < n; r0 += 8) {
-        const float *kb = pool + (size_t)blocks[r0 / bs] * block_floats + (size_t)(r0 % bs) * kv_dim;
+        const float *kb =
+            pool + (size_t)blocks[r0 / bs] * block_floats + (size_t)(r0 % bs) * kv_dim;
         const int nr = n - r0 < 8 ? n - r0 : 8;
         for (int g = 0; g < n_kv; g++) {
             __m256 col[8];
@@ -713,8 +714,9 @@ static TGT void attend_avx2(const float *q, int n_head, int kv_mul, const float 
 #pragma GCC unroll 8
             for (int h = 0; h < 8; h++)
                 if (h < n_head)
-                    acc[h] = _mm256_add_ps(acc[h], _mm256_mul_ps(_mm256_broadcast_ss(ah[h] + s0 + r),
-                                                                 _mm256_loadu_ps(vr + off[h])));
+                    acc[h] = _mm256_add_ps(acc[h],
+                                           _mm256_mul_ps(_mm256_broadcast_ss(ah[h] + s0 + r),
+                                                         _mm256_loadu_ps(vr + off[h])));
         }
     }
 #pragma GCC unroll 8

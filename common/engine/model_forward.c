@@ -432,7 +432,9 @@ static void attention(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *ba
     j.nt_max = c->n_kv_head < ATT_TOKENS ? c->n_kv_head : ATT_TOKENS;
     while (j.nt_max > 1 && j.nt_max * kv_mul * c->head_dim > ATT_QBUF)
         j.nt_max--;
-    j.one_pass = ctx->order == KERN_ORDER_EXACT &&
+    /* the one-pass kernel pads each head's scores to a multiple of 8 positions: the
+     * thread's n_head rows of n_ctx floats hold that when n_ctx is a multiple of 8 */
+    j.one_pass = ctx->order == KERN_ORDER_EXACT && c->n_ctx % 8 == 0 &&
                  matvec_attend_vector(ctx->isa, c->n_head, kv_mul, c->head_dim,
                                       kvcache_get_params(kv)->block_size);
     int groups = T * c->n_kv_head;
