@@ -620,8 +620,8 @@ static void attend_ref(const float *q, int n_head, int kv_mul, int hs, const flo
         float *a = att + (size_t)h * n;
         for (int s0 = 0; s0 < n; s0 += bs) {
             const float *kb = pool + (size_t)blocks[s0 / bs] * block_floats + koff;
-            scores_ref(q + (size_t)h * hs, 1, kb, kv_dim, 0, n - s0 < bs ? n - s0 : bs, hs,
-                       a + s0, 0);
+            scores_ref(q + (size_t)h * hs, 1, kb, kv_dim, 0, n - s0 < bs ? n - s0 : bs, hs, a + s0,
+                       0);
         }
         matvec_softmax(KERN_ISA_SCALAR, a, n, scale);
         float *yh = y + (size_t)h * hs;
@@ -714,9 +714,9 @@ static TGT void attend_avx2(const float *q, int n_head, int kv_mul, const float 
 #pragma GCC unroll 8
             for (int h = 0; h < 8; h++)
                 if (h < n_head)
-                    acc[h] = _mm256_add_ps(acc[h],
-                                           _mm256_mul_ps(_mm256_broadcast_ss(ah[h] + s0 + r),
-                                                         _mm256_loadu_ps(vr + off[h])));
+                    acc[h] =
+                        _mm256_add_ps(acc[h], _mm256_mul_ps(_mm256_broadcast_ss(ah[h] + s0 + r),
+                                                            _mm256_loadu_ps(vr + off[h])));
         }
     }
 #pragma GCC unroll 8

@@ -354,8 +354,8 @@ static void att_token(att_job *j, int t, float *att)
     const int dim = c->dim, hs = c->head_dim;
     const kvcache_params *kp = kvcache_get_params(j->kv);
     const int *blocks = kvcache_seq_blocks(j->kv, j->batch[ctx->tok_item[t]].seq, NULL);
-    matvec_attend_exact(ctx->isa, ctx->q + (size_t)t * dim, c->n_head, c->n_head / c->n_kv_head,
-                        hs, kvcache_block_data(j->kv, j->layer, 0), blocks,
+    matvec_attend_exact(ctx->isa, ctx->q + (size_t)t * dim, c->n_head, c->n_head / c->n_kv_head, hs,
+                        kvcache_block_data(j->kv, j->layer, 0), blocks,
                         kvcache_block_bytes(j->kv) / sizeof(float), kp->block_size,
                         (size_t)c->n_kv_head * hs, ctx->tok_pos[t] + 1, sqrtf(hs), att,
                         ctx->xb + (size_t)t * dim);
