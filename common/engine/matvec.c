@@ -1,9 +1,11 @@
 /*
  * matvec: see matvec.h. The reference kernel is the definition (one chain per output
  * element over the packed layout); the AVX2 kernel runs tiles of groups x tokens, each
- * tile's weight loads shared by its tokens: 3 tokens x 2 groups (a 3-token MTP verify
- * pass in one sweep over the weights), 2 x 4, 1 x 8 (6-8 independent chains: enough for
- * the add latency, and no register spills), then narrower tiles for the last groups.
+ * tile's weight loads shared by its tokens: 6 tokens x 2 groups while six tokens are left
+ * (12 chains), 3 tokens x 2 groups (a 3-token MTP verify pass in one sweep over the
+ * weights), 2 x 4, 1 x 8 (6-8 independent chains: enough for the add latency, and no
+ * register spills), then narrower tiles for the last groups. matvec_attend_exact is one
+ * decode token's whole attention (every head, one pass over its K and V rows).
  * Compiled with a target attribute whatever the build flags and used only when the
  * caller's isa says so. No FMA contraction: -std=c11 builds with -ffp-contract=off, and
  * the intrinsics are separate multiplies and adds.
@@ -167,6 +169,55 @@ static TGT __attribute__((noinline)) void tile4x2(const float *wp, size_t gs, in
     store_group(ob, i + 24, r1, b3);
 }
 
+/* 2 groups x 6 tokens (12 chains; per column 2 weight loads and 6 broadcasts for 12
+ * products, where the 2 x 3 tile's 5 loads and loop overhead serve 6: at T >= 6 the
+ * 2 x 3 tile was a quarter of a stories260K step), written out. */
+static TGT __attribute__((noinline)) void tile2x6(const float *wp, size_t gs, int n, const float *x,
+                                                  float *const *out, int t, int i, int r1)
+{
+    const float *w = wp + (size_t)(i / MATVEC_GROUP) * gs;
+    const float *x0 = x + (size_t)t * n;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+    for (int j = 0; j < n; j++) {
+        const float *c = w + (size_t)j * MATVEC_GROUP;
+        const __m256 g0 = _mm256_load_ps(c), g1 = _mm256_load_ps(c + gs);
+        __m256 v = _mm256_broadcast_ss(x0 + j);
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(g0, v));
+        b0 = _mm256_add_ps(b0, _mm256_mul_ps(g1, v));
+        v = _mm256_broadcast_ss(x0 + n + j);
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(g0, v));
+        b1 = _mm256_add_ps(b1, _mm256_mul_ps(g1, v));
+        v = _mm256_broadcast_ss(x0 + 2 * (size_t)n + j);
+        a2 = _mm256_add_ps(a2, _mm256_mul_ps(g0, v));
+        b2 = _mm256_add_ps(b2, _mm256_mul_ps(g1, v));
+        v = _mm256_broadcast_ss(x0 + 3 * (size_t)n + j);
+        a3 = _mm256_add_ps(a3, _mm256_mul_ps(g0, v));
+        b3 = _mm256_add_ps(b3, _mm256_mul_ps(g1, v));
+        v = _mm256_broadcast_ss(x0 + 4 * (size_t)n + j);
+        a4 = _mm256_add_ps(a4, _mm256_mul_ps(g0, v));
+        b4 = _mm256_add_ps(b4, _mm256_mul_ps(g1, v));
+        v = _mm256_broadcast_ss(x0 + 5 * (size_t)n + j);
+        a5 = _mm256_add_ps(a5, _mm256_mul_ps(g0, v));
+        b5 = _mm256_add_ps(b5, _mm256_mul_ps(g1, v));
+    }
+    const int i1 = i + MATVEC_GROUP;
+    store_group(out[t], i, r1, a0);
+    store_group(out[t + 1], i, r1, a1);
+    store_group(out[t + 2], i, r1, a2);
+    store_group(out[t + 3], i, r1, a3);
+    store_group(out[t + 4], i, r1, a4);
+    store_group(out[t + 5], i, r1, a5);
+    if (i1 < r1) {
+        store_group(out[t], i1, r1, b0);
+        store_group(out[t + 1], i1, r1, b1);
+        store_group(out[t + 2], i1, r1, b2);
+        store_group(out[t + 3], i1, r1, b3);
+        store_group(out[t + 4], i1, r1, b4);
+        store_group(out[t + 5], i1, r1, b5);
+    }
+}
+
 /* The generic tiles as separate functions: one register allocation each (inlined into
  * one function, GCC spilled the accumulators of the wide tiles). */
 #define TILE_FN(NG, NT)                                                                    \
@@ -212,6 +263,16 @@ static TGT void matvec_avx2(const float *wp, int n, const float *x, int T, int r
 {
     const size_t gs = (size_t)n * MATVEC_GROUP; /* floats per group */
     int t = 0;
+    /* six tokens at a time while six are left: 2-group tiles, then one group */
+    for (; T - t >= 6; t += 6) {
+        int i = r0;
+        for (; i + MATVEC_GROUP < r1; i += 2 * MATVEC_GROUP)
+            tile2x6(wp, gs, n, x, out, t, i, r1);
+        for (; i < r1; i += MATVEC_GROUP) {
+            tile1x3(wp, gs, n, x, out, t, i, r1);
+            tile1x3(wp, gs, n, x, out, t + 3, i, r1);
+        }
+    }
     /* three tokens at a time share the weight loads (a 3-token verify pass in one sweep),
      * pairs for the last 2 or 4 (two pairs beat a triple and a single), then one */
     for (; T - t >= 3 && T - t != 4; t += 3)
@@ -544,6 +605,149 @@ void matvec_softmax(kern_isa isa, float *x, int n, float scale)
     }
     for (int i = 0; i < n; i++)
         x[i] /= sum;
+}
+
+// --- one decode token's attention, every head in one pass over its K and V rows
+
+/* The definition: per head, matvec_scores_exact's chains block by block, run.c's softmax
+ * and the values summed in position order (the portable helpers above). */
+static void attend_ref(const float *q, int n_head, int kv_mul, int hs, const float *pool,
+                       const int *blocks, size_t block_floats, int bs, size_t kv_dim, int n,
+                       float scale, float *att, float *y)
+{
+    for (int h = 0; h < n_head; h++) {
+        const size_t koff = (size_t)(h / kv_mul) * hs;
+        float *a = att + (size_t)h * n;
+        for (int s0 = 0; s0 < n; s0 += bs) {
+            const float *kb = pool + (size_t)blocks[s0 / bs] * block_floats + koff;
+            scores_ref(q + (size_t)h * hs, 1, kb, kv_dim, 0, n - s0 < bs ? n - s0 : bs, hs, a + s0,
+                       0);
+        }
+        matvec_softmax(KERN_ISA_SCALAR, a, n, scale);
+        float *yh = y + (size_t)h * hs;
+        memset(yh, 0, (size_t)hs * sizeof(float));
+        for (int r = 0; r < n; r++) {
+            const float *vr = pool + (size_t)blocks[r / bs] * block_floats + (size_t)bs * kv_dim +
+                              (size_t)(r % bs) * kv_dim + koff;
+            for (int i = 0; i < hs; i++)
+                yh[i] += a[r] * vr[i];
+        }
+    }
+}
+
+#ifdef KERN_HAVE_X86
+/* hs == 8, n_head <= 8, bs % 8 == 0. Scores: 8 positions in the lanes, each 8-row slab's
+ * K rows read once for every KV head (8 columns each, transposed in registers), so both
+ * cache lines of a row are used together; the softmax of all heads at once: the
+ * divisions, max and subtraction per head 8 lanes wide, one expf call over every head's
+ * padded row, and the sums of the heads as the lanes of one register (8 transposed
+ * positions at a time, added in position order: each lane is its head's serial sum, and
+ * the zeros of the padding leave a positive sum unchanged); the values: each V row read
+ * once for every head, one register of sums per head. */
+static TGT void attend_avx2(const float *q, int n_head, int kv_mul, const float *pool,
+                            const int *blocks, size_t block_floats, int bs, size_t kv_dim, int n,
+                            float scale, float *att, float *y)
+{
+    const int n_kv = n_head / kv_mul, S = (n + 7) & ~7; /* S: floats per head's row in att */
+    for (int r0 = 0; r0 < n; r0 += 8) {
+        const float *kb =
+            pool + (size_t)blocks[r0 / bs] * block_floats + (size_t)(r0 % bs) * kv_dim;
+        const int nr = n - r0 < 8 ? n - r0 : 8;
+        for (int g = 0; g < n_kv; g++) {
+            __m256 col[8];
+#pragma GCC unroll 8
+            for (int e = 0; e < 8; e++)
+                col[e] = e < nr ? _mm256_loadu_ps(kb + (size_t)e * kv_dim + (size_t)g * 8)
+                                : _mm256_setzero_ps();
+            transpose8(col);
+            for (int u = 0; u < kv_mul; u++) {
+                const float *qh = q + (size_t)(g * kv_mul + u) * 8;
+                __m256 acc = _mm256_setzero_ps();
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++)
+                    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_broadcast_ss(qh + j), col[j]));
+                _mm256_storeu_ps(att + (size_t)(g * kv_mul + u) * S + r0, acc);
+            }
+        }
+    }
+    for (int h = 0; h < n_head; h++) {
+        float *a = att + (size_t)h * S;
+        div_avx2(a, n, scale);
+        const float m = max_avx2(a, n);
+        sub_avx2(a, n, m);
+        for (int i = n; i < S; i++)
+            a[i] = 0.0f; /* expf(0): no special case in the padding */
+    }
+    matvec_expf(KERN_ISA_AVX2, att, att, n_head * S);
+    for (int h = 0; h < n_head; h++)
+        for (int i = n; i < S; i++)
+            att[(size_t)h * S + i] = 0.0f;
+    __m256 sum = _mm256_setzero_ps();
+    for (int i0 = 0; i0 < S; i0 += 8) {
+        __m256 rows[8];
+#pragma GCC unroll 8
+        for (int h = 0; h < 8; h++)
+            rows[h] = h < n_head ? _mm256_loadu_ps(att + (size_t)h * S + i0) : _mm256_setzero_ps();
+        transpose8(rows);
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++)
+            sum = _mm256_add_ps(sum, rows[k]);
+    }
+    float sums[8] __attribute__((aligned(32)));
+    _mm256_store_ps(sums, sum);
+    for (int h = 0; h < n_head; h++)
+        div_avx2(att + (size_t)h * S, n, sums[h]);
+    __m256 acc[8];
+    const float *ah[8];
+    int off[8];
+#pragma GCC unroll 8
+    for (int h = 0; h < 8; h++) {
+        acc[h] = _mm256_setzero_ps();
+        ah[h] = att + (size_t)(h < n_head ? h : 0) * S;
+        off[h] = h < n_head ? h / kv_mul * 8 : 0;
+    }
+    for (int s0 = 0; s0 < n; s0 += bs) {
+        const float *vb = pool + (size_t)blocks[s0 / bs] * block_floats + (size_t)bs * kv_dim;
+        const int rows = n - s0 < bs ? n - s0 : bs;
+        for (int r = 0; r < rows; r++) {
+            const float *vr = vb + (size_t)r * kv_dim;
+#pragma GCC unroll 8
+            for (int h = 0; h < 8; h++)
+                if (h < n_head)
+                    acc[h] =
+                        _mm256_add_ps(acc[h], _mm256_mul_ps(_mm256_broadcast_ss(ah[h] + s0 + r),
+                                                            _mm256_loadu_ps(vr + off[h])));
+        }
+    }
+#pragma GCC unroll 8
+    for (int h = 0; h < 8; h++)
+        if (h < n_head)
+            _mm256_storeu_ps(y + (size_t)h * 8, acc[h]);
+}
+#endif
+
+int matvec_attend_vector(kern_isa isa, int n_head, int kv_mul, int hs, int bs)
+{
+#ifdef KERN_HAVE_X86
+    return isa >= KERN_ISA_AVX2 && hs == 8 && n_head <= 8 && kv_mul >= 1 && n_head % kv_mul == 0 &&
+           bs % 8 == 0;
+#else
+    (void)isa, (void)n_head, (void)kv_mul, (void)hs, (void)bs;
+    return 0;
+#endif
+}
+
+void matvec_attend_exact(kern_isa isa, const float *q, int n_head, int kv_mul, int hs,
+                         const float *pool, const int *blocks, size_t block_floats, int bs,
+                         size_t kv_dim, int n, float scale, float *att, float *y)
+{
+#ifdef KERN_HAVE_X86
+    if (matvec_attend_vector(isa, n_head, kv_mul, hs, bs)) {
+        attend_avx2(q, n_head, kv_mul, pool, blocks, block_floats, bs, kv_dim, n, scale, att, y);
+        return;
+    }
+#endif
+    attend_ref(q, n_head, kv_mul, hs, pool, blocks, block_floats, bs, kv_dim, n, scale, att, y);
 }
 
 void matvec_scores_exact(kern_isa isa, const float *q, int n_q, const float *k, size_t k_stride,

@@ -1,7 +1,8 @@
 /*
  * matvec: F32 matrix products in run.c's EXACT order vectorised across output rows
  * instead of across tokens, the EXACT-order attention helpers (scores, softmax,
- * weighted sums of values) vectorised across positions or heads, and expf bit for bit the
+ * weighted sums of values) vectorised across positions or heads, one decode token's
+ * whole attention in one pass over its K and V rows, and expf bit for bit the
  * C library's, vectorised (the softmax and SwiGLU's exponentials: ~15% of a stories260K
  * step as libm calls).
  *
@@ -73,6 +74,24 @@ void matvec_values(kern_isa isa, float *y, int n_q, const float *a, size_t a_str
  * matvec_expf's (libm's expf, bit for bit) and their sum stays scalar and in order, so the
  * result is bit-identical to the scalar loop. */
 void matvec_softmax(kern_isa isa, float *x, int n, float scale);
+
+/* One token's attention over n >= 1 positions of its sequence's paged K/V, every head,
+ * run.c's order bit for bit: for head h (KV head h / kv_mul), the scores of
+ * matvec_scores_exact over positions [0, n), matvec_softmax with scale, and y[h * hs + i]
+ * the sum of a[r] * v_r[i] in position order from 0 (matvec_values). q is (n_head, hs); y
+ * (n_head, hs) is written. Position r's K row (kv_dim floats, KV head g at g * hs) is at
+ * pool + blocks[r / bs] * block_floats + (r % bs) * kv_dim and its V row bs * kv_dim floats
+ * after it (kvcache.h's layout). att: scratch of n_head * ((n + 7) & ~7) floats, left
+ * holding the probabilities (head h's row at h * ((n + 7) & ~7) with AVX2, h * n
+ * otherwise). When matvec_attend_vector says so, each K and V row is read once for every
+ * head (AVX2); otherwise the portable helpers head by head. Thread-safe. */
+void matvec_attend_exact(kern_isa isa, const float *q, int n_head, int kv_mul, int hs,
+                         const float *pool, const int *blocks, size_t block_floats, int bs,
+                         size_t kv_dim, int n, float scale, float *att, float *y);
+
+/* 1 if matvec_attend_exact takes its vector path for these shapes: isa >= AVX2, hs == 8,
+ * n_head <= 8 a multiple of kv_mul, bs a multiple of 8. */
+int matvec_attend_vector(kern_isa isa, int n_head, int kv_mul, int hs, int bs);
 
 /* y[i] = expf(x[i]) for i in [0, n), bit for bit the C library's expf (x and y may be the
  * same array). With AVX2 (and FMA) the lanes run glibc's expf algorithm (2.28 and later,

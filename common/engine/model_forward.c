@@ -280,6 +280,7 @@ typedef struct {
     kvcache_t *kv;
     const model_seq_batch *batch;
     int layer, T, nt_max, per_chunk, n_chunks;
+    int one_pass; /* a lone token's heads in one matvec_attend_exact call (att_token) */
     atomic_int next;
 } att_job;
 
@@ -343,6 +344,23 @@ static void att_group(att_job *j, int t0, int nt, int g, float *att)
                    y + (size_t)u * kv_mul * hs, (size_t)kv_mul * hs * sizeof(float));
 }
 
+/* Token t alone (a decode step's token), every KV head at once: matvec_attend_exact reads
+ * each K and V row once for all heads (att_group's per-head passes read them once per KV
+ * head) and runs the heads' softmax sums side by side; the same arithmetic per element. */
+static void att_token(att_job *j, int t, float *att)
+{
+    model_ctx_t *ctx = j->ctx;
+    const model_config *c = &ctx->m->cfg;
+    const int dim = c->dim, hs = c->head_dim;
+    const kvcache_params *kp = kvcache_get_params(j->kv);
+    const int *blocks = kvcache_seq_blocks(j->kv, j->batch[ctx->tok_item[t]].seq, NULL);
+    matvec_attend_exact(ctx->isa, ctx->q + (size_t)t * dim, c->n_head, c->n_head / c->n_kv_head, hs,
+                        kvcache_block_data(j->kv, j->layer, 0), blocks,
+                        kvcache_block_bytes(j->kv) / sizeof(float), kp->block_size,
+                        (size_t)c->n_kv_head * hs, ctx->tok_pos[t] + 1, sqrtf(hs), att,
+                        ctx->xb + (size_t)t * dim);
+}
+
 /* Prefetch the K and V rows [0, pos] of token t's sequence in the job's layer: the next
  * run's, while this one computes. A block of the paged cache is a page of its own (4 KB on
  * stories260K), which the hardware prefetchers do not cross, and at batch 32 the cache
@@ -391,7 +409,11 @@ static void att_worker(void *arg, int ti, int nth)
             int nt = b->n_tokens - k < j->nt_max ? b->n_tokens - k : j->nt_max;
             if (g == 0 && t + nt < j->T)
                 att_prefetch(j, t + nt);
-            att_group(j, t, nt, g, att);
+            if (nt == 1 && j->one_pass) {
+                if (g == 0)
+                    att_token(j, t, att);
+            } else
+                att_group(j, t, nt, g, att);
         }
     }
 }
@@ -410,6 +432,11 @@ static void attention(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *ba
     j.nt_max = c->n_kv_head < ATT_TOKENS ? c->n_kv_head : ATT_TOKENS;
     while (j.nt_max > 1 && j.nt_max * kv_mul * c->head_dim > ATT_QBUF)
         j.nt_max--;
+    /* the one-pass kernel pads each head's scores to a multiple of 8 positions: the
+     * thread's n_head rows of n_ctx floats hold that when n_ctx is a multiple of 8 */
+    j.one_pass = ctx->order == KERN_ORDER_EXACT && c->n_ctx % 8 == 0 &&
+                 matvec_attend_vector(ctx->isa, c->n_head, kv_mul, c->head_dim,
+                                      kvcache_get_params(kv)->block_size);
     int groups = T * c->n_kv_head;
     int want = ctx->n_threads * CHUNKS_PER_THREAD;
     j.per_chunk = (groups + want - 1) / want;

@@ -2214,6 +2214,83 @@ static void test_matvec_vs_reference(void **state)
     }
 }
 
+/* matvec_attend_exact (one token, every head in one pass) against run.c's attention
+ * written out here, bit for bit, on both isas: head counts 8 (KV groups of 2, the
+ * stories260K shape), 4 (no grouping), 6 (groups of 3), 1, and 16 (no vector path);
+ * positions 1..70 (partial 8-row slabs and blocks), blocks of 16 and 8 positions in a
+ * scattered order, scores small and large (exponentials that underflow, libm's special
+ * cases). */
+static void test_matvec_attend(void **state)
+{
+    const int heads[][2] = {{8, 2}, {4, 1}, {6, 3}, {1, 1}, {16, 4}}; /* n_head, kv_mul */
+    const int bss[] = {16, 8};
+    const kern_isa isas[] = {KERN_ISA_SCALAR, KERN_ISA_AVX2};
+    enum { HS = 8, MAXN = 70, NBLK = 16 };
+    float *pool = malloc((size_t)NBLK * 2 * 16 * 4 * HS * sizeof(float));
+    float q[16 * HS], att[16 * 72], y[16 * HS], want[16 * HS], sc[MAXN];
+    assert_non_null(pool);
+    int blocks[NBLK];
+    for (int b = 0; b < NBLK; b++)
+        blocks[b] = (b * 7 + 3) % NBLK; /* scattered */
+    for (size_t hi = 0; hi < sizeof(heads) / sizeof(heads[0]); hi++)
+        for (size_t bi = 0; bi < 2; bi++)
+            for (int big = 0; big < 2; big++) {
+                const int n_head = heads[hi][0], kv_mul = heads[hi][1], bs = bss[bi];
+                const size_t kv_dim = (size_t)(n_head / kv_mul) * HS, bf = 2 * bs * kv_dim;
+                for (size_t i = 0; i < NBLK * bf; i++)
+                    pool[i] = frand() * (big ? 40.0f : 1.0f);
+                for (int i = 0; i < n_head * HS; i++)
+                    q[i] = frand() * (big ? 30.0f : 1.0f);
+                const float scale = sqrtf((float)HS);
+                for (int n = 1; n <= MAXN; n++) {
+                    for (int h = 0; h < n_head; h++) { /* run.c */
+                        const size_t koff = (size_t)(h / kv_mul) * HS;
+                        for (int r = 0; r < n; r++) {
+                            const float *k =
+                                pool + blocks[r / bs] * bf + (size_t)(r % bs) * kv_dim + koff;
+                            float s = 0.0f;
+                            for (int i = 0; i < HS; i++)
+                                s += q[h * HS + i] * k[i];
+                            sc[r] = s / scale;
+                        }
+                        float mx = sc[0], sum = 0.0f;
+                        for (int r = 1; r < n; r++)
+                            if (sc[r] > mx)
+                                mx = sc[r];
+                        for (int r = 0; r < n; r++) {
+                            sc[r] = expf(sc[r] - mx);
+                            sum += sc[r];
+                        }
+                        for (int r = 0; r < n; r++)
+                            sc[r] /= sum;
+                        float *yh = want + h * HS;
+                        memset(yh, 0, HS * sizeof(float));
+                        for (int r = 0; r < n; r++) {
+                            const float *v = pool + blocks[r / bs] * bf + (size_t)bs * kv_dim +
+                                             (size_t)(r % bs) * kv_dim + koff;
+                            for (int i = 0; i < HS; i++)
+                                yh[i] += sc[r] * v[i];
+                        }
+                    }
+                    for (size_t ii = 0; ii < 2; ii++) {
+                        if (isas[ii] > kern_isa_detect())
+                            continue;
+                        assert_int_equal(matvec_attend_vector(isas[ii], n_head, kv_mul, HS, bs),
+                                         isas[ii] >= KERN_ISA_AVX2 && n_head <= 8);
+                        for (int i = 0; i < 16 * HS; i++)
+                            y[i] = -1.0f;
+                        matvec_attend_exact(isas[ii], q, n_head, kv_mul, HS, pool, blocks, bf, bs,
+                                            kv_dim, n, scale, att, y);
+                        if (memcmp(y, want, (size_t)n_head * HS * sizeof(float)) != 0)
+                            fail_msg("attend %s heads %d/%d bs %d big %d n %d differs",
+                                     kern_isa_name(isas[ii]), n_head, kv_mul, bs, big, n);
+                        assert_true(n_head == 16 || y[n_head * HS] == -1.0f); /* no write past */
+                    }
+                }
+            }
+    free(pool);
+}
+
 /* matvec_expf against the C library's expf, bit for bit: a sweep of every 4093rd bit
  * pattern (both signs, NaNs and infinities included), the boundaries of glibc's special
  * cases (|x| near 88, the underflow below -103.97) and the softmax range [-30, 0] densely,
@@ -2845,6 +2922,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_threadpool),
         cmocka_unit_test(test_matvec_vs_reference),
         cmocka_unit_test(test_matvec_expf),
+        cmocka_unit_test(test_matvec_attend),
         cmocka_unit_test(test_model_small_t_paths),
         cmocka_unit_test(test_model_threads_isa),
         cmocka_unit_test(test_model_fast_greedy),
