@@ -61,8 +61,10 @@ count_cases() {
 # Programs that run alone (after the others, nothing beside them): their cases assert on
 # timing windows that a neighbour's CPU use can push past (each has failed once under load
 # and passed on the re-run: docs/testing.md "Parallel runs").
-SERIAL=" integration/test_tidal integration/test_tidal_bench integration/test_preempt
- integration/test_batch integration/test_bench integration/test_http_errors "
+SERIAL="integration/test_tidal integration/test_tidal_bench integration/test_preempt
+        integration/test_batch integration/test_bench integration/test_http_errors"
+# shellcheck disable=SC2116,SC2086  # one space between names, and around them
+SERIAL=" $(echo $SERIAL) "
 JOBS=${JOBS:-3}
 [ -n "$suite" ] && JOBS=1   # the netns suite owns the network namespaces: one at a time
 
