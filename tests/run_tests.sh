@@ -125,7 +125,8 @@ for t in tests/${suite:-integration}/test_*.py; do
     progs+=("${suite:-integration}/$(basename "$t" .py)"$'\t'"$PY -m unittest -v $t")
 done
 
-serial=()   # name<TAB>command: run alone at the end
+serial=()   # name<TAB>command: run alone after the parallel part
+retry=()    # name<TAB>command: failed beside others, run once more alone at the very end
 declare -A job_name=() job_start=() job_cmd=()   # pid -> name, start, command (the running ones)
 # The parallel part: up to JOBS programs at a time; when one ends, its report.
 # A failure is run again among the serial ones, alone (and a pass then is FLAKY).
@@ -135,7 +136,7 @@ finish_one() {
     local name=${job_name[$pid]} start=${job_start[$pid]} cmd=${job_cmd[$pid]}
     unset "job_name[$pid]" "job_start[$pid]" "job_cmd[$pid]"
     if [ $rc -ne 0 ] && retry_first "$name" "$start"; then
-        serial+=("$name"$'\t'"$cmd"$'\t'retry)
+        retry+=("$name"$'\t'"$cmd")
         return
     fi
     report "$name" $rc "$start"
@@ -164,20 +165,17 @@ trap - INT TERM
 
 # The serial part, one at a time: the timing-sensitive programs (all of them with JOBS=1),
 # then the re-runs of programs that failed beside others.
-for p in "${serial[@]}"; do
+for p in ${serial[@]+"${serial[@]}"}; do
+    # shellcheck disable=SC2086  # the command's words
+    run_one "${p%%$'\t'*}" ${p#*$'\t'}
+done
+for p in ${retry[@]+"${retry[@]}"}; do
     name=${p%%$'\t'*}
-    rest=${p#*$'\t'}
-    if [[ $rest == *$'\t'retry ]]; then
-        t0=$SECONDS rc=0
-        log=$logdir/$(basename "$name").log
-        # shellcheck disable=SC2086
-        timeout 600 ${rest%$'\t'retry} >"$log" 2>&1 </dev/null || rc=$?
-        [ $rc -eq 0 ] && flaky+=("$name")
-        report "$name" $rc "$t0"
-    else
-        # shellcheck disable=SC2086
-        run_one "$name" $rest
-    fi
+    t0=$SECONDS rc=0
+    # shellcheck disable=SC2086
+    timeout 600 ${p#*$'\t'} >"$logdir/$(basename "$name").log" 2>&1 </dev/null || rc=$?
+    [ $rc -eq 0 ] && flaky+=("$name")
+    report "$name" $rc "$t0"
 done
 
 if [ ${#flaky[@]} -gt 0 ]; then
