@@ -62,7 +62,8 @@ count_cases() {
 # timing windows that a neighbour's CPU use can push past (each has failed once under load
 # and passed on the re-run: docs/testing.md "Parallel runs").
 SERIAL="integration/test_tidal integration/test_tidal_bench integration/test_preempt
-        integration/test_batch integration/test_bench integration/test_http_errors"
+        integration/test_batch integration/test_bench integration/test_http_errors
+        integration/test_stats integration/test_prefix_cache"
 # shellcheck disable=SC2116,SC2086  # one space between names, and around them
 SERIAL=" $(echo $SERIAL) "
 JOBS=${JOBS:-3}
