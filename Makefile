@@ -207,14 +207,18 @@ print-layers:
 print-inc-%:
 	@echo $(call inc,$*)
 
-# The default model, converted from llama2.c format at set-up (never committed).
+# The default model, converted from llama2.c format at set-up (never committed). Written
+# beside and renamed into place: every build (plain, sanitized) converts it again with its
+# own converter (same bytes), and .ci/run builds the sanitized tree while the plain tests
+# have the file mapped.
 MODEL_DIR ?= ../shared/models/stories260K
 MODEL_GGUF := build/models/stories260K.gguf
 model: $(MODEL_GGUF)
 $(MODEL_GGUF): $(BUILD)/bin/tidepool-convert
 	@mkdir -p $(@D)
 	$(BUILD)/bin/tidepool-convert --checkpoint $(MODEL_DIR)/stories260K.bin \
-	    --tokenizer $(MODEL_DIR)/tok512.bin --name stories260K --out $@
+	    --tokenizer $(MODEL_DIR)/tok512.bin --name stories260K --out $@.tmp$(notdir $(BUILD))
+	mv -f $@.tmp$(notdir $(BUILD)) $@
 
 test: all $(BENCHES)
 	BUILD=$(BUILD) tests/run_tests.sh

@@ -303,7 +303,9 @@ class DeadlinesAndStreams(unittest.TestCase):
         c = Cluster(roles=("mixed",), gateway_args=["--http-header-timeout-s", "1",
                                                     "--http-body-timeout-s", "1",
                                                     "--http-body-min-rate", "0"],
-                    worker_args=["--debug-step-delay-ms", "60"])
+                    # one token a step: with MTP (up to 3 a step, as the worker's start-up
+                    # calibration decides) the stream took 0.85 s, under the deadlines
+                    worker_args=["--debug-step-delay-ms", "60", "--mtp-depth", "0"])
         c.start()
         try:
             body = json.dumps({"prompt": "Once upon a time", "max_tokens": 40, "stream": True,

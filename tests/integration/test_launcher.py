@@ -18,6 +18,13 @@ from cluster import BIN, MODEL, ROOT, Cluster, free_port  # noqa: E402
 from test_e2e import REF  # noqa: E402
 
 
+def private_state_db(folder):
+    """The launcher's flags for a Batch API database in folder: the default one
+    (build/state/gateway.db) is locked by whichever gateway holds it, and other test
+    programs may run beside this one (tests/run_tests.sh JOBS)."""
+    return ["--gateway-arg", "--state-db", "--gateway-arg", os.path.join(folder, "gateway.db")]
+
+
 class Launcher(unittest.TestCase):
     def setUp(self):
         self.port = free_port()
@@ -28,8 +35,10 @@ class Launcher(unittest.TestCase):
         self.worker_config = os.path.join(self.make_tmp(), "worker.conf")
         with open(self.worker_config, "w") as f:
             f.write("# worker settings of this test\n")
+        # the launcher's own lines and its processes' logs, one file per test case
         self.log = open(os.path.join(ROOT, os.environ.get("TIDEPOOL_BUILD", "build"),
-                                     "test-logs", "launcher.out"), "wb")
+                                     "test-logs", "launcher-%s.out" % self._testMethodName),
+                        "wb")
         self.proc = subprocess.Popen(
             [os.path.join(ROOT, "deploy/local/start"), "--no-build", "--port", str(self.port),
              "--ctl-port", str(self.ctl), "--kv-port", str(self.kv),
@@ -38,7 +47,8 @@ class Launcher(unittest.TestCase):
              "--worker-arg", "--debug-step-delay-ms", "--worker-arg", "5",
              "--worker-arg", "--config", "--worker-arg", self.worker_config,
              "--gateway-arg", "--heartbeat-ms", "--gateway-arg", "200",
-             "--gateway-arg", "--dead-after-ms", "--gateway-arg", "800"],
+             "--gateway-arg", "--dead-after-ms", "--gateway-arg", "800"]
+            + private_state_db(self.tmp),
             stdout=subprocess.PIPE, stderr=self.log, env=env, start_new_session=True)
         # a Cluster object only as an HTTP client
         self.c = Cluster()
@@ -231,7 +241,8 @@ class LauncherRefusalTest(unittest.TestCase):
             [os.path.join(ROOT, "deploy/local/start"), "--no-build", "--mixed", "1",
              "--port", str(free_port()), "--ctl-port", str(free_port()),
              "--kv-port", str(free_port()), "--stats-port", str(free_port()),
-             "--model", MODEL] + list(args),
+             "--model", MODEL] + private_state_db(tempfile.mkdtemp(prefix="tidepool-launcher-"))
+            + list(args),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
         try:
             out, err = p.communicate(timeout=60)
@@ -280,7 +291,8 @@ class LauncherRefusalTest(unittest.TestCase):
         p = subprocess.Popen(
             [os.path.join(ROOT, "deploy/local/start"), "--no-build", "--mixed", "1",
              "--port", str(c.port), "--ctl-port", str(free_port()),
-             "--kv-port", str(free_port()), "--stats-port", str(free_port()), "--model", MODEL],
+             "--kv-port", str(free_port()), "--stats-port", str(free_port()), "--model", MODEL]
+            + private_state_db(c.tmp),
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
         try:
             line = p.stdout.readline().decode()
