@@ -88,7 +88,8 @@ static int line_done(void *ud, const completion_t *c, api_error *e)
 {
     line_t *l = ud;
     char *body = completion_format_response(c);
-    json_t *jb = body ? json_loads(body, 0, NULL) : NULL;
+    /* the text may hold U+0000 (the byte token <0x00>): "\u0000" in the JSON */
+    json_t *jb = body ? json_loads(body, JSON_ALLOW_NUL, NULL) : NULL;
     free(body);
     if (!jb) {
         api_error_set(e, 500, "server_error", NULL, NULL, "could not format the response");

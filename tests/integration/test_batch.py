@@ -207,6 +207,32 @@ class BatchApi(unittest.TestCase):
                                            raw=data, headers={"Content-Type": "application/jsonl"})
                 self.assertEqual((status, f["filename"]), (200, want), f)
 
+    def test_nul_in_the_answer(self):
+        """A completion whose text holds U+0000 (the byte token <0x00>, here forced by
+        logit_bias) is valid JSON ("\\u0000") and is answered so online; a batch line with
+        it went to the error file as 500 "could not format the response" (the response was
+        re-read by jansson, which refuses \\u0000 by default)."""
+        c = self.c
+        bodies = {"c": (completion_body("Once", 3, logit_bias={"3": 100}), "/v1/completions"),
+                  "ch": ({"model": "stories260K", "max_tokens": 3, "temperature": 0,
+                          "logit_bias": {"3": 100}, "logprobs": True,
+                          "messages": [{"role": "user", "content": "x"}]},
+                         "/v1/chat/completions")}
+        for cid, (body, url) in bodies.items():
+            with self.subTest(url):
+                ref = self.reference(body, url)
+                status, f = upload(c, line(cid, body, url=url))
+                self.assertEqual(status, 200, f)
+                status, b = create(c, f["id"], url)
+                b = wait_batch(c, b["id"])
+                self.assertEqual(b["request_counts"], {"total": 1, "completed": 1, "failed": 0},
+                                 b)
+                got = file_lines(c, b["output_file_id"])[0]["response"]["body"]
+                self.assertEqual(got["choices"], ref["choices"])
+                ch = got["choices"][0]
+                self.assertEqual(ch["text"] if "text" in ch else ch["message"]["content"],
+                                 "\x00" * 3)
+
     def test_roundtrip_chat_raw_upload(self):
         c = self.c
         msgs = [{"role": "user", "content": "Tell me a story"}]
