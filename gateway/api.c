@@ -155,6 +155,18 @@ static int get_bool(json_t *root, const char *key, int *out, api_error *e)
     return 0;
 }
 
+/* d in buf (cap bytes) with the fewest significant digits that read back as d (as JSON
+ * encoders and Python's repr write it): %g alone keeps 6, so 2.0000001 showed as "2". */
+static const char *shortest_g(char *buf, size_t cap, double d)
+{
+    for (int prec = 6; prec <= 17; prec++) {
+        snprintf(buf, cap, "%.*g", prec, d);
+        if (strtod(buf, NULL) == d)
+            break;
+    }
+    return buf;
+}
+
 /* A number in [lo, hi] (lo_open: lo excluded). */
 static int get_number(json_t *root, const char *key, double lo, int lo_open, double hi, double *out,
                       api_error *e)
@@ -165,10 +177,11 @@ static int get_number(json_t *root, const char *key, double lo, int lo_open, dou
     if (!json_is_number(v))
         return type_error(e, key, "a number", v);
     double d = json_number_value(v);
+    char got[32];
     if (!isfinite(d) || d > hi || (lo_open ? d <= lo : d < lo))
         return api_error_set(e, 400, INVALID, key, "invalid_value",
-                             "'%s' must be %s %g and <= %g, got %g.", key, lo_open ? ">" : ">=", lo,
-                             hi, d);
+                             "'%s' must be %s %g and <= %g, got %s.", key, lo_open ? ">" : ">=", lo,
+                             hi, shortest_g(got, sizeof(got), d));
     *out = d;
     return 0;
 }

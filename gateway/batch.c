@@ -79,10 +79,12 @@ static void job_free_run(job_t *j)
     free(j->content);
     free(j->off);
     free(j->len);
+    free(j->line_no);
     free(j->state);
     json_decref(j->seen_ids);
     j->content = NULL;
     j->off = j->len = NULL;
+    j->line_no = NULL;
     j->state = NULL;
     j->seen_ids = NULL;
     j->active = 0;
@@ -128,9 +130,10 @@ int batch_job_add(batch_t *b, job_t *j)
 
 int batch_job_split_lines(job_t *j)
 {
-    int n = 0, cap = 0;
+    int n = 0, cap = 0, no = 0;
     size_t pos = 0;
     while (pos < j->content_len) {
+        no++;
         const char *s = j->content + pos;
         const char *nl = memchr(s, '\n', j->content_len - pos);
         size_t l = nl ? (size_t)(nl - s) : j->content_len - pos;
@@ -151,9 +154,14 @@ int batch_job_split_lines(job_t *j)
                 if (!ln)
                     return -1;
                 j->len = ln;
+                int *lno = realloc(j->line_no, (size_t)cap * sizeof(int));
+                if (!lno)
+                    return -1;
+                j->line_no = lno;
             }
             j->off[n] = pos + lead;
             j->len[n] = l - lead;
+            j->line_no[n] = no;
             n++;
         }
         pos = next;

@@ -64,6 +64,8 @@ typedef struct job {
     size_t content_len;
     int n_lines;
     size_t *off, *len;    /* (n_lines,) each line in content */
+    int *line_no;         /* (n_lines,) each line's number in the file, from 1 (blank lines
+                           * are skipped but counted) */
     unsigned char *state; /* (n_lines,) LINE_* */
     int next_line;        /* first line that may be pending */
     int validated;        /* lines checked so far (validating) */
@@ -112,8 +114,8 @@ int batch_job_add(batch_t *b, job_t *j);
 /* Count line `line` (0-based) of j as done, ok (completed) or not (failed); a line out of
  * range or already done is ignored, so a result is counted once. */
 void batch_job_line_done(job_t *j, int line, int ok);
-/* Split j->content (content_len bytes) into its non-blank lines: j->off, j->len and
- * j->state (all LINE_PENDING) for j->n_lines lines, each without its line end and the
+/* Split j->content (content_len bytes) into its non-blank lines: j->off, j->len,
+ * j->line_no and j->state (all LINE_PENDING) for j->n_lines lines, each without its line end and the
  * spaces and tabs around it. 0, or -1 (out of memory; what was allocated is j's, freed
  * with its run state). */
 int batch_job_split_lines(job_t *j);
@@ -135,7 +137,8 @@ json_t *batch_line_parse(const job_t *j, int i, const char **custom_id, json_t *
  * null); custom_id may be NULL. */
 void batch_line_error(batch_t *b, job_t *j, int line, const char *custom_id, const char *code,
                       const char *msg);
-/* The result record of line `line` (0-based) that is not a valid request line:
+/* The result record of a line that is not a valid request line, `line` its number in
+ * the file (from 1, blank lines counted):
  * {"id", "custom_id" (custom_id, NULL: null), "response": null, "error": {"code", "message"
  * (msg, cut to an error message's size at a character boundary), "line"}}. The caller's;
  * NULL on out of memory. */

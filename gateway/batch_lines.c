@@ -42,14 +42,14 @@ json_t *batch_line_error_record(int line, const char *custom_id, const char *cod
     api_utf8_trim(text); /* it may quote the line, cut at a byte count */
     return json_pack("{s:o, s:o, s:n, s:{s:s, s:s, s:i}}", "id", req_id_json(), "custom_id",
                      custom_id ? json_string(custom_id) : json_null(), "response", "error",
-                     "code", code, "message", text, "line", line + 1);
+                     "code", code, "message", text, "line", line);
 }
 
 /* A line that is not a valid request line: error file, response null. */
 void batch_line_error(batch_t *b, job_t *j, int line, const char *custom_id, const char *code,
                       const char *msg)
 {
-    result_put(b, j, line, 0, batch_line_error_record(line, custom_id, code, msg));
+    result_put(b, j, line, 0, batch_line_error_record(j->line_no[line], custom_id, code, msg));
 }
 
 json_t *batch_line_error_response_record(const char *custom_id, const char *request_id,
@@ -88,7 +88,8 @@ static int line_done(void *ud, const completion_t *c, api_error *e)
 {
     line_t *l = ud;
     char *body = completion_format_response(c);
-    json_t *jb = body ? json_loads(body, 0, NULL) : NULL;
+    /* the text may hold U+0000 (the byte token <0x00>): "\u0000" in the JSON */
+    json_t *jb = body ? json_loads(body, JSON_ALLOW_NUL, NULL) : NULL;
     free(body);
     if (!jb) {
         api_error_set(e, 500, "server_error", NULL, NULL, "could not format the response");
@@ -133,16 +134,17 @@ json_t *batch_line_parse(const job_t *j, int i, const char **custom_id, json_t *
     *body = NULL;
     const char *s = j->content + j->off[i];
     size_t n = j->len[i];
+    int no = j->line_no[i]; /* its number in the file */
     if (!api_utf8_valid(s, n)) {
         *code = "invalid_encoding";
-        snprintf(msg, cap, "line %d is not valid UTF-8", i + 1);
+        snprintf(msg, cap, "line %d is not valid UTF-8", no);
         return NULL;
     }
     json_error_t jerr;
     json_t *root = json_loadb(s, n, JSON_REJECT_DUPLICATES, &jerr);
     if (!root || !json_is_object(root)) {
         *code = "invalid_json_line";
-        snprintf(msg, cap, "line %d is not a JSON object%s%s", i + 1, root ? "" : ": ",
+        snprintf(msg, cap, "line %d is not a JSON object%s%s", no, root ? "" : ": ",
                  root ? "" : jerr.text);
         json_decref(root);
         return NULL;
@@ -158,16 +160,16 @@ json_t *batch_line_parse(const job_t *j, int i, const char **custom_id, json_t *
     if (!*custom_id) {
         *code = "missing_custom_id";
         snprintf(msg, cap, "line %d: 'custom_id' must be a non-empty string of at most 512 bytes",
-                 i + 1);
+                 no);
     } else if (!json_is_string(method) || strcmp(json_string_value(method), "POST") != 0) {
         *code = "invalid_method";
-        snprintf(msg, cap, "line %d: 'method' must be \"POST\"", i + 1);
+        snprintf(msg, cap, "line %d: 'method' must be \"POST\"", no);
     } else if (!json_is_string(url) || strcmp(json_string_value(url), endpoint) != 0) {
         *code = "mismatched_url";
-        snprintf(msg, cap, "line %d: 'url' must be the batch's endpoint %s", i + 1, endpoint);
+        snprintf(msg, cap, "line %d: 'url' must be the batch's endpoint %s", no, endpoint);
     } else if (!json_is_object(b)) {
         *code = "invalid_body";
-        snprintf(msg, cap, "line %d: 'body' must be a JSON object", i + 1);
+        snprintf(msg, cap, "line %d: 'body' must be a JSON object", no);
     } else {
         *body = b;
     }

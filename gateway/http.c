@@ -416,6 +416,12 @@ static void on_request(struct evhttp_request *req, void *arg)
     }
     if (reject_ambiguous_framing(req))
         return;
+    /* libevent flags a request in absolute form ("GET http://host/v1/models") whose host
+     * is no vhost of it as a proxy request, and then keeps the connection only with
+     * "Proxy-Connection: keep-alive": it closed it after the reply, without saying so, and
+     * a request pipelined behind it was lost. This server is no proxy: the absolute form
+     * is one more way to name its own paths (RFC 9112 3.2.2). */
+    req->flags &= ~EVHTTP_PROXY_REQUEST;
     enum evhttp_cmd_type method = evhttp_request_get_command(req);
     char msg[300];
     /* A request target in origin form is an absolute path (RFC 9112 3.2.1), but libevent

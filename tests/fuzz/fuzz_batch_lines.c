@@ -55,6 +55,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         const char *s = j.content + j.off[i];
         FUZZ_CHECK(s[0] != ' ' && s[0] != '\t' && s[j.len[i] - 1] != '\r');
         FUZZ_CHECK(memchr(s, '\n', j.len[i]) == NULL);
+        FUZZ_CHECK(j.line_no[i] >= i + 1 && (i == 0 || j.line_no[i] > j.line_no[i - 1]));
         const char *cid, *code = NULL;
         json_t *body;
         char msg[300];
@@ -63,11 +64,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (body && !dup)
             json_object_set_new(seen, cid, json_true());
         if (dup) {
-            check_record(batch_line_error_record(i, cid, "duplicate_custom_id", "a duplicate"),
+            check_record(batch_line_error_record(j.line_no[i], cid, "duplicate_custom_id",
+                                                 "a duplicate"),
                          "duplicate_custom_id");
         } else if (!body) {
             FUZZ_CHECK(code != NULL && memchr(msg, 0, sizeof(msg)) != NULL);
-            check_record(batch_line_error_record(i, cid, code, msg), code);
+            check_record(batch_line_error_record(j.line_no[i], cid, code, msg), code);
         } else {
             char *text = json_dumps(body, JSON_COMPACT);
             FUZZ_CHECK(text != NULL);
@@ -84,6 +86,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     json_decref(seen);
     free(j.off);
     free(j.len);
+    free(j.line_no);
     free(j.state);
     free(j.content);
     return 0;

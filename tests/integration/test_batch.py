@@ -207,6 +207,32 @@ class BatchApi(unittest.TestCase):
                                            raw=data, headers={"Content-Type": "application/jsonl"})
                 self.assertEqual((status, f["filename"]), (200, want), f)
 
+    def test_nul_in_the_answer(self):
+        """A completion whose text holds U+0000 (the byte token <0x00>, here forced by
+        logit_bias) is valid JSON ("\\u0000") and is answered so online; a batch line with
+        it went to the error file as 500 "could not format the response" (the response was
+        re-read by jansson, which refuses \\u0000 by default)."""
+        c = self.c
+        bodies = {"c": (completion_body("Once", 3, logit_bias={"3": 100}), "/v1/completions"),
+                  "ch": ({"model": "stories260K", "max_tokens": 3, "temperature": 0,
+                          "logit_bias": {"3": 100}, "logprobs": True,
+                          "messages": [{"role": "user", "content": "x"}]},
+                         "/v1/chat/completions")}
+        for cid, (body, url) in bodies.items():
+            with self.subTest(url):
+                ref = self.reference(body, url)
+                status, f = upload(c, line(cid, body, url=url))
+                self.assertEqual(status, 200, f)
+                status, b = create(c, f["id"], url)
+                b = wait_batch(c, b["id"])
+                self.assertEqual(b["request_counts"], {"total": 1, "completed": 1, "failed": 0},
+                                 b)
+                got = file_lines(c, b["output_file_id"])[0]["response"]["body"]
+                self.assertEqual(got["choices"], ref["choices"])
+                ch = got["choices"][0]
+                self.assertEqual(ch["text"] if "text" in ch else ch["message"]["content"],
+                                 "\x00" * 3)
+
     def test_roundtrip_chat_raw_upload(self):
         c = self.c
         msgs = [{"role": "user", "content": "Tell me a story"}]
@@ -242,7 +268,10 @@ class BatchApi(unittest.TestCase):
             line("no-prompt", {"model": "stories260K"}),
             line("ok-2", good),
         ]
-        status, f = upload(c, "\n\n".join(lines))  # blank lines are skipped
+        # blank lines are skipped, but counted in an error's "line" (the file's line
+        # number: "this is not json" is line 3; until 3 Dec 2026 it was the count of
+        # non-blank lines, 2, so a client was pointed at the wrong line)
+        status, f = upload(c, "\n\n".join(lines))
         self.assertEqual(status, 200, f)
         status, b = create(c, f["id"])
         b = wait_batch(c, b["id"])
@@ -262,12 +291,16 @@ class BatchApi(unittest.TestCase):
                 self.assertRegex(e["response"]["request_id"], r"^cmpl-[0-9a-f]{16,}$")
                 codes[e["custom_id"]] = (e["response"]["status_code"],
                                          e["response"]["body"]["error"]["code"])
-        self.assertEqual(codes[2], "invalid_json_line")
-        self.assertEqual(codes[3], "missing_custom_id")
-        self.assertEqual(codes[4], "invalid_method")
-        self.assertEqual(codes[5], "mismatched_url")
-        self.assertEqual(codes[6], "invalid_body")
-        self.assertEqual(codes[7], "duplicate_custom_id")
+        self.assertEqual(codes[3], "invalid_json_line")
+        self.assertEqual(codes[5], "missing_custom_id")
+        self.assertEqual(codes[7], "invalid_method")
+        self.assertEqual(codes[9], "mismatched_url")
+        self.assertEqual(codes[11], "invalid_body")
+        self.assertEqual(codes[13], "duplicate_custom_id")
+        msgs = {e["error"]["line"]: e["error"]["message"] for e in errs if e["error"]}
+        self.assertTrue(msgs[3].startswith("line 3 is not a JSON object: "), msgs[3])
+        self.assertEqual(msgs[5], "line 5: 'custom_id' must be a non-empty string of at most "
+                                  "512 bytes")
         self.assertEqual(codes["bad-max-tokens"], (400, "invalid_value"))
         self.assertEqual(codes["bad-model"], (404, "model_not_found"))
         self.assertEqual(codes["too-long"], (400, "context_length_exceeded"))

@@ -363,6 +363,21 @@ class HttpErrorsTest(unittest.TestCase):
                                             b"Connection: close\r\n\r\n")
         self.assertTrue(out.startswith(b"HTTP/1.1 200 OK\r\n"), out[:300])
 
+    def test_absolute_form_keeps_the_connection(self):
+        """A request in absolute form (RFC 9112 3.2.2: a server MUST accept it) is served on
+        a kept-alive connection as any other: libevent took it for a proxy request, and
+        closed the connection after the reply (which said nothing of it), so the request
+        pipelined behind it was lost without an answer."""
+        body = b'{"prompt": "Once"}'
+        for first in (b"GET http://x/v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
+                      b"POST http://127.0.0.1:%d/tokenize HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (self.gw.port, len(body), body)):
+            with self.subTest(first[:30]):
+                second = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                out, closed = raw_exchange(self.gw.port, first + second)
+                self.assertEqual(out.count(b"HTTP/1.1 200 OK\r\n"), 2, out[:600])
+                self.assertTrue(closed)
+
     def test_head_has_headers_only(self):
         """HEAD gets GET's status and headers with the Content-Length of GET's body, and no
         body (RFC 9110 9.3.2): libevent 2.1 sent the body after a HEAD reply's headers, with

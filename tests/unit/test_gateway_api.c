@@ -766,6 +766,24 @@ static void test_error_quotes_cut_at_a_character(void **state)
     free(js);
 }
 
+/* An out-of-range number is quoted as it was sent, not rounded to 6 digits: 2.0000001 was
+ * reported "must be >= 0 and <= 2, got 2.", which reads as a value in range. */
+static void test_number_range_message(void **state)
+{
+    (void)state;
+    api_request r;
+    api_error e;
+    static const char t[] = "{\"prompt\": \"x\", \"temperature\": 2.0000001}";
+    assert_int_equal(api_parse(API_COMPLETIONS, t, strlen(t), &r, &e), -1);
+    assert_string_equal(e.message, "'temperature' must be >= 0 and <= 2, got 2.0000001.");
+    static const char p[] = "{\"prompt\": \"x\", \"top_p\": 1.0000000000000002}";
+    assert_int_equal(api_parse(API_COMPLETIONS, p, strlen(p), &r, &e), -1);
+    assert_string_equal(e.message, "'top_p' must be > 0 and <= 1, got 1.0000000000000002.");
+    static const char f[] = "{\"prompt\": \"x\", \"presence_penalty\": -2.5}";
+    assert_int_equal(api_parse(API_COMPLETIONS, f, strlen(f), &r, &e), -1);
+    assert_string_equal(e.message, "'presence_penalty' must be >= -2 and <= 2, got -2.5.");
+}
+
 static void test_model_check(void **state)
 {
     (void)state;
@@ -1171,6 +1189,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_parsed_values),
         cmocka_unit_test(test_sampling_controls),
         cmocka_unit_test(test_chat_template),
+        cmocka_unit_test(test_number_range_message),
         cmocka_unit_test(test_model_check),
         cmocka_unit_test(test_length_checks),
         cmocka_unit_test(test_formats),
