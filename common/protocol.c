@@ -126,6 +126,7 @@ static const field_t fields[] = {
     FLD("npre", F_U64, n_preemptions, 0, 0, 0, T(PROTO_HEARTBEAT)),
     FLD("pfx", F_PFX, pfx, 0, 0, 0, T(PROTO_HEARTBEAT)),
     FLD("pri", F_INT, priority, 0, 1, 0, T(PROTO_PREFILL) | T(PROTO_KV_BEGIN)),
+    FLD("age_us", F_I64, age_us, 0, INT64_MAX, 0, T(PROTO_PREFILL)),
     FLD("lpk", F_INT, logprobs, 0, PROTO_MAX_TOP_LOGPROBS + 1, 0,
         T(PROTO_PREFILL) | T(PROTO_KV_BEGIN)),
     FLD("lp", F_LPS, lps, 0, 0, 0, T(PROTO_TOKENS)),

@@ -257,6 +257,11 @@ typedef struct {
                                           * optional: 1 = tokens are prompt tokens [index,
                                           * index + n) with their "lp" (echo), not generated */
     char decode_worker[PROTO_ID_LEN];    /* PREFILL: chosen decode worker ("" = local) */
+    int64_t age_us;                      /* PREFILL, optional: how long ago the gateway
+                                          * admitted the request (microseconds, >= 0): a
+                                          * retried or handed-back prompt takes its place
+                                          * in the worker's queue by arrival, not at its
+                                          * end; 0 = just now */
     int priority;                        /* PREFILL, KV_BEGIN, optional: the request's tier,
                                           * 0 = online, 1 = offline (preempted first when a
                                           * decode worker runs out of KV blocks) */

@@ -521,6 +521,10 @@ static int try_assign(cluster_t *c, req_t *r)
     m.logprobs = r->logprobs;
     m.echo = r->echo;
     m.priority = r->offline && !r->promoted; /* preempted first on the decode worker */
+    /* a retry (a worker failed, or handed the prompt back in a role change) queues by its
+     * arrival at the worker, ahead of prompts admitted after it (FCFS, as vLLM's queue) */
+    int64_t age = proto_now_us() - r->enq_us;
+    m.age_us = age > 0 ? age : 0;
     if (r->samp) { /* the penalties count what earlier attempts generated, too */
         r->samp->n_gen = r->n_gen;
         m.samp = r->samp;

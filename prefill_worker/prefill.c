@@ -49,6 +49,21 @@ static preq *req_add(prefill_role *p, uint64_t rid)
     return r;
 }
 
+/* r (just added, last) moves ahead of the queued prompts admitted after it, so that a
+ * retried or handed-back prompt is not served after prompts that arrived later (the
+ * batch takes queued prompts in table order, prefill_step). Prompts being computed keep
+ * their places: they are taken first anyway. */
+static void queue_by_arrival(prefill_role *p, preq *r)
+{
+    int i = p->n_reqs - 1;
+    while (i > 0 && p->reqs[i - 1]->state == PREQ_QUEUED &&
+           p->reqs[i - 1]->t_order_us > r->t_order_us) {
+        p->reqs[i] = p->reqs[i - 1];
+        i--;
+    }
+    p->reqs[i] = r;
+}
+
 void prefill_req_remove(prefill_role *p, preq *r)
 {
     if (r->xfer) {
@@ -140,6 +155,8 @@ static void on_prefill(prefill_role *p, proto_msg *m)
     }
     r->state = PREQ_QUEUED;
     r->t_recv_us = proto_now_us();
+    r->t_order_us = m->age_us < r->t_recv_us ? r->t_recv_us - m->age_us : 0;
+    queue_by_arrival(p, r);
     r->prompt = m->tokens; /* take the decoded array */
     r->n_prompt = m->n_tokens;
     m->tokens = NULL;

@@ -47,6 +47,8 @@ typedef struct {
     uint64_t xfer;                /* kvx transfer id once KV_BEGIN went out, else 0 */
     int seq;                      /* kvcache sequence (-1 = none); lent to kvx when xfer != 0 */
     int64_t t_recv_us;            /* PREFILL received (proto_now_us) */
+    int64_t t_order_us;           /* its place in the queue: admitted at the gateway (PREFILL
+                                   * received less its age_us) */
     int64_t t_start_us;           /* its first prefill chunk started */
     int mtp_req;                  /* the request's MTP depth + 1 (0 = not set) */
     int mtp_depth;                /* drafts it may make per step: 0 = no module work */

@@ -217,13 +217,15 @@ class Gateway:
                   what="REGISTER of %s" % (names,))
 
     def prefill(self, wid, tokens, max_tokens, dw="", dep="", temp=0.0, rng=0, dpk=None,
-                pri=0):
+                pri=0, age_us=0):
         rid = self.next_rid
         self.next_rid += 1
         m = {"t": PREFILL, "rid": rid, "tokens": tokens, "max_tokens": max_tokens,
              "temp": temp, "top_p": 1.0, "top_k": 0, "rng": rng, "dw": dw, "dep": dep}
         if pri:
             m["pri"] = pri  # the offline tier
+        if age_us:
+            m["age_us"] = age_us  # admitted that long ago (a retry)
         if dpk is not None:
             m["dpk"] = dpk  # the decode worker's CURVE key
         self.send(wid, m)
@@ -355,6 +357,33 @@ def case_online_prompt_before_queued_offline(g):
                              % (order.index(online) + 1, order))
     offline_order = [r for r in order if r != online]
     eq(offline_order, offline, "offline prompts in arrival order")
+    kv_free_back(g, "m0")
+
+
+def case_retried_prompt_keeps_its_arrival_order(g):
+    """A PREFILL with an age (a prompt the gateway re-sends after a worker failed or handed
+    it back in a role change) queues by its admission, ahead of prompts admitted after it:
+    it used to go to the end of the queue, and under load missed its TTFT (docs/tidal.md,
+    session 11). As the case above: one prompt per emulated batch, all queued at once."""
+    g.start("m0", "prefill_worker", "--role", "mixed", "--kv-bind", "tcp://127.0.0.1:*",
+            "--max-batch-tokens", str(len(PROMPT)), "--emulate", "a100-llama3-8b:dilate=20")
+    g.wait_registered("m0")
+    fresh = [g.prefill("m0", PROMPT, 2) for _ in range(8)]
+    older = g.prefill("m0", PROMPT, 2, age_us=10000000)  # admitted 10 s ago
+    for rid in fresh + [older]:
+        ids, reason, err = g.wait_done(rid, timeout=60)
+        eq(err, None, "error of %d" % rid)
+        eq(ids, CONTINUATION[:2], "greedy tokens of %d" % rid)
+
+    def first(rid):
+        return next(i for i, (_, m) in enumerate(g.events)
+                    if m.get("rid") == rid and m["t"] == TOKENS)
+    order = sorted(fresh + [older], key=first)
+    # the first fresh prompt may already be in the first batch; the older one is next
+    if order.index(older) > 1:
+        raise AssertionError("the older prompt's first token came %d-th of 9 (order %r)"
+                             % (order.index(older) + 1, order))
+    eq([r for r in order if r != older], fresh, "the fresh prompts in arrival order")
     kv_free_back(g, "m0")
 
 

@@ -84,6 +84,7 @@ static void fill(proto_msg *m, proto_type_t t)
     m->mig = (proto_mig_counters){4, 1, 9000, 2};
     m->n_gen = 12;
     m->priority = 1;
+    m->age_us = 12345678901LL;
     m->n_preemptions = 1ull << 35;
     /* sampling controls: PREFILL / KV_BEGIN "samp" */
     static proto_sampling samp = {.presence = -2.0f, .frequency = 0.5f, .repetition = 1.25f,
@@ -171,6 +172,8 @@ static void test_roundtrip_all_types(void **state)
         assert_true(out.mig.n_in == (t == PROTO_HEARTBEAT ? 2u : 0u));
         /* on-demand KV: the tier on PREFILL / KV_BEGIN, preemptions on HEARTBEAT */
         assert_int_equal(out.priority, t == PROTO_PREFILL || t == PROTO_KV_BEGIN ? 1 : 0);
+        /* a retry's age: PREFILL only */
+        assert_true(out.age_us == (t == PROTO_PREFILL ? 12345678901LL : 0));
         assert_true(out.n_preemptions == (t == PROTO_HEARTBEAT ? 1ull << 35 : 0u));
         if (t == PROTO_MIGRATE) {
             assert_int_equal(out.rid, 42);
