@@ -22,7 +22,11 @@ def make_case(name):
         p = subprocess.run([sys.executable, os.path.join(HERE, "fake_gateway.py"),
                             "--build", os.environ.get("TIDEPOOL_BUILD", "build"), name],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
-        self.assertEqual(p.returncode, 0, p.stdout[-6000:] + p.stderr[-2000:])
+        # the case's verdict line first (the workers' logs after it can push it out of
+        # the tail), then the end of the output
+        verdict = [ln for ln in p.stdout.splitlines() if ln.startswith(name + " ")]
+        self.assertEqual(p.returncode, 0, "\n".join(verdict) + "\n" + p.stdout[-6000:] +
+                         p.stderr[-2000:])
     return run
 
 
