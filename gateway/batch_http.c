@@ -530,9 +530,8 @@ static void handle_create(batch_t *b, struct evhttp_request *req, const batch_ca
         json_object_set_new(j->obj, "metadata", json_null());
     j->status = ST_VALIDATING;
     j->dirty = 1;
-    if (batch_job_load(b, j) < 0 && j->status != ST_FAILED) {
-        batch_job_status(b, j, ST_FAILED, "failed_at");
-    } else if (j->active) {
+    batch_load_waiting(b); /* j too, unless the batches before it hold too much */
+    if (j->active) {
         json_object_set_new(
             j->obj, "request_counts",
             json_pack("{s:i, s:i, s:i}", "total", j->n_lines, "completed", 0, "failed", 0));
