@@ -134,6 +134,10 @@ int batch_job_split_lines(job_t *j)
 {
     int n = 0, cap = 0, no = 0;
     size_t pos = 0;
+    /* a UTF-8 byte order mark (PowerShell 5 writes one) is no part of the first line (RFC
+     * 8259 8.1: a parser may ignore it) */
+    if (j->content_len >= 3 && memcmp(j->content, "\xEF\xBB\xBF", 3) == 0)
+        pos = 3;
     while (pos < j->content_len) {
         no++;
         const char *s = j->content + pos;

@@ -177,9 +177,10 @@ static void handle_upload(batch_t *b, struct evhttp_request *req, const batch_ca
         reply_err(req, 400, "file", "invalid_encoding", "The file is not valid UTF-8 text.");
         return;
     }
-    /* count the non-blank lines */
+    /* count the non-blank lines (a byte order mark is none: batch_job_split_lines) */
     long n_lines = 0;
-    for (size_t pos = 0; pos < dlen;) {
+    size_t start = dlen >= 3 && memcmp(data, "\xEF\xBB\xBF", 3) == 0 ? 3 : 0;
+    for (size_t pos = start; pos < dlen;) {
         const char *nl = memchr(data + pos, '\n', dlen - pos);
         size_t end = nl ? (size_t)(nl - data) : dlen;
         for (size_t k = pos; k < end; k++) {

@@ -233,6 +233,25 @@ class BatchApi(unittest.TestCase):
                 self.assertEqual(ch["text"] if "text" in ch else ch["message"]["content"],
                                  "\x00" * 3)
 
+    def test_byte_order_mark(self):
+        """A file that starts with a UTF-8 byte order mark (PowerShell 5's Out-File and
+        Set-Content -Encoding UTF8 write one) runs its first line too: it went to the error
+        file as "line 1 is not a JSON object: '[' or '{' expected near '\ufeff'" (RFC 8259
+        8.1 lets a parser ignore the mark). The file's bytes are kept as uploaded."""
+        c = self.c
+        body = completion_body("Once upon a time", 8)
+        text = "\ufeff" + line("bom-1", body) + "\r\n" + line("bom-2", body) + "\r\n"
+        status, f = upload(c, text)
+        self.assertEqual((status, f["bytes"]), (200, len(text.encode())), f)
+        status, b = create(c, f["id"])
+        b = wait_batch(c, b["id"])
+        self.assertEqual(b["request_counts"], {"total": 2, "completed": 2, "failed": 0}, b)
+        out = file_lines(c, b["output_file_id"])
+        self.assertEqual([o["custom_id"] for o in out], ["bom-1", "bom-2"])
+        self.assertEqual(c.request("GET", "/v1/files/%s/content" % f["id"])[1], text)
+        status, e = upload(c, "\ufeff\r\n")  # a mark and nothing else: an empty file
+        self.assertEqual((status, e["error"]["code"]), (400, "invalid_file"), e)
+
     def test_roundtrip_chat_raw_upload(self):
         c = self.c
         msgs = [{"role": "user", "content": "Tell me a story"}]
