@@ -169,7 +169,9 @@ static void add_event(top_t *t, const msgpack_object *ev)
     if (strncmp(type, "request_", 8) == 0) {
         double rid = mp_num(ev, "rid"), status = mp_num(ev, "status");
         int n = snprintf(detail, sizeof(detail), "rid=%.0f", isnan(rid) ? 0.0 : rid);
-        if (status > 0)
+        /* n is the untruncated length: a rid of 300 digits (the message is network input)
+         * put " status" past the buffer */
+        if (status > 0 && n >= 0 && (size_t)n < sizeof(detail))
             snprintf(detail + n, sizeof(detail) - (size_t)n, " status=%.0f", status);
     } else if (role[0]) {
         snprintf(detail, sizeof(detail), "(%s)%s%s", role,
