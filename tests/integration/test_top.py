@@ -111,7 +111,11 @@ class HostilePublisher(unittest.TestCase):
         t = Tmux(["sh", "-c", "%s --stats %s 2>%s" % (os.path.join(BIN, "tidepool-top"),
                                                        endpoint, logf)])
         try:
-            events = [{"seq": 2.0, "ts_ms": 1.0e12, "event": "request_end", "rid": 1e300,
+            # seq -5 (read as 2^64 - 5) and 1e300 hid every later event for good; a ts_ms
+            # out of time_t's range was converted all the same (undefined behaviour)
+            events = [{"seq": -5.0, "ts_ms": -1e300, "event": "bogus_a"},
+                      {"seq": 1e300, "ts_ms": 1e300, "event": "bogus_b"},
+                      {"seq": 2.0, "ts_ms": 1.0e12, "event": "request_end", "rid": 1e300,
                        "status": 1e300, "worker": "w" * 300, "reason": "r" * 300},
                       {"seq": 3.0, "ts_ms": 1.0e12, "event": "worker_state", "worker": "x",
                        "role": "decode", "state": "ready", "reason": "ok-3"}]
