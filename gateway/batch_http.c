@@ -537,8 +537,14 @@ static void handle_create(batch_t *b, struct evhttp_request *req, const batch_ca
             j->obj, "request_counts",
             json_pack("{s:i, s:i, s:i}", "total", j->n_lines, "completed", 0, "failed", 0));
     }
-    log_info("batch %s created: %s, file %s, %d lines, key %s", j->id, json_string_value(ep), f.id,
-             j->n_lines, who_str(who));
+    if (j->active || is_final(j->status))
+        log_info("batch %s created: %s, file %s, %d lines, key %s", j->id,
+                 json_string_value(ep), f.id, j->n_lines, who_str(who));
+    else
+        log_info("batch %s created: %s, file %s (%lld bytes; waiting: the batches before it "
+                 "hold %zu bytes of input files), key %s",
+                 j->id, json_string_value(ep), f.id, (long long)f.bytes, b->loaded_bytes,
+                 who_str(who));
     kick(b);
     reply_obj(req, 200, j->obj);
 out:

@@ -701,7 +701,10 @@ class LoadedBytes(unittest.TestCase):
                 self.assertEqual((b["status"], b["request_counts"]),
                                  ("completed", {"total": 14, "completed": 14, "failed": 0}))
                 self.assertEqual(len(file_lines(c, b["output_file_id"])), 14)
-            self.assertIn("batch %s loaded (validating)" % ids["b"]["id"], c.log("gateway"))
+            log = c.log("gateway")
+            self.assertIn("batch %s created: /v1/completions, file %s (%d bytes; waiting"
+                          % (ids["b"]["id"], ids["b"]["input_file_id"], len(text("b", 14))), log)
+            self.assertIn("batch %s loaded (validating)" % ids["b"]["id"], log)
 
 
 class Restart(unittest.TestCase):
