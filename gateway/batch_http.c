@@ -538,8 +538,8 @@ static void handle_create(batch_t *b, struct evhttp_request *req, const batch_ca
             json_pack("{s:i, s:i, s:i}", "total", j->n_lines, "completed", 0, "failed", 0));
     }
     if (j->active || is_final(j->status))
-        log_info("batch %s created: %s, file %s, %d lines, key %s", j->id,
-                 json_string_value(ep), f.id, j->n_lines, who_str(who));
+        log_info("batch %s created: %s, file %s, %d lines, key %s", j->id, json_string_value(ep),
+                 f.id, j->n_lines, who_str(who));
     else
         log_info("batch %s created: %s, file %s (%lld bytes; waiting: the batches before it "
                  "hold %zu bytes of input files), key %s",

@@ -118,8 +118,8 @@ int batch_job_add(batch_t *b, job_t *j);
 void batch_job_line_done(job_t *j, int line, int ok);
 /* Split j->content (content_len bytes) into its non-blank lines: j->off, j->len,
  * j->line_no and j->state (all LINE_PENDING) for j->n_lines lines, each without its line
- * end and the spaces and tabs around it (and the first without a UTF-8 byte order mark). 0, or -1 (out of memory; what was allocated is
- * j's, freed with its run state). */
+ * end and the spaces and tabs around it (and the first without a UTF-8 byte order mark).
+ * 0, or -1 (out of memory; what was allocated is j's, freed with its run state). */
 int batch_job_split_lines(job_t *j);
 /* Load j's run state: its input file and the results stored so far. 0, or -1 (the input
  * file is gone: j is failed; or it cannot be read, or out of memory). */
