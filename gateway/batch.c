@@ -74,8 +74,10 @@ static status_t status_parse(const char *s)
 
 // --- jobs
 
-static void job_free_run(job_t *j)
+static void job_free_run(batch_t *b, job_t *j)
 {
+    if (j->content)
+        b->loaded_bytes -= j->content_len;
     free(j->content);
     free(j->off);
     free(j->len);
@@ -132,6 +134,10 @@ int batch_job_split_lines(job_t *j)
 {
     int n = 0, cap = 0, no = 0;
     size_t pos = 0;
+    /* a UTF-8 byte order mark (PowerShell 5 writes one) is no part of the first line (RFC
+     * 8259 8.1: a parser may ignore it) */
+    if (j->content_len >= 3 && memcmp(j->content, "\xEF\xBB\xBF", 3) == 0)
+        pos = 3;
     while (pos < j->content_len) {
         no++;
         const char *s = j->content + pos;
@@ -213,10 +219,11 @@ int batch_job_load(batch_t *b, job_t *j)
     }
     j->content = data;
     j->content_len = len;
+    b->loaded_bytes += len;
     j->next_line = 0;
     j->n_done = j->completed = j->failed = 0;
     if (batch_job_split_lines(j) < 0 || store_results_foreach(b->store, j->id, -1, mark_done, j) < 0) {
-        job_free_run(j);
+        job_free_run(b, j);
         return -1;
     }
     j->active = 1;
@@ -321,9 +328,10 @@ static void finalize(batch_t *b, job_t *j, status_t final)
         log_error("batch %s: cannot write its result files; trying again", j->id);
         return;
     }
-    job_counts(j);
+    if (j->active) /* else the counts stored before a restart stand */
+        job_counts(j);
     batch_job_status(b, j, final, final == ST_CANCELLED ? "cancelled_at" : "completed_at");
-    job_free_run(j);
+    job_free_run(b, j);
     /* the files exist: make the batch's new state durable at once */
     char *s = json_dumps(j->obj, JSON_COMPACT);
     if (s && store_batch_put(b->store, j->id, j->owner, s) == 0) {
@@ -333,8 +341,37 @@ static void finalize(batch_t *b, job_t *j, status_t final)
     free(s);
 }
 
+void batch_load_waiting(batch_t *b)
+{
+    int blocked = 0;
+    for (int k = 0; k < b->n_jobs; k++) {
+        job_t *j = b->jobs[k];
+        if (j->active || is_final(j->status))
+            continue;
+        if (j->status == ST_CANCELLING || j->status == ST_FINALIZING) {
+            /* its lines are over: the result files come from the store alone */
+            finalize(b, j, j->status == ST_CANCELLING ? ST_CANCELLED : ST_COMPLETED);
+            continue;
+        }
+        const char *fid = json_string_value(json_object_get(j->obj, "input_file_id"));
+        store_file f;
+        if (!blocked && b->loaded_bytes > 0 && fid && store_file_get(b->store, fid, &f) == 0 &&
+            b->loaded_bytes + (uint64_t)f.bytes > b->p.max_file_bytes)
+            blocked = 1; /* it waits for the batches before it, and those after it too */
+        if (blocked)
+            continue;
+        if (batch_job_load(b, j) == 0)
+            log_info("batch %s %s (%s): %d of %d lines already done", j->id,
+                     j->status == ST_VALIDATING && !j->n_done ? "loaded" : "resumed",
+                     batch_status_names[j->status], j->n_done, j->n_lines);
+        else if (j->status != ST_FAILED)
+            batch_job_status(b, j, ST_FAILED, "failed_at");
+    }
+}
+
 static void work(batch_t *b)
 {
+    batch_load_waiting(b);
     for (int k = 0; k < b->n_jobs; k++) {
         job_t *j = b->jobs[k];
         if (!j->active)
@@ -422,18 +459,13 @@ static int load_one(const char *id, const char *json, const char *owner, void *u
     return 0;
 }
 
-/* Load the run state of every batch that was not final (after the scan of the stored
- * batches: loading writes). A batch that was validating is checked again from its first
- * line (for the set of custom_ids); lines with a stored result stay done. */
+/* Load the run state of the batches that were not final, as many as fit (after the scan of
+ * the stored batches: loading writes; batch_load_waiting). A batch that was validating is
+ * checked again from its first line (for the set of custom_ids); lines with a stored result
+ * stay done. */
 static void resume_all(batch_t *b)
 {
-    for (int k = 0; k < b->n_jobs; k++) {
-        job_t *j = b->jobs[k];
-        if (is_final(j->status) || batch_job_load(b, j) < 0)
-            continue;
-        log_info("batch %s resumed (%s): %d of %d lines already done", j->id,
-                 batch_status_names[j->status], j->n_done, j->n_lines);
-    }
+    batch_load_waiting(b);
 }
 
 batch_t *batch_new(struct event_base *base, const batch_params *p, char *err, size_t errlen)
@@ -514,7 +546,7 @@ void batch_destroy(batch_t **pb)
                 store_batch_put(b->store, j->id, j->owner, s);
             free(s);
         }
-        job_free_run(j);
+        job_free_run(b, j);
         json_decref(j->obj);
         free(j);
     }

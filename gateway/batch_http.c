@@ -177,9 +177,10 @@ static void handle_upload(batch_t *b, struct evhttp_request *req, const batch_ca
         reply_err(req, 400, "file", "invalid_encoding", "The file is not valid UTF-8 text.");
         return;
     }
-    /* count the non-blank lines */
+    /* count the non-blank lines (a byte order mark is none: batch_job_split_lines) */
     long n_lines = 0;
-    for (size_t pos = 0; pos < dlen;) {
+    size_t start = dlen >= 3 && memcmp(data, "\xEF\xBB\xBF", 3) == 0 ? 3 : 0;
+    for (size_t pos = start; pos < dlen;) {
         const char *nl = memchr(data + pos, '\n', dlen - pos);
         size_t end = nl ? (size_t)(nl - data) : dlen;
         for (size_t k = pos; k < end; k++) {
@@ -530,15 +531,20 @@ static void handle_create(batch_t *b, struct evhttp_request *req, const batch_ca
         json_object_set_new(j->obj, "metadata", json_null());
     j->status = ST_VALIDATING;
     j->dirty = 1;
-    if (batch_job_load(b, j) < 0 && j->status != ST_FAILED) {
-        batch_job_status(b, j, ST_FAILED, "failed_at");
-    } else if (j->active) {
+    batch_load_waiting(b); /* j too, unless the batches before it hold too much */
+    if (j->active) {
         json_object_set_new(
             j->obj, "request_counts",
             json_pack("{s:i, s:i, s:i}", "total", j->n_lines, "completed", 0, "failed", 0));
     }
-    log_info("batch %s created: %s, file %s, %d lines, key %s", j->id, json_string_value(ep), f.id,
-             j->n_lines, who_str(who));
+    if (j->active || is_final(j->status))
+        log_info("batch %s created: %s, file %s, %d lines, key %s", j->id, json_string_value(ep),
+                 f.id, j->n_lines, who_str(who));
+    else
+        log_info("batch %s created: %s, file %s (%lld bytes; waiting: the batches before it "
+                 "hold %zu bytes of input files), key %s",
+                 j->id, json_string_value(ep), f.id, (long long)f.bytes, b->loaded_bytes,
+                 who_str(who));
     kick(b);
     reply_obj(req, 200, j->obj);
 out:

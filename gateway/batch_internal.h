@@ -84,6 +84,8 @@ struct batch {
     job_t **jobs; /* creation order */
     int n_jobs, cap_jobs;
     int inflight;
+    size_t loaded_bytes; /* input file bytes held by the loaded batches (<= max_file_bytes,
+                          * or one file) */
     struct event *kick_ev, *tick_ev;
 };
 
@@ -115,13 +117,17 @@ int batch_job_add(batch_t *b, job_t *j);
  * range or already done is ignored, so a result is counted once. */
 void batch_job_line_done(job_t *j, int line, int ok);
 /* Split j->content (content_len bytes) into its non-blank lines: j->off, j->len,
- * j->line_no and j->state (all LINE_PENDING) for j->n_lines lines, each without its line end and the
- * spaces and tabs around it. 0, or -1 (out of memory; what was allocated is j's, freed
- * with its run state). */
+ * j->line_no and j->state (all LINE_PENDING) for j->n_lines lines, each without its line
+ * end and the spaces and tabs around it (and the first without a UTF-8 byte order mark).
+ * 0, or -1 (out of memory; what was allocated is j's, freed with its run state). */
 int batch_job_split_lines(job_t *j);
 /* Load j's run state: its input file and the results stored so far. 0, or -1 (the input
  * file is gone: j is failed; or it cannot be read, or out of memory). */
 int batch_job_load(batch_t *b, job_t *j);
+/* Load the run state of the batches that are not final and not loaded, oldest first, while
+ * their input files fit in max_file_bytes with those of the loaded ones (one always does
+ * when none is loaded); the others wait, unloaded, in their status. */
+void batch_load_waiting(batch_t *b);
 /* Move j to status st, setting the timestamp ts_key (NULL: none) to now; logs, kicks. */
 void batch_job_status(batch_t *b, job_t *j, status_t st, const char *ts_key);
 

@@ -240,7 +240,7 @@ static int field_name_ok(const char *k)
  * answered. */
 static int reject_ambiguous_framing(struct evhttp_request *req)
 {
-    int n_cl = 0, n_te = 0, te_ok = 1, cl_ok = 1;
+    int n_cl = 0, n_te = 0, n_host = 0, te_ok = 1, cl_ok = 1;
     struct evkeyvalq *h = evhttp_request_get_input_headers(req);
     for (struct evkeyval *kv = h->tqh_first; kv; kv = kv->next.tqe_next) {
         if (!field_name_ok(kv->key)) {
@@ -259,6 +259,7 @@ static int reject_ambiguous_framing(struct evhttp_request *req)
             http_reply_error(req, &e);
             return 1;
         }
+        n_host += evutil_ascii_strcasecmp(kv->key, "Host") == 0;
         if (evutil_ascii_strcasecmp(kv->key, "Content-Length") == 0) {
             n_cl++;
             cl_ok &= content_length_ok(kv->value);
@@ -274,6 +275,16 @@ static int reject_ambiguous_framing(struct evhttp_request *req)
             }
             te_ok &= len == 7 && evutil_ascii_strncasecmp(v, "chunked", 7) == 0;
         }
+    }
+    /* RFC 9112 3.2: exactly one Host in HTTP/1.1, at most one before (a proxy that routes
+     * on the first and a server that reads the last disagree on where a request goes) */
+    if (n_host > 1 || (n_host == 0 && (req->major > 1 || (req->major == 1 && req->minor >= 1)))) {
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
+        http_reply_error_msg(req, 400, "invalid_request_error", NULL, "bad_header",
+                             n_host ? "The request has more than one Host header (RFC 9112 3.2)."
+                                    : "An HTTP/1.1 request must have a Host header (RFC 9112 "
+                                      "3.2).");
+        return 1;
     }
     if (n_cl <= 1 && n_te == 0 && cl_ok)
         return 0;

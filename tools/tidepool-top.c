@@ -91,6 +91,18 @@ static double mp_num(const msgpack_object *map, const char *key)
     }
 }
 
+/* A sequence number: 1 and *out when key holds a number in [1, 2^64), else 0 (a message is
+ * network input: a negative or huge float cast to uint64_t is undefined, and -5 read as
+ * 2^64 - 5 hid every later event). */
+static int mp_seq(const msgpack_object *map, const char *key, uint64_t *out)
+{
+    double v = mp_num(map, key);
+    if (!(v >= 1 && v < 18446744073709551616.0))
+        return 0;
+    *out = (uint64_t)v;
+    return 1;
+}
+
 /* A string copied into buf ("" when absent or not a string). */
 static const char *mp_str(const msgpack_object *map, const char *key, char *buf, size_t cap)
 {
@@ -141,18 +153,18 @@ static double mono_s(void)
 
 static void add_event(top_t *t, const msgpack_object *ev)
 {
-    double seq = mp_num(ev, "seq");
-    if (isnan(seq) || (uint64_t)seq <= t->last_ev_seq)
+    uint64_t seq;
+    if (!mp_seq(ev, "seq", &seq) || seq <= t->last_ev_seq)
         return;
-    t->last_ev_seq = (uint64_t)seq;
+    t->last_ev_seq = seq;
     char type[32], worker[PROTO_ID_LEN], role[16], state[16], reason[192], when[16];
     mp_str(ev, "event", type, sizeof(type));
     mp_str(ev, "worker", worker, sizeof(worker));
     mp_str(ev, "role", role, sizeof(role));
     mp_str(ev, "state", state, sizeof(state));
     mp_str(ev, "reason", reason, sizeof(reason));
-    double ts_ms = mp_num(ev, "ts_ms");
-    time_t secs = isnan(ts_ms) ? time(NULL) : (time_t)(ts_ms / 1000);
+    double ts_ms = mp_num(ev, "ts_ms"); /* [0, year 33658] or now */
+    time_t secs = ts_ms >= 0 && ts_ms < 1e15 ? (time_t)(ts_ms / 1000) : time(NULL);
     struct tm tm;
     localtime_r(&secs, &tm);
     strftime(when, sizeof(when), "%H:%M:%S", &tm);
@@ -164,12 +176,14 @@ static void add_event(top_t *t, const msgpack_object *ev)
         t->n_events++;
     }
     event_line *e = &t->events[i];
-    e->seq = (uint64_t)seq;
+    e->seq = seq;
     char detail[64] = "";
     if (strncmp(type, "request_", 8) == 0) {
         double rid = mp_num(ev, "rid"), status = mp_num(ev, "status");
         int n = snprintf(detail, sizeof(detail), "rid=%.0f", isnan(rid) ? 0.0 : rid);
-        if (status > 0)
+        /* n is the untruncated length: a rid of 300 digits (the message is network input)
+         * put " status" past the buffer */
+        if (status > 0 && n >= 0 && (size_t)n < sizeof(detail))
             snprintf(detail + n, sizeof(detail) - (size_t)n, " status=%.0f", status);
     } else if (role[0]) {
         snprintf(detail, sizeof(detail), "(%s)%s%s", role,
@@ -198,14 +212,14 @@ static int on_message(top_t *t, const char *topic, size_t topic_len, const char 
         free(copy);
         return 0;
     }
-    double seq = mp_num(&up.data, "seq");
+    uint64_t seq;
     int is_event = topic_len == 5 && memcmp(topic, "event", 5) == 0;
     uint64_t *last = is_event ? &t->last_msg_ev_seq : &t->last_snap_seq;
-    if (!isnan(seq) && seq >= 1) { /* gaps: messages the publisher conflated or dropped */
-        if (*last && (uint64_t)seq > *last + 1)
-            *(is_event ? &t->ev_gaps : &t->snap_gaps) += (uint64_t)seq - *last - 1;
-        if ((uint64_t)seq > *last)
-            *last = (uint64_t)seq;
+    if (mp_seq(&up.data, "seq", &seq)) { /* gaps: messages the publisher conflated or dropped */
+        if (*last && seq > *last + 1)
+            *(is_event ? &t->ev_gaps : &t->snap_gaps) += seq - *last - 1;
+        if (seq > *last)
+            *last = seq;
     }
     if (is_event) {
         add_event(t, &up.data);
@@ -365,6 +379,8 @@ static void draw(top_t *t)
         const msgpack_object *s = &t->snap.data;
         char model[128];
         double up = mp_num(mp_get(s, "gateway"), "uptime_s");
+        if (!(up >= 0 && up < 1e9)) /* absent, or no sane uptime: (int) of it is undefined */
+            up = 0;
         snprintf(buf, sizeof(buf), "model %s  up %02d:%02d:%02d  snapshot #%.0f",
                  mp_str(s, "model", model, sizeof(model)), (int)(up / 3600), (int)fmod(up / 60, 60),
                  (int)fmod(up, 60), mp_num(s, "seq"));

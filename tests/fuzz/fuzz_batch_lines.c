@@ -64,9 +64,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (body && !dup)
             json_object_set_new(seen, cid, json_true());
         if (dup) {
-            check_record(batch_line_error_record(j.line_no[i], cid, "duplicate_custom_id",
-                                                 "a duplicate"),
-                         "duplicate_custom_id");
+            check_record(
+                batch_line_error_record(j.line_no[i], cid, "duplicate_custom_id", "a duplicate"),
+                "duplicate_custom_id");
         } else if (!body) {
             FUZZ_CHECK(code != NULL && memchr(msg, 0, sizeof(msg)) != NULL);
             check_record(batch_line_error_record(j.line_no[i], cid, code, msg), code);

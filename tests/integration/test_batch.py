@@ -233,6 +233,25 @@ class BatchApi(unittest.TestCase):
                 self.assertEqual(ch["text"] if "text" in ch else ch["message"]["content"],
                                  "\x00" * 3)
 
+    def test_byte_order_mark(self):
+        """A file that starts with a UTF-8 byte order mark (PowerShell 5's Out-File and
+        Set-Content -Encoding UTF8 write one) runs its first line too: it went to the error
+        file as "line 1 is not a JSON object: '[' or '{' expected near '\ufeff'" (RFC 8259
+        8.1 lets a parser ignore the mark). The file's bytes are kept as uploaded."""
+        c = self.c
+        body = completion_body("Once upon a time", 8)
+        text = "\ufeff" + line("bom-1", body) + "\r\n" + line("bom-2", body) + "\r\n"
+        status, f = upload(c, text)
+        self.assertEqual((status, f["bytes"]), (200, len(text.encode())), f)
+        status, b = create(c, f["id"])
+        b = wait_batch(c, b["id"])
+        self.assertEqual(b["request_counts"], {"total": 2, "completed": 2, "failed": 0}, b)
+        out = file_lines(c, b["output_file_id"])
+        self.assertEqual([o["custom_id"] for o in out], ["bom-1", "bom-2"])
+        self.assertEqual(c.request("GET", "/v1/files/%s/content" % f["id"])[1], text)
+        status, e = upload(c, "\ufeff\r\n")  # a mark and nothing else: an empty file
+        self.assertEqual((status, e["error"]["code"]), (400, "invalid_file"), e)
+
     def test_roundtrip_chat_raw_upload(self):
         c = self.c
         msgs = [{"role": "user", "content": "Tell me a story"}]
@@ -641,6 +660,51 @@ class Cancel(unittest.TestCase):
                     got["request_success_total:abort"] + got["request_failure_total"])
             self.assertEqual(got["requests_received_total"], ends, got)
             self.assertGreaterEqual(got["request_success_total:abort"], 1, got)
+
+
+class LoadedBytes(unittest.TestCase):
+    def test_input_files_in_memory_are_bounded(self):
+        """A batch holds its input file in memory until it is final. Every POST /v1/batches
+        loaded another copy at once, so one 100 MB file and a loop of creates took the
+        gateway's memory without bound (6 creates over a 28 MB file: 16 -> 234 MB RSS).
+        Now the loaded input files of the batches that are not final fit in
+        --batch-max-file-bytes (one always fits): a later batch waits, validating with
+        total 0, until those before it end; a waiting batch can be cancelled at once."""
+        with Cluster(roles=("mixed",), worker_args=["--debug-step-delay-ms", "25"],
+                     gateway_args=["--batch-max-inflight", "2",
+                                   "--batch-max-file-bytes", "3000"]) as c:
+            def text(tag, n):
+                return "\n".join(line("%s%d" % (tag, i), completion_body("Once upon a time", 60))
+                                 for i in range(n))
+            ids = {}
+            for tag, n in (("a", 14), ("b", 14), ("c", 1)):
+                self.assertGreater(len(text(tag, n)), 1500 if n > 1 else 0)
+                status, f = upload(c, text(tag, n))
+                self.assertEqual(status, 200, f)
+                status, b = create(c, f["id"])
+                self.assertEqual(status, 200, b)
+                ids[tag] = b
+            self.assertEqual(ids["a"]["request_counts"]["total"], 14)
+            for tag in ("b", "c"):  # waiting: not loaded
+                status, b = c.request("GET", "/v1/batches/" + ids[tag]["id"])
+                self.assertEqual((b["status"], b["request_counts"]["total"]), ("validating", 0),
+                                 (tag, b))
+            status, cb = c.request("POST", "/v1/batches/%s/cancel" % ids["c"]["id"])
+            self.assertEqual(status, 200, cb)
+            cb = wait_batch(c, ids["c"]["id"], timeout=5, until=("cancelled",))
+            self.assertEqual(cb["status"], "cancelled")
+            self.assertIsNone(cb["output_file_id"])
+            status, a = c.request("GET", "/v1/batches/" + ids["a"]["id"])
+            self.assertEqual(a["status"], "in_progress", "a finished before c was cancelled")
+            for tag in ("a", "b"):
+                b = wait_batch(c, ids[tag]["id"], timeout=90)
+                self.assertEqual((b["status"], b["request_counts"]),
+                                 ("completed", {"total": 14, "completed": 14, "failed": 0}))
+                self.assertEqual(len(file_lines(c, b["output_file_id"])), 14)
+            log = c.log("gateway")
+            self.assertIn("batch %s created: /v1/completions, file %s (%d bytes; waiting"
+                          % (ids["b"]["id"], ids["b"]["input_file_id"], len(text("b", 14))), log)
+            self.assertIn("batch %s loaded (validating)" % ids["b"]["id"], log)
 
 
 class Restart(unittest.TestCase):

@@ -4,6 +4,7 @@ waiting for tokens."""
 
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -124,6 +125,32 @@ class Hardening(unittest.TestCase):
         req = (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
                b"Connection: close\r\n\r\n%s" % (len(body), body))
         self.assertTrue(raw(self.c.port, req).startswith(b"HTTP/1.1 200"))
+
+    def test_host_header_missing_or_repeated_is_refused(self):
+        """RFC 9112 3.2: a server MUST answer 400 to an HTTP/1.1 request without a Host
+        header and to any request with more than one (a proxy that routes on the first and
+        a server that reads the last disagree on where it goes). libevent took both."""
+        smuggled = b"GET /workers HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        for head, msg in ((b"GET /v1/models HTTP/1.1\r\n",
+                           "An HTTP/1.1 request must have a Host header (RFC 9112 3.2)."),
+                          (b"GET /v1/models HTTP/1.1\r\nHost: a\r\nHost: b\r\n",
+                           "The request has more than one Host header (RFC 9112 3.2)."),
+                          (b"GET /v1/models HTTP/1.0\r\nHost: a\r\nhost: a\r\n",
+                           "The request has more than one Host header (RFC 9112 3.2).")):
+            out = raw(self.c.port, head + b"\r\n" + smuggled)
+            self.assertTrue(re.match(rb"HTTP/1\.[01] 400 ", out), (head, out[:200]))
+            # (the status lines: the first message itself says "HTTP/1.1 request")
+            self.assertEqual(len(re.findall(rb"(?:^|\n)HTTP/1\.[01] \d{3} ", out)), 1,
+                             (head, "a second response came back"))
+            hdrs, payload = out.split(b"\r\n\r\n", 1)
+            self.assertIn(b"Connection: close", hdrs)
+            self.assertEqual(json.loads(payload), {"error": {
+                "message": msg, "type": "invalid_request_error", "param": None,
+                "code": "bad_header"}})
+        # one Host, or none in HTTP/1.0, is served
+        for req in (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                    b"GET /v1/models HTTP/1.0\r\n\r\n"):
+            self.assertIn(b" 200 OK", raw(self.c.port, req).split(b"\r\n")[0], req)
 
     def test_slowloris_connection_is_closed(self):
         s = socket.create_connection(("127.0.0.1", self.c.port), timeout=10)

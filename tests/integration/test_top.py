@@ -93,5 +93,52 @@ class Top(unittest.TestCase):
                 t.kill()
 
 
+@unittest.skipUnless(TMUX, "tmux not installed")
+class HostilePublisher(unittest.TestCase):
+    def test_out_of_range_numbers(self):
+        """The stats messages are network input: an event whose rid printed to more digits
+        than the 64-byte detail buffer (rid 1e300) made tidepool-top write its " status=..."
+        at the full length's offset, past the buffer (ASan: stack-buffer-overflow, WRITE of
+        size 310). It must show such messages and go on."""
+        import zmq  # python3-zmq, as fake_gateway.py
+        from fake_gateway import mp_pack
+        from cluster import free_port
+        ctx = zmq.Context()
+        pub = ctx.socket(zmq.XPUB)
+        endpoint = "tcp://127.0.0.1:%d" % free_port()
+        pub.bind(endpoint)
+        logf = os.path.join(os.environ.get("TMPDIR", "/tmp"), "top-hostile-%d.log" % os.getpid())
+        t = Tmux(["sh", "-c", "%s --stats %s 2>%s" % (os.path.join(BIN, "tidepool-top"),
+                                                       endpoint, logf)])
+        try:
+            # seq -5 (read as 2^64 - 5) and 1e300 hid every later event for good; a ts_ms
+            # out of time_t's range was converted all the same (undefined behaviour)
+            events = [{"seq": -5.0, "ts_ms": -1e300, "event": "bogus_a"},
+                      {"seq": 1e300, "ts_ms": 1e300, "event": "bogus_b"},
+                      {"seq": 2.0, "ts_ms": 1.0e12, "event": "request_end", "rid": 1e300,
+                       "status": 1e300, "worker": "w" * 300, "reason": "r" * 300},
+                      {"seq": 3.0, "ts_ms": 1.0e12, "event": "worker_state", "worker": "x",
+                       "role": "decode", "state": "ready", "reason": "ok-3"}]
+            snap = {"schema": 1, "seq": 1, "model": "m", "events": events,
+                    "workers": [{"id": "w" * 300, "role": "decode", "running": 1e300}]}
+            deadline = time.time() + 15
+            while time.time() < deadline and "ok-3" not in t.screen():
+                pub.send_multipart([b"snapshot", mp_pack(snap)])
+                time.sleep(0.2)
+            time.sleep(0.5)
+            self.assertTrue(t.alive(), open(logf).read() if os.path.exists(logf) else "")
+            text = t.screen()
+            self.assertIn("request_end", text)
+            self.assertIn("ok-3", text)
+        finally:
+            t.kill()
+            pub.close(0)
+            ctx.term()
+            report = open(logf).read() if os.path.exists(logf) else ""
+            if os.path.exists(logf):
+                os.unlink(logf)
+        self.assertNotIn("ERROR: AddressSanitizer", report)
+        self.assertNotIn("runtime error", report)
+
 if __name__ == "__main__":
     unittest.main()
