@@ -332,6 +332,20 @@ def case_greedy_mixed(g):
     kv_free_back(g, "m0")
 
 
+def first_token_order(g, rids):
+    """Wait for the 2-token greedy answers of rids; their ids in the order of their first
+    TOKENS (the order the worker's prefill batches took them)."""
+    for rid in rids:
+        ids, reason, err = g.wait_done(rid, timeout=60)
+        eq(err, None, "error of %d" % rid)
+        eq(ids, CONTINUATION[:2], "greedy tokens of %d" % rid)
+
+    def first(rid):
+        return next(i for i, (_, m) in enumerate(g.events)
+                    if m.get("rid") == rid and m["t"] == TOKENS)
+    return sorted(rids, key=first)
+
+
 def case_online_prompt_before_queued_offline(g):
     """Queued offline prompts (pri 1) wait for an online prompt that came after them; each
     tier stays in arrival order. One prompt per prefill batch (--max-batch-tokens), each
@@ -342,15 +356,7 @@ def case_online_prompt_before_queued_offline(g):
     g.wait_registered("m0")
     offline = [g.prefill("m0", PROMPT, 2, pri=1) for _ in range(8)]
     online = g.prefill("m0", PROMPT, 2)
-    for rid in offline + [online]:
-        ids, reason, err = g.wait_done(rid, timeout=60)
-        eq(err, None, "error of %d" % rid)
-        eq(ids, CONTINUATION[:2], "greedy tokens of %d" % rid)
-
-    def first(rid):
-        return next(i for i, (_, m) in enumerate(g.events)
-                    if m.get("rid") == rid and m["t"] == TOKENS)
-    order = sorted(offline + [online], key=first)
+    order = first_token_order(g, offline + [online])
     # the first offline prompt may already be in the first batch; the online one is next
     if order.index(online) > 1:
         raise AssertionError("online prompt's first token came %d-th of 9 (order %r)"
@@ -370,15 +376,7 @@ def case_retried_prompt_keeps_its_arrival_order(g):
     g.wait_registered("m0")
     fresh = [g.prefill("m0", PROMPT, 2) for _ in range(8)]
     older = g.prefill("m0", PROMPT, 2, age_us=10000000)  # admitted 10 s ago
-    for rid in fresh + [older]:
-        ids, reason, err = g.wait_done(rid, timeout=60)
-        eq(err, None, "error of %d" % rid)
-        eq(ids, CONTINUATION[:2], "greedy tokens of %d" % rid)
-
-    def first(rid):
-        return next(i for i, (_, m) in enumerate(g.events)
-                    if m.get("rid") == rid and m["t"] == TOKENS)
-    order = sorted(fresh + [older], key=first)
+    order = first_token_order(g, fresh + [older])
     # the first fresh prompt may already be in the first batch; the older one is next
     if order.index(older) > 1:
         raise AssertionError("the older prompt's first token came %d-th of 9 (order %r)"
