@@ -21,7 +21,9 @@
  *    measured here by specdec_measure_costs and the acceptance of part 1) picks at batch 1.
  * 3. On the synthetic 1B-class model (no trained modules exist for it): a side file of two
  *    modules shaped like trained ones (each block a copy of the model's last block, random
- *    eh_proj in the model's matrix type) is written once next to it. Per instruction set
+ *    eh_proj in the model's matrix type) is written once into --side-dir (default: this
+ *    program's directory in the build tree; a valid NAME-mtp.gguf beside the model is
+ *    used instead if there). Per instruction set
  *    (--isa X: X alone; without it, on an AVX-512 machine, AVX2 and AVX-512 contexts of the
  *    one loaded model side by side), N interleaved rounds (--rounds; default 3 with
  *    --quick, else 7), each: a module pass of one token with the full and the draft head,
@@ -520,9 +522,12 @@ int main(int argc, char **argv)
 {
     int quick = 0, a = 1, rounds_1b = 0;
     model_isa isa_opt = MODEL_ISA_AUTO;
+    const char *side_dir = NULL;
     for (; a < argc; a++) {
         if (strcmp(argv[a], "--quick") == 0) {
             quick = 1;
+        } else if (strcmp(argv[a], "--side-dir") == 0 && a + 1 < argc) {
+            side_dir = argv[++a];
         } else if (strcmp(argv[a], "--isa") == 0 && a + 1 < argc &&
                    (strcmp(argv[a + 1], "avx2") == 0 || strcmp(argv[a + 1], "avx512") == 0)) {
             isa_opt = strcmp(argv[++a], "avx2") == 0 ? MODEL_ISA_AVX2 : MODEL_ISA_AVX512;
@@ -533,8 +538,8 @@ int main(int argc, char **argv)
         }
     }
     if (argc - a != 3) {
-        fprintf(stderr, "usage: bench_mtp [--quick] [--isa avx2|avx512] [--rounds N] STORIES.gguf "
-                        "STORIES-MTP.gguf SYNTH-1B.gguf\n");
+        fprintf(stderr, "usage: bench_mtp [--quick] [--isa avx2|avx512] [--rounds N] [--side-dir DIR] "
+                        "STORIES.gguf STORIES-MTP.gguf SYNTH-1B.gguf\n");
         return 2;
     }
     if (rounds_1b == 0)
@@ -718,7 +723,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_mtp: %s\n", err);
         return 1;
     }
-    char side[1100];
+    /* the side file: NAME-mtp.gguf beside the model if a valid one is there (an earlier
+     * run's), else in --side-dir (default: this program's directory, i.e. the build tree),
+     * written there once: never into a model directory that may be shared or read-only */
+    char side[2200];
     snprintf(side, sizeof(side), "%.1000s", bigpath);
     char *dot = strrchr(side, '.');
     if (dot && strcmp(dot, ".gguf") == 0)
@@ -727,9 +735,27 @@ int main(int argc, char **argv)
     char qn[64];
     snprintf(qn, sizeof(qn), "blk.%d.attn_q.weight", model_get_config(big)->n_layer - 1);
     const gguf_tensor_info *bq = gguf_find_tensor(model_gguf(big), qn);
-    mtp_t *bmt = bq && side_type_ok(side, model_get_config(big)->n_layer, bq->type)
+    int big_layers = model_get_config(big)->n_layer;
+    mtp_t *bmt = bq && side_type_ok(side, big_layers, bq->type)
                      ? mtp_load(big, side, err, sizeof(err))
                      : NULL;
+    if (!bmt) {
+        char dir[1024];
+        const char *slash = strrchr(argv[0], '/');
+        if (side_dir)
+            snprintf(dir, sizeof(dir), "%.1000s", side_dir);
+        else if (slash)
+            snprintf(dir, sizeof(dir), "%.*s", (int)(slash - argv[0] > 1000 ? 1000 : slash - argv[0]),
+                     argv[0]);
+        else
+            snprintf(dir, sizeof(dir), ".");
+        const char *base = strrchr(side, '/');
+        char name[1100];
+        snprintf(name, sizeof(name), "%.1000s", base ? base + 1 : side);
+        snprintf(side, sizeof(side), "%.1023s/%.1100s", dir, name);
+        if (bq && side_type_ok(side, big_layers, bq->type))
+            bmt = mtp_load(big, side, err, sizeof(err));
+    }
     if (!bmt) {
         printf("  writing synthetic modules (trained-module shapes, random weights) to %s\n", side);
         if (write_synth_modules(big, side) != 0 || !(bmt = mtp_load(big, side, err, sizeof(err)))) {
