@@ -82,8 +82,12 @@ void http_reply_error_msg(struct evhttp_request *req, int status, const char *ty
  * those requests over raw sockets and checks the JSON, so a libevent built otherwise (a
  * static or -Bsymbolic build, where the override would be silently bypassed) fails the
  * test. The connection is closed after the reply, as libevent's own page does: after a
- * parse error the rest of the stream cannot be trusted. */
+ * parse error the rest of the stream cannot be trusted. A chunk-size line that
+ * http_wire.c's evutil_strtoll refused is answered 400 bad_framing (malformed) or 413 (too
+ * long) with its own message, where libevent says 413 for both. */
 static void on_reply_done(struct evhttp_request *req, void *arg);
+#define HTTP_STR_(x) #x
+#define HTTP_STR(x) HTTP_STR_(x)
 /* The server whose stats count libevent's error replies (one server per process; NULL: not
  * counted). */
 static http_server_t *error_server;
@@ -91,15 +95,24 @@ static http_server_t *error_server;
 void evhttp_send_error(struct evhttp_request *req, int error, const char *reason)
 {
     const char *code, *msg;
+    /* a chunk-size line our evutil_strtoll refused (http_wire.c): libevent says 413 for
+     * every body it cannot read */
+    http_chunk_refusal_t chunk = error == 413 ? http_wire_chunk_refusal() : HTTP_CHUNK_OK;
+    if (chunk == HTTP_CHUNK_MALFORMED)
+        error = 400;
     switch (error) {
     case 400:
-        code = "bad_request";
-        msg = "The request could not be parsed: a malformed request line or header, or a "
-              "request line or header block over the server's limit (64 KiB).";
+        code = chunk ? "bad_framing" : "bad_request";
+        msg = chunk ? "A chunk-size line of the body is malformed: it must be the size in hex "
+                      "digits, then optional extensions ;name or ;name=value (RFC 9112 7.1)."
+                    : "The request could not be parsed: a malformed request line or header, or "
+                      "a request line or header block over the server's limit (64 KiB).";
         break;
     case 413:
         code = "request_too_large";
-        msg = "The request line, its headers or its body exceed this server's limits.";
+        msg = chunk ? "A chunk-size line of the body, with its extensions, is over "
+                      HTTP_STR(HTTP_CHUNK_LINE_MAX) " bytes."
+                    : "The request line, its headers or its body exceed this server's limits.";
         break;
     case 417:
         code = "expectation_failed";

@@ -49,6 +49,21 @@ void http_reply_error(struct evhttp_request *req, const api_error *e);
 void http_reply_error_msg(struct evhttp_request *req, int status, const char *type,
                           const char *param, const char *code, const char *msg);
 
+// --- http_wire.c: request bytes libevent's parser lets through or refuses wrongly
+
+#define HTTP_CHUNK_LINE_MAX 4096 /* a chunk-size line with its extensions, in bytes */
+
+typedef enum {
+    HTTP_CHUNK_OK = 0,    /* no chunk-size line was refused */
+    HTTP_CHUNK_MALFORMED, /* not 1*HEXDIG [chunk-ext] (RFC 9112 7.1): 400 */
+    HTTP_CHUNK_LONG,      /* over HTTP_CHUNK_LINE_MAX bytes: 413 */
+} http_chunk_refusal_t;
+
+/* Why libevent's last chunk-size parse (evutil_strtoll, overridden in http_wire.c) failed,
+ * and forget it: HTTP_CHUNK_OK when it did not. libevent answers such a failure at once
+ * through evhttp_send_error (413), which asks this. Loop thread only. */
+http_chunk_refusal_t http_wire_chunk_refusal(void);
+
 // --- http_completion.c: POST /v1/completions, /v1/chat/completions
 
 /* Answer a completion request of kind (the method was checked): admit it and answer from

@@ -569,6 +569,77 @@ class RawErrorsTest(unittest.TestCase):
 
 @unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
                      "needs %s and %s (make all)" % (GATEWAY, MODEL))
+class RequestSyntaxTest(unittest.TestCase):
+    """What libevent's parser let through or refused wrongly (the break-it trial of session
+    11): chunk extensions, the request target's bytes, the HTTP version, {id} escapes."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.gw = Gateway("--state-db", "", "--stats-bind", "")
+
+    @classmethod
+    def tearDownClass(cls):
+        rc = cls.gw.stop()
+        assert rc == 0, "gateway exit code %s" % rc
+
+    def chunked(self, chunks, path=b"/tokenize"):
+        """POST path with a chunked body of the given raw chunk lines; (out, closed)."""
+        head = (b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+        return raw_exchange(self.gw.port, head + b"".join(chunks))
+
+    def check_refusal(self, out, closed, status, code, name):
+        self.assertTrue(out, name)
+        st, _, headers, body = parse_response(out)
+        self.assertEqual(st, status, (name, out[:300]))
+        self.assertEqual(headers["content-type"], "application/json", name)
+        self.assertEqual(headers["connection"], "close", name)
+        self.assertEqual(json.loads(body)["error"]["code"], code, (name, body))
+        self.assertTrue(closed, name)
+        self.assertEqual(out.count(b"HTTP/1.1 "), 1, name)
+        return json.loads(body)["error"]["message"]
+
+    def test_chunk_extensions_are_ignored(self):
+        """RFC 9112 7.1.1: a recipient MUST ignore unrecognized chunk extensions (libevent
+        refused "5;name=value" with 413)."""
+        body = b'{"prompt": "Once upon a time"}'
+        st, _, data = self.gw.request("POST", "/tokenize", body)
+        self.assertEqual(st, 200, data)
+        want = json.loads(data)["tokens"]
+        a, b = body[:10], body[10:]
+        for name, lines in (
+                ("name=value", [b"%x;name=value\r\n%s\r\n" % (len(a), a),
+                                b"%X;n2\r\n%s\r\n" % (len(b), b), b"0;last=1\r\n\r\n"]),
+                ("several, quoted, BWS", [b"%x ; a = b ;c=\"x \\\" ;y\" \r\n%s\r\n" % (len(a), a),
+                                          b"%x;q=\"\"\r\n%s\r\n" % (len(b), b), b"0\r\n\r\n"]),
+                ("near the limit", [b"%x;k=%s\r\n%s\r\n" % (len(body), b"v" * 4000, body),
+                                    b"0\r\n\r\n"])):
+            with self.subTest(name):
+                out, _ = self.chunked(lines)
+                st, _, _, payload = parse_response(out)
+                self.assertEqual(st, 200, out[:300])
+                self.assertEqual(json.loads(payload)["tokens"], want)
+
+    def test_bad_chunk_lines_are_refused(self):
+        body = b'{"prompt": "Once"}'
+        for name, line, status, code in (
+                ("not hex", b"zz\r\n", 400, "bad_framing"),
+                ("0x prefix", b"0x%x\r\n" % len(body), 400, "bad_framing"),
+                ("plus sign", b"+%x\r\n" % len(body), 400, "bad_framing"),
+                ("leading space", b" %x\r\n" % len(body), 400, "bad_framing"),
+                ("extension without a name", b"%x;=v\r\n" % len(body), 400, "bad_framing"),
+                ("unterminated quote", b"%x;a=\"v\r\n" % len(body), 400, "bad_framing"),
+                ("huge extension", b"%x;k=%s\r\n" % (len(body), b"v" * 9000), 413,
+                 "request_too_large")):
+            with self.subTest(name):
+                out, closed = self.chunked([line, body, b"\r\n0\r\n\r\n"])
+                msg = self.check_refusal(out, closed, status, code, name)
+                self.assertIn("chunk-size line", msg)
+        self.assertIsNone(self.gw.proc.poll())
+
+
+@unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
+                     "needs %s and %s (make all)" % (GATEWAY, MODEL))
 class StreamWaitTest(unittest.TestCase):
     """A stream waiting for a worker is not idle: --http-timeout-s (1 s here) used to cut it
     at 1 s with no error event and no [DONE] (found by a fresh-user trial). It now waits for
