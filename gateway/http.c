@@ -453,6 +453,30 @@ static void on_request(struct evhttp_request *req, void *arg)
      * as host "x", path "/metrics", and was served as /metrics, past any proxy rule on the
      * path. Such a target is its own path, which no route has: 404. */
     const char *target = evhttp_request_get_uri(req);
+    long bad = target ? http_wire_target_bad(target) : -1;
+    if (bad >= 0) {
+        /* libevent splits the request line at its first and last space and takes any byte
+         * between: "GET /v1/mo dels HTTP/1.1" was routed as "/v1/mo dels" (404). RFC 9112
+         * 3: an invalid request line gets 400, never an autocorrected route (it may be
+         * crafted to pass a filter in front that reads it otherwise); closed, as after any
+         * request line libevent cannot parse. */
+        unsigned char ch = (unsigned char)target[bad];
+        if (ch == '%')
+            snprintf(msg, sizeof(msg),
+                     "The request target has a \"%%\" not followed by two hex digits, at byte "
+                     "%ld (RFC 3986 2.1).",
+                     bad);
+        else
+            snprintf(msg, sizeof(msg),
+                     "The request target holds a byte a URI may not hold, 0x%02x at byte %ld: "
+                     "a space, a control character, ... must be percent-encoded (RFC 9112 "
+                     "3.2).",
+                     ch, bad);
+        log_refused(req, "400: an invalid request target");
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
+        http_reply_error_msg(req, 400, "invalid_request_error", NULL, "bad_request", msg);
+        return;
+    }
     if (target && target[0] == '/' && target[1] == '/') {
         int n = (int)strcspn(target, "?#");
         snprintf(msg, sizeof(msg), "Invalid URL (%s %.*s)", method_str(method), n < 200 ? n : 200,

@@ -64,6 +64,13 @@ typedef enum {
  * through evhttp_send_error (413), which asks this. Loop thread only. */
 http_chunk_refusal_t http_wire_chunk_refusal(void);
 
+/* -1 when target (a request line's request-target as libevent keeps it, NUL-terminated) is
+ * made only of the bytes a URI may hold (RFC 3986: unreserved, sub-delims, ":@/?", "%"
+ * with two hex digits; "[]" in an absolute form's authority), else the offset of the first
+ * byte that is not (a space, a control or non-ASCII byte, "\"", "<", "#", a "%" without
+ * two hex digits, ...): RFC 9112 3 says such a request line is invalid (400). */
+long http_wire_target_bad(const char *target);
+
 // --- http_completion.c: POST /v1/completions, /v1/chat/completions
 
 /* Answer a completion request of kind (the method was checked): admit it and answer from

@@ -118,3 +118,34 @@ http_chunk_refusal_t http_wire_chunk_refusal(void)
     last_refusal = HTTP_CHUNK_OK;
     return r;
 }
+
+// --- the request target
+
+/* Whether ch may stand in a URI outside a percent-escape (RFC 3986 2.2, 2.3: unreserved,
+ * sub-delims, ":", "@", and "/" and "?" between parts). */
+static int is_uri_char(unsigned char ch)
+{
+    return (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+           (ch && strchr("-._~!$&'()*+,;=:@/?", ch));
+}
+
+long http_wire_target_bad(const char *target)
+{
+    const unsigned char *t = (const unsigned char *)target;
+    size_t i = 0, host_end = 0;
+    /* absolute form: its authority may hold an IP literal in brackets ("[::1]:8000") */
+    if (strncmp(target, "http://", 7) == 0 || strncmp(target, "https://", 8) == 0) {
+        i = target[4] == ':' ? 7 : 8;
+        host_end = i + strcspn(target + i, "/?");
+    }
+    for (; t[i]; i++) {
+        if (t[i] == '%') {
+            if (hex_value(t[i + 1]) < 0 || hex_value(t[i + 2]) < 0)
+                return (long)i;
+            i += 2;
+        } else if (!is_uri_char(t[i]) && !(i < host_end && (t[i] == '[' || t[i] == ']'))) {
+            return (long)i;
+        }
+    }
+    return -1;
+}

@@ -637,6 +637,33 @@ class RequestSyntaxTest(unittest.TestCase):
                 self.assertIn("chunk-size line", msg)
         self.assertIsNone(self.gw.proc.poll())
 
+    def test_invalid_request_target_is_400(self):
+        """RFC 9112 3: a request line whose target holds a space (or another byte a URI may
+        not hold) is invalid: 400, never routed (it was: "/v1/mo dels" got 404)."""
+        for name, target, what in (
+                ("space", b"/v1/mo dels", "0x20 at byte 6"),
+                ("two spaces after the method", b" /v1/models", "0x20 at byte 0"),
+                ("DEL", b"/v1/models\x7f", "0x7f at byte 10"),
+                ("non-ASCII", b"/v1/models?x=\xc3\xa9", "0xc3 at byte 13"),
+                ("quote", b'/v1/models?x="a"', "0x22 at byte 13"),
+                ("fragment", b"/v1/models#top", "0x23 at byte 10"),
+                ("backslash", b"/v1\\models", "0x5c at byte 3"),
+                ("bad escape", b"/v1/models?x=%zz", "not followed by two hex digits, at "
+                                                   "byte 13"),
+                ("short escape", b"/v1/models%4", "at byte 10")):
+            with self.subTest(name):
+                out, closed = raw_exchange(self.gw.port, b"GET " + target + b" HTTP/1.1\r\n"
+                                           b"Host: x\r\n\r\nGET /v1/models HTTP/1.1\r\n"
+                                           b"Host: x\r\n\r\n")
+                msg = self.check_refusal(out, closed, 400, "bad_request", name)
+                self.assertIn(what, msg)
+        # what a URI may hold is still served (escapes, sub-delims, an IP literal)
+        for target in (b"/v1/models?a=%20b&c=d~e;f=(g)*!$'+,:@/?",
+                       b"http://[::1]:8000/v1/models"):
+            out, _ = raw_exchange(self.gw.port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n"
+                                  b"Connection: close\r\n\r\n")
+            self.assertTrue(out.startswith(b"HTTP/1.1 200 "), (target, out[:300]))
+
 
 @unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
                      "needs %s and %s (make all)" % (GATEWAY, MODEL))
