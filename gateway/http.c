@@ -24,6 +24,18 @@
 
 // --- replies
 
+/* The reason phrase of status where libevent 2.1's differs from RFC 9110's (NULL: libevent's
+ * own; clients ignore the phrase, people read it). */
+static const char *reason_phrase(int status)
+{
+    switch (status) {
+    case 505:
+        return "HTTP Version Not Supported"; /* libevent: "HTTP Version not supported" */
+    default:
+        return NULL;
+    }
+}
+
 void http_send_reply(struct evhttp_request *req, int status, struct evbuffer *body)
 {
     if (evhttp_request_get_command(req) == EVHTTP_REQ_HEAD) {
@@ -35,7 +47,7 @@ void http_send_reply(struct evhttp_request *req, int status, struct evbuffer *bo
         if (body)
             evbuffer_drain(body, evbuffer_get_length(body));
     }
-    evhttp_send_reply(req, status, NULL, body);
+    evhttp_send_reply(req, status, reason_phrase(status), body);
 }
 
 void http_reply_json(struct evhttp_request *req, int status, const char *body)
@@ -86,6 +98,9 @@ void http_reply_error_msg(struct evhttp_request *req, int status, const char *ty
  * http_wire.c's evutil_strtoll refused is answered 400 bad_framing (malformed) or 413 (too
  * long) with its own message, where libevent says 413 for both. */
 static void on_reply_done(struct evhttp_request *req, void *arg);
+#define HTTP_VERSION_MSG                                                                 \
+    "The request's HTTP version is not supported: this server speaks HTTP/1.0 and HTTP/1.1 " \
+    "(RFC 9110 15.6.6)."
 #define HTTP_STR_(x) #x
 #define HTTP_STR(x) HTTP_STR_(x)
 /* The server whose stats count libevent's error replies (one server per process; NULL: not
@@ -100,6 +115,10 @@ void evhttp_send_error(struct evhttp_request *req, int error, const char *reason
     http_chunk_refusal_t chunk = error == 413 ? http_wire_chunk_refusal() : HTTP_CHUNK_OK;
     if (chunk == HTTP_CHUNK_MALFORMED)
         error = 400;
+    else if (error == 400 && error_server &&
+             httpconn_request_version(error_server->conns, evhttp_request_get_connection(req)) ==
+                 HTTPCONN_REQ_VERSION)
+        error = 505; /* "HTTP/2.0", "HTTP/9.9": a version libevent refuses (major > 1) */
     switch (error) {
     case 400:
         code = chunk ? "bad_framing" : "bad_request";
@@ -122,12 +141,17 @@ void evhttp_send_error(struct evhttp_request *req, int error, const char *reason
         code = "method_not_implemented";
         msg = "This HTTP method is not supported.";
         break;
+    case 505:
+        code = "http_version_not_supported";
+        msg = HTTP_VERSION_MSG;
+        break;
     default:
         code = "http_error";
         msg = "The request was refused by the HTTP layer.";
         break;
     }
-    if (req->major == 0 && req->minor == 0) { /* no valid request line: answer HTTP/1.1 */
+    if ((req->major == 0 && req->minor == 0) || error == 505) {
+        /* no valid request line, or a version we do not speak: answer HTTP/1.1 */
         req->major = 1;
         req->minor = 1;
     }
@@ -436,6 +460,23 @@ static void on_request(struct evhttp_request *req, void *arg)
         evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
         http_reply_error_msg(req, 400, "invalid_request_error", NULL, "bad_header",
                              "The request's header block holds a NUL byte (RFC 9110 5.5).");
+        return;
+    }
+    if (seen & (HTTPCONN_REQ_VERSION | HTTPCONN_REQ_BAD_VERSION)) {
+        /* libevent reads the version with sscanf("HTTP/%d.%d") and keeps any major 0 or 1:
+         * "HTTP/1.2" was served and its version echoed in the reply's status line. Answer
+         * in HTTP/1.1 (RFC 9110 6.2) and close: the rest of the stream is not ours to read */
+        int other = seen & HTTPCONN_REQ_VERSION;
+        req->major = 1;
+        req->minor = 1;
+        log_refused(req, other ? "505: an HTTP version other than 1.0 and 1.1"
+                               : "400: a malformed HTTP version");
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
+        http_reply_error_msg(req, other ? 505 : 400, "invalid_request_error", NULL,
+                             other ? "http_version_not_supported" : "bad_request",
+                             other ? HTTP_VERSION_MSG
+                                   : "The request line's HTTP version is malformed (RFC 9112 "
+                                     "2.3): it must be HTTP/1.0 or HTTP/1.1.");
         return;
     }
     if (reject_ambiguous_framing(req))

@@ -472,6 +472,8 @@ MSG_400 = ("The request could not be parsed: a malformed request line or header,
 MSG_413 = "The request line, its headers or its body exceed this server's limits."
 MSG_417 = "The Expect header is not supported (only 100-continue is)."
 MSG_501 = "This HTTP method is not supported."
+MSG_505 = ("The request's HTTP version is not supported (RFC 9110 15.6.6): this server "
+           "speaks HTTP/1.0 and HTTP/1.1.")
 # Requests libevent answers by itself, before any gateway handler: (name, bytes, status,
 # reason phrase, code, message). Issue 12: these came back as libevent's HTML page.
 RAW_ERRORS = [
@@ -479,8 +481,8 @@ RAW_ERRORS = [
      MSG_400),
     ("request line without a version", b"GET /health\r\nHost: x\r\n\r\n", 400, "Bad Request",
      "bad_request", MSG_400),
-    ("unknown HTTP version", b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n", 400, "Bad Request",
-     "bad_request", MSG_400),
+    ("unknown HTTP version", b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n", 505,
+     "HTTP Version Not Supported", "http_version_not_supported", MSG_505),
     ("header line without a colon", b"GET /health HTTP/1.1\r\nHost x\r\n\r\n", 400,
      "Bad Request", "bad_request", MSG_400),
     ("header block over 64 KiB", b"GET /health HTTP/1.1\r\nHost: x\r\n" +
@@ -549,7 +551,7 @@ class RawErrorsTest(unittest.TestCase):
         got = {int(m.group(1)): int(float(m.group(2))) for m in re.finditer(
             r'(?m)^tidepool_http_responses_total\{[^}]*code="(\d+)"\} (\S+)$',
             metrics.decode())}
-        for status in (400, 413, 417, 501):
+        for status in (400, 413, 417, 501, 505):
             want = sum(1 for case in RAW_ERRORS if case[2] == status)
             self.assertEqual(got.get(status), want, (status, got))
 
@@ -663,6 +665,27 @@ class RequestSyntaxTest(unittest.TestCase):
             out, _ = raw_exchange(self.gw.port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n"
                                   b"Connection: close\r\n\r\n")
             self.assertTrue(out.startswith(b"HTTP/1.1 200 "), (target, out[:300]))
+
+    def test_http_version_other_than_1x_is_505(self):
+        """RFC 9110 15.6.6: a version the server does not speak gets 505, in HTTP/1.1 (6.2).
+        libevent took "HTTP/1.2" (and any major 0 or 1) and echoed it in its status line."""
+        for version in (b"HTTP/1.2", b"HTTP/1.9", b"HTTP/0.9", b"HTTP/2.0", b"HTTP/3"):
+            with self.subTest(version):
+                out, closed = raw_exchange(self.gw.port, b"GET /v1/models " + version +
+                                           b"\r\nHost: x\r\n\r\nGET /v1/models HTTP/1.1\r\n"
+                                           b"Host: x\r\n\r\n")
+                self.assertTrue(out.startswith(b"HTTP/1.1 505 HTTP Version Not Supported\r\n"),
+                                out[:300])
+                self.assertEqual(self.check_refusal(out, closed, 505,
+                                                    "http_version_not_supported", version),
+                                 MSG_505)
+        for version in (b"HTTP/01.1", b"HTTP/1.01", b"HTTP/1.1.1", b"http/1.1", b"HTTP/-1.1"):
+            with self.subTest(version):
+                out, closed = raw_exchange(self.gw.port, b"GET /v1/models " + version +
+                                           b"\r\nHost: x\r\n\r\n")
+                self.check_refusal(out, closed, 400, "bad_request", version)
+        out, _ = raw_exchange(self.gw.port, b"GET /v1/models HTTP/1.0\r\n\r\n")
+        self.assertTrue(out.startswith(b"HTTP/1.0 200 "), out[:300])
 
 
 @unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
