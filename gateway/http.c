@@ -341,9 +341,10 @@ static int reject_ambiguous_framing(struct evhttp_request *req)
     return 1;
 }
 
-/* The batch route of path (its {id} into id), with the methods it allows; -1 when path is
- * not one. An unknown path under /v1/files or /v1/batches is -1 (404). */
-static int batch_route(const char *path, char *id, size_t cap, const char **allow)
+/* The batch route of path (its {id}, as in the path, at *seg, *seg_len bytes), with the
+ * methods it allows; -1 when path is not one. An unknown path under /v1/files or
+ * /v1/batches is -1 (404). */
+static int batch_route(const char *path, const char **seg, size_t *seg_len, const char **allow)
 {
     static const struct {
         const char *prefix, *suffix, *allow;
@@ -368,10 +369,10 @@ static int batch_route(const char *path, char *id, size_t cap, const char **allo
             strcmp(path + n - sl, routes[i].suffix) != 0)
             continue;
         size_t idl = n - pl - sl;
-        if (idl >= cap || memchr(path + pl, '/', idl))
+        if (memchr(path + pl, '/', idl))
             continue;
-        memcpy(id, path + pl, idl);
-        id[idl] = 0;
+        *seg = path + pl;
+        *seg_len = idl;
         *allow = routes[i].allow;
         return routes[i].route;
     }
@@ -533,27 +534,24 @@ static void on_request(struct evhttp_request *req, void *arg)
     const char *allow = NULL;
     int kind = -1;
     int broute = -1;
-    char bid[128] = "";
-    char wid[PROTO_ID_LEN] = ""; /* POST /workers/{id}/role */
-    char rid[128] = "";          /* GET / DELETE /v1/responses/{id} */
+    /* a route's {id}: as in the path (percent-encoded), then decoded into id */
+    const char *seg = NULL, *what = NULL;
+    size_t seg_len = 0, id_cap = 128;
+    int is_worker = 0, is_response = 0;
+    char id[1024] = "";
     size_t plen = strlen(path);
-    if (strncmp(path, "/workers/", 9) == 0 && plen > 14 && plen - 14 < 3 * sizeof(wid) &&
-        strcmp(path + plen - 5, "/role") == 0 && !memchr(path + 9, '/', plen - 14)) {
-        /* the id percent-decoded, as GET /v1/models/{id} (clients encode "decode-0" as
-         * "decode%2D0"); one that decodes to a NUL or too long for an id is no route */
-        char seg[3 * sizeof(wid)];
-        memcpy(seg, path + 9, plen - 14);
-        seg[plen - 14] = 0;
-        size_t n = 0;
-        char *id = evhttp_uridecode(seg, 0, &n);
-        if (id && n > 0 && n < sizeof(wid) && n == strlen(id))
-            memcpy(wid, id, n + 1);
-        free(id);
-    }
-    if (wid[0]) {
+    if (strncmp(path, "/workers/", 9) == 0 && plen > 14 && strcmp(path + plen - 5, "/role") == 0 &&
+        !memchr(path + 9, '/', plen - 14)) {
         allow = "POST";
-    } else if ((broute = batch_route(path, bid, sizeof(bid), &allow)) >= 0) {
+        is_worker = 1;
+        seg = path + 9;
+        seg_len = plen - 14;
+        id_cap = PROTO_ID_LEN;
+        what = "worker";
+    } else if ((broute = batch_route(path, &seg, &seg_len, &allow)) >= 0) {
         /* the Files and Batch API (batch.h) */
+        what = broute == BATCH_ROUTE_FILE || broute == BATCH_ROUTE_FILE_CONTENT ? "file"
+                                                                                 : "batch";
     } else if (strcmp(path, "/v1/completions") == 0) {
         allow = "POST";
         kind = API_COMPLETIONS;
@@ -563,16 +561,33 @@ static void on_request(struct evhttp_request *req, void *arg)
     } else if (strcmp(path, "/v1/responses") == 0) { /* responses.h */
         allow = "POST";
         kind = API_RESPONSES;
-    } else if (strncmp(path, "/v1/responses/", 14) == 0 && plen > 14 && plen - 14 < sizeof(rid) &&
-               !strchr(path + 14, '/')) {
+    } else if (strncmp(path, "/v1/responses/", 14) == 0 && plen > 14 && !strchr(path + 14, '/')) {
         allow = "GET, DELETE";
-        memcpy(rid, path + 14, plen - 14 + 1);
+        is_response = 1;
+        seg = path + 14;
+        seg_len = plen - 14;
+        what = "response";
     } else if (strcmp(path, "/tokenize") == 0 || strcmp(path, "/detokenize") == 0) {
         allow = "POST"; /* vLLM's paths, outside /v1 */
     } else if (strcmp(path, "/v1/models") == 0 || strncmp(path, "/v1/models/", 11) == 0 ||
                strcmp(path, "/health") == 0 || strcmp(path, "/workers") == 0 ||
                strcmp(path, "/metrics") == 0) {
         allow = "GET";
+        if (strncmp(path, "/v1/models/", 11) == 0) { /* a model id may hold "/" (org/name) */
+            seg = path + 11;
+            seg_len = plen - 11;
+            id_cap = sizeof(id);
+            what = "model";
+        }
+    }
+    /* Every {id} is percent-decoded, as clients send it (openai-node encodes "org/name" as
+     * "org%2Fname", others "decode-0" as "decode%2D0"). One too long for its kind of id is
+     * no route (404). */
+    http_id_status_t id_st = HTTP_ID_OK;
+    if (seg) {
+        id_st = http_wire_id_decode(seg, seg_len, what[0] == 'm', id, id_cap);
+        if (id_st == HTTP_ID_TOO_LONG)
+            allow = NULL;
     }
     if (!allow) {
         snprintf(msg, sizeof(msg), "Invalid URL (%s %.200s)", method_str(method), path);
@@ -589,7 +604,23 @@ static void on_request(struct evhttp_request *req, void *arg)
         http_reply_error_msg(req, 405, "invalid_request_error", NULL, "method_not_allowed", msg);
         return;
     }
-    need_t need = wid[0] || strcmp(path, "/workers") == 0 || strcmp(path, "/metrics") == 0
+    if (id_st != HTTP_ID_OK) {
+        /* an id with a "%" not followed by two hex digits (the target check lets none
+         * through), or one that decodes to a NUL or "/" ("%00", "%2F"), which no such id
+         * holds, would otherwise be looked up cut short or split */
+        if (id_st == HTTP_ID_BAD_ESCAPE)
+            snprintf(msg, sizeof(msg),
+                     "The %s id in the path has a \"%%\" not followed by two hex digits.", what);
+        else
+            snprintf(msg, sizeof(msg),
+                     "The %s id in the path decodes to a %s (%s), which no %s id holds.", what,
+                     what[0] == 'm' ? "NUL byte" : "\"/\" or a NUL byte",
+                     what[0] == 'm' ? "%00" : "%2F, %00", what);
+        http_reply_error_msg(req, 400, "invalid_request_error", NULL,
+                             id_st == HTTP_ID_BAD_ESCAPE ? "bad_request" : "invalid_value", msg);
+        return;
+    }
+    need_t need = is_worker || strcmp(path, "/workers") == 0 || strcmp(path, "/metrics") == 0
                       ? NEED_ADMIN
                   : strncmp(path, "/v1/", 4) == 0 || strcmp(path, "/tokenize") == 0 ||
                           strcmp(path, "/detokenize") == 0
@@ -598,21 +629,21 @@ static void on_request(struct evhttp_request *req, void *arg)
     auth_key *key = NULL;
     if (need != NEED_NONE && auth_n_keys(s->auth) > 0 && authorize(s, req, need, &key) < 0)
         return;
-    if (wid[0]) {
-        http_admin_worker_role(s, req, wid);
+    if (is_worker) {
+        http_admin_worker_role(s, req, id);
     } else if (broute >= 0) {
         /* without keys everyone sees everything; an admin key sees every key's objects */
         batch_caller who = {key ? auth_key_id(key) : NULL,
                             !key || auth_key_get_params(key).admin};
         if (s->batch)
-            batch_handle(s->batch, req, (batch_route_t)broute, bid[0] ? bid : NULL, &who);
+            batch_handle(s->batch, req, (batch_route_t)broute, seg ? id : NULL, &who);
         else
             http_reply_error_msg(req, 503, "server_error", NULL, "not_ready",
                                  "the Batch API is not enabled");
     } else if (kind >= 0)
         http_completion_handle(s, req, (api_kind_t)kind, key);
-    else if (rid[0])
-        http_responses_stored(s, req, rid, key);
+    else if (is_response)
+        http_responses_stored(s, req, id, key);
     else if (strcmp(path, "/health") == 0)
         http_admin_health(s, req);
     else if (strcmp(path, "/workers") == 0)
@@ -624,7 +655,7 @@ static void on_request(struct evhttp_request *req, void *arg)
     else if (strcmp(path, "/detokenize") == 0)
         http_admin_detokenize(s, req);
     else
-        http_admin_models(s, req, path[10] == '/' ? path + 11 : NULL);
+        http_admin_models(s, req, seg ? id : NULL);
 }
 
 // --- server

@@ -71,6 +71,19 @@ http_chunk_refusal_t http_wire_chunk_refusal(void);
  * two hex digits, ...): RFC 9112 3 says such a request line is invalid (400). */
 long http_wire_target_bad(const char *target);
 
+typedef enum {
+    HTTP_ID_OK = 0,
+    HTTP_ID_BAD_ESCAPE, /* a "%" not followed by two hex digits */
+    HTTP_ID_BAD_BYTE,   /* it decodes to a NUL, or a "/" where none may be */
+    HTTP_ID_TOO_LONG,   /* it does not fit in cap bytes with its NUL */
+} http_id_status_t;
+
+/* Percent-decode a path's {id}, the n bytes at seg (no "/" among them unless allow_slash;
+ * "+" stays "+"), into out (cap bytes, NUL-terminated). HTTP_ID_OK, or what was wrong
+ * (out is then undefined). */
+http_id_status_t http_wire_id_decode(const char *seg, size_t n, int allow_slash, char *out,
+                                     size_t cap);
+
 // --- http_completion.c: POST /v1/completions, /v1/chat/completions
 
 /* Answer a completion request of kind (the method was checked): admit it and answer from
@@ -98,7 +111,7 @@ void http_admin_workers(http_server_t *s, struct evhttp_request *req);
 void http_admin_worker_role(http_server_t *s, struct evhttp_request *req, const char *id);
 /* GET /metrics: the stats in the Prometheus text format (503 without stats). */
 void http_admin_metrics(http_server_t *s, struct evhttp_request *req);
-/* GET /v1/models (which NULL) or GET /v1/models/{which}. */
+/* GET /v1/models (which NULL) or GET /v1/models/{which} (which percent-decoded). */
 void http_admin_models(http_server_t *s, struct evhttp_request *req, const char *which);
 /* POST /tokenize (vLLM's): {"prompt": text} or {"messages": [...]} (the chat template;
  * "add_generation_prompt", default true), "add_special_tokens" (BOS; default true, as the

@@ -149,3 +149,29 @@ long http_wire_target_bad(const char *target)
     }
     return -1;
 }
+
+// --- a path's {id}
+
+http_id_status_t http_wire_id_decode(const char *seg, size_t n, int allow_slash, char *out,
+                                     size_t cap)
+{
+    size_t o = 0;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)seg[i];
+        if (ch == '%') {
+            int hi = i + 2 < n ? hex_value((unsigned char)seg[i + 1]) : -1;
+            int lo = i + 2 < n ? hex_value((unsigned char)seg[i + 2]) : -1;
+            if (hi < 0 || lo < 0)
+                return HTTP_ID_BAD_ESCAPE;
+            ch = (unsigned char)(hi * 16 + lo);
+            i += 2;
+        }
+        if (ch == 0 || (ch == '/' && !allow_slash))
+            return HTTP_ID_BAD_BYTE;
+        if (o + 1 >= cap)
+            return HTTP_ID_TOO_LONG;
+        out[o++] = (char)ch;
+    }
+    out[o] = 0;
+    return HTTP_ID_OK;
+}

@@ -577,7 +577,7 @@ class RequestSyntaxTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.gw = Gateway("--state-db", "", "--stats-bind", "")
+        cls.gw = Gateway("--stats-bind", "")  # with the Batch API (its own state db)
 
     @classmethod
     def tearDownClass(cls):
@@ -686,6 +686,50 @@ class RequestSyntaxTest(unittest.TestCase):
                 self.check_refusal(out, closed, 400, "bad_request", version)
         out, _ = raw_exchange(self.gw.port, b"GET /v1/models HTTP/1.0\r\n\r\n")
         self.assertTrue(out.startswith(b"HTTP/1.0 200 "), out[:300])
+
+    def test_path_ids_are_percent_decoded(self):
+        """Every {id} of a path is percent-decoded (files, batches, responses, models,
+        workers): "/v1/files/%66ile-..." is that file; one that decodes to "/" or NUL is
+        400 (only a model id may hold "/": "org%2Fname")."""
+        data = b'{"custom_id": "a"}\n{"custom_id": "b"}\n'
+        st, _, body = self.gw.request("POST", "/v1/files?purpose=batch", data,
+                                      {"Content-Type": "application/jsonl"})
+        self.assertEqual(st, 200, body)
+        fid = json.loads(body)["id"]
+        enc = "".join("%%%02X" % ord(ch) for ch in fid)  # every byte escaped
+        st, _, body = self.gw.request("GET", "/v1/files/%s/content" % enc)
+        self.assertEqual((st, body), (200, data))
+        st, _, body = self.gw.request("GET", "/v1/files/" + enc)
+        self.assertEqual((st, json.loads(body)["id"]), (200, fid))
+        st, _, body = self.gw.request("GET", "/v1/responses/%72esp_nope")
+        self.assertEqual(st, 404)
+        self.assertEqual(json.loads(body)["error"]["message"],
+                         "Response with id 'resp_nope' not found.")
+        model = json.loads(self.gw.request("GET", "/v1/models")[2])["data"][0]["id"]
+        st, _, body = self.gw.request("GET", "/v1/models/%%%02X%s" % (ord(model[0]), model[1:]))
+        self.assertEqual((st, json.loads(body)["id"]), (200, model))
+        st, _, body = self.gw.request("GET", "/v1/models/org%2Fname")
+        self.assertEqual((st, json.loads(body)["error"]["code"]), (404, "model_not_found"))
+        for method, path, what in (("GET", "/v1/files/file%2Fx/content", "file"),
+                                   ("GET", "/v1/files/file%00", "file"),
+                                   ("DELETE", "/v1/files/%2f", "file"),
+                                   ("GET", "/v1/batches/batch%2F1", "batch"),
+                                   ("POST", "/v1/batches/b%00/cancel", "batch"),
+                                   ("GET", "/v1/responses/resp%2F1", "response"),
+                                   ("POST", "/workers/decode%00/role", "worker"),
+                                   ("GET", "/v1/models/a%00b", "model")):
+            with self.subTest(path):
+                st, h, body = self.gw.request(method, path, b"{}" if method == "POST" else None)
+                err = self.check_error_body(st, body, 400, "invalid_value")
+                self.assertIn("The %s id in the path decodes to a " % what, err["message"])
+        st, _, body = self.gw.request("GET", "/v1/files/file%zz")
+        self.check_error_body(st, body, 400, "bad_request")
+
+    def check_error_body(self, st, body, status, code):
+        self.assertEqual(st, status, body[:300])
+        err = json.loads(body)["error"]
+        self.assertEqual(err["code"], code, err)
+        return err
 
 
 @unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
