@@ -44,6 +44,12 @@ BAD = [
     ("messages string", CHAT, {"messages": "hi"}, 400, "messages", "invalid_type"),
     ("messages missing", CHAT, {"prompt": "hi"}, 400, "messages", "missing_required_parameter"),
     ("messages empty", CHAT, {"messages": []}, 400, "messages", "invalid_value"),
+    ("chat image part", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
+     400, "messages", "unsupported_value"),
+    ("chat unknown part", CHAT, {"messages": [{"role": "user", "content": [{"type": "x"}]}]},
+     400, "messages", "invalid_value"),
     ("temperature string", CMPL, {"prompt": "hi", "temperature": "hot"}, 400, "temperature",
      "invalid_type"),
     ("temperature high", CMPL, {"prompt": "hi", "temperature": 5}, 400, "temperature",
