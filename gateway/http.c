@@ -29,6 +29,8 @@
 static const char *reason_phrase(int status)
 {
     switch (status) {
+    case 413: /* httpconn.c's refusals say the same */
+        return "Content Too Large"; /* libevent: "Request Entity Too Large" (RFC 2616's) */
     case 505:
         return "HTTP Version Not Supported"; /* libevent: "HTTP Version not supported" */
     default:

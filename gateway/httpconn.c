@@ -569,7 +569,7 @@ static void on_timer(evutil_socket_t fd, short what, void *arg)
                       "The request body is more than %llu bytes; the limit is %zu bytes (%s).",
                       (unsigned long long)body_cap(r), body_limit(r),
                       up ? "--batch-max-file-bytes" : "--max-body-bytes");
-        refuse(r, "Payload Too Large", "", &e);
+        refuse(r, "Content Too Large", "", &e);
     } else if (r->state == C_BODY) {
         int64_t dl = body_deadline_us(r);
         if (now < dl) {

@@ -507,7 +507,7 @@ RAW_ERRORS = [
     # the body is read (below that the gateway reads it and answers its own JSON 413)
     ("body over libevent's limit", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (2 * MAX_BODY + 65537),
-     413, "Request Entity Too Large", "request_too_large", MSG_413),
+     413, "Content Too Large", "request_too_large", MSG_413),
 ]
 
 

@@ -442,7 +442,7 @@ class BodyCaps(unittest.TestCase):
         s.close()
         self.assertIn(how, ("closed", "reset"))
         status, headers, body = split_reply(data)
-        self.assertEqual(status, "HTTP/1.1 413 Payload Too Large")
+        self.assertEqual(status, "HTTP/1.1 413 Content Too Large")
         self.assertEqual(headers["content-type"], "application/json")
         self.assertEqual(headers["connection"], "close")
         self.assertEqual(json.loads(body), {"error": {
@@ -484,6 +484,13 @@ class BodyCaps(unittest.TestCase):
         self.assertEqual(st, 413)
         self.assertEqual(json.loads(data)["error"]["message"],
                          "The request body is 20000 bytes; the limit is 16384 bytes.")
+        # the same reason phrase as the HTTP layer's 413 (RFC 9110's), not libevent's own
+        s = socket.create_connection(("127.0.0.1", self.gw.port), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 20000\r\n"
+                  b"Connection: close\r\n\r\n" + b"x" * 20000)
+        data, _ = read_all(s, 5)
+        s.close()
+        self.assertEqual(split_reply(data)[0], "HTTP/1.1 413 Content Too Large")
 
     def test_the_gateway_still_serves(self):
         st, _, _ = self.gw.request("GET", "/v1/models")
