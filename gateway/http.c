@@ -101,8 +101,8 @@ void http_reply_error_msg(struct evhttp_request *req, int status, const char *ty
  * long) with its own message, where libevent says 413 for both. */
 static void on_reply_done(struct evhttp_request *req, void *arg);
 #define HTTP_VERSION_MSG                                                                 \
-    "The request's HTTP version is not supported: this server speaks HTTP/1.0 and HTTP/1.1 " \
-    "(RFC 9110 15.6.6)."
+    "The request's HTTP version is not supported (RFC 9110 15.6.6): this server speaks " \
+    "HTTP/1.0 and HTTP/1.1."
 #define HTTP_STR_(x) #x
 #define HTTP_STR(x) HTTP_STR_(x)
 /* The server whose stats count libevent's error replies (one server per process; NULL: not
@@ -758,6 +758,8 @@ void http_server_set_stats(http_server_t *s, stats_t *stats)
 
 void http_server_set_batch(http_server_t *s, batch_t *b)
 {
+    if (b)
+        batch_set_httpconn(b, s->conns);
     s->batch = b;
 }
 
