@@ -31,6 +31,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 
 #include "http_internal.h"
@@ -45,6 +47,8 @@ typedef struct gw_req {
     struct evhttp_request *req; /* NULL once answered or the client is gone */
     struct evhttp_connection *conn;
     struct event *close_ev; /* non-streaming: watches the socket for EOF */
+    struct event *probe_ev; /* non-streaming, after a FIN: watches for the reset a closed
+                             * socket answers the interim 100 with (on_readable) */
     completion_t *c;        /* the request; it owns this gw_req (completion_sink.release) */
     auth_key *key;          /* the caller's API key (NULL: none) */
     int charged;            /* tokens taken from key's tokens/s bucket, not yet settled */
@@ -122,6 +126,8 @@ static void req_free(void *ud)
         httpconn_set_close_cb(g->srv->conns, g->conn, NULL, NULL);
     if (g->close_ev)
         event_free(g->close_ev);
+    if (g->probe_ev)
+        event_free(g->probe_ev);
     if (g->ping_ev)
         event_free(g->ping_ev);
     if (g->sse)
@@ -510,10 +516,35 @@ static void on_close(struct evhttp_connection *conn, void *arg)
     completion_cancel(&g->c, 499, "client disconnected");
 }
 
+/* After a FIN: whether the socket got a reset (the peer's answer to the interim 100 when
+ * it closed its socket, or a close with our 100 unread) or an error: the client is gone.
+ * Checked every HTTP_PROBE_MS while the request runs. */
+#define HTTP_PROBE_MS 200
+
+static void on_probe(evutil_socket_t fd, short what, void *arg)
+{
+    gw_req *g = arg;
+    (void)what;
+    int err = 0;
+    socklen_t len = sizeof(err);
+    struct tcp_info ti;
+    socklen_t tlen = sizeof(ti);
+    int gone = getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) < 0 || err != 0 ||
+               (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &tlen) == 0 &&
+                ti.tcpi_state == TCP_CLOSE);
+    if (gone)
+        evhttp_connection_free(g->conn); /* runs on_close, which cancels and frees g */
+}
+
 /* Non-streaming requests: libevent 2.1 does not read from a connection while its request
  * awaits the reply, so it would not notice the client leaving. We watch the socket
- * ourselves: readable with nothing to read (EOF) or an error means the client is gone;
- * data (a pipelined request) means it is not, and we stop watching. */
+ * ourselves: an error means the client is gone; data (a pipelined request) means it is
+ * not, and we stop watching. A FIN (EOF) means the client closed its socket, or only its
+ * sending side (shutdown(SHUT_WR) after the request, as some clients and proxies do) and
+ * still waits for the reply: only a write tells which. An HTTP/1.1 client gets an interim
+ * "100 Continue" (RFC 9110 15.2: a client MUST parse a 1xx response it did not expect),
+ * which a closed socket answers with a reset (on_probe); an HTTP/1.0 one, which must not
+ * get a 1xx, is taken as gone, as before. */
 static void on_readable(evutil_socket_t fd, short what, void *arg)
 {
     gw_req *g = arg;
@@ -523,6 +554,16 @@ static void on_readable(evutil_socket_t fd, short what, void *arg)
     if (n > 0 || (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))) {
         if (n < 0)
             event_add(g->close_ev, NULL);
+        return;
+    }
+    static const char probe[] = "HTTP/1.1 100 Continue\r\n\r\n";
+    struct timeval tv = {0, HTTP_PROBE_MS * 1000};
+    if (n == 0 && g->req && g->req->major == 1 && g->req->minor >= 1 &&
+        send(fd, probe, sizeof(probe) - 1, MSG_NOSIGNAL | MSG_DONTWAIT) ==
+            (ssize_t)(sizeof(probe) - 1) &&
+        (g->probe_ev = event_new(g->srv->base, fd, EV_PERSIST, on_probe, g)) != NULL &&
+        event_add(g->probe_ev, &tv) == 0) {
+        log_rdebug(completion_rid(g->c), "the client half-closed: waiting for its reply");
         return;
     }
     /* Closing the connection runs on_close, which cancels and frees g. */

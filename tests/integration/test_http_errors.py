@@ -1616,6 +1616,35 @@ class FakeWorkerTest(unittest.TestCase):
         s.close()
         self.assertEqual(a.recv(5, want=(CANCEL,))["rid"], rid)
 
+    def test_half_closed_client_gets_its_reply(self):
+        """A client that shuts its sending side after its request (shutdown(SHUT_WR)) still
+        reads: its request was cancelled as a disconnect and the reply lost. The gateway now
+        probes a FIN with an interim 100 Continue (a closed socket answers it with a reset,
+        test_client_disconnect_cancels) and answers the half-closed client."""
+        a = self.worker("w-a")
+        body = json.dumps({"prompt": "hi", "max_tokens": 3}).encode()
+        s = socket.create_connection(("127.0.0.1", self.gw.port), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                  % len(body) + body)
+        s.shutdown(socket.SHUT_WR)
+        rid = self.prefill(a)["rid"]
+        self.assertIsNone(a.recv(0.3, want=(CANCEL,)), "the half-closed request was cancelled")
+        a.send(TOKENS, rid=rid, index=0, tokens=ids_of("abc"))
+        a.send(FINISH, rid=rid, reason=2)
+        out = b""
+        try:
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+        except socket.timeout:
+            self.fail("no end of the reply: %r" % out[:500])
+        s.close()
+        self.assertTrue(out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n"),
+                        out[:300])
+        self.assertEqual(json.loads(out.split(b"\r\n\r\n", 2)[2])["choices"][0]["text"], "abc")
+
     def test_batch_choice_retried(self):
         """A batch of two prompts: the first one's attempt fails (retryable) and is re-run;
         the client gets both choices in order, once."""
