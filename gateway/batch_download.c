@@ -10,6 +10,7 @@
  * the connection short of it. A download is freed when its last piece is queued, or by
  * its connection's close callback (httpconn_set_close_cb). */
 #include <event2/buffer.h>
+#include <event2/bufferevent.h>
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
 #include <stdio.h>
@@ -55,6 +56,19 @@ static void download_on_close(struct evhttp_connection *conn, void *arg)
     download_free(d);
 }
 
+/* libevent reads from a connection while it writes a reply, to learn that the client
+ * closed, and frees the connection at a FIN, which a client that only shut its sending
+ * side after the request (shutdown(SHUT_WR)) sends too: its download was cut. A download
+ * writes until it ends, so it learns of a closed client from a write that fails (a reset),
+ * or of a stalled one from the write timeout (--http-timeout-s); reading stays off until
+ * libevent reads the next request. Call after each call that queues a piece. */
+static void no_read(struct evhttp_connection *conn)
+{
+    struct bufferevent *bev = evhttp_connection_get_bufferevent(conn);
+    if (bev)
+        bufferevent_disable(bev, EV_READ);
+}
+
 /* Queue d's next piece; after the last one, end the reply and free d. Also the write
  * callback: the piece before was written out. */
 static void download_next(struct evhttp_connection *conn, void *arg)
@@ -83,10 +97,13 @@ static void download_next(struct evhttp_connection *conn, void *arg)
     struct evhttp_request *req = d->req;
     if (d->off < d->len) {
         evhttp_send_reply_chunk_with_cb(req, buf, download_next, d);
+        no_read(d->conn);
     } else { /* the last piece: libevent ends the reply once it is written */
-        httpconn_set_close_cb(d->b->conns, d->conn, NULL, NULL);
+        struct evhttp_connection *c = d->conn;
+        httpconn_set_close_cb(d->b->conns, c, NULL, NULL);
         download_free(d);
         evhttp_send_reply_chunk(req, buf);
+        no_read(c);
         evhttp_send_reply_end(req);
     }
     evbuffer_free(buf);
