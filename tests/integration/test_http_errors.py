@@ -1645,6 +1645,43 @@ class FakeWorkerTest(unittest.TestCase):
                         out[:300])
         self.assertEqual(json.loads(out.split(b"\r\n\r\n", 2)[2])["choices"][0]["text"], "abc")
 
+    def test_half_closed_stream_gets_its_events(self):
+        """The same for a stream: libevent read while it wrote the stream and freed the
+        connection at the FIN; a closed stream client is still cancelled."""
+        body = json.dumps({"prompt": "hi", "max_tokens": 3, "stream": True}).encode()
+        req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+               % len(body) + body)
+        a = self.worker("w-a")
+        s = socket.create_connection(("127.0.0.1", self.gw.port), timeout=10)
+        s.sendall(req)
+        s.shutdown(socket.SHUT_WR)
+        rid = self.prefill(a)["rid"]
+        self.assertIsNone(a.recv(0.3, want=(CANCEL,)), "the half-closed stream was cancelled")
+        a.send(TOKENS, rid=rid, index=0, tokens=ids_of("abc"))
+        a.send(FINISH, rid=rid, reason=2)
+        out = b""
+        try:
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+        except socket.timeout:
+            self.fail("no end of the stream: %r" % out[:500])
+        s.close()
+        self.assertTrue(out.startswith(b"HTTP/1.1 200 OK\r\n"), out[:300])
+        events = re.findall(rb"data: (.*)\n\n", out)
+        self.assertEqual(events[-1], b"[DONE]")
+        self.assertEqual("".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]),
+                         "abc")
+        # a stream whose client closes is cancelled
+        s = socket.create_connection(("127.0.0.1", self.gw.port), timeout=10)
+        s.sendall(req)
+        rid = self.prefill(a)["rid"]
+        a.send(TOKENS, rid=rid, index=0, tokens=ids_of("a"))
+        s.close()
+        self.assertEqual(a.recv(5, want=(CANCEL,))["rid"], rid)
+
     def test_batch_choice_retried(self):
         """A batch of two prompts: the first one's attempt fails (retryable) and is re-run;
         the client gets both choices in order, once."""
