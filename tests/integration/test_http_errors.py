@@ -531,6 +531,8 @@ class RawErrorsTest(unittest.TestCase):
         out = subprocess.run(["nm", "-D", "--defined-only", GATEWAY], capture_output=True,
                              text=True, check=True).stdout
         self.assertRegex(out, r"(?m)^[0-9a-f]+ T evhttp_send_error$")
+        # and evutil_strtoll, libevent's chunk-size parser (gateway/http_wire.c)
+        self.assertRegex(out, r"(?m)^[0-9a-f]+ T evutil_strtoll$")
 
     def test_libevent_errors_are_json(self):
         for name, data, status, reason, code, message in RAW_ERRORS:
