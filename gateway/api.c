@@ -375,6 +375,21 @@ static int buf_add(buf_t *b, const char *s, size_t n)
     return 0;
 }
 
+/* Whether t is the type of a content part of OpenAI's API that this server does not serve
+ * (chat's or, responses, the Responses API's): refused with unsupported_value, as OpenAI
+ * answers a value its API knows and the model cannot take; an unknown type, or a text part
+ * without its text, is invalid_value. */
+static int part_unsupported(const char *t, int responses)
+{
+    static const char *const chat[] = {"image_url", "input_audio", "file", "refusal"};
+    static const char *const resp[] = {"input_image", "input_file", "input_audio", "refusal"};
+    const char *const *v = responses ? resp : chat;
+    for (size_t k = 0; k < 4; k++)
+        if (strcmp(t, v[k]) == 0)
+            return 1;
+    return 0;
+}
+
 /* The chat template (docs/api.md): "<role>: <content>\n" per message, then "assistant:".
  * msgs: chat's "messages" or the Responses API's "input" list (param names it); parts of
  * a content array are {"type": "text"} (chat) or "input_text" / "output_text"
@@ -444,6 +459,15 @@ static int render_messages(json_t *msgs, const char *param, const char *instruct
                 const char *t = json_is_string(pt) ? json_string_value(pt) : "";
                 int ok = responses ? strcmp(t, "input_text") == 0 || strcmp(t, "output_text") == 0
                                    : strcmp(t, "text") == 0;
+                if (json_is_object(part) && part_unsupported(t, responses)) {
+                    free(b.p);
+                    return api_error_set(e, 400, INVALID, param, "unsupported_value",
+                                         "'%s[%zu].content[%zu]' is a '%s' part: only text "
+                                         "parts {\"type\": \"%s\", \"text\": ...} are "
+                                         "supported by this server (no image, audio or file "
+                                         "input).",
+                                         param, i, j, t, responses ? "input_text" : "text");
+                }
                 if (!json_is_object(part) || !ok || !json_is_string(text)) {
                     free(b.p);
                     return api_error_set(e, 400, INVALID, param, "invalid_value",

@@ -519,6 +519,11 @@ void batch_set_cluster(batch_t *b, cluster_t *c)
     kick(b);
 }
 
+void batch_set_httpconn(batch_t *b, struct httpconn *conns)
+{
+    b->conns = conns;
+}
+
 struct store *batch_store(batch_t *b)
 {
     return b->store;
@@ -534,6 +539,7 @@ void batch_destroy(batch_t **pb)
     if (!pb || !*pb)
         return;
     batch_t *b = *pb;
+    batch_download_cut_all(b); /* they read from the store */
     for (int i = 0; i < b->n_jobs; i++) {
         job_t *j = b->jobs[i];
         while (j->running.head) { /* only if the cluster was not destroyed first */

@@ -93,9 +93,18 @@ typedef struct {
     int see_all;       /* 1: every object is visible (no keys configured, an admin key) */
 } batch_caller;
 
+struct httpconn;
+
+/* The HTTP server's connection watcher (httpconn.h; borrowed, NULL: none), whose close
+ * callbacks a download that is being sent uses to learn that its client left. */
+void batch_set_httpconn(batch_t *b, struct httpconn *conns);
+
 /* Answer req for route (id: the path's {id}, NUL-terminated, may be NULL) on behalf of who.
  * The method was checked by the caller. Always replies (2xx JSON, or an OpenAI error
- * body). */
+ * body). GET /v1/files/{id}/content is streamed from the store a piece (at most 4 MiB) at
+ * a time, the next piece read once the last one was written to the socket, so a
+ * download holds one piece whatever the file's size; a file deleted while it is sent cuts
+ * its download (the connection is closed before Content-Length bytes). */
 void batch_handle(batch_t *b, struct evhttp_request *req, batch_route_t route, const char *id,
                   const batch_caller *who);
 

@@ -239,14 +239,8 @@ static void handle_file(batch_t *b, struct evhttp_request *req, const char *id, 
         json_decref(o);
         return;
     }
-    char *data;
-    size_t len;
-    if (store_file_content(b->store, id, &data, &len) != 0) {
-        reply_err(req, 500, NULL, "storage_error", "The file could not be read.");
-        return;
-    }
-    reply_body(req, 200, "application/octet-stream", data, len);
-    free(data);
+    if (batch_download_start(b, req, &f) < 0)
+        reply_err(req, 500, NULL, "server_error", "out of memory");
 }
 
 /* OpenAI's file purposes: a list may ask for any of them (this server stores only "batch"

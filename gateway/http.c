@@ -24,6 +24,20 @@
 
 // --- replies
 
+/* The reason phrase of status where libevent 2.1's differs from RFC 9110's (NULL: libevent's
+ * own; clients ignore the phrase, people read it). */
+static const char *reason_phrase(int status)
+{
+    switch (status) {
+    case 413: /* httpconn.c's refusals say the same */
+        return "Content Too Large"; /* libevent: "Request Entity Too Large" (RFC 2616's) */
+    case 505:
+        return "HTTP Version Not Supported"; /* libevent: "HTTP Version not supported" */
+    default:
+        return NULL;
+    }
+}
+
 void http_send_reply(struct evhttp_request *req, int status, struct evbuffer *body)
 {
     if (evhttp_request_get_command(req) == EVHTTP_REQ_HEAD) {
@@ -35,7 +49,7 @@ void http_send_reply(struct evhttp_request *req, int status, struct evbuffer *bo
         if (body)
             evbuffer_drain(body, evbuffer_get_length(body));
     }
-    evhttp_send_reply(req, status, NULL, body);
+    evhttp_send_reply(req, status, reason_phrase(status), body);
 }
 
 void http_reply_json(struct evhttp_request *req, int status, const char *body)
@@ -82,8 +96,15 @@ void http_reply_error_msg(struct evhttp_request *req, int status, const char *ty
  * those requests over raw sockets and checks the JSON, so a libevent built otherwise (a
  * static or -Bsymbolic build, where the override would be silently bypassed) fails the
  * test. The connection is closed after the reply, as libevent's own page does: after a
- * parse error the rest of the stream cannot be trusted. */
+ * parse error the rest of the stream cannot be trusted. A chunk-size line that
+ * http_wire.c's evutil_strtoll refused is answered 400 bad_framing (malformed) or 413 (too
+ * long) with its own message, where libevent says 413 for both. */
 static void on_reply_done(struct evhttp_request *req, void *arg);
+#define HTTP_VERSION_MSG                                                                 \
+    "The request's HTTP version is not supported (RFC 9110 15.6.6): this server speaks " \
+    "HTTP/1.0 and HTTP/1.1."
+#define HTTP_STR_(x) #x
+#define HTTP_STR(x) HTTP_STR_(x)
 /* The server whose stats count libevent's error replies (one server per process; NULL: not
  * counted). */
 static http_server_t *error_server;
@@ -91,15 +112,28 @@ static http_server_t *error_server;
 void evhttp_send_error(struct evhttp_request *req, int error, const char *reason)
 {
     const char *code, *msg;
+    /* a chunk-size line our evutil_strtoll refused (http_wire.c): libevent says 413 for
+     * every body it cannot read */
+    http_chunk_refusal_t chunk = error == 413 ? http_wire_chunk_refusal() : HTTP_CHUNK_OK;
+    if (chunk == HTTP_CHUNK_MALFORMED)
+        error = 400;
+    else if (error == 400 && error_server &&
+             httpconn_request_version(error_server->conns, evhttp_request_get_connection(req)) ==
+                 HTTPCONN_REQ_VERSION)
+        error = 505; /* "HTTP/2.0", "HTTP/9.9": a version libevent refuses (major > 1) */
     switch (error) {
     case 400:
-        code = "bad_request";
-        msg = "The request could not be parsed: a malformed request line or header, or a "
-              "request line or header block over the server's limit (64 KiB).";
+        code = chunk ? "bad_framing" : "bad_request";
+        msg = chunk ? "A chunk-size line of the body is malformed: it must be the size in hex "
+                      "digits, then optional extensions ;name or ;name=value (RFC 9112 7.1)."
+                    : "The request could not be parsed: a malformed request line or header, or "
+                      "a request line or header block over the server's limit (64 KiB).";
         break;
     case 413:
         code = "request_too_large";
-        msg = "The request line, its headers or its body exceed this server's limits.";
+        msg = chunk ? "A chunk-size line of the body, with its extensions, is over "
+                      HTTP_STR(HTTP_CHUNK_LINE_MAX) " bytes."
+                    : "The request line, its headers or its body exceed this server's limits.";
         break;
     case 417:
         code = "expectation_failed";
@@ -109,12 +143,17 @@ void evhttp_send_error(struct evhttp_request *req, int error, const char *reason
         code = "method_not_implemented";
         msg = "This HTTP method is not supported.";
         break;
+    case 505:
+        code = "http_version_not_supported";
+        msg = HTTP_VERSION_MSG;
+        break;
     default:
         code = "http_error";
         msg = "The request was refused by the HTTP layer.";
         break;
     }
-    if (req->major == 0 && req->minor == 0) { /* no valid request line: answer HTTP/1.1 */
+    if ((req->major == 0 && req->minor == 0) || error == 505) {
+        /* no valid request line, or a version we do not speak: answer HTTP/1.1 */
         req->major = 1;
         req->minor = 1;
     }
@@ -304,9 +343,10 @@ static int reject_ambiguous_framing(struct evhttp_request *req)
     return 1;
 }
 
-/* The batch route of path (its {id} into id), with the methods it allows; -1 when path is
- * not one. An unknown path under /v1/files or /v1/batches is -1 (404). */
-static int batch_route(const char *path, char *id, size_t cap, const char **allow)
+/* The batch route of path (its {id}, as in the path, at *seg, *seg_len bytes), with the
+ * methods it allows; -1 when path is not one. An unknown path under /v1/files or
+ * /v1/batches is -1 (404). */
+static int batch_route(const char *path, const char **seg, size_t *seg_len, const char **allow)
 {
     static const struct {
         const char *prefix, *suffix, *allow;
@@ -331,10 +371,10 @@ static int batch_route(const char *path, char *id, size_t cap, const char **allo
             strcmp(path + n - sl, routes[i].suffix) != 0)
             continue;
         size_t idl = n - pl - sl;
-        if (idl >= cap || memchr(path + pl, '/', idl))
+        if (memchr(path + pl, '/', idl))
             continue;
-        memcpy(id, path + pl, idl);
-        id[idl] = 0;
+        *seg = path + pl;
+        *seg_len = idl;
         *allow = routes[i].allow;
         return routes[i].route;
     }
@@ -425,6 +465,23 @@ static void on_request(struct evhttp_request *req, void *arg)
                              "The request's header block holds a NUL byte (RFC 9110 5.5).");
         return;
     }
+    if (seen & (HTTPCONN_REQ_VERSION | HTTPCONN_REQ_BAD_VERSION)) {
+        /* libevent reads the version with sscanf("HTTP/%d.%d") and keeps any major 0 or 1:
+         * "HTTP/1.2" was served and its version echoed in the reply's status line. Answer
+         * in HTTP/1.1 (RFC 9110 6.2) and close: the rest of the stream is not ours to read */
+        int other = seen & HTTPCONN_REQ_VERSION;
+        req->major = 1;
+        req->minor = 1;
+        log_refused(req, other ? "505: an HTTP version other than 1.0 and 1.1"
+                               : "400: a malformed HTTP version");
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
+        http_reply_error_msg(req, other ? 505 : 400, "invalid_request_error", NULL,
+                             other ? "http_version_not_supported" : "bad_request",
+                             other ? HTTP_VERSION_MSG
+                                   : "The request line's HTTP version is malformed (RFC 9112 "
+                                     "2.3): it must be HTTP/1.0 or HTTP/1.1.");
+        return;
+    }
     if (reject_ambiguous_framing(req))
         return;
     /* libevent flags a request in absolute form ("GET http://host/v1/models") whose host
@@ -440,6 +497,30 @@ static void on_request(struct evhttp_request *req, void *arg)
      * as host "x", path "/metrics", and was served as /metrics, past any proxy rule on the
      * path. Such a target is its own path, which no route has: 404. */
     const char *target = evhttp_request_get_uri(req);
+    long bad = target ? http_wire_target_bad(target) : -1;
+    if (bad >= 0) {
+        /* libevent splits the request line at its first and last space and takes any byte
+         * between: "GET /v1/mo dels HTTP/1.1" was routed as "/v1/mo dels" (404). RFC 9112
+         * 3: an invalid request line gets 400, never an autocorrected route (it may be
+         * crafted to pass a filter in front that reads it otherwise); closed, as after any
+         * request line libevent cannot parse. */
+        unsigned char ch = (unsigned char)target[bad];
+        if (ch == '%')
+            snprintf(msg, sizeof(msg),
+                     "The request target has a \"%%\" not followed by two hex digits, at byte "
+                     "%ld (RFC 3986 2.1).",
+                     bad);
+        else
+            snprintf(msg, sizeof(msg),
+                     "The request target holds a byte a URI may not hold, 0x%02x at byte %ld: "
+                     "a space, a control character, ... must be percent-encoded (RFC 9112 "
+                     "3.2).",
+                     ch, bad);
+        log_refused(req, "400: an invalid request target");
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
+        http_reply_error_msg(req, 400, "invalid_request_error", NULL, "bad_request", msg);
+        return;
+    }
     if (target && target[0] == '/' && target[1] == '/') {
         int n = (int)strcspn(target, "?#");
         snprintf(msg, sizeof(msg), "Invalid URL (%s %.*s)", method_str(method), n < 200 ? n : 200,
@@ -455,27 +536,24 @@ static void on_request(struct evhttp_request *req, void *arg)
     const char *allow = NULL;
     int kind = -1;
     int broute = -1;
-    char bid[128] = "";
-    char wid[PROTO_ID_LEN] = ""; /* POST /workers/{id}/role */
-    char rid[128] = "";          /* GET / DELETE /v1/responses/{id} */
+    /* a route's {id}: as in the path (percent-encoded), then decoded into id */
+    const char *seg = NULL, *what = NULL;
+    size_t seg_len = 0, id_cap = 128;
+    int is_worker = 0, is_response = 0;
+    char id[1024] = "";
     size_t plen = strlen(path);
-    if (strncmp(path, "/workers/", 9) == 0 && plen > 14 && plen - 14 < 3 * sizeof(wid) &&
-        strcmp(path + plen - 5, "/role") == 0 && !memchr(path + 9, '/', plen - 14)) {
-        /* the id percent-decoded, as GET /v1/models/{id} (clients encode "decode-0" as
-         * "decode%2D0"); one that decodes to a NUL or too long for an id is no route */
-        char seg[3 * sizeof(wid)];
-        memcpy(seg, path + 9, plen - 14);
-        seg[plen - 14] = 0;
-        size_t n = 0;
-        char *id = evhttp_uridecode(seg, 0, &n);
-        if (id && n > 0 && n < sizeof(wid) && n == strlen(id))
-            memcpy(wid, id, n + 1);
-        free(id);
-    }
-    if (wid[0]) {
+    if (strncmp(path, "/workers/", 9) == 0 && plen > 14 && strcmp(path + plen - 5, "/role") == 0 &&
+        !memchr(path + 9, '/', plen - 14)) {
         allow = "POST";
-    } else if ((broute = batch_route(path, bid, sizeof(bid), &allow)) >= 0) {
+        is_worker = 1;
+        seg = path + 9;
+        seg_len = plen - 14;
+        id_cap = PROTO_ID_LEN;
+        what = "worker";
+    } else if ((broute = batch_route(path, &seg, &seg_len, &allow)) >= 0) {
         /* the Files and Batch API (batch.h) */
+        what = broute == BATCH_ROUTE_FILE || broute == BATCH_ROUTE_FILE_CONTENT ? "file"
+                                                                                 : "batch";
     } else if (strcmp(path, "/v1/completions") == 0) {
         allow = "POST";
         kind = API_COMPLETIONS;
@@ -485,16 +563,33 @@ static void on_request(struct evhttp_request *req, void *arg)
     } else if (strcmp(path, "/v1/responses") == 0) { /* responses.h */
         allow = "POST";
         kind = API_RESPONSES;
-    } else if (strncmp(path, "/v1/responses/", 14) == 0 && plen > 14 && plen - 14 < sizeof(rid) &&
-               !strchr(path + 14, '/')) {
+    } else if (strncmp(path, "/v1/responses/", 14) == 0 && plen > 14 && !strchr(path + 14, '/')) {
         allow = "GET, DELETE";
-        memcpy(rid, path + 14, plen - 14 + 1);
+        is_response = 1;
+        seg = path + 14;
+        seg_len = plen - 14;
+        what = "response";
     } else if (strcmp(path, "/tokenize") == 0 || strcmp(path, "/detokenize") == 0) {
         allow = "POST"; /* vLLM's paths, outside /v1 */
     } else if (strcmp(path, "/v1/models") == 0 || strncmp(path, "/v1/models/", 11) == 0 ||
                strcmp(path, "/health") == 0 || strcmp(path, "/workers") == 0 ||
                strcmp(path, "/metrics") == 0) {
         allow = "GET";
+        if (strncmp(path, "/v1/models/", 11) == 0) { /* a model id may hold "/" (org/name) */
+            seg = path + 11;
+            seg_len = plen - 11;
+            id_cap = sizeof(id);
+            what = "model";
+        }
+    }
+    /* Every {id} is percent-decoded, as clients send it (openai-node encodes "org/name" as
+     * "org%2Fname", others "decode-0" as "decode%2D0"). One too long for its kind of id is
+     * no route (404). */
+    http_id_status_t id_st = HTTP_ID_OK;
+    if (seg) {
+        id_st = http_wire_id_decode(seg, seg_len, what[0] == 'm', id, id_cap);
+        if (id_st == HTTP_ID_TOO_LONG)
+            allow = NULL;
     }
     if (!allow) {
         snprintf(msg, sizeof(msg), "Invalid URL (%s %.200s)", method_str(method), path);
@@ -511,7 +606,23 @@ static void on_request(struct evhttp_request *req, void *arg)
         http_reply_error_msg(req, 405, "invalid_request_error", NULL, "method_not_allowed", msg);
         return;
     }
-    need_t need = wid[0] || strcmp(path, "/workers") == 0 || strcmp(path, "/metrics") == 0
+    if (id_st != HTTP_ID_OK) {
+        /* an id with a "%" not followed by two hex digits (the target check lets none
+         * through), or one that decodes to a NUL or "/" ("%00", "%2F"), which no such id
+         * holds, would otherwise be looked up cut short or split */
+        if (id_st == HTTP_ID_BAD_ESCAPE)
+            snprintf(msg, sizeof(msg),
+                     "The %s id in the path has a \"%%\" not followed by two hex digits.", what);
+        else
+            snprintf(msg, sizeof(msg),
+                     "The %s id in the path decodes to a %s (%s), which no %s id holds.", what,
+                     what[0] == 'm' ? "NUL byte" : "\"/\" or a NUL byte",
+                     what[0] == 'm' ? "%00" : "%2F, %00", what);
+        http_reply_error_msg(req, 400, "invalid_request_error", NULL,
+                             id_st == HTTP_ID_BAD_ESCAPE ? "bad_request" : "invalid_value", msg);
+        return;
+    }
+    need_t need = is_worker || strcmp(path, "/workers") == 0 || strcmp(path, "/metrics") == 0
                       ? NEED_ADMIN
                   : strncmp(path, "/v1/", 4) == 0 || strcmp(path, "/tokenize") == 0 ||
                           strcmp(path, "/detokenize") == 0
@@ -520,21 +631,21 @@ static void on_request(struct evhttp_request *req, void *arg)
     auth_key *key = NULL;
     if (need != NEED_NONE && auth_n_keys(s->auth) > 0 && authorize(s, req, need, &key) < 0)
         return;
-    if (wid[0]) {
-        http_admin_worker_role(s, req, wid);
+    if (is_worker) {
+        http_admin_worker_role(s, req, id);
     } else if (broute >= 0) {
         /* without keys everyone sees everything; an admin key sees every key's objects */
         batch_caller who = {key ? auth_key_id(key) : NULL,
                             !key || auth_key_get_params(key).admin};
         if (s->batch)
-            batch_handle(s->batch, req, (batch_route_t)broute, bid[0] ? bid : NULL, &who);
+            batch_handle(s->batch, req, (batch_route_t)broute, seg ? id : NULL, &who);
         else
             http_reply_error_msg(req, 503, "server_error", NULL, "not_ready",
                                  "the Batch API is not enabled");
     } else if (kind >= 0)
         http_completion_handle(s, req, (api_kind_t)kind, key);
-    else if (rid[0])
-        http_responses_stored(s, req, rid, key);
+    else if (is_response)
+        http_responses_stored(s, req, id, key);
     else if (strcmp(path, "/health") == 0)
         http_admin_health(s, req);
     else if (strcmp(path, "/workers") == 0)
@@ -546,7 +657,7 @@ static void on_request(struct evhttp_request *req, void *arg)
     else if (strcmp(path, "/detokenize") == 0)
         http_admin_detokenize(s, req);
     else
-        http_admin_models(s, req, path[10] == '/' ? path + 11 : NULL);
+        http_admin_models(s, req, seg ? id : NULL);
 }
 
 // --- server
@@ -647,6 +758,8 @@ void http_server_set_stats(http_server_t *s, stats_t *stats)
 
 void http_server_set_batch(http_server_t *s, batch_t *b)
 {
+    if (b)
+        batch_set_httpconn(b, s->conns);
     s->batch = b;
 }
 

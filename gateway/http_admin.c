@@ -222,12 +222,8 @@ static int served_mtp_depth(http_server_t *s)
 
 void http_admin_models(http_server_t *s, struct evhttp_request *req, const char *which)
 {
-    if (which) { /* GET /v1/models/{id}: the id percent-decoded, as clients encode it */
-        size_t n = 0;
-        char *id = evhttp_uridecode(which, 0, &n);
-        int found = id && n == strlen(id) && strcmp(id, s->model) == 0;
-        free(id);
-        if (!found) {
+    if (which) { /* GET /v1/models/{id} (decoded by on_request) */
+        if (strcmp(which, s->model) != 0) {
             api_error e;
             api_error_set(&e, 404, "invalid_request_error", "model", "model_not_found",
                           "The model '%.200s' does not exist.", which);

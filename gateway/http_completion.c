@@ -31,6 +31,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 
 #include "http_internal.h"
@@ -44,7 +46,9 @@ typedef struct gw_req {
     http_server_t *srv;
     struct evhttp_request *req; /* NULL once answered or the client is gone */
     struct evhttp_connection *conn;
-    struct event *close_ev; /* non-streaming: watches the socket for EOF */
+    struct event *close_ev; /* watches the socket for EOF (watch_close) */
+    struct event *probe_ev; /* after a FIN: watches for the reset a closed socket answers
+                             * the probe with (on_readable) */
     completion_t *c;        /* the request; it owns this gw_req (completion_sink.release) */
     auth_key *key;          /* the caller's API key (NULL: none) */
     int charged;            /* tokens taken from key's tokens/s bucket, not yet settled */
@@ -103,6 +107,18 @@ static void settle(gw_req *g, const completion_t *c)
 
 // --- the completion's sink
 
+/* Streams: libevent reads from a connection while it writes to it (evhttp_write_buffer
+ * turns reading on, to learn of a close) and frees it at a FIN, which a client that only
+ * shut its sending side after its request (shutdown(SHUT_WR)) sends too: its stream was
+ * cut. Reading is turned off after each write of a stream; watch_close watches the socket
+ * for the FIN instead, as for a non-streaming request, and on_readable probes it. */
+static void stream_no_read(gw_req *g)
+{
+    struct bufferevent *bev = evhttp_connection_get_bufferevent(g->conn);
+    if (bev)
+        bufferevent_disable(bev, EV_READ);
+}
+
 /* The end of a stream: the connection's own timeouts back (it may serve another request,
  * or idle), then the last chunk. */
 static void stream_end(gw_req *g)
@@ -111,7 +127,13 @@ static void stream_end(gw_req *g)
     struct timeval t = {g->srv->timeout_s, 0};
     if (bev)
         bufferevent_set_timeouts(bev, &t, &t);
+    /* chunked (HTTP/1.1): the last chunk is queued and libevent turns reading on until it
+     * is written, then reads the next request; not chunked (HTTP/1.0), the end may free the
+     * connection at once */
+    int chunked = g->req->chunked;
     evhttp_send_reply_end(g->req);
+    if (chunked && bev)
+        bufferevent_disable(bev, EV_READ);
 }
 
 /* The completion is gone (completion_sink.release): the one place a gw_req is freed. */
@@ -122,6 +144,8 @@ static void req_free(void *ud)
         httpconn_set_close_cb(g->srv->conns, g->conn, NULL, NULL);
     if (g->close_ev)
         event_free(g->close_ev);
+    if (g->probe_ev)
+        event_free(g->probe_ev);
     if (g->ping_ev)
         event_free(g->ping_ev);
     if (g->sse)
@@ -137,8 +161,10 @@ static void sse_send_event(gw_req *g, const char *event, size_t n)
 {
     if (!g->sse && !(g->sse = evbuffer_new()))
         return;
-    if (evbuffer_add(g->sse, event, n) == 0)
+    if (evbuffer_add(g->sse, event, n) == 0) {
         evhttp_send_reply_chunk(g->req, g->sse);
+        stream_no_read(g);
+    }
     evbuffer_drain(g->sse, evbuffer_get_length(g->sse)); /* (left over only on failure) */
     g->last_sent_us = proto_now_us();
 }
@@ -193,8 +219,10 @@ static void sse_send_named(gw_req *g, const char *name, char *payload)
         free(payload);
         return;
     }
-    if (evbuffer_add_printf(g->sse, "event: %s\ndata: %s\n\n", name, payload) > 0)
+    if (evbuffer_add_printf(g->sse, "event: %s\ndata: %s\n\n", name, payload) > 0) {
         evhttp_send_reply_chunk(g->req, g->sse);
+        stream_no_read(g);
+    }
     evbuffer_drain(g->sse, evbuffer_get_length(g->sse));
     free(payload);
 }
@@ -510,10 +538,36 @@ static void on_close(struct evhttp_connection *conn, void *arg)
     completion_cancel(&g->c, 499, "client disconnected");
 }
 
+/* After a FIN: whether the socket got a reset (the peer's answer to the interim 100 when
+ * it closed its socket, or a close with our 100 unread) or an error: the client is gone.
+ * Checked every HTTP_PROBE_MS while the request runs. */
+#define HTTP_PROBE_MS 200
+
+static void on_probe(evutil_socket_t fd, short what, void *arg)
+{
+    gw_req *g = arg;
+    (void)what;
+    int err = 0;
+    socklen_t len = sizeof(err);
+    struct tcp_info ti;
+    socklen_t tlen = sizeof(ti);
+    int gone = getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) < 0 || err != 0 ||
+               (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &tlen) == 0 &&
+                ti.tcpi_state == TCP_CLOSE);
+    if (gone)
+        evhttp_connection_free(g->conn); /* runs on_close, which cancels and frees g */
+}
+
 /* Non-streaming requests: libevent 2.1 does not read from a connection while its request
- * awaits the reply, so it would not notice the client leaving. We watch the socket
- * ourselves: readable with nothing to read (EOF) or an error means the client is gone;
- * data (a pipelined request) means it is not, and we stop watching. */
+ * awaits the reply, so it would not notice the client leaving; nor, with stream_no_read,
+ * during a stream. We watch the socket ourselves: an error means the client is gone; data (a pipelined request) means it is
+ * not, and we stop watching. A FIN (EOF) means the client closed its socket, or only its
+ * sending side (shutdown(SHUT_WR) after the request, as some clients and proxies do) and
+ * still waits for the reply: only a write tells which. An HTTP/1.1 client gets an interim
+ * "100 Continue" (RFC 9110 15.2: a client MUST parse a 1xx response it did not expect),
+ * which a closed socket answers with a reset (on_probe); a stream's client a keep-alive
+ * comment, the same probe; a non-streaming HTTP/1.0 one, which must not get a 1xx, is taken
+ * as gone, as before. */
 static void on_readable(evutil_socket_t fd, short what, void *arg)
 {
     gw_req *g = arg;
@@ -523,6 +577,23 @@ static void on_readable(evutil_socket_t fd, short what, void *arg)
     if (n > 0 || (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))) {
         if (n < 0)
             event_add(g->close_ev, NULL);
+        return;
+    }
+    static const char probe[] = "HTTP/1.1 100 Continue\r\n\r\n";
+    struct timeval tv = {0, HTTP_PROBE_MS * 1000};
+    int streaming = completion_streaming(g->c);
+    if (n == 0 && g->req && (streaming || (g->req->major == 1 && g->req->minor >= 1)) &&
+        (g->probe_ev = event_new(g->srv->base, fd, EV_PERSIST, on_probe, g)) != NULL &&
+        event_add(g->probe_ev, &tv) == 0) {
+        if (streaming) { /* the stream's own comment is the probe */
+            static const char ka[] = ": keep-alive\n\n";
+            sse_send_event(g, ka, sizeof(ka) - 1);
+        } else if (send(fd, probe, sizeof(probe) - 1, MSG_NOSIGNAL | MSG_DONTWAIT) !=
+                   (ssize_t)(sizeof(probe) - 1)) {
+            evhttp_connection_free(g->conn); /* runs on_close, which cancels and frees g */
+            return;
+        }
+        log_rdebug(completion_rid(g->c), "the client half-closed: waiting for its reply");
         return;
     }
     /* Closing the connection runs on_close, which cancels and frees g. */
@@ -595,6 +666,8 @@ void http_completion_handle(http_server_t *s, struct evhttp_request *req, api_ki
         evhttp_add_header(h, "Connection", "close");
     }
     evhttp_send_reply_start(req, 200, "OK");
+    stream_no_read(g);
+    watch_close(g);
     stream_timers(g);
     if (kind == API_RESPONSES)
         resp_stream_start(g, g->c);

@@ -49,6 +49,41 @@ void http_reply_error(struct evhttp_request *req, const api_error *e);
 void http_reply_error_msg(struct evhttp_request *req, int status, const char *type,
                           const char *param, const char *code, const char *msg);
 
+// --- http_wire.c: request bytes libevent's parser lets through or refuses wrongly
+
+#define HTTP_CHUNK_LINE_MAX 4096 /* a chunk-size line with its extensions, in bytes */
+
+typedef enum {
+    HTTP_CHUNK_OK = 0,    /* no chunk-size line was refused */
+    HTTP_CHUNK_MALFORMED, /* not 1*HEXDIG [chunk-ext] (RFC 9112 7.1): 400 */
+    HTTP_CHUNK_LONG,      /* over HTTP_CHUNK_LINE_MAX bytes: 413 */
+} http_chunk_refusal_t;
+
+/* Why libevent's last chunk-size parse (evutil_strtoll, overridden in http_wire.c) failed,
+ * and forget it: HTTP_CHUNK_OK when it did not. libevent answers such a failure at once
+ * through evhttp_send_error (413), which asks this. Loop thread only. */
+http_chunk_refusal_t http_wire_chunk_refusal(void);
+
+/* -1 when target (a request line's request-target as libevent keeps it, NUL-terminated) is
+ * made only of the bytes a URI may hold (RFC 3986: unreserved, sub-delims, ":@/?", "%"
+ * with two hex digits; "[]" in an absolute form's authority), else the offset of the first
+ * byte that is not (a space, a control or non-ASCII byte, "\"", "<", "#", a "%" without
+ * two hex digits, ...): RFC 9112 3 says such a request line is invalid (400). */
+long http_wire_target_bad(const char *target);
+
+typedef enum {
+    HTTP_ID_OK = 0,
+    HTTP_ID_BAD_ESCAPE, /* a "%" not followed by two hex digits */
+    HTTP_ID_BAD_BYTE,   /* it decodes to a NUL, or a "/" where none may be */
+    HTTP_ID_TOO_LONG,   /* it does not fit in cap bytes with its NUL */
+} http_id_status_t;
+
+/* Percent-decode a path's {id}, the n bytes at seg (no "/" among them unless allow_slash;
+ * "+" stays "+"), into out (cap bytes, NUL-terminated). HTTP_ID_OK, or what was wrong
+ * (out is then undefined). */
+http_id_status_t http_wire_id_decode(const char *seg, size_t n, int allow_slash, char *out,
+                                     size_t cap);
+
 // --- http_completion.c: POST /v1/completions, /v1/chat/completions
 
 /* Answer a completion request of kind (the method was checked): admit it and answer from
@@ -76,7 +111,7 @@ void http_admin_workers(http_server_t *s, struct evhttp_request *req);
 void http_admin_worker_role(http_server_t *s, struct evhttp_request *req, const char *id);
 /* GET /metrics: the stats in the Prometheus text format (503 without stats). */
 void http_admin_metrics(http_server_t *s, struct evhttp_request *req);
-/* GET /v1/models (which NULL) or GET /v1/models/{which}. */
+/* GET /v1/models (which NULL) or GET /v1/models/{which} (which percent-decoded). */
 void http_admin_models(http_server_t *s, struct evhttp_request *req, const char *which);
 /* POST /tokenize (vLLM's): {"prompt": text} or {"messages": [...]} (the chat template;
  * "add_generation_prompt", default true), "add_special_tokens" (BOS; default true, as the

@@ -44,6 +44,8 @@ typedef struct conn_rec {
     size_t n_lines;      /* lines of the header block ended so far */
     char line0[128];     /* the start of its request line (NUL-terminated, no '\r') */
     size_t line0_len;
+    char tail[24];       /* the end of its request line (no '\r'; not NUL-terminated) */
+    size_t tail_len;
     int too_large;       /* its body passed its cap: refused on the next timer */
     int nul_in_head;     /* a NUL byte in its header block */
     int64_t t_start_us;  /* HEAD: its first byte; BODY: the end of its headers */
@@ -304,8 +306,34 @@ static void scanner_reset(conn_rec *r)
     r->n_lines = 0;
     r->line0_len = 0;
     r->line0[0] = 0;
+    r->tail_len = 0;
     r->too_large = 0;
     r->nul_in_head = 0;
+}
+
+/* What the HTTP-version at the end of r's request line is (RFC 9112 2.3: "HTTP/" DIGIT
+ * "." DIGIT): 0 for HTTP/1.0 and HTTP/1.1, HTTPCONN_REQ_VERSION for another well-formed one
+ * ("HTTP/1.2", "HTTP/2.0", "HTTP/2"), HTTPCONN_REQ_BAD_VERSION for anything else ("HTTP/01.1",
+ * "HTTP/1.01", "HTTP/-1.1", which libevent's sscanf("HTTP/%d.%d") takes). Trailing spaces
+ * are dropped first, as libevent does. */
+static int version_class(const conn_rec *r)
+{
+    size_t n = r->tail_len, b;
+    while (n > 0 && r->tail[n - 1] == ' ')
+        n--;
+    for (b = n; b > 0 && r->tail[b - 1] != ' '; b--)
+        ;
+    if (b == 0) /* no space in the tail: no version, or one far too long */
+        return HTTPCONN_REQ_BAD_VERSION;
+    const char *v = r->tail + b;
+    size_t len = n - b;
+    if (len == 8 && (memcmp(v, "HTTP/1.1", 8) == 0 || memcmp(v, "HTTP/1.0", 8) == 0))
+        return 0;
+    int digit = len >= 6 && v[5] >= '0' && v[5] <= '9';
+    if (memcmp(v, "HTTP/", len < 5 ? len : 5) == 0 && digit &&
+        (len == 6 || (len == 8 && v[6] == '.' && v[7] >= '0' && v[7] <= '9')))
+        return HTTPCONN_REQ_VERSION;
+    return HTTPCONN_REQ_BAD_VERSION;
 }
 
 /* 1 if the request line in line0 is an upload (POST /v1/files, origin or absolute form). */
@@ -372,6 +400,11 @@ static void scan(conn_rec *r, const unsigned char *p, size_t n)
             if (r->n_lines == 0 && ch != '\r' && r->line0_len + 1 < sizeof(r->line0)) {
                 r->line0[r->line0_len++] = (char)ch;
                 r->line0[r->line0_len] = 0;
+            }
+            if (r->n_lines == 0 && ch != '\r') {
+                if (r->tail_len == sizeof(r->tail))
+                    memmove(r->tail, r->tail + 1, --r->tail_len);
+                r->tail[r->tail_len++] = (char)ch;
             }
         }
     }
@@ -536,7 +569,7 @@ static void on_timer(evutil_socket_t fd, short what, void *arg)
                       "The request body is more than %llu bytes; the limit is %zu bytes (%s).",
                       (unsigned long long)body_cap(r), body_limit(r),
                       up ? "--batch-max-file-bytes" : "--max-body-bytes");
-        refuse(r, "Payload Too Large", "", &e);
+        refuse(r, "Content Too Large", "", &e);
     } else if (r->state == C_BODY) {
         int64_t dl = body_deadline_us(r);
         if (now < dl) {
@@ -628,12 +661,18 @@ int httpconn_request_read(httpconn_t *h, struct evhttp_connection *conn)
     conn_rec *r = h ? find(h, conn) : NULL;
     if (!r)
         return 0;
-    int seen = r->nul_in_head ? HTTPCONN_REQ_NUL : 0;
+    int seen = (r->nul_in_head ? HTTPCONN_REQ_NUL : 0) | version_class(r);
     r->state = C_BUSY;
     evtimer_del(r->timer);
     scanner_reset(r);
     scan_buffer(r, bufferevent_get_input(r->bev), 0); /* a pipelined next request */
     return seen;
+}
+
+int httpconn_request_version(httpconn_t *h, struct evhttp_connection *conn)
+{
+    conn_rec *r = h ? find(h, conn) : NULL;
+    return r && r->state != C_BUSY && r->seen ? version_class(r) : 0;
 }
 
 void httpconn_reply_done(httpconn_t *h, struct evhttp_connection *conn)

@@ -81,14 +81,23 @@ httpconn_t *httpconn_new(struct event_base *base, struct evhttp *http, const htt
 void httpconn_set_stats(httpconn_t *h, stats_t *stats);
 
 #define HTTPCONN_REQ_NUL 1 /* its header block held a NUL byte (libevent cut the field there) */
+#define HTTPCONN_REQ_VERSION 2     /* its HTTP-version is well-formed but not 1.0 or 1.1 */
+#define HTTPCONN_REQ_BAD_VERSION 4 /* its HTTP-version is not "HTTP/" DIGIT "." DIGIT */
 
 /* evhttp handed the server a whole request of conn (its request callback): its clocks stop
  * until httpconn_reply_done. Bytes after it in conn's input (pipelining) are the next
  * request's. Returns what the scanner saw in the request's bytes that evhttp does not
- * tell: 0, or HTTPCONN_REQ_NUL (RFC 9110 5.5: a field value must not hold NUL; the server
- * answers 400 and closes). Untracked connections are ignored (0; so are all the calls
- * below). */
+ * tell, or tells wrongly: 0, or an OR of HTTPCONN_REQ_NUL (RFC 9110 5.5: a field value must
+ * not hold NUL; the server answers 400 and closes), HTTPCONN_REQ_VERSION ("HTTP/1.2",
+ * which libevent takes as 1.2 and echoes back: RFC 9110 15.6.6, 505) and
+ * HTTPCONN_REQ_BAD_VERSION ("HTTP/01.1", which libevent takes as 1.1: 400). Untracked
+ * connections are ignored (0; so are all the calls below). */
 int httpconn_request_read(httpconn_t *h, struct evhttp_connection *conn);
+
+/* The HTTP-version of conn's request that evhttp is reading (not yet handed to the server),
+ * as far as it arrived: 0, HTTPCONN_REQ_VERSION or HTTPCONN_REQ_BAD_VERSION (see above).
+ * For the refusal of a request line libevent could not parse ("HTTP/2.0": 505, not 400). */
+int httpconn_request_version(httpconn_t *h, struct evhttp_connection *conn);
 
 /* conn's reply went out (the request's on-complete callback): its next request's clock
  * starts now if some of it has arrived, else at its first byte. */

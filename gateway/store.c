@@ -325,6 +325,40 @@ out:
     return rc;
 }
 
+int store_file_read(store_t *s, const char *id, int64_t offset, void *buf, size_t n)
+{
+    sqlite3_stmt *st = NULL;
+    sqlite3_blob *blob = NULL;
+    int rc = -1;
+    /* length() of a BLOB reads its record header only, not its pages */
+    if (sqlite3_prepare_v2(s->db, "SELECT rowid, length(content) FROM files WHERE id = ?1", -1,
+                           &st, NULL) != SQLITE_OK)
+        goto out;
+    sqlite3_bind_text(st, 1, id, -1, SQLITE_STATIC);
+    int step = sqlite3_step(st);
+    if (step == SQLITE_DONE) {
+        rc = 1;
+        goto out;
+    }
+    if (step != SQLITE_ROW)
+        goto out;
+    sqlite3_int64 rowid = sqlite3_column_int64(st, 0), len = sqlite3_column_int64(st, 1);
+    if (offset < 0 || (uint64_t)offset + n > (uint64_t)len || len > INT32_MAX) {
+        rc = 1;
+        goto out;
+    }
+    if (sqlite3_blob_open(s->db, "main", "files", "content", rowid, 0, &blob) != SQLITE_OK ||
+        sqlite3_blob_read(blob, buf, (int)n, (int)offset) != SQLITE_OK)
+        goto out;
+    rc = 0;
+out:
+    if (rc < 0)
+        log_error("%s: cannot read file %s: %s", s->path, id, sqlite3_errmsg(s->db));
+    sqlite3_blob_close(blob);
+    sqlite3_finalize(st);
+    return rc;
+}
+
 int store_file_content(store_t *s, const char *id, char **data, size_t *len)
 {
     sqlite3_stmt *st = NULL;

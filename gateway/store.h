@@ -63,6 +63,12 @@ int store_file_get(store_t *s, const char *id, store_file *out);
  * the caller's. 0, 1 when there is no such file, -1 on error. */
 int store_file_content(store_t *s, const char *id, char **data, size_t *len);
 
+/* Read n bytes of file id's content from byte offset into buf (incremental BLOB I/O: only
+ * the pages of that range are read; no transaction stays open after the call, so a
+ * download read piece by piece holds no lock between pieces). 0, 1 when there is no such
+ * file or it is shorter than offset + n, -1 on error. */
+int store_file_read(store_t *s, const char *id, int64_t offset, void *buf, size_t n);
+
 /* Delete file id and its content in one transaction, committed before returning, and when
  * results_of is not NULL also the stored results of batch results_of with that ok (1: its
  * output file's lines, 0: its error file's). The freed pages are overwritten with zeros

@@ -389,6 +389,33 @@ static void seeds_multipart(void)
 
 // --- GGUF files
 
+// --- the HTTP request's bytes (fuzz_http_wire: mode byte, then the bytes)
+
+static void seeds_http_wire(void)
+{
+    static const char *const chunk[] = {"5",       "1a2B",       "0",  "5;name=value",
+                                        "5 ; a = b ;c=\"x \\\" ;y\" ", "0x5", "+5", " 5", "zz",
+                                        "5;=v",    "5;a=\"v",     "ffffffffffffffffff"};
+    static const char *const target[] = {"/v1/models", "/v1/mo dels", "/v1/models?x=%zz",
+                                         "/v1/models%4", "http://[::1]:8000/v1/models",
+                                         "/v1/models?a=%20b&c=d~e;f=(g)*!$'+,:@/?", "/a#b"};
+    static const char *const id[] = {"file-abc", "%66ile-abc", "file%2Fx", "file%00", "a%zz",
+                                     "org%2Fname", "%"};
+    char name[32];
+    for (size_t i = 0; i < sizeof(chunk) / sizeof(chunk[0]); i++) {
+        snprintf(name, sizeof(name), "chunk-%zu", i);
+        put_mode("http_wire", name, 0, chunk[i]);
+    }
+    for (size_t i = 0; i < sizeof(target) / sizeof(target[0]); i++) {
+        snprintf(name, sizeof(name), "target-%zu", i);
+        put_mode("http_wire", name, 1, target[i]);
+    }
+    for (size_t i = 0; i < sizeof(id) / sizeof(id[0]); i++) {
+        snprintf(name, sizeof(name), "id-%zu", i);
+        put_mode("http_wire", name, i == 5 ? 2 + 3 * 6 : 2, id[i]); /* 20: "/" allowed */
+    }
+}
+
 static void put_tiny(const char *harness, const char *name, const fuzz_tiny_spec *s)
 {
     size_t n = 0;
@@ -523,6 +550,7 @@ int main(int argc, char **argv)
     seeds_api();
     seeds_batch();
     seeds_multipart();
+    seeds_http_wire();
     seeds_gguf();
     seeds_tokenizer();
     seeds_kvx();

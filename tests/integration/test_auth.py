@@ -243,10 +243,12 @@ class AuthTest(unittest.TestCase):
                                            {"role": "decode"})
                 self.assertEqual((status, got["error"]["code"]), (409, "role_change_refused"),
                                  wid)
-            for wid in ("mixed%00-0", "mixed%2F0", "mixed-0%"):
+            # one that decodes to a NUL or "/", or a bad escape, is 400 (it was 404)
+            for wid, code in (("mixed%00-0", "invalid_value"), ("mixed%2F0", "invalid_value"),
+                              ("mixed-0%", "bad_request")):
                 status, _, got = self.call("POST", "/workers/%s/role" % wid, key,
                                            {"role": "decode"})
-                self.assertEqual(status, 404, (wid, got))
+                self.assertEqual((status, got["error"]["code"]), (400, code), (wid, got))
         status, _, got = self.call("GET", "/health")
         self.assertEqual((status, got["status"]), (200, "ok"))
         status, _, got = self.call("GET", "/health", "sk-wrong-key-00000000000")

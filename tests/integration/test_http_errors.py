@@ -44,6 +44,12 @@ BAD = [
     ("messages string", CHAT, {"messages": "hi"}, 400, "messages", "invalid_type"),
     ("messages missing", CHAT, {"prompt": "hi"}, 400, "messages", "missing_required_parameter"),
     ("messages empty", CHAT, {"messages": []}, 400, "messages", "invalid_value"),
+    ("chat image part", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
+     400, "messages", "unsupported_value"),
+    ("chat unknown part", CHAT, {"messages": [{"role": "user", "content": [{"type": "x"}]}]},
+     400, "messages", "invalid_value"),
     ("temperature string", CMPL, {"prompt": "hi", "temperature": "hot"}, 400, "temperature",
      "invalid_type"),
     ("temperature high", CMPL, {"prompt": "hi", "temperature": 5}, 400, "temperature",
@@ -472,6 +478,8 @@ MSG_400 = ("The request could not be parsed: a malformed request line or header,
 MSG_413 = "The request line, its headers or its body exceed this server's limits."
 MSG_417 = "The Expect header is not supported (only 100-continue is)."
 MSG_501 = "This HTTP method is not supported."
+MSG_505 = ("The request's HTTP version is not supported (RFC 9110 15.6.6): this server "
+           "speaks HTTP/1.0 and HTTP/1.1.")
 # Requests libevent answers by itself, before any gateway handler: (name, bytes, status,
 # reason phrase, code, message). Issue 12: these came back as libevent's HTML page.
 RAW_ERRORS = [
@@ -479,8 +487,8 @@ RAW_ERRORS = [
      MSG_400),
     ("request line without a version", b"GET /health\r\nHost: x\r\n\r\n", 400, "Bad Request",
      "bad_request", MSG_400),
-    ("unknown HTTP version", b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n", 400, "Bad Request",
-     "bad_request", MSG_400),
+    ("unknown HTTP version", b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n", 505,
+     "HTTP Version Not Supported", "http_version_not_supported", MSG_505),
     ("header line without a colon", b"GET /health HTTP/1.1\r\nHost x\r\n\r\n", 400,
      "Bad Request", "bad_request", MSG_400),
     ("header block over 64 KiB", b"GET /health HTTP/1.1\r\nHost: x\r\n" +
@@ -499,7 +507,7 @@ RAW_ERRORS = [
     # the body is read (below that the gateway reads it and answers its own JSON 413)
     ("body over libevent's limit", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (2 * MAX_BODY + 65537),
-     413, "Request Entity Too Large", "request_too_large", MSG_413),
+     413, "Content Too Large", "request_too_large", MSG_413),
 ]
 
 
@@ -523,6 +531,8 @@ class RawErrorsTest(unittest.TestCase):
         out = subprocess.run(["nm", "-D", "--defined-only", GATEWAY], capture_output=True,
                              text=True, check=True).stdout
         self.assertRegex(out, r"(?m)^[0-9a-f]+ T evhttp_send_error$")
+        # and evutil_strtoll, libevent's chunk-size parser (gateway/http_wire.c)
+        self.assertRegex(out, r"(?m)^[0-9a-f]+ T evutil_strtoll$")
 
     def test_libevent_errors_are_json(self):
         for name, data, status, reason, code, message in RAW_ERRORS:
@@ -549,7 +559,7 @@ class RawErrorsTest(unittest.TestCase):
         got = {int(m.group(1)): int(float(m.group(2))) for m in re.finditer(
             r'(?m)^tidepool_http_responses_total\{[^}]*code="(\d+)"\} (\S+)$',
             metrics.decode())}
-        for status in (400, 413, 417, 501):
+        for status in (400, 413, 417, 501, 505):
             want = sum(1 for case in RAW_ERRORS if case[2] == status)
             self.assertEqual(got.get(status), want, (status, got))
 
@@ -565,6 +575,169 @@ class RawErrorsTest(unittest.TestCase):
         st, _, headers, body = parse_response(b"HTTP/1.1 " + first)
         self.assertEqual(headers["content-type"], "application/json")
         self.assertEqual(json.loads(body)["error"]["code"], "unknown_url")
+
+
+@unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
+                     "needs %s and %s (make all)" % (GATEWAY, MODEL))
+class RequestSyntaxTest(unittest.TestCase):
+    """What libevent's parser let through or refused wrongly (the break-it trial of session
+    11): chunk extensions, the request target's bytes, the HTTP version, {id} escapes."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.gw = Gateway("--stats-bind", "")  # with the Batch API (its own state db)
+
+    @classmethod
+    def tearDownClass(cls):
+        rc = cls.gw.stop()
+        assert rc == 0, "gateway exit code %s" % rc
+
+    def chunked(self, chunks, path=b"/tokenize"):
+        """POST path with a chunked body of the given raw chunk lines; (out, closed)."""
+        head = (b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+        return raw_exchange(self.gw.port, head + b"".join(chunks))
+
+    def check_refusal(self, out, closed, status, code, name):
+        self.assertTrue(out, name)
+        st, _, headers, body = parse_response(out)
+        self.assertEqual(st, status, (name, out[:300]))
+        self.assertEqual(headers["content-type"], "application/json", name)
+        self.assertEqual(headers["connection"], "close", name)
+        self.assertEqual(json.loads(body)["error"]["code"], code, (name, body))
+        self.assertTrue(closed, name)
+        self.assertEqual(out.count(b"HTTP/1.1 "), 1, name)
+        return json.loads(body)["error"]["message"]
+
+    def test_chunk_extensions_are_ignored(self):
+        """RFC 9112 7.1.1: a recipient MUST ignore unrecognized chunk extensions (libevent
+        refused "5;name=value" with 413)."""
+        body = b'{"prompt": "Once upon a time"}'
+        st, _, data = self.gw.request("POST", "/tokenize", body)
+        self.assertEqual(st, 200, data)
+        want = json.loads(data)["tokens"]
+        a, b = body[:10], body[10:]
+        for name, lines in (
+                ("name=value", [b"%x;name=value\r\n%s\r\n" % (len(a), a),
+                                b"%X;n2\r\n%s\r\n" % (len(b), b), b"0;last=1\r\n\r\n"]),
+                ("several, quoted, BWS", [b"%x ; a = b ;c=\"x \\\" ;y\" \r\n%s\r\n" % (len(a), a),
+                                          b"%x;q=\"\"\r\n%s\r\n" % (len(b), b), b"0\r\n\r\n"]),
+                ("near the limit", [b"%x;k=%s\r\n%s\r\n" % (len(body), b"v" * 4000, body),
+                                    b"0\r\n\r\n"])):
+            with self.subTest(name):
+                out, _ = self.chunked(lines)
+                st, _, _, payload = parse_response(out)
+                self.assertEqual(st, 200, out[:300])
+                self.assertEqual(json.loads(payload)["tokens"], want)
+
+    def test_bad_chunk_lines_are_refused(self):
+        body = b'{"prompt": "Once"}'
+        for name, line, status, code in (
+                ("not hex", b"zz\r\n", 400, "bad_framing"),
+                ("0x prefix", b"0x%x\r\n" % len(body), 400, "bad_framing"),
+                ("plus sign", b"+%x\r\n" % len(body), 400, "bad_framing"),
+                ("leading space", b" %x\r\n" % len(body), 400, "bad_framing"),
+                ("extension without a name", b"%x;=v\r\n" % len(body), 400, "bad_framing"),
+                ("unterminated quote", b"%x;a=\"v\r\n" % len(body), 400, "bad_framing"),
+                ("huge extension", b"%x;k=%s\r\n" % (len(body), b"v" * 9000), 413,
+                 "request_too_large")):
+            with self.subTest(name):
+                out, closed = self.chunked([line, body, b"\r\n0\r\n\r\n"])
+                msg = self.check_refusal(out, closed, status, code, name)
+                self.assertIn("chunk-size line", msg)
+        self.assertIsNone(self.gw.proc.poll())
+
+    def test_invalid_request_target_is_400(self):
+        """RFC 9112 3: a request line whose target holds a space (or another byte a URI may
+        not hold) is invalid: 400, never routed (it was: "/v1/mo dels" got 404)."""
+        for name, target, what in (
+                ("space", b"/v1/mo dels", "0x20 at byte 6"),
+                ("two spaces after the method", b" /v1/models", "0x20 at byte 0"),
+                ("DEL", b"/v1/models\x7f", "0x7f at byte 10"),
+                ("non-ASCII", b"/v1/models?x=\xc3\xa9", "0xc3 at byte 13"),
+                ("quote", b'/v1/models?x="a"', "0x22 at byte 13"),
+                ("fragment", b"/v1/models#top", "0x23 at byte 10"),
+                ("backslash", b"/v1\\models", "0x5c at byte 3"),
+                ("bad escape", b"/v1/models?x=%zz", "not followed by two hex digits, at "
+                                                   "byte 13"),
+                ("short escape", b"/v1/models%4", "at byte 10")):
+            with self.subTest(name):
+                out, closed = raw_exchange(self.gw.port, b"GET " + target + b" HTTP/1.1\r\n"
+                                           b"Host: x\r\n\r\nGET /v1/models HTTP/1.1\r\n"
+                                           b"Host: x\r\n\r\n")
+                msg = self.check_refusal(out, closed, 400, "bad_request", name)
+                self.assertIn(what, msg)
+        # what a URI may hold is still served (escapes, sub-delims, an IP literal)
+        for target in (b"/v1/models?a=%20b&c=d~e;f=(g)*!$'+,:@/?",
+                       b"http://[::1]:8000/v1/models"):
+            out, _ = raw_exchange(self.gw.port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n"
+                                  b"Connection: close\r\n\r\n")
+            self.assertTrue(out.startswith(b"HTTP/1.1 200 "), (target, out[:300]))
+
+    def test_http_version_other_than_1x_is_505(self):
+        """RFC 9110 15.6.6: a version the server does not speak gets 505, in HTTP/1.1 (6.2).
+        libevent took "HTTP/1.2" (and any major 0 or 1) and echoed it in its status line."""
+        for version in (b"HTTP/1.2", b"HTTP/1.9", b"HTTP/0.9", b"HTTP/2.0", b"HTTP/3"):
+            with self.subTest(version):
+                out, closed = raw_exchange(self.gw.port, b"GET /v1/models " + version +
+                                           b"\r\nHost: x\r\n\r\nGET /v1/models HTTP/1.1\r\n"
+                                           b"Host: x\r\n\r\n")
+                self.assertTrue(out.startswith(b"HTTP/1.1 505 HTTP Version Not Supported\r\n"),
+                                out[:300])
+                self.assertEqual(self.check_refusal(out, closed, 505,
+                                                    "http_version_not_supported", version),
+                                 MSG_505)
+        for version in (b"HTTP/01.1", b"HTTP/1.01", b"HTTP/1.1.1", b"http/1.1", b"HTTP/-1.1"):
+            with self.subTest(version):
+                out, closed = raw_exchange(self.gw.port, b"GET /v1/models " + version +
+                                           b"\r\nHost: x\r\n\r\n")
+                self.check_refusal(out, closed, 400, "bad_request", version)
+        out, _ = raw_exchange(self.gw.port, b"GET /v1/models HTTP/1.0\r\n\r\n")
+        self.assertTrue(out.startswith(b"HTTP/1.0 200 "), out[:300])
+
+    def test_path_ids_are_percent_decoded(self):
+        """Every {id} of a path is percent-decoded (files, batches, responses, models,
+        workers): "/v1/files/%66ile-..." is that file; one that decodes to "/" or NUL is
+        400 (only a model id may hold "/": "org%2Fname")."""
+        data = b'{"custom_id": "a"}\n{"custom_id": "b"}\n'
+        st, _, body = self.gw.request("POST", "/v1/files?purpose=batch", data,
+                                      {"Content-Type": "application/jsonl"})
+        self.assertEqual(st, 200, body)
+        fid = json.loads(body)["id"]
+        enc = "".join("%%%02X" % ord(ch) for ch in fid)  # every byte escaped
+        st, _, body = self.gw.request("GET", "/v1/files/%s/content" % enc)
+        self.assertEqual((st, body), (200, data))
+        st, _, body = self.gw.request("GET", "/v1/files/" + enc)
+        self.assertEqual((st, json.loads(body)["id"]), (200, fid))
+        st, _, body = self.gw.request("GET", "/v1/responses/%72esp_nope")
+        self.assertEqual(st, 404)
+        self.assertEqual(json.loads(body)["error"]["message"],
+                         "Response with id 'resp_nope' not found.")
+        model = json.loads(self.gw.request("GET", "/v1/models")[2])["data"][0]["id"]
+        st, _, body = self.gw.request("GET", "/v1/models/%%%02X%s" % (ord(model[0]), model[1:]))
+        self.assertEqual((st, json.loads(body)["id"]), (200, model))
+        st, _, body = self.gw.request("GET", "/v1/models/org%2Fname")
+        self.assertEqual((st, json.loads(body)["error"]["code"]), (404, "model_not_found"))
+        for method, path, what in (("GET", "/v1/files/file%2Fx/content", "file"),
+                                   ("GET", "/v1/files/file%00", "file"),
+                                   ("DELETE", "/v1/files/%2f", "file"),
+                                   ("GET", "/v1/batches/batch%2F1", "batch"),
+                                   ("POST", "/v1/batches/b%00/cancel", "batch"),
+                                   ("GET", "/v1/responses/resp%2F1", "response"),
+                                   ("POST", "/workers/decode%00/role", "worker"),
+                                   ("GET", "/v1/models/a%00b", "model")):
+            with self.subTest(path):
+                st, h, body = self.gw.request(method, path, b"{}" if method == "POST" else None)
+                err = self.check_error_body(st, body, 400, "invalid_value")
+                self.assertIn("The %s id in the path decodes to a " % what, err["message"])
+        st, _, body = self.gw.request("GET", "/v1/files/file%zz")
+        self.check_error_body(st, body, 400, "bad_request")
+
+    def check_error_body(self, st, body, status, code):
+        self.assertEqual(st, status, body[:300])
+        err = json.loads(body)["error"]
+        self.assertEqual(err["code"], code, err)
+        return err
 
 
 @unittest.skipUnless(os.path.exists(GATEWAY) and os.path.exists(MODEL),
@@ -1442,6 +1615,72 @@ class FakeWorkerTest(unittest.TestCase):
                   % len(body) + body)
         rid = self.prefill(a)["rid"]
         a.send(TOKENS, rid=rid, index=0, tokens=ids_of("x"))
+        s.close()
+        self.assertEqual(a.recv(5, want=(CANCEL,))["rid"], rid)
+
+    def test_half_closed_client_gets_its_reply(self):
+        """A client that shuts its sending side after its request (shutdown(SHUT_WR)) still
+        reads: its request was cancelled as a disconnect and the reply lost. The gateway now
+        probes a FIN with an interim 100 Continue (a closed socket answers it with a reset,
+        test_client_disconnect_cancels) and answers the half-closed client."""
+        a = self.worker("w-a")
+        body = json.dumps({"prompt": "hi", "max_tokens": 3}).encode()
+        s = socket.create_connection(("127.0.0.1", self.gw.port), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                  % len(body) + body)
+        s.shutdown(socket.SHUT_WR)
+        rid = self.prefill(a)["rid"]
+        self.assertIsNone(a.recv(0.3, want=(CANCEL,)), "the half-closed request was cancelled")
+        a.send(TOKENS, rid=rid, index=0, tokens=ids_of("abc"))
+        a.send(FINISH, rid=rid, reason=2)
+        out = b""
+        try:
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+        except socket.timeout:
+            self.fail("no end of the reply: %r" % out[:500])
+        s.close()
+        self.assertTrue(out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n"),
+                        out[:300])
+        self.assertEqual(json.loads(out.split(b"\r\n\r\n", 2)[2])["choices"][0]["text"], "abc")
+
+    def test_half_closed_stream_gets_its_events(self):
+        """The same for a stream: libevent read while it wrote the stream and freed the
+        connection at the FIN; a closed stream client is still cancelled."""
+        body = json.dumps({"prompt": "hi", "max_tokens": 3, "stream": True}).encode()
+        req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+               % len(body) + body)
+        a = self.worker("w-a")
+        s = socket.create_connection(("127.0.0.1", self.gw.port), timeout=10)
+        s.sendall(req)
+        s.shutdown(socket.SHUT_WR)
+        rid = self.prefill(a)["rid"]
+        self.assertIsNone(a.recv(0.3, want=(CANCEL,)), "the half-closed stream was cancelled")
+        a.send(TOKENS, rid=rid, index=0, tokens=ids_of("abc"))
+        a.send(FINISH, rid=rid, reason=2)
+        out = b""
+        try:
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+        except socket.timeout:
+            self.fail("no end of the stream: %r" % out[:500])
+        s.close()
+        self.assertTrue(out.startswith(b"HTTP/1.1 200 OK\r\n"), out[:300])
+        events = re.findall(rb"data: (.*)\n\n", out)
+        self.assertEqual(events[-1], b"[DONE]")
+        self.assertEqual("".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]),
+                         "abc")
+        # a stream whose client closes is cancelled
+        s = socket.create_connection(("127.0.0.1", self.gw.port), timeout=10)
+        s.sendall(req)
+        rid = self.prefill(a)["rid"]
+        a.send(TOKENS, rid=rid, index=0, tokens=ids_of("a"))
         s.close()
         self.assertEqual(a.recv(5, want=(CANCEL,))["rid"], rid)
 

@@ -128,6 +128,8 @@ class ResponsesTest(unittest.TestCase):
             ({"input": ""}, "input", "invalid_value"),
             ({"input": 5}, "input", "invalid_type"),
             ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input",
+             "unsupported_value"),
+            ({"input": [{"role": "user", "content": [{"type": "input_video"}]}]}, "input",
              "invalid_value"),
             ({"input": [{"type": "function_call_output", "output": "1"}]}, "input",
              "unsupported_value"),
