@@ -155,6 +155,8 @@ class Gateway:
                 "--max-body-bytes", str(MAX_BODY)] + list(args)
         if "--state-db" not in args:  # its own: another gateway may hold the default one
             argv += ["--state-db", os.path.join(self.tmp, "gateway.db")]
+        if "--stats-bind" not in args:  # a free port: the default 5558 is a user's cluster's
+            argv += ["--stats-bind", "tcp://127.0.0.1:%d" % free_port()]
         if "--sse-keepalive-s" not in args:  # these tests split events on exact bytes
             argv += ["--sse-keepalive-s", "3600"]
         with open(self.log, "ab") as f:
@@ -270,6 +272,21 @@ class HttpErrorsTest(unittest.TestCase):
                 st, h, data = self.gw.request(method, path, b"{}" if method != "GET" else None)
                 self.check_error(st, h, data, 405, None, "method_not_allowed", method + path)
                 self.assertIn("Allow", h)
+
+    def test_no_default_endpoint(self):
+        """The test gateway binds nothing a cluster on the default ports uses: until 3 Dec 2026
+        it bound the default stats socket, tcp://127.0.0.1:5558, so a `deploy/local/start` or
+        compose cluster started while these tests ran served without its stats socket
+        ("cannot bind the stats socket ... Address already in use"), and tidepool-top showed
+        a test gateway's snapshots instead."""
+        log = self.gw.read_log()
+        defaults = {"port": "8000", "ctl-bind": "tcp://127.0.0.1:5557",
+                    "stats-bind": "tcp://127.0.0.1:5558", "state-db": "build/state/gateway.db"}
+        for name, default in defaults.items():
+            with self.subTest(name):
+                m = re.search(r"config %s = (.*)" % re.escape(name), log)
+                self.assertIsNotNone(m, name)
+                self.assertNotEqual(m.group(1).strip(), default, name)
 
     def test_health_without_workers(self):
         st, h, data = self.gw.request("GET", "/health")
