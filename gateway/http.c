@@ -31,6 +31,8 @@ static const char *reason_phrase(int status)
     switch (status) {
     case 413: /* httpconn.c's refusals say the same */
         return "Content Too Large"; /* libevent: "Request Entity Too Large" (RFC 2616's) */
+    case 429:
+        return "Too Many Requests"; /* libevent 2.1 has none: "Client Error" (RFC 6585 4) */
     case 505:
         return "HTTP Version Not Supported"; /* libevent: "HTTP Version not supported" */
     default:
@@ -600,7 +602,13 @@ static void on_request(struct evhttp_request *req, void *arg)
     if (!((strstr(allow, "POST") && method == EVHTTP_REQ_POST) ||
           (strstr(allow, "DELETE") && method == EVHTTP_REQ_DELETE) ||
           (strstr(allow, "GET") && is_get))) {
-        evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", allow);
+        /* HEAD is served wherever GET is (RFC 9110 9.3.2), so Allow names it too */
+        char allow_hdr[64];
+        if (strncmp(allow, "GET", 3) == 0)
+            snprintf(allow_hdr, sizeof(allow_hdr), "GET, HEAD%s", allow + 3);
+        else
+            snprintf(allow_hdr, sizeof(allow_hdr), "%s", allow);
+        evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", allow_hdr);
         snprintf(msg, sizeof(msg), "Method %s is not allowed for %.200s (use %s).",
                  method_str(method), path, allow);
         http_reply_error_msg(req, 405, "invalid_request_error", NULL, "method_not_allowed", msg);

@@ -122,8 +122,8 @@ static const char *why(const hsmon_t *m, uint16_t event, uint32_t value, char *b
         /* a CURVE server drops a plain client's greeting at once: on a loaded host its
          * close can reach the client before the mechanism mismatch does, every attempt */
         snprintf(buf, cap, "the server closed the connection during the handshake (errno %u: "
-                 "%s): if it uses CURVE, this process does not (give it --curve-secret-key, "
-                 "--curve-gateway-key and --curve-authorized-keys)",
+                 "%s): if it uses CURVE, this process does not (give it --curve-secret-key "
+                 "and --curve-gateway-key, the server's public key)",
                  (unsigned)value, zmq_strerror((int)value));
     } else if (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) {
         snprintf(buf, cap, "no detail (errno %u: %s)", (unsigned)value, zmq_strerror((int)value));
@@ -138,8 +138,8 @@ static const char *why(const hsmon_t *m, uint16_t event, uint32_t value, char *b
             s = m->curve ? "the server does not use CURVE (a gateway started without "
                            "--curve-secret-key?)"
                          : "the server uses CURVE and this process does not (give it "
-                           "--curve-secret-key, --curve-gateway-key and "
-                           "--curve-authorized-keys)";
+                           "--curve-secret-key and --curve-gateway-key, the "
+                           "server's public key)";
         snprintf(buf, cap, "%s", s);
     } else if (value == ZMQ_PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC) {
         snprintf(buf, cap, "%s",

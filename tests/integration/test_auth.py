@@ -125,6 +125,7 @@ class AuthTest(unittest.TestCase):
         r = conn.getresponse()
         text = r.read().decode("utf-8", errors="replace")
         hdrs = {k.lower(): v for k, v in r.getheaders()}
+        self.last_reason = r.reason
         conn.close()
         try:
             return r.status, hdrs, json.loads(text)
@@ -370,6 +371,7 @@ class AuthTest(unittest.TestCase):
         self.assertEqual(status, 200)
         status, h, got = self.call("GET", "/v1/models", SLOW)
         self.assertEqual(status, 429)
+        self.assertEqual(self.last_reason, "Too Many Requests")  # RFC 6585 (libevent: none)
         self.assertEqual(h.get("retry-after"), "1")
         e = got["error"]
         self.assertEqual((e["type"], e["param"], e["code"]), ("requests", None,

@@ -271,7 +271,9 @@ class HttpErrorsTest(unittest.TestCase):
             with self.subTest(method + " " + path):
                 st, h, data = self.gw.request(method, path, b"{}" if method != "GET" else None)
                 self.check_error(st, h, data, 405, None, "method_not_allowed", method + path)
-                self.assertIn("Allow", h)
+                want = {CMPL: "POST", CHAT: "POST", "/health": "GET, HEAD",
+                        "/v1/models": "GET, HEAD"}[path]
+                self.assertEqual(h.get("Allow"), want)  # HEAD wherever GET (RFC 9110 9.3.2)
 
     def test_no_default_endpoint(self):
         """The test gateway binds nothing a cluster on the default ports uses: until 3 Dec 2026
