@@ -93,6 +93,27 @@ void matvec_attend_exact(kern_isa isa, const float *q, int n_head, int kv_mul, i
  * n_head <= 8 a multiple of kv_mul, bs a multiple of 8. */
 int matvec_attend_vector(kern_isa isa, int n_head, int kv_mul, int hs, int bs);
 
+/* The attention of nq query rows that share one KV head, run.c's order bit for bit: row h
+ * (query head h % kv_mul of token h / kv_mul of a run of consecutive tokens) attends to
+ * positions [0, n_lo + h / kv_mul), n_lo >= 1 (a run of prefill or MTP-verify tokens, the
+ * first at position n_lo - 1). For each row: scores q_h . k_r in the EXACT order, divided
+ * by scale, run.c's softmax (max, expf(s - max) summed in position order, / sum), then
+ * y[h * hs + i] = the sum of a[r] * v_r[i] in position order from 0. q is (nq, hs); y
+ * (nq, hs) is written. K row r (hs floats) at pool + blocks[r / bs] * block_floats +
+ * (r % bs) * kv_dim + koff, its V row bs * kv_dim floats after it (kvcache.h's layout).
+ * att: scratch of 8 * (n_lo + (nq - 1) / kv_mul) floats. When matvec_attend_rows_vector
+ * says so, the rows run in the 8 lanes (no transposes of K, every chain of the softmax
+ * and values advancing 8 rows at a time); otherwise the portable helpers row by row.
+ * Thread-safe. */
+void matvec_attend_rows_exact(kern_isa isa, const float *q, int nq, int kv_mul, int hs,
+                              const float *pool, const int *blocks, size_t block_floats, int bs,
+                              size_t kv_dim, size_t koff, int n_lo, float scale, float *att,
+                              float *y);
+
+/* 1 if matvec_attend_rows_exact takes its vector path: isa >= AVX2, hs == 8, 1 <= nq <= 8,
+ * and matvec_expf's vector path is in use (the C library's expf, matched). */
+int matvec_attend_rows_vector(kern_isa isa, int nq, int hs);
+
 /* y[i] = expf(x[i]) for i in [0, n), bit for bit the C library's expf (x and y may be the
  * same array). With AVX2 (and FMA) the lanes run glibc's expf algorithm (2.28 and later,
  * as its FMA build: the ARM optimized-routines method, k = round(x * 32 / ln 2), a 32-entry

@@ -306,6 +306,16 @@ static void att_group(att_job *j, int t0, int nt, int g, float *att)
                    (size_t)kv_mul * hs * sizeof(float));
         q = qbuf;
     }
+    float *y = nt > 1 ? ybuf : ctx->xb + (size_t)t0 * dim + (size_t)g * kv_mul * hs;
+    const float scale = sqrtf(hs); /* run.c divides each score by sqrtf(head_size) */
+    if (ctx->order == KERN_ORDER_EXACT && matvec_attend_rows_vector(ctx->isa, nq, hs)) {
+        /* the run's nq rows in the lanes: softmax and values 8 rows per instruction
+         * (the per-head helpers below run each row's serial sums alone) */
+        matvec_attend_rows_exact(ctx->isa, q, nq, kv_mul, hs, kvcache_block_data(j->kv, j->layer, 0),
+                                 blocks, kvcache_block_bytes(j->kv) / sizeof(float), bs,
+                                 (size_t)kv_dim, koff, n_lo, scale, att, y);
+        goto out;
+    }
     for (int s0 = 0; s0 < n_hi; s0 += bs) {
         int rows = n_hi - s0 < bs ? n_hi - s0 : bs;
         const float *kb = kvcache_block_data(j->kv, j->layer, blocks[s0 / bs]) + koff;
@@ -317,10 +327,8 @@ static void att_group(att_job *j, int t0, int nt, int g, float *att)
                 kern_dot_rows(ctx->isa, ctx->order, q + (size_t)h * hs, kb, (size_t)kv_dim, rows,
                               hs, att + h * att_len + s0);
     }
-    const float scale = sqrtf(hs); /* run.c divides each score by sqrtf(head_size) */
     for (int h = 0; h < nq; h++)
         matvec_softmax(ctx->isa, att + h * att_len, n_lo + h / kv_mul, scale);
-    float *y = nt > 1 ? ybuf : ctx->xb + (size_t)t0 * dim + (size_t)g * kv_mul * hs;
     memset(y, 0, (size_t)nq * hs * sizeof(float));
     for (int s0 = 0; s0 < n_hi; s0 += bs) {
         int rows = n_hi - s0 < bs ? n_hi - s0 : bs;
@@ -338,6 +346,7 @@ static void att_group(att_job *j, int t0, int nt, int g, float *att)
                               vb + (size_t)r0 * kv_dim, (size_t)kv_dim, r1 - r0, hs);
         }
     }
+out:
     if (nt > 1)
         for (int u = 0; u < nt; u++)
             memcpy(ctx->xb + (size_t)(t0 + u) * dim + (size_t)g * kv_mul * hs,

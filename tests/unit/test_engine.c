@@ -2291,6 +2291,87 @@ static void test_matvec_attend(void **state)
     free(pool);
 }
 
+/* matvec_attend_rows_exact (a run of tokens' query rows of one KV head, in the lanes)
+ * against run.c's attention written out here, row by row, bit for bit, on both isas:
+ * rows x kv_mul 8 x 2 (4 tokens of stories260K's KV head), 4 x 1, 6 x 3, 1 x 1, 7 x 2 (a
+ * partial last token), 8 x 8 (one token), and 16 x 4 (no vector path); first positions
+ * n_lo 1..70 (runs ending inside and across blocks), blocks of 16 and 8 positions in a
+ * scattered order, the K/V pool at a row offset (koff, a KV head after the first), scores
+ * small and large (exponentials that underflow, libm's special cases). */
+static void test_matvec_attend_rows(void **state)
+{
+    const int shapes[][2] = {{8, 2}, {4, 1}, {6, 3}, {1, 1}, {7, 2}, {8, 8}, {16, 4}};
+    const int bss[] = {16, 8};
+    const kern_isa isas[] = {KERN_ISA_SCALAR, KERN_ISA_AVX2};
+    enum { HS = 8, MAXN = 70, NBLK = 16, NKV = 2 };
+    const size_t kv_dim = NKV * HS, koff = HS; /* the second of two KV heads */
+    float *pool = malloc((size_t)NBLK * 2 * 16 * kv_dim * sizeof(float));
+    float q[16 * HS], att[8 * 80], y[17 * HS], want[16 * HS], sc[80];
+    assert_non_null(pool);
+    int blocks[NBLK];
+    for (int b = 0; b < NBLK; b++)
+        blocks[b] = (b * 5 + 3) % NBLK; /* scattered */
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++)
+        for (size_t bi = 0; bi < 2; bi++)
+            for (int big = 0; big < 2; big++) {
+                const int nq = shapes[si][0], kv_mul = shapes[si][1], bs = bss[bi];
+                const size_t bf = 2 * (size_t)bs * kv_dim;
+                for (size_t i = 0; i < NBLK * bf; i++)
+                    pool[i] = frand() * (big ? 40.0f : 1.0f);
+                for (int i = 0; i < nq * HS; i++)
+                    q[i] = frand() * (big ? 30.0f : 1.0f);
+                const float scale = sqrtf((float)HS);
+                for (int n_lo = 1; n_lo <= MAXN; n_lo++) {
+                    for (int h = 0; h < nq; h++) { /* run.c, row h over its own positions */
+                        const int n = n_lo + h / kv_mul;
+                        for (int r = 0; r < n; r++) {
+                            const float *k =
+                                pool + blocks[r / bs] * bf + (size_t)(r % bs) * kv_dim + koff;
+                            float s = 0.0f;
+                            for (int i = 0; i < HS; i++)
+                                s += q[h * HS + i] * k[i];
+                            sc[r] = s / scale;
+                        }
+                        float mx = sc[0], sum = 0.0f;
+                        for (int r = 1; r < n; r++)
+                            if (sc[r] > mx)
+                                mx = sc[r];
+                        for (int r = 0; r < n; r++) {
+                            sc[r] = expf(sc[r] - mx);
+                            sum += sc[r];
+                        }
+                        for (int r = 0; r < n; r++)
+                            sc[r] /= sum;
+                        float *yh = want + h * HS;
+                        memset(yh, 0, HS * sizeof(float));
+                        for (int r = 0; r < n; r++) {
+                            const float *v = pool + blocks[r / bs] * bf + (size_t)bs * kv_dim +
+                                             (size_t)(r % bs) * kv_dim + koff;
+                            for (int i = 0; i < HS; i++)
+                                yh[i] += sc[r] * v[i];
+                        }
+                    }
+                    for (size_t ii = 0; ii < 2; ii++) {
+                        if (isas[ii] > kern_isa_detect())
+                            continue;
+#if defined(__GLIBC__) && defined(__x86_64__)
+                        assert_int_equal(matvec_attend_rows_vector(isas[ii], nq, HS),
+                                         isas[ii] >= KERN_ISA_AVX2 && nq <= 8);
+#endif
+                        for (int i = 0; i < 17 * HS; i++)
+                            y[i] = -1.0f;
+                        matvec_attend_rows_exact(isas[ii], q, nq, kv_mul, HS, pool, blocks, bf, bs,
+                                                 kv_dim, koff, n_lo, scale, att, y);
+                        if (memcmp(y, want, (size_t)nq * HS * sizeof(float)) != 0)
+                            fail_msg("attend rows %s %d x %d bs %d big %d n_lo %d differs",
+                                     kern_isa_name(isas[ii]), nq, kv_mul, bs, big, n_lo);
+                        assert_true(y[nq * HS] == -1.0f); /* no write past */
+                    }
+                }
+            }
+    free(pool);
+}
+
 /* matvec_expf against the C library's expf, bit for bit: a sweep of every 4093rd bit
  * pattern (both signs, NaNs and infinities included), the boundaries of glibc's special
  * cases (|x| near 88, the underflow below -103.97) and the softmax range [-30, 0] densely,
@@ -2923,6 +3004,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_matvec_vs_reference),
         cmocka_unit_test(test_matvec_expf),
         cmocka_unit_test(test_matvec_attend),
+        cmocka_unit_test(test_matvec_attend_rows),
         cmocka_unit_test(test_model_small_t_paths),
         cmocka_unit_test(test_model_threads_isa),
         cmocka_unit_test(test_model_fast_greedy),
