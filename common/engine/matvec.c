@@ -406,8 +406,7 @@ void matvec_values(kern_isa isa, float *y, int n_q, const float *a, size_t a_str
         return;
     }
 #endif
-    for (int h = 0; h < n_q; h++)
-        kern_axpy_rows(isa, y + (size_t)h * n, a + (size_t)h * a_stride, x, x_stride, n_rows, n);
+    kern_axpy_heads(isa, y, n_q, (size_t)n, a, a_stride, x, x_stride, n_rows, n);
 }
 
 #ifdef KERN_HAVE_X86
@@ -607,6 +606,43 @@ void matvec_expf(kern_isa isa, const float *x, float *y, int n)
         y[i] = expf(x[i]);
 }
 
+#ifdef KERN_HAVE_X86
+static TGT void swiglu_avx2(float *h, const float *h2, int n)
+{
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(h + i);
+        const __m256 e = expf8(_mm256_xor_ps(v, sign)); /* expf(-val) */
+        v = _mm256_mul_ps(v, _mm256_div_ps(one, _mm256_add_ps(one, e)));
+        _mm256_storeu_ps(h + i, _mm256_mul_ps(v, _mm256_loadu_ps(h2 + i)));
+    }
+    for (; i < n; i++) { /* libm's expf: the same bits as expf8 (expf_vector_ok) */
+        float val = h[i];
+        val *= (1.0f / (1.0f + expf(-val)));
+        val *= h2[i];
+        h[i] = val;
+    }
+}
+#endif
+
+void matvec_swiglu(kern_isa isa, float *h, const float *h2, int n)
+{
+#ifdef KERN_HAVE_X86
+    if (isa >= KERN_ISA_AVX2 && expf_vector_ok()) {
+        swiglu_avx2(h, h2, n);
+        return;
+    }
+#endif
+    (void)isa;
+    for (int i = 0; i < n; i++) {
+        float val = h[i];
+        val *= (1.0f / (1.0f + expf(-val)));
+        val *= h2[i];
+        h[i] = val;
+    }
+}
+
 void matvec_softmax(kern_isa isa, float *x, int n, float scale)
 {
 #ifdef KERN_HAVE_X86
@@ -635,6 +671,60 @@ void matvec_softmax(kern_isa isa, float *x, int n, float scale)
     }
     for (int i = 0; i < n; i++)
         x[i] /= sum;
+}
+
+void matvec_softmax_rows(kern_isa isa, float *x, size_t stride, int nr, int n0, int per,
+                         float scale)
+{
+#ifdef KERN_HAVE_X86
+    if (isa >= KERN_ISA_AVX2) {
+        for (int h0 = 0; h0 < nr; h0 += 8) {
+            const int m = nr - h0 < 8 ? nr - h0 : 8;
+            float *row[8];
+            int len[8];
+            for (int k = 0; k < m; k++) {
+                row[k] = x + (size_t)(h0 + k) * stride;
+                len[k] = n0 + (h0 + k) / per;
+                div_avx2(row[k], len[k], scale);
+                const float max_val = max_avx2(row[k], len[k]);
+                sub_avx2(row[k], len[k], max_val);
+                matvec_expf(isa, row[k], row[k], len[k]);
+            }
+            /* the rows' serial sums side by side (8 independent chains, each in position
+             * order) over the positions all of them have, then each one's own tail */
+            float sum[8] = {0};
+            int common = len[0];
+            if (m == 8) {
+                for (int k = 1; k < 8; k++)
+                    common = len[k] < common ? len[k] : common;
+                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f, s4 = 0.0f, s5 = 0.0f, s6 = 0.0f,
+                      s7 = 0.0f;
+                for (int i = 0; i < common; i++) {
+                    s0 += row[0][i];
+                    s1 += row[1][i];
+                    s2 += row[2][i];
+                    s3 += row[3][i];
+                    s4 += row[4][i];
+                    s5 += row[5][i];
+                    s6 += row[6][i];
+                    s7 += row[7][i];
+                }
+                sum[0] = s0, sum[1] = s1, sum[2] = s2, sum[3] = s3;
+                sum[4] = s4, sum[5] = s5, sum[6] = s6, sum[7] = s7;
+            } else
+                common = 0;
+            for (int k = 0; k < m; k++) {
+                float sk = sum[k];
+                for (int i = common; i < len[k]; i++)
+                    sk += row[k][i];
+                div_avx2(row[k], len[k], sk);
+            }
+        }
+        return;
+    }
+#endif
+    for (int h = 0; h < nr; h++)
+        matvec_softmax(isa, x + (size_t)h * stride, n0 + h / per, scale);
 }
 
 // --- one decode token's attention, every head in one pass over its K and V rows

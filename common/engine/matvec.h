@@ -75,6 +75,13 @@ void matvec_values(kern_isa isa, float *y, int n_q, const float *a, size_t a_str
  * result is bit-identical to the scalar loop. */
 void matvec_softmax(kern_isa isa, float *x, int n, float scale);
 
+/* matvec_softmax of nr rows, row h (x + h * stride) of n0 + h / per >= 1 elements (the
+ * query rows of a run of tokens: per = the query heads of a token), bit for bit: with AVX2
+ * the rows' serial sums run 8 side by side (independent chains, each in position order)
+ * instead of one after another. */
+void matvec_softmax_rows(kern_isa isa, float *x, size_t stride, int nr, int n0, int per,
+                         float scale);
+
 /* One token's attention over n >= 1 positions of its sequence's paged K/V, every head,
  * run.c's order bit for bit: for head h (KV head h / kv_mul), the scores of
  * matvec_scores_exact over positions [0, n), matvec_softmax with scale, and y[h * hs + i]
@@ -122,6 +129,11 @@ int matvec_attend_rows_vector(kern_isa isa, int nq, int hs);
  * At first use the vector path is checked against libm's expf on a fixed sample of
  * inputs; if any differs (another C library), every call takes libm's expf. Thread-safe. */
 void matvec_expf(kern_isa isa, const float *x, float *y, int n);
+
+/* run.c's SwiGLU in place: h[i] = h[i] * (1 / (1 + expf(-h[i]))), then * h2[i], each
+ * operation rounded in that order, i in [0, n); bit for bit the scalar loop with libm's
+ * expf (AVX2: 8 lanes, matvec_expf's exponential). */
+void matvec_swiglu(kern_isa isa, float *h, const float *h2, int n);
 
 /* 1 if matvec_expf(isa, ...) takes the vector path (isa >= AVX2 on x86 and the first-use
  * check passed), 0 if it calls libm's expf. */
