@@ -374,6 +374,35 @@ void kern_axpy_rows(kern_isa isa, float *y, const float *a, const float *x, size
     axpy_rows_ref(y, a, x, x_stride, n_rows, n);
 }
 
+void kern_dot_heads(kern_isa isa, kern_order order, const float *q, int nq, size_t q_stride,
+                    const float *k, size_t k_stride, int n_rows, int n, float *out,
+                    size_t out_stride)
+{
+#ifdef KERN_HAVE_X86
+    if (isa >= KERN_ISA_AVX2 && order == KERN_ORDER_FAST && n % 8 == 0) {
+        kern_x86_dot_heads_fast_avx2(q, nq, q_stride, k, k_stride, n_rows, n, out, out_stride);
+        return;
+    }
+#endif
+    for (int h = 0; h < nq; h++)
+        kern_dot_rows(isa, order, q + (size_t)h * q_stride, k, k_stride, n_rows, n,
+                      out + (size_t)h * out_stride);
+}
+
+void kern_axpy_heads(kern_isa isa, float *y, int nq, size_t y_stride, const float *a,
+                     size_t a_stride, const float *x, size_t x_stride, int n_rows, int n)
+{
+#ifdef KERN_HAVE_X86
+    if (isa >= KERN_ISA_AVX2 && n % 32 == 0) {
+        kern_x86_axpy_heads_avx2(y, nq, y_stride, a, a_stride, x, x_stride, n_rows, n);
+        return;
+    }
+#endif
+    for (int h = 0; h < nq; h++)
+        kern_axpy_rows(isa, y + (size_t)h * y_stride, a + (size_t)h * a_stride, x, x_stride,
+                       n_rows, n);
+}
+
 /* ------------------------------------------------------------------------------------- */
 /* dispatch */
 

@@ -160,6 +160,16 @@ void kern_dot_rows(kern_isa isa, kern_order order, const float *q, const float *
                    int n_rows, int n, float *out);
 void kern_axpy_rows(kern_isa isa, float *y, const float *a, const float *x, size_t x_stride,
                     int n_rows, int n);
+/* The same for nq query heads that share the K/V rows (a KV head's query heads, the tokens
+ * of a prefill run): kern_dot_heads: out[h * out_stride + r] = dot(q + h * q_stride, k_r),
+ * bit for bit kern_dot_rows per head; kern_axpy_heads: kern_axpy_rows per head h on y + h *
+ * y_stride with weights a + h * a_stride, bit for bit. With AVX2 (FAST order, n % 8 == 0;
+ * axpy: n % 32 == 0) tiles of several heads share each K/V load; otherwise head by head. */
+void kern_dot_heads(kern_isa isa, kern_order order, const float *q, int nq, size_t q_stride,
+                    const float *k, size_t k_stride, int n_rows, int n, float *out,
+                    size_t out_stride);
+void kern_axpy_heads(kern_isa isa, float *y, int nq, size_t y_stride, const float *a,
+                     size_t a_stride, const float *x, size_t x_stride, int n_rows, int n);
 
 /* The single dot products of the reference kernels (n elements, orders above); exposed
  * for tests. q8: w_blocks are GGUF Q8_0 blocks, x_d/x_s an activation row quantized by

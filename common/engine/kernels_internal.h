@@ -91,6 +91,12 @@ void kern_x86_dot_rows_fast_avx2(const float *q, const float *k, size_t k_stride
                                  float *out);
 void kern_x86_axpy_rows_avx2(float *y, const float *a, const float *x, size_t x_stride, int n_rows,
                              int n);
+/* kern_dot_heads (FAST order, n % 8 == 0) and kern_axpy_heads (n % 32 == 0). */
+void kern_x86_dot_heads_fast_avx2(const float *q, int nq, size_t q_stride, const float *k,
+                                  size_t k_stride, int n_rows, int n, float *out,
+                                  size_t out_stride);
+void kern_x86_axpy_heads_avx2(float *y, int nq, size_t y_stride, const float *a, size_t a_stride,
+                              const float *x, size_t x_stride, int n_rows, int n);
 #endif
 
 #endif

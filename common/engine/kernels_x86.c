@@ -1034,6 +1034,126 @@ TGT void kern_x86_dot_rows_fast_avx2(const float *q, const float *k, size_t k_st
     }
 }
 
+/* The 8 row sums of v[0..8), each in kern_x86_hsum8's order ((a0 + a4) + (a2 + a6)) + ((a1
+ * + a5) + (a3 + a7)), as the 8 lanes of one register (lane k: v[k]'s): the halves of two
+ * registers added in one instruction, then the pairs, then the last add, so 8 sums cost ~12
+ * instructions instead of ~40. Addition commutes, so each lane's bits are hsum8's. */
+static inline __attribute__((always_inline)) TGT __m256 hsum8x8(const __m256 v[8])
+{
+    __m256 t[4]; /* t[p] = [lo(v[2p]) + hi(v[2p]) | lo(v[2p+1]) + hi(v[2p+1])] */
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++)
+        t[p] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x31));
+    /* u = [x0 + x2, x1 + x3] of each 4-lane sum: [u0 u2 | u1 u3] (2 lanes each) */
+    const __m256 u0 = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x44),
+                                    _mm256_shuffle_ps(t[0], t[1], 0xEE));
+    const __m256 u1 = _mm256_add_ps(_mm256_shuffle_ps(t[2], t[3], 0x44),
+                                    _mm256_shuffle_ps(t[2], t[3], 0xEE));
+    /* [s0 s2 s4 s6 | s1 s3 s5 s7] */
+    const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(u0, u1, 0x88), _mm256_shuffle_ps(u0, u1, 0xDD));
+    return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Scores of nq query rows (q_stride apart) against n_rows K rows in the FAST order
+ * (kern_dot_fast_f32 per score, bit for bit): tiles of 2 query rows x 4 K rows (8 chains;
+ * per 8 columns 6 loads for 8 FMAs, where one query row x 4 K rows loads 5 for 4), their 8
+ * sums reduced together (hsum8x8). n % 8 == 0. */
+TGT void kern_x86_dot_heads_fast_avx2(const float *q, int nq, size_t q_stride, const float *k,
+                                      size_t k_stride, int n_rows, int n, float *out,
+                                      size_t out_stride)
+{
+    int h = 0;
+    const int R4 = n_rows & ~3;
+    for (; h + 2 <= nq; h += 2) {
+        const float *q0 = q + (size_t)h * q_stride, *q1 = q0 + q_stride;
+        float *o0 = out + (size_t)h * out_stride, *o1 = o0 + out_stride;
+        for (int r = 0; r < R4; r += 4) {
+            const float *k0 = k + (size_t)r * k_stride;
+            __m256 acc[8];
+#pragma GCC unroll 8
+            for (int e = 0; e < 8; e++)
+                acc[e] = _mm256_setzero_ps();
+            for (int j = 0; j < n; j += 8) {
+                const __m256 a = _mm256_loadu_ps(q0 + j), b = _mm256_loadu_ps(q1 + j);
+#pragma GCC unroll 4
+                for (int e = 0; e < 4; e++) {
+                    const __m256 kv = _mm256_loadu_ps(k0 + (size_t)e * k_stride + j);
+                    acc[e] = _mm256_fmadd_ps(a, kv, acc[e]);
+                    acc[4 + e] = _mm256_fmadd_ps(b, kv, acc[4 + e]);
+                }
+            }
+            const __m256 sums = hsum8x8(acc);
+            _mm_storeu_ps(o0 + r, _mm256_castps256_ps128(sums));
+            _mm_storeu_ps(o1 + r, _mm256_extractf128_ps(sums, 1));
+        }
+        if (R4 < n_rows) {
+            kern_x86_dot_rows_fast_avx2(q0, k + (size_t)R4 * k_stride, k_stride, n_rows - R4, n,
+                                        o0 + R4);
+            kern_x86_dot_rows_fast_avx2(q1, k + (size_t)R4 * k_stride, k_stride, n_rows - R4, n,
+                                        o1 + R4);
+        }
+    }
+    if (h < nq)
+        kern_x86_dot_rows_fast_avx2(q + (size_t)h * q_stride, k, k_stride, n_rows, n,
+                                    out + (size_t)h * out_stride);
+}
+
+/* NH heads x 32 columns from i0 of kern_x86_axpy_heads_avx2: 4 * NH sums in registers, each
+ * V load shared by the NH heads. */
+static inline __attribute__((always_inline)) TGT void
+axpy_heads_tile(const int NH, float *y, size_t y_stride, const float *a, size_t a_stride,
+                const float *x, size_t x_stride, int n_rows, int i0)
+{
+    __m256 acc[3][4];
+#pragma GCC unroll 3
+    for (int h = 0; h < NH; h++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++)
+            acc[h][c] = _mm256_loadu_ps(y + (size_t)h * y_stride + i0 + 8 * c);
+    for (int r = 0; r < n_rows; r++) {
+        const float *xr = x + (size_t)r * x_stride + i0;
+        __m256 v[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++)
+            v[c] = _mm256_loadu_ps(xr + 8 * c);
+#pragma GCC unroll 3
+        for (int h = 0; h < NH; h++) {
+            const __m256 ar = _mm256_broadcast_ss(a + (size_t)h * a_stride + r);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++)
+                acc[h][c] = _mm256_add_ps(acc[h][c], _mm256_mul_ps(ar, v[c]));
+        }
+    }
+#pragma GCC unroll 3
+    for (int h = 0; h < NH; h++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++)
+            _mm256_storeu_ps(y + (size_t)h * y_stride + i0 + 8 * c, acc[h][c]);
+}
+
+/* kern_x86_axpy_rows_avx2 for nq heads at once (head h: y + h * y_stride, weights a + h *
+ * a_stride, the same rows x): 3 heads x 32 columns per pass over the rows (12 sums; per row
+ * 4 loads and 3 broadcasts for 24 operations, where one head loads 8 for 16). n % 32 == 0.
+ * Per element the same operations in the same order. */
+TGT void kern_x86_axpy_heads_avx2(float *y, int nq, size_t y_stride, const float *a,
+                                  size_t a_stride, const float *x, size_t x_stride, int n_rows,
+                                  int n)
+{
+    for (int i0 = 0; i0 < n; i0 += 32) {
+        int h = 0;
+        for (; h + 3 <= nq; h += 3)
+            axpy_heads_tile(3, y + (size_t)h * y_stride, y_stride, a + (size_t)h * a_stride,
+                            a_stride, x, x_stride, n_rows, i0);
+        if (nq - h == 2)
+            axpy_heads_tile(2, y + (size_t)h * y_stride, y_stride, a + (size_t)h * a_stride,
+                            a_stride, x, x_stride, n_rows, i0);
+        else if (nq - h == 1)
+            axpy_heads_tile(1, y + (size_t)h * y_stride, y_stride, a + (size_t)h * a_stride,
+                            a_stride, x, x_stride, n_rows, i0);
+    }
+}
+
 /* y stays in registers for 64 elements at a time while the rows stream by. */
 TGT void kern_x86_axpy_rows_avx2(float *y, const float *a, const float *x, size_t x_stride,
                                  int n_rows, int n)

@@ -406,8 +406,7 @@ void matvec_values(kern_isa isa, float *y, int n_q, const float *a, size_t a_str
         return;
     }
 #endif
-    for (int h = 0; h < n_q; h++)
-        kern_axpy_rows(isa, y + (size_t)h * n, a + (size_t)h * a_stride, x, x_stride, n_rows, n);
+    kern_axpy_heads(isa, y, n_q, (size_t)n, a, a_stride, x, x_stride, n_rows, n);
 }
 
 #ifdef KERN_HAVE_X86
@@ -498,27 +497,46 @@ static TGT inline __m128 expf4(__m128 x)
     return _mm256_cvtpd_ps(_mm256_mul_pd(y, _mm256_castsi256_pd(t)));
 }
 
+/* glibc's expf returns +0 below this (log(0x1p-150), its __math_uflowf), -inf included */
+#define EXPF_UFLOW -0x1.9fe368p6f
+
+/* 8 lanes of expf: expf4 on each half. Of the lanes glibc's special-case test (top12(x) &
+ * 0x7ff >= top12(88.0f)) sends to its slow path, those below EXPF_UFLOW get its +0 here
+ * and those in [EXPF_UFLOW, -88] its main path, which it falls through to (the softmax's
+ * scores far below the row's max: taking libm's expf for them was ~13% of a stories260K
+ * prefill); only NaN and x >= 88 call libm's expf. */
+static TGT inline __m256 expf8(__m256 v)
+{
+    const __m256i top = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(v), 20),
+                                         _mm256_set1_epi32(0x7ff));
+    const __m256 special = _mm256_castsi256_ps(_mm256_cmpgt_epi32(top, _mm256_set1_epi32(0x42a)));
+    const __m128 lo = expf4(_mm256_castps256_ps128(v)), hi = expf4(_mm256_extractf128_ps(v, 1));
+    __m256 y = _mm256_set_m128(hi, lo);
+    if (__builtin_expect(_mm256_movemask_ps(special) != 0, 0)) {
+        /* x < EXPF_UFLOW (false for NaN): +0 */
+        y = _mm256_andnot_ps(_mm256_cmp_ps(v, _mm256_set1_ps(EXPF_UFLOW), _CMP_LT_OQ), y);
+        /* NaN or x >= 88 (x <= -88 is not: its sign bit is set): libm */
+        const int slow = _mm256_movemask_ps(_mm256_and_ps(
+            special, _mm256_or_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q),
+                                  _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GT_OQ))));
+        if (slow) {
+            float in[8], out[8];
+            _mm256_storeu_ps(in, v);
+            _mm256_storeu_ps(out, y);
+            for (int e = 0; e < 8; e++)
+                if (slow >> e & 1)
+                    out[e] = expf(in[e]);
+            y = _mm256_loadu_ps(out);
+        }
+    }
+    return y;
+}
+
 static TGT void expf_avx2(const float *x, float *y, int n)
 {
     int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(x + i);
-        /* glibc's special-case test: top12(x) & 0x7ff > top12(88.0f) */
-        const __m256i top = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(v), 20),
-                                             _mm256_set1_epi32(0x7ff));
-        const int special =
-            _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(top, _mm256_set1_epi32(0x42a))));
-        const __m128 lo = expf4(_mm256_castps256_ps128(v)), hi = expf4(_mm256_extractf128_ps(v, 1));
-        if (!special) {
-            _mm256_storeu_ps(y + i, _mm256_set_m128(hi, lo));
-            continue;
-        }
-        float tmp[8];
-        _mm_storeu_ps(tmp, lo);
-        _mm_storeu_ps(tmp + 4, hi);
-        for (int e = 0; e < 8; e++)
-            y[i + e] = special >> e & 1 ? expf(x[i + e]) : tmp[e];
-    }
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, expf8(_mm256_loadu_ps(x + i)));
     if (i < n) { /* the tail through the vector path too (padded with zeros) */
         float in[8] = {0}, out[8];
         memcpy(in, x + i, (size_t)(n - i) * sizeof(float));
@@ -535,16 +553,27 @@ static int expf_vector_ok(void)
     int st = atomic_load_explicit(&expf_state, memory_order_relaxed);
     if (st)
         return st > 0;
-    /* a fixed sample: a sweep of [-104, 89] and the region softmax uses most, [-20, 0] */
-    enum { N = 4096 };
-    float x[N], got[N];
+    /* a fixed sample: a sweep of [-104, 89], the region softmax uses most, [-20, 0], and the
+     * 128 floats on each side of the underflow bounds of glibc's expf (EXPF_UFLOW, its +0;
+     * log(0x1p-149), its optional __math_may_uflowf) and of -88: expf8 takes these lanes
+     * itself */
+    enum { N = 4096, B = 256 };
+    float x[N + 3 * B], got[N + 3 * B];
     for (int i = 0; i < N / 2; i++) {
         x[i] = -104.0f + 193.0f * (float)i / (float)(N / 2);
         x[N / 2 + i] = -20.0f * (float)i / (float)(N / 2) - 1e-7f * (float)(i % 7);
     }
-    expf_avx2(x, got, N);
+    const float bounds[3] = {EXPF_UFLOW, -0x1.9d1d9ep6f, -88.0f};
+    for (int b = 0; b < 3; b++)
+        for (int i = 0; i < B; i++) {
+            uint32_t u;
+            memcpy(&u, &bounds[b], sizeof(u));
+            u = u - B / 2 + (uint32_t)i;
+            memcpy(&x[N + b * B + i], &u, sizeof(u));
+        }
+    expf_avx2(x, got, N + 3 * B);
     st = 1;
-    for (int i = 0; i < N; i++) {
+    for (int i = 0; i < N + 3 * B; i++) {
         float want = expf(x[i]);
         if (memcmp(&want, &got[i], sizeof(float)) != 0)
             st = -1;
@@ -577,6 +606,43 @@ void matvec_expf(kern_isa isa, const float *x, float *y, int n)
         y[i] = expf(x[i]);
 }
 
+#ifdef KERN_HAVE_X86
+static TGT void swiglu_avx2(float *h, const float *h2, int n)
+{
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(h + i);
+        const __m256 e = expf8(_mm256_xor_ps(v, sign)); /* expf(-val) */
+        v = _mm256_mul_ps(v, _mm256_div_ps(one, _mm256_add_ps(one, e)));
+        _mm256_storeu_ps(h + i, _mm256_mul_ps(v, _mm256_loadu_ps(h2 + i)));
+    }
+    for (; i < n; i++) { /* libm's expf: the same bits as expf8 (expf_vector_ok) */
+        float val = h[i];
+        val *= (1.0f / (1.0f + expf(-val)));
+        val *= h2[i];
+        h[i] = val;
+    }
+}
+#endif
+
+void matvec_swiglu(kern_isa isa, float *h, const float *h2, int n)
+{
+#ifdef KERN_HAVE_X86
+    if (isa >= KERN_ISA_AVX2 && expf_vector_ok()) {
+        swiglu_avx2(h, h2, n);
+        return;
+    }
+#endif
+    (void)isa;
+    for (int i = 0; i < n; i++) {
+        float val = h[i];
+        val *= (1.0f / (1.0f + expf(-val)));
+        val *= h2[i];
+        h[i] = val;
+    }
+}
+
 void matvec_softmax(kern_isa isa, float *x, int n, float scale)
 {
 #ifdef KERN_HAVE_X86
@@ -605,6 +671,60 @@ void matvec_softmax(kern_isa isa, float *x, int n, float scale)
     }
     for (int i = 0; i < n; i++)
         x[i] /= sum;
+}
+
+void matvec_softmax_rows(kern_isa isa, float *x, size_t stride, int nr, int n0, int per,
+                         float scale)
+{
+#ifdef KERN_HAVE_X86
+    if (isa >= KERN_ISA_AVX2) {
+        for (int h0 = 0; h0 < nr; h0 += 8) {
+            const int m = nr - h0 < 8 ? nr - h0 : 8;
+            float *row[8];
+            int len[8];
+            for (int k = 0; k < m; k++) {
+                row[k] = x + (size_t)(h0 + k) * stride;
+                len[k] = n0 + (h0 + k) / per;
+                div_avx2(row[k], len[k], scale);
+                const float max_val = max_avx2(row[k], len[k]);
+                sub_avx2(row[k], len[k], max_val);
+                matvec_expf(isa, row[k], row[k], len[k]);
+            }
+            /* the rows' serial sums side by side (8 independent chains, each in position
+             * order) over the positions all of them have, then each one's own tail */
+            float sum[8] = {0};
+            int common = len[0];
+            if (m == 8) {
+                for (int k = 1; k < 8; k++)
+                    common = len[k] < common ? len[k] : common;
+                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f, s4 = 0.0f, s5 = 0.0f, s6 = 0.0f,
+                      s7 = 0.0f;
+                for (int i = 0; i < common; i++) {
+                    s0 += row[0][i];
+                    s1 += row[1][i];
+                    s2 += row[2][i];
+                    s3 += row[3][i];
+                    s4 += row[4][i];
+                    s5 += row[5][i];
+                    s6 += row[6][i];
+                    s7 += row[7][i];
+                }
+                sum[0] = s0, sum[1] = s1, sum[2] = s2, sum[3] = s3;
+                sum[4] = s4, sum[5] = s5, sum[6] = s6, sum[7] = s7;
+            } else
+                common = 0;
+            for (int k = 0; k < m; k++) {
+                float sk = sum[k];
+                for (int i = common; i < len[k]; i++)
+                    sk += row[k][i];
+                div_avx2(row[k], len[k], sk);
+            }
+        }
+        return;
+    }
+#endif
+    for (int h = 0; h < nr; h++)
+        matvec_softmax(isa, x + (size_t)h * stride, n0 + h / per, scale);
 }
 
 // --- one decode token's attention, every head in one pass over its K and V rows
@@ -725,6 +845,148 @@ static TGT void attend_avx2(const float *q, int n_head, int kv_mul, const float 
             _mm256_storeu_ps(y + (size_t)h * 8, acc[h]);
 }
 #endif
+
+// --- a run of consecutive tokens' attention, its query rows in the lanes
+
+/* The definition: row h (query head h % kv_mul of token h / kv_mul) over positions
+ * [0, n_lo + h / kv_mul), as attend_ref's head: run.c's scores, softmax and values. */
+static void attend_rows_ref(const float *q, int nq, int kv_mul, int hs, const float *pool,
+                            const int *blocks, size_t block_floats, int bs, size_t kv_dim,
+                            size_t koff, int n_lo, float scale, float *att, float *y)
+{
+    for (int h = 0; h < nq; h++) {
+        const int n = n_lo + h / kv_mul;
+        for (int r = 0; r < n; r++) {
+            const float *k =
+                pool + (size_t)blocks[r / bs] * block_floats + (size_t)(r % bs) * kv_dim + koff;
+            scores_ref(q + (size_t)h * hs, 1, k, 0, 0, 1, hs, att + r, 0);
+        }
+        matvec_softmax(KERN_ISA_SCALAR, att, n, scale);
+        float *yh = y + (size_t)h * hs;
+        memset(yh, 0, (size_t)hs * sizeof(float));
+        for (int r = 0; r < n; r++) {
+            const float *v = pool + (size_t)blocks[r / bs] * block_floats + (size_t)bs * kv_dim +
+                             (size_t)(r % bs) * kv_dim + koff;
+            for (int i = 0; i < hs; i++)
+                yh[i] += att[r] * v[i];
+        }
+    }
+}
+
+#ifdef KERN_HAVE_X86
+/* hs == 8, nq <= 8: lane h is row h's serial chains throughout. Per position r, the score
+ * of every row is sum_j qt[j] * k_r[j] (qt: the rows transposed once, so no K transpose),
+ * / scale, and the running max lane by lane (m = s > m ? s : m, run.c's test); then
+ * expf(s - m) and the sum, one add per position per lane; then a = e / sum and the
+ * values y[h][i] = y[h][i] + a[h] * v_r[i] as 8 registers (one per i) transposed at the
+ * end. Positions [n_lo, n_hi) belong to some rows only: there the other lanes keep their
+ * max, get e = 0 (their sum, >= 1, is unchanged by it) and keep their values (blend). */
+static TGT void attend_rows_avx2(const float *q, int nq, int kv_mul, const float *pool,
+                                 const int *blocks, size_t block_floats, int bs, size_t kv_dim,
+                                 size_t koff, int n_lo, float scale, float *att, float *y)
+{
+    const int n_hi = n_lo + (nq - 1) / kv_mul;
+    __m256 qt[8];
+    int lens[8];
+#pragma GCC unroll 8
+    for (int h = 0; h < 8; h++) {
+        qt[h] = h < nq ? _mm256_loadu_ps(q + (size_t)h * 8) : _mm256_setzero_ps();
+        lens[h] = h < nq ? n_lo + h / kv_mul : n_lo;
+    }
+    transpose8(qt);
+    const __m256i len = _mm256_loadu_si256((const __m256i *)lens);
+    const __m256 sv = _mm256_set1_ps(scale);
+    __m256 m = _mm256_setzero_ps();
+    for (int s0 = 0; s0 < n_hi; s0 += bs) {
+        const float *kb = pool + (size_t)blocks[s0 / bs] * block_floats + koff;
+        const int re = n_hi - s0 < bs ? n_hi : s0 + bs;
+        for (int r = s0; r < re; r++) {
+            const float *k = kb + (size_t)(r - s0) * kv_dim;
+            __m256 s = _mm256_setzero_ps();
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++)
+                s = _mm256_add_ps(s, _mm256_mul_ps(qt[j], _mm256_broadcast_ss(k + j)));
+            s = _mm256_div_ps(s, sv);
+            _mm256_storeu_ps(att + (size_t)r * 8, s);
+            if (r == 0)
+                m = s;
+            else if (r < n_lo)
+                m = _mm256_max_ps(s, m); /* s > m ? s : m */
+            else
+                m = _mm256_blendv_ps(
+                    m, _mm256_max_ps(s, m),
+                    _mm256_castsi256_ps(_mm256_cmpgt_epi32(len, _mm256_set1_epi32(r))));
+        }
+    }
+    __m256 sum = _mm256_setzero_ps();
+    for (int r = 0; r < n_hi; r++) {
+        __m256 d = _mm256_sub_ps(_mm256_loadu_ps(att + (size_t)r * 8), m);
+        __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(len, _mm256_set1_epi32(r)));
+        if (r >= n_lo)
+            d = _mm256_and_ps(d, valid); /* expf(0) in the lanes past their row */
+        __m256 e = expf8(d);
+        if (r >= n_lo)
+            e = _mm256_and_ps(e, valid);
+        _mm256_storeu_ps(att + (size_t)r * 8, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++)
+        acc[i] = _mm256_setzero_ps();
+    /* the positions of every row (no mask: 8 sums, a and a broadcast in registers) */
+    for (int s0 = 0; s0 < n_lo; s0 += bs) {
+        const float *vb = pool + (size_t)blocks[s0 / bs] * block_floats + (size_t)bs * kv_dim + koff;
+        const int re = n_lo - s0 < bs ? n_lo : s0 + bs;
+        for (int r = s0; r < re; r++) {
+            const float *v = vb + (size_t)(r - s0) * kv_dim;
+            const __m256 a = _mm256_div_ps(_mm256_loadu_ps(att + (size_t)r * 8), sum);
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++)
+                acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(a, _mm256_broadcast_ss(v + i)));
+        }
+    }
+    for (int r = n_lo; r < n_hi; r++) { /* then those of some rows only */
+        const float *v = pool + (size_t)blocks[r / bs] * block_floats + (size_t)bs * kv_dim +
+                         (size_t)(r % bs) * kv_dim + koff;
+        const __m256 a = _mm256_div_ps(_mm256_loadu_ps(att + (size_t)r * 8), sum);
+        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(len, _mm256_set1_epi32(r)));
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++)
+            acc[i] = _mm256_blendv_ps(
+                acc[i], _mm256_add_ps(acc[i], _mm256_mul_ps(a, _mm256_broadcast_ss(v + i))), valid);
+    }
+    transpose8(acc);
+    for (int h = 0; h < nq; h++)
+        _mm256_storeu_ps(y + (size_t)h * 8, acc[h]);
+}
+#endif
+
+int matvec_attend_rows_vector(kern_isa isa, int nq, int hs)
+{
+#ifdef KERN_HAVE_X86
+    return isa >= KERN_ISA_AVX2 && hs == 8 && nq >= 1 && nq <= 8 && expf_vector_ok();
+#else
+    (void)isa, (void)nq, (void)hs;
+    return 0;
+#endif
+}
+
+void matvec_attend_rows_exact(kern_isa isa, const float *q, int nq, int kv_mul, int hs,
+                              const float *pool, const int *blocks, size_t block_floats, int bs,
+                              size_t kv_dim, size_t koff, int n_lo, float scale, float *att,
+                              float *y)
+{
+#ifdef KERN_HAVE_X86
+    if (matvec_attend_rows_vector(isa, nq, hs)) {
+        attend_rows_avx2(q, nq, kv_mul, pool, blocks, block_floats, bs, kv_dim, koff, n_lo, scale,
+                         att, y);
+        return;
+    }
+#endif
+    attend_rows_ref(q, nq, kv_mul, hs, pool, blocks, block_floats, bs, kv_dim, koff, n_lo, scale,
+                    att, y);
+}
 
 int matvec_attend_vector(kern_isa isa, int n_head, int kv_mul, int hs, int bs)
 {

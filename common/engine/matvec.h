@@ -75,6 +75,13 @@ void matvec_values(kern_isa isa, float *y, int n_q, const float *a, size_t a_str
  * result is bit-identical to the scalar loop. */
 void matvec_softmax(kern_isa isa, float *x, int n, float scale);
 
+/* matvec_softmax of nr rows, row h (x + h * stride) of n0 + h / per >= 1 elements (the
+ * query rows of a run of tokens: per = the query heads of a token), bit for bit: with AVX2
+ * the rows' serial sums run 8 side by side (independent chains, each in position order)
+ * instead of one after another. */
+void matvec_softmax_rows(kern_isa isa, float *x, size_t stride, int nr, int n0, int per,
+                         float scale);
+
 /* One token's attention over n >= 1 positions of its sequence's paged K/V, every head,
  * run.c's order bit for bit: for head h (KV head h / kv_mul), the scores of
  * matvec_scores_exact over positions [0, n), matvec_softmax with scale, and y[h * hs + i]
@@ -93,6 +100,27 @@ void matvec_attend_exact(kern_isa isa, const float *q, int n_head, int kv_mul, i
  * n_head <= 8 a multiple of kv_mul, bs a multiple of 8. */
 int matvec_attend_vector(kern_isa isa, int n_head, int kv_mul, int hs, int bs);
 
+/* The attention of nq query rows that share one KV head, run.c's order bit for bit: row h
+ * (query head h % kv_mul of token h / kv_mul of a run of consecutive tokens) attends to
+ * positions [0, n_lo + h / kv_mul), n_lo >= 1 (a run of prefill or MTP-verify tokens, the
+ * first at position n_lo - 1). For each row: scores q_h . k_r in the EXACT order, divided
+ * by scale, run.c's softmax (max, expf(s - max) summed in position order, / sum), then
+ * y[h * hs + i] = the sum of a[r] * v_r[i] in position order from 0. q is (nq, hs); y
+ * (nq, hs) is written. K row r (hs floats) at pool + blocks[r / bs] * block_floats +
+ * (r % bs) * kv_dim + koff, its V row bs * kv_dim floats after it (kvcache.h's layout).
+ * att: scratch of 8 * (n_lo + (nq - 1) / kv_mul) floats. When matvec_attend_rows_vector
+ * says so, the rows run in the 8 lanes (no transposes of K, every chain of the softmax
+ * and values advancing 8 rows at a time); otherwise the portable helpers row by row.
+ * Thread-safe. */
+void matvec_attend_rows_exact(kern_isa isa, const float *q, int nq, int kv_mul, int hs,
+                              const float *pool, const int *blocks, size_t block_floats, int bs,
+                              size_t kv_dim, size_t koff, int n_lo, float scale, float *att,
+                              float *y);
+
+/* 1 if matvec_attend_rows_exact takes its vector path: isa >= AVX2, hs == 8, 1 <= nq <= 8,
+ * and matvec_expf's vector path is in use (the C library's expf, matched). */
+int matvec_attend_rows_vector(kern_isa isa, int nq, int hs);
+
 /* y[i] = expf(x[i]) for i in [0, n), bit for bit the C library's expf (x and y may be the
  * same array). With AVX2 (and FMA) the lanes run glibc's expf algorithm (2.28 and later,
  * as its FMA build: the ARM optimized-routines method, k = round(x * 32 / ln 2), a 32-entry
@@ -101,6 +129,11 @@ int matvec_attend_vector(kern_isa isa, int n_head, int kv_mul, int hs, int bs);
  * At first use the vector path is checked against libm's expf on a fixed sample of
  * inputs; if any differs (another C library), every call takes libm's expf. Thread-safe. */
 void matvec_expf(kern_isa isa, const float *x, float *y, int n);
+
+/* run.c's SwiGLU in place: h[i] = h[i] * (1 / (1 + expf(-h[i]))), then * h2[i], each
+ * operation rounded in that order, i in [0, n); bit for bit the scalar loop with libm's
+ * expf (AVX2: 8 lanes, matvec_expf's exponential). */
+void matvec_swiglu(kern_isa isa, float *h, const float *h2, int n);
 
 /* 1 if matvec_expf(isa, ...) takes the vector path (isa >= AVX2 on x86 and the first-use
  * check passed), 0 if it calls libm's expf. */

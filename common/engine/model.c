@@ -534,7 +534,9 @@ model_ctx_t *model_ctx_new_params(const model_t *m, const model_ctx_params *p)
     ctx->hb2 = calloc(T * (size_t)c->hidden_dim, sizeof(float));
     ctx->q_d = calloc(T * (size_t)(wide / KERN_Q8_BLOCK + 1), sizeof(float));
     ctx->q_s = calloc(T * (size_t)wide, 1);
-    ctx->att_len = (size_t)c->n_head * (size_t)c->n_ctx; /* model_forward.c: runs of tokens */
+    /* model_forward.c: runs of tokens, n_head score rows of n_ctx (at least 8: the lanes of
+     * matvec_attend_rows_exact) */
+    ctx->att_len = (size_t)(c->n_head > 8 ? c->n_head : 8) * (size_t)c->n_ctx;
     ctx->att = calloc((size_t)ctx->n_threads * ctx->att_len, sizeof(float));
     ctx->scratch = calloc((size_t)ctx->n_threads * ctx->scratch_len, sizeof(float));
     ctx->rope = calloc(T * (size_t)c->head_dim, sizeof(float));

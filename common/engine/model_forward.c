@@ -145,23 +145,8 @@ static void mm_rows(mm_job *j, const seg_t *s, int r0, int r1, int ti)
         break;
     case POST_SWIGLU:
         product(ctx, s->w_up, s->wp_up, a, r0, r1, s->out_up, scratch);
-        for (int t = 0; t < a->T; t++) {
-            float *h = s->out[t];
-            const float *h2 = s->out_up[t];
-            float e[64]; /* expf(-h) of up to 64 rows: matvec_expf is libm's, bit for bit */
-            for (int i0 = r0; i0 < r1; i0 += 64) {
-                int m = r1 - i0 < 64 ? r1 - i0 : 64;
-                for (int i = 0; i < m; i++)
-                    e[i] = -h[i0 + i];
-                matvec_expf(ctx->isa, e, e, m);
-                for (int i = 0; i < m; i++) {
-                    float val = h[i0 + i];
-                    val *= (1.0f / (1.0f + e[i]));
-                    val *= h2[i0 + i];
-                    h[i0 + i] = val;
-                }
-            }
-        }
+        for (int t = 0; t < a->T; t++) /* libm's expf, bit for bit */
+            matvec_swiglu(ctx->isa, s->out[t] + r0, s->out_up[t] + r0, r1 - r0);
         break;
     }
 }
@@ -306,21 +291,27 @@ static void att_group(att_job *j, int t0, int nt, int g, float *att)
                    (size_t)kv_mul * hs * sizeof(float));
         q = qbuf;
     }
+    float *y = nt > 1 ? ybuf : ctx->xb + (size_t)t0 * dim + (size_t)g * kv_mul * hs;
+    const float scale = sqrtf(hs); /* run.c divides each score by sqrtf(head_size) */
+    if (ctx->order == KERN_ORDER_EXACT && matvec_attend_rows_vector(ctx->isa, nq, hs)) {
+        /* the run's nq rows in the lanes: softmax and values 8 rows per instruction
+         * (the per-head helpers below run each row's serial sums alone) */
+        matvec_attend_rows_exact(ctx->isa, q, nq, kv_mul, hs, kvcache_block_data(j->kv, j->layer, 0),
+                                 blocks, kvcache_block_bytes(j->kv) / sizeof(float), bs,
+                                 (size_t)kv_dim, koff, n_lo, scale, att, y);
+        goto out;
+    }
     for (int s0 = 0; s0 < n_hi; s0 += bs) {
         int rows = n_hi - s0 < bs ? n_hi - s0 : bs;
         const float *kb = kvcache_block_data(j->kv, j->layer, blocks[s0 / bs]) + koff;
         if (ctx->order == KERN_ORDER_EXACT) /* the nq heads together, rows in lanes */
             matvec_scores_exact(ctx->isa, q, nq, kb, (size_t)kv_dim, rows, hs, att + s0,
                                 att_len);
-        else
-            for (int h = 0; h < nq; h++)
-                kern_dot_rows(ctx->isa, ctx->order, q + (size_t)h * hs, kb, (size_t)kv_dim, rows,
-                              hs, att + h * att_len + s0);
+        else /* tiles of query heads x K rows */
+            kern_dot_heads(ctx->isa, ctx->order, q, nq, (size_t)hs, kb, (size_t)kv_dim, rows, hs,
+                           att + s0, att_len);
     }
-    const float scale = sqrtf(hs); /* run.c divides each score by sqrtf(head_size) */
-    for (int h = 0; h < nq; h++)
-        matvec_softmax(ctx->isa, att + h * att_len, n_lo + h / kv_mul, scale);
-    float *y = nt > 1 ? ybuf : ctx->xb + (size_t)t0 * dim + (size_t)g * kv_mul * hs;
+    matvec_softmax_rows(ctx->isa, att, att_len, nq, n_lo, kv_mul, scale);
     memset(y, 0, (size_t)nq * hs * sizeof(float));
     for (int s0 = 0; s0 < n_hi; s0 += bs) {
         int rows = n_hi - s0 < bs ? n_hi - s0 : bs;
@@ -338,6 +329,7 @@ static void att_group(att_job *j, int t0, int nt, int g, float *att)
                               vb + (size_t)r0 * kv_dim, (size_t)kv_dim, r1 - r0, hs);
         }
     }
+out:
     if (nt > 1)
         for (int u = 0; u < nt; u++)
             memcpy(ctx->xb + (size_t)(t0 + u) * dim + (size_t)g * kv_mul * hs,
@@ -395,6 +387,10 @@ static void att_worker(void *arg, int ti, int nth)
         int ch = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (ch >= j->n_chunks)
             break;
+        /* the last chunks first: in a prompt they hold the latest tokens, whose runs cost
+         * the most (causal: n_lo positions each), so the cheap ones come last and the
+         * threads finish together */
+        ch = j->n_chunks - 1 - ch;
         /* (token, KV head) pairs [p0, p1); a pair whose token starts a run (its index in
          * its item a multiple of nt_max) does the whole run, the others nothing */
         int p0 = ch * j->per_chunk, p1 = p0 + j->per_chunk;

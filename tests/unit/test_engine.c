@@ -1628,6 +1628,92 @@ static void test_kernels_attention(void **state)
     }
 }
 
+/* kern_dot_heads and kern_axpy_heads (several query heads over the same K/V rows, AVX2
+ * tiles of 2 heads x 4 rows and 3 heads x 32 columns) and matvec_softmax_rows (8 rows' sums
+ * side by side) against their definitions, bit for bit, on every instruction set: head
+ * counts 1..9 (partial tiles), rows 1..19 (partial 4-row tiles), n 8..200 (32-column
+ * tiles and not), strided heads; softmax rows of different lengths (n0 + h / per), large
+ * scores (underflowing exponentials). */
+static void test_kernels_attention_heads(void **state)
+{
+    const int ns[] = {8, 24, 32, 64, 96, 200};
+    enum { MAXH = 9, MAXR = 19, MAXN = 200, QS = MAXN + 8 };
+    static float q[MAXH * QS], k[MAXR * (MAXN + 16)], out[MAXH * 24], a[MAXH * 24];
+    static float y[MAXH * QS], yref[MAXH * QS], sm[MAXH * 80], smref[MAXH * 80], smsrc[MAXH * 80];
+    for (size_t ni = 0; ni < sizeof(ns) / sizeof(ns[0]); ni++) {
+        const int n = ns[ni];
+        const size_t ks = (size_t)n + 16;
+        for (int i = 0; i < MAXH * QS; i++)
+            q[i] = frand();
+        for (int i = 0; i < MAXR * (MAXN + 16); i++)
+            k[i] = frand();
+        for (int i = 0; i < MAXH * 24; i++)
+            a[i] = frand();
+        for (int nq = 1; nq <= MAXH; nq++)
+            for (int rows = 1; rows <= MAXR; rows += 3)
+                for (int isa = KERN_ISA_SCALAR; isa <= (int)best_isa(); isa++) {
+                    for (int order = KERN_ORDER_EXACT; order <= KERN_ORDER_FAST; order++) {
+                        kern_dot_heads((kern_isa)isa, (kern_order)order, q, nq, QS, k, ks, rows, n,
+                                       out, 24);
+                        for (int h = 0; h < nq; h++)
+                            for (int r = 0; r < rows; r++) {
+                                const float *qh = q + (size_t)h * QS, *kr = k + (size_t)r * ks;
+                                float e = order == KERN_ORDER_FAST ? kern_dot_fast_f32(qh, kr, n)
+                                                                   : kern_dot_exact_f32(qh, kr, n);
+                                if (memcmp(&e, &out[h * 24 + r], sizeof(float)) != 0)
+                                    fail_msg("dot_heads %s %s n %d heads %d rows %d: head %d row "
+                                             "%d differs",
+                                             kern_isa_name((kern_isa)isa), order ? "fast" : "exact",
+                                             n, nq, rows, h, r);
+                            }
+                    }
+                    for (int i = 0; i < nq * QS; i++)
+                        y[i] = yref[i] = q[i];
+                    for (int h = 0; h < nq; h++) /* run.c: xb[i] += a * v[i], by position */
+                        for (int r = 0; r < rows; r++)
+                            for (int i = 0; i < n; i++)
+                                yref[h * QS + i] += a[h * 24 + r] * k[(size_t)r * ks + i];
+                    kern_axpy_heads((kern_isa)isa, y, nq, QS, a, 24, k, ks, rows, n);
+                    if (memcmp(y, yref, (size_t)nq * QS * sizeof(float)) != 0)
+                        fail_msg("axpy_heads %s n %d heads %d rows %d differs",
+                                 kern_isa_name((kern_isa)isa), n, nq, rows);
+                }
+    }
+    /* softmax rows: n0 1..70, per 1..3, up to 9 rows; scores x40 for underflows */
+    const kern_isa isas[] = {KERN_ISA_SCALAR, KERN_ISA_AVX2};
+    for (int n0 = 1; n0 <= 70; n0 += 3)
+        for (int per = 1; per <= 3; per++)
+            for (int nr = 1; nr <= MAXH; nr++) {
+                for (int i = 0; i < MAXH * 80; i++)
+                    smsrc[i] = smref[i] = frand() * (n0 % 2 ? 40.0f : 1.0f);
+                for (int h = 0; h < nr; h++) { /* run.c */
+                    float *xr = smref + h * 80;
+                    const int m = n0 + h / per;
+                    for (int i = 0; i < m; i++)
+                        xr[i] /= sqrtf(8.0f);
+                    float mx = xr[0], sum = 0.0f;
+                    for (int i = 1; i < m; i++)
+                        if (xr[i] > mx)
+                            mx = xr[i];
+                    for (int i = 0; i < m; i++) {
+                        xr[i] = expf(xr[i] - mx);
+                        sum += xr[i];
+                    }
+                    for (int i = 0; i < m; i++)
+                        xr[i] /= sum;
+                }
+                for (size_t ii = 0; ii < 2; ii++) {
+                    if (isas[ii] > kern_isa_detect())
+                        continue;
+                    memcpy(sm, smsrc, sizeof(sm));
+                    matvec_softmax_rows(isas[ii], sm, 80, nr, n0, per, sqrtf(8.0f));
+                    if (memcmp(sm, smref, sizeof(sm)) != 0)
+                        fail_msg("softmax_rows %s n0 %d per %d rows %d differs",
+                                 kern_isa_name(isas[ii]), n0, per, nr);
+                }
+            }
+}
+
 /* The Q8X8 kernels of small T (1-3: batch 1 and the MTP verify shapes; kernels_x86_vnni.c
  * on AVX-512, kernels_x86.c q8x8 tiles on AVX2) and the T = 4, 5 past them, against the
  * single-dot reference, bit for bit, on every isa this CPU has: odd and even T, rows not a
@@ -2291,6 +2377,119 @@ static void test_matvec_attend(void **state)
     free(pool);
 }
 
+/* matvec_attend_rows_exact (a run of tokens' query rows of one KV head, in the lanes)
+ * against run.c's attention written out here, row by row, bit for bit, on both isas:
+ * rows x kv_mul 8 x 2 (4 tokens of stories260K's KV head), 4 x 1, 6 x 3, 1 x 1, 7 x 2 (a
+ * partial last token), 8 x 8 (one token), and 16 x 4 (no vector path); first positions
+ * n_lo 1..70 (runs ending inside and across blocks), blocks of 16 and 8 positions in a
+ * scattered order, the K/V pool at a row offset (koff, a KV head after the first), scores
+ * small and large (exponentials that underflow, libm's special cases). */
+static void test_matvec_attend_rows(void **state)
+{
+    const int shapes[][2] = {{8, 2}, {4, 1}, {6, 3}, {1, 1}, {7, 2}, {8, 8}, {16, 4}};
+    const int bss[] = {16, 8};
+    const kern_isa isas[] = {KERN_ISA_SCALAR, KERN_ISA_AVX2};
+    enum { HS = 8, MAXN = 70, NBLK = 16, NKV = 2 };
+    const size_t kv_dim = NKV * HS, koff = HS; /* the second of two KV heads */
+    float *pool = malloc((size_t)NBLK * 2 * 16 * kv_dim * sizeof(float));
+    float q[16 * HS], att[8 * 80], y[17 * HS], want[16 * HS], sc[80];
+    assert_non_null(pool);
+    int blocks[NBLK];
+    for (int b = 0; b < NBLK; b++)
+        blocks[b] = (b * 5 + 3) % NBLK; /* scattered */
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++)
+        for (size_t bi = 0; bi < 2; bi++)
+            for (int big = 0; big < 2; big++) {
+                const int nq = shapes[si][0], kv_mul = shapes[si][1], bs = bss[bi];
+                const size_t bf = 2 * (size_t)bs * kv_dim;
+                for (size_t i = 0; i < NBLK * bf; i++)
+                    pool[i] = frand() * (big ? 40.0f : 1.0f);
+                for (int i = 0; i < nq * HS; i++)
+                    q[i] = frand() * (big ? 30.0f : 1.0f);
+                const float scale = sqrtf((float)HS);
+                for (int n_lo = 1; n_lo <= MAXN; n_lo++) {
+                    for (int h = 0; h < nq; h++) { /* run.c, row h over its own positions */
+                        const int n = n_lo + h / kv_mul;
+                        for (int r = 0; r < n; r++) {
+                            const float *k =
+                                pool + blocks[r / bs] * bf + (size_t)(r % bs) * kv_dim + koff;
+                            float s = 0.0f;
+                            for (int i = 0; i < HS; i++)
+                                s += q[h * HS + i] * k[i];
+                            sc[r] = s / scale;
+                        }
+                        float mx = sc[0], sum = 0.0f;
+                        for (int r = 1; r < n; r++)
+                            if (sc[r] > mx)
+                                mx = sc[r];
+                        for (int r = 0; r < n; r++) {
+                            sc[r] = expf(sc[r] - mx);
+                            sum += sc[r];
+                        }
+                        for (int r = 0; r < n; r++)
+                            sc[r] /= sum;
+                        float *yh = want + h * HS;
+                        memset(yh, 0, HS * sizeof(float));
+                        for (int r = 0; r < n; r++) {
+                            const float *v = pool + blocks[r / bs] * bf + (size_t)bs * kv_dim +
+                                             (size_t)(r % bs) * kv_dim + koff;
+                            for (int i = 0; i < HS; i++)
+                                yh[i] += sc[r] * v[i];
+                        }
+                    }
+                    for (size_t ii = 0; ii < 2; ii++) {
+                        if (isas[ii] > kern_isa_detect())
+                            continue;
+#if defined(__GLIBC__) && defined(__x86_64__)
+                        assert_int_equal(matvec_attend_rows_vector(isas[ii], nq, HS),
+                                         isas[ii] >= KERN_ISA_AVX2 && nq <= 8);
+#endif
+                        for (int i = 0; i < 17 * HS; i++)
+                            y[i] = -1.0f;
+                        matvec_attend_rows_exact(isas[ii], q, nq, kv_mul, HS, pool, blocks, bf, bs,
+                                                 kv_dim, koff, n_lo, scale, att, y);
+                        if (memcmp(y, want, (size_t)nq * HS * sizeof(float)) != 0)
+                            fail_msg("attend rows %s %d x %d bs %d big %d n_lo %d differs",
+                                     kern_isa_name(isas[ii]), nq, kv_mul, bs, big, n_lo);
+                        assert_true(y[nq * HS] == -1.0f); /* no write past */
+                    }
+                }
+            }
+    free(pool);
+}
+
+/* matvec_swiglu against run.c's SwiGLU loop with libm's expf, bit for bit, on both isas:
+ * lengths 1..70 (vector body and tail), values small and up to +-120 (expf's overflow and
+ * underflow: 1 / (1 + inf) = 0), the gate's zeros of both signs. */
+static void test_matvec_swiglu(void **state)
+{
+    const kern_isa isas[] = {KERN_ISA_SCALAR, KERN_ISA_AVX2};
+    float h[72], h2[72], want[72], got[72];
+    for (int big = 0; big < 3; big++)
+        for (int n = 1; n <= 70; n++) {
+            for (int i = 0; i < n; i++) {
+                h[i] = frand() * (big == 2 ? 120.0f : big ? 12.0f : 1.0f);
+                h2[i] = frand() * 3.0f;
+            }
+            h[0] = n % 2 ? -0.0f : 0.0f;
+            for (int i = 0; i < n; i++) { /* run.c */
+                float val = h[i];
+                val *= (1.0f / (1.0f + expf(-val)));
+                val *= h2[i];
+                want[i] = val;
+            }
+            for (size_t ii = 0; ii < 2; ii++) {
+                if (isas[ii] > kern_isa_detect())
+                    continue;
+                memcpy(got, h, sizeof(float) * n);
+                got[n] = 7.0f;
+                matvec_swiglu(isas[ii], got, h2, n);
+                if (memcmp(got, want, sizeof(float) * n) != 0 || got[n] != 7.0f)
+                    fail_msg("swiglu %s n %d scale %d differs", kern_isa_name(isas[ii]), n, big);
+            }
+        }
+}
+
 /* matvec_expf against the C library's expf, bit for bit: a sweep of every 4093rd bit
  * pattern (both signs, NaNs and infinities included), the boundaries of glibc's special
  * cases (|x| near 88, the underflow below -103.97) and the softmax range [-30, 0] densely,
@@ -2914,6 +3113,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_kernels_prefill_blocked),
         cmocka_unit_test(test_kernels_q8_prefill),
         cmocka_unit_test(test_kernels_attention),
+        cmocka_unit_test(test_kernels_attention_heads),
         cmocka_unit_test(test_kernels_packed),
         cmocka_unit_test(test_kernels_avx512_fast),
         cmocka_unit_test(test_kernels_q8_extremes),
@@ -2923,6 +3123,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_matvec_vs_reference),
         cmocka_unit_test(test_matvec_expf),
         cmocka_unit_test(test_matvec_attend),
+        cmocka_unit_test(test_matvec_attend_rows),
+        cmocka_unit_test(test_matvec_swiglu),
         cmocka_unit_test(test_model_small_t_paths),
         cmocka_unit_test(test_model_threads_isa),
         cmocka_unit_test(test_model_fast_greedy),
