@@ -577,6 +577,64 @@ void matvec_expf(kern_isa isa, const float *x, float *y, int n)
         y[i] = expf(x[i]);
 }
 
+/* The definition: e = expf(-h) through matvec_expf in chunks, then the scalar loop. */
+static void swiglu_ref(kern_isa isa, float *h, const float *h2, int n)
+{
+    float e[64];
+    for (int i0 = 0; i0 < n; i0 += 64) {
+        int m = n - i0 < 64 ? n - i0 : 64;
+        for (int i = 0; i < m; i++)
+            e[i] = -h[i0 + i];
+        matvec_expf(isa, e, e, m);
+        for (int i = 0; i < m; i++) {
+            float val = h[i0 + i];
+            val *= (1.0f / (1.0f + e[i]));
+            val *= h2[i0 + i];
+            h[i0 + i] = val;
+        }
+    }
+}
+
+#ifdef KERN_HAVE_X86
+/* swiglu_ref's operations 8 lanes wide: -h by the sign bit (exact, as the unary minus),
+ * expf_avx2 over a 64-float chunk, then 1 + e, 1 / that, h * it, * h2. */
+static TGT void swiglu_avx2(float *h, const float *h2, int n)
+{
+    float e[64] __attribute__((aligned(32)));
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    for (int i0 = 0; i0 < n; i0 += 64) {
+        int m = n - i0 < 64 ? n - i0 : 64, i = 0;
+        for (; i + 8 <= m; i += 8)
+            _mm256_store_ps(e + i, _mm256_xor_ps(_mm256_loadu_ps(h + i0 + i), sign));
+        for (; i < m; i++)
+            e[i] = -h[i0 + i];
+        expf_avx2(e, e, m);
+        for (i = 0; i + 8 <= m; i += 8) {
+            __m256 val = _mm256_loadu_ps(h + i0 + i);
+            val = _mm256_mul_ps(val, _mm256_div_ps(one, _mm256_add_ps(one, _mm256_load_ps(e + i))));
+            _mm256_storeu_ps(h + i0 + i, _mm256_mul_ps(val, _mm256_loadu_ps(h2 + i0 + i)));
+        }
+        for (; i < m; i++) {
+            float val = h[i0 + i];
+            val *= (1.0f / (1.0f + e[i]));
+            val *= h2[i0 + i];
+            h[i0 + i] = val;
+        }
+    }
+}
+#endif
+
+void matvec_swiglu(kern_isa isa, float *h, const float *h2, int n)
+{
+#ifdef KERN_HAVE_X86
+    if (isa >= KERN_ISA_AVX2 && expf_vector_ok()) {
+        swiglu_avx2(h, h2, n);
+        return;
+    }
+#endif
+    swiglu_ref(isa, h, h2, n);
+}
+
 void matvec_softmax(kern_isa isa, float *x, int n, float scale)
 {
 #ifdef KERN_HAVE_X86

@@ -102,6 +102,14 @@ int matvec_attend_vector(kern_isa isa, int n_head, int kv_mul, int hs, int bs);
  * inputs; if any differs (another C library), every call takes libm's expf. Thread-safe. */
 void matvec_expf(kern_isa isa, const float *x, float *y, int n);
 
+/* SwiGLU's gate in place, run.c's arithmetic: h[i] = (h[i] * (1.0f / (1.0f + expf(-h[i])))) *
+ * h2[i] for i in [0, n), each operation rounded in that order (expf bit for bit libm's, as
+ * matvec_expf). With AVX2 the negation, divisions and products run 8 lanes wide (each
+ * element's operations unchanged: the same bits as the scalar loop, which stays as the
+ * reference for other isas); the scalar loop's divisions were a tenth of a stories260K
+ * prefill. h and h2 do not overlap. Thread-safe. */
+void matvec_swiglu(kern_isa isa, float *h, const float *h2, int n);
+
 /* 1 if matvec_expf(isa, ...) takes the vector path (isa >= AVX2 on x86 and the first-use
  * check passed), 0 if it calls libm's expf. */
 int matvec_expf_vector(kern_isa isa);

@@ -145,23 +145,8 @@ static void mm_rows(mm_job *j, const seg_t *s, int r0, int r1, int ti)
         break;
     case POST_SWIGLU:
         product(ctx, s->w_up, s->wp_up, a, r0, r1, s->out_up, scratch);
-        for (int t = 0; t < a->T; t++) {
-            float *h = s->out[t];
-            const float *h2 = s->out_up[t];
-            float e[64]; /* expf(-h) of up to 64 rows: matvec_expf is libm's, bit for bit */
-            for (int i0 = r0; i0 < r1; i0 += 64) {
-                int m = r1 - i0 < 64 ? r1 - i0 : 64;
-                for (int i = 0; i < m; i++)
-                    e[i] = -h[i0 + i];
-                matvec_expf(ctx->isa, e, e, m);
-                for (int i = 0; i < m; i++) {
-                    float val = h[i0 + i];
-                    val *= (1.0f / (1.0f + e[i]));
-                    val *= h2[i0 + i];
-                    h[i0 + i] = val;
-                }
-            }
-        }
+        for (int t = 0; t < a->T; t++) /* expf is libm's, bit for bit */
+            matvec_swiglu(ctx->isa, s->out[t] + r0, s->out_up[t] + r0, r1 - r0);
         break;
     }
 }
