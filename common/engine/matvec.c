@@ -665,6 +665,59 @@ void matvec_softmax(kern_isa isa, float *x, int n, float scale)
         x[i] /= sum;
 }
 
+#ifdef KERN_HAVE_X86
+/* matvec_softmax_rows' vector path (the conditions checked by the caller); S: the padded
+ * row length. The per-row steps are matvec_softmax's; the sums as attend_avx2's. */
+static TGT void softmax_rows_avx2(float *att, size_t stride, int n_rows, const int *n, int S,
+                                  float scale)
+{
+    for (int h = 0; h < n_rows; h++) {
+        float *a = att + (size_t)h * stride;
+        div_avx2(a, n[h], scale);
+        const float m = max_avx2(a, n[h]);
+        sub_avx2(a, n[h], m);
+        for (int i = n[h]; i < S; i++)
+            a[i] = 0.0f; /* expf(0): no special case in the padding */
+        expf_avx2(a, a, S);
+        for (int i = n[h]; i < S; i++)
+            a[i] = 0.0f;
+    }
+    __m256 sum = _mm256_setzero_ps();
+    for (int i0 = 0; i0 < S; i0 += 8) {
+        __m256 rows[8];
+#pragma GCC unroll 8
+        for (int h = 0; h < 8; h++)
+            rows[h] = h < n_rows ? _mm256_loadu_ps(att + (size_t)h * stride + i0)
+                                 : _mm256_setzero_ps();
+        transpose8(rows);
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++)
+            sum = _mm256_add_ps(sum, rows[k]);
+    }
+    float sums[8] __attribute__((aligned(32)));
+    _mm256_store_ps(sums, sum);
+    for (int h = 0; h < n_rows; h++)
+        div_avx2(att + (size_t)h * stride, n[h], sums[h]);
+}
+#endif
+
+void matvec_softmax_rows(kern_isa isa, float *att, size_t stride, int n_rows, const int *n,
+                         float scale)
+{
+#ifdef KERN_HAVE_X86
+    int nmax = 0;
+    for (int h = 0; h < n_rows; h++)
+        nmax = n[h] > nmax ? n[h] : nmax;
+    const int S = (nmax + 7) & ~7;
+    if (isa >= KERN_ISA_AVX2 && n_rows <= 8 && (size_t)S <= stride && expf_vector_ok()) {
+        softmax_rows_avx2(att, stride, n_rows, n, S, scale);
+        return;
+    }
+#endif
+    for (int h = 0; h < n_rows; h++)
+        matvec_softmax(isa, att + (size_t)h * stride, n[h], scale);
+}
+
 // --- one decode token's attention, every head in one pass over its K and V rows
 
 /* The definition: per head, matvec_scores_exact's chains block by block, run.c's softmax

@@ -75,6 +75,18 @@ void matvec_values(kern_isa isa, float *y, int n_q, const float *a, size_t a_str
  * result is bit-identical to the scalar loop. */
 void matvec_softmax(kern_isa isa, float *x, int n, float scale);
 
+/* matvec_softmax of n_rows rows at once: row h (att + h * stride) holds n[h] >= 1 scores
+ * and gets exactly matvec_softmax(isa, row, n[h], scale). With AVX2, n_rows <= 8 and
+ * ((max n[h]) + 7) & ~7 <= stride (a row may then be overwritten up to that padded length:
+ * its floats past n[h] are scratch), the rows' exponentials are summed as the lanes of one
+ * register (8 positions transposed at a time, added in position order: each lane is its
+ * row's serial sum, the zeros of the padding leave a positive sum unchanged), not one
+ * scalar chain of dependent adds per row: a prompt's attention (att_group's rows) spent
+ * about a twentieth of a 75-token stories260K prefill in those chains. Otherwise
+ * matvec_softmax row by row. Thread-safe. */
+void matvec_softmax_rows(kern_isa isa, float *att, size_t stride, int n_rows, const int *n,
+                         float scale);
+
 /* One token's attention over n >= 1 positions of its sequence's paged K/V, every head,
  * run.c's order bit for bit: for head h (KV head h / kv_mul), the scores of
  * matvec_scores_exact over positions [0, n), matvec_softmax with scale, and y[h * hs + i]

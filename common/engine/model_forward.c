@@ -303,8 +303,12 @@ static void att_group(att_job *j, int t0, int nt, int g, float *att)
                               hs, att + h * att_len + s0);
     }
     const float scale = sqrtf(hs); /* run.c divides each score by sqrtf(head_size) */
-    for (int h = 0; h < nq; h++)
-        matvec_softmax(ctx->isa, att + h * att_len, n_lo + h / kv_mul, scale);
+    for (int h0 = 0; h0 < nq; h0 += 8) { /* 8 rows' sums in the lanes of one register */
+        int lens[8], nr = nq - h0 < 8 ? nq - h0 : 8;
+        for (int h = 0; h < nr; h++)
+            lens[h] = n_lo + (h0 + h) / kv_mul;
+        matvec_softmax_rows(ctx->isa, att + h0 * att_len, att_len, nr, lens, scale);
+    }
     float *y = nt > 1 ? ybuf : ctx->xb + (size_t)t0 * dim + (size_t)g * kv_mul * hs;
     memset(y, 0, (size_t)nq * hs * sizeof(float));
     for (int s0 = 0; s0 < n_hi; s0 += bs) {

@@ -2348,6 +2348,59 @@ static void test_matvec_expf(void **state)
     }
 }
 
+/* matvec_softmax_rows against run.c's softmax per row, bit for bit, on both isas: 1..9
+ * rows (9: row by row), row lengths 1..70 as att_group makes them (consecutive tokens'
+ * kv_mul heads: equal pairs, each pair one longer) and unrelated, scores small and far
+ * apart (exponentials that underflow to 0), the maximum first or repeated; strides 72 and
+ * 70 (70 cannot hold the padded row of length 70: row by row). */
+static void test_matvec_softmax_rows(void **state)
+{
+    const kern_isa isas[] = {KERN_ISA_SCALAR, KERN_ISA_AVX2};
+    enum { MAXR = 9, STRIDE = 72 };
+    float att[MAXR * STRIDE], want[MAXR * STRIDE];
+    int n[MAXR];
+    const float scale = sqrtf(8.0f);
+    for (size_t ii = 0; ii < 2; ii++) {
+        if (isas[ii] == KERN_ISA_AVX2 && kern_isa_detect() < KERN_ISA_AVX2)
+            continue;
+        for (int stride = STRIDE; stride >= 70; stride -= 2)
+            for (int rows = 1; rows <= MAXR; rows++)
+                for (int len = 1; len <= 70; len += len < 10 ? 1 : 7)
+                    for (int kind = 0; kind < 4; kind++) {
+                        for (int h = 0; h < rows; h++) {
+                            n[h] = kind % 2 ? 1 + (len * 7 + h * 13) % 70 : len + h / 2;
+                            if (n[h] > 70)
+                                n[h] = 70;
+                            float *a = att + h * stride, *w = want + h * stride;
+                            for (int i = 0; i < stride; i++)
+                                a[i] = frand() * (kind >= 2 ? 400.0f : 6.0f);
+                            if (kind == 3)
+                                a[0] = a[n[h] / 2] = 40.0f;
+                            memcpy(w, a, sizeof(float) * (size_t)n[h]);
+                            for (int i = 0; i < n[h]; i++) /* run.c */
+                                w[i] /= scale;
+                            float mx = w[0], sum = 0.0f;
+                            for (int i = 1; i < n[h]; i++)
+                                if (w[i] > mx)
+                                    mx = w[i];
+                            for (int i = 0; i < n[h]; i++) {
+                                w[i] = expf(w[i] - mx);
+                                sum += w[i];
+                            }
+                            for (int i = 0; i < n[h]; i++)
+                                w[i] /= sum;
+                        }
+                        matvec_softmax_rows(isas[ii], att, (size_t)stride, rows, n, scale);
+                        for (int h = 0; h < rows; h++)
+                            if (memcmp(want + h * stride, att + h * stride,
+                                       sizeof(float) * (size_t)n[h]) != 0)
+                                fail_msg("softmax rows %s stride %d rows %d len %d kind %d: row "
+                                         "%d (n %d) differs",
+                                         kern_isa_name(isas[ii]), stride, rows, len, kind, h, n[h]);
+                    }
+    }
+}
+
 /* matvec_swiglu against run.c's SwiGLU loop written out with libm's expf, bit for bit, on
  * both isas: lengths 1..70 and 172 (stories260K's hidden size: 64-float chunks, vector
  * body and scalar tail), gates small, large (|h| > 88: libm's special cases, 1 + e
@@ -2955,6 +3008,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_matvec_vs_reference),
         cmocka_unit_test(test_matvec_expf),
         cmocka_unit_test(test_matvec_swiglu),
+        cmocka_unit_test(test_matvec_softmax_rows),
         cmocka_unit_test(test_matvec_attend),
         cmocka_unit_test(test_model_small_t_paths),
         cmocka_unit_test(test_model_threads_isa),
