@@ -2401,6 +2401,48 @@ static void test_matvec_softmax_rows(void **state)
     }
 }
 
+/* matvec_rmsnorm against run.c's rmsnorm written out, bit for bit, on both isas: 1..19 rows
+ * (full and partial groups of 8), widths 8, 64, 72 and 12 (not a multiple of 8: the
+ * reference), values small, large (sums that overflow to inf: a zero row out) and tiny
+ * (eps dominates). */
+static void test_matvec_rmsnorm(void **state)
+{
+    const kern_isa isas[] = {KERN_ISA_SCALAR, KERN_ISA_AVX2};
+    const int ns[] = {8, 64, 72, 12};
+    enum { MAXT = 19, MAXN = 72 };
+    float x[MAXT * MAXN], w[MAXN], o[MAXT * MAXN], want[MAXT * MAXN];
+    const float eps = 1e-5f;
+    for (size_t ii = 0; ii < 2; ii++) {
+        if (isas[ii] == KERN_ISA_AVX2 && kern_isa_detect() < KERN_ISA_AVX2)
+            continue;
+        for (size_t a = 0; a < sizeof(ns) / sizeof(ns[0]); a++)
+            for (int T = 1; T <= MAXT; T++)
+                for (int kind = 0; kind < 3; kind++) {
+                    const int n = ns[a];
+                    const float mag = kind == 1 ? 3e19f : kind == 2 ? 1e-4f : 2.0f;
+                    for (int j = 0; j < n; j++)
+                        w[j] = frand() + 1.0f;
+                    for (int i = 0; i < T * n; i++)
+                        x[i] = frand() * mag;
+                    for (int t = 0; t < T; t++) { /* run.c */
+                        const float *xt = x + t * n;
+                        float ss = 0.0f;
+                        for (int j = 0; j < n; j++)
+                            ss += xt[j] * xt[j];
+                        ss /= n;
+                        ss += eps;
+                        ss = 1.0f / sqrtf(ss);
+                        for (int j = 0; j < n; j++)
+                            want[t * n + j] = w[j] * (ss * xt[j]);
+                    }
+                    matvec_rmsnorm(isas[ii], o, x, T, n, w, eps);
+                    if (memcmp(want, o, sizeof(float) * (size_t)(T * n)) != 0)
+                        fail_msg("rmsnorm %s n %d T %d kind %d differs", kern_isa_name(isas[ii]), n,
+                                 T, kind);
+                }
+    }
+}
+
 /* matvec_swiglu against run.c's SwiGLU loop written out with libm's expf, bit for bit, on
  * both isas: lengths 1..70 and 172 (stories260K's hidden size: 64-float chunks, vector
  * body and scalar tail), gates small, large (|h| > 88: libm's special cases, 1 + e
@@ -2427,8 +2469,8 @@ static void test_matvec_swiglu(void **state)
                     }
                     matvec_swiglu(isas[ii], h + off, h2 + off, n);
                     if (memcmp(want, h + off, sizeof(float) * (size_t)n) != 0)
-                        fail_msg("swiglu %s n %d kind %d offset %d differs", kern_isa_name(isas[ii]),
-                                 n, kind, off);
+                        fail_msg("swiglu %s n %d kind %d offset %d differs",
+                                 kern_isa_name(isas[ii]), n, kind, off);
                 }
     }
 }
@@ -3008,6 +3050,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_matvec_vs_reference),
         cmocka_unit_test(test_matvec_expf),
         cmocka_unit_test(test_matvec_swiglu),
+        cmocka_unit_test(test_matvec_rmsnorm),
         cmocka_unit_test(test_matvec_softmax_rows),
         cmocka_unit_test(test_matvec_attend),
         cmocka_unit_test(test_model_small_t_paths),
