@@ -596,8 +596,7 @@ static void rmsnorm_ref(float *o, const float *x, int T, int n, const float *wei
 
 #ifdef KERN_HAVE_X86
 /* rmsnorm_ref with 8 rows' sums in the lanes (a partial last group: zero rows, unused). */
-static TGT void rmsnorm_avx2(float *o, const float *x, int T, int n, const float *weight,
-                             float eps)
+static TGT void rmsnorm_avx2(float *o, const float *x, int T, int n, const float *weight, float eps)
 {
     for (int t0 = 0; t0 < T; t0 += 8) {
         const int nt = T - t0 < 8 ? T - t0 : 8;
@@ -753,8 +752,8 @@ static TGT void softmax_rows_avx2(float *att, size_t stride, int n_rows, const i
         __m256 rows[8];
 #pragma GCC unroll 8
         for (int h = 0; h < 8; h++)
-            rows[h] = h < n_rows ? _mm256_loadu_ps(att + (size_t)h * stride + i0)
-                                 : _mm256_setzero_ps();
+            rows[h] =
+                h < n_rows ? _mm256_loadu_ps(att + (size_t)h * stride + i0) : _mm256_setzero_ps();
         transpose8(rows);
 #pragma GCC unroll 8
         for (int k = 0; k < 8; k++)
