@@ -606,6 +606,71 @@ void matvec_expf(kern_isa isa, const float *x, float *y, int n)
         y[i] = expf(x[i]);
 }
 
+/* The definition: model_forward.c's rmsnorm (run.c's) row by row. */
+static void rmsnorm_ref(float *o, const float *x, int T, int n, const float *weight, float eps)
+{
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + (size_t)t * n;
+        float *ot = o + (size_t)t * n;
+        float ss = 0.0f;
+        for (int j = 0; j < n; j++)
+            ss += xt[j] * xt[j];
+        ss /= n;
+        ss += eps;
+        ss = 1.0f / sqrtf(ss);
+        for (int j = 0; j < n; j++)
+            ot[j] = weight[j] * (ss * xt[j]);
+    }
+}
+
+#ifdef KERN_HAVE_X86
+/* rmsnorm_ref with 8 rows' sums in the lanes (a partial last group: zero rows, unused). */
+static TGT void rmsnorm_avx2(float *o, const float *x, int T, int n, const float *weight, float eps)
+{
+    for (int t0 = 0; t0 < T; t0 += 8) {
+        const int nt = T - t0 < 8 ? T - t0 : 8;
+        const float *x0 = x + (size_t)t0 * n;
+        __m256 ss = _mm256_setzero_ps();
+        for (int j0 = 0; j0 < n; j0 += 8) {
+            __m256 col[8];
+#pragma GCC unroll 8
+            for (int e = 0; e < 8; e++)
+                col[e] = e < nt ? _mm256_loadu_ps(x0 + (size_t)e * n + j0) : _mm256_setzero_ps();
+            transpose8(col);
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++)
+                ss = _mm256_add_ps(ss, _mm256_mul_ps(col[k], col[k]));
+        }
+        ss = _mm256_div_ps(ss, _mm256_set1_ps((float)n));
+        ss = _mm256_add_ps(ss, _mm256_set1_ps(eps));
+        ss = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_sqrt_ps(ss));
+        float s8[8] __attribute__((aligned(32)));
+        _mm256_store_ps(s8, ss);
+        for (int e = 0; e < nt; e++) {
+            const float *xt = x0 + (size_t)e * n;
+            float *ot = o + (size_t)(t0 + e) * n;
+            const __m256 se = _mm256_set1_ps(s8[e]);
+            for (int j = 0; j < n; j += 8)
+                _mm256_storeu_ps(ot + j, _mm256_mul_ps(_mm256_loadu_ps(weight + j),
+                                                       _mm256_mul_ps(se, _mm256_loadu_ps(xt + j))));
+        }
+    }
+}
+#endif
+
+void matvec_rmsnorm(kern_isa isa, float *o, const float *x, int T, int n, const float *weight,
+                    float eps)
+{
+#ifdef KERN_HAVE_X86
+    if (isa >= KERN_ISA_AVX2 && n % 8 == 0) {
+        rmsnorm_avx2(o, x, T, n, weight, eps);
+        return;
+    }
+#endif
+    (void)isa;
+    rmsnorm_ref(o, x, T, n, weight, eps);
+}
+
 #ifdef KERN_HAVE_X86
 static TGT void swiglu_avx2(float *h, const float *h2, int n)
 {

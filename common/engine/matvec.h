@@ -130,6 +130,17 @@ int matvec_attend_rows_vector(kern_isa isa, int nq, int hs);
  * inputs; if any differs (another C library), every call takes libm's expf. Thread-safe. */
 void matvec_expf(kern_isa isa, const float *x, float *y, int n);
 
+/* run.c's rmsnorm of T rows: for each t, with x_t = x + t * n and o_t = o + t * n, ss = the
+ * serial sum of x_t[j] * x_t[j] (j ascending, product and sum each rounded), ss = ss / n,
+ * ss = ss + eps, ss = 1.0f / sqrtf(ss), then o_t[j] = weight[j] * (ss * x_t[j]). With AVX2
+ * and n % 8 == 0, 8 rows' chains run as the lanes of one register (8 columns transposed at
+ * a time) and the last loop 8 columns wide: the same operations per element (IEEE
+ * division and square root are correctly rounded in either form), so the same bits as the
+ * scalar loop, which stays as the reference; its one chain of n dependent adds per row was
+ * a twentieth of a 75-token stories260K prefill. o and x do not overlap. Thread-safe. */
+void matvec_rmsnorm(kern_isa isa, float *o, const float *x, int T, int n, const float *weight,
+                    float eps);
+
 /* run.c's SwiGLU in place: h[i] = h[i] * (1 / (1 + expf(-h[i]))), then * h2[i], each
  * operation rounded in that order, i in [0, n); bit for bit the scalar loop with libm's
  * expf (AVX2: 8 lanes, matvec_expf's exponential). */

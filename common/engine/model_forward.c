@@ -188,9 +188,13 @@ static void mm_run(mm_job *j)
         threadpool_run(j->ctx->pool, mm_worker, j);
 }
 
-/* Preparation of a matmul input, parallel over token pairs: optional rmsnorm (src ->
- * dst), the Q8 form of dst when a consuming matrix is Q8_0, and the AVX-512 pair packing
- * (done once here rather than by every thread in the kernels). */
+/* Tokens per item of prep's parallel loop: even (kern_pack_act's token pairs), and 8 for
+ * matvec_rmsnorm's lanes. */
+#define PREP_TOKENS 8
+
+/* Preparation of a matmul input, parallel over items of PREP_TOKENS tokens: optional
+ * rmsnorm (src -> dst), the Q8 form of dst when a consuming matrix is Q8_0, and the
+ * AVX-512 pair packing (done once here rather than by every thread in the kernels). */
 typedef struct {
     model_ctx_t *ctx;
     const kern_act *act;
@@ -209,13 +213,14 @@ static void prep_worker(void *arg, int ti, int nth)
     const int n = a->n, nb = n / KERN_Q8_BLOCK;
     for (;;) {
         int p = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
-        int t0 = 2 * p, t1 = t0 + 2 < a->T ? t0 + 2 : a->T;
+        int t0 = PREP_TOKENS * p, t1 = t0 + PREP_TOKENS < a->T ? t0 + PREP_TOKENS : a->T;
         if (t0 >= a->T)
             break;
+        if (j->src) /* the item's rows together: their sums in the lanes */
+            matvec_rmsnorm(j->ctx->isa, j->dst + (size_t)t0 * n, j->src + (size_t)t0 * n, t1 - t0,
+                           n, j->norm_w, c->rms_eps);
         for (int t = t0; t < t1; t++) {
             float *d = j->dst + (size_t)t * n;
-            if (j->src)
-                rmsnorm(d, j->src + (size_t)t * n, j->norm_w, n, c->rms_eps);
             if (j->quant)
                 kern_quantize_act(j->ctx->isa, d, 1, n, j->ctx->q_d + (size_t)t * nb,
                                   j->ctx->q_s + (size_t)t * n);

@@ -751,6 +751,85 @@ class ServePeerFailure(unittest.TestCase):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+STREAMING_LLAMA_SERVER = """#!/usr/bin/env python3
+# a llama-server stand-in that answers: /health ok, /v1/models one model, a completion
+# streamed as max_tokens one-character chunks, then the usage (prompt tokens: the ids
+# sent) and [DONE]
+import http.server, json, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class H(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def do_GET(self):
+        b = b'{"data":[{"id":"stub"}]}' if self.path == "/v1/models" else b'{"status":"ok"}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(b)))
+        self.end_headers()
+        self.wfile.write(b)
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        p, n = body["prompt"], body["max_tokens"]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        out = []
+        for i in range(n):
+            out.append('data: {"choices":[{"index":0,"text":"a","finish_reason":%s}]}\\n\\n'
+                       % ('"length"' if i == n - 1 else "null"))
+        out.append('data: {"choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":%d}}'
+                   '\\n\\ndata: [DONE]\\n\\n' % (len(p) if isinstance(p, list) else 1, n))
+        self.wfile.write("".join(out).encode())
+http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+@unittest.skipUnless(os.path.exists(os.path.join(ROOT, BUILD, "bin", "gateway")) and
+                     os.path.exists(TINY), "needs the gateway and %s" % TINY)
+class ServePeerRounds(unittest.TestCase):
+    """serve-peer.sh draws new prompts for every round, the same for every side of a round
+    (repeated prompts timed the servers' prompt caches, not their prefill: llama-server's
+    TTFT p50 of session 11); SERVE_SAME_PROMPTS=1 repeats one set as before. Against
+    tidepool and two stub llama-servers that stream."""
+
+    def rounds(self, same):
+        tmp = tempfile.mkdtemp()
+        try:
+            os.makedirs(os.path.join(tmp, "llama", "bin"))
+            stub = os.path.join(tmp, "llama", "bin", "llama-server")
+            with open(stub, "w") as f:
+                f.write(STREAMING_LLAMA_SERVER)
+            os.chmod(stub, 0o755)
+            logs = os.path.join(tmp, "logs")
+            env = dict(os.environ, LLAMA_CPP_DIR=os.path.join(tmp, "llama"), BUILD=BUILD,
+                       SERVE_LOG_DIR=logs, SERVE_STREAMS="1", SERVE_REPS="2", SERVE_OUTPUT="4",
+                       SERVE_MODEL=TINY, SERVE_SAME_PROMPTS="1" if same else "0")
+            p = subprocess.run([SERVE_PEER], env=env, capture_output=True, text=True,
+                               timeout=240)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            self.assertNotIn("MISMATCH", p.stdout)
+            prompt = {}  # (side, round) -> the prompt tokens the side counted
+            with open(os.path.join(logs, "runs.txt")) as f:
+                for line in f:
+                    x = line.split()
+                    prompt[(x[0], int(x[2]))] = float(x[7])
+            self.assertEqual(len(prompt), 6, prompt)
+            for r in (1, 2):
+                self.assertEqual(len({prompt[(s, r)] for s in
+                                      ("tidepool", "llama-1slot", "llama-16slot")}), 1, prompt)
+            return prompt[("tidepool", 1)], prompt[("tidepool", 2)]
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def test_fresh_prompts_each_round(self):
+        a, b = self.rounds(False)
+        self.assertNotEqual(a, b)  # 32 prompts of 32 random words: other lengths in tokens
+
+    def test_same_prompts_when_asked(self):
+        a, b = self.rounds(True)
+        self.assertEqual(a, b)
+
+
 class RunBenchFilter(unittest.TestCase):
     """tests/run_bench.sh with a filter that matches no benchmark says so (exit 2) instead
     of printing nothing and exiting 0."""

@@ -2547,6 +2547,132 @@ static void test_matvec_expf(void **state)
     }
 }
 
+/* matvec_softmax_rows against run.c's softmax per row, bit for bit, on both isas: 1..9
+ * rows (9: a full group of 8 and one more), row lengths n0 + h / per as att_group makes them
+ * (per = 2: consecutive tokens' kv_mul heads, equal pairs, each pair one longer; per = 1:
+ * each row one longer), n0 1..62, scores small and far apart (exponentials that underflow
+ * to 0), the maximum first or repeated; strides 72 and 70. */
+static void test_matvec_softmax_rows(void **state)
+{
+    const kern_isa isas[] = {KERN_ISA_SCALAR, KERN_ISA_AVX2};
+    enum { MAXR = 9, STRIDE = 72 };
+    float att[MAXR * STRIDE], want[MAXR * STRIDE];
+    int n[MAXR];
+    const float scale = sqrtf(8.0f);
+    for (size_t ii = 0; ii < 2; ii++) {
+        if (isas[ii] == KERN_ISA_AVX2 && kern_isa_detect() < KERN_ISA_AVX2)
+            continue;
+        for (int stride = STRIDE; stride >= 70; stride -= 2)
+            for (int rows = 1; rows <= MAXR; rows++)
+                for (int len = 1; len <= 62; len += len < 10 ? 1 : 7)
+                    for (int kind = 0; kind < 4; kind++) {
+                        const int per = kind % 2 ? 1 : 2;
+                        for (int h = 0; h < rows; h++) {
+                            n[h] = len + h / per;
+                            float *a = att + h * stride, *w = want + h * stride;
+                            for (int i = 0; i < stride; i++)
+                                a[i] = frand() * (kind >= 2 ? 400.0f : 6.0f);
+                            if (kind == 3)
+                                a[0] = a[n[h] / 2] = 40.0f;
+                            memcpy(w, a, sizeof(float) * (size_t)n[h]);
+                            for (int i = 0; i < n[h]; i++) /* run.c */
+                                w[i] /= scale;
+                            float mx = w[0], sum = 0.0f;
+                            for (int i = 1; i < n[h]; i++)
+                                if (w[i] > mx)
+                                    mx = w[i];
+                            for (int i = 0; i < n[h]; i++) {
+                                w[i] = expf(w[i] - mx);
+                                sum += w[i];
+                            }
+                            for (int i = 0; i < n[h]; i++)
+                                w[i] /= sum;
+                        }
+                        matvec_softmax_rows(isas[ii], att, (size_t)stride, rows, len, per, scale);
+                        for (int h = 0; h < rows; h++)
+                            if (memcmp(want + h * stride, att + h * stride,
+                                       sizeof(float) * (size_t)n[h]) != 0)
+                                fail_msg("softmax rows %s stride %d rows %d len %d kind %d: row "
+                                         "%d (n %d) differs",
+                                         kern_isa_name(isas[ii]), stride, rows, len, kind, h, n[h]);
+                    }
+    }
+}
+
+/* matvec_rmsnorm against run.c's rmsnorm written out, bit for bit, on both isas: 1..19 rows
+ * (full and partial groups of 8), widths 8, 64, 72 and 12 (not a multiple of 8: the
+ * reference), values small, large (sums that overflow to inf: a zero row out) and tiny
+ * (eps dominates). */
+static void test_matvec_rmsnorm(void **state)
+{
+    const kern_isa isas[] = {KERN_ISA_SCALAR, KERN_ISA_AVX2};
+    const int ns[] = {8, 64, 72, 12};
+    enum { MAXT = 19, MAXN = 72 };
+    float x[MAXT * MAXN], w[MAXN], o[MAXT * MAXN], want[MAXT * MAXN];
+    const float eps = 1e-5f;
+    for (size_t ii = 0; ii < 2; ii++) {
+        if (isas[ii] == KERN_ISA_AVX2 && kern_isa_detect() < KERN_ISA_AVX2)
+            continue;
+        for (size_t a = 0; a < sizeof(ns) / sizeof(ns[0]); a++)
+            for (int T = 1; T <= MAXT; T++)
+                for (int kind = 0; kind < 3; kind++) {
+                    const int n = ns[a];
+                    const float mag = kind == 1 ? 3e19f : kind == 2 ? 1e-4f : 2.0f;
+                    for (int j = 0; j < n; j++)
+                        w[j] = frand() + 1.0f;
+                    for (int i = 0; i < T * n; i++)
+                        x[i] = frand() * mag;
+                    for (int t = 0; t < T; t++) { /* run.c */
+                        const float *xt = x + t * n;
+                        float ss = 0.0f;
+                        for (int j = 0; j < n; j++)
+                            ss += xt[j] * xt[j];
+                        ss /= n;
+                        ss += eps;
+                        ss = 1.0f / sqrtf(ss);
+                        for (int j = 0; j < n; j++)
+                            want[t * n + j] = w[j] * (ss * xt[j]);
+                    }
+                    matvec_rmsnorm(isas[ii], o, x, T, n, w, eps);
+                    if (memcmp(want, o, sizeof(float) * (size_t)(T * n)) != 0)
+                        fail_msg("rmsnorm %s n %d T %d kind %d differs", kern_isa_name(isas[ii]), n,
+                                 T, kind);
+                }
+    }
+}
+
+/* matvec_swiglu against run.c's SwiGLU loop written out with libm's expf, bit for bit, on
+ * both isas: lengths 1..70 and 172 (stories260K's hidden size: 64-float chunks, vector
+ * body and scalar tail), gates small, large (|h| > 88: libm's special cases, 1 + e
+ * overflowing to inf) and signed zeros, at offsets 0 and 3 (unaligned rows). */
+static void test_matvec_swiglu_chunks(void **state)
+{
+    const kern_isa isas[] = {KERN_ISA_SCALAR, KERN_ISA_AVX2};
+    enum { MAXN = 180 };
+    float h[MAXN + 3], h2[MAXN + 3], want[MAXN + 3];
+    for (size_t ii = 0; ii < 2; ii++) {
+        if (isas[ii] == KERN_ISA_AVX2 && kern_isa_detect() < KERN_ISA_AVX2)
+            continue;
+        for (int n = 1; n <= 172; n = n < 70 ? n + 1 : n + 102)
+            for (int kind = 0; kind < 3; kind++)
+                for (int off = 0; off <= 3; off += 3) {
+                    for (int i = 0; i < n; i++) {
+                        float g = frand() * (kind == 1 ? 200.0f : 6.0f);
+                        h[off + i] = kind == 2 && i % 5 == 0 ? (i % 2 ? -0.0f : 0.0f) : g;
+                        h2[off + i] = frand() * 3.0f;
+                        float val = h[off + i]; /* run.c */
+                        val *= (1.0f / (1.0f + expf(-h[off + i])));
+                        val *= h2[off + i];
+                        want[i] = val;
+                    }
+                    matvec_swiglu(isas[ii], h + off, h2 + off, n);
+                    if (memcmp(want, h + off, sizeof(float) * (size_t)n) != 0)
+                        fail_msg("swiglu %s n %d kind %d offset %d differs",
+                                 kern_isa_name(isas[ii]), n, kind, off);
+                }
+    }
+}
+
 /* The packed paths (matvec products, the matvec attention helpers) against the portable
  * kernels, which pack nothing: one sequence fed T = 32, 8, 3, 1, 7, 3 tokens per call
  * (token pairs and an odd token, several shapes, and back after a change), logits of
@@ -3122,9 +3248,12 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_threadpool),
         cmocka_unit_test(test_matvec_vs_reference),
         cmocka_unit_test(test_matvec_expf),
+        cmocka_unit_test(test_matvec_swiglu),
+        cmocka_unit_test(test_matvec_rmsnorm),
+        cmocka_unit_test(test_matvec_softmax_rows),
         cmocka_unit_test(test_matvec_attend),
         cmocka_unit_test(test_matvec_attend_rows),
-        cmocka_unit_test(test_matvec_swiglu),
+        cmocka_unit_test(test_matvec_swiglu_chunks),
         cmocka_unit_test(test_model_small_t_paths),
         cmocka_unit_test(test_model_threads_isa),
         cmocka_unit_test(test_model_fast_greedy),

@@ -15,7 +15,11 @@
 # SERVE_OUTPUT tokens each with ignore_eos, prompts of SERVE_WORDS synthetic words sent as
 # token ids of the model's own tokenizer (--prompt-tokenizer: llama.cpp splits this
 # vocabulary's space-bearing pieces into other tokens, so text prompts would not be the
-# same prompts). Prints per side the medians of output throughput, TPOT p50 and TTFT p50,
+# same prompts). Each round draws new prompts (tidepool-bench --seed: the round and the
+# stream count), the same for every side of the round: a round that repeated earlier
+# prompts would time each server's prompt cache instead of its prefill (llama-server keeps
+# finished prompts in host memory, tidepool its prefix cache's full blocks);
+# SERVE_SAME_PROMPTS=1 repeats one set in every run, as before session 12. Prints per side the medians of output throughput, TPOT p50 and TTFT p50,
 # each server's CPU time per output token (all its processes and threads), and the ratios
 # against the llama-server configuration of the highest throughput at that stream count:
 # tidepool's throughput over its, its TPOT and TTFT over tidepool's (> 1: tidepool shorter). The token counts are checked: every run
@@ -26,7 +30,8 @@
 # 1 when a server did not start, a run failed, or the token counts differ.
 # Settings (environment): BUILD (build), SERVE_MODEL (build/models/stories260K.gguf),
 # SERVE_STREAMS ("1 16 64"), SERVE_REPS (3), SERVE_WAVES (4), SERVE_WORDS (32),
-# SERVE_OUTPUT (128), SERVE_THREADS (1), SERVE_SLOTS (16), SERVE_LOG_DIR (a temp dir).
+# SERVE_OUTPUT (128), SERVE_THREADS (1), SERVE_SLOTS (16), SERVE_LOG_DIR (a temp dir),
+# SERVE_SAME_PROMPTS (0).
 set -u
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
@@ -38,6 +43,7 @@ WORDS=${SERVE_WORDS:-32}
 OUTPUT=${SERVE_OUTPUT:-128}
 THREADS=${SERVE_THREADS:-1}
 SLOTS=${SERVE_SLOTS:-16}
+SAME_PROMPTS=${SERVE_SAME_PROMPTS:-0}
 LOGS=${SERVE_LOG_DIR:-$(mktemp -d /tmp/tidepool-serve-peer.XXXXXX)}
 mkdir -p "$LOGS"
 
@@ -124,11 +130,13 @@ cpu_ticks() { # pids...: user + system clock ticks of every thread
 }
 HZ=$(getconf CLK_TCK)
 
-# run SIDE C N OUT.json: one bench run; appends "side c tput tpot ttft out in ok fail cpu_us/tok"
+# run SIDE C N OUT.json SEED ROUND: one bench run; appends "side c round tput tpot ttft out
+# in ok fail cpu_us/tok"
 run() {
-    local side=$1 c=$2 n=$3 out=$4 t0 t1
+    local side=$1 c=$2 n=$3 out=$4 seed=$5 round=$6 t0 t1
+    [ "$SAME_PROMPTS" = 1 ] && seed=0
     t0=$(cpu_ticks ${SIDE_PIDS[$side]})
-    "$BUILD/bin/tidepool-bench" --url "http://127.0.0.1:${SIDE_PORT[$side]}" \
+    "$BUILD/bin/tidepool-bench" --url "http://127.0.0.1:${SIDE_PORT[$side]}" --seed "$seed" \
         --num-prompts "$n" --concurrency "$c" --input-len "$WORDS" --output-len "$OUTPUT" \
         --ignore-eos --prompt-tokenizer "$MODEL" --no-progress --timeout-s 300 \
         --result-json "$out" >"$out.txt" 2>&1 &
@@ -136,12 +144,13 @@ run() {
     wait "$BENCH_PID"
     BENCH_PID=""
     t1=$(cpu_ticks ${SIDE_PIDS[$side]})
-    python3 - "$out" "$side" "$c" $((t1 - t0)) "$HZ" <<'EOF' >>"$LOGS/runs.txt" || echo "$side $c FAILED" >>"$LOGS/runs.txt"
+    python3 - "$out" "$side" "$c" $((t1 - t0)) "$HZ" "$round" <<'EOF' >>"$LOGS/runs.txt" || echo "$side $c $round FAILED" >>"$LOGS/runs.txt"
 import json, sys
 r = json.load(open(sys.argv[1]))
 ticks, hz = int(sys.argv[4]), int(sys.argv[5])
 out = r["total_output_tokens"]
-print(sys.argv[2], sys.argv[3], r["output_throughput"], r["median_tpot_ms"], r["median_ttft_ms"],
+print(sys.argv[2], sys.argv[3], sys.argv[6], r["output_throughput"], r["median_tpot_ms"],
+      r["median_ttft_ms"],
       out, r["total_input_tokens"], r["completed"], r["failed"],
       ticks * 1e6 / hz / out if out else 0)
 EOF
@@ -152,7 +161,7 @@ echo "serving peer: tidepool (gateway + 1 mixed worker, $THREADS thread) vs $ls_
      "$OUTPUT output tokens, streamed; medians of $REPS alternating runs (logs: $LOGS)"
 : >"$LOGS/runs.txt"
 for s in "${SIDES[@]}"; do # warm-up (first requests, page cache, allocator)
-    run "$s" 4 8 "$LOGS/warmup.json"
+    run "$s" 4 8 "$LOGS/warmup.json" 1 0
 done
 : >"$LOGS/runs.txt"
 for c in $STREAMS; do
@@ -160,7 +169,7 @@ for c in $STREAMS; do
     [ $n -lt 32 ] && n=32
     for r in $(seq "$REPS"); do
         for s in "${SIDES[@]}"; do
-            run "$s" "$c" "$n" "$LOGS/run-$s-c$c-r$r.json"
+            run "$s" "$c" "$n" "$LOGS/run-$s-c$c-r$r.json" $((1000 * c + r)) "$r"
         done
     done
 done
@@ -171,24 +180,29 @@ path, output, waves, sides = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sy
 runs, bad = {}, []
 for line in open(path):
     f = line.split()
-    if len(f) < 3 or f[2] == "FAILED":
+    if len(f) < 4 or f[3] == "FAILED":
         bad.append("a run of %s at %s streams failed" % (f[0], f[1]))
         continue
-    side, c = f[0], int(f[1])
-    tput, tpot, ttft, out, inp, ok, fail, cpu = map(float, f[2:])
+    side, c, rnd = f[0], int(f[1]), int(f[2])
+    tput, tpot, ttft, out, inp, ok, fail, cpu = map(float, f[3:])
     n = max(32, c * waves)
     if fail or ok != n or out != n * output:
         bad.append("%s at %d streams: %d ok, %d failed, %d output tokens (want %d)"
                    % (side, c, ok, fail, out, n * output))
-    runs.setdefault(c, {}).setdefault(side, []).append((tput, tpot, ttft, inp, cpu))
+    runs.setdefault(c, {}).setdefault(side, []).append((tput, tpot, ttft, inp, cpu, rnd))
 med = statistics.median
 print("  %-6s %-16s %12s %10s %10s %13s %10s" % ("streams", "server", "tok/s", "TPOT p50",
       "TTFT p50", "prompt tok", "CPU us/tok"))
 for c in sorted(runs):
     row = runs[c]
-    inputs = {s: set(r[3] for r in v) for s, v in row.items()}
-    if len(set().union(*inputs.values())) != 1:
-        bad.append("%d streams: the sides saw different prompt tokens %s" % (c, inputs))
+    by_round = {} # every side of a round sent the same prompts
+    for s, v in row.items():
+        for r in v:
+            by_round.setdefault(r[5], {})[s] = r[3]
+    for rnd, inputs in sorted(by_round.items()):
+        if len(set(inputs.values())) != 1:
+            bad.append("%d streams, round %d: the sides saw different prompt tokens %s"
+                       % (c, rnd, inputs))
     m = {}
     for s in sides:
         if s not in row:
@@ -196,7 +210,7 @@ for c in sorted(runs):
         v = row[s]
         m[s] = (med(r[0] for r in v), med(r[1] for r in v), med(r[2] for r in v))
         print("  %-7d %-16s %12.1f %8.3f ms %7.2f ms %13d %10.1f   (tok/s: %s)"
-              % (c, s, m[s][0], m[s][1], m[s][2], v[0][3], med(r[4] for r in v),
+              % (c, s, m[s][0], m[s][1], m[s][2], sum(r[3] for r in v), med(r[4] for r in v),
                  " ".join("%.0f" % r[0] for r in v)))
     peers = [s for s in m if s != "tidepool"]
     if "tidepool" in m and peers:
