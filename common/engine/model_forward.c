@@ -66,9 +66,9 @@ static int run_inline(const model_ctx_t *ctx, long work)
  * n_threads) of the units left, at least one, never across a segment's end. So the first
  * chunks are long (few claims) and the last ones short: a thread that runs out of work
  * waits at most one unit's time for the other, where chunks of a fixed 1 / 8 of each
- * thread's share left it idle 25-60 us per product at the end of the 1B model's larger
- * ones (docs/bench.md, "Session 12"). Which thread computes a row never changes its
- * bits. */
+ * thread's share left it idle 6-37 us per product on the 1B model, 1.1-1.8 ms of a 32 ms
+ * batch-1 step (docs/bench.md, "Session 12"). Which thread computes a row never changes
+ * its bits. */
 #define GUIDE 2
 #define CHUNK_ROW_ALIGN 16 /* rows; even (RoPE pairs) and a multiple of kernel tiles */
 
