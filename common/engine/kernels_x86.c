@@ -564,6 +564,12 @@ TGT void kern_x86_matmul_q8x8_avx2(const kern_mat *w, const kern_act *a, int r0,
     const uint8_t *base = w->data;
 #define GRP(i) (base + (size_t)((i) / 8) * gs)
     if (T == 1) {
+        /* the tile prefetches PF_X8 bytes ahead of its quants: the range's first group's
+         * scales and first PF_X8 bytes of quants here (a chunk of the forward pass starts
+         * where the other thread's stream, not this one's, was) */
+        if (r0 + 8 <= r1)
+            for (size_t o = 0; o < so + PF_X8 && o < gs; o += 64)
+                _mm_prefetch((const char *)GRP(r0) + o, _MM_HINT_T0);
         int i = r0;
         for (; i < r1 && i % 8 != 0; i++)
             q8x8_1_1(GRP(i), so, i % 8, a->q_d, a->q_s, n, out, i);

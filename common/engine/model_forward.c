@@ -61,8 +61,15 @@ static int run_inline(const model_ctx_t *ctx, long work)
         return 1;
     return work < PAR_WAKE_WORK && threadpool_awake(ctx->pool) == 0;
 }
-/* Chunks per thread a step is cut into (load balance on a shared machine). */
-#define CHUNKS_PER_THREAD 8
+/* A matrix product is cut into chunks of whole CHUNK_ROW_ALIGN-row units, claimed by the
+ * threads from one counter (guided self-scheduling): each claim takes 1 / (GUIDE *
+ * n_threads) of the units left, at least one, never across a segment's end. So the first
+ * chunks are long (few claims) and the last ones short: a thread that runs out of work
+ * waits at most one unit's time for the other, where chunks of a fixed 1 / 8 of each
+ * thread's share left it idle 6-37 us per product on the 1B model, 1.1-1.8 ms of a 32 ms
+ * batch-1 step (docs/bench.md, "Session 12"). Which thread computes a row never changes
+ * its bits. */
+#define GUIDE 2
 #define CHUNK_ROW_ALIGN 16 /* rows; even (RoPE pairs) and a multiple of kernel tiles */
 
 typedef enum { POST_NONE, POST_ROPE, POST_RESID, POST_SWIGLU } post_op;
@@ -75,24 +82,16 @@ typedef struct {
     float *const *out_up; /* POST_SWIGLU: up-projection rows; the result goes to out */
     post_op post;
     float *resid; /* POST_RESID: x (T, rows) += out */
-    int rows, chunk, first_chunk;
+    int rows, first_unit, units;
 } seg_t;
 
 typedef struct {
     model_ctx_t *ctx;
     const kern_act *act;
     seg_t seg[3];
-    int n_seg, n_chunks;
-    atomic_int next;
+    int n_seg, n_units;
+    atomic_int next; /* first unit not claimed */
 } mm_job;
-
-static int chunk_rows(const model_ctx_t *ctx, int rows)
-{
-    int want = ctx->n_threads * CHUNKS_PER_THREAD;
-    int c = (rows + want - 1) / want;
-    c = (c + CHUNK_ROW_ALIGN - 1) / CHUNK_ROW_ALIGN * CHUNK_ROW_ALIGN;
-    return c;
-}
 
 static void mm_add(mm_job *j, const wmat *w, const float *wp, float *const *out, post_op post)
 {
@@ -103,9 +102,9 @@ static void mm_add(mm_job *j, const wmat *w, const float *wp, float *const *out,
     s->out = out;
     s->post = post;
     s->rows = w->rows;
-    s->chunk = chunk_rows(j->ctx, w->rows);
-    s->first_chunk = j->n_chunks;
-    j->n_chunks += (s->rows + s->chunk - 1) / s->chunk;
+    s->first_unit = j->n_units;
+    s->units = (w->rows + CHUNK_ROW_ALIGN - 1) / CHUNK_ROW_ALIGN;
+    j->n_units += s->units;
 }
 
 /* Rows [r0, r1) of w applied to a: the packed row-vectorised kernel when w has a packing
@@ -151,41 +150,55 @@ static void mm_rows(mm_job *j, const seg_t *s, int r0, int r1, int ti)
     }
 }
 
-static void mm_chunk(mm_job *j, int c, int ti)
+/* Claim the next chunk (guided, see above): its segment and rows [*r0, *r1); 0 when none
+ * is left. */
+static int mm_claim(mm_job *j, int nth, int *si, int *r0, int *r1)
 {
-    int si = 0;
-    while (si + 1 < j->n_seg && c >= j->seg[si + 1].first_chunk)
-        si++;
-    const seg_t *s = &j->seg[si];
-    int r0 = (c - s->first_chunk) * s->chunk;
-    int r1 = r0 + s->chunk < s->rows ? r0 + s->chunk : s->rows;
-    mm_rows(j, s, r0, r1, ti);
+    int u = atomic_load_explicit(&j->next, memory_order_relaxed), s, n;
+    do {
+        if (u >= j->n_units)
+            return 0;
+        s = 0;
+        while (s + 1 < j->n_seg && u >= j->seg[s + 1].first_unit)
+            s++;
+        const int end = j->seg[s].first_unit + j->seg[s].units;
+        n = (j->n_units - u) / (GUIDE * nth);
+        n = n < 1 ? 1 : u + n > end ? end - u : n;
+    } while (!atomic_compare_exchange_weak_explicit(&j->next, &u, u + n, memory_order_relaxed,
+                                                    memory_order_relaxed));
+    const seg_t *sg = &j->seg[s];
+    *si = s;
+    *r0 = (u - sg->first_unit) * CHUNK_ROW_ALIGN;
+    *r1 = (u + n - sg->first_unit) * CHUNK_ROW_ALIGN;
+    if (*r1 > sg->rows)
+        *r1 = sg->rows;
+    return 1;
 }
 
 static void mm_worker(void *arg, int ti, int nth)
 {
     mm_job *j = arg;
-    for (;;) {
-        int c = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
-        if (c >= j->n_chunks)
-            break;
-        mm_chunk(j, c, ti);
-    }
+    int si, r0, r1;
+    while (mm_claim(j, nth, &si, &r0, &r1))
+        mm_rows(j, &j->seg[si], r0, r1, ti);
 }
 
-static void mm_run(mm_job *j)
+/* Run the job; returns 1 when it ran on the pool (its workers are then spinning). */
+static int mm_run(mm_job *j)
 {
     long work = 0;
     for (int i = 0; i < j->n_seg; i++)
         work += (long)j->seg[i].rows * j->act->n * j->act->T * (j->seg[i].w_up ? 2 : 1);
     atomic_init(&j->next, 0);
-    if (run_inline(j->ctx, work)) {
+    int inl = run_inline(j->ctx, work);
+    if (inl) {
         /* one thread: each matrix whole, in one kernel call (the token-lane kernel
          * transposes its activation tile once per call: chunks would repeat that) */
         for (int i = 0; i < j->n_seg; i++)
             mm_rows(j, &j->seg[i], 0, j->seg[i].rows, 0);
     } else
         threadpool_run(j->ctx->pool, mm_worker, j);
+    return !inl;
 }
 
 /* Tokens per item of prep's parallel loop: even (kern_pack_act's token pairs), and 8 for
@@ -264,6 +277,7 @@ static void prep(model_ctx_t *ctx, kern_act *a, const float *src, const float *n
  * element is unchanged (the extra scores computed for the earlier tokens of a run, at
  * positions after their own, are never read). */
 #define ATT_TOKENS 4
+#define ATT_CHUNKS_PER_THREAD 8 /* chunks of (token, KV head) pairs per thread */
 #define ATT_QBUF 2048 /* floats: a run's query heads (nt * kv_mul * head_dim), on the stack */
 typedef struct {
     model_ctx_t *ctx;
@@ -419,8 +433,19 @@ static void att_worker(void *arg, int ti, int nth)
     }
 }
 
+/* Below this many multiply-adds the attention runs on the calling thread even when the
+ * workers are spinning. */
+#define ATT_PAR_MIN (1L << 15)
+
+/* The attention of layer `layer` for the batch's T tokens. hot: the Q/K/V product just
+ * ran on the pool, so its workers are spinning: then the attention runs on the pool from
+ * ATT_PAR_MIN (a worker that is awake costs no wake-up), not only from PAR_MIN_WORK. On
+ * the 1B models at batch 1 (4 KV heads, context 64: ~270 K multiply-adds, ~50 us on one
+ * thread) the other thread sat idle through it and had often gone to sleep by the next
+ * product, which then waited ~20 us for its wake-up (docs/bench.md, "Session 12").
+ * Stories260K's products are below PAR_MIN_WORK, so hot is 0 there. */
 static void attention(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *batch, int layer,
-                      int T)
+                      int T, int hot)
 {
     const model_config *c = &ctx->m->cfg;
     att_job j = {.ctx = ctx, .kv = kv, .batch = batch, .layer = layer, .T = T};
@@ -439,11 +464,14 @@ static void attention(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *ba
                  matvec_attend_vector(ctx->isa, c->n_head, kv_mul, c->head_dim,
                                       kvcache_get_params(kv)->block_size);
     int groups = T * c->n_kv_head;
-    int want = ctx->n_threads * CHUNKS_PER_THREAD;
+    int want = ctx->n_threads * ATT_CHUNKS_PER_THREAD;
     j.per_chunk = (groups + want - 1) / want;
     j.n_chunks = (groups + j.per_chunk - 1) / j.per_chunk;
     atomic_init(&j.next, 0);
-    if (run_inline(ctx, work))
+    int inl = run_inline(ctx, work);
+    if (inl && hot && work >= ATT_PAR_MIN && threadpool_awake(ctx->pool) > 0)
+        inl = 0;
+    if (inl)
         att_worker(&j, 0, 1);
     else
         threadpool_run(ctx->pool, att_worker, &j);
@@ -540,9 +568,9 @@ static void run_block(model_ctx_t *ctx, kvcache_t *kv, const model_seq_batch *ba
     mm_add(&j, &lw->wq, mv[0], ctx->p_q, POST_ROPE);
     mm_add(&j, &lw->wk, mv[1], ctx->p_k, POST_ROPE);
     mm_add(&j, &lw->wv, mv[2], ctx->p_v, POST_NONE);
-    mm_run(&j);
+    int hot = mm_run(&j);
 
-    attention(ctx, kv, batch, kv_layer, T);
+    attention(ctx, kv, batch, kv_layer, T, hot);
 
     /* x += Wo @ attention */
     const wmat *wo = &lw->wo;

@@ -2949,6 +2949,69 @@ static void test_model_quantized(void **state)
     }
 }
 
+/* Batch-1 decode of a model whose products at T = 1 wake the thread pool (dim 2048: Q/K/V
+ * 5.2 M multiply-adds per token, past model_forward.c's PAR_WAKE_WORK) and whose attention,
+ * from position 7 on, runs on the pool while its workers spin (ATT_PAR_MIN): the
+ * products' guided chunks and the attention's (token, KV head) pairs are split among 1, 2
+ * and 3 threads, and the logits of every step are the same bits, and the same as one
+ * prefill of the whole sequence. */
+static void test_model_decode_pool(void **state)
+{
+    (void)state;
+    char path[PATH_MAX], args[2 * PATH_MAX], err[512];
+    snprintf(path, sizeof(path), "%s/synth-decode-q8_0.gguf", tmpdir);
+    snprintf(args, sizeof(args),
+             "--dim 2048 --hidden-dim 1024 --layers 2 --heads 32 --kv-heads 4 --vocab 300 "
+             "--ctx 128 --seed 11 --type q8_0 --out '%s'",
+             path);
+    assert_int_equal(run_tool("tidepool-mkmodel", args), 0);
+    model_t *m = model_load(path, err, sizeof(err));
+    if (!m)
+        fail_msg("%s", err);
+    const model_config *c = model_get_config(m);
+    enum { N = 40 };
+    const int V = c->vocab_size;
+    int x[N];
+    for (int i = 0; i < N; i++)
+        x[i] = 3 + (i * 41) % 297;
+    float *ref = malloc((size_t)N * V * sizeof(float));
+    float *got = malloc((size_t)N * V * sizeof(float));
+    assert_non_null(ref);
+    assert_non_null(got);
+    const int threads[] = {1, 2, 3};
+    for (size_t ti = 0; ti < sizeof(threads) / sizeof(threads[0]); ti++) {
+        model_ctx_params p = model_ctx_default_params();
+        p.max_tokens = N;
+        p.n_threads = threads[ti];
+        kvcache_params kp = {c->n_layer, c->n_kv_head, c->head_dim, 16, 8, 4, c->n_ctx};
+        kvcache_t *kv = kvcache_new(&kp);
+        model_ctx_t *ctx = model_ctx_new_params(m, &p);
+        assert_non_null(kv);
+        assert_non_null(ctx);
+        int sq = kvcache_seq_new(kv);
+        assert_int_equal(kvcache_seq_reserve(kv, sq, N), KVCACHE_OK);
+        if (ti == 0) { /* the whole sequence in one prefill */
+            model_seq_batch b = {sq, 0, N, x, 1, ref, NULL, 0, NULL};
+            assert_int_equal(model_forward(ctx, kv, &b, 1, NULL, NULL), 0);
+            kvcache_seq_truncate(kv, sq, 0);
+            assert_int_equal(kvcache_seq_reserve(kv, sq, N), KVCACHE_OK);
+        }
+        for (int q = 0; q < N; q++) {
+            model_seq_batch b = {sq, q, 1, x + q, 0, got + (size_t)q * V, NULL, 0, NULL};
+            assert_int_equal(model_forward(ctx, kv, &b, 1, NULL, NULL), 0);
+        }
+        for (int q = 0; q < N; q++)
+            if (memcmp(got + (size_t)q * V, ref + (size_t)q * V, (size_t)V * sizeof(float)))
+                fail_msg("%d threads: decode logits at position %d differ from the prefill's",
+                         threads[ti], q);
+        model_ctx_destroy(&ctx);
+        kvcache_destroy(&kv);
+    }
+    free(ref);
+    free(got);
+    model_destroy(&m);
+}
+
 /* ------------------------------------------------------------------------------------- */
 /* sampler_penalize on a crafted 8-token vocabulary: every value exact (binary fractions) */
 static void test_sampler_penalties(void **state)
@@ -3258,6 +3321,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_model_threads_isa),
         cmocka_unit_test(test_model_fast_greedy),
         cmocka_unit_test(test_model_quantized),
+        cmocka_unit_test(test_model_decode_pool),
         cmocka_unit_test(test_sampler),
         cmocka_unit_test(test_sampler_penalties),
         cmocka_unit_test(test_convert_other_models),
