@@ -129,6 +129,13 @@ void cluster_policy_tick(cluster_t *c, int64_t now)
         c->policy_failed = 1;
         return;
     }
+    const policy_signals *sg = &c->pstate.sig;
+    log_debug("tidal policy: prompt %.0f tok/s, %.1f req/s, queued %.0f tok, decoding %.1f "
+              "(prefilling %.1f, waiting %.1f); pressure prefill %.2f decode %.2f; load "
+              "prefill %.2f decode %.2f; %d actions",
+              sg->prompt_rate, sg->arrival_rate, sg->queued_tokens, sg->decoding, sg->prefilling,
+              sg->wait_room, out.prefill_pressure, out.decode_pressure, out.est_prefill_workers,
+              out.est_decode_workers, out.n_actions);
     if (out.offline_max_running != c->offline_max_running)
         log_debug("offline admission %d -> %d (pressure prefill %.2f decode %.2f; offline "
                   "running %d, queued %d)",
@@ -148,7 +155,11 @@ void cluster_policy_tick(cluster_t *c, int64_t now)
     if (out.offline_max_running > c->n_off_running && c->oqueue.head)
         schedule_dispatch(c);
     /* Role changes (--tidal): by draining, see cluster_role_order(); never the last of a
-     * role. */
+     * role. Every worker this call moves is taken out of routing before any of them is
+     * ordered: a sequence migrated off one decode worker must not land on another that
+     * leaves in the same call (it would still be on its way there when that one switches,
+     * and be re-run from its prompt: docs/tidal.md "Session 12"). */
+    int n_marked = 0;
     for (int a = 0; c->p.tidal && a < out.n_actions; a++) {
         worker_t *w = c->workers;
         for (int j = 0; w && j < out.actions[a].worker; j++)
@@ -158,6 +169,21 @@ void cluster_policy_tick(cluster_t *c, int64_t now)
             w->state != PROTO_STATE_READY || cluster_n_capable(c, w->role, w) < 1 ||
             (role != PROTO_ROLE_PREFILL && role != PROTO_ROLE_DECODE))
             continue;
-        cluster_role_order(c, w, role, "the tidal policy");
+        cluster_role_mark(w, role);
+        w->order_pending = 1;
+        n_marked++;
+    }
+    if (n_marked > 0)
+        log_info("the tidal policy moves %d worker(s): prefill %d, decode %d after (pressure "
+                 "prefill %.2f decode %.2f; load in workers prefill %.2f decode %.2f; estimate "
+                 "%d prefill)",
+                 n_marked, out.n_prefill, out.n_decode, out.prefill_pressure, out.decode_pressure,
+                 out.est_prefill_workers, out.est_decode_workers, out.est_prefill);
+    for (worker_t *w = c->workers; w && n_marked > 0; w = w->next) {
+        if (!w->order_pending)
+            continue;
+        w->order_pending = 0;
+        n_marked--;
+        cluster_role_order(c, w, w->target_role, "the tidal policy");
     }
 }
