@@ -131,10 +131,12 @@ void cluster_policy_tick(cluster_t *c, int64_t now)
     }
     const policy_signals *sg = &c->pstate.sig;
     log_debug("tidal policy: prompt %.0f tok/s, %.1f req/s, queued %.0f tok, decoding %.1f "
-              "(prefilling %.1f, waiting %.1f); pressure prefill %.2f decode %.2f; load "
-              "prefill %.2f decode %.2f; %d actions",
+              "(prefilling %.1f, waiting %.1f), %.1f output tokens per request; TTFT p90 %.0f "
+              "ms, oldest wait %.0f ms, TPOT p90 %.0f ms; pressure prefill %.2f decode %.2f; "
+              "load prefill %.2f decode %.2f; %d actions",
               sg->prompt_rate, sg->arrival_rate, sg->queued_tokens, sg->decoding, sg->prefilling,
-              sg->wait_room, out.prefill_pressure, out.decode_pressure, out.est_prefill_workers,
+              sg->wait_room, sg->out_per_req, sg->ttft_ms, sg->oldest_wait_ms, sg->tpot_ms,
+              out.prefill_pressure, out.decode_pressure, out.est_prefill_workers,
               out.est_decode_workers, out.n_actions);
     if (out.offline_max_running != c->offline_max_running)
         log_debug("offline admission %d -> %d (pressure prefill %.2f decode %.2f; offline "
