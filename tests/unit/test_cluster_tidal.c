@@ -212,8 +212,8 @@ static void test_one_call_moves_leave_together(void **state)
     assert_false(w[6]->changing || w[7]->changing);
     for (int i = 0; i < 4; i++) {
         if (rs[i]->dw != w[6] && rs[i]->dw != w[7])
-            fail_msg("sequence %d of w%d migrates to %s, which leaves decode in the same call",
-                     i, 4 + i / 2, rs[i]->dw ? rs[i]->dw->id : "(none)");
+            fail_msg("sequence %d of w%d migrates to %s, which leaves decode in the same call", i,
+                     4 + i / 2, rs[i]->dw ? rs[i]->dw->id : "(none)");
         assert_ptr_equal(rs[i]->mw, w[4 + i / 2]);
     }
     for (int i = 0; i < 4; i++) {
