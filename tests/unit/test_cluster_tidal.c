@@ -228,6 +228,36 @@ static void test_one_call_moves_leave_together(void **state)
     free(c);
 }
 
+/* The policy's role age: a worker never ordered to another role is settled (movable at
+ * once, whatever min_role_ms), one that changed role counts from its new registration. A
+ * cluster whose traffic began within min_role_ms of its workers' registration could not
+ * move at all before (code100's emulated start-up, docs/tidal.md "Session 12"). */
+static void test_role_age_of_fresh_and_moved_workers(void **state)
+{
+    (void)state;
+    cluster_t *c = new_cluster();
+    worker_t *fresh = calloc(1, sizeof(*fresh)), *moved = calloc(1, sizeof(*moved));
+    assert_non_null(fresh);
+    assert_non_null(moved);
+    int64_t now = 100 * (int64_t)1000000;
+    fresh->role = PROTO_ROLE_DECODE;
+    moved->role = PROTO_ROLE_PREFILL;
+    fresh->state = moved->state = PROTO_STATE_READY;
+    fresh->role_since_us = now - 1000000; /* registered 1 s ago */
+    moved->role_since_us = now - 2000000; /* its change ended 2 s ago */
+    moved->assigned_role = PROTO_ROLE_PREFILL;
+    fresh->next = moved;
+    c->workers = fresh;
+    cluster_policy_tick(c, now);
+    assert_true(c->pworkers[0].role_age_ms >= 1000LL * 1000000); /* settled */
+    assert_true(c->pworkers[0].role_age_ms >= c->p.policy.min_role_ms);
+    assert_int_equal(c->pworkers[1].role_age_ms, 2000);
+    free(fresh);
+    free(moved);
+    free(c->pworkers);
+    free(c);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -235,6 +265,7 @@ int main(void)
         cmocka_unit_test(test_tick_feeds_the_counters),
         cmocka_unit_test(test_tick_names_prefilling_and_waiting),
         cmocka_unit_test(test_one_call_moves_leave_together),
+        cmocka_unit_test(test_role_age_of_fresh_and_moved_workers),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
