@@ -56,6 +56,7 @@ typedef struct worker {
     int n_assigned;     /* requests assigned to it in any role */
     /* live role change: ROLE sent, routing skips it until it registers in target_role */
     int changing, target_role;
+    int order_pending;      /* marked by this policy call, to be ordered (cluster_tidal.c) */
     int assigned_role;      /* the role it was last ordered to (0: none): restored when a
                              * new incarnation registers in another (cluster_msgs.c) */
     int64_t change_us;      /* when ROLE was sent */
@@ -427,6 +428,10 @@ int cluster_route_n_believed(const worker_t *w);
  * registers again; a decode worker's sequences are moved away (MIGRATE). Returns 0 or -1
  * (the send failed: w is flagged dead). */
 int cluster_role_order(cluster_t *c, worker_t *w, int role, const char *why);
+/* Take w out of routing and of the migration targets as changing to `role`, without
+ * ordering it yet (cluster_role_order does, and marks it too): the workers one policy call
+ * moves are all marked before the first is ordered. */
+void cluster_role_mark(worker_t *w, int role);
 /* w registered again after ROLE (same process), in role `role`: settle its requests and
  * count, log and report the change (done, or not made). Call before w->role is updated. */
 void cluster_role_change_done(cluster_t *c, worker_t *w, int role);

@@ -121,15 +121,20 @@ static int migrate_all(cluster_t *c, worker_t *w, int *n_rerun)
     return n;
 }
 
+void cluster_role_mark(worker_t *w, int role)
+{
+    w->changing = 1; /* out of routing (and of the migration targets) from here */
+    w->target_role = role;
+    w->state = PROTO_STATE_CHANGING;
+}
+
 /* Send ROLE to w and take it out of routing until it registers again. Returns 0 or -1
  * (the send failed: w is flagged dead). */
 int cluster_role_order(cluster_t *c, worker_t *w, int role, const char *why)
 {
-    w->changing = 1; /* out of routing (and of the migration targets) from here */
-    w->target_role = role;
+    cluster_role_mark(w, role);
     w->assigned_role = role; /* also if it dies on the way: its next incarnation goes there */
     w->change_us = proto_now_us();
-    w->state = PROTO_STATE_CHANGING;
     /* the moves go before ROLE: when the worker reads ROLE, every sequence it runs has its
      * order (or was cancelled), so it can switch without waiting for more */
     int n_rerun = 0;

@@ -2,6 +2,7 @@
  * the sweep timer: offline requests that waited too long are promoted to the online
  * queue, and every heartbeat_ms the policy gets the workers' and the queues' figures and
  * sets the offline admission, preempts offline requests and (--tidal) changes roles. */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -60,7 +61,12 @@ void cluster_policy_tick(cluster_t *c, int64_t now)
         pw->state = w->dead                           ? POLICY_WORKER_DOWN
                     : w->state == PROTO_STATE_READY ? POLICY_WORKER_READY
                                                     : POLICY_WORKER_DRAINING;
-        pw->role_age_ms = (now - w->role_since_us) / 1000;
+        /* A worker still in the role it registered in (never ordered to another) has no
+         * change to settle: min_role_ms does not hold it. Counted from its registration, a
+         * cluster started just before its traffic could not move for min_role_ms (3 s in
+         * tidal-bench: code100's start-up move waited for it, in two calls; docs/tidal.md
+         * "Session 12"); tidepool-sim's workers start settled too. */
+        pw->role_age_ms = w->assigned_role ? (now - w->role_since_us) / 1000 : INT64_MAX / 4;
         pw->changing = w->changing;
         pw->target_role = w->target_role;
         pw->running = w->running;
@@ -129,6 +135,15 @@ void cluster_policy_tick(cluster_t *c, int64_t now)
         c->policy_failed = 1;
         return;
     }
+    const policy_signals *sg = &c->pstate.sig;
+    log_debug("tidal policy: prompt %.0f tok/s, %.1f req/s, queued %.0f tok, decoding %.1f "
+              "(prefilling %.1f, waiting %.1f), %.1f output tokens per request; TTFT p90 %.0f "
+              "ms, oldest wait %.0f ms, TPOT p90 %.0f ms; pressure prefill %.2f decode %.2f; "
+              "load prefill %.2f decode %.2f; %d actions",
+              sg->prompt_rate, sg->arrival_rate, sg->queued_tokens, sg->decoding, sg->prefilling,
+              sg->wait_room, sg->out_per_req, sg->ttft_ms, sg->oldest_wait_ms, sg->tpot_ms,
+              out.prefill_pressure, out.decode_pressure, out.est_prefill_workers,
+              out.est_decode_workers, out.n_actions);
     if (out.offline_max_running != c->offline_max_running)
         log_debug("offline admission %d -> %d (pressure prefill %.2f decode %.2f; offline "
                   "running %d, queued %d)",
@@ -148,7 +163,11 @@ void cluster_policy_tick(cluster_t *c, int64_t now)
     if (out.offline_max_running > c->n_off_running && c->oqueue.head)
         schedule_dispatch(c);
     /* Role changes (--tidal): by draining, see cluster_role_order(); never the last of a
-     * role. */
+     * role. Every worker this call moves is taken out of routing before any of them is
+     * ordered: a sequence migrated off one decode worker must not land on another that
+     * leaves in the same call (it would still be on its way there when that one switches,
+     * and be re-run from its prompt: docs/tidal.md "Session 12"). */
+    int n_marked = 0;
     for (int a = 0; c->p.tidal && a < out.n_actions; a++) {
         worker_t *w = c->workers;
         for (int j = 0; w && j < out.actions[a].worker; j++)
@@ -158,6 +177,21 @@ void cluster_policy_tick(cluster_t *c, int64_t now)
             w->state != PROTO_STATE_READY || cluster_n_capable(c, w->role, w) < 1 ||
             (role != PROTO_ROLE_PREFILL && role != PROTO_ROLE_DECODE))
             continue;
-        cluster_role_order(c, w, role, "the tidal policy");
+        cluster_role_mark(w, role);
+        w->order_pending = 1;
+        n_marked++;
+    }
+    if (n_marked > 0)
+        log_info("the tidal policy moves %d worker(s): prefill %d, decode %d after (pressure "
+                 "prefill %.2f decode %.2f; load in workers prefill %.2f decode %.2f; estimate "
+                 "%d prefill)",
+                 n_marked, out.n_prefill, out.n_decode, out.prefill_pressure, out.decode_pressure,
+                 out.est_prefill_workers, out.est_decode_workers, out.est_prefill);
+    for (worker_t *w = c->workers; w && n_marked > 0; w = w->next) {
+        if (!w->order_pending)
+            continue;
+        w->order_pending = 0;
+        n_marked--;
+        cluster_role_order(c, w, w->target_role, "the tidal policy");
     }
 }

@@ -47,6 +47,7 @@ policy_params policy_default_params(void)
         .capacity_moves = 1,
         .donor_guard = 1,
         .startup_fix = 1,
+        .startup_settle = 1,
         .warmup_ms = 30000,
         .target_pressure = 0.7,
         .offline_target = 0.6,
@@ -91,6 +92,7 @@ int policy_params_check(const policy_params *p, char *err, size_t err_len)
     CHECK(p->capacity_moves == 0 || p->capacity_moves == 1, "capacity_moves must be 0 or 1");
     CHECK(p->donor_guard == 0 || p->donor_guard == 1, "donor_guard must be 0 or 1");
     CHECK(p->startup_fix == 0 || p->startup_fix == 1, "startup_fix must be 0 or 1");
+    CHECK(p->startup_settle == 0 || p->startup_settle == 1, "startup_settle must be 0 or 1");
     CHECK(p->offline_target >= 0, "offline_target must be >= 0");
     CHECK(p->preempt_pressure > 0, "preempt_pressure must be > 0");
     CHECK(p->offline_max_wait_ms >= 0, "offline_max_wait_ms must be >= 0");
@@ -245,6 +247,13 @@ static void ewma(double *x, double raw, double alpha)
     *x += alpha * (raw - *x);
 }
 
+/* When the traffic began (the call before the first that saw online work; the first call
+ * until then): the rates' running mean and the warm-up count from here. */
+static int64_t traffic_start(const policy_state *st)
+{
+    return st->traffic_seen ? st->traffic_ms : st->first_ms;
+}
+
 /* This call's raw signals into *raw, and folded into the EWMAs of st. */
 static void observe(const policy_params *p, policy_state *st, const policy_input *in,
                     policy_signals *raw)
@@ -317,6 +326,14 @@ static void observe(const policy_params *p, policy_state *st, const policy_input
     }
     if (dt <= 0) /* the same instant, or time going backwards: nothing elapsed */
         return;
+    if (!st->traffic_seen && (c->prompt_tokens_arrived > st->last_prompt_tokens ||
+                              c->online_arrived > st->last_arrived)) {
+        /* the first online work, which arrived since the previous call: the rates' mean and
+         * the warm-up start there, not at the first call (a gateway is up, and calling, for
+         * seconds before its first request: a mean over that idle time lags the mix) */
+        st->traffic_seen = 1;
+        st->traffic_ms = st->last_ms;
+    }
     st->last_ms = in->now_ms;
     st->last_prompt_tokens = c->prompt_tokens_arrived;
     int64_t d_done = c->online_done - st->last_done;
@@ -326,10 +343,10 @@ static void observe(const policy_params *p, policy_state *st, const policy_input
     st->last_done = c->online_done;
     double alpha = p->smooth_ms > 0 ? 1 - exp(-(double)dt / (double)p->smooth_ms) : 1;
     policy_signals *x = &st->sig;
-    /* The rates start as the mean since the first call (the first sample seeds them, not
+    /* The rates start as the mean since the traffic began (the first sample seeds them, not
      * a blend with 0) and become the EWMA once that is the heavier weight: one noisy
      * first second does not stand for the first smooth_ms. */
-    double elapsed = (double)(in->now_ms - st->first_ms);
+    double elapsed = (double)(in->now_ms - traffic_start(st));
     double alpha_rate = elapsed > 0 ? fmax(alpha, (double)dt / elapsed) : 1;
     st->rates_seeded = 1;
     ewma(&x->prompt_rate, raw->prompt_rate, alpha_rate);
@@ -566,7 +583,7 @@ int policy_decide(const policy_params *p, policy_state *st, const policy_input *
     }
     /* Before the first window of traffic is seen, only pressure at the SLO's edge moves a
      * worker: a start-up transient (an empty cluster filling) is not the mix. */
-    int warm = st->rates_seeded && in->now_ms - st->first_ms >= p->warmup_ms;
+    int warm = st->rates_seeded && in->now_ms - traffic_start(st) >= p->warmup_ms;
     double act = warm ? p->act_pressure : fmax(p->act_pressure, 1.0);
     view vf = {.p = p, .st = &st->sig, .cap_p0 = cap_p, .cap_d0 = cap_d, .act = act};
     view vr = {.p = p, .st = &raw, .cap_p0 = cap_p, .cap_d0 = cap_d, .act = act};
@@ -701,13 +718,25 @@ int policy_decide(const policy_params *p, policy_state *st, const policy_input *
      * a start-up guess on a partial view of the mix (the long answers had not ended yet),
      * not a swing of the load */
     int startup_fix = reversal && k_capacity > 0 && p->startup_fix &&
-                      st->last_change_ms - st->first_ms < p->warmup_ms;
+                      st->last_change_ms - traffic_start(st) < p->warmup_ms;
     if (reversal && !startup_fix &&
         (in->now_ms - st->last_change_ms < p->min_role_ms || !st->reverse_holding ||
          in->now_ms - st->reverse_since_ms < reverse_hold(p, st)))
         to = 0;
     if (startup_fix && k > k_capacity)
         k = k_capacity;
+    /* Start-up settle (policy.h 2e): before warmup_ms, a role that gained workers gains no
+     * more for smooth_ms (the signals' time constant: the load that asked for the move must
+     * be seen again with the new split) unless its capacity asks for them. A start-up move
+     * is one move: made again 200-400 ms later on a view a little longer, it migrated the
+     * sequences the first had moved a second time (docs/tidal.md "Session 12"). */
+    if (to && !warm && p->startup_settle && to == st->last_dir &&
+        in->now_ms - st->last_change_ms < p->smooth_ms) {
+        if (k_capacity <= 0)
+            to = 0;
+        else if (k > k_capacity)
+            k = k_capacity;
+    }
     if (to) {
         int kmax = allowed > k_capacity ? allowed : k_capacity;
         if (k > kmax)

@@ -52,7 +52,13 @@
  *      load pressure above max(1, the gainer's after the move) (donor_guard); a capacity
  *      move reversing a change made before warmup_ms skips the guard of 2b (startup_fix).
  *      At the shared pressure the estimate (2c) rounds to the whole split with the lower
- *      of the two pressures. The rates start as the running mean since the first call.
+ *      of the two pressures. The rates start as the running mean since the traffic began
+ *      (the call before the first that saw an online arrival), and warmup_ms counts from
+ *      there too.
+ *   2e. Start-up settle: before warmup_ms, a role that gained workers gains no more for
+ *      smooth_ms (the signals' time constant) unless a capacity move (2d) asks for them
+ *      (startup_settle): a start-up move is made once, not again a call or two later on a
+ *      slightly longer view (each time migrating sequences the last move had moved).
  *   2b. Reversal guard: a move against the last change's direction also needs min_role_ms
  *      since that change and the rule asking for it call after call for a hold that is 0
  *      after a calm spell and doubles (from reverse_hold_ms) with every reversal made
@@ -177,6 +183,8 @@ typedef struct {
                               * warmup_ms at once (no reversal guard) */
     int donor_guard;         /* 1: no move leaves the donor's load pressure above 1 (or the
                               * gainer's, if higher) */
+    int startup_settle;      /* 1: before warmup_ms, a role that gained workers gains no
+                              * more for smooth_ms but by a capacity move (2e) */
     /* offline admission */
     double offline_target;        /* offline fills capacity up to this online pressure */
     double preempt_pressure;      /* online pressure that preempts offline work */
@@ -204,6 +212,8 @@ typedef struct {
     int64_t n_calls; /* successful policy_decide calls */
     int64_t last_ms;
     int64_t first_ms;           /* the first call's time */
+    int traffic_seen;           /* online work has arrived since the first call ... */
+    int64_t traffic_ms;         /* ... after the call at this time (its start) */
     int64_t last_prompt_tokens; /* cluster counters at the previous call */
     int64_t last_output_tokens, last_arrived, last_done;
     int64_t first_arrived;      /* online_arrived at the first call */

@@ -42,7 +42,7 @@ static double opt_ttft_slo_ms, opt_tpot_slo_ms, opt_tick_ms, opt_switch_ms;
 static double opt_min_role_s, opt_window_s, opt_max_change_frac, opt_act_pressure, opt_band;
 static double opt_smooth_s, opt_reverse_hold_s, opt_warmup_s, opt_target_pressure;
 static int opt_compare_static, opt_verbose, opt_start_estimate, opt_decode_token_rate;
-static int opt_capacity_moves, opt_donor_guard, opt_startup_fix;
+static int opt_capacity_moves, opt_donor_guard, opt_startup_fix, opt_startup_settle;
 
 static const config_entry_t settings[] = {
     {"workers", CONFIG_INT, &opt_workers, "8", 2, 100000, "workers in the cluster"},
@@ -113,6 +113,9 @@ static const config_entry_t settings[] = {
     {"startup-fix", CONFIG_BOOL, &opt_startup_fix, "true", 0, 0,
      "policy: a capacity move may undo a change made in the warm-up at once (no reversal "
      "guard)"},
+    {"startup-settle", CONFIG_BOOL, &opt_startup_settle, "true", 0, 0,
+     "policy: in the warm-up a role that gained workers gains no more for smooth-s but by a "
+     "capacity move"},
     {"donor-guard", CONFIG_BOOL, &opt_donor_guard, "true", 0, 0,
      "policy: no move leaves the donor's load pressure above 1 (or above the gainer's)"},
     {"start-from-estimate", CONFIG_BOOL, &opt_start_estimate, "true", 0, 0,
@@ -400,6 +403,7 @@ int main(int argc, char **argv)
     pp.capacity_moves = opt_capacity_moves;
     pp.donor_guard = opt_donor_guard;
     pp.startup_fix = opt_startup_fix;
+    pp.startup_settle = opt_startup_settle;
     if (!opt_decode_token_rate)
         pp.decode_tokens_per_s = 0;
     pp.min_role_ms = (int64_t)(opt_min_role_s * 1e3);

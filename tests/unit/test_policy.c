@@ -64,12 +64,12 @@ static int fx_count(const fx *f, int role)
     return k;
 }
 
-/* One decision at f->now; applies the changes at once; advances time by one tick. */
-static void fx_tick(fx *f)
+/* One decision at f->now; applies the changes at once; advances time by tick_ms. */
+static void fx_tick_ms(fx *f, int64_t tick_ms)
 {
     for (int i = 0; i < f->n; i++)
         f->w[i].role_age_ms = f->now - f->role_since[i];
-    f->c.prompt_tokens_arrived += (int64_t)(f->prompt_rate * TICK_MS / 1000);
+    f->c.prompt_tokens_arrived += (int64_t)(f->prompt_rate * (double)tick_ms / 1000);
     policy_input in = {.now_ms = f->now, .workers = f->w, .n_workers = f->n, .cluster = f->c};
     assert_int_equal(policy_decide(&f->p, &f->st, &in, &f->last), 0);
     for (int i = 0; i < f->last.n_actions; i++) {
@@ -89,7 +89,13 @@ static void fx_tick(fx *f)
                 f->p.min_per_role);
     assert_true(fx_count(f, POLICY_ROLE_DECODE) + fx_count(f, POLICY_ROLE_MIXED) >=
                 f->p.min_per_role);
-    f->now += TICK_MS;
+    f->now += tick_ms;
+}
+
+/* One decision, one second. */
+static void fx_tick(fx *f)
+{
+    fx_tick_ms(f, TICK_MS);
 }
 
 /* Deterministic noise in [1 - a, 1 + a]. */
@@ -906,6 +912,62 @@ static void test_donor_counts_held_slots(void **state)
     free(f);
 }
 
+/* Start-up as the gateway sees it (docs/tidal.md "Session 12"): the policy is called every
+ * 200 ms from the gateway's start, 3 s before the first request; 8 workers at 4:4,
+ * tidal-bench's knobs (smooth 2 s, min 3 s in a role, 4 changes a window, 1 per role).
+ * Code-like: 7 prefill workers of prompts from the first request on (30 arrivals a call).
+ * The rates are the mean since the traffic began, so the first call that sees it moves
+ * 4:4 -> 7:1 at once (3 moves) and nothing follows; as a mean since the first call they
+ * ramped up from the idle seconds, and the split moved in steps over seconds, one or two
+ * workers at a time. Conversation-like: a prompt burst in the first half second, 4.6
+ * workers of load in the first 0.2 s of traffic (one move: 5:3, 0.92), 5.07 over the
+ * first 0.4 s (1.01 on 5), then 3: one move, to 5:3; without startup_settle a second
+ * one follows the next call (6:2) on a view 0.2 s longer, migrating again. */
+static void test_startup_moves_once(void **state)
+{
+    (void)state;
+    fx *f = calloc(1, sizeof(fx));
+    for (int settle = 1; settle >= 0; settle--) {
+        for (int conv = 0; conv < 2; conv++) {
+            fx_init(f, 4, 4);
+            f->p.prefill_tokens_per_s = 1000;
+            f->p.decode_seqs_per_worker = 48;
+            f->p.ttft_slo_ms = 5000;
+            f->p.tpot_slo_ms = 500;
+            f->p.smooth_ms = 2000;
+            f->p.min_role_ms = 3000;
+            f->p.max_changes = 4;
+            f->p.startup_settle = settle;
+            for (int t = 0; t < 15; t++) /* the gateway's calls before the first request */
+                fx_tick_ms(f, 200);
+            int64_t start = f->now;
+            for (int t = 0; t < 50; t++) { /* 10 s of traffic */
+                if (conv)
+                    f->prompt_rate = t == 0 ? 4600 : t == 1 ? 6000 : 3000;
+                else
+                    f->prompt_rate = 7000;
+                f->c.online_arrived += conv ? 5 : 30;
+                f->c.online_decoding = 5;
+                fx_tick_ms(f, 200);
+            }
+            print_message("settle %d %s: %d changes, the first at +%lld ms\n", settle,
+                          conv ? "conversation" : "code", f->n_ch,
+                          f->n_ch ? (long long)(f->ch_ms[0] - start) : -1LL);
+            for (int i = 0; i < f->n_ch; i++)
+                assert_int_equal(f->ch_role[i], POLICY_ROLE_PREFILL);
+            if (!conv) { /* one call, at the first that sees the traffic */
+                assert_int_equal(f->n_ch, 3);
+                assert_true(f->ch_ms[0] == start && f->ch_ms[2] == start);
+            } else if (settle) {
+                assert_int_equal(f->n_ch, 1);
+            } else {
+                assert_int_equal(f->n_ch, 2);
+            }
+        }
+    }
+    free(f);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -929,6 +991,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_decode_beyond_capacity_gains),
         cmocka_unit_test(test_decode_own_sequences),
         cmocka_unit_test(test_donor_counts_held_slots),
+        cmocka_unit_test(test_startup_moves_once),
     };
     if (argc > 1)
         cmocka_set_test_filter(argv[1]);
