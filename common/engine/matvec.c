@@ -606,7 +606,7 @@ void matvec_expf(kern_isa isa, const float *x, float *y, int n)
         y[i] = expf(x[i]);
 }
 
-/* The definition: model_forward.c's rmsnorm (run.c's) row by row. */
+/* The definition: run.c's rmsnorm, row by row (the MTP modules' norms use it too). */
 static void rmsnorm_ref(float *o, const float *x, int T, int n, const float *weight, float eps)
 {
     for (int t = 0; t < T; t++) {

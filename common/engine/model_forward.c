@@ -16,18 +16,6 @@
 /* ------------------------------------------------------------------------------------- */
 /* element-wise steps (each token's row independently, in a fixed order) */
 
-static void rmsnorm(float *o, const float *x, const float *weight, int size, float eps)
-{
-    float ss = 0.0f;
-    for (int j = 0; j < size; j++)
-        ss += x[j] * x[j];
-    ss /= size;
-    ss += eps;
-    ss = 1.0f / sqrtf(ss);
-    for (int j = 0; j < size; j++)
-        o[j] = weight[j] * (ss * x[j]);
-}
-
 /* RoPE on rows [a, b) (a even) of one token's q or k row v, as run.c. */
 static void rope_rows(float *v, const float *rp, int hs, int a, int b)
 {
@@ -694,8 +682,10 @@ int model_forward_nextn_head(model_ctx_t *ctx, kvcache_t *kv, const model_nextn_
     for (int b = 0; b < n; b++) {
         for (int j = 0; j < batch[b].n_tokens; j++, t++) {
             float *row = ctx->cat + (size_t)t * 2 * dim;
-            rmsnorm(row, batch[b].hidden_in + (size_t)j * dim, mod->hnorm, dim, c->rms_eps);
-            rmsnorm(row + dim, ctx->xb + (size_t)t * dim, mod->enorm, dim, c->rms_eps);
+            matvec_rmsnorm(ctx->isa, row, batch[b].hidden_in + (size_t)j * dim, 1, dim, mod->hnorm,
+                           c->rms_eps);
+            matvec_rmsnorm(ctx->isa, row + dim, ctx->xb + (size_t)t * dim, 1, dim, mod->enorm,
+                           c->rms_eps);
         }
     }
     /* x = eh_proj @ cat */
