@@ -2300,6 +2300,39 @@ static void test_matvec_vs_reference(void **state)
     }
 }
 
+/* run.c's attention of one query row q (hs floats) over positions [0, n) of a paged K/V
+ * pool (block b of bs positions at pool + blocks[b] * bf: bs K rows then bs V rows, each
+ * kv_dim floats; this head's columns at koff), into yh (hs floats); sc: n floats of scratch. */
+static void ref_attend_row(const float *q, const float *pool, const int *blocks, size_t bf,
+                           int bs, size_t kv_dim, size_t koff, int hs, int n, float scale,
+                           float *sc, float *yh)
+{
+    for (int r = 0; r < n; r++) {
+        const float *k = pool + blocks[r / bs] * bf + (size_t)(r % bs) * kv_dim + koff;
+        float s = 0.0f;
+        for (int i = 0; i < hs; i++)
+            s += q[i] * k[i];
+        sc[r] = s / scale;
+    }
+    float mx = sc[0], sum = 0.0f;
+    for (int r = 1; r < n; r++)
+        if (sc[r] > mx)
+            mx = sc[r];
+    for (int r = 0; r < n; r++) {
+        sc[r] = expf(sc[r] - mx);
+        sum += sc[r];
+    }
+    for (int r = 0; r < n; r++)
+        sc[r] /= sum;
+    memset(yh, 0, (size_t)hs * sizeof(float));
+    for (int r = 0; r < n; r++) {
+        const float *v =
+            pool + blocks[r / bs] * bf + (size_t)bs * kv_dim + (size_t)(r % bs) * kv_dim + koff;
+        for (int i = 0; i < hs; i++)
+            yh[i] += sc[r] * v[i];
+    }
+}
+
 /* matvec_attend_exact (one token, every head in one pass) against run.c's attention
  * written out here, bit for bit, on both isas: head counts 8 (KV groups of 2, the
  * stories260K shape), 4 (no grouping), 6 (groups of 3), 1, and 16 (no vector path);
@@ -2331,32 +2364,8 @@ static void test_matvec_attend(void **state)
                 for (int n = 1; n <= MAXN; n++) {
                     for (int h = 0; h < n_head; h++) { /* run.c */
                         const size_t koff = (size_t)(h / kv_mul) * HS;
-                        for (int r = 0; r < n; r++) {
-                            const float *k =
-                                pool + blocks[r / bs] * bf + (size_t)(r % bs) * kv_dim + koff;
-                            float s = 0.0f;
-                            for (int i = 0; i < HS; i++)
-                                s += q[h * HS + i] * k[i];
-                            sc[r] = s / scale;
-                        }
-                        float mx = sc[0], sum = 0.0f;
-                        for (int r = 1; r < n; r++)
-                            if (sc[r] > mx)
-                                mx = sc[r];
-                        for (int r = 0; r < n; r++) {
-                            sc[r] = expf(sc[r] - mx);
-                            sum += sc[r];
-                        }
-                        for (int r = 0; r < n; r++)
-                            sc[r] /= sum;
-                        float *yh = want + h * HS;
-                        memset(yh, 0, HS * sizeof(float));
-                        for (int r = 0; r < n; r++) {
-                            const float *v = pool + blocks[r / bs] * bf + (size_t)bs * kv_dim +
-                                             (size_t)(r % bs) * kv_dim + koff;
-                            for (int i = 0; i < HS; i++)
-                                yh[i] += sc[r] * v[i];
-                        }
+                        ref_attend_row(q + h * HS, pool, blocks, bf, bs, kv_dim, koff, HS, n,
+                                       scale, sc, want + h * HS);
                     }
                     for (size_t ii = 0; ii < 2; ii++) {
                         if (isas[ii] > kern_isa_detect())
@@ -2410,32 +2419,8 @@ static void test_matvec_attend_rows(void **state)
                 for (int n_lo = 1; n_lo <= MAXN; n_lo++) {
                     for (int h = 0; h < nq; h++) { /* run.c, row h over its own positions */
                         const int n = n_lo + h / kv_mul;
-                        for (int r = 0; r < n; r++) {
-                            const float *k =
-                                pool + blocks[r / bs] * bf + (size_t)(r % bs) * kv_dim + koff;
-                            float s = 0.0f;
-                            for (int i = 0; i < HS; i++)
-                                s += q[h * HS + i] * k[i];
-                            sc[r] = s / scale;
-                        }
-                        float mx = sc[0], sum = 0.0f;
-                        for (int r = 1; r < n; r++)
-                            if (sc[r] > mx)
-                                mx = sc[r];
-                        for (int r = 0; r < n; r++) {
-                            sc[r] = expf(sc[r] - mx);
-                            sum += sc[r];
-                        }
-                        for (int r = 0; r < n; r++)
-                            sc[r] /= sum;
-                        float *yh = want + h * HS;
-                        memset(yh, 0, HS * sizeof(float));
-                        for (int r = 0; r < n; r++) {
-                            const float *v = pool + blocks[r / bs] * bf + (size_t)bs * kv_dim +
-                                             (size_t)(r % bs) * kv_dim + koff;
-                            for (int i = 0; i < HS; i++)
-                                yh[i] += sc[r] * v[i];
-                        }
+                        ref_attend_row(q + h * HS, pool, blocks, bf, bs, kv_dim, koff, HS, n,
+                                       scale, sc, want + h * HS);
                     }
                     for (size_t ii = 0; ii < 2; ii++) {
                         if (isas[ii] > kern_isa_detect())
