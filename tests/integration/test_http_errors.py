@@ -1637,6 +1637,22 @@ class FakeWorkerTest(unittest.TestCase):
         s.close()
         self.assertEqual(a.recv(5, want=(CANCEL,))["rid"], rid)
 
+    def read_to_close(self, s, what):
+        """Everything s receives until the server closes it (then s is closed); a test
+        failure if it stays open past the socket's timeout."""
+        out = b""
+        try:
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+        except socket.timeout:
+            self.fail("no end of the %s: %r" % (what, out[:500]))
+        finally:
+            s.close()
+        return out
+
     def test_half_closed_client_gets_its_reply(self):
         """A client that shuts its sending side after its request (shutdown(SHUT_WR)) still
         reads: its request was cancelled as a disconnect and the reply lost. The gateway now
@@ -1652,16 +1668,7 @@ class FakeWorkerTest(unittest.TestCase):
         self.assertIsNone(a.recv(0.3, want=(CANCEL,)), "the half-closed request was cancelled")
         a.send(TOKENS, rid=rid, index=0, tokens=ids_of("abc"))
         a.send(FINISH, rid=rid, reason=2)
-        out = b""
-        try:
-            while True:
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                out += chunk
-        except socket.timeout:
-            self.fail("no end of the reply: %r" % out[:500])
-        s.close()
+        out = self.read_to_close(s, "reply")
         self.assertTrue(out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n"),
                         out[:300])
         self.assertEqual(json.loads(out.split(b"\r\n\r\n", 2)[2])["choices"][0]["text"], "abc")
@@ -1680,16 +1687,7 @@ class FakeWorkerTest(unittest.TestCase):
         self.assertIsNone(a.recv(0.3, want=(CANCEL,)), "the half-closed stream was cancelled")
         a.send(TOKENS, rid=rid, index=0, tokens=ids_of("abc"))
         a.send(FINISH, rid=rid, reason=2)
-        out = b""
-        try:
-            while True:
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                out += chunk
-        except socket.timeout:
-            self.fail("no end of the stream: %r" % out[:500])
-        s.close()
+        out = self.read_to_close(s, "stream")
         self.assertTrue(out.startswith(b"HTTP/1.1 200 OK\r\n"), out[:300])
         events = re.findall(rb"data: (.*)\n\n", out)
         self.assertEqual(events[-1], b"[DONE]")
