@@ -610,7 +610,7 @@ static void on_request(struct evhttp_request *req, void *arg)
             snprintf(allow_hdr, sizeof(allow_hdr), "%s", allow);
         evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", allow_hdr);
         snprintf(msg, sizeof(msg), "Method %s is not allowed for %.200s (use %s).",
-                 method_str(method), path, allow);
+                 method_str(method), path, allow_hdr);
         http_reply_error_msg(req, 405, "invalid_request_error", NULL, "method_not_allowed", msg);
         return;
     }

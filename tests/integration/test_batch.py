@@ -520,12 +520,13 @@ class Files(unittest.TestCase):
 
     def test_methods(self):
         c = self.c
-        for method, path, allow in (("DELETE", "/v1/files", "GET, POST"),
-                                    ("PUT", "/v1/files", "GET, POST"),
-                                    ("POST", "/v1/files/file-x", "GET, DELETE"),
-                                    ("PATCH", "/v1/files/file-x", "GET, DELETE"),
-                                    ("DELETE", "/v1/files/file-x/content", "GET"),
-                                    ("DELETE", "/v1/batches/batch_x", "GET")):
+        # HEAD wherever GET (RFC 9110 9.3.2)
+        for method, path, allow in (("DELETE", "/v1/files", "GET, HEAD, POST"),
+                                    ("PUT", "/v1/files", "GET, HEAD, POST"),
+                                    ("POST", "/v1/files/file-x", "GET, HEAD, DELETE"),
+                                    ("PATCH", "/v1/files/file-x", "GET, HEAD, DELETE"),
+                                    ("DELETE", "/v1/files/file-x/content", "GET, HEAD"),
+                                    ("DELETE", "/v1/batches/batch_x", "GET, HEAD")):
             status, got_allow, body = raw_request(c, method, path)
             self.assertEqual((status, got_allow), (405, allow), (method, path))
             self.assertEqual(json.loads(body), {"error": {
