@@ -794,30 +794,36 @@ void matvec_softmax_rows(kern_isa isa, float *x, size_t stride, int nr, int n0, 
 
 // --- one decode token's attention, every head in one pass over its K and V rows
 
-/* The definition: per head, matvec_scores_exact's chains block by block, run.c's softmax
- * and the values summed in position order (the portable helpers above). */
+/* One query row qh (hs floats) over positions [0, n) of its KV head (columns at koff):
+ * matvec_scores_exact's chains block by block, run.c's softmax and the values summed in
+ * position order (the portable helpers above) into yh (hs floats); a: n floats of scratch. */
+static void attend_head_ref(const float *qh, int hs, const float *pool, const int *blocks,
+                            size_t block_floats, int bs, size_t kv_dim, size_t koff, int n,
+                            float scale, float *a, float *yh)
+{
+    for (int s0 = 0; s0 < n; s0 += bs) {
+        const float *kb = pool + (size_t)blocks[s0 / bs] * block_floats + koff;
+        scores_ref(qh, 1, kb, kv_dim, 0, n - s0 < bs ? n - s0 : bs, hs, a + s0, 0);
+    }
+    matvec_softmax(KERN_ISA_SCALAR, a, n, scale);
+    memset(yh, 0, (size_t)hs * sizeof(float));
+    for (int r = 0; r < n; r++) {
+        const float *vr = pool + (size_t)blocks[r / bs] * block_floats + (size_t)bs * kv_dim +
+                          (size_t)(r % bs) * kv_dim + koff;
+        for (int i = 0; i < hs; i++)
+            yh[i] += a[r] * vr[i];
+    }
+}
+
+/* The definition: attend_head_ref per head. */
 static void attend_ref(const float *q, int n_head, int kv_mul, int hs, const float *pool,
                        const int *blocks, size_t block_floats, int bs, size_t kv_dim, int n,
                        float scale, float *att, float *y)
 {
-    for (int h = 0; h < n_head; h++) {
-        const size_t koff = (size_t)(h / kv_mul) * hs;
-        float *a = att + (size_t)h * n;
-        for (int s0 = 0; s0 < n; s0 += bs) {
-            const float *kb = pool + (size_t)blocks[s0 / bs] * block_floats + koff;
-            scores_ref(q + (size_t)h * hs, 1, kb, kv_dim, 0, n - s0 < bs ? n - s0 : bs, hs, a + s0,
-                       0);
-        }
-        matvec_softmax(KERN_ISA_SCALAR, a, n, scale);
-        float *yh = y + (size_t)h * hs;
-        memset(yh, 0, (size_t)hs * sizeof(float));
-        for (int r = 0; r < n; r++) {
-            const float *vr = pool + (size_t)blocks[r / bs] * block_floats + (size_t)bs * kv_dim +
-                              (size_t)(r % bs) * kv_dim + koff;
-            for (int i = 0; i < hs; i++)
-                yh[i] += a[r] * vr[i];
-        }
-    }
+    for (int h = 0; h < n_head; h++)
+        attend_head_ref(q + (size_t)h * hs, hs, pool, blocks, block_floats, bs, kv_dim,
+                        (size_t)(h / kv_mul) * hs, n, scale, att + (size_t)h * n,
+                        y + (size_t)h * hs);
 }
 
 #ifdef KERN_HAVE_X86
@@ -919,23 +925,9 @@ static void attend_rows_ref(const float *q, int nq, int kv_mul, int hs, const fl
                             const int *blocks, size_t block_floats, int bs, size_t kv_dim,
                             size_t koff, int n_lo, float scale, float *att, float *y)
 {
-    for (int h = 0; h < nq; h++) {
-        const int n = n_lo + h / kv_mul;
-        for (int r = 0; r < n; r++) {
-            const float *k =
-                pool + (size_t)blocks[r / bs] * block_floats + (size_t)(r % bs) * kv_dim + koff;
-            scores_ref(q + (size_t)h * hs, 1, k, 0, 0, 1, hs, att + r, 0);
-        }
-        matvec_softmax(KERN_ISA_SCALAR, att, n, scale);
-        float *yh = y + (size_t)h * hs;
-        memset(yh, 0, (size_t)hs * sizeof(float));
-        for (int r = 0; r < n; r++) {
-            const float *v = pool + (size_t)blocks[r / bs] * block_floats + (size_t)bs * kv_dim +
-                             (size_t)(r % bs) * kv_dim + koff;
-            for (int i = 0; i < hs; i++)
-                yh[i] += att[r] * v[i];
-        }
-    }
+    for (int h = 0; h < nq; h++)
+        attend_head_ref(q + (size_t)h * hs, hs, pool, blocks, block_floats, bs, kv_dim, koff,
+                        n_lo + h / kv_mul, scale, att, y + (size_t)h * hs);
 }
 
 #ifdef KERN_HAVE_X86
